@@ -1,0 +1,21 @@
+//! inferd: a session-bound LLM inference runtime.
+//!
+//! The crate is split into rooms with one job each (see `docs/ARCHITECTURE.md`):
+//!
+//! - [`gguf`]: a bounds-checked, zero-copy reader for GGUF model files.
+//! - [`quant`]: tensor block formats and their dot-product kernels (scalar
+//!   reference plus SIMD paths chosen at run time).
+//! - [`kv`]: the paged KV cache: an mmap-backed slab pool of fixed-size pages
+//!   handed out by a lock-free allocator.
+//! - [`model`]: the llama-family forward pass over a mapped GGUF.
+//! - [`sampler`]: turning logits into a token id (CPU reference sampler).
+//! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
+//! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
+
+pub mod cli;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod quant;
+pub mod sampler;
+pub mod tokenizer;
