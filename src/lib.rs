@@ -10,12 +10,14 @@
 //! - [`model`]: the llama-family forward pass over a mapped GGUF.
 //! - [`sampler`]: turning logits into a token id (CPU reference sampler).
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
+//! - [`threads`]: the fork-join compute pool the forward pass runs on.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 pub mod cli;
 pub mod gguf;
 pub mod kv;
-pub mod model;
+// pub mod model; (enabled once the kernels and KV cache land)
 pub mod quant;
 pub mod sampler;
+pub mod threads;
 pub mod tokenizer;

@@ -19,7 +19,9 @@ pub enum GgufError {
     BadMagic { found: [u8; 4] },
     /// A format version this reader does not know (1 is obsolete; a
     /// byte-swapped number means a big-endian file).
-    #[error("unsupported GGUF version {version} (this reader handles versions 2 and 3, little-endian)")]
+    #[error(
+        "unsupported GGUF version {version} (this reader handles versions 2 and 3, little-endian)"
+    )]
     UnsupportedVersion { version: u32 },
     /// The file ends before a field that must be there.
     #[error("file truncated while reading {what}: needed {needed} bytes at offset {offset}, file is {file_len} bytes")]

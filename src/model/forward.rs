@@ -1,0 +1,510 @@
+//! The llama-family forward pass: token ids in, KV written, logits out.
+//!
+//! One call advances a batch of sequences (sessions) by any number of tokens
+//! each. All tokens of the batch go through every matrix multiply together;
+//! attention reads each sequence's own KV pages.
+//!
+//! Batch invariance (CONTRACT §2.2) holds because every reduction has one
+//! fixed order per output element: a matrix element is one `vec_dot` of a
+//! weight row with one token's activations (the kernels guarantee tiling
+//! does not change it), RMSNorm sums one token's row left to right, and
+//! attention for a query at position `p` reads K/V positions `0..=p` in
+//! order from the f16 cache, which holds the same bits whether a position
+//! was written a moment ago in this batch or by an earlier call. Threads
+//! split only independent outputs (rows, heads, tokens).
+//!
+//! Numerical conventions follow llama.cpp's CPU backend so the two agree:
+//! activations are quantized to the weight's paired 8-bit block format
+//! before each matrix multiply; RMSNorm accumulates squares in f64 and
+//! applies `1/sqrt(mean + eps)` then the weight; RoPE angles are built by
+//! repeated multiplication by `base^(-2/d)`; queries and attention weights
+//! are rounded to f16 before meeting the f16 K and V caches; the softmax
+//! sum is accumulated in f64.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use half::f16;
+
+use crate::kv::SessionKv;
+use crate::quant;
+use crate::threads::ThreadPool;
+
+use super::config::RopeLayout;
+use super::weights::Matrix;
+use super::{Model, ModelError};
+
+/// Which logits a sequence wants back from a forward call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill whose logits nobody will read).
+    None,
+    /// Only at the last new token (the usual case: sample the next token).
+    Last,
+    /// At every new token (tests, scoring).
+    All,
+}
+
+/// One sequence's share of a forward call.
+pub struct Sequence<'a> {
+    /// The session's KV pages; new positions are appended after `kv.len()`.
+    pub kv: &'a mut SessionKv,
+    /// New token ids to feed.
+    pub tokens: &'a [u32],
+    pub logits: LogitsWanted,
+}
+
+/// Reusable buffers for forward calls, grown on demand and kept between
+/// calls so a decode step does not allocate.
+#[derive(Default)]
+pub struct Scratch {
+    /// Residual stream, `[tokens][hidden]`.
+    x: Vec<f32>,
+    /// Normalised residual, `[tokens][hidden]`.
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Attention output, `[tokens][hidden]`.
+    att: Vec<f32>,
+    /// Projection output, `[tokens][hidden]`.
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// Quantized activations, `[tokens][row bytes]`.
+    acts: Vec<u8>,
+    /// Matrix output in kernel order, `[rows][tokens]`.
+    by_row: Vec<f32>,
+    /// RoPE `(cos, sin)` per token and rotated pair, `[tokens][rope_dims]`.
+    rope: Vec<f32>,
+    /// Per token: (sequence index, absolute position).
+    token_seq: Vec<(usize, usize)>,
+    /// Logits, `[wanted rows][vocab]`.
+    pub logits: Vec<f32>,
+}
+
+/// Logits produced by a forward call: for each sequence, the rows of
+/// `Scratch::logits` that belong to it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LogitRows {
+    pub per_sequence: Vec<Range<usize>>,
+}
+
+thread_local! {
+    /// Attention scores of one query, reused across heads and layers.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn resize(buf: &mut Vec<f32>, len: usize) {
+    buf.clear();
+    buf.resize(len, 0.0);
+}
+
+impl Model {
+    /// Runs the whole model on a batch: reserves KV for every sequence
+    /// (all-or-nothing per sequence; on error no history changed), embeds,
+    /// runs every layer, commits the new KV lengths, and computes the logits
+    /// each sequence asked for into `scratch.logits`.
+    pub fn forward(
+        &self,
+        seqs: &mut [Sequence<'_>],
+        pool: &ThreadPool,
+        scratch: &mut Scratch,
+    ) -> Result<LogitRows, ModelError> {
+        self.prepare(seqs, scratch)?;
+        let n_tokens = scratch.token_seq.len();
+        let mut x = std::mem::take(&mut scratch.x);
+        resize(&mut x, n_tokens * self.config.hidden);
+        let mut offset = 0;
+        for s in seqs.iter() {
+            self.embed(s.tokens, &mut x[offset * self.config.hidden..][..s.tokens.len() * self.config.hidden])?;
+            offset += s.tokens.len();
+        }
+        let result = self.forward_layers(0..self.config.n_layers, seqs, &mut x, pool, scratch);
+        scratch.x = x;
+        result?;
+        for s in seqs.iter_mut() {
+            let new_len = s.kv.len() + s.tokens.len();
+            s.kv.commit(new_len)?;
+        }
+        self.logits_for(seqs, pool, scratch)
+    }
+
+    /// Checks token ids and context room, and reserves KV pages, before
+    /// anything is computed.
+    fn prepare(&self, seqs: &mut [Sequence<'_>], scratch: &mut Scratch) -> Result<(), ModelError> {
+        for s in seqs.iter() {
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab) {
+                return Err(ModelError::TokenOutOfRange {
+                    token: bad,
+                    vocab: self.config.vocab,
+                });
+            }
+            let want = s.kv.len() + s.tokens.len();
+            if want > self.config.context {
+                return Err(ModelError::ContextOverflow {
+                    wanted: want,
+                    context: self.config.context,
+                });
+            }
+        }
+        for s in seqs.iter_mut() {
+            let want = s.kv.len() + s.tokens.len();
+            s.kv.reserve(want)?;
+        }
+        self.prepare_positions(seqs, scratch);
+        Ok(())
+    }
+
+    /// Looks up embedding rows: `out` is `[tokens][hidden]`.
+    pub fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ModelError> {
+        let m = &self.weights.token_embd;
+        let table = self.file.tensor_bytes(&m.info);
+        for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(m.cols)) {
+            if t as usize >= m.rows {
+                return Err(ModelError::TokenOutOfRange {
+                    token: t,
+                    vocab: m.rows,
+                });
+            }
+            let bytes = &table[t as usize * m.row_bytes..][..m.row_bytes];
+            quant::dequantize_row(m.ty, bytes, row).map_err(|e| ModelError::BadTensor {
+                name: m.name.clone(),
+                why: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Runs layers `layers` on the hidden states `x` (`[tokens][hidden]`, the
+    /// new tokens of every sequence in order), writing their K/V at
+    /// positions `kv.len()..` of each sequence's KV (whose layer 0 is
+    /// `layers.start`). KV pages must already be reserved and the lengths are
+    /// not committed: the caller commits once every layer is done. This is
+    /// the unit a shard computes.
+    pub fn forward_layers(
+        &self,
+        layers: Range<usize>,
+        seqs: &mut [Sequence<'_>],
+        x: &mut [f32],
+        pool: &ThreadPool,
+        scratch: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let cfg = &self.config;
+        if layers.end > cfg.n_layers || layers.start > layers.end {
+            return Err(ModelError::BadLayerRange {
+                start: layers.start,
+                end: layers.end,
+                n_layers: cfg.n_layers,
+            });
+        }
+        self.prepare_positions(seqs, scratch);
+        let n = scratch.token_seq.len();
+        let (h, kvd) = (cfg.hidden, cfg.kv_dim());
+        self.rope_table(scratch);
+        for l in layers.clone() {
+            let w = &self.weights.layers[l];
+            // Attention block: x += Wo · attention(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x)).
+            rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
+            self.quantize_acts(pool, &w.wq, &scratch.xn, n, &mut scratch.acts);
+            let acts = std::mem::take(&mut scratch.acts);
+            resize(&mut scratch.q, n * h);
+            resize(&mut scratch.k, n * kvd);
+            resize(&mut scratch.v, n * kvd);
+            self.matmul(pool, &w.wq, &acts, n, &mut scratch.q, &mut scratch.by_row);
+            self.matmul(pool, &w.wk, &acts, n, &mut scratch.k, &mut scratch.by_row);
+            self.matmul(pool, &w.wv, &acts, n, &mut scratch.v, &mut scratch.by_row);
+            scratch.acts = acts;
+            add_bias(&mut scratch.q, w.bq.as_deref());
+            add_bias(&mut scratch.k, w.bk.as_deref());
+            add_bias(&mut scratch.v, w.bv.as_deref());
+            self.apply_rope(&mut scratch.q, cfg.n_heads, &scratch.rope);
+            self.apply_rope(&mut scratch.k, cfg.n_kv_heads, &scratch.rope);
+            let kv_layer = l - layers.start;
+            for (t, &(s, pos)) in scratch.token_seq.iter().enumerate() {
+                seqs[s].kv.write(
+                    kv_layer,
+                    pos,
+                    &scratch.k[t * kvd..][..kvd],
+                    &scratch.v[t * kvd..][..kvd],
+                )?;
+            }
+            resize(&mut scratch.att, n * h);
+            self.attention(pool, seqs, kv_layer, scratch);
+            self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
+            resize(&mut scratch.proj, n * h);
+            self.matmul(pool, &w.wo, &scratch.acts, n, &mut scratch.proj, &mut scratch.by_row);
+            add_in_place(x, &scratch.proj);
+
+            // Feed-forward block: x += W_down · (silu(W_gate·n(x)) ⊙ W_up·n(x)).
+            rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
+            self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
+            resize(&mut scratch.gate, n * cfg.ffn);
+            resize(&mut scratch.up, n * cfg.ffn);
+            self.matmul(pool, &w.w_gate, &scratch.acts, n, &mut scratch.gate, &mut scratch.by_row);
+            if w.w_up.act_ty != w.w_gate.act_ty {
+                self.quantize_acts(pool, &w.w_up, &scratch.xn, n, &mut scratch.acts);
+            }
+            self.matmul(pool, &w.w_up, &scratch.acts, n, &mut scratch.up, &mut scratch.by_row);
+            swiglu(pool, &mut scratch.gate, &scratch.up, cfg.ffn);
+            self.quantize_acts(pool, &w.w_down, &scratch.gate, n, &mut scratch.acts);
+            self.matmul(pool, &w.w_down, &scratch.acts, n, &mut scratch.proj, &mut scratch.by_row);
+            add_in_place(x, &scratch.proj);
+        }
+        Ok(())
+    }
+
+    fn prepare_positions(&self, seqs: &[Sequence<'_>], scratch: &mut Scratch) {
+        scratch.token_seq.clear();
+        for (i, s) in seqs.iter().enumerate() {
+            let start = s.kv.len();
+            scratch
+                .token_seq
+                .extend((0..s.tokens.len()).map(|j| (i, start + j)));
+        }
+    }
+
+    /// Final norm and output projection for the rows each sequence wants.
+    fn logits_for(
+        &self,
+        seqs: &[Sequence<'_>],
+        pool: &ThreadPool,
+        scratch: &mut Scratch,
+    ) -> Result<LogitRows, ModelError> {
+        let h = self.config.hidden;
+        let mut rows = Vec::new();
+        let mut per_sequence = Vec::with_capacity(seqs.len());
+        let mut first_token = 0;
+        for s in seqs {
+            let start = rows.len();
+            let n = s.tokens.len();
+            match s.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last if n > 0 => rows.push(first_token + n - 1),
+                LogitsWanted::Last => {}
+                LogitsWanted::All => rows.extend(first_token..first_token + n),
+            }
+            per_sequence.push(start..rows.len());
+            first_token += n;
+        }
+        let mut hidden = std::mem::take(&mut scratch.xn);
+        resize(&mut hidden, rows.len() * h);
+        for (dst, &r) in hidden.chunks_exact_mut(h).zip(&rows) {
+            dst.copy_from_slice(&scratch.x[r * h..][..h]);
+        }
+        let mut normed = std::mem::take(&mut scratch.att);
+        rms_norm(pool, &hidden, &self.weights.output_norm, self.config.rms_eps, &mut normed);
+        scratch.xn = hidden;
+        let mut logits = std::mem::take(&mut scratch.logits);
+        self.project_logits(pool, &normed, &mut logits, scratch);
+        scratch.att = normed;
+        scratch.logits = logits;
+        Ok(LogitRows { per_sequence })
+    }
+
+    /// Output projection of already-normalised hidden rows (`[rows][hidden]`)
+    /// into `out` (`[rows][vocab]`).
+    pub fn project_logits(
+        &self,
+        pool: &ThreadPool,
+        normed: &[f32],
+        out: &mut Vec<f32>,
+        scratch: &mut Scratch,
+    ) {
+        let n = normed.len() / self.config.hidden;
+        let m = &self.weights.output;
+        resize(out, n * m.rows);
+        if n == 0 {
+            return;
+        }
+        self.quantize_acts(pool, m, normed, n, &mut scratch.acts);
+        self.matmul(pool, m, &scratch.acts, n, out, &mut scratch.by_row);
+    }
+
+    /// Quantizes `n` rows of `x` into `m`'s activation format.
+    fn quantize_acts(&self, pool: &ThreadPool, m: &Matrix, x: &[f32], n: usize, acts: &mut Vec<u8>) {
+        let act_row = m.act_ty.row_bytes(m.cols).unwrap_or(0);
+        acts.clear();
+        acts.resize(n * act_row, 0);
+        let rows_per_task = 16;
+        pool.for_each_chunk_mut(acts, act_row * rows_per_task, &|chunk, out| {
+            for (i, dst) in out.chunks_exact_mut(act_row).enumerate() {
+                let t = chunk * rows_per_task + i;
+                // Lengths were fixed by the weight checks at load time.
+                let _ = quant::quantize_row(m.act_ty, &x[t * m.cols..][..m.cols], dst);
+            }
+        });
+    }
+
+    /// `out[t][r] = m[r] · acts[t]`, rows split over the pool.
+    fn matmul(
+        &self,
+        pool: &ThreadPool,
+        m: &Matrix,
+        acts: &[u8],
+        n_tokens: usize,
+        out: &mut [f32],
+        by_row: &mut Vec<f32>,
+    ) {
+        let w = self.file.tensor_bytes(&m.info);
+        let chunk_rows = matmul_chunk_rows(m.rows, pool.threads());
+        let kernel = |chunk: usize, dst: &mut [f32]| {
+            let r0 = chunk * chunk_rows;
+            let rows = dst.len() / n_tokens;
+            let w_rows = &w[r0 * m.row_bytes..(r0 + rows) * m.row_bytes];
+            quant::matmul(m.ty, m.cols, w_rows, acts, n_tokens, dst);
+        };
+        if n_tokens == 1 {
+            pool.for_each_chunk_mut(&mut out[..m.rows], chunk_rows, &kernel);
+            return;
+        }
+        resize(by_row, m.rows * n_tokens);
+        pool.for_each_chunk_mut(by_row, chunk_rows * n_tokens, &kernel);
+        // Back to token-major order.
+        let rows = m.rows;
+        let src = &by_row[..];
+        pool.for_each_chunk_mut(&mut out[..n_tokens * rows], rows, &|t, dst| {
+            for (r, d) in dst.iter_mut().enumerate() {
+                *d = src[r * n_tokens + t];
+            }
+        });
+    }
+
+    /// Fills `scratch.rope` with `(cos, sin)` per token and rotated pair.
+    fn rope_table(&self, scratch: &mut Scratch) {
+        let cfg = &self.config;
+        let half_dims = cfg.rope_dims / 2;
+        resize(&mut scratch.rope, scratch.token_seq.len() * cfg.rope_dims);
+        let theta_scale = cfg.rope_base.powf(-2.0 / cfg.rope_dims as f32);
+        let freqs = self.weights.rope_freqs.as_deref();
+        for (t, &(_, pos)) in scratch.token_seq.iter().enumerate() {
+            let row = &mut scratch.rope[t * cfg.rope_dims..][..cfg.rope_dims];
+            let mut theta = pos as f32;
+            for i in 0..half_dims {
+                let divisor = freqs.map_or(1.0, |f| f[i]);
+                let angle = cfg.rope_freq_scale * (theta / divisor);
+                row[2 * i] = angle.cos();
+                row[2 * i + 1] = angle.sin();
+                theta *= theta_scale;
+            }
+        }
+    }
+
+    /// Rotates every head of `x` (`[tokens][heads][head_dim]`).
+    fn apply_rope(&self, x: &mut [f32], heads: usize, rope: &[f32]) {
+        let cfg = &self.config;
+        let (hd, rd) = (cfg.head_dim, cfg.rope_dims);
+        for (t, row) in x.chunks_exact_mut(heads * hd).enumerate() {
+            let cs = &rope[t * rd..][..rd];
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..rd / 2 {
+                    let (a, b) = match cfg.rope_layout {
+                        RopeLayout::Normal => (2 * i, 2 * i + 1),
+                        RopeLayout::Neox => (i, i + rd / 2),
+                    };
+                    let (cos, sin) = (cs[2 * i], cs[2 * i + 1]);
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos - x1 * sin;
+                    head[b] = x0 * sin + x1 * cos;
+                }
+            }
+        }
+    }
+
+    /// Causal grouped-query attention of every new token over its own
+    /// sequence's cached positions `0..=pos`, into `scratch.att`.
+    fn attention(&self, pool: &ThreadPool, seqs: &[Sequence<'_>], kv_layer: usize, scratch: &mut Scratch) {
+        let cfg = &self.config;
+        let hd = cfg.head_dim;
+        let group = cfg.n_heads / cfg.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let token_seq = &scratch.token_seq;
+        let q_all = &scratch.q;
+        let kvs: Vec<&SessionKv> = seqs.iter().map(|s| &*s.kv).collect();
+        pool.for_each_chunk_mut(&mut scratch.att, hd, &|task, out| {
+            let (t, head) = (task / cfg.n_heads, task % cfg.n_heads);
+            let (s, pos) = token_seq[t];
+            let kv = kvs[s];
+            let kv_head = head / group;
+            let mut q16 = [f16::ZERO; MAX_HEAD_DIM];
+            let q16 = &mut q16[..hd];
+            for (d, &v) in q16.iter_mut().zip(&q_all[(t * cfg.n_heads + head) * hd..][..hd]) {
+                *d = f16::from_f32(v);
+            }
+            SCORES.with_borrow_mut(|scores| {
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..=pos {
+                    let k = &kv.k(kv_layer, j)[kv_head * hd..][..hd];
+                    let s = quant::dot_f16(q16, k) * scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut sum = 0f64;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                out.fill(0.0);
+                for (j, &s) in scores.iter().enumerate() {
+                    let p = f16::from_f32(s * inv).to_f32();
+                    let v = &kv.v(kv_layer, j)[kv_head * hd..][..hd];
+                    quant::axpy_f16(p, v, out);
+                }
+            });
+        });
+    }
+}
+
+/// Largest head dimension the attention kernel handles (stack buffer).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Rows per matrix task: enough tasks to balance the threads, each a whole
+/// number of 16-row tiles.
+fn matmul_chunk_rows(rows: usize, threads: usize) -> usize {
+    let tasks = (threads * 4).max(1);
+    let per = rows.div_ceil(tasks);
+    per.div_ceil(16).max(1) * 16
+}
+
+/// RMSNorm of each `[hidden]` row of `x` into `out`, then times `weight`.
+fn rms_norm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut Vec<f32>) {
+    let h = weight.len();
+    resize(out, x.len());
+    pool.for_each_chunk_mut(out, h * 8, &|chunk, dst| {
+        for (i, row) in dst.chunks_exact_mut(h).enumerate() {
+            let src = &x[(chunk * 8 + i) * h..][..h];
+            let sum: f64 = src.iter().map(|&v| (v * v) as f64).sum();
+            let mean = (sum / h as f64) as f32;
+            let scale = 1.0 / (mean + eps).sqrt();
+            for ((d, &s), &w) in row.iter_mut().zip(src).zip(weight) {
+                *d = (s * scale) * w;
+            }
+        }
+    });
+}
+
+/// `gate = silu(gate) * up`, element-wise.
+fn swiglu(pool: &ThreadPool, gate: &mut [f32], up: &[f32], ffn: usize) {
+    pool.for_each_chunk_mut(gate, ffn * 4, &|chunk, g| {
+        let u = &up[chunk * ffn * 4..][..g.len()];
+        for (g, &u) in g.iter_mut().zip(u) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    });
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            add_in_place(row, b);
+        }
+    }
+}
