@@ -1,5 +1,371 @@
 //! Tensor element formats and the kernels that multiply them.
+//!
+//! Weights stay in their GGUF block format; activations are quantized to
+//! the 8-bit format llama.cpp pairs with each weight format
+//! ([`activation_type`]) and multiplied with integer dot products. A scalar
+//! reference exists for every kernel; SIMD versions (AVX-512 VNNI, AVX2,
+//! NEON) are chosen once per process ([`simd_level`]).
+//!
+//! Numerics are batch-invariant: [`matmul`] writes, for every (row, token),
+//! exactly the bits [`vec_dot`] returns for that pair, whatever the number of
+//! tokens, and every thread uses the same kernels.
 
+mod blocks;
+mod dispatch;
+mod scalar;
 mod types;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+use thiserror::Error;
+
+pub use blocks::{
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+};
+pub use dispatch::{supported_levels, SimdLevel};
 pub use types::{GgmlType, QK_K};
+
+use dispatch::{DotKernel, Kernels, TILE};
+
+/// Why a quantization call was refused.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum QuantError {
+    /// No dot-product kernel exists for this weight format.
+    #[error("no dot-product kernel for weight type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    UnsupportedWeight { ty: GgmlType },
+    /// The type is not one activations can be quantized to.
+    #[error("{ty} is not an activation format (expected F32, F16, BF16, Q8_0, Q8_1 or Q8_K)")]
+    NotActivation { ty: GgmlType },
+    /// Dequantization is not implemented for this format.
+    #[error("cannot dequantize {ty}")]
+    UnsupportedDequantize { ty: GgmlType },
+    /// The element count is not a whole number of blocks.
+    #[error("{n} elements is not a whole number of {ty} blocks of {block_len}")]
+    PartialBlock {
+        ty: GgmlType,
+        n: usize,
+        block_len: usize,
+    },
+    /// A buffer does not have the size the shapes call for.
+    #[error("{what} holds {got} elements/bytes, expected {expected}")]
+    WrongLength {
+        what: &'static str,
+        got: usize,
+        expected: usize,
+    },
+}
+
+/// The activation format paired with a weight format (llama.cpp's
+/// `vec_dot_type`).
+pub fn activation_type(weight: GgmlType) -> Result<GgmlType, QuantError> {
+    Ok(match weight {
+        GgmlType::F32 => GgmlType::F32,
+        GgmlType::F16 => GgmlType::F16,
+        GgmlType::BF16 => GgmlType::BF16,
+        GgmlType::Q4_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q4_1 => GgmlType::Q8_1,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
+        ty => return Err(QuantError::UnsupportedWeight { ty }),
+    })
+}
+
+/// Which SIMD level was picked (for a start-up log line).
+pub fn simd_level() -> &'static str {
+    dispatch::active().level.name()
+}
+
+/// Bytes of a row of `n` elements of `ty`, or a [`QuantError::PartialBlock`].
+fn row_bytes(ty: GgmlType, n: usize) -> Result<usize, QuantError> {
+    ty.row_bytes(n).ok_or(QuantError::PartialBlock {
+        ty,
+        n,
+        block_len: ty.block_len(),
+    })
+}
+
+/// Checks that `len` equals `expected`.
+fn expect_len(what: &'static str, len: usize, expected: usize) -> Result<(), QuantError> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(QuantError::WrongLength {
+            what,
+            got: len,
+            expected,
+        })
+    }
+}
+
+/// Quantizes one activation row `x` into `out`
+/// (`out.len() == act_ty.row_bytes(x.len())`).
+pub fn quantize_row(act_ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
+    quantize_row_with(dispatch::active(), act_ty, x, out)
+}
+
+fn quantize_row_with(
+    k: &Kernels,
+    act_ty: GgmlType,
+    x: &[f32],
+    out: &mut [u8],
+) -> Result<(), QuantError> {
+    if !matches!(
+        act_ty,
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::Q8_0
+            | GgmlType::Q8_1
+            | GgmlType::Q8_K
+    ) {
+        return Err(QuantError::NotActivation { ty: act_ty });
+    }
+    let bytes = row_bytes(act_ty, x.len())?;
+    expect_len("quantized activation buffer", out.len(), bytes)?;
+    match act_ty {
+        GgmlType::F32 => {
+            for (o, v) in out.chunks_exact_mut(4).zip(x) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        // SAFETY (all three): the table's level was checked to be supported
+        // when the table was handed out.
+        GgmlType::Q8_0 => unsafe { (k.quantize_q8_0)(x, bytemuck::cast_slice_mut(out)) },
+        GgmlType::Q8_1 => unsafe { (k.quantize_q8_1)(x, bytemuck::cast_slice_mut(out)) },
+        GgmlType::Q8_K => unsafe { (k.quantize_q8_k)(x, bytemuck::cast_slice_mut(out)) },
+        ty => return Err(QuantError::NotActivation { ty }),
+    }
+    Ok(())
+}
+
+/// Dequantizes one row (`dst.len()` elements) of format `ty`.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    let bytes = row_bytes(ty, dst.len())?;
+    expect_len("source row", src.len(), bytes)?;
+    match ty {
+        GgmlType::F32 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = half::bf16::from_le_bytes([s[0], s[1]]).to_f32();
+            }
+        }
+        GgmlType::Q4_0 => scalar::dequantize_q4_0(bytemuck::cast_slice(src), dst),
+        GgmlType::Q4_1 => scalar::dequantize_q4_1(bytemuck::cast_slice(src), dst),
+        GgmlType::Q8_0 => scalar::dequantize_q8_0(bytemuck::cast_slice(src), dst),
+        GgmlType::Q8_1 => scalar::dequantize_q8_1(bytemuck::cast_slice(src), dst),
+        GgmlType::Q4_K => scalar::dequantize_q4_k(bytemuck::cast_slice(src), dst),
+        GgmlType::Q5_K => scalar::dequantize_q5_k(bytemuck::cast_slice(src), dst),
+        GgmlType::Q6_K => scalar::dequantize_q6_k(bytemuck::cast_slice(src), dst),
+        GgmlType::Q8_K => scalar::dequantize_q8_k(bytemuck::cast_slice(src), dst),
+        ty => return Err(QuantError::UnsupportedDequantize { ty }),
+    }
+    Ok(())
+}
+
+/// The kernel pair of a weight format in table `k`.
+fn dot_kernel(k: &Kernels, w_ty: GgmlType) -> Option<DotKernel> {
+    Some(match w_ty {
+        GgmlType::Q4_0 => k.q4_0,
+        GgmlType::Q4_1 => k.q4_1,
+        GgmlType::Q8_0 => k.q8_0,
+        GgmlType::Q4_K => k.q4_k,
+        GgmlType::Q5_K => k.q5_k,
+        GgmlType::Q6_K => k.q6_k,
+        GgmlType::F16 => k.f16,
+        GgmlType::BF16 => k.bf16,
+        GgmlType::F32 => k.f32,
+        _ => return None,
+    })
+}
+
+/// Shapes of one multiplication, validated.
+struct DotShape {
+    kernel: DotKernel,
+    /// Blocks per row (elements for float formats).
+    blocks: usize,
+    w_row_bytes: usize,
+    act_row_bytes: usize,
+}
+
+fn dot_shape(k: &Kernels, w_ty: GgmlType, n: usize) -> Result<DotShape, QuantError> {
+    let act_ty = activation_type(w_ty)?;
+    let kernel = dot_kernel(k, w_ty).ok_or(QuantError::UnsupportedWeight { ty: w_ty })?;
+    Ok(DotShape {
+        kernel,
+        blocks: n / w_ty.block_len(),
+        w_row_bytes: row_bytes(w_ty, n)?,
+        act_row_bytes: row_bytes(act_ty, n)?,
+    })
+}
+
+/// One dot product of a weight row (`n` elements of `w_ty`) with an
+/// activation row in `activation_type(w_ty)`.
+///
+/// Mismatched lengths or an unsupported type are caller bugs: they trip a
+/// debug assertion, and in release builds return NaN rather than read out
+/// of bounds.
+pub fn vec_dot(w_ty: GgmlType, n: usize, w_row: &[u8], act_row: &[u8]) -> f32 {
+    vec_dot_with(dispatch::active(), w_ty, n, w_row, act_row)
+}
+
+fn vec_dot_with(k: &Kernels, w_ty: GgmlType, n: usize, w_row: &[u8], act_row: &[u8]) -> f32 {
+    let shape = match dot_shape(k, w_ty, n) {
+        Ok(s) if w_row.len() >= s.w_row_bytes && act_row.len() >= s.act_row_bytes => s,
+        other => {
+            debug_assert!(
+                false,
+                "vec_dot({w_ty}, n={n}): bad shape or lengths (weight {} bytes, activation {} bytes): {:?}",
+                w_row.len(),
+                act_row.len(),
+                other.err()
+            );
+            return f32::NAN;
+        }
+    };
+    // SAFETY: the table's level is supported; both rows were checked to hold
+    // `shape.blocks` blocks of their formats.
+    unsafe { (shape.kernel.one)(shape.blocks, w_row.as_ptr(), [act_row.as_ptr()])[0] }
+}
+
+/// Validates the shapes of a [`matmul`] call and returns the number of
+/// weight rows.
+pub fn check_matmul(
+    w_ty: GgmlType,
+    n: usize,
+    w_rows_len: usize,
+    acts_len: usize,
+    n_tokens: usize,
+    out_len: usize,
+) -> Result<usize, QuantError> {
+    let act_ty = activation_type(w_ty)?;
+    let w_row_bytes = row_bytes(w_ty, n)?;
+    let act_row_bytes = row_bytes(act_ty, n)?;
+    let rows = w_rows_len.checked_div(w_row_bytes).unwrap_or(0);
+    expect_len("weight rows", w_rows_len, rows * w_row_bytes)?;
+    expect_len("activation rows", acts_len, n_tokens * act_row_bytes)?;
+    expect_len("output", out_len, rows * n_tokens)?;
+    Ok(rows)
+}
+
+/// Weight bytes processed per row chunk in [`matmul`]: small enough that a
+/// chunk stays in L2 while every token tile passes over it.
+const ROW_CHUNK_BYTES: usize = 128 * 1024;
+
+/// Matrix kernel: `w_rows` holds R whole rows of `n` elements
+/// (R = `w_rows.len() / w_ty.row_bytes(n)`); `acts` holds `n_tokens`
+/// activation rows; writes `out[r * n_tokens + t] = vec_dot(row r, act t)`,
+/// bit for bit.
+///
+/// Bad shapes (see [`check_matmul`]) are caller bugs: they trip a debug
+/// assertion and in release builds fill `out` with NaN.
+pub fn matmul(
+    w_ty: GgmlType,
+    n: usize,
+    w_rows: &[u8],
+    acts: &[u8],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    matmul_with(dispatch::active(), w_ty, n, w_rows, acts, n_tokens, out)
+}
+
+fn matmul_with(
+    k: &Kernels,
+    w_ty: GgmlType,
+    n: usize,
+    w_rows: &[u8],
+    acts: &[u8],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let checked = check_matmul(w_ty, n, w_rows.len(), acts.len(), n_tokens, out.len())
+        .and_then(|rows| Ok((rows, dot_shape(k, w_ty, n)?)));
+    let (rows, shape) = match checked {
+        Ok(v) => v,
+        Err(e) => {
+            debug_assert!(false, "matmul({w_ty}, n={n}, tokens={n_tokens}): {e}");
+            out.fill(f32::NAN);
+            return;
+        }
+    };
+    if rows == 0 || n_tokens == 0 {
+        return;
+    }
+    let DotShape {
+        kernel,
+        blocks,
+        w_row_bytes,
+        act_row_bytes,
+    } = shape;
+    let chunk_rows = (ROW_CHUNK_BYTES / w_row_bytes.max(1)).max(1);
+    let act_ptr = |t: usize| acts[t * act_row_bytes..].as_ptr();
+    for chunk_start in (0..rows).step_by(chunk_rows) {
+        let chunk_end = (chunk_start + chunk_rows).min(rows);
+        let mut t = 0;
+        while t + TILE <= n_tokens {
+            let tile_acts: [*const u8; TILE] = std::array::from_fn(|i| act_ptr(t + i));
+            for r in chunk_start..chunk_end {
+                let w = w_rows[r * w_row_bytes..].as_ptr();
+                // SAFETY: the level is supported; row `r` and tokens
+                // `t..t + TILE` lie inside the checked buffers.
+                let res = unsafe { (kernel.tile)(blocks, w, tile_acts) };
+                out[r * n_tokens + t..r * n_tokens + t + TILE].copy_from_slice(&res);
+            }
+            t += TILE;
+        }
+        for tt in t..n_tokens {
+            let a = act_ptr(tt);
+            for r in chunk_start..chunk_end {
+                let w = w_rows[r * w_row_bytes..].as_ptr();
+                // SAFETY: as above, for the single token `tt`.
+                out[r * n_tokens + tt] = unsafe { (kernel.one)(blocks, w, [a])[0] };
+            }
+        }
+    }
+}
+
+/// Dot of two f16 vectors accumulated in f32 (attention scores over the
+/// f16 K cache). Uses the shorter length if they differ (a debug assertion
+/// flags it).
+pub fn dot_f16(a: &[half::f16], b: &[half::f16]) -> f32 {
+    debug_assert_eq!(a.len(), b.len(), "dot_f16 length mismatch");
+    let n = a.len().min(b.len());
+    // SAFETY: the level is supported; both slices hold at least `n` f16
+    // values, read as little-endian bytes (all supported targets are
+    // little-endian).
+    unsafe { (dispatch::active().dot_f16)(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8) }
+}
+
+/// `y += a * x` with `x` f16 and `y` f32 (attention over the f16 V cache).
+/// Uses the shorter length if they differ (a debug assertion flags it).
+pub fn axpy_f16(a: f32, x: &[half::f16], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len(), "axpy_f16 length mismatch");
+    // SAFETY: the level is supported; the kernel bounds itself by both lengths.
+    unsafe { (dispatch::active().axpy_f16)(a, x, y) }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,620 @@
+//! AVX2 + FMA + F16C kernels (x86_64). Also the K-quant kernels and the
+//! activation quantizers of the AVX-512 level, whose 512-bit versions would
+//! gain little.
+//!
+//! Every dot kernel is generic over `NT`, the number of activation rows it
+//! multiplies one weight row with. Each weight block is unpacked once and
+//! used for all `NT` tokens; every token keeps its own accumulators and sees
+//! exactly the operation sequence of the `NT = 1` kernel, so a tile gives the
+//! same bits as single dots.
+//!
+//! The K-quant kernels reduce each super-block in exact integer arithmetic
+//! and then apply the float steps of the scalar reference, so they agree with
+//! it bit for bit. The activation quantizers also reproduce the scalar
+//! reference exactly.
+
+#![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
+
+use std::arch::x86_64::*;
+use std::ptr::{addr_of, read_unaligned};
+
+use half::f16;
+
+use super::blocks::{
+    scales_mins_k4, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0,
+    BlockQ8_1, QK32,
+};
+use super::scalar;
+use super::types::QK_K;
+
+// Safety of every `unsafe fn` in this file: the CPU must support AVX2, FMA
+// and F16C, and each pointer must be valid for reading `nb` blocks of its
+// format (the dispatch table in `dispatch.rs` is built only after detecting
+// the features, and the public entry points check the lengths).
+
+/// Horizontal sum of 8 lanes in a fixed order.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Horizontal sum of 8 i32 lanes (exact).
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Two f16 values stored next to each other (a block's `d` and `m`/`s`),
+/// widened to f32 lanes 0 and 1.
+///
+/// # Safety
+/// F16C must be available; `p` must be readable for 4 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_pair(p: *const u8) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(read_unaligned(p as *const i32)))
+}
+
+/// One f16 (given as bytes) widened to f32 lane 0.
+///
+/// # Safety
+/// F16C must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_one(bytes: [u8; 2]) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(bytes) as i32))
+}
+
+/// 16 packed nibbles to 32 bytes: low nibbles first, then high nibbles.
+///
+/// # Safety
+/// AVX2 must be available; `p` readable for 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+    let q = _mm_loadu_si128(p as *const __m128i);
+    _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
+        _mm256_set1_epi8(0x0F),
+    )
+}
+
+/// Dot of unsigned bytes `u` with signed bytes `s`, as 8 i32 lanes.
+///
+/// # Safety
+/// AVX2 must be available; pair sums must stay in i16 range.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+/// Q4_1 × Q8_1 tile.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ4_1;
+    let a = a.map(|p| p as *const BlockQ8_1);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    // Lane 1 accumulates m * s; lane 0 carries unused d * d products.
+    let mut acc_min = [_mm_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = unpack_nibbles(addr_of!((*wb).qs) as *const u8);
+        let wdm = f16_pair(wb as *const u8);
+        for t in 0..NT {
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let prod = _mm_mul_ps(wdm, f16_pair(ab as *const u8));
+            let sumi = dot_u8_i8(wq, aq);
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(prod),
+                _mm256_cvtepi32_ps(sumi),
+                acc[t],
+            );
+            acc_min[t] = _mm_add_ps(acc_min[t], prod);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
+    }
+    out
+}
+
+/// Q4_0 × Q8_0 tile.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ4_0;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = _mm256_sub_epi8(
+            unpack_nibbles(addr_of!((*wb).qs) as *const u8),
+            _mm256_set1_epi8(8),
+        );
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let wd = f16_one((*wb).d);
+        for t in 0..NT {
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let sumi = dot_u8_i8(wabs, _mm256_sign_epi8(aq, wq));
+            let scale = _mm_mul_ps(wd, f16_one((*ab).d));
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(scale),
+                _mm256_cvtepi32_ps(sumi),
+                acc[t],
+            );
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// Q8_0 × Q8_0 tile.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ8_0;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = _mm256_loadu_si256(addr_of!((*wb).qs) as *const __m256i);
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let wd = f16_one((*wb).d);
+        for t in 0..NT {
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let sumi = dot_u8_i8(wabs, _mm256_sign_epi8(aq, wq));
+            let scale = _mm_mul_ps(wd, f16_one((*ab).d));
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(scale),
+                _mm256_cvtepi32_ps(sumi),
+                acc[t],
+            );
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// Q4_K × Q8_K tile (bit-identical to the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ4K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut sumf = [0.0f32; NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        for c in 0..4 {
+            let q = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+            lo[c] = _mm256_and_si256(q, mask);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+        }
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let mut acc = _mm256_setzero_si256();
+            for c in 0..4 {
+                let ylo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c) as *const __m256i);
+                let yhi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                let plo = _mm256_maddubs_epi16(lo[c], ylo);
+                let phi = _mm256_maddubs_epi16(hi[c], yhi);
+                acc = _mm256_add_epi32(
+                    acc,
+                    _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * c] as i16)),
+                );
+                acc = _mm256_add_epi32(
+                    acc,
+                    _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * c + 1] as i16)),
+                );
+            }
+            let summ = scalar::k4_min_sum(&mn, y);
+            sumf[t] = scalar::k4_accumulate(sumf[t], y.d(), x.d(), x.dmin(), hsum_epi32(acc), summ);
+        }
+    }
+    sumf
+}
+
+/// Q5_K × Q8_K tile (bit-identical to the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ5K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mask = _mm256_set1_epi8(0x0F);
+    let sixteen = _mm256_set1_epi8(16);
+    let mut sumf = [0.0f32; NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let hbits = _mm256_loadu_si256(x.qh.as_ptr() as *const __m256i);
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        for c in 0..4 {
+            let q = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+            let bit_lo = _mm256_set1_epi8((1u8 << (2 * c)) as i8);
+            let bit_hi = _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8);
+            let h_lo = _mm256_and_si256(
+                _mm256_cmpeq_epi8(_mm256_and_si256(hbits, bit_lo), bit_lo),
+                sixteen,
+            );
+            let h_hi = _mm256_and_si256(
+                _mm256_cmpeq_epi8(_mm256_and_si256(hbits, bit_hi), bit_hi),
+                sixteen,
+            );
+            lo[c] = _mm256_or_si256(_mm256_and_si256(q, mask), h_lo);
+            hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), h_hi);
+        }
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let mut acc = _mm256_setzero_si256();
+            for c in 0..4 {
+                let ylo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c) as *const __m256i);
+                let yhi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                let plo = _mm256_maddubs_epi16(lo[c], ylo);
+                let phi = _mm256_maddubs_epi16(hi[c], yhi);
+                acc = _mm256_add_epi32(
+                    acc,
+                    _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * c] as i16)),
+                );
+                acc = _mm256_add_epi32(
+                    acc,
+                    _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * c + 1] as i16)),
+                );
+            }
+            let summ = scalar::k4_min_sum(&mn, y);
+            sumf[t] = scalar::k4_accumulate(sumf[t], y.d(), x.d(), x.dmin(), hsum_epi32(acc), summ);
+        }
+    }
+    sumf
+}
+
+/// Q6_K × Q8_K tile (bit-identical to the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ6K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mask4 = _mm256_set1_epi8(0x0F);
+    let mask2 = _mm256_set1_epi8(0x03);
+    let mut sumf = [0.0f32; NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        // Quants without the -32 offset (0..64), in element order, 8 x 32.
+        let mut q = [_mm256_setzero_si256(); 8];
+        for h in 0..2 {
+            let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * h) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * h) as *const __m256i);
+            let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, mask2), 4);
+            let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), mask2), 4);
+            let h4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), mask2), 4);
+            let h6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), mask2), 4);
+            q[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, mask4), h0);
+            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, mask4), h2);
+            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask4), h4);
+            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask4), h6);
+        }
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
+        let mut scv = [_mm256_setzero_si256(); 8];
+        for (k, s) in scv.iter_mut().enumerate() {
+            *s = _mm256_set_m128i(
+                _mm_set1_epi16(x.scales[2 * k + 1] as i8 as i16),
+                _mm_set1_epi16(x.scales[2 * k] as i8 as i16),
+            );
+        }
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let mut acc = _mm256_setzero_si256();
+            for k in 0..8 {
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * k) as *const __m256i);
+                let p = _mm256_maddubs_epi16(q[k], yq);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scv[k]));
+            }
+            let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+            let offset = hsum_epi32(_mm256_madd_epi16(bsums, sc16));
+            let sumi = hsum_epi32(acc) - 32 * offset;
+            sumf[t] = scalar::k6_accumulate(sumf[t], y.d(), x.d(), sumi);
+        }
+    }
+    sumf
+}
+
+/// f16 × f16 over `n` elements at byte pointers.
+///
+/// # Safety
+/// See the file header; both pointers readable for `n` f16 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.add(2 * i) as *const __m128i));
+        let yv = _mm256_cvtph_ps(_mm_loadu_si128(y.add(2 * i) as *const __m128i));
+        acc = _mm256_fmadd_ps(xv, yv, acc);
+        i += 8;
+    }
+    let mut s = hsum_ps(acc);
+    while i < n {
+        let xv = f16::from_le_bytes(read_unaligned(x.add(2 * i) as *const [u8; 2])).to_f32();
+        let yv = f16::from_le_bytes(read_unaligned(y.add(2 * i) as *const [u8; 2])).to_f32();
+        s += xv * yv;
+        i += 1;
+    }
+    s
+}
+
+/// 8 bf16 values at `p` widened to f32.
+///
+/// # Safety
+/// AVX2; `p` readable for 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_bf16x8(p: *const u8) -> __m256 {
+    let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+    _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+}
+
+/// bf16 × bf16 over `n` elements at byte pointers.
+///
+/// # Safety
+/// See the file header; both pointers readable for `n` bf16 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_bf16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        acc = _mm256_fmadd_ps(load_bf16x8(x.add(2 * i)), load_bf16x8(y.add(2 * i)), acc);
+        i += 8;
+    }
+    let mut s = hsum_ps(acc);
+    while i < n {
+        let xv = half::bf16::from_le_bytes(read_unaligned(x.add(2 * i) as *const [u8; 2]));
+        let yv = half::bf16::from_le_bytes(read_unaligned(y.add(2 * i) as *const [u8; 2]));
+        s += xv.to_f32() * yv.to_f32();
+        i += 1;
+    }
+    s
+}
+
+/// f32 × f32 over `n` elements at byte pointers.
+///
+/// # Safety
+/// See the file header; both pointers readable for `n` f32 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let (x, y) = (x as *const f32, y as *const f32);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut i = 0;
+    while i + 16 <= n {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i)), acc[0]);
+        acc[1] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(x.add(i + 8)),
+            _mm256_loadu_ps(y.add(i + 8)),
+            acc[1],
+        );
+        i += 16;
+    }
+    let mut s = hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+    while i < n {
+        s += read_unaligned(x.add(i)) * read_unaligned(y.add(i));
+        i += 1;
+    }
+    s
+}
+
+/// `y += a * x` with f16 `x`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i) as *const __m128i));
+        let yp = y.as_mut_ptr().add(i);
+        _mm256_storeu_ps(yp, _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(yp)));
+        i += 8;
+    }
+    for j in i..n {
+        y[j] += a * x[j].to_f32();
+    }
+}
+
+/// Largest magnitude of 32 floats.
+///
+/// # Safety
+/// AVX2; `x` readable for 32 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn absmax32(x: *const f32) -> f32 {
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for k in 0..4 {
+        // Operand order makes a NaN element lose, as in the scalar fold.
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x.add(8 * k))), m);
+    }
+    let s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// `round(v)` with halves away from zero, as C's `roundf`.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn round_half_away(v: __m256) -> __m256 {
+    let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    let frac = _mm256_sub_ps(v, t);
+    let sign = _mm256_set1_ps(-0.0);
+    let away = _mm256_cmp_ps(_mm256_andnot_ps(sign, frac), _mm256_set1_ps(0.5), _CMP_GE_OQ);
+    let step = _mm256_or_ps(_mm256_set1_ps(1.0), _mm256_and_ps(v, sign));
+    _mm256_add_ps(t, _mm256_and_ps(away, step))
+}
+
+/// Packs 4 x 8 i32 (each in i8 range) into 32 bytes in element order.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_i32x32_to_i8(v: [__m256i; 4]) -> __m256i {
+    let p01 = _mm256_packs_epi32(v[0], v[1]);
+    let p23 = _mm256_packs_epi32(v[2], v[3]);
+    let p = _mm256_packs_epi16(p01, p23);
+    _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
+/// Quantizes one 32-element block with scale inverse `id`; returns the
+/// packed quants and their sum.
+///
+/// # Safety
+/// AVX2; `x` readable for 32 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_block32(x: *const f32, id: f32) -> (__m256i, i32) {
+    let idv = _mm256_set1_ps(id);
+    let mut q = [_mm256_setzero_si256(); 4];
+    let mut sum = _mm256_setzero_si256();
+    for (k, qk) in q.iter_mut().enumerate() {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(x.add(8 * k)), idv);
+        *qk = _mm256_cvtps_epi32(round_half_away(v));
+        sum = _mm256_add_epi32(sum, *qk);
+    }
+    (pack_i32x32_to_i8(q), hsum_epi32(sum))
+}
+
+/// Q8_0 activation quantization (same bits as the scalar reference).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
+    for (xb, yb) in x.chunks_exact(QK32).zip(out.iter_mut()) {
+        let (d, id) = scalar::q8_scale(absmax32(xb.as_ptr()));
+        let (q, _) = quantize_block32(xb.as_ptr(), id);
+        _mm256_storeu_si256(yb.qs.as_mut_ptr() as *mut __m256i, q);
+        yb.d = f16::from_f32(d).to_le_bytes();
+    }
+}
+
+/// Q8_1 activation quantization (same bits as the scalar reference).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    for (xb, yb) in x.chunks_exact(QK32).zip(out.iter_mut()) {
+        let (d, id) = scalar::q8_scale(absmax32(xb.as_ptr()));
+        let (q, sum) = quantize_block32(xb.as_ptr(), id);
+        _mm256_storeu_si256(yb.qs.as_mut_ptr() as *mut __m256i, q);
+        yb.d = f16::from_f32(d).to_le_bytes();
+        yb.s = f16::from_f32(sum as f32 * d).to_le_bytes();
+    }
+}
+
+/// Q8_K activation quantization (same bits as the scalar reference).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    for (xb, yb) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let mut amax = 0.0f32;
+        for k in 0..QK_K / 32 {
+            amax = amax.max(absmax32(xb.as_ptr().add(32 * k)));
+        }
+        if amax == 0.0 {
+            *yb = bytemuck::Zeroable::zeroed();
+            continue;
+        }
+        // The first element whose magnitude is the maximum gives the sign.
+        let max = xb.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
+        let iscale = -127.0 / max;
+        let isv = _mm256_set1_ps(iscale);
+        let cap = _mm256_set1_epi32(127);
+        for k in 0..QK_K / 32 {
+            let mut q = [_mm256_setzero_si256(); 4];
+            for (j, qj) in q.iter_mut().enumerate() {
+                let v = _mm256_mul_ps(isv, _mm256_loadu_ps(xb.as_ptr().add(32 * k + 8 * j)));
+                let r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                *qj = _mm256_min_epi32(_mm256_cvtps_epi32(r), cap);
+            }
+            _mm256_storeu_si256(
+                yb.qs.as_mut_ptr().add(32 * k) as *mut __m256i,
+                pack_i32x32_to_i8(q),
+            );
+        }
+        scalar::fill_q8k_bsums(yb);
+        yb.d = (1.0 / iscale).to_le_bytes();
+    }
+}

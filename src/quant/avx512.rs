@@ -1,0 +1,282 @@
+//! AVX-512 (F, BW, DQ, VL, VNNI) kernels for the 32-element block formats, the
+//! ones decode time is spent in. Each 512-bit step covers two blocks and
+//! uses `vpdpbusd` for the byte dot products. Like the AVX2 kernels they are
+//! generic over the token count `NT` and give every token the operation
+//! sequence of the single-token kernel.
+
+#![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
+
+use std::arch::x86_64::*;
+use std::ptr::{addr_of, read_unaligned};
+
+use bytemuck::Zeroable;
+use half::f16;
+
+use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+
+// Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
+// BW, DQ, VL and VNNI plus AVX2, FMA and F16C, and each pointer must be valid for
+// reading `nb` blocks of its format.
+
+/// Horizontal sum of 16 lanes in a fixed, explicit order (the library
+/// reduction is free to reassociate, which would break bit-identity between
+/// tile sizes).
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn hsum512(v: __m512) -> f32 {
+    let half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+    super::avx2::hsum_ps(half)
+}
+
+/// Lanes 0..8 take lane `i` of `v`, lanes 8..16 lane `j`.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn spread2(v: __m128, i: i32, j: i32) -> __m512 {
+    let idx = _mm512_set_epi32(j, j, j, j, j, j, j, j, i, i, i, i, i, i, i, i);
+    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
+}
+
+/// Two blocks' 16 packed nibbles each, as 64 bytes:
+/// `[lo(b0), hi(b0), lo(b1), hi(b1)]`, which is element order.
+///
+/// # Safety
+/// See the file header; both pointers readable for 16 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
+    let q0 = _mm_loadu_si128(p0 as *const __m128i);
+    let q1 = _mm_loadu_si128(p1 as *const __m128i);
+    let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
+    let four = 0x0004_0004_0004_0004i64;
+    let shifts = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
+    _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(0x0F))
+}
+
+/// Two 32-byte quant arrays as one 64-byte vector.
+///
+/// # Safety
+/// See the file header; both pointers readable for 32 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
+    _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(p0 as *const __m256i)),
+        _mm256_loadu_si256(p1 as *const __m256i),
+        1,
+    )
+}
+
+/// The first 4 bytes of two blocks (two f16 each) as f32 lanes 0..4.
+///
+/// # Safety
+/// See the file header; both pointers readable for 4 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn f16_quad(p0: *const u8, p1: *const u8) -> __m128 {
+    let v = _mm_insert_epi32(
+        _mm_cvtsi32_si128(read_unaligned(p0 as *const i32)),
+        read_unaligned(p1 as *const i32),
+        1,
+    );
+    _mm_cvtph_ps(v)
+}
+
+/// Two blocks' f16 scales (given as bytes) as f32 lanes 0 and 1.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn f16_two(d0: [u8; 2], d1: [u8; 2]) -> __m128 {
+    let bits = u16::from_le_bytes(d0) as i32 | ((u16::from_le_bytes(d1) as i32) << 16);
+    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
+}
+
+/// Runs `step(w_pair, a_pairs)` over the block pairs of a row; an odd last
+/// block is paired with a zero block (copied to the stack) so it goes
+/// through the same code. Zero blocks add exact zeros.
+macro_rules! for_each_pair {
+    ($nb:expr, $w:expr, $a:expr, $wty:ty, $aty:ty, $NT:expr, |$wp:ident, $ap:ident| $body:block) => {{
+        let nb: usize = $nb;
+        let mut b = 0;
+        while b + 2 <= nb {
+            let $wp: *const $wty = $w.add(b);
+            let mut $ap = [std::ptr::null::<$aty>(); $NT];
+            for t in 0..$NT {
+                $ap[t] = $a[t].add(b);
+            }
+            $body
+            b += 2;
+        }
+        if b < nb {
+            let wtail: [$wty; 2] = [*$w.add(b), <$wty>::zeroed()];
+            let mut atail = [[<$aty>::zeroed(); 2]; $NT];
+            let mut $ap = [std::ptr::null::<$aty>(); $NT];
+            for t in 0..$NT {
+                atail[t][0] = *$a[t].add(b);
+                $ap[t] = atail[t].as_ptr();
+            }
+            let $wp: *const $wty = wtail.as_ptr();
+            $body
+        }
+    }};
+}
+
+/// Q4_1 × Q8_1 tile.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ4_1;
+    let a = a.map(|p| p as *const BlockQ8_1);
+    let mut acc = [_mm512_setzero_ps(); NT];
+    // Lanes 1 and 3 accumulate m * s of the even and odd blocks.
+    let mut acc_min = [_mm_setzero_ps(); NT];
+    for_each_pair!(nb, w, a, BlockQ4_1, BlockQ8_1, NT, |wp, ap| {
+        let wq = unpack_nibbles_x2(addr_of!((*wp).qs) as *const u8, addr_of!((*wp.add(1)).qs) as *const u8);
+        let wdm = f16_quad(wp as *const u8, wp.add(1) as *const u8);
+        for t in 0..NT {
+            let (a0, a1) = (ap[t], ap[t].add(1));
+            let aq = load_x2(addr_of!((*a0).qs) as *const u8, addr_of!((*a1).qs) as *const u8);
+            let prod = _mm_mul_ps(wdm, f16_quad(a0 as *const u8, a1 as *const u8));
+            let sumi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
+            acc[t] = _mm512_fmadd_ps(spread2(prod, 0, 2), _mm512_cvtepi32_ps(sumi), acc[t]);
+            acc_min[t] = _mm_add_ps(acc_min[t], prod);
+        }
+    });
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        let mins = _mm_add_ss(
+            _mm_movehdup_ps(acc_min[t]),
+            _mm_shuffle_ps(acc_min[t], acc_min[t], 0b11),
+        );
+        out[t] = hsum512(acc[t]) + _mm_cvtss_f32(mins);
+    }
+    out
+}
+
+/// Q4_0 × Q8_0 tile.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ4_0;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let eights = _mm512_set1_epi8(8);
+    let mut acc = [_mm512_setzero_ps(); NT];
+    for_each_pair!(nb, w, a, BlockQ4_0, BlockQ8_0, NT, |wp, ap| {
+        let wq = unpack_nibbles_x2(addr_of!((*wp).qs) as *const u8, addr_of!((*wp.add(1)).qs) as *const u8);
+        let wd = f16_two((*wp).d, (*wp.add(1)).d);
+        for t in 0..NT {
+            let (a0, a1) = (ap[t], ap[t].add(1));
+            let aq = load_x2(addr_of!((*a0).qs) as *const u8, addr_of!((*a1).qs) as *const u8);
+            // sum((q - 8) * a) = sum(q * a) - sum(8 * a), both exact.
+            let raw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
+            let off = _mm512_dpbusd_epi32(_mm512_setzero_si512(), eights, aq);
+            let sumi = _mm512_sub_epi32(raw, off);
+            let scale = _mm_mul_ps(wd, f16_two((*a0).d, (*a1).d));
+            acc[t] = _mm512_fmadd_ps(spread2(scale, 0, 1), _mm512_cvtepi32_ps(sumi), acc[t]);
+        }
+    });
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum512(acc[t]);
+    }
+    out
+}
+
+/// Q8_0 × Q8_0 tile.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ8_0;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); NT];
+    for_each_pair!(nb, w, a, BlockQ8_0, BlockQ8_0, NT, |wp, ap| {
+        let wq = load_x2(addr_of!((*wp).qs) as *const u8, addr_of!((*wp.add(1)).qs) as *const u8);
+        // i8 x i8 through u8 x i8: |w| times a with the sign of w moved onto a.
+        let wabs = _mm512_abs_epi8(wq);
+        let wneg = _mm512_movepi8_mask(wq);
+        let wd = f16_two((*wp).d, (*wp.add(1)).d);
+        for t in 0..NT {
+            let (a0, a1) = (ap[t], ap[t].add(1));
+            let aq = load_x2(addr_of!((*a0).qs) as *const u8, addr_of!((*a1).qs) as *const u8);
+            let signed = _mm512_mask_sub_epi8(aq, wneg, zero, aq);
+            let sumi = _mm512_dpbusd_epi32(zero, wabs, signed);
+            let scale = _mm_mul_ps(wd, f16_two((*a0).d, (*a1).d));
+            acc[t] = _mm512_fmadd_ps(spread2(scale, 0, 1), _mm512_cvtepi32_ps(sumi), acc[t]);
+        }
+    });
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum512(acc[t]);
+    }
+    out
+}
+
+/// f16 × f16 over `n` elements at byte pointers.
+///
+/// # Safety
+/// See the file header; both pointers readable for `n` f16 values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(2 * i) as *const __m256i));
+        let yv = _mm512_cvtph_ps(_mm256_loadu_si256(y.add(2 * i) as *const __m256i));
+        acc = _mm512_fmadd_ps(xv, yv, acc);
+        i += 16;
+    }
+    let mut s = hsum512(acc);
+    while i < n {
+        let xv = f16::from_le_bytes(read_unaligned(x.add(2 * i) as *const [u8; 2])).to_f32();
+        let yv = f16::from_le_bytes(read_unaligned(y.add(2 * i) as *const [u8; 2])).to_f32();
+        s += xv * yv;
+        i += 1;
+    }
+    s
+}
+
+/// `y += a * x` with f16 `x`.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let av = _mm512_set1_ps(a);
+    let mut i = 0;
+    while i + 16 <= n {
+        let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i));
+        let yp = y.as_mut_ptr().add(i);
+        _mm512_storeu_ps(yp, _mm512_fmadd_ps(av, xv, _mm512_loadu_ps(yp)));
+        i += 16;
+    }
+    for j in i..n {
+        y[j] += a * x[j].to_f32();
+    }
+}

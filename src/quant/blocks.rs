@@ -1,0 +1,321 @@
+//! The on-disk block layouts of the quantized formats, byte-compatible with
+//! ggml. Every multi-byte field is stored as little-endian bytes so each block
+//! has alignment 1: a row of blocks can be viewed in place from any byte
+//! buffer (a mapped file, an activation scratch vector) without copying.
+//!
+//! Notation in the formulas: `d`, `m`, `dmin` are per-block scales, `q` the
+//! stored integer of one element, `x` the value it stands for.
+
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+use super::types::QK_K;
+
+/// Elements in one Q4_0 / Q4_1 / Q8_0 / Q8_1 block.
+pub const QK32: usize = 32;
+
+#[inline(always)]
+fn f16_bytes_to_f32(bytes: [u8; 2]) -> f32 {
+    f16::from_le_bytes(bytes).to_f32()
+}
+
+/// Q4_0: 32 elements, `x = d * (q - 8)` with `q` in 0..16; 4.5 bits/weight.
+///
+/// `qs[j]` holds element `j` in its low nibble and element `j + 16` in its
+/// high nibble.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4_0 {
+    /// f16 scale.
+    pub d: [u8; 2],
+    /// Packed nibbles.
+    pub qs: [u8; QK32 / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+/// Q4_1: 32 elements, `x = d * q + m` with `q` in 0..16; 5 bits/weight.
+///
+/// Nibble order as in Q4_0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4_1 {
+    /// f16 scale.
+    pub d: [u8; 2],
+    /// f16 offset (the block minimum).
+    pub m: [u8; 2],
+    /// Packed nibbles.
+    pub qs: [u8; QK32 / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+
+/// Q8_0: 32 elements, `x = d * q` with `q` an i8; 8.5 bits/weight.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ8_0 {
+    /// f16 scale.
+    pub d: [u8; 2],
+    /// The quants (stored as u8 bytes, read as i8).
+    pub qs: [u8; QK32],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+
+/// Q8_1: 32 elements, `x = d * q` with `q` an i8, plus `s = d * sum(q)`
+/// so a Q4_1 offset can be applied without touching the quants;
+/// 9 bits/weight. Used only for activations.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ8_1 {
+    /// f16 scale.
+    pub d: [u8; 2],
+    /// f16 `d * sum(qs)`.
+    pub s: [u8; 2],
+    /// The quants (i8 as bytes).
+    pub qs: [u8; QK32],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_1>() == 36);
+
+/// Q4_K: a super-block of 256 elements in 8 sub-blocks of 32;
+/// `x = d * sc[j] * q - dmin * m[j]` with 6-bit `sc`, `m` and 4-bit `q`;
+/// 4.5 bits/weight.
+///
+/// Quants come in 4 chunks of 64 elements: `qs[32c + l]` holds element
+/// `64c + l` (low nibble) and `64c + 32 + l` (high nibble).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4K {
+    /// f16 super-block scale for the sub-block scales.
+    pub d: [u8; 2],
+    /// f16 super-block scale for the sub-block minimums.
+    pub dmin: [u8; 2],
+    /// 8 six-bit scales and 8 six-bit minimums, packed (see [`scale_min_k4`]).
+    pub scales: [u8; 12],
+    /// Packed nibbles.
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+/// Q5_K: like Q4_K with a fifth quant bit: `x = d * sc[j] * q - dmin * m[j]`,
+/// `q` in 0..32; 5.5 bits/weight.
+///
+/// The fifth bit of element `64c + l` is bit `2c` of `qh[l]`, of element
+/// `64c + 32 + l` bit `2c + 1`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ5K {
+    /// f16 super-block scale for the sub-block scales.
+    pub d: [u8; 2],
+    /// f16 super-block scale for the sub-block minimums.
+    pub dmin: [u8; 2],
+    /// Packed six-bit scales and minimums, as in Q4_K.
+    pub scales: [u8; 12],
+    /// High bits.
+    pub qh: [u8; QK_K / 8],
+    /// Low nibbles, laid out as in Q4_K.
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+/// Q6_K: a super-block of 256 elements in 16 sub-blocks of 16;
+/// `x = d * sc[j] * (q - 32)` with i8 `sc` and 6-bit `q`; 6.5625 bits/weight.
+///
+/// Two halves of 128 elements; in half `h`, for `l` in 0..32 the elements
+/// `l, l+32, l+64, l+96` take low bits from `ql[64h + l] & 15`,
+/// `ql[64h + 32 + l] & 15`, `ql[64h + l] >> 4`, `ql[64h + 32 + l] >> 4` and
+/// their two high bits from `qh[32h + l]` at shifts 0, 2, 4, 6.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ6K {
+    /// Low 4 bits of the quants.
+    pub ql: [u8; QK_K / 2],
+    /// High 2 bits of the quants.
+    pub qh: [u8; QK_K / 4],
+    /// i8 sub-block scales (as bytes).
+    pub scales: [u8; QK_K / 16],
+    /// f16 super-block scale.
+    pub d: [u8; 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+
+/// Q8_K: 256 elements, `x = d * q` with f32 `d` and i8 `q`, plus the sums of
+/// each 16 quants; 9.125 bits/weight. Used only for activations.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ8K {
+    /// f32 scale.
+    pub d: [u8; 4],
+    /// The quants (i8 as bytes).
+    pub qs: [u8; QK_K],
+    /// i16 sums of each group of 16 quants.
+    pub bsums: [[u8; 2]; QK_K / 16],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
+
+impl BlockQ4_0 {
+    /// The scale as f32.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+}
+
+impl BlockQ4_1 {
+    /// The scale as f32.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+    /// The offset as f32.
+    #[inline(always)]
+    pub fn m(&self) -> f32 {
+        f16_bytes_to_f32(self.m)
+    }
+}
+
+impl BlockQ8_0 {
+    /// The scale as f32.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+    /// Quant `i` as a signed integer.
+    #[inline(always)]
+    pub fn q(&self, i: usize) -> i32 {
+        self.qs[i] as i8 as i32
+    }
+}
+
+impl BlockQ8_1 {
+    /// The scale as f32.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+    /// `d * sum(q)` as f32.
+    #[inline(always)]
+    pub fn s(&self) -> f32 {
+        f16_bytes_to_f32(self.s)
+    }
+    /// Quant `i` as a signed integer.
+    #[inline(always)]
+    pub fn q(&self, i: usize) -> i32 {
+        self.qs[i] as i8 as i32
+    }
+}
+
+impl BlockQ4K {
+    /// The scale of the sub-block scales.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+    /// The scale of the sub-block minimums.
+    #[inline(always)]
+    pub fn dmin(&self) -> f32 {
+        f16_bytes_to_f32(self.dmin)
+    }
+}
+
+impl BlockQ5K {
+    /// The scale of the sub-block scales.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+    /// The scale of the sub-block minimums.
+    #[inline(always)]
+    pub fn dmin(&self) -> f32 {
+        f16_bytes_to_f32(self.dmin)
+    }
+}
+
+impl BlockQ6K {
+    /// The super-block scale.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f16_bytes_to_f32(self.d)
+    }
+}
+
+impl BlockQ8K {
+    /// The scale.
+    #[inline(always)]
+    pub fn d(&self) -> f32 {
+        f32::from_le_bytes(self.d)
+    }
+    /// Quant `i` as a signed integer.
+    #[inline(always)]
+    pub fn q(&self, i: usize) -> i32 {
+        self.qs[i] as i8 as i32
+    }
+    /// Sum of quants `16 g .. 16 g + 16`.
+    #[inline(always)]
+    pub fn bsum(&self, g: usize) -> i32 {
+        i16::from_le_bytes(self.bsums[g]) as i32
+    }
+}
+
+/// Unpacks the 6-bit scale and minimum of sub-block `j` (0..8) of a Q4_K or
+/// Q5_K super-block: sub-blocks 0..4 keep them in the low 6 bits of bytes
+/// `j` and `j + 4`; sub-blocks 4..8 split them into a nibble of byte `j + 4`
+/// and the top two bits of bytes `j - 4` and `j`.
+#[inline(always)]
+pub fn scale_min_k4(j: usize, scales: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (scales[j] & 63, scales[j + 4] & 63)
+    } else {
+        (
+            (scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4),
+            (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
+        )
+    }
+}
+
+/// All 8 (scale, minimum) pairs of a Q4_K / Q5_K super-block.
+#[inline(always)]
+pub fn scales_mins_k4(scales: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, scales);
+        sc[j] = s;
+        mn[j] = m;
+    }
+    (sc, mn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_min_unpacking_matches_hand_packed_bytes() {
+        // Sub-block 1: scale 5, min 7 in the low 6 bits of bytes 1 and 5.
+        // Sub-block 6: scale 0b11_0101 = 53 (nibble 5 of byte 10, top bits 3 of byte 2),
+        // min 0b10_1001 = 41 (nibble 9 of byte 10, top bits 2 of byte 6).
+        let mut s = [0u8; 12];
+        s[1] = 5;
+        s[5] = 7;
+        s[10] = 0x95;
+        s[2] = 0b11 << 6;
+        s[6] = 0b10 << 6;
+        assert_eq!(scale_min_k4(1, &s), (5, 7));
+        assert_eq!(scale_min_k4(6, &s), (53, 41));
+        assert_eq!(scale_min_k4(2, &s), (0, 0));
+        assert_eq!(scale_min_k4(0, &s), (0, 0));
+    }
+
+    #[test]
+    fn accessors_decode_little_endian_fields() {
+        let mut b = BlockQ8K::zeroed();
+        b.d = 0.5f32.to_le_bytes();
+        b.bsums[3] = (-300i16).to_le_bytes();
+        b.qs[9] = (-5i8) as u8;
+        assert_eq!(b.d(), 0.5);
+        assert_eq!(b.bsum(3), -300);
+        assert_eq!(b.q(9), -5);
+        let mut q = BlockQ4_1::zeroed();
+        q.d = f16::from_f32(0.25).to_le_bytes();
+        q.m = f16::from_f32(-1.5).to_le_bytes();
+        assert_eq!((q.d(), q.m()), (0.25, -1.5));
+    }
+}

@@ -1,0 +1,374 @@
+//! Run-time choice of the SIMD level: one table of kernel pointers per level,
+//! picked once per process (`INFERD_SIMD=scalar|avx2|avx512` forces a level
+//! when the CPU supports it). All callers, on every thread, use the same
+//! table, so results never depend on who calls.
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+
+use super::blocks::{
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+};
+use super::scalar;
+
+/// Tokens per tile in the matrix kernel: each unpacked weight block is used
+/// for this many activation rows.
+pub(crate) const TILE: usize = 4;
+
+/// A dot-product kernel over `nb` blocks for `NT` activation rows at once.
+///
+/// # Safety
+/// The CPU must support the table's level; the weight pointer must be valid
+/// for `nb` weight blocks and each activation pointer for `nb` activation
+/// blocks.
+pub(crate) type TileFn<const NT: usize> = unsafe fn(usize, *const u8, [*const u8; NT]) -> [f32; NT];
+
+/// The single-row and tiled forms of one weight × activation dot. Both are
+/// instances of one generic kernel, so they agree bit for bit.
+#[derive(Clone, Copy)]
+pub(crate) struct DotKernel {
+    pub one: TileFn<1>,
+    pub tile: TileFn<TILE>,
+}
+
+/// A SIMD level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimdLevel {
+    /// Portable Rust, the reference.
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86_64 AVX-512 F/BW/DQ/VL + VNNI (with AVX2, FMA, F16C).
+    Avx512,
+    /// aarch64 NEON.
+    Neon,
+}
+
+impl SimdLevel {
+    /// Lower-case name, as accepted by `INFERD_SIMD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+            Self::Neon => "neon",
+        }
+    }
+
+    /// Whether this CPU can run the level.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                Self::Avx2.is_supported()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512dq")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Self::Neon => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+}
+
+/// Every kernel of one SIMD level.
+pub(crate) struct Kernels {
+    pub level: SimdLevel,
+    pub q4_0: DotKernel,
+    pub q4_1: DotKernel,
+    pub q8_0: DotKernel,
+    pub q4_k: DotKernel,
+    pub q5_k: DotKernel,
+    pub q6_k: DotKernel,
+    pub f16: DotKernel,
+    pub bf16: DotKernel,
+    pub f32: DotKernel,
+    /// # Safety: the CPU must support the level.
+    pub quantize_q8_0: unsafe fn(&[f32], &mut [BlockQ8_0]),
+    /// # Safety: the CPU must support the level.
+    pub quantize_q8_1: unsafe fn(&[f32], &mut [BlockQ8_1]),
+    /// # Safety: the CPU must support the level.
+    pub quantize_q8_k: unsafe fn(&[f32], &mut [BlockQ8K]),
+    /// # Safety: the CPU must support the level; `n`, pointers as [`TileFn`].
+    pub dot_f16: unsafe fn(usize, *const u8, *const u8) -> f32,
+    /// # Safety: the CPU must support the level.
+    pub axpy_f16: unsafe fn(f32, &[f16], &mut [f32]),
+}
+
+/// Builds the two forms of a generic tile kernel.
+macro_rules! dot_kernel {
+    ($($f:ident)::+) => {
+        DotKernel {
+            one: $($f)::+::<1>,
+            tile: $($f)::+::<TILE>,
+        }
+    };
+}
+
+/// Adapts a typed scalar dot to the tile signature: one call per token.
+macro_rules! scalar_tile {
+    ($name:ident, $wty:ty, $aty:ty, $dot:path) => {
+        /// Scalar tile: the reference dot once per activation row.
+        ///
+        /// # Safety
+        /// Pointers as in [`TileFn`].
+        unsafe fn $name<const NT: usize>(nb: usize, w: *const u8, a: [*const u8; NT]) -> [f32; NT] {
+            // SAFETY: the caller guarantees `nb` readable blocks at every
+            // pointer; blocks are alignment-1 plain data.
+            let w = unsafe { std::slice::from_raw_parts(w as *const $wty, nb) };
+            let mut out = [0.0f32; NT];
+            for (o, ap) in out.iter_mut().zip(a) {
+                // SAFETY: as above.
+                let acts = unsafe { std::slice::from_raw_parts(ap as *const $aty, nb) };
+                *o = $dot(w, acts);
+            }
+            out
+        }
+    };
+}
+
+scalar_tile!(scalar_q4_0, BlockQ4_0, BlockQ8_0, scalar::dot_q4_0_q8_0);
+scalar_tile!(scalar_q4_1, BlockQ4_1, BlockQ8_1, scalar::dot_q4_1_q8_1);
+scalar_tile!(scalar_q8_0, BlockQ8_0, BlockQ8_0, scalar::dot_q8_0_q8_0);
+scalar_tile!(scalar_q4_k, BlockQ4K, BlockQ8K, scalar::dot_q4_k_q8_k);
+scalar_tile!(scalar_q5_k, BlockQ5K, BlockQ8K, scalar::dot_q5_k_q8_k);
+scalar_tile!(scalar_q6_k, BlockQ6K, BlockQ8K, scalar::dot_q6_k_q8_k);
+
+/// Adapts a two-pointer float dot (`n` elements) to the tile signature.
+macro_rules! float_tile {
+    ($name:ident, $dot:path) => {
+        /// Float tile: the two-vector dot once per activation row.
+        ///
+        /// # Safety
+        /// As the wrapped dot; pointers as in [`TileFn`].
+        unsafe fn $name<const NT: usize>(n: usize, w: *const u8, a: [*const u8; NT]) -> [f32; NT] {
+            let mut out = [0.0f32; NT];
+            for (o, ap) in out.iter_mut().zip(a) {
+                // SAFETY: forwarded from the caller.
+                *o = unsafe { $dot(n, w, ap) };
+            }
+            out
+        }
+    };
+}
+
+/// Reads element `i` of a little-endian 2-byte array.
+///
+/// # Safety
+/// `p` must be readable for `2 * (i + 1)` bytes.
+#[inline(always)]
+unsafe fn read2(p: *const u8, i: usize) -> [u8; 2] {
+    // SAFETY: forwarded from the caller; unaligned read of plain bytes.
+    unsafe { std::ptr::read_unaligned(p.add(2 * i) as *const [u8; 2]) }
+}
+
+/// Scalar f16 dot over byte pointers, same order as [`scalar::dot_f16`].
+///
+/// # Safety
+/// Both pointers readable for `n` f16 values.
+unsafe fn scalar_dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut s = 0.0f32;
+    for i in 0..n {
+        // SAFETY: `i < n`, forwarded from the caller.
+        let (a, b) = unsafe { (read2(x, i), read2(y, i)) };
+        s += f16::from_le_bytes(a).to_f32() * f16::from_le_bytes(b).to_f32();
+    }
+    s
+}
+
+/// Scalar bf16 dot over byte pointers, same order as [`scalar::dot_bf16`].
+///
+/// # Safety
+/// Both pointers readable for `n` bf16 values.
+unsafe fn scalar_dot_bf16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut s = 0.0f32;
+    for i in 0..n {
+        // SAFETY: `i < n`, forwarded from the caller.
+        let (a, b) = unsafe { (read2(x, i), read2(y, i)) };
+        s += bf16::from_le_bytes(a).to_f32() * bf16::from_le_bytes(b).to_f32();
+    }
+    s
+}
+
+/// Scalar f32 dot over byte pointers, same order as [`scalar::dot_f32`].
+///
+/// # Safety
+/// Both pointers readable for `n` f32 values.
+unsafe fn scalar_dot_f32_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut s = 0.0f32;
+    for i in 0..n {
+        // SAFETY: `i < n`, forwarded from the caller; unaligned reads.
+        let (a, b) = unsafe {
+            (
+                std::ptr::read_unaligned((x as *const f32).add(i)),
+                std::ptr::read_unaligned((y as *const f32).add(i)),
+            )
+        };
+        s += a * b;
+    }
+    s
+}
+
+float_tile!(scalar_f16, scalar_dot_f16_ptr);
+float_tile!(scalar_bf16, scalar_dot_bf16_ptr);
+float_tile!(scalar_f32, scalar_dot_f32_ptr);
+
+/// Scalar axpy with the table's signature.
+///
+/// # Safety
+/// None beyond the signature; `unsafe` only to fit the table.
+unsafe fn scalar_axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
+    scalar::axpy_f16(a, x, y)
+}
+
+/// The portable reference table (a `const` so other tables can start from it).
+const SCALAR_TABLE: Kernels = Kernels {
+    level: SimdLevel::Scalar,
+    q4_0: dot_kernel!(scalar_q4_0),
+    q4_1: dot_kernel!(scalar_q4_1),
+    q8_0: dot_kernel!(scalar_q8_0),
+    q4_k: dot_kernel!(scalar_q4_k),
+    q5_k: dot_kernel!(scalar_q5_k),
+    q6_k: dot_kernel!(scalar_q6_k),
+    f16: dot_kernel!(scalar_f16),
+    bf16: dot_kernel!(scalar_bf16),
+    f32: dot_kernel!(scalar_f32),
+    quantize_q8_0: scalar::quantize_q8_0,
+    quantize_q8_1: scalar::quantize_q8_1,
+    quantize_q8_k: scalar::quantize_q8_k,
+    dot_f16: scalar_dot_f16_ptr,
+    axpy_f16: scalar_axpy_f16,
+};
+
+static SCALAR: Kernels = SCALAR_TABLE;
+
+#[cfg(target_arch = "x86_64")]
+mod x86_tables {
+    use super::super::{avx2, avx512};
+    use super::*;
+
+    float_tile!(avx2_f16, avx2::dot_f16_ptr);
+    float_tile!(avx2_bf16, avx2::dot_bf16_ptr);
+    float_tile!(avx2_f32, avx2::dot_f32_ptr);
+    float_tile!(avx512_f16, avx512::dot_f16_ptr);
+
+    pub(crate) static AVX2: Kernels = Kernels {
+        level: SimdLevel::Avx2,
+        q4_0: dot_kernel!(avx2::dot_q4_0_q8_0),
+        q4_1: dot_kernel!(avx2::dot_q4_1_q8_1),
+        q8_0: dot_kernel!(avx2::dot_q8_0_q8_0),
+        q4_k: dot_kernel!(avx2::dot_q4_k_q8_k),
+        q5_k: dot_kernel!(avx2::dot_q5_k_q8_k),
+        q6_k: dot_kernel!(avx2::dot_q6_k_q8_k),
+        f16: dot_kernel!(avx2_f16),
+        bf16: dot_kernel!(avx2_bf16),
+        f32: dot_kernel!(avx2_f32),
+        quantize_q8_0: avx2::quantize_q8_0,
+        quantize_q8_1: avx2::quantize_q8_1,
+        quantize_q8_k: avx2::quantize_q8_k,
+        dot_f16: avx2::dot_f16_ptr,
+        axpy_f16: avx2::axpy_f16,
+    };
+
+    pub(crate) static AVX512: Kernels = Kernels {
+        level: SimdLevel::Avx512,
+        q4_0: dot_kernel!(avx512::dot_q4_0_q8_0),
+        q4_1: dot_kernel!(avx512::dot_q4_1_q8_1),
+        q8_0: dot_kernel!(avx512::dot_q8_0_q8_0),
+        q4_k: dot_kernel!(avx2::dot_q4_k_q8_k),
+        q5_k: dot_kernel!(avx2::dot_q5_k_q8_k),
+        q6_k: dot_kernel!(avx2::dot_q6_k_q8_k),
+        f16: dot_kernel!(avx512_f16),
+        bf16: dot_kernel!(avx2_bf16),
+        f32: dot_kernel!(avx2_f32),
+        quantize_q8_0: avx2::quantize_q8_0,
+        quantize_q8_1: avx2::quantize_q8_1,
+        quantize_q8_k: avx2::quantize_q8_k,
+        dot_f16: avx512::dot_f16_ptr,
+        axpy_f16: avx512::axpy_f16,
+    };
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm_tables {
+    use super::super::neon;
+    use super::*;
+
+    pub(crate) static NEON: Kernels = Kernels {
+        q4_0: dot_kernel!(neon::dot_q4_0_q8_0),
+        q4_1: dot_kernel!(neon::dot_q4_1_q8_1),
+        q8_0: dot_kernel!(neon::dot_q8_0_q8_0),
+        level: SimdLevel::Neon,
+        ..SCALAR_TABLE
+    };
+}
+
+/// The table for `level`, or `None` when this CPU cannot run it.
+pub(crate) fn kernels_for(level: SimdLevel) -> Option<&'static Kernels> {
+    if !level.is_supported() {
+        return None;
+    }
+    match level {
+        SimdLevel::Scalar => Some(&SCALAR),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => Some(&x86_tables::AVX2),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => Some(&x86_tables::AVX512),
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon => Some(&arm_tables::NEON),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+/// Levels from best to worst.
+const PREFERENCE: [SimdLevel; 4] = [
+    SimdLevel::Avx512,
+    SimdLevel::Avx2,
+    SimdLevel::Neon,
+    SimdLevel::Scalar,
+];
+
+/// The best level this CPU supports.
+fn best() -> &'static Kernels {
+    PREFERENCE
+        .iter()
+        .find_map(|&l| kernels_for(l))
+        .unwrap_or(&SCALAR)
+}
+
+/// Picks the table: the level named by `INFERD_SIMD` when it is supported,
+/// else the best one.
+fn choose() -> &'static Kernels {
+    let requested = std::env::var("INFERD_SIMD").ok();
+    let forced = requested.as_deref().and_then(|name| {
+        PREFERENCE
+            .iter()
+            .find(|l| l.name().eq_ignore_ascii_case(name.trim()))
+            .and_then(|&l| kernels_for(l))
+    });
+    forced.unwrap_or_else(best)
+}
+
+/// The process-wide table.
+pub(crate) fn active() -> &'static Kernels {
+    static ACTIVE: OnceLock<&'static Kernels> = OnceLock::new();
+    ACTIVE.get_or_init(choose)
+}
+
+/// All levels this CPU supports, best first (for tests and benchmarks).
+pub fn supported_levels() -> Vec<SimdLevel> {
+    PREFERENCE.iter().copied().filter(|l| l.is_supported()).collect()
+}

@@ -1,0 +1,114 @@
+//! NEON kernels (aarch64) for the 32-element block formats. NEON is part of
+//! the aarch64 baseline, so no run-time detection is needed. The byte dot
+//! products use widening multiplies (no `dotprod` extension) and the float
+//! steps are those of the scalar reference, one block at a time, so these
+//! kernels agree with it bit for bit.
+
+#![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
+
+use std::arch::aarch64::*;
+
+use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+
+// Safety of every `unsafe fn` in this file: each pointer must be valid for
+// reading `nb` blocks of its format.
+
+/// Exact dot of 32 signed bytes with 32 signed bytes.
+///
+/// # Safety
+/// Both pointers readable for 32 bytes.
+#[inline]
+unsafe fn dot_i8x32(w: [int8x16_t; 2], a: *const u8) -> i32 {
+    let a0 = vld1q_s8(a as *const i8);
+    let a1 = vld1q_s8(a.add(16) as *const i8);
+    let p0 = vmlal_s8(vmull_s8(vget_low_s8(w[0]), vget_low_s8(a0)), vget_high_s8(w[0]), vget_high_s8(a0));
+    let p1 = vmlal_s8(vmull_s8(vget_low_s8(w[1]), vget_low_s8(a1)), vget_high_s8(w[1]), vget_high_s8(a1));
+    vaddvq_s32(vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1)))
+}
+
+/// 16 packed nibbles as 32 bytes in element order (low nibbles first).
+///
+/// # Safety
+/// `p` readable for 16 bytes.
+#[inline]
+unsafe fn unpack_nibbles(p: *const u8) -> [int8x16_t; 2] {
+    let q = vld1q_u8(p);
+    [
+        vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F))),
+        vreinterpretq_s8_u8(vshrq_n_u8(q, 4)),
+    ]
+}
+
+/// Q4_1 × Q8_1 tile.
+///
+/// # Safety
+/// See the file header.
+pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = std::slice::from_raw_parts(w as *const BlockQ4_1, nb);
+    let mut out = [0.0f32; NT];
+    for (t, o) in out.iter_mut().enumerate() {
+        let a = std::slice::from_raw_parts(a[t] as *const BlockQ8_1, nb);
+        let mut sumf = 0.0f32;
+        for (x, y) in w.iter().zip(a) {
+            let sumi = dot_i8x32(unpack_nibbles(x.qs.as_ptr()), y.qs.as_ptr());
+            sumf += (x.d() * y.d()) * sumi as f32 + x.m() * y.s();
+        }
+        *o = sumf;
+    }
+    out
+}
+
+/// Q4_0 × Q8_0 tile.
+///
+/// # Safety
+/// See the file header.
+pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = std::slice::from_raw_parts(w as *const BlockQ4_0, nb);
+    let mut out = [0.0f32; NT];
+    for (t, o) in out.iter_mut().enumerate() {
+        let a = std::slice::from_raw_parts(a[t] as *const BlockQ8_0, nb);
+        let mut sumf = 0.0f32;
+        for (x, y) in w.iter().zip(a) {
+            let [lo, hi] = unpack_nibbles(x.qs.as_ptr());
+            let eight = vdupq_n_s8(8);
+            let wq = [vsubq_s8(lo, eight), vsubq_s8(hi, eight)];
+            let sumi = dot_i8x32(wq, y.qs.as_ptr());
+            sumf += sumi as f32 * (x.d() * y.d());
+        }
+        *o = sumf;
+    }
+    out
+}
+
+/// Q8_0 × Q8_0 tile.
+///
+/// # Safety
+/// See the file header.
+pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = std::slice::from_raw_parts(w as *const BlockQ8_0, nb);
+    let mut out = [0.0f32; NT];
+    for (t, o) in out.iter_mut().enumerate() {
+        let a = std::slice::from_raw_parts(a[t] as *const BlockQ8_0, nb);
+        let mut sumf = 0.0f32;
+        for (x, y) in w.iter().zip(a) {
+            let p = x.qs.as_ptr() as *const i8;
+            let wq = [vld1q_s8(p), vld1q_s8(p.add(16))];
+            let sumi = dot_i8x32(wq, y.qs.as_ptr());
+            sumf += sumi as f32 * (x.d() * y.d());
+        }
+        *o = sumf;
+    }
+    out
+}

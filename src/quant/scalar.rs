@@ -1,0 +1,555 @@
+//! The scalar reference kernels: the specification every SIMD kernel is
+//! tested against, and the fallback on machines without one.
+//!
+//! Integer parts of a dot product are exact, so only the float steps fix the
+//! result; they are written out one block at a time, in block order. The
+//! K-quant kernels do all per-super-block work in integers and then apply
+//! exactly the float steps written here, so the SIMD K-quant kernels agree
+//! with these bit for bit.
+//!
+//! Activation quantization follows llama.cpp's reference quantizers:
+//! Q8_0/Q8_1 round half away from zero (`roundf`), Q8_K rounds half to even
+//! (`nearest_int`) with the scale chosen from the signed maximum.
+
+use bytemuck::Zeroable;
+use half::{bf16, f16};
+
+use super::blocks::{
+    scales_mins_k4, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0,
+    BlockQ8_1, QK32,
+};
+use super::types::QK_K;
+
+// ---------------------------------------------------------------------------
+// Activation quantization
+// ---------------------------------------------------------------------------
+
+/// Scale of a Q8_0/Q8_1 block with largest magnitude `amax`, and its inverse
+/// (0 for an all-zero block).
+#[inline(always)]
+pub(crate) fn q8_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    (d, id)
+}
+
+/// Quantizes `x` (32 elements per block) to Q8_0.
+pub fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
+    for (xb, yb) in x.chunks_exact(QK32).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let (d, id) = q8_scale(amax);
+        yb.d = f16::from_f32(d).to_le_bytes();
+        for (q, v) in yb.qs.iter_mut().zip(xb) {
+            *q = (v * id).round() as i8 as u8;
+        }
+    }
+}
+
+/// Quantizes `x` (32 elements per block) to Q8_1, storing `s = d * sum(q)`.
+pub fn quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    for (xb, yb) in x.chunks_exact(QK32).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let (d, id) = q8_scale(amax);
+        let mut sum = 0i32;
+        for (q, v) in yb.qs.iter_mut().zip(xb) {
+            let r = (v * id).round() as i8;
+            sum += r as i32;
+            *q = r as u8;
+        }
+        yb.d = f16::from_f32(d).to_le_bytes();
+        yb.s = f16::from_f32(sum as f32 * d).to_le_bytes();
+    }
+}
+
+/// The value with the largest magnitude in `x` (the first one on ties), as
+/// llama.cpp's Q8_K quantizer picks it.
+#[inline(always)]
+pub(crate) fn signed_absmax(x: &[f32]) -> f32 {
+    let mut amax = 0.0f32;
+    let mut max = 0.0f32;
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
+/// Fills a Q8_K block's 16-element sums from its quants.
+#[inline(always)]
+pub(crate) fn fill_q8k_bsums(b: &mut BlockQ8K) {
+    for g in 0..QK_K / 16 {
+        let s: i32 = b.qs[16 * g..16 * g + 16].iter().map(|&q| q as i8 as i32).sum();
+        b.bsums[g] = (s as i16).to_le_bytes();
+    }
+}
+
+/// Quantizes `x` (256 elements per block) to Q8_K.
+pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    for (xb, yb) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let max = signed_absmax(xb);
+        if max == 0.0 {
+            *yb = BlockQ8K::zeroed();
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, v) in yb.qs.iter_mut().zip(xb) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8 as u8;
+        }
+        fill_q8k_bsums(yb);
+        yb.d = (1.0 / iscale).to_le_bytes();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dequantization
+// ---------------------------------------------------------------------------
+
+/// Q4_0 to f32.
+pub fn dequantize_q4_0(src: &[BlockQ4_0], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let d = b.d();
+        for j in 0..16 {
+            y[j] = ((b.qs[j] & 0x0F) as i32 - 8) as f32 * d;
+            y[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+/// Q4_1 to f32.
+pub fn dequantize_q4_1(src: &[BlockQ4_1], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let (d, m) = (b.d(), b.m());
+        for j in 0..16 {
+            y[j] = (b.qs[j] & 0x0F) as f32 * d + m;
+            y[j + 16] = (b.qs[j] >> 4) as f32 * d + m;
+        }
+    }
+}
+
+/// Q8_0 to f32.
+pub fn dequantize_q8_0(src: &[BlockQ8_0], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let d = b.d();
+        for (j, v) in y.iter_mut().enumerate() {
+            *v = b.q(j) as f32 * d;
+        }
+    }
+}
+
+/// Q8_1 to f32.
+pub fn dequantize_q8_1(src: &[BlockQ8_1], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let d = b.d();
+        for (j, v) in y.iter_mut().enumerate() {
+            *v = b.q(j) as f32 * d;
+        }
+    }
+}
+
+/// Q4_K to f32.
+pub fn dequantize_q4_k(src: &[BlockQ4K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (b.d(), b.dmin());
+        let (sc, mn) = scales_mins_k4(&b.scales);
+        for c in 0..4 {
+            let (d1, m1) = (d * sc[2 * c] as f32, dmin * mn[2 * c] as f32);
+            let (d2, m2) = (d * sc[2 * c + 1] as f32, dmin * mn[2 * c + 1] as f32);
+            for l in 0..32 {
+                let q = b.qs[32 * c + l];
+                y[64 * c + l] = d1 * (q & 0x0F) as f32 - m1;
+                y[64 * c + 32 + l] = d2 * (q >> 4) as f32 - m2;
+            }
+        }
+    }
+}
+
+/// Q5_K to f32.
+pub fn dequantize_q5_k(src: &[BlockQ5K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (b.d(), b.dmin());
+        let (sc, mn) = scales_mins_k4(&b.scales);
+        for c in 0..4 {
+            let (d1, m1) = (d * sc[2 * c] as f32, dmin * mn[2 * c] as f32);
+            let (d2, m2) = (d * sc[2 * c + 1] as f32, dmin * mn[2 * c + 1] as f32);
+            for l in 0..32 {
+                let q = b.qs[32 * c + l];
+                let h = b.qh[l];
+                let lo = (q & 0x0F) | (((h >> (2 * c)) & 1) << 4);
+                let hi = (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4);
+                y[64 * c + l] = d1 * lo as f32 - m1;
+                y[64 * c + 32 + l] = d2 * hi as f32 - m2;
+            }
+        }
+    }
+}
+
+/// The 256 six-bit quants of a Q6_K super-block, offset to -32..32.
+#[inline(always)]
+pub(crate) fn q6k_quants(b: &BlockQ6K) -> [i8; QK_K] {
+    let mut q = [0i8; QK_K];
+    for h in 0..2 {
+        let ql = &b.ql[64 * h..64 * h + 64];
+        let qh = &b.qh[32 * h..32 * h + 32];
+        let y = &mut q[128 * h..128 * h + 128];
+        for l in 0..32 {
+            y[l] = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i8 - 32;
+            y[l + 32] = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            y[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            y[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+        }
+    }
+    q
+}
+
+/// Q6_K to f32.
+pub fn dequantize_q6_k(src: &[BlockQ6K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = b.d();
+        let q = q6k_quants(b);
+        for (i, v) in y.iter_mut().enumerate() {
+            *v = d * (b.scales[i / 16] as i8) as f32 * q[i] as f32;
+        }
+    }
+}
+
+/// Q8_K to f32.
+pub fn dequantize_q8_k(src: &[BlockQ8K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = b.d();
+        for (j, v) in y.iter_mut().enumerate() {
+            *v = d * b.q(j) as f32;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dot products
+// ---------------------------------------------------------------------------
+
+/// Q4_0 weights × Q8_0 activations.
+pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let mut sumi = 0i32;
+        for j in 0..16 {
+            sumi += ((x.qs[j] & 0x0F) as i32 - 8) * y.q(j);
+            sumi += ((x.qs[j] >> 4) as i32 - 8) * y.q(j + 16);
+        }
+        sumf += sumi as f32 * (x.d() * y.d());
+    }
+    sumf
+}
+
+/// Q4_1 weights × Q8_1 activations.
+pub fn dot_q4_1_q8_1(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let mut sumi = 0i32;
+        for j in 0..16 {
+            sumi += (x.qs[j] & 0x0F) as i32 * y.q(j);
+            sumi += (x.qs[j] >> 4) as i32 * y.q(j + 16);
+        }
+        sumf += (x.d() * y.d()) * sumi as f32 + x.m() * y.s();
+    }
+    sumf
+}
+
+/// Q8_0 weights × Q8_0 activations.
+pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let sumi: i32 = (0..QK32).map(|j| x.q(j) * y.q(j)).sum();
+        sumf += sumi as f32 * (x.d() * y.d());
+    }
+    sumf
+}
+
+/// Adds one K-quant super-block's contribution: the float steps shared by
+/// every implementation of the Q4_K and Q5_K dots.
+#[inline(always)]
+pub(crate) fn k4_accumulate(sumf: f32, da: f32, d: f32, dmin: f32, sumi: i32, summ: i32) -> f32 {
+    sumf + (da * d) * sumi as f32 - (da * dmin) * summ as f32
+}
+
+/// Sum over the 8 sub-blocks of `min * (sum of the 32 activation quants)`.
+#[inline(always)]
+pub(crate) fn k4_min_sum(mins: &[u8; 8], y: &BlockQ8K) -> i32 {
+    (0..8)
+        .map(|j| mins[j] as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1)))
+        .sum()
+}
+
+/// Q4_K weights × Q8_K activations.
+pub fn dot_q4_k_q8_k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let mut sumi = 0i32;
+        for c in 0..4 {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                let q = x.qs[32 * c + l];
+                lo += (q & 0x0F) as i32 * y.q(64 * c + l);
+                hi += (q >> 4) as i32 * y.q(64 * c + 32 + l);
+            }
+            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+        }
+        let summ = k4_min_sum(&mn, y);
+        sumf = k4_accumulate(sumf, y.d(), x.d(), x.dmin(), sumi, summ);
+    }
+    sumf
+}
+
+/// Q5_K weights × Q8_K activations.
+pub fn dot_q5_k_q8_k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let mut sumi = 0i32;
+        for c in 0..4 {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                let q = x.qs[32 * c + l];
+                let h = x.qh[l];
+                let ql = (q & 0x0F) | (((h >> (2 * c)) & 1) << 4);
+                let qh = (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4);
+                lo += ql as i32 * y.q(64 * c + l);
+                hi += qh as i32 * y.q(64 * c + 32 + l);
+            }
+            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+        }
+        let summ = k4_min_sum(&mn, y);
+        sumf = k4_accumulate(sumf, y.d(), x.d(), x.dmin(), sumi, summ);
+    }
+    sumf
+}
+
+/// Adds one Q6_K super-block's contribution (shared float step).
+#[inline(always)]
+pub(crate) fn k6_accumulate(sumf: f32, da: f32, d: f32, sumi: i32) -> f32 {
+    sumf + (da * d) * sumi as f32
+}
+
+/// Q6_K weights × Q8_K activations.
+pub fn dot_q6_k_q8_k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let q = q6k_quants(x);
+        let mut sumi = 0i32;
+        for g in 0..QK_K / 16 {
+            let s: i32 = (16 * g..16 * g + 16).map(|i| q[i] as i32 * y.q(i)).sum();
+            sumi += (x.scales[g] as i8) as i32 * s;
+        }
+        sumf = k6_accumulate(sumf, y.d(), x.d(), sumi);
+    }
+    sumf
+}
+
+// The table runs the byte-pointer twin of this in `dispatch.rs`; this
+// typed form states the order and is what the tests compare against.
+#[cfg_attr(not(test), allow(dead_code))]
+/// f16 × f16, accumulated in f32 in element order.
+pub fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |s, (x, y)| s + x.to_f32() * y.to_f32())
+}
+
+// The table runs the byte-pointer twin of this in `dispatch.rs`; this
+// typed form states the order and is what the tests compare against.
+#[cfg_attr(not(test), allow(dead_code))]
+/// bf16 × bf16, accumulated in f32 in element order.
+pub fn dot_bf16(a: &[bf16], b: &[bf16]) -> f32 {
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |s, (x, y)| s + x.to_f32() * y.to_f32())
+}
+
+// The table runs the byte-pointer twin of this in `dispatch.rs`; this
+// typed form states the order and is what the tests compare against.
+#[cfg_attr(not(test), allow(dead_code))]
+/// f32 × f32 in element order.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |s, (x, y)| s + x * y)
+}
+
+/// `y += a * x`.
+pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
+    for (yv, xv) in y.iter_mut().zip(x) {
+        *yv += a * xv.to_f32();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: f32) -> [u8; 2] {
+        f16::from_f32(v).to_le_bytes()
+    }
+
+    #[test]
+    fn q8_1_rounds_half_away_from_zero_and_stores_sum() {
+        // amax 127 gives d = 1, so x * id is x itself: 2.5 -> 3, -2.5 -> -3.
+        let mut x = [0.0f32; 32];
+        x[0] = 127.0;
+        x[1] = 2.5;
+        x[2] = -2.5;
+        x[3] = 0.49;
+        let mut out = [BlockQ8_1::zeroed()];
+        quantize_q8_1(&x, &mut out);
+        assert_eq!(out[0].d(), 1.0);
+        assert_eq!((out[0].q(0), out[0].q(1), out[0].q(2), out[0].q(3)), (127, 3, -3, 0));
+        assert_eq!(out[0].s(), 127.0);
+    }
+
+    #[test]
+    fn q8_k_uses_signed_max_and_ties_to_even() {
+        // Signed max -127 gives iscale 1 and d = 1 / iscale = 1 (sign folded
+        // into d negative? no: iscale = -127 / -127 = 1).
+        let mut x = [0.0f32; 256];
+        x[0] = -127.0;
+        x[1] = 2.5;
+        x[2] = 3.5;
+        x[17] = 1.0;
+        let mut out = [BlockQ8K::zeroed()];
+        quantize_q8_k(&x, &mut out);
+        assert_eq!(out[0].d(), 1.0);
+        assert_eq!((out[0].q(0), out[0].q(1), out[0].q(2)), (-127, 2, 4));
+        assert_eq!(out[0].bsum(0), -127 + 2 + 4);
+        assert_eq!(out[0].bsum(1), 1);
+        // A positive maximum flips the sign of every quant: d = -1.
+        let mut y = [0.0f32; 256];
+        y[5] = 127.0;
+        y[6] = 1.0;
+        quantize_q8_k(&y, &mut out);
+        assert_eq!(out[0].d(), -1.0);
+        assert_eq!((out[0].q(5), out[0].q(6)), (-127, -1));
+    }
+
+    #[test]
+    fn q4_0_and_q4_1_dequantize_hand_values() {
+        let mut b0 = BlockQ4_0::zeroed();
+        b0.d = h(0.5);
+        b0.qs[0] = 0x3A; // element 0: 10 -> (10-8)*0.5 = 1; element 16: 3 -> -2.5
+        let mut y = [0.0f32; 32];
+        dequantize_q4_0(&[b0], &mut y);
+        assert_eq!((y[0], y[16], y[1]), (1.0, -2.5, -4.0));
+
+        let mut b1 = BlockQ4_1::zeroed();
+        b1.d = h(2.0);
+        b1.m = h(-1.0);
+        b1.qs[2] = 0xF1; // element 2: 1*2-1 = 1; element 18: 15*2-1 = 29
+        dequantize_q4_1(&[b1], &mut y);
+        assert_eq!((y[2], y[18], y[0]), (1.0, 29.0, -1.0));
+    }
+
+    #[test]
+    fn q4_1_dot_matches_hand_sum() {
+        let mut w = BlockQ4_1::zeroed();
+        w.d = h(2.0);
+        w.m = h(1.0);
+        w.qs[0] = 0x21; // elements 0 -> 1, 16 -> 2
+        let mut x = [0.0f32; 32];
+        x[0] = 127.0;
+        x[16] = -1.0;
+        x[5] = 3.0;
+        // Dequantized weights: w0 = 3, w16 = 5, others 1. Dot = 381 - 5 + 3.
+        let mut a = [BlockQ8_1::zeroed()];
+        quantize_q8_1(&x, &mut a);
+        assert_eq!(dot_q4_1_q8_1(&[w], &a), 379.0);
+    }
+
+    #[test]
+    fn q8_0_and_q4_0_dot_hand_values() {
+        let mut w = BlockQ8_0::zeroed();
+        w.d = h(0.5);
+        w.qs[0] = 4;
+        w.qs[31] = (-6i8) as u8;
+        let mut a = BlockQ8_0::zeroed();
+        a.d = h(2.0);
+        a.qs[0] = 3;
+        a.qs[31] = 1;
+        // (4*3 - 6*1) * 0.5 * 2 = 6
+        assert_eq!(dot_q8_0_q8_0(&[w], &[a]), 6.0);
+        let mut w4 = BlockQ4_0::zeroed();
+        w4.d = h(1.0);
+        w4.qs = [0x88; 16]; // all zero after the -8 offset
+        w4.qs[0] = 0x89; // element 0 -> 1
+        assert_eq!(dot_q4_0_q8_0(&[w4], &[a]), 6.0);
+    }
+
+    #[test]
+    fn q4_k_dequantize_and_dot_hand_values() {
+        let mut b = BlockQ4K::zeroed();
+        b.d = h(0.5);
+        b.dmin = h(0.25);
+        b.scales[0] = 4; // sub-block 0 scale 4
+        b.scales[4] = 8; // sub-block 0 min 8
+        b.scales[1] = 2; // sub-block 1 scale 2, min 0
+        b.qs[0] = 0x73; // element 0: q 3; element 32 (sub-block 1): q 7
+        let mut y = [0.0f32; 256];
+        dequantize_q4_k(&[b], &mut y);
+        assert_eq!(y[0], 0.5 * 4.0 * 3.0 - 0.25 * 8.0);
+        assert_eq!(y[1], -2.0);
+        assert_eq!(y[32], 0.5 * 2.0 * 7.0);
+        assert_eq!(y[64], 0.0);
+        let mut a = BlockQ8K::zeroed();
+        a.d = 1.0f32.to_le_bytes();
+        a.qs[0] = 10;
+        a.qs[32] = 1;
+        fill_q8k_bsums(&mut a);
+        // 10 * 4 + 1 * 7 = 7.0 + ... : 10*y0 + 1*y32 = 40 + 7
+        assert_eq!(dot_q4_k_q8_k(&[b], &[a]), 10.0 * y[0] + y[32]);
+    }
+
+    #[test]
+    fn q5_k_high_bit_adds_sixteen() {
+        let mut b = BlockQ5K::zeroed();
+        b.d = h(1.0);
+        b.scales[2] = 1; // sub-block 2 (chunk 1, low nibbles) scale 1
+        b.scales[3] = 1; // sub-block 3 scale 1
+        b.qs[32 + 4] = 0x21; // element 68: 1, element 100: 2
+        b.qh[4] = 0b0000_1100; // bits 2 and 3: +16 on both
+        let mut y = [0.0f32; 256];
+        dequantize_q5_k(&[b], &mut y);
+        assert_eq!((y[68], y[100], y[4]), (17.0, 18.0, 0.0));
+    }
+
+    #[test]
+    fn q6_k_dequantize_and_dot_hand_values() {
+        let mut b = BlockQ6K::zeroed();
+        b.d = h(0.5);
+        b.scales[0] = 2;
+        b.scales[2] = (-1i8) as u8;
+        b.ql[0] = 0x05; // element 0 low 5, element 64 low 0
+        b.qh[0] = 0b10; // element 0 high bits 2 -> q = 32 + 5 - 32 = 5
+        b.ql[32] = 0x0F; // element 32: low 15, high 0 -> -17
+        let mut y = [0.0f32; 256];
+        dequantize_q6_k(&[b], &mut y);
+        assert_eq!(y[0], 0.5 * 2.0 * 5.0);
+        assert_eq!(y[32], 0.5 * -1.0 * -17.0);
+        assert_eq!(y[1], 0.5 * 2.0 * -32.0);
+        let mut a = BlockQ8K::zeroed();
+        a.d = 2.0f32.to_le_bytes();
+        a.qs[0] = 1;
+        a.qs[32] = 2;
+        fill_q8k_bsums(&mut a);
+        assert_eq!(dot_q6_k_q8_k(&[b], &[a]), 2.0 * (y[0] + 2.0 * y[32]));
+    }
+
+    #[test]
+    fn float_dots_and_axpy() {
+        let a: Vec<f16> = [1.0f32, 2.0, -3.0].iter().map(|&v| f16::from_f32(v)).collect();
+        let b: Vec<f16> = [0.5f32, 4.0, 1.0].iter().map(|&v| f16::from_f32(v)).collect();
+        assert_eq!(dot_f16(&a, &b), 5.5);
+        let c: Vec<bf16> = [1.0f32, 2.0].iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(dot_bf16(&c, &c), 5.0);
+        assert_eq!(dot_f32(&[1.0, 2.0], &[3.0, 4.0]), 11.0);
+        let mut y = [1.0f32, 1.0, 1.0];
+        axpy_f16(2.0, &a, &mut y);
+        assert_eq!(y, [3.0, 5.0, -5.0]);
+    }
+}

@@ -1,0 +1,321 @@
+//! Cross-kernel tests of the public quant API: every SIMD level against the
+//! scalar reference, batch invariance of `matmul`, quantizer round trips and
+//! argument checks. Format-level hand-computed values live in `scalar.rs`.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::dispatch::{kernels_for, supported_levels, Kernels, SimdLevel};
+use super::*;
+
+const WEIGHT_TYPES: [GgmlType; 9] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+
+fn table(level: SimdLevel) -> &'static Kernels {
+    kernels_for(level).unwrap_or_else(|| panic!("level {} not supported", level.name()))
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_le_bytes()
+}
+
+/// A random scale with magnitude `scale_mag * [1/1024, 1]` and random sign.
+fn random_scale(rng: &mut StdRng, scale_mag: f32) -> f32 {
+    let m = scale_mag * 2f32.powf(rng.gen_range(-10.0..0.0));
+    if rng.gen_bool(0.5) {
+        m
+    } else {
+        -m
+    }
+}
+
+/// A random weight row of `n` elements: random quants, sane random scales.
+fn random_weights(rng: &mut StdRng, ty: GgmlType, n: usize, scale_mag: f32) -> Vec<u8> {
+    let bytes = ty.row_bytes(n).expect("whole blocks");
+    let mut row: Vec<u8> = (0..bytes).map(|_| rng.gen()).collect();
+    let bb = ty.block_bytes();
+    match ty {
+        GgmlType::F32 => {
+            for c in row.chunks_exact_mut(4) {
+                c.copy_from_slice(&rng.gen_range(-2.0f32..2.0).to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for c in row.chunks_exact_mut(2) {
+                c.copy_from_slice(&f16_bytes(rng.gen_range(-2.0f32..2.0)));
+            }
+        }
+        GgmlType::BF16 => {
+            for c in row.chunks_exact_mut(2) {
+                c.copy_from_slice(&half::bf16::from_f32(rng.gen_range(-2.0f32..2.0)).to_le_bytes());
+            }
+        }
+        _ => {
+            for b in row.chunks_exact_mut(bb) {
+                let d = f16_bytes(random_scale(rng, scale_mag));
+                match ty {
+                    GgmlType::Q6_K => b[208..210].copy_from_slice(&d),
+                    GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                        b[0..2].copy_from_slice(&d);
+                        b[2..4].copy_from_slice(&f16_bytes(random_scale(rng, scale_mag)));
+                    }
+                    _ => b[0..2].copy_from_slice(&d),
+                }
+            }
+        }
+    }
+    row
+}
+
+fn random_floats(rng: &mut StdRng, n: usize, mag: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-mag..mag)).collect()
+}
+
+fn quantized_acts(k: &Kernels, w_ty: GgmlType, x: &[f32]) -> Vec<u8> {
+    let act_ty = activation_type(w_ty).expect("supported");
+    let mut out = vec![0u8; act_ty.row_bytes(x.len()).expect("whole blocks")];
+    quantize_row_with(k, act_ty, x, &mut out).expect("quantize");
+    out
+}
+
+/// Sum of |w_i * a_i| over the dequantized rows: the scale a correct
+/// floating-point dot can be off by a few ulps of.
+fn magnitude(w_ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let act_ty = activation_type(w_ty).expect("supported");
+    let mut wf = vec![0.0f32; n];
+    let mut af = vec![0.0f32; n];
+    dequantize_row(w_ty, w, &mut wf).expect("dequantize weights");
+    dequantize_row(act_ty, a, &mut af).expect("dequantize activations");
+    wf.iter().zip(&af).map(|(x, y)| (x * y).abs()).sum()
+}
+
+fn lengths_for(ty: GgmlType) -> &'static [usize] {
+    match ty.block_len() {
+        1 => &[1, 7, 8, 16, 37, 64, 576],
+        32 => &[32, 64, 96, 576, 1536],
+        _ => &[256, 512, 768],
+    }
+}
+
+#[test]
+fn every_simd_dot_matches_the_scalar_reference() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let scalar = table(SimdLevel::Scalar);
+    for level in supported_levels() {
+        let k = table(level);
+        for ty in WEIGHT_TYPES {
+            for &n in lengths_for(ty) {
+                for scale_mag in [1.0f32, 1e-4, 300.0] {
+                    let w = random_weights(&mut rng, ty, n, scale_mag);
+                    let x = random_floats(&mut rng, n, 3.0);
+                    let a = quantized_acts(scalar, ty, &x);
+                    let want = vec_dot_with(scalar, ty, n, &w, &a);
+                    let got = vec_dot_with(k, ty, n, &w, &a);
+                    let tol = 2e-6 * magnitude(ty, n, &w, &a) * (n as f32).sqrt() + f32::MIN_POSITIVE;
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{} {ty} n={n} scale {scale_mag}: got {got}, scalar {want}, tol {tol}",
+                        level.name()
+                    );
+                    if ty.block_len() == QK_K {
+                        assert_eq!(got.to_bits(), want.to_bits(), "{} {ty}: K-quants are exact", level.name());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for level in supported_levels() {
+        let k = table(level);
+        for ty in WEIGHT_TYPES {
+            let n = match ty.block_len() {
+                1 => 37,
+                32 => 96,
+                _ => 512,
+            };
+            let rows = 7;
+            let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(&mut rng, ty, n, 1.0)).collect();
+            for tokens in [1usize, 2, 3, 5, 8, 17] {
+                let acts: Vec<u8> = (0..tokens)
+                    .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
+                    .collect();
+                let mut out = vec![0.0f32; rows * tokens];
+                matmul_with(k, ty, n, &w, &acts, tokens, &mut out);
+                let wb = ty.row_bytes(n).expect("whole");
+                let ab = activation_type(ty).expect("ok").row_bytes(n).expect("whole");
+                for r in 0..rows {
+                    for t in 0..tokens {
+                        let single = vec_dot_with(k, ty, n, &w[r * wb..(r + 1) * wb], &acts[t * ab..(t + 1) * ab]);
+                        assert_eq!(
+                            out[r * tokens + t].to_bits(),
+                            single.to_bits(),
+                            "{} {ty} r={r} t={t} of {tokens}",
+                            level.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_results_do_not_depend_on_the_calling_thread() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (ty, n, rows, tokens) = (GgmlType::Q4_1, 576, 5, 6);
+    let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(&mut rng, ty, n, 1.0)).collect();
+    let mut acts = vec![0u8; tokens * GgmlType::Q8_1.row_bytes(n).expect("whole")];
+    for (t, chunk) in acts.chunks_exact_mut(GgmlType::Q8_1.row_bytes(n).expect("whole")).enumerate() {
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7 + t) % 13) as f32 - 6.0).collect();
+        quantize_row(GgmlType::Q8_1, &x, chunk).expect("quantize");
+    }
+    let mut here = vec![0.0f32; rows * tokens];
+    matmul(ty, n, &w, &acts, tokens, &mut here);
+    let there = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut o = vec![0.0f32; rows * tokens];
+            matmul(ty, n, &w, &acts, tokens, &mut o);
+            o
+        })
+        .join()
+        .expect("thread")
+    });
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&here), bits(&there));
+}
+
+#[test]
+fn simd_quantizers_reproduce_the_scalar_bytes() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let scalar = table(SimdLevel::Scalar);
+    let mut inputs: Vec<Vec<f32>> = (0..20).map(|i| random_floats(&mut rng, 512, 10f32.powi(i % 5 - 2))).collect();
+    // Exact halves after scaling (amax 127 makes the scale 1), zeros, and a
+    // block whose largest magnitude appears with both signs.
+    inputs.push((0..512).map(|i| if i % 32 == 0 { 127.0 } else { (i % 7) as f32 - 3.5 }).collect());
+    inputs.push(vec![0.0; 512]);
+    inputs.push((0..512).map(|i| [5.0, -5.0, 1.0, 2.5][i % 4]).collect());
+    for level in supported_levels() {
+        let k = table(level);
+        for x in &inputs {
+            for act in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K] {
+                let len = act.row_bytes(x.len()).expect("whole");
+                let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
+                quantize_row_with(scalar, act, x, &mut want).expect("scalar");
+                quantize_row_with(k, act, x, &mut got).expect("simd");
+                assert_eq!(got, want, "{} {act}", level.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn quantize_then_dequantize_is_close() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let x = random_floats(&mut rng, 1024, 4.0);
+    for act in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+        let mut q = vec![0u8; act.row_bytes(x.len()).expect("whole")];
+        quantize_row(act, &x, &mut q).expect("quantize");
+        let mut back = vec![0.0f32; x.len()];
+        dequantize_row(act, &q, &mut back).expect("dequantize");
+        let bl = act.block_len().max(32);
+        for (xb, yb) in x.chunks(bl).zip(back.chunks(bl)) {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let tol = match act {
+                GgmlType::F32 => 0.0,
+                GgmlType::F16 => amax / 1024.0,
+                GgmlType::BF16 => amax / 128.0,
+                // Half a quantization step plus the f16 rounding of the scale.
+                _ => amax / 127.0 * 0.5 + amax / 1000.0,
+            };
+            for (a, b) in xb.iter().zip(yb) {
+                assert!((a - b).abs() <= tol, "{act}: {a} came back as {b} (tol {tol})");
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_1_sum_field_is_scale_times_quant_sum() {
+    let x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.0) / 7.0).collect();
+    let mut q = vec![0u8; GgmlType::Q8_1.row_bytes(64).expect("whole")];
+    quantize_row(GgmlType::Q8_1, &x, &mut q).expect("quantize");
+    let blocks: &[BlockQ8_1] = bytemuck::cast_slice(&q);
+    for b in blocks {
+        let sum: i32 = (0..32).map(|i| b.q(i)).sum();
+        let d_f32 = b.d();
+        // s was computed from the unrounded d, so allow f16 rounding of both.
+        assert!((b.s() - sum as f32 * d_f32).abs() <= (sum as f32 * d_f32).abs() * 2e-3 + 1e-6);
+    }
+}
+
+#[test]
+fn f16_attention_helpers_match_scalar() {
+    let mut rng = StdRng::seed_from_u64(13);
+    for n in [1usize, 7, 8, 16, 17, 64, 100] {
+        let a: Vec<half::f16> = (0..n).map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0))).collect();
+        let b: Vec<half::f16> = (0..n).map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0))).collect();
+        let want = scalar::dot_f16(&a, &b);
+        let mag: f32 = a.iter().zip(&b).map(|(x, y)| (x.to_f32() * y.to_f32()).abs()).sum();
+        let got = dot_f16(&a, &b);
+        assert!((got - want).abs() <= 1e-6 * mag + 1e-7, "n={n}: {got} vs {want}");
+        let mut y1: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+        let mut y2 = y1.clone();
+        axpy_f16(0.7, &a, &mut y1);
+        scalar::axpy_f16(0.7, &a, &mut y2);
+        for (u, v) in y1.iter().zip(&y2) {
+            assert!((u - v).abs() <= 1e-6 * (u.abs() + 1.0), "n={n}: {u} vs {v}");
+        }
+    }
+}
+
+#[test]
+fn argument_errors_carry_the_numbers() {
+    assert_eq!(activation_type(GgmlType::Q4_1), Ok(GgmlType::Q8_1));
+    assert_eq!(activation_type(GgmlType::Q6_K), Ok(GgmlType::Q8_K));
+    assert_eq!(
+        activation_type(GgmlType::Q5_0),
+        Err(QuantError::UnsupportedWeight { ty: GgmlType::Q5_0 })
+    );
+    let mut out = vec![0u8; 10];
+    assert_eq!(
+        quantize_row(GgmlType::Q8_0, &[0.0; 32], &mut out),
+        Err(QuantError::WrongLength { what: "quantized activation buffer", got: 10, expected: 34 })
+    );
+    assert!(matches!(
+        quantize_row(GgmlType::Q8_0, &[0.0; 33], &mut out),
+        Err(QuantError::PartialBlock { n: 33, block_len: 32, .. })
+    ));
+    assert_eq!(
+        quantize_row(GgmlType::Q4_1, &[0.0; 32], &mut out),
+        Err(QuantError::NotActivation { ty: GgmlType::Q4_1 })
+    );
+    let mut dst = [0.0f32; 32];
+    assert!(matches!(
+        dequantize_row(GgmlType::Q5_0, &[0u8; 22], &mut dst),
+        Err(QuantError::UnsupportedDequantize { .. })
+    ));
+    assert_eq!(check_matmul(GgmlType::Q4_1, 64, 120, 72, 1, 3), Ok(3));
+    assert!(check_matmul(GgmlType::Q4_1, 64, 121, 72, 1, 3).is_err());
+    assert!(check_matmul(GgmlType::Q4_1, 64, 120, 72, 1, 4).is_err());
+    let msg = QuantError::WrongLength { what: "output", got: 4, expected: 3 }.to_string();
+    assert!(msg.contains('4') && msg.contains('3'), "{msg}");
+}
+
+#[test]
+fn forced_level_names_are_recognised() {
+    assert!(SimdLevel::Scalar.is_supported());
+    assert!(["scalar", "avx2", "avx512", "neon"].contains(&simd_level()));
+}
