@@ -1,1 +1,23 @@
-//! placeholder
+//! The paged KV cache: an mmap-backed slab pool of fixed-size pages handed
+//! out by a lock-free allocator, and per-session page tables over it.
+//!
+//! - [`KvPool`] maps one region (anonymous, or a file when asked) and carves
+//!   it into pages; each page holds K and V as f16 for `page_positions`
+//!   positions of every layer (layout in [`pool`]).
+//! - [`PageAllocator`] is the only structure shared by worker threads: a
+//!   tagged-index Treiber stack, model-checked with loom under `tests/loom/`.
+//! - [`SessionKv`] is one session's page table: reservations are
+//!   all-or-nothing, the committed length never decreases (INV-2), and
+//!   [`SessionKv::live_bytes`] is exactly committed positions times
+//!   [`KvLayout::bytes_per_position`].
+
+mod alloc;
+mod error;
+pub mod pool;
+mod session;
+mod sync;
+
+pub use alloc::{PageAllocator, MAX_PAGES};
+pub use error::KvError;
+pub use pool::{KvBacking, KvLayout, KvPool, KvPoolConfig, DEFAULT_PAGE_POSITIONS};
+pub use session::{KvBlocks, SessionKv};

@@ -1,0 +1,107 @@
+//! Errors of the KV cache room. Every variant carries the numbers involved so
+//! a caller (and, through it, a client) can see what was asked and what was
+//! there.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// Why a KV cache operation failed.
+#[derive(Debug, Error)]
+pub enum KvError {
+    /// The pool has fewer free pages than the reservation needs. Nothing was
+    /// taken: the pool and the session are exactly as they were.
+    #[error("KV cache exhausted: {wanted} pages wanted, {free} pages free")]
+    Exhausted { wanted: usize, free: usize },
+    /// INV-2: the committed length of a session would decrease.
+    #[error("KV invariant INV-2 violated: committed length would go from {current} down to {requested}")]
+    InvariantViolation { current: usize, requested: usize },
+    /// A commit asks for more positions than the session's pages back.
+    #[error("cannot commit {requested} KV positions: only {capacity} are reserved")]
+    CommitBeyondCapacity { requested: usize, capacity: usize },
+    /// A position at or past the session's reserved capacity.
+    #[error("KV position {pos} is out of range: {capacity} positions are reserved")]
+    PositionOutOfRange { pos: usize, capacity: usize },
+    /// A layer index at or past the number of layers in the layout.
+    #[error("KV layer {layer} is out of range: the cache has {n_layers} layers")]
+    LayerOutOfRange { layer: usize, n_layers: usize },
+    /// A K or V row whose length is not the layout's `kv_dim`.
+    #[error("KV row has {got} values, expected kv_dim = {expected}")]
+    RowLength { expected: usize, got: usize },
+    /// A page index that the pool never had.
+    #[error("page {page} does not exist: the pool has {total} pages")]
+    PageOutOfRange { page: u32, total: usize },
+    /// A page freed while it was already free.
+    #[error("page {page} freed twice")]
+    DoubleFree { page: u32 },
+    /// The allocator's free list contradicted its own accounting (a page
+    /// came off the free list while marked in use, or the list ran dry under
+    /// a reservation). Only a bug can cause this.
+    #[error("page allocator corrupted: {detail}")]
+    AllocatorCorrupted { detail: String },
+    /// The layout or pool configuration is unusable.
+    #[error("invalid KV cache configuration: {reason}")]
+    InvalidConfig { reason: String },
+    /// Creating, sizing or mapping the backing memory failed.
+    #[error("cannot map {bytes} bytes of KV memory{}: {source}", path_suffix(.path))]
+    Map {
+        bytes: u64,
+        path: Option<PathBuf>,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn path_suffix(path: &Option<PathBuf>) -> String {
+    match path {
+        Some(path) => format!(" backed by file {}", path.display()),
+        None => String::new(),
+    }
+}
+
+impl KvError {
+    /// Whether this error is a session invariant violation, which the caller
+    /// must answer by removing the session rather than retrying.
+    pub fn is_invariant_violation(&self) -> bool {
+        matches!(
+            self,
+            KvError::InvariantViolation { .. } | KvError::CommitBeyondCapacity { .. }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exhausted_message_carries_both_numbers() {
+        let message = KvError::Exhausted { wanted: 7, free: 3 }.to_string();
+        assert_eq!(message, "KV cache exhausted: 7 pages wanted, 3 pages free");
+    }
+
+    #[test]
+    fn map_message_names_the_file_when_there_is_one() {
+        let err = KvError::Map {
+            bytes: 4096,
+            path: Some(PathBuf::from("kv.bin")),
+            source: std::io::Error::other("boom"),
+        };
+        assert_eq!(
+            err.to_string(),
+            "cannot map 4096 bytes of KV memory backed by file kv.bin: boom"
+        );
+        let anonymous = KvError::Map {
+            bytes: 8,
+            path: None,
+            source: std::io::Error::other("boom"),
+        };
+        assert_eq!(anonymous.to_string(), "cannot map 8 bytes of KV memory: boom");
+    }
+
+    #[test]
+    fn invariant_errors_are_classified() {
+        assert!(KvError::InvariantViolation { current: 5, requested: 4 }.is_invariant_violation());
+        assert!(!KvError::Exhausted { wanted: 1, free: 0 }.is_invariant_violation());
+    }
+}

@@ -1,0 +1,432 @@
+//! The KV slab pool: one memory map carved into fixed-size pages, with the
+//! lock-free [`PageAllocator`] deciding who owns which page.
+//!
+//! # Page layout
+//!
+//! A page holds the K and V rows of `page_positions` consecutive positions
+//! for every layer, as f16:
+//!
+//! ```text
+//! page = [layer 0 .. n_layers][K, V][slot 0 .. page_positions][kv_dim] f16
+//! element offset of (layer, kind, slot) = ((layer * 2 + kind) * page_positions + slot) * kv_dim
+//! ```
+//!
+//! `kv_dim` is `n_kv_heads * head_dim`. So the K rows of one layer for the
+//! positions of one page are contiguous, which is what attention reads. The
+//! page stride is the page size rounded up to a 64-byte cache line, so every
+//! page starts cache-aligned; for the reference model (30 layers, kv_dim 192,
+//! 16 positions) a page is 368,640 bytes and needs no padding.
+//!
+//! The pool never creates a reference to the map as a whole; sessions build
+//! slices of the pages they own from raw pointers (see `session.rs`).
+
+use std::fs::OpenOptions;
+use std::path::PathBuf;
+
+use memmap2::{MmapMut, MmapOptions, MmapRaw};
+
+use super::alloc::{PageAllocator, MAX_PAGES};
+use super::error::KvError;
+
+/// Bytes per f16 value.
+const F16_BYTES: usize = 2;
+/// Pages start on this boundary inside the map.
+const PAGE_ALIGN: usize = 64;
+/// Prefaulting touches one byte per this many bytes.
+const OS_PAGE: usize = 4096;
+
+/// Positions per page used when a caller has no reason to pick another:
+/// small enough that a session wastes little at its tail, large enough that
+/// attention reads long contiguous runs.
+pub const DEFAULT_PAGE_POSITIONS: usize = 16;
+
+/// The shape of the cached tensors: what one position costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Transformer layers, each with its own K and V.
+    pub n_layers: usize,
+    /// Values per K (and per V) row: `n_kv_heads * head_dim`.
+    pub kv_dim: usize,
+    /// Positions per page; a power of two so position arithmetic is shifts.
+    pub page_positions: usize,
+}
+
+impl KvLayout {
+    /// Check that the layout is usable and its sizes do not overflow.
+    pub fn validate(&self) -> Result<(), KvError> {
+        let invalid = |reason: String| Err(KvError::InvalidConfig { reason });
+        if self.n_layers == 0 {
+            return invalid("n_layers is 0".to_string());
+        }
+        if self.kv_dim == 0 {
+            return invalid("kv_dim is 0".to_string());
+        }
+        if !self.page_positions.is_power_of_two() {
+            return invalid(format!(
+                "page_positions is {}; it must be a power of two",
+                self.page_positions
+            ));
+        }
+        if self.checked_page_stride().is_none() {
+            return invalid(format!(
+                "a page of {} layers x {} positions x kv_dim {} overflows",
+                self.n_layers, self.page_positions, self.kv_dim
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes one position takes across all layers, K and V:
+    /// `n_layers * 2 * kv_dim * 2`.
+    pub fn bytes_per_position(&self) -> usize {
+        self.n_layers * 2 * self.kv_dim * F16_BYTES
+    }
+
+    /// f16 values in one page (without padding).
+    pub fn page_values(&self) -> usize {
+        self.n_layers * 2 * self.page_positions * self.kv_dim
+    }
+
+    fn checked_page_stride(&self) -> Option<usize> {
+        let bytes = self
+            .n_layers
+            .checked_mul(2)?
+            .checked_mul(self.page_positions)?
+            .checked_mul(self.kv_dim)?
+            .checked_mul(F16_BYTES)?;
+        bytes.checked_next_multiple_of(PAGE_ALIGN)
+    }
+
+    /// Bytes between the starts of consecutive pages (page size rounded up
+    /// to a cache line). Only meaningful for a validated layout.
+    pub fn page_stride(&self) -> usize {
+        self.checked_page_stride().unwrap_or(usize::MAX)
+    }
+}
+
+/// Where the pool's memory comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvBacking {
+    /// Anonymous memory (the default).
+    Anonymous,
+    /// A file, created or truncated and sized to the pool. Nothing else may
+    /// touch the file while the pool lives.
+    File(PathBuf),
+}
+
+/// Everything needed to build a [`KvPool`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvPoolConfig {
+    /// The shape of one position.
+    pub layout: KvLayout,
+    /// Pages in the pool.
+    pub n_pages: usize,
+    /// Where the memory comes from.
+    pub backing: KvBacking,
+    /// Touch every page at start-up so no decode step pays for first-touch
+    /// page faults (slow on virtual machines). Costs start-up time and
+    /// commits the memory at once.
+    pub prefault: bool,
+}
+
+impl KvPoolConfig {
+    /// Anonymous memory, prefaulted.
+    pub fn anonymous(layout: KvLayout, n_pages: usize) -> Self {
+        KvPoolConfig {
+            layout,
+            n_pages,
+            backing: KvBacking::Anonymous,
+            prefault: true,
+        }
+    }
+}
+
+/// The shared pool of KV pages. Shared between threads as `Arc<KvPool>`;
+/// each page is owned by at most one [`SessionKv`](super::SessionKv) at a
+/// time, as decided by the allocator.
+pub struct KvPool {
+    layout: KvLayout,
+    page_stride: usize,
+    map: MmapRaw,
+    allocator: PageAllocator,
+    backing: KvBacking,
+}
+
+impl KvPool {
+    /// Map the memory and put every page on the free list.
+    pub fn new(config: KvPoolConfig) -> Result<Self, KvError> {
+        let KvPoolConfig {
+            layout,
+            n_pages,
+            backing,
+            prefault,
+        } = config;
+        layout.validate()?;
+        if n_pages == 0 || n_pages > MAX_PAGES {
+            return Err(KvError::InvalidConfig {
+                reason: format!("n_pages is {n_pages}; it must be between 1 and {MAX_PAGES}"),
+            });
+        }
+        let page_stride = layout.page_stride();
+        let total_bytes = page_stride
+            .checked_mul(n_pages)
+            .ok_or_else(|| KvError::InvalidConfig {
+                reason: format!("{n_pages} pages of {page_stride} bytes overflow the address space"),
+            })?;
+        let mut map = map_backing(&backing, total_bytes)?;
+        advise_huge_pages(&map);
+        if prefault {
+            // Before any page is handed out, the map is ours alone.
+            for offset in (0..total_bytes).step_by(OS_PAGE) {
+                map[offset] = 0;
+            }
+        }
+        Ok(KvPool {
+            layout,
+            page_stride,
+            map: MmapRaw::from(map),
+            allocator: PageAllocator::new(n_pages)?,
+            backing,
+        })
+    }
+
+    /// How many pages of `layout` fit in `bytes` of memory.
+    pub fn pages_for_bytes(layout: &KvLayout, bytes: u64) -> usize {
+        let stride = layout.page_stride() as u64;
+        let pages = bytes.checked_div(stride).unwrap_or(0);
+        usize::try_from(pages).unwrap_or(usize::MAX).min(MAX_PAGES)
+    }
+
+    /// The shape of one position.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Bytes each page occupies in the map (page size rounded up to a cache
+    /// line).
+    pub fn page_bytes(&self) -> usize {
+        self.page_stride
+    }
+
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.allocator.total()
+    }
+
+    /// Pages free right now (exact when no other thread is allocating).
+    pub fn free_pages(&self) -> usize {
+        self.allocator.free_count()
+    }
+
+    /// Bytes one position takes across all layers, K and V.
+    pub fn bytes_per_position(&self) -> usize {
+        self.layout.bytes_per_position()
+    }
+
+    /// Bytes of the whole map.
+    pub fn mapped_bytes(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Where the memory comes from.
+    pub fn backing(&self) -> &KvBacking {
+        &self.backing
+    }
+
+    /// The allocator, for callers that manage raw page indices.
+    pub fn allocator(&self) -> &PageAllocator {
+        &self.allocator
+    }
+
+    /// Start of page `page`, or `None` for an index the pool does not have.
+    /// The pointer is valid for `page_bytes()` bytes and aligned to 64.
+    #[inline]
+    pub(super) fn page_ptr(&self, page: u32) -> Option<*mut u8> {
+        let page = page as usize;
+        if page >= self.allocator.total() {
+            return None;
+        }
+        // SAFETY: `page < total` so `page * page_stride + page_stride` is at
+        // most the map length, which did not overflow when it was computed;
+        // the offset pointer therefore stays inside the mapping.
+        Some(unsafe { self.map.as_mut_ptr().add(page * self.page_stride) })
+    }
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("layout", &self.layout)
+            .field("page_bytes", &self.page_stride)
+            .field("total_pages", &self.total_pages())
+            .field("free_pages", &self.free_pages())
+            .field("backing", &self.backing)
+            .finish()
+    }
+}
+
+fn map_backing(backing: &KvBacking, total_bytes: usize) -> Result<MmapMut, KvError> {
+    let map_error = |path: Option<PathBuf>| {
+        move |source: std::io::Error| KvError::Map {
+            bytes: total_bytes as u64,
+            path,
+            source,
+        }
+    };
+    match backing {
+        KvBacking::Anonymous => MmapOptions::new()
+            .len(total_bytes)
+            .map_anon()
+            .map_err(map_error(None)),
+        KvBacking::File(path) => {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .map_err(map_error(Some(path.clone())))?;
+            file.set_len(total_bytes as u64)
+                .map_err(map_error(Some(path.clone())))?;
+            // SAFETY: the file was just created or truncated and sized by us;
+            // the documented contract of `KvBacking::File` is that nothing
+            // else modifies or truncates it while the pool lives, so the
+            // mapping stays valid and only this process writes it.
+            unsafe { MmapOptions::new().len(total_bytes).map_mut(&file) }
+                .map_err(map_error(Some(path.clone())))
+        }
+    }
+}
+
+/// Ask for transparent huge pages: fewer TLB misses when attention walks
+/// every page of a long session. Only a hint, so a refusal is ignored.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(map: &MmapMut) {
+    if let Err(err) = map.advise(memmap2::Advice::HugePage) {
+        tracing::debug!("KV pool: huge-page advice refused: {err}");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_map: &MmapMut) {}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn smol_layout() -> KvLayout {
+        KvLayout {
+            n_layers: 30,
+            kv_dim: 192,
+            page_positions: DEFAULT_PAGE_POSITIONS,
+        }
+    }
+
+    #[test]
+    fn reference_model_sizes() {
+        let layout = smol_layout();
+        assert_eq!(layout.bytes_per_position(), 23_040);
+        assert_eq!(layout.page_stride(), 23_040 * 16);
+        let pool = KvPool::new(KvPoolConfig::anonymous(layout, 3)).unwrap();
+        assert_eq!(pool.page_bytes(), 368_640);
+        assert_eq!(pool.mapped_bytes(), 3 * 368_640);
+        assert_eq!(pool.total_pages(), 3);
+        assert_eq!(pool.free_pages(), 3);
+        assert_eq!(pool.bytes_per_position(), 23_040);
+    }
+
+    #[test]
+    fn odd_page_sizes_are_padded_to_a_cache_line() {
+        let layout = KvLayout {
+            n_layers: 1,
+            kv_dim: 3,
+            page_positions: 2,
+        };
+        assert_eq!(layout.page_values(), 12);
+        assert_eq!(layout.page_stride(), 64);
+        let pool = KvPool::new(KvPoolConfig::anonymous(layout, 5)).unwrap();
+        let first = pool.page_ptr(0).unwrap() as usize;
+        let second = pool.page_ptr(1).unwrap() as usize;
+        assert_eq!(second - first, 64);
+        assert_eq!(first % 64, 0);
+        assert!(pool.page_ptr(5).is_none());
+    }
+
+    #[test]
+    fn bad_configs_are_rejected_with_reasons() {
+        let mut layout = smol_layout();
+        layout.page_positions = 12;
+        let err = KvPool::new(KvPoolConfig::anonymous(layout, 1)).unwrap_err();
+        assert!(err.to_string().contains("page_positions is 12"), "{err}");
+
+        let err = KvPool::new(KvPoolConfig::anonymous(smol_layout(), 0)).unwrap_err();
+        assert!(err.to_string().contains("n_pages is 0"), "{err}");
+
+        let huge = KvLayout {
+            n_layers: usize::MAX / 2,
+            kv_dim: 4,
+            page_positions: 4,
+        };
+        assert!(matches!(huge.validate(), Err(KvError::InvalidConfig { .. })));
+
+        let zero_dim = KvLayout {
+            kv_dim: 0,
+            ..smol_layout()
+        };
+        assert!(zero_dim.validate().is_err());
+    }
+
+    #[test]
+    fn pages_for_bytes_rounds_down() {
+        let layout = smol_layout();
+        assert_eq!(KvPool::pages_for_bytes(&layout, 0), 0);
+        assert_eq!(KvPool::pages_for_bytes(&layout, 368_639), 0);
+        assert_eq!(KvPool::pages_for_bytes(&layout, 368_640 * 10 + 5), 10);
+        assert_eq!(KvPool::pages_for_bytes(&layout, u64::MAX), MAX_PAGES.min(usize::MAX));
+    }
+
+    #[test]
+    fn file_backed_pool_is_sized_and_truncated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv.slab");
+        std::fs::write(&path, vec![7u8; 10]).unwrap();
+        let layout = KvLayout {
+            n_layers: 2,
+            kv_dim: 8,
+            page_positions: 4,
+        };
+        let config = KvPoolConfig {
+            layout,
+            n_pages: 4,
+            backing: KvBacking::File(path.clone()),
+            prefault: false,
+        };
+        let pool = KvPool::new(config).unwrap();
+        assert_eq!(pool.page_bytes(), 256);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 * 256);
+        let contents = std::fs::read(&path).unwrap();
+        assert!(contents.iter().all(|&b| b == 0), "old file contents survived");
+        assert_eq!(pool.backing(), &KvBacking::File(path));
+    }
+
+    #[test]
+    fn unmappable_file_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing").join("kv.slab");
+        let config = KvPoolConfig {
+            layout: smol_layout(),
+            n_pages: 1,
+            backing: KvBacking::File(path),
+            prefault: true,
+        };
+        let err = KvPool::new(config).unwrap_err();
+        assert!(matches!(err, KvError::Map { bytes: 368_640, .. }));
+        assert!(err.to_string().contains("kv.slab"), "{err}");
+    }
+
+    #[test]
+    fn pool_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<KvPool>();
+    }
+}

@@ -1,0 +1,587 @@
+//! One session's KV cache: a page table over the shared [`KvPool`], the
+//! committed length, and checked access to the K and V rows.
+//!
+//! Positions map to pages by `pos / page_positions` (an index into the page
+//! table) and `pos % page_positions` (the slot inside the page). Storage
+//! grows only through [`SessionKv::reserve`], which takes every page it needs
+//! or none; the committed length only grows ([`SessionKv::commit`], INV-2).
+//!
+//! Soundness of the raw access: the allocator hands each page to exactly one
+//! owner, and a `SessionKv` gives its pages back only through `&mut self`
+//! ([`SessionKv::release`] or drop). Shared slices are built from `&self` and
+//! mutable ones from `&mut self`, so the borrow checker keeps them apart
+//! exactly as it would for a `Vec`. `&SessionKv` is therefore safe to share
+//! between threads reading K/V at once.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::error::KvError;
+use super::pool::KvPool;
+
+/// Which half of a layer's cache a row belongs to. The discriminant is the
+/// row's index in the `[K, V]` axis of the page layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Half {
+    K = 0,
+    V = 1,
+}
+
+/// A session's page table and committed length.
+pub struct SessionKv {
+    pool: Arc<KvPool>,
+    /// Page indices in position order: page `i` holds positions
+    /// `i * page_positions ..(i + 1) * page_positions`.
+    pages: Vec<u32>,
+    /// Committed positions.
+    len: usize,
+    // Copies of the layout kept here so the hot path does not chase the Arc.
+    n_layers: usize,
+    kv_dim: usize,
+    page_positions: usize,
+    page_shift: u32,
+}
+
+impl SessionKv {
+    /// An empty session: no pages, nothing committed.
+    pub fn new(pool: Arc<KvPool>) -> Self {
+        let layout = *pool.layout();
+        SessionKv {
+            pool,
+            pages: Vec::new(),
+            len: 0,
+            n_layers: layout.n_layers,
+            kv_dim: layout.kv_dim,
+            page_positions: layout.page_positions,
+            page_shift: layout.page_positions.trailing_zeros(),
+        }
+    }
+
+    /// The pool this session's pages come from.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// Committed positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is committed.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions backed by the pages held (committed or not).
+    pub fn capacity(&self) -> usize {
+        self.pages.len() << self.page_shift
+    }
+
+    /// Pages held.
+    pub fn pages_held(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// The page table, in position order.
+    pub fn page_table(&self) -> &[u32] {
+        &self.pages
+    }
+
+    /// Exactly the bytes of K and V for the committed positions:
+    /// `len * bytes_per_position`.
+    pub fn live_bytes(&self) -> u64 {
+        self.len as u64 * self.pool.bytes_per_position() as u64
+    }
+
+    /// Bytes of the pages held (what the session costs the pool).
+    pub fn held_bytes(&self) -> u64 {
+        self.pages.len() as u64 * self.pool.page_bytes() as u64
+    }
+
+    /// Make sure at least `total_positions` positions are backed by pages.
+    /// All or nothing: on `Exhausted { wanted, free }` the session and the
+    /// pool are unchanged.
+    pub fn reserve(&mut self, total_positions: usize) -> Result<(), KvError> {
+        let needed = total_positions.div_ceil(self.page_positions);
+        let Some(extra) = needed.checked_sub(self.pages.len()).filter(|&n| n > 0) else {
+            return Ok(());
+        };
+        let new_pages = self.pool.allocator().alloc_many(extra)?;
+        self.pages.extend(new_pages);
+        Ok(())
+    }
+
+    /// Set the committed length to `new_len`. A decrease breaks INV-2 and
+    /// is an `InvariantViolation`; more than the reserved capacity is a
+    /// `CommitBeyondCapacity`. Either way nothing changes.
+    pub fn commit(&mut self, new_len: usize) -> Result<(), KvError> {
+        if new_len < self.len {
+            return Err(KvError::InvariantViolation {
+                current: self.len,
+                requested: new_len,
+            });
+        }
+        if new_len > self.capacity() {
+            return Err(KvError::CommitBeyondCapacity {
+                requested: new_len,
+                capacity: self.capacity(),
+            });
+        }
+        self.len = new_len;
+        Ok(())
+    }
+
+    /// The K row of `layer` at `pos` (`pos < capacity`), `kv_dim` values.
+    #[inline]
+    pub fn k(&self, layer: usize, pos: usize) -> Result<&[f16], KvError> {
+        self.row(Half::K, layer, pos)
+    }
+
+    /// The V row of `layer` at `pos` (`pos < capacity`), `kv_dim` values.
+    #[inline]
+    pub fn v(&self, layer: usize, pos: usize) -> Result<&[f16], KvError> {
+        self.row(Half::V, layer, pos)
+    }
+
+    /// The K row of `layer` at `pos`, writable.
+    #[inline]
+    pub fn k_mut(&mut self, layer: usize, pos: usize) -> Result<&mut [f16], KvError> {
+        self.row_mut(Half::K, layer, pos)
+    }
+
+    /// The V row of `layer` at `pos`, writable.
+    #[inline]
+    pub fn v_mut(&mut self, layer: usize, pos: usize) -> Result<&mut [f16], KvError> {
+        self.row_mut(Half::V, layer, pos)
+    }
+
+    /// Store one position's K and V for `layer`, rounding f32 to f16
+    /// (nearest, ties to even). Both rows must have `kv_dim` values.
+    pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+        for row in [k, v] {
+            if row.len() != self.kv_dim {
+                return Err(KvError::RowLength {
+                    expected: self.kv_dim,
+                    got: row.len(),
+                });
+            }
+        }
+        self.k_mut(layer, pos)?.convert_from_f32_slice(k);
+        self.v_mut(layer, pos)?.convert_from_f32_slice(v);
+        Ok(())
+    }
+
+    /// The K rows of `layer` for `positions`, as contiguous blocks of whole
+    /// rows in position order (one block per page touched). Checked once
+    /// here, so iterating costs no per-row checks.
+    pub fn k_blocks(&self, layer: usize, positions: Range<usize>) -> Result<KvBlocks<'_>, KvError> {
+        self.blocks(Half::K, layer, positions)
+    }
+
+    /// The V rows of `layer` for `positions`, like [`SessionKv::k_blocks`].
+    pub fn v_blocks(&self, layer: usize, positions: Range<usize>) -> Result<KvBlocks<'_>, KvError> {
+        self.blocks(Half::V, layer, positions)
+    }
+
+    /// Give every page back to the pool and forget everything committed. The
+    /// session stays usable (empty). Every page is returned even if one
+    /// fails; the first failure is reported.
+    pub fn release(&mut self) -> Result<(), KvError> {
+        let pages = std::mem::take(&mut self.pages);
+        self.len = 0;
+        self.pool.allocator().free_many(&pages)
+    }
+
+    fn blocks(&self, half: Half, layer: usize, positions: Range<usize>) -> Result<KvBlocks<'_>, KvError> {
+        self.check_layer(layer)?;
+        let capacity = self.capacity();
+        if positions.start > positions.end || positions.end > capacity {
+            return Err(KvError::PositionOutOfRange {
+                pos: positions.end.max(positions.start),
+                capacity,
+            });
+        }
+        Ok(KvBlocks {
+            session: self,
+            half,
+            layer,
+            next: positions.start,
+            end: positions.end,
+        })
+    }
+
+    #[inline]
+    fn check_layer(&self, layer: usize) -> Result<(), KvError> {
+        if layer >= self.n_layers {
+            return Err(KvError::LayerOutOfRange {
+                layer,
+                n_layers: self.n_layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// Pointer to the first value of the row `(half, layer, pos)`, after
+    /// checking that `layer` exists and `pos` is backed by a held page. The
+    /// rows of the same page that follow it, up to the page's last slot, are
+    /// contiguous.
+    #[inline]
+    fn row_ptr(&self, half: Half, layer: usize, pos: usize) -> Result<*mut f16, KvError> {
+        self.check_layer(layer)?;
+        let out_of_range = || KvError::PositionOutOfRange {
+            pos,
+            capacity: self.capacity(),
+        };
+        let page = *self.pages.get(pos >> self.page_shift).ok_or_else(out_of_range)?;
+        let page_start = self.pool.page_ptr(page).ok_or_else(|| KvError::AllocatorCorrupted {
+            detail: format!("session holds page {page}, which the pool does not have"),
+        })?;
+        let slot = pos & (self.page_positions - 1);
+        let offset = ((layer * 2 + half as usize) * self.page_positions + slot) * self.kv_dim;
+        // SAFETY: layer < n_layers and slot < page_positions, so
+        // offset + kv_dim <= n_layers * 2 * page_positions * kv_dim, the f16
+        // count of a page, which fits in the page's stride; the page start is
+        // inside the map, so the result is too.
+        Ok(unsafe { page_start.cast::<f16>().add(offset) })
+    }
+
+    #[inline]
+    fn row(&self, half: Half, layer: usize, pos: usize) -> Result<&[f16], KvError> {
+        let ptr = self.row_ptr(half, layer, pos)?;
+        // SAFETY: `row_ptr` checked that the row lies inside a page this
+        // session holds; the page start is 64-byte aligned and the offset a
+        // whole number of f16, so the pointer is aligned; mapped memory is
+        // initialised (zero-filled or written) and every bit pattern is a
+        // valid f16. The page is owned by this session alone, and mutable
+        // slices of it exist only under `&mut self`, so no mutable alias
+        // lives as long as this `&self` borrow.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.kv_dim) })
+    }
+
+    #[inline]
+    fn row_mut(&mut self, half: Half, layer: usize, pos: usize) -> Result<&mut [f16], KvError> {
+        let ptr = self.row_ptr(half, layer, pos)?;
+        // SAFETY: as in `row`; in addition `&mut self` guarantees no other
+        // slice of this session's pages is alive, and no other session holds
+        // this page, so the mutable slice is exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.kv_dim) })
+    }
+}
+
+impl Drop for SessionKv {
+    fn drop(&mut self) {
+        if let Err(err) = self.release() {
+            tracing::error!("KV session drop: {err}");
+        }
+    }
+}
+
+impl std::fmt::Debug for SessionKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionKv")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .field("pages", &self.pages.len())
+            .finish()
+    }
+}
+
+/// Contiguous runs of K (or V) rows of one layer; see
+/// [`SessionKv::k_blocks`]. Each item holds `n * kv_dim` values for `n`
+/// consecutive positions, continuing where the previous item ended.
+pub struct KvBlocks<'a> {
+    session: &'a SessionKv,
+    half: Half,
+    layer: usize,
+    next: usize,
+    end: usize,
+}
+
+impl<'a> Iterator for KvBlocks<'a> {
+    type Item = &'a [f16];
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.next >= self.end {
+            return None;
+        }
+        let session = self.session;
+        let slot = self.next & (session.page_positions - 1);
+        let rows = (self.end - self.next).min(session.page_positions - slot);
+        // The range was checked when the iterator was made; an error here
+        // cannot happen, and ending the iteration is the safe answer if it did.
+        let ptr = session.row_ptr(self.half, self.layer, self.next).ok()?;
+        self.next += rows;
+        // SAFETY: as in `SessionKv::row`; the `rows` rows from `slot` stay
+        // inside the same page and the same (layer, half) block, which is
+        // contiguous in the page layout, and the slice borrows the session
+        // for 'a.
+        Some(unsafe { std::slice::from_raw_parts(ptr, rows * session.kv_dim) })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::kv::pool::{KvLayout, KvPoolConfig};
+
+    fn pool(n_pages: usize) -> Arc<KvPool> {
+        let layout = KvLayout {
+            n_layers: 3,
+            kv_dim: 4,
+            page_positions: 4,
+        };
+        Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, n_pages)).unwrap())
+    }
+
+    /// A distinct, exactly representable value for every (half, layer, pos, i).
+    fn value(half: usize, layer: usize, pos: usize, i: usize) -> f32 {
+        (half * 1000 + layer * 100 + pos * 4 + i) as f32 * 0.5
+    }
+
+    fn fill(session: &mut SessionKv, positions: Range<usize>) {
+        for pos in positions {
+            for layer in 0..3 {
+                let k: Vec<f32> = (0..4).map(|i| value(0, layer, pos, i)).collect();
+                let v: Vec<f32> = (0..4).map(|i| value(1, layer, pos, i)).collect();
+                session.write(layer, pos, &k, &v).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn written_rows_read_back_exactly_across_pages() {
+        let pool = pool(4);
+        let mut session = SessionKv::new(Arc::clone(&pool));
+        session.reserve(10).unwrap();
+        assert_eq!(session.pages_held(), 3);
+        assert_eq!(session.capacity(), 12);
+        fill(&mut session, 0..10);
+        for pos in 0..10 {
+            for layer in 0..3 {
+                let k: Vec<f32> = session.k(layer, pos).unwrap().iter().map(|x| x.to_f32()).collect();
+                let v: Vec<f32> = session.v(layer, pos).unwrap().iter().map(|x| x.to_f32()).collect();
+                let want_k: Vec<f32> = (0..4).map(|i| value(0, layer, pos, i)).collect();
+                let want_v: Vec<f32> = (0..4).map(|i| value(1, layer, pos, i)).collect();
+                assert_eq!(k, want_k, "K layer {layer} pos {pos}");
+                assert_eq!(v, want_v, "V layer {layer} pos {pos}");
+            }
+        }
+    }
+
+    #[test]
+    fn write_rounds_to_nearest_f16() {
+        let mut session = SessionKv::new(pool(1));
+        session.reserve(1).unwrap();
+        session
+            .write(2, 0, &[0.1, -3.3, 65_504.0, 1e-8], &[1.0, 2.0, 3.0, 4.0])
+            .unwrap();
+        let bits: Vec<u16> = session.k(2, 0).unwrap().iter().map(|x| x.to_bits()).collect();
+        let want: Vec<u16> = [0.1f32, -3.3, 65_504.0, 1e-8]
+            .iter()
+            .map(|&x| f16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(bits, want);
+        assert_eq!(bits[0], 0x2E66);
+    }
+
+    #[test]
+    fn mutable_rows_write_through() {
+        let mut session = SessionKv::new(pool(1));
+        session.reserve(4).unwrap();
+        session.v_mut(1, 3).unwrap()[2] = f16::from_f32(7.5);
+        session.k_mut(1, 3).unwrap()[2] = f16::from_f32(-1.0);
+        assert_eq!(session.v(1, 3).unwrap()[2].to_f32(), 7.5);
+        assert_eq!(session.k(1, 3).unwrap()[2].to_f32(), -1.0);
+        assert_eq!(session.v(1, 2).unwrap()[2].to_f32(), 0.0);
+        assert_eq!(session.v(0, 3).unwrap()[2].to_f32(), 0.0);
+    }
+
+    #[test]
+    fn blocks_cover_the_range_in_page_runs() {
+        let mut session = SessionKv::new(pool(4));
+        session.reserve(11).unwrap();
+        fill(&mut session, 0..11);
+        let blocks: Vec<&[f16]> = session.k_blocks(1, 2..11).unwrap().collect();
+        let lengths: Vec<usize> = blocks.iter().map(|b| b.len() / 4).collect();
+        assert_eq!(lengths, vec![2, 4, 3]);
+        let flat: Vec<f32> = blocks.concat().iter().map(|x| x.to_f32()).collect();
+        let want: Vec<f32> = (2..11)
+            .flat_map(|pos| (0..4).map(move |i| value(0, 1, pos, i)))
+            .collect();
+        assert_eq!(flat, want);
+        let v_flat: Vec<f32> = session
+            .v_blocks(2, 0..11)
+            .unwrap()
+            .flatten()
+            .map(|x| x.to_f32())
+            .collect();
+        let v_want: Vec<f32> = (0..11)
+            .flat_map(|pos| (0..4).map(move |i| value(1, 2, pos, i)))
+            .collect();
+        assert_eq!(v_flat, v_want);
+        assert_eq!(session.k_blocks(0, 5..5).unwrap().count(), 0);
+        assert!(session.k_blocks(0, 0..13).is_err());
+        assert!(session.k_blocks(3, 0..1).is_err());
+    }
+
+    #[test]
+    fn out_of_range_access_is_an_error() {
+        let mut session = SessionKv::new(pool(2));
+        assert!(matches!(
+            session.k(0, 0),
+            Err(KvError::PositionOutOfRange { pos: 0, capacity: 0 })
+        ));
+        session.reserve(3).unwrap();
+        assert!(matches!(
+            session.v(0, 4),
+            Err(KvError::PositionOutOfRange { pos: 4, capacity: 4 })
+        ));
+        assert!(matches!(
+            session.k(3, 0),
+            Err(KvError::LayerOutOfRange { layer: 3, n_layers: 3 })
+        ));
+        assert!(matches!(
+            session.write(0, 0, &[1.0; 3], &[1.0; 4]),
+            Err(KvError::RowLength { expected: 4, got: 3 })
+        ));
+        assert!(session.write(0, usize::MAX, &[1.0; 4], &[1.0; 4]).is_err());
+    }
+
+    #[test]
+    fn exhaustion_leaves_session_and_pool_unchanged() {
+        let pool = pool(3);
+        let mut first = SessionKv::new(Arc::clone(&pool));
+        first.reserve(8).unwrap();
+        let mut second = SessionKv::new(Arc::clone(&pool));
+        second.reserve(1).unwrap();
+        second.write(0, 0, &[1.0; 4], &[2.0; 4]).unwrap();
+        second.commit(1).unwrap();
+        let table_before = second.page_table().to_vec();
+        match second.reserve(13) {
+            Err(KvError::Exhausted { wanted: 3, free: 0 }) => {}
+            other => panic!("expected exhaustion, got {other:?}"),
+        }
+        assert_eq!(second.page_table(), table_before);
+        assert_eq!(second.len(), 1);
+        assert_eq!(second.capacity(), 4);
+        assert_eq!(pool.free_pages(), 0);
+        drop(first);
+        assert_eq!(pool.free_pages(), 2);
+        match second.reserve(16) {
+            Err(KvError::Exhausted { wanted: 3, free: 2 }) => {}
+            other => panic!("expected exhaustion, got {other:?}"),
+        }
+        assert_eq!(pool.free_pages(), 2);
+        second.reserve(12).unwrap();
+        assert_eq!(second.k(0, 0).unwrap()[0].to_f32(), 1.0);
+        assert_eq!(pool.free_pages(), 0);
+    }
+
+    #[test]
+    fn commit_never_decreases_and_never_passes_capacity() {
+        let mut session = SessionKv::new(pool(2));
+        session.reserve(5).unwrap();
+        session.commit(3).unwrap();
+        assert!(matches!(
+            session.commit(2),
+            Err(KvError::InvariantViolation { current: 3, requested: 2 })
+        ));
+        assert!(matches!(
+            session.commit(9),
+            Err(KvError::CommitBeyondCapacity { requested: 9, capacity: 8 })
+        ));
+        assert_eq!(session.len(), 3);
+        session.commit(3).unwrap();
+        session.commit(8).unwrap();
+        assert_eq!(session.len(), 8);
+    }
+
+    #[test]
+    fn live_bytes_are_exactly_committed_positions() {
+        let layout = KvLayout {
+            n_layers: 30,
+            kv_dim: 192,
+            page_positions: 16,
+        };
+        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 2)).unwrap());
+        let mut session = SessionKv::new(Arc::clone(&pool));
+        assert_eq!(session.live_bytes(), 0);
+        session.reserve(17).unwrap();
+        session.commit(17).unwrap();
+        assert_eq!(session.live_bytes(), 17 * 23_040);
+        assert_eq!(session.held_bytes(), 2 * 368_640);
+        assert_eq!(session.pages_held(), 2);
+    }
+
+    #[test]
+    fn drop_and_release_return_every_page_once() {
+        let pool = pool(5);
+        {
+            let mut session = SessionKv::new(Arc::clone(&pool));
+            session.reserve(20).unwrap();
+            assert_eq!(pool.free_pages(), 0);
+        }
+        assert_eq!(pool.free_pages(), 5);
+        let mut session = SessionKv::new(Arc::clone(&pool));
+        session.reserve(6).unwrap();
+        session.commit(6).unwrap();
+        session.release().unwrap();
+        assert_eq!((session.len(), session.capacity(), pool.free_pages()), (0, 0, 5));
+        session.release().unwrap();
+        assert_eq!(pool.free_pages(), 5);
+        session.reserve(1).unwrap();
+        drop(session);
+        let mut all = pool.allocator().alloc_many(5).unwrap();
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn session_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<SessionKv>();
+    }
+
+    #[test]
+    fn many_threads_read_one_session_while_others_fill_their_own() {
+        let pool = pool(12);
+        let mut shared = SessionKv::new(Arc::clone(&pool));
+        shared.reserve(8).unwrap();
+        fill(&mut shared, 0..8);
+        let shared = &shared;
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(move || {
+                    for _ in 0..200 {
+                        for pos in 0..8 {
+                            let row = shared.k(2, pos).unwrap();
+                            assert_eq!(row[3].to_f32(), value(0, 2, pos, 3));
+                        }
+                    }
+                });
+            }
+            for writer in 0..2usize {
+                let pool = Arc::clone(&pool);
+                scope.spawn(move || {
+                    for round in 0..50usize {
+                        let mut own = SessionKv::new(Arc::clone(&pool));
+                        own.reserve(12).unwrap();
+                        let tag = (writer * 100 + round) as f32;
+                        for pos in 0..12 {
+                            own.write(1, pos, &[tag; 4], &[-tag; 4]).unwrap();
+                        }
+                        for pos in 0..12 {
+                            assert_eq!(own.k(1, pos).unwrap()[0].to_f32(), tag);
+                            assert_eq!(own.v(1, pos).unwrap()[3].to_f32(), -tag);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(pool.free_pages(), 10);
+        assert_eq!(shared.v(0, 7).unwrap()[1].to_f32(), value(1, 0, 7, 1));
+    }
+}
