@@ -40,7 +40,10 @@ impl<'a> Cursor<'a> {
     }
 
     pub fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], GgufError> {
-        let end = self.pos.checked_add(n).filter(|&end| end <= self.bytes.len());
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&end| end <= self.bytes.len());
         match end {
             Some(end) => {
                 let out = &self.bytes[self.pos..end];
@@ -89,7 +92,11 @@ impl<'a> Cursor<'a> {
         let fits = (self.remaining() / min_item_bytes.max(1)) as u64;
         let limit = fits.min(cap);
         if n > limit {
-            return Err(GgufError::TooLarge { what, value: n, limit });
+            return Err(GgufError::TooLarge {
+                what,
+                value: n,
+                limit,
+            });
         }
         Ok(n as usize)
     }
@@ -98,7 +105,11 @@ impl<'a> Cursor<'a> {
     pub fn string(&mut self, what: &'static str) -> Result<String, GgufError> {
         let len = self.u64(what)?;
         if len > MAX_STRING_BYTES {
-            return Err(GgufError::TooLarge { what, value: len, limit: MAX_STRING_BYTES });
+            return Err(GgufError::TooLarge {
+                what,
+                value: len,
+                limit: MAX_STRING_BYTES,
+            });
         }
         let offset = self.pos as u64;
         let bytes = self.take(len as usize, what)?;

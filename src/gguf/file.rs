@@ -50,7 +50,9 @@ impl TensorInfo {
     /// Elements in one row (the innermost dimension; 0 for a hand-built
     /// entry without dimensions).
     pub fn row_len(&self) -> usize {
-        self.dims.first().map_or(0, |&d| usize::try_from(d).unwrap_or(usize::MAX))
+        self.dims
+            .first()
+            .map_or(0, |&d| usize::try_from(d).unwrap_or(usize::MAX))
     }
 
     /// Rows: the product of every dimension but the innermost.
@@ -191,12 +193,22 @@ impl GgufFile {
             };
             let byte_len = tensor_byte_len(&name, &dims, ty)?;
             if offset % alignment != 0 {
-                return Err(GgufError::MisalignedTensor { name, offset, alignment });
+                return Err(GgufError::MisalignedTensor {
+                    name,
+                    offset,
+                    alignment,
+                });
             }
             if tensor_index.insert(name.clone(), raw.len()).is_some() {
                 return Err(GgufError::DuplicateTensor { name });
             }
-            raw.push(RawTensor { name, dims, ty, offset, byte_len });
+            raw.push(RawTensor {
+                name,
+                dims,
+                ty,
+                offset,
+                byte_len,
+            });
         }
 
         // Tensor data begins at the next aligned offset after the directory.
@@ -291,7 +303,9 @@ impl GgufFile {
     }
 
     fn require(&self, key: &str) -> Result<&MetaValue, GgufError> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_owned() })
+        self.get(key).ok_or_else(|| GgufError::MissingKey {
+            key: key.to_owned(),
+        })
     }
 
     fn wrong_type(&self, key: &str, v: &MetaValue, expected: &'static str) -> GgufError {
@@ -305,7 +319,8 @@ impl GgufFile {
     /// A required non-negative integer of any width.
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| self.wrong_type(key, v, "unsigned integer"))
+        v.as_u64()
+            .ok_or_else(|| self.wrong_type(key, v, "unsigned integer"))
     }
 
     /// An optional non-negative integer (absent is `None`; present but of the
@@ -320,7 +335,9 @@ impl GgufFile {
     /// A required float (f32 or f64).
     pub fn get_f32(&self, key: &str) -> Result<f32, GgufError> {
         let v = self.require(key)?;
-        v.as_f64().map(|x| x as f32).ok_or_else(|| self.wrong_type(key, v, "float"))
+        v.as_f64()
+            .map(|x| x as f32)
+            .ok_or_else(|| self.wrong_type(key, v, "float"))
     }
 
     /// An optional float.
@@ -376,7 +393,9 @@ impl GgufFile {
 
     /// A tensor's directory entry, or a `MissingTensor` error.
     pub fn require_tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.tensor(name).ok_or_else(|| GgufError::MissingTensor { name: name.to_owned() })
+        self.tensor(name).ok_or_else(|| GgufError::MissingTensor {
+            name: name.to_owned(),
+        })
     }
 
     /// The bytes of a tensor of this file (a view into the map).

@@ -14,7 +14,8 @@
 //! The vocabulary is byte-level: token id `b` for `b` in 0..256 is the GPT-2
 //! byte-encoder character of byte `b` (see [`gpt2_byte_char`]), followed by
 //! the specials `<|endoftext|>`, `<|im_start|>` (BOS) and `<|im_end|>` (EOS),
-//! then `[PADn]` fillers up to the vocabulary size. The merge list is empty.
+//! then `[PADn]` fillers up to the vocabulary size. The merge list is empty,
+//! and the chat template is plain ChatML.
 
 use half::f16;
 use thiserror::Error;
@@ -35,6 +36,10 @@ pub const EOS_TOKEN_ID: u32 = 258;
 pub const MIN_VOCAB: usize = 259;
 
 const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+/// A plain ChatML template over the specials above.
+const CHAT_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n\
+{{ message['content'] }}<|im_end|>\n{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 /// llama.cpp's token types.
 const TOKEN_TYPE_NORMAL: i32 = 1;
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -64,7 +69,9 @@ pub enum SyntheticError {
         block: usize,
     },
     /// Too few token ids for the byte tokens and specials.
-    #[error("vocabulary size {vocab} is below the minimum {MIN_VOCAB} (256 byte tokens and 3 specials)")]
+    #[error(
+        "vocabulary size {vocab} is below the minimum {MIN_VOCAB} (256 byte tokens and 3 specials)"
+    )]
     VocabTooSmall { vocab: usize },
     /// A size that llama.cpp stores as u32 does not fit one.
     #[error("{field} is {value}, more than a u32 holds")]
@@ -165,7 +172,10 @@ impl SyntheticLlama {
             return Err(SyntheticError::VocabTooSmall { vocab: self.vocab });
         }
         if u32::try_from(self.vocab).is_err() {
-            return Err(SyntheticError::TooLarge { field: "vocab", value: self.vocab });
+            return Err(SyntheticError::TooLarge {
+                field: "vocab",
+                value: self.vocab,
+            });
         }
         if self.hidden % self.n_heads != 0 {
             return Err(SyntheticError::HeadsDoNotDivideHidden {
@@ -180,16 +190,26 @@ impl SyntheticLlama {
             });
         }
         if self.head_dim() % 2 != 0 {
-            return Err(SyntheticError::OddHeadDim { head_dim: self.head_dim() });
+            return Err(SyntheticError::OddHeadDim {
+                head_dim: self.head_dim(),
+            });
         }
         let ty = self.weight_type;
-        if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0 | GgmlType::Q4_1) {
+        if !matches!(
+            ty,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0 | GgmlType::Q4_1
+        ) {
             return Err(SyntheticError::UnsupportedWeightType { ty });
         }
         let block = ty.block_len();
         for (field, value) in [("hidden", self.hidden), ("ffn", self.ffn)] {
             if value % block != 0 {
-                return Err(SyntheticError::NotWholeBlocks { field, value, ty, block });
+                return Err(SyntheticError::NotWholeBlocks {
+                    field,
+                    value,
+                    ty,
+                    block,
+                });
             }
         }
         Ok(())
@@ -268,7 +288,10 @@ impl SyntheticLlama {
             .add_meta("llama.attention.head_count", u32_of(self.n_heads))
             .add_meta("llama.attention.head_count_kv", u32_of(self.n_kv_heads))
             .add_meta("llama.rope.freq_base", MetaValue::F32(self.rope_base))
-            .add_meta("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(RMS_NORM_EPS))
+            .add_meta(
+                "llama.attention.layer_norm_rms_epsilon",
+                MetaValue::F32(RMS_NORM_EPS),
+            )
             .add_meta("llama.rope.dimension_count", u32_of(self.head_dim()))
             .add_meta("llama.vocab_size", u32_of(self.vocab));
     }
@@ -305,11 +328,34 @@ fn add_tokenizer_metadata(w: &mut GgufWriter, vocab: usize) {
     }
     w.add_meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
         .add_meta("tokenizer.ggml.pre", MetaValue::String("smollm".into()))
-        .add_meta("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(tokens)))
-        .add_meta("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(types)))
-        .add_meta("tokenizer.ggml.merges", MetaValue::Array(MetaArray::String(Vec::new())))
+        .add_meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(MetaArray::String(tokens)),
+        )
+        .add_meta(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(MetaArray::I32(types)),
+        )
+        .add_meta(
+            "tokenizer.ggml.merges",
+            MetaValue::Array(MetaArray::String(Vec::new())),
+        )
         .add_meta("tokenizer.ggml.bos_token_id", MetaValue::U32(BOS_TOKEN_ID))
-        .add_meta("tokenizer.ggml.eos_token_id", MetaValue::U32(EOS_TOKEN_ID));
+        .add_meta("tokenizer.ggml.eos_token_id", MetaValue::U32(EOS_TOKEN_ID))
+        .add_meta(
+            "tokenizer.ggml.unknown_token_id",
+            MetaValue::U32(ENDOFTEXT_TOKEN_ID),
+        )
+        .add_meta(
+            "tokenizer.ggml.padding_token_id",
+            MetaValue::U32(EOS_TOKEN_ID),
+        )
+        .add_meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
+        .add_meta("tokenizer.ggml.add_space_prefix", MetaValue::Bool(false))
+        .add_meta(
+            "tokenizer.chat_template",
+            MetaValue::String(CHAT_TEMPLATE.into()),
+        );
 }
 
 /// The character GPT-2's byte-level BPE uses for byte `b`: printable
@@ -424,10 +470,17 @@ mod tests {
     fn every_weight_type_builds_the_full_directory() {
         for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_1] {
             for tied_output in [false, true] {
-                let model = SyntheticLlama { weight_type: ty, tied_output, ..SyntheticLlama::tiny() };
+                let model = SyntheticLlama {
+                    weight_type: ty,
+                    tied_output,
+                    ..SyntheticLlama::tiny()
+                };
                 let file = parse(&model);
                 let specs = model.tensor_specs().unwrap();
-                assert_eq!(specs.len(), 1 + 9 * model.n_layers + 1 + usize::from(!tied_output));
+                assert_eq!(
+                    specs.len(),
+                    1 + 9 * model.n_layers + 1 + usize::from(!tied_output)
+                );
                 assert_eq!(file.tensors().len(), specs.len());
                 for spec in &specs {
                     let t = file.require_tensor(&spec.name).unwrap();
@@ -442,7 +495,10 @@ mod tests {
 
     #[test]
     fn shapes_follow_llama_cpp() {
-        let model = SyntheticLlama { weight_type: GgmlType::Q4_1, ..SyntheticLlama::tiny() };
+        let model = SyntheticLlama {
+            weight_type: GgmlType::Q4_1,
+            ..SyntheticLlama::tiny()
+        };
         let file = parse(&model);
         let dims = |name: &str| file.require_tensor(name).unwrap().dims.clone();
         assert_eq!(dims("token_embd.weight"), [64, 320]);
@@ -454,7 +510,10 @@ mod tests {
         assert_eq!(dims("output_norm.weight"), [64]);
         let q = file.require_tensor("blk.0.attn_q.weight").unwrap();
         assert_eq!(q.byte_len, 64 * 2 * 20);
-        assert_eq!(file.require_tensor("blk.0.ffn_norm.weight").unwrap().ty, GgmlType::F32);
+        assert_eq!(
+            file.require_tensor("blk.0.ffn_norm.weight").unwrap().ty,
+            GgmlType::F32
+        );
     }
 
     #[test]
@@ -477,7 +536,11 @@ mod tests {
             assert_eq!(file.get_u64(key).unwrap(), want, "{key}");
         }
         assert_eq!(file.get_f32("llama.rope.freq_base").unwrap(), 10_000.0);
-        assert_eq!(file.get_f32("llama.attention.layer_norm_rms_epsilon").unwrap(), 1e-5);
+        assert_eq!(
+            file.get_f32("llama.attention.layer_norm_rms_epsilon")
+                .unwrap(),
+            1e-5
+        );
         assert_eq!(file.get_str("tokenizer.ggml.model").unwrap(), "gpt2");
         let MetaArray::String(tokens) = file.get_array("tokenizer.ggml.tokens").unwrap() else {
             panic!("tokens are not strings");
@@ -491,18 +554,35 @@ mod tests {
         };
         assert_eq!((types[0], types[258], types[259]), (1, 3, 5));
         assert!(file.get_array("tokenizer.ggml.merges").unwrap().is_empty());
+        assert_eq!(
+            file.get_bool_opt("tokenizer.ggml.add_bos_token").unwrap(),
+            Some(false)
+        );
+        let template = file.get_str("tokenizer.chat_template").unwrap();
+        assert!(template
+            .contains("<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"));
     }
 
     #[test]
     fn weights_are_deterministic_and_in_range() {
         let model = SyntheticLlama::tiny();
         assert_eq!(model.build(), model.build());
-        assert_ne!(model.build(), SyntheticLlama { seed: 2, ..model.clone() }.build());
+        assert_ne!(
+            model.build(),
+            SyntheticLlama {
+                seed: 2,
+                ..model.clone()
+            }
+            .build()
+        );
 
         let file = parse(&model);
         let floats = |name: &str| -> Vec<f32> {
             let bytes = file.tensor_data(name).unwrap();
-            bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
         };
         let norm = floats("blk.0.attn_norm.weight");
         assert!(norm.iter().all(|&x| (0.9..=1.1).contains(&x)));
@@ -515,18 +595,34 @@ mod tests {
 
     #[test]
     fn quantized_blocks_decode_within_scale() {
-        let q8 = SyntheticLlama { weight_type: GgmlType::Q8_0, ..SyntheticLlama::tiny() };
+        let q8 = SyntheticLlama {
+            weight_type: GgmlType::Q8_0,
+            ..SyntheticLlama::tiny()
+        };
         let file = parse(&q8);
         let bound = 0.5 / 8.0 + 1e-3;
-        for block in file.tensor_data("blk.0.attn_q.weight").unwrap().chunks_exact(34) {
+        for block in file
+            .tensor_data("blk.0.attn_q.weight")
+            .unwrap()
+            .chunks_exact(34)
+        {
             let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
             assert!(d > 0.0 && d.is_finite());
             assert!(block[2..].iter().all(|&q| q as i8 != i8::MIN));
-            assert!(block[2..].iter().all(|&q| (d * f32::from(q as i8)).abs() <= bound));
+            assert!(block[2..]
+                .iter()
+                .all(|&q| (d * f32::from(q as i8)).abs() <= bound));
         }
-        let q4 = SyntheticLlama { weight_type: GgmlType::Q4_1, ..SyntheticLlama::tiny() };
+        let q4 = SyntheticLlama {
+            weight_type: GgmlType::Q4_1,
+            ..SyntheticLlama::tiny()
+        };
         let file = parse(&q4);
-        for block in file.tensor_data("blk.0.ffn_up.weight").unwrap().chunks_exact(20) {
+        for block in file
+            .tensor_data("blk.0.ffn_up.weight")
+            .unwrap()
+            .chunks_exact(20)
+        {
             let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
             let m = f16::from_le_bytes([block[2], block[3]]).to_f32();
             for &byte in &block[4..] {
@@ -541,26 +637,67 @@ mod tests {
     fn invalid_configurations_are_errors() {
         let tiny = SyntheticLlama::tiny();
         let cases = [
-            (SyntheticLlama { n_layers: 0, ..tiny.clone() }, SyntheticError::Zero { field: "n_layers" }),
             (
-                SyntheticLlama { n_heads: 3, ..tiny.clone() },
-                SyntheticError::HeadsDoNotDivideHidden { hidden: 64, n_heads: 3 },
+                SyntheticLlama {
+                    n_layers: 0,
+                    ..tiny.clone()
+                },
+                SyntheticError::Zero { field: "n_layers" },
             ),
             (
-                SyntheticLlama { n_kv_heads: 3, ..tiny.clone() },
-                SyntheticError::KvHeadsDoNotDivideHeads { n_heads: 4, n_kv_heads: 3 },
+                SyntheticLlama {
+                    n_heads: 3,
+                    ..tiny.clone()
+                },
+                SyntheticError::HeadsDoNotDivideHidden {
+                    hidden: 64,
+                    n_heads: 3,
+                },
             ),
-            (SyntheticLlama { vocab: 258, ..tiny.clone() }, SyntheticError::VocabTooSmall { vocab: 258 }),
             (
-                SyntheticLlama { ffn: 48, weight_type: GgmlType::Q8_0, ..tiny.clone() },
-                SyntheticError::NotWholeBlocks { field: "ffn", value: 48, ty: GgmlType::Q8_0, block: 32 },
+                SyntheticLlama {
+                    n_kv_heads: 3,
+                    ..tiny.clone()
+                },
+                SyntheticError::KvHeadsDoNotDivideHeads {
+                    n_heads: 4,
+                    n_kv_heads: 3,
+                },
             ),
             (
-                SyntheticLlama { weight_type: GgmlType::Q4_K, ..tiny.clone() },
+                SyntheticLlama {
+                    vocab: 258,
+                    ..tiny.clone()
+                },
+                SyntheticError::VocabTooSmall { vocab: 258 },
+            ),
+            (
+                SyntheticLlama {
+                    ffn: 48,
+                    weight_type: GgmlType::Q8_0,
+                    ..tiny.clone()
+                },
+                SyntheticError::NotWholeBlocks {
+                    field: "ffn",
+                    value: 48,
+                    ty: GgmlType::Q8_0,
+                    block: 32,
+                },
+            ),
+            (
+                SyntheticLlama {
+                    weight_type: GgmlType::Q4_K,
+                    ..tiny.clone()
+                },
                 SyntheticError::UnsupportedWeightType { ty: GgmlType::Q4_K },
             ),
             (
-                SyntheticLlama { hidden: 12, n_heads: 4, n_kv_heads: 4, ..tiny.clone() },
+                SyntheticLlama {
+                    hidden: 12,
+                    n_heads: 4,
+                    n_kv_heads: 4,
+                    ..tiny.clone()
+                },
                 SyntheticError::OddHeadDim { head_dim: 3 },
             ),
         ];

@@ -96,18 +96,26 @@ impl GgufWriter {
         let align = self.alignment.max(1);
         let auto_alignment = self.alignment != DEFAULT_ALIGNMENT
             && !self.metadata.iter().any(|(k, _)| k == ALIGNMENT_KEY);
-        let data_len: usize = self.tensors.iter().map(|t| t.bytes.len() + align as usize).sum();
+        let data_len: usize = self
+            .tensors
+            .iter()
+            .map(|t| t.bytes.len() + align as usize)
+            .sum();
         let mut out = Vec::with_capacity(4096 + data_len);
 
         out.extend_from_slice(GGUF_MAGIC);
         put_u32(&mut out, self.version);
         put_u64(&mut out, self.tensors.len() as u64);
-        put_u64(&mut out, (self.metadata.len() + usize::from(auto_alignment)) as u64);
+        put_u64(
+            &mut out,
+            (self.metadata.len() + usize::from(auto_alignment)) as u64,
+        );
 
         if auto_alignment {
             put_string(&mut out, ALIGNMENT_KEY);
             // u32 is what llama.cpp writes and reads for this key.
-            let value = u32::try_from(self.alignment).map_or(MetaValue::U64(self.alignment), MetaValue::U32);
+            let value = u32::try_from(self.alignment)
+                .map_or(MetaValue::U64(self.alignment), MetaValue::U32);
             put_tagged(&mut out, &value);
         }
         for (key, value) in &self.metadata {
