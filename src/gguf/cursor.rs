@@ -7,6 +7,20 @@ use super::GgufError;
 /// of kilobytes; nothing legitimate comes near this).
 pub const MAX_STRING_BYTES: u64 = 16 << 20;
 
+/// Most items reserved up front for a list whose length the file claims.
+/// Counts are already bounded by the bytes left, but a multi-gigabyte file
+/// could still claim hundreds of millions of items (and nested arrays each
+/// claim against the same remaining bytes); beyond this, vectors grow only
+/// as items are really parsed.
+const MAX_PREALLOC_ITEMS: usize = 1 << 16;
+
+/// A vector with room for `claimed` items, reserving at most
+/// [`MAX_PREALLOC_ITEMS`] so a claimed count never becomes an allocation
+/// before the items themselves have been read.
+pub fn vec_for_claimed<T>(claimed: usize) -> Vec<T> {
+    Vec::with_capacity(claimed.min(MAX_PREALLOC_ITEMS))
+}
+
 pub struct Cursor<'a> {
     bytes: &'a [u8],
     pos: usize,
@@ -66,10 +80,17 @@ impl<'a> Cursor<'a> {
     }
 
     /// A count that must fit the remaining bytes when each item takes at least
-    /// `min_item_bytes`, so a hostile count cannot make us allocate.
-    pub fn count(&mut self, what: &'static str, min_item_bytes: usize) -> Result<usize, GgufError> {
+    /// `min_item_bytes`, and must not exceed `cap`, so a hostile count cannot
+    /// make us allocate or loop beyond what the file really holds.
+    pub fn count(
+        &mut self,
+        what: &'static str,
+        min_item_bytes: usize,
+        cap: u64,
+    ) -> Result<usize, GgufError> {
         let n = self.u64(what)?;
-        let limit = (self.remaining() / min_item_bytes.max(1)) as u64;
+        let fits = (self.remaining() / min_item_bytes.max(1)) as u64;
+        let limit = fits.min(cap);
         if n > limit {
             return Err(GgufError::TooLarge {
                 what,

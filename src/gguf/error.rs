@@ -20,7 +20,8 @@ pub enum GgufError {
     /// A format version this reader does not know (1 is obsolete; a
     /// byte-swapped number means a big-endian file).
     #[error(
-        "unsupported GGUF version {version} (this reader handles versions 2 and 3, little-endian)"
+        "unsupported GGUF version {version} (this reader handles versions 2 and 3, little-endian){hint}",
+        hint = version_hint(*version)
     )]
     UnsupportedVersion { version: u32 },
     /// The file ends before a field that must be there.
@@ -99,4 +100,13 @@ pub enum GgufError {
     /// A tensor that a caller asked for is absent.
     #[error("tensor '{name}' is missing from the file")]
     MissingTensor { name: String },
+}
+
+/// Extra words for a version number that reads as 2 or 3 once its bytes are
+/// swapped: the file was written big-endian.
+fn version_hint(version: u32) -> &'static str {
+    match version.swap_bytes() {
+        2 | 3 => "; this looks like a big-endian file",
+        _ => "",
+    }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use memmap2::Mmap;
 
-use super::cursor::Cursor;
+use super::cursor::{vec_for_claimed, Cursor};
 use super::value::{read_tagged, MetaArray, MetaValue};
 use super::GgufError;
 use crate::quant::GgmlType;
@@ -16,6 +16,10 @@ pub const MAX_DIMS: usize = 4;
 const GGUF_MAGIC: [u8; 4] = *b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_ALIGNMENT: u64 = 1 << 16;
+/// Most tensors accepted (the largest real models have a few thousand).
+pub const MAX_TENSORS: u64 = 1 << 20;
+/// Most metadata entries accepted (real files have a few dozen).
+pub const MAX_METADATA_ENTRIES: u64 = 1 << 20;
 /// Smallest possible metadata entry: empty key (8) + type (4) + one byte.
 const MIN_KV_BYTES: usize = 13;
 /// Smallest possible tensor entry: empty name (8) + n_dims (4) + one dim (8)
@@ -37,19 +41,24 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// Number of elements.
+    /// Number of elements. (Every entry read from a file was checked not to
+    /// overflow; for a hand-built entry that would, this saturates.)
     pub fn element_count(&self) -> u64 {
-        self.dims.iter().product()
+        saturating_product(&self.dims)
     }
 
-    /// Elements in one row (the innermost dimension).
+    /// Elements in one row (the innermost dimension; 0 for a hand-built
+    /// entry without dimensions).
     pub fn row_len(&self) -> usize {
-        self.dims[0] as usize
+        self.dims
+            .first()
+            .map_or(0, |&d| usize::try_from(d).unwrap_or(usize::MAX))
     }
 
     /// Rows: the product of every dimension but the innermost.
     pub fn row_count(&self) -> usize {
-        self.dims[1..].iter().product::<u64>() as usize
+        let rows = saturating_product(self.dims.get(1..).unwrap_or(&[]));
+        usize::try_from(rows).unwrap_or(usize::MAX)
     }
 }
 
@@ -124,11 +133,11 @@ impl GgufFile {
         if version != 2 && version != 3 {
             return Err(GgufError::UnsupportedVersion { version });
         }
-        let tensor_count = cur.count("tensor count", MIN_TENSOR_INFO_BYTES)?;
-        let kv_count = cur.count("metadata entry count", MIN_KV_BYTES)?;
+        let tensor_count = cur.count("tensor count", MIN_TENSOR_INFO_BYTES, MAX_TENSORS)?;
+        let kv_count = cur.count("metadata entry count", MIN_KV_BYTES, MAX_METADATA_ENTRIES)?;
 
-        let mut metadata = Vec::with_capacity(kv_count);
-        let mut metadata_index = HashMap::with_capacity(kv_count);
+        let mut metadata = vec_for_claimed(kv_count);
+        let mut metadata_index = HashMap::with_capacity(kv_count.min(1024));
         for _ in 0..kv_count {
             let key = cur.string("metadata key")?;
             let value = read_tagged(&mut cur, &key)?;
@@ -141,7 +150,12 @@ impl GgufFile {
         let alignment = match metadata_index.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
             Some(&i) => {
-                let a = metadata[i].1.as_u64().unwrap_or(0);
+                let value: &MetaValue = &metadata[i].1;
+                let a = value.as_u64().ok_or_else(|| GgufError::WrongType {
+                    key: "general.alignment".to_owned(),
+                    found: value.value_type().name(),
+                    expected: "unsigned integer",
+                })?;
                 if a == 0 || !a.is_power_of_two() || a > MAX_ALIGNMENT {
                     return Err(GgufError::BadAlignment { alignment: a });
                 }
@@ -156,8 +170,8 @@ impl GgufFile {
             offset: u64,
             byte_len: u64,
         }
-        let mut raw = Vec::with_capacity(tensor_count);
-        let mut tensor_index = HashMap::with_capacity(tensor_count);
+        let mut raw: Vec<RawTensor> = vec_for_claimed(tensor_count);
+        let mut tensor_index = HashMap::with_capacity(tensor_count.min(1024));
         for _ in 0..tensor_count {
             let name = cur.string("tensor name")?;
             let n_dims = cur.u32("tensor dimension count")?;
@@ -392,6 +406,16 @@ impl GgufFile {
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.backing.bytes()[info.file_offset..info.file_offset + info.byte_len]
     }
+
+    /// The bytes of the named tensor, or a `MissingTensor` error.
+    pub fn tensor_data(&self, name: &str) -> Result<&[u8], GgufError> {
+        let info = self.require_tensor(name)?;
+        Ok(self.tensor_bytes(info))
+    }
+}
+
+fn saturating_product(dims: &[u64]) -> u64 {
+    dims.iter().fold(1u64, |acc, &d| acc.saturating_mul(d))
 }
 
 fn tensor_byte_len(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64, GgufError> {
@@ -409,7 +433,7 @@ fn tensor_byte_len(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64, GgufEr
         .filter(|&n| n <= isize::MAX as u64)
         .ok_or_else(|| bad("the element count overflows"))?;
     let block = ty.block_len() as u64;
-    if dims[0] % block != 0 {
+    if dims.first().is_some_and(|&row| row % block != 0) {
         return Err(bad("the row length is not a whole number of blocks"));
     }
     (elements / block)

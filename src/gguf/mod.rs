@@ -6,12 +6,20 @@
 //! zero-copy slices of the map. Versions 2 and 3 (little-endian) are read.
 //! Anything malformed is a [`GgufError`] naming what is wrong and the numbers
 //! involved; nothing here panics or reads out of bounds on any input.
+//!
+//! [`GgufWriter`] builds images in memory (tests, fuzzing seeds), and
+//! [`synthetic`] makes small random llama models in the layout llama.cpp
+//! uses, for tests that need a whole model but not a real one.
 
 mod cursor;
 mod error;
 mod file;
+pub mod synthetic;
 mod value;
+mod writer;
 
+pub use cursor::MAX_STRING_BYTES;
 pub use error::GgufError;
-pub use file::{GgufFile, TensorInfo, MAX_DIMS};
-pub use value::{MetaArray, MetaValue, MetaValueType};
+pub use file::{GgufFile, TensorInfo, MAX_DIMS, MAX_METADATA_ENTRIES, MAX_TENSORS};
+pub use value::{MetaArray, MetaValue, MetaValueType, MAX_ARRAY_DEPTH, MAX_ARRAY_LEN};
+pub use writer::GgufWriter;

@@ -1,10 +1,14 @@
 //! Metadata values: the thirteen GGUF value types, arrays included.
 
-use super::cursor::Cursor;
+use super::cursor::{vec_for_claimed, Cursor};
 use super::GgufError;
 
 /// Deepest array nesting accepted (real files use one level).
 pub const MAX_ARRAY_DEPTH: usize = 4;
+
+/// Longest metadata array accepted. The largest real ones are vocabularies
+/// and merge lists of a few hundred thousand entries.
+pub const MAX_ARRAY_LEN: u64 = 1 << 28;
 
 /// The type tag of a metadata value, numbered as in the GGUF specification.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +29,8 @@ pub enum MetaValueType {
 }
 
 impl MetaValueType {
+    /// Maps a GGUF value type id to a type, or `None` for ids outside the
+    /// specification.
     pub fn from_id(id: u32) -> Option<Self> {
         Some(match id {
             0 => Self::U8,
@@ -44,6 +50,26 @@ impl MetaValueType {
         })
     }
 
+    /// The type id written in the file.
+    pub fn id(self) -> u32 {
+        match self {
+            Self::U8 => 0,
+            Self::I8 => 1,
+            Self::U16 => 2,
+            Self::I16 => 3,
+            Self::U32 => 4,
+            Self::I32 => 5,
+            Self::F32 => 6,
+            Self::Bool => 7,
+            Self::String => 8,
+            Self::Array => 9,
+            Self::U64 => 10,
+            Self::I64 => 11,
+            Self::F64 => 12,
+        }
+    }
+
+    /// A short lower-case name for messages.
     pub fn name(self) -> &'static str {
         match self {
             Self::U8 => "u8",
@@ -111,6 +137,7 @@ pub enum MetaArray {
 }
 
 impl MetaValue {
+    /// The type tag this value is written with.
     pub fn value_type(&self) -> MetaValueType {
         match self {
             Self::U8(_) => MetaValueType::U8,
@@ -156,6 +183,26 @@ impl MetaValue {
 }
 
 impl MetaArray {
+    /// The type of the array's elements.
+    pub fn element_type(&self) -> MetaValueType {
+        match self {
+            Self::U8(_) => MetaValueType::U8,
+            Self::I8(_) => MetaValueType::I8,
+            Self::U16(_) => MetaValueType::U16,
+            Self::I16(_) => MetaValueType::I16,
+            Self::U32(_) => MetaValueType::U32,
+            Self::I32(_) => MetaValueType::I32,
+            Self::F32(_) => MetaValueType::F32,
+            Self::Bool(_) => MetaValueType::Bool,
+            Self::String(_) => MetaValueType::String,
+            Self::Array(_) => MetaValueType::Array,
+            Self::U64(_) => MetaValueType::U64,
+            Self::I64(_) => MetaValueType::I64,
+            Self::F64(_) => MetaValueType::F64,
+        }
+    }
+
+    /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
             Self::U8(v) => v.len(),
@@ -174,6 +221,7 @@ impl MetaArray {
         }
     }
 
+    /// Whether the array has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -225,10 +273,10 @@ fn read_array(cur: &mut Cursor<'_>, key: &str, depth: usize) -> Result<MetaArray
         });
     }
     let ty = read_type(cur, key)?;
-    let n = cur.count("metadata array length", ty.min_bytes())?;
+    let n = cur.count("metadata array length", ty.min_bytes(), MAX_ARRAY_LEN)?;
     macro_rules! collect {
         ($variant:ident, $read:expr) => {{
-            let mut v = Vec::with_capacity(n);
+            let mut v = vec_for_claimed(n);
             for _ in 0..n {
                 v.push($read);
             }
