@@ -2,6 +2,7 @@
 //!
 //! The crate is split into rooms with one job each (see `docs/ARCHITECTURE.md`):
 //!
+//! - [`engine`]: model + threads + KV pool + sampler, serving append-only sessions.
 //! - [`gguf`]: a bounds-checked, zero-copy reader for GGUF model files.
 //! - [`quant`]: tensor block formats and their dot-product kernels (scalar
 //!   reference plus SIMD paths chosen at run time).
@@ -14,9 +15,10 @@
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 pub mod cli;
+pub mod engine;
 pub mod gguf;
 pub mod kv;
-// pub mod model; (enabled once the kernels and KV cache land)
+pub mod model;
 pub mod quant;
 pub mod sampler;
 pub mod threads;

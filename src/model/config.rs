@@ -83,7 +83,9 @@ impl ModelConfig {
             let name = key(k);
             let v = file.get_u64(&name)?;
             if v == 0 || v > cap {
-                return Err(ModelError::BadConfig(format!("{name} is {v}; expected 1..={cap}")));
+                return Err(ModelError::BadConfig(format!(
+                    "{name} is {v}; expected 1..={cap}"
+                )));
             }
             Ok(v as usize)
         };
@@ -97,14 +99,23 @@ impl ModelConfig {
         let ffn = get("feed_forward_length", MAX_WIDTH * 8)?;
         let context = get("context_length", 1 << 24)?;
         let rms_eps = file.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
-        let rope_base = file.get_f32_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+        let rope_base = file
+            .get_f32_opt(&key("rope.freq_base"))?
+            .unwrap_or(10_000.0);
 
         let vocab = match file.get_u64_opt(&key("vocab_size"))? {
             Some(v) => v,
-            None => file.require_tensor("token_embd.weight")?.dims.get(1).copied().unwrap_or(0),
+            None => file
+                .require_tensor("token_embd.weight")?
+                .dims
+                .get(1)
+                .copied()
+                .unwrap_or(0),
         };
         if vocab == 0 || vocab > MAX_VOCAB {
-            return Err(ModelError::BadConfig(format!("vocabulary size {vocab} is out of range")));
+            return Err(ModelError::BadConfig(format!(
+                "vocabulary size {vocab} is out of range"
+            )));
         }
 
         if hidden % n_heads != 0 {
@@ -119,7 +130,9 @@ impl ModelConfig {
             )));
         }
         if head_dim % 2 != 0 {
-            return Err(ModelError::BadConfig(format!("head dimension {head_dim} is odd")));
+            return Err(ModelError::BadConfig(format!(
+                "head dimension {head_dim} is odd"
+            )));
         }
         let rope_dims = match file.get_u64_opt(&key("rope.dimension_count"))? {
             None => head_dim,
@@ -166,7 +179,9 @@ impl ModelConfig {
 /// RoPE frequency scale from `{arch}.rope.scaling.*`: linear scaling is
 /// supported; other kinds (YaRN, ...) are refused rather than approximated.
 fn rope_scale(file: &GgufFile, p: &str) -> Result<f32, ModelError> {
-    let kind = file.get_str_opt(&format!("{p}.rope.scaling.type"))?.unwrap_or("none");
+    let kind = file
+        .get_str_opt(&format!("{p}.rope.scaling.type"))?
+        .unwrap_or("none");
     let factor = file.get_f32_opt(&format!("{p}.rope.scaling.factor"))?;
     let legacy = file.get_f32_opt(&format!("{p}.rope.scale_linear"))?;
     match (kind, factor.or(legacy)) {

@@ -117,7 +117,10 @@ impl Model {
         resize(&mut x, n_tokens * self.config.hidden);
         let mut offset = 0;
         for s in seqs.iter() {
-            self.embed(s.tokens, &mut x[offset * self.config.hidden..][..s.tokens.len() * self.config.hidden])?;
+            self.embed(
+                s.tokens,
+                &mut x[offset * self.config.hidden..][..s.tokens.len() * self.config.hidden],
+            )?;
             offset += s.tokens.len();
         }
         let result = self.forward_layers(0..self.config.n_layers, seqs, &mut x, pool, scratch);
@@ -233,7 +236,14 @@ impl Model {
             self.attention(pool, seqs, kv_layer, scratch);
             self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
             resize(&mut scratch.proj, n * h);
-            self.matmul(pool, &w.wo, &scratch.acts, n, &mut scratch.proj, &mut scratch.by_row);
+            self.matmul(
+                pool,
+                &w.wo,
+                &scratch.acts,
+                n,
+                &mut scratch.proj,
+                &mut scratch.by_row,
+            );
             add_in_place(x, &scratch.proj);
 
             // Feed-forward block: x += W_down · (silu(W_gate·n(x)) ⊙ W_up·n(x)).
@@ -241,14 +251,35 @@ impl Model {
             self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
             resize(&mut scratch.gate, n * cfg.ffn);
             resize(&mut scratch.up, n * cfg.ffn);
-            self.matmul(pool, &w.w_gate, &scratch.acts, n, &mut scratch.gate, &mut scratch.by_row);
+            self.matmul(
+                pool,
+                &w.w_gate,
+                &scratch.acts,
+                n,
+                &mut scratch.gate,
+                &mut scratch.by_row,
+            );
             if w.w_up.act_ty != w.w_gate.act_ty {
                 self.quantize_acts(pool, &w.w_up, &scratch.xn, n, &mut scratch.acts);
             }
-            self.matmul(pool, &w.w_up, &scratch.acts, n, &mut scratch.up, &mut scratch.by_row);
+            self.matmul(
+                pool,
+                &w.w_up,
+                &scratch.acts,
+                n,
+                &mut scratch.up,
+                &mut scratch.by_row,
+            );
             swiglu(pool, &mut scratch.gate, &scratch.up, cfg.ffn);
             self.quantize_acts(pool, &w.w_down, &scratch.gate, n, &mut scratch.acts);
-            self.matmul(pool, &w.w_down, &scratch.acts, n, &mut scratch.proj, &mut scratch.by_row);
+            self.matmul(
+                pool,
+                &w.w_down,
+                &scratch.acts,
+                n,
+                &mut scratch.proj,
+                &mut scratch.by_row,
+            );
             add_in_place(x, &scratch.proj);
         }
         Ok(())
@@ -293,7 +324,13 @@ impl Model {
             dst.copy_from_slice(&scratch.x[r * h..][..h]);
         }
         let mut normed = std::mem::take(&mut scratch.att);
-        rms_norm(pool, &hidden, &self.weights.output_norm, self.config.rms_eps, &mut normed);
+        rms_norm(
+            pool,
+            &hidden,
+            &self.weights.output_norm,
+            self.config.rms_eps,
+            &mut normed,
+        );
         scratch.xn = hidden;
         let mut logits = std::mem::take(&mut scratch.logits);
         self.project_logits(pool, &normed, &mut logits, scratch);
@@ -322,7 +359,14 @@ impl Model {
     }
 
     /// Quantizes `n` rows of `x` into `m`'s activation format.
-    fn quantize_acts(&self, pool: &ThreadPool, m: &Matrix, x: &[f32], n: usize, acts: &mut Vec<u8>) {
+    fn quantize_acts(
+        &self,
+        pool: &ThreadPool,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        acts: &mut Vec<u8>,
+    ) {
         let act_row = m.act_ty.row_bytes(m.cols).unwrap_or(0);
         acts.clear();
         acts.resize(n * act_row, 0);
@@ -413,9 +457,16 @@ impl Model {
 
     /// Causal grouped-query attention of every new token over its own
     /// sequence's cached positions `0..=pos`, into `scratch.att`.
-    fn attention(&self, pool: &ThreadPool, seqs: &[Sequence<'_>], kv_layer: usize, scratch: &mut Scratch) {
+    fn attention(
+        &self,
+        pool: &ThreadPool,
+        seqs: &[Sequence<'_>],
+        kv_layer: usize,
+        scratch: &mut Scratch,
+    ) {
         let cfg = &self.config;
         let hd = cfg.head_dim;
+        let kv_dim = cfg.kv_dim();
         let group = cfg.n_heads / cfg.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let token_seq = &scratch.token_seq;
@@ -428,17 +479,25 @@ impl Model {
             let kv_head = head / group;
             let mut q16 = [f16::ZERO; MAX_HEAD_DIM];
             let q16 = &mut q16[..hd];
-            for (d, &v) in q16.iter_mut().zip(&q_all[(t * cfg.n_heads + head) * hd..][..hd]) {
+            for (d, &v) in q16
+                .iter_mut()
+                .zip(&q_all[(t * cfg.n_heads + head) * hd..][..hd])
+            {
                 *d = f16::from_f32(v);
             }
             SCORES.with_borrow_mut(|scores| {
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
-                for j in 0..=pos {
-                    let k = &kv.k(kv_layer, j)[kv_head * hd..][..hd];
-                    let s = quant::dot_f16(q16, k) * scale;
-                    max = max.max(s);
-                    scores.push(s);
+                // Ranges were reserved before the layer ran; a failure here
+                // would mean a broken page table, which leaves zeros.
+                if let Ok(blocks) = kv.k_blocks(kv_layer, 0..pos + 1) {
+                    for block in blocks {
+                        for k in block.chunks_exact(kv_dim) {
+                            let s = quant::dot_f16(q16, &k[kv_head * hd..][..hd]) * scale;
+                            max = max.max(s);
+                            scores.push(s);
+                        }
+                    }
                 }
                 let mut sum = 0f64;
                 for s in scores.iter_mut() {
@@ -447,10 +506,12 @@ impl Model {
                 }
                 let inv = (1.0 / sum) as f32;
                 out.fill(0.0);
-                for (j, &s) in scores.iter().enumerate() {
-                    let p = f16::from_f32(s * inv).to_f32();
-                    let v = &kv.v(kv_layer, j)[kv_head * hd..][..hd];
-                    quant::axpy_f16(p, v, out);
+                if let Ok(blocks) = kv.v_blocks(kv_layer, 0..pos + 1) {
+                    let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
+                    for (v, &s) in rows.zip(scores.iter()) {
+                        let p = f16::from_f32(s * inv).to_f32();
+                        quant::axpy_f16(p, &v[kv_head * hd..][..hd], out);
+                    }
                 }
             });
         });

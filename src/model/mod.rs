@@ -43,7 +43,11 @@ pub enum ModelError {
     ContextOverflow { wanted: usize, context: usize },
     /// A layer range outside the model.
     #[error("layer range {start}..{end} is not inside the model's {n_layers} layers")]
-    BadLayerRange { start: usize, end: usize, n_layers: usize },
+    BadLayerRange {
+        start: usize,
+        end: usize,
+        n_layers: usize,
+    },
     /// The KV cache refused (pool exhausted, invariant violated, ...).
     #[error(transparent)]
     Kv(#[from] KvError),
@@ -59,7 +63,9 @@ pub struct Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("config", &self.config).finish()
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -113,7 +119,12 @@ impl Model {
         let per_layer: usize = w
             .layers
             .iter()
-            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|m| m.info.byte_len).sum::<usize>())
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|m| m.info.byte_len)
+                    .sum::<usize>()
+            })
             .sum();
         per_layer + w.output.info.byte_len
     }

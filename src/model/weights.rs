@@ -79,7 +79,9 @@ impl Weights {
             let bias = |s: &str, len| -> Result<Option<Vector>, ModelError> {
                 match (biased, file.tensor(&n(s))) {
                     (_, Some(_)) => vector(file, &n(s), len).map(Some),
-                    (true, None) => Err(crate::gguf::GgufError::MissingTensor { name: n(s) }.into()),
+                    (true, None) => {
+                        Err(crate::gguf::GgufError::MissingTensor { name: n(s) }.into())
+                    }
                     (false, None) => Ok(None),
                 }
             };

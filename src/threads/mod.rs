@@ -26,21 +26,27 @@ type Job = *const (dyn Fn(usize) + Sync);
 struct Shared {
     /// Bumped once per parallel region; workers watch it.
     epoch: AtomicU64,
-    /// The current region's task function; valid while a region runs.
+    /// The current region's task function; valid while `closed` is false.
     job: UnsafeCell<Option<Job>>,
     n_tasks: AtomicUsize,
     next_task: AtomicUsize,
-    /// Workers still inside the current region.
-    busy_workers: AtomicUsize,
+    /// Tasks finished in the current region.
+    done_tasks: AtomicUsize,
+    /// Workers that joined the current region and have not left it.
+    active_workers: AtomicUsize,
+    /// Set by the caller once every task is done: no worker may join after.
+    closed: AtomicBool,
     panicked: AtomicBool,
     shutdown: AtomicBool,
     sleeping: Vec<AtomicBool>,
 }
 
-// SAFETY: `job` is written only by the thread running `ThreadPool::run`
-// before it publishes the region with a Release bump of `epoch`, and read by
-// workers only after an Acquire load of that epoch; it is not written again
-// until every worker has left the region (`busy_workers` reaches zero).
+// SAFETY: `job` is written only by the thread in `ThreadPool::run`, while no
+// worker is joined (before publishing a region, or after closing it and
+// seeing `active_workers == 0`). A worker dereferences it only after joining
+// (incrementing `active_workers`, then seeing `closed == false` for the epoch
+// it observed); the SeqCst pairing of `closed`/`active_workers` makes
+// "caller saw no worker" and "worker saw the region open" mutually exclusive.
 unsafe impl Sync for Shared {}
 // SAFETY: the raw job pointer is only dereferenced under the protocol above.
 unsafe impl Send for Shared {}
@@ -69,7 +75,9 @@ impl ThreadPool {
             job: UnsafeCell::new(None),
             n_tasks: AtomicUsize::new(0),
             next_task: AtomicUsize::new(0),
-            busy_workers: AtomicUsize::new(0),
+            done_tasks: AtomicUsize::new(0),
+            active_workers: AtomicUsize::new(0),
+            closed: AtomicBool::new(true),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             sleeping: (0..n_workers).map(|_| AtomicBool::new(false)).collect(),
@@ -92,7 +100,9 @@ impl ThreadPool {
     }
 
     /// Runs `f(0..n_tasks)`, each index exactly once, spread over the pool,
-    /// and returns when all are done. A panic in a task is re-raised here.
+    /// and returns when all are done. The caller works too and never waits
+    /// for a worker that has not started: a descheduled worker only means
+    /// less parallelism. A panic in a task is re-raised here.
     pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if self.workers.is_empty() || n_tasks <= 1 {
             (0..n_tasks).for_each(f);
@@ -100,31 +110,34 @@ impl ThreadPool {
         }
         let s = &*self.shared;
         // SAFETY: the lifetime is erased only for the duration of this call:
-        // we do not return before every worker has left the region.
+        // the region is closed and every joined worker has left before we
+        // return.
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        // SAFETY: no worker is inside a region (the previous `run` waited for
-        // `busy_workers == 0`), so nobody reads `job` concurrently.
+        // SAFETY: the previous region is closed with no worker joined, so
+        // nobody reads `job` concurrently.
         unsafe { *s.job.get() = Some(job) };
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
         s.next_task.store(0, Ordering::Relaxed);
-        s.busy_workers.store(self.workers.len(), Ordering::Relaxed);
-        s.epoch.fetch_add(1, Ordering::Release);
+        s.done_tasks.store(0, Ordering::Relaxed);
+        s.closed.store(false, Ordering::SeqCst);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
         for (i, sleeping) in s.sleeping.iter().enumerate() {
-            if sleeping.load(Ordering::Acquire) {
+            if sleeping.load(Ordering::SeqCst) {
                 self.workers[i].thread().unpark();
             }
         }
-        let caller = catch_unwind(AssertUnwindSafe(|| take_tasks(s, f)));
-        while s.busy_workers.load(Ordering::Acquire) != 0 {
+        take_tasks(s, f);
+        while s.done_tasks.load(Ordering::Acquire) != n_tasks {
             std::hint::spin_loop();
         }
-        // SAFETY: every worker has left the region.
-        unsafe { *s.job.get() = None };
-        if let Err(payload) = caller {
-            std::panic::resume_unwind(payload);
+        s.closed.store(true, Ordering::SeqCst);
+        while s.active_workers.load(Ordering::SeqCst) != 0 {
+            std::hint::spin_loop();
         }
+        // SAFETY: closed, and no worker is joined.
+        unsafe { *s.job.get() = None };
         if s.panicked.swap(false, Ordering::AcqRel) {
-            panic!("a compute task panicked on a worker thread");
+            panic!("a compute task panicked");
         }
     }
 
@@ -163,8 +176,8 @@ impl<T> SendPtr<T> {
 
 impl Drop for ThreadPool {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.epoch.fetch_add(1, Ordering::Release);
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
         for w in &self.workers {
             w.thread().unpark();
         }
@@ -174,6 +187,8 @@ impl Drop for ThreadPool {
     }
 }
 
+/// Takes and runs tasks until none is left. A panicking task is recorded
+/// and still counted as done, so the region always completes.
 fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
     let n = s.n_tasks.load(Ordering::Relaxed);
     loop {
@@ -181,7 +196,10 @@ fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
         if i >= n {
             break;
         }
-        f(i);
+        if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+            s.panicked.store(true, Ordering::Release);
+        }
+        s.done_tasks.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -193,34 +211,35 @@ fn worker_loop(s: &Shared, index: usize) {
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
-            let now = s.epoch.load(Ordering::Acquire);
+            let now = s.epoch.load(Ordering::SeqCst);
             if now != seen {
                 seen = now;
                 break;
             }
             spins = spins.wrapping_add(1);
             if spins % 1024 == 0 && started.elapsed() > SPIN_BEFORE_PARK {
-                s.sleeping[index].store(true, Ordering::Release);
-                if s.epoch.load(Ordering::Acquire) == seen {
+                s.sleeping[index].store(true, Ordering::SeqCst);
+                if s.epoch.load(Ordering::SeqCst) == seen {
                     std::thread::park_timeout(Duration::from_millis(100));
                 }
-                s.sleeping[index].store(false, Ordering::Release);
+                s.sleeping[index].store(false, Ordering::SeqCst);
             } else {
                 std::hint::spin_loop();
             }
         }
-        if s.shutdown.load(Ordering::Acquire) {
+        if s.shutdown.load(Ordering::SeqCst) {
             return;
         }
-        // SAFETY: the epoch bump we acquired was published after `job` was set.
-        if let Some(job) = unsafe { *s.job.get() } {
-            // SAFETY: `run` keeps the closure alive until busy_workers hits 0.
-            let f = unsafe { &*job };
-            if catch_unwind(AssertUnwindSafe(|| take_tasks(s, f))).is_err() {
-                s.panicked.store(true, Ordering::Release);
+        s.active_workers.fetch_add(1, Ordering::SeqCst);
+        if !s.closed.load(Ordering::SeqCst) && s.epoch.load(Ordering::SeqCst) == seen {
+            // SAFETY: joined while the region we observed is open: the caller
+            // keeps `job` and the closure alive until we leave.
+            if let Some(job) = unsafe { *s.job.get() } {
+                // SAFETY: as above.
+                take_tasks(s, unsafe { &*job });
             }
         }
-        s.busy_workers.fetch_sub(1, Ordering::Release);
+        s.active_workers.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

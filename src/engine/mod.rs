@@ -1,0 +1,319 @@
+//! A single-process engine: one model, one compute pool, one KV page pool
+//! and one sampler, serving sessions whose history is append-only.
+//!
+//! The CLI drives it directly; a server worker owns one per pinned core.
+//! Every operation validates first, reserves KV memory second and mutates
+//! last, so a failed call leaves the session exactly as it was.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::kv::{KvBacking, KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
+use crate::model::{LogitsWanted, Model, ModelError, Scratch, Sequence};
+use crate::sampler::{Sampler, SamplerError, SamplingParams};
+use crate::threads::ThreadPool;
+
+/// Why an engine operation failed. Nothing changed in the session.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Sampler(#[from] SamplerError),
+    /// Generate needs at least one token of history to continue from.
+    #[error("cannot generate from an empty history: append tokens first")]
+    EmptyHistory,
+}
+
+/// How an engine is sized.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Compute threads for one forward pass (the caller included).
+    pub threads: usize,
+    /// KV memory budget in bytes (rounded down to whole pages).
+    pub kv_bytes: u64,
+    /// Positions per KV page.
+    pub page_positions: usize,
+    /// Longest run of tokens fed through one forward call during a prefill.
+    pub prefill_chunk: usize,
+    /// Where the KV pages live.
+    pub kv_backing: KvBacking,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            kv_bytes: 256 << 20,
+            page_positions: DEFAULT_PAGE_POSITIONS,
+            prefill_chunk: 512,
+            kv_backing: KvBacking::Anonymous,
+        }
+    }
+}
+
+/// A conversation: its token history, the KV cache behind it, and the
+/// logits that predict the next token.
+pub struct Session {
+    kv: SessionKv,
+    history: Vec<u32>,
+    /// Logits at the last history position (empty while history is empty).
+    next_logits: Vec<f32>,
+}
+
+impl Session {
+    /// Every token so far, prompt and generated alike.
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// The logits that predict the token after the history.
+    pub fn next_logits(&self) -> &[f32] {
+        &self.next_logits
+    }
+
+    /// Bytes of KV data the history occupies.
+    pub fn kv_live_bytes(&self) -> u64 {
+        self.kv.live_bytes()
+    }
+
+    /// Positions cached in KV (equals the history length between calls).
+    pub fn kv_len(&self) -> usize {
+        self.kv.len()
+    }
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    MaxTokens,
+    /// A stop token was emitted (and committed).
+    Eos,
+    /// The token callback asked to stop.
+    Cancelled,
+}
+
+/// What a generation produced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+}
+
+/// Timings of a benchmark run.
+#[derive(Clone, Copy, Debug)]
+pub struct BenchResult {
+    pub prompt_tokens: usize,
+    pub prefill: Duration,
+    pub gen_tokens: usize,
+    pub decode: Duration,
+}
+
+/// Model, compute threads, KV pool and sampler.
+pub struct Engine {
+    model: Arc<Model>,
+    pool: ThreadPool,
+    kv_pool: Arc<KvPool>,
+    scratch: Scratch,
+    sampler: Sampler,
+    prefill_chunk: usize,
+}
+
+impl Engine {
+    /// Builds an engine around a loaded model.
+    pub fn new(model: Arc<Model>, cfg: &EngineConfig) -> Result<Self, EngineError> {
+        let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
+        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
+        let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
+            layout,
+            n_pages,
+            backing: cfg.kv_backing.clone(),
+            prefault: false,
+        })?);
+        Ok(Self {
+            model,
+            pool: ThreadPool::new(cfg.threads),
+            kv_pool,
+            scratch: Scratch::default(),
+            sampler: Sampler::new(),
+            prefill_chunk: cfg.prefill_chunk.max(1),
+        })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv_pool
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// A new, empty session.
+    pub fn new_session(&self) -> Session {
+        Session {
+            kv: SessionKv::new(Arc::clone(&self.kv_pool)),
+            history: Vec::new(),
+            next_logits: Vec::new(),
+        }
+    }
+
+    /// Appends `tokens` to the history, computing KV for the new positions
+    /// only. All-or-nothing: ids are checked and KV for the whole append is
+    /// reserved before anything is computed.
+    pub fn append(&mut self, session: &mut Session, tokens: &[u32]) -> Result<(), EngineError> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let vocab = self.model.config.vocab;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { token: bad, vocab }.into());
+        }
+        let total = session.kv.len() + tokens.len();
+        if total > self.model.config.context {
+            return Err(ModelError::ContextOverflow {
+                wanted: total,
+                context: self.model.config.context,
+            }
+            .into());
+        }
+        session.kv.reserve(total)?;
+        let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
+            self.forward_one(session, chunk, want)?;
+        }
+        Ok(())
+    }
+
+    fn forward_one(
+        &mut self,
+        session: &mut Session,
+        tokens: &[u32],
+        want: LogitsWanted,
+    ) -> Result<(), EngineError> {
+        let mut seqs = [Sequence {
+            kv: &mut session.kv,
+            tokens,
+            logits: want,
+        }];
+        let rows = self
+            .model
+            .forward(&mut seqs, &self.pool, &mut self.scratch)?;
+        session.history.extend_from_slice(tokens);
+        if want != LogitsWanted::None {
+            let vocab = self.model.config.vocab;
+            let r = rows.per_sequence[0].end - 1;
+            session.next_logits.clear();
+            session
+                .next_logits
+                .extend_from_slice(&self.scratch.logits[r * vocab..][..vocab]);
+        }
+        Ok(())
+    }
+
+    /// Runs the model over `tokens` appended to `session` and returns the
+    /// logits at every new position (`[tokens][vocab]`), for tests and
+    /// scoring.
+    pub fn append_all_logits(
+        &mut self,
+        session: &mut Session,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        self.forward_one(session, tokens, LogitsWanted::All)?;
+        let vocab = self.model.config.vocab;
+        Ok(self.scratch.logits[..tokens.len() * vocab].to_vec())
+    }
+
+    /// Generates up to `max_tokens` tokens. Each token is sampled from the
+    /// logits at the end of the history, committed to the history (its KV
+    /// computed), then passed to `on_token`; returning `false` from it stops
+    /// the generation with the tokens so far committed. A token in
+    /// `stop_tokens` is emitted and committed, then ends the generation.
+    pub fn generate(
+        &mut self,
+        session: &mut Session,
+        params: &SamplingParams,
+        max_tokens: usize,
+        stop_tokens: &[u32],
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Generation, EngineError> {
+        params.validate(self.model.config.vocab)?;
+        if session.history.is_empty() || session.next_logits.is_empty() {
+            return Err(EngineError::EmptyHistory);
+        }
+        let mut tokens = Vec::new();
+        while tokens.len() < max_tokens {
+            let position = session.history.len() as u64;
+            let token =
+                self.sampler
+                    .sample(&session.next_logits, params, &session.history, position)?;
+            self.append(session, &[token])?;
+            tokens.push(token);
+            let go_on = on_token(token);
+            if stop_tokens.contains(&token) {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::Eos,
+                });
+            }
+            if !go_on {
+                return Ok(Generation {
+                    tokens,
+                    stop: StopReason::Cancelled,
+                });
+            }
+        }
+        Ok(Generation {
+            tokens,
+            stop: StopReason::MaxTokens,
+        })
+    }
+
+    /// The llama-bench equivalent: prefill `prompt_tokens` tokens in one
+    /// batch into an empty session, then, in another empty session, decode
+    /// `gen_tokens` tokens one at a time.
+    pub fn bench(
+        &mut self,
+        prompt_tokens: usize,
+        gen_tokens: usize,
+    ) -> Result<BenchResult, EngineError> {
+        let vocab = self.model.config.vocab as u32;
+        let prompt: Vec<u32> = (0..prompt_tokens as u32)
+            .map(|i| (i * 7919 + 13) % vocab)
+            .collect();
+        let mut s = self.new_session();
+        let t0 = Instant::now();
+        if !prompt.is_empty() {
+            s.kv.reserve(prompt.len())?;
+            self.forward_one(&mut s, &prompt, LogitsWanted::Last)?;
+        }
+        let prefill = t0.elapsed();
+        drop(s);
+        let mut s = self.new_session();
+        let t0 = Instant::now();
+        let mut token = 1 % vocab;
+        for _ in 0..gen_tokens {
+            self.append(&mut s, &[token])?;
+            token = crate::sampler::argmax(&s.next_logits).unwrap_or(0);
+        }
+        let decode = t0.elapsed();
+        Ok(BenchResult {
+            prompt_tokens,
+            prefill,
+            gen_tokens,
+            decode,
+        })
+    }
+}
