@@ -167,7 +167,10 @@ impl PageAllocator {
         let flag = self
             .in_use
             .get(page as usize)
-            .ok_or(KvError::PageOutOfRange { page, total: self.total() })?;
+            .ok_or(KvError::PageOutOfRange {
+                page,
+                total: self.total(),
+            })?;
         if !flag.swap(false, Ordering::Relaxed) {
             return Err(KvError::DoubleFree { page });
         }
@@ -221,9 +224,12 @@ impl PageAllocator {
                     detail: "free list empty under a reservation".to_string(),
                 });
             }
-            let link = self.next.get(top as usize).ok_or_else(|| KvError::AllocatorCorrupted {
-                detail: format!("free list top {top} is not a page"),
-            })?;
+            let link = self
+                .next
+                .get(top as usize)
+                .ok_or_else(|| KvError::AllocatorCorrupted {
+                    detail: format!("free list top {top} is not a page"),
+                })?;
             // Possibly stale if `top` was popped and pushed again since
             // `head` was read; the tag then makes the CAS below fail.
             let below = link.load(Ordering::Relaxed);
@@ -348,7 +354,10 @@ mod tests {
     fn empty_allocator_and_zero_sized_requests() {
         let allocator = PageAllocator::new(0).unwrap();
         assert_eq!(allocator.alloc_many(0).unwrap(), Vec::<u32>::new());
-        assert!(matches!(allocator.alloc(), Err(KvError::Exhausted { wanted: 1, free: 0 })));
+        assert!(matches!(
+            allocator.alloc(),
+            Err(KvError::Exhausted { wanted: 1, free: 0 })
+        ));
     }
 
     #[test]

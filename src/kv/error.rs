@@ -14,7 +14,9 @@ pub enum KvError {
     #[error("KV cache exhausted: {wanted} pages wanted, {free} pages free")]
     Exhausted { wanted: usize, free: usize },
     /// INV-2: the committed length of a session would decrease.
-    #[error("KV invariant INV-2 violated: committed length would go from {current} down to {requested}")]
+    #[error(
+        "KV invariant INV-2 violated: committed length would go from {current} down to {requested}"
+    )]
     InvariantViolation { current: usize, requested: usize },
     /// A commit asks for more positions than the session's pages back.
     #[error("cannot commit {requested} KV positions: only {capacity} are reserved")]
@@ -96,12 +98,19 @@ mod tests {
             path: None,
             source: std::io::Error::other("boom"),
         };
-        assert_eq!(anonymous.to_string(), "cannot map 8 bytes of KV memory: boom");
+        assert_eq!(
+            anonymous.to_string(),
+            "cannot map 8 bytes of KV memory: boom"
+        );
     }
 
     #[test]
     fn invariant_errors_are_classified() {
-        assert!(KvError::InvariantViolation { current: 5, requested: 4 }.is_invariant_violation());
+        assert!(KvError::InvariantViolation {
+            current: 5,
+            requested: 4
+        }
+        .is_invariant_violation());
         assert!(!KvError::Exhausted { wanted: 1, free: 0 }.is_invariant_violation());
     }
 }

@@ -168,11 +168,14 @@ impl KvPool {
             });
         }
         let page_stride = layout.page_stride();
-        let total_bytes = page_stride
-            .checked_mul(n_pages)
-            .ok_or_else(|| KvError::InvalidConfig {
-                reason: format!("{n_pages} pages of {page_stride} bytes overflow the address space"),
-            })?;
+        let total_bytes =
+            page_stride
+                .checked_mul(n_pages)
+                .ok_or_else(|| KvError::InvalidConfig {
+                    reason: format!(
+                        "{n_pages} pages of {page_stride} bytes overflow the address space"
+                    ),
+                })?;
         let mut map = map_backing(&backing, total_bytes)?;
         advise_huge_pages(&map);
         if prefault {
@@ -367,7 +370,10 @@ mod tests {
             kv_dim: 4,
             page_positions: 4,
         };
-        assert!(matches!(huge.validate(), Err(KvError::InvalidConfig { .. })));
+        assert!(matches!(
+            huge.validate(),
+            Err(KvError::InvalidConfig { .. })
+        ));
 
         let zero_dim = KvLayout {
             kv_dim: 0,
@@ -382,7 +388,7 @@ mod tests {
         assert_eq!(KvPool::pages_for_bytes(&layout, 0), 0);
         assert_eq!(KvPool::pages_for_bytes(&layout, 368_639), 0);
         assert_eq!(KvPool::pages_for_bytes(&layout, 368_640 * 10 + 5), 10);
-        assert_eq!(KvPool::pages_for_bytes(&layout, u64::MAX), MAX_PAGES.min(usize::MAX));
+        assert_eq!(KvPool::pages_for_bytes(&layout, u64::MAX), MAX_PAGES);
     }
 
     #[test]
@@ -405,7 +411,10 @@ mod tests {
         assert_eq!(pool.page_bytes(), 256);
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 * 256);
         let contents = std::fs::read(&path).unwrap();
-        assert!(contents.iter().all(|&b| b == 0), "old file contents survived");
+        assert!(
+            contents.iter().all(|&b| b == 0),
+            "old file contents survived"
+        );
         assert_eq!(pool.backing(), &KvBacking::File(path));
     }
 

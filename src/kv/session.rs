@@ -195,7 +195,12 @@ impl SessionKv {
         self.pool.allocator().free_many(&pages)
     }
 
-    fn blocks(&self, half: Half, layer: usize, positions: Range<usize>) -> Result<KvBlocks<'_>, KvError> {
+    fn blocks(
+        &self,
+        half: Half,
+        layer: usize,
+        positions: Range<usize>,
+    ) -> Result<KvBlocks<'_>, KvError> {
         self.check_layer(layer)?;
         let capacity = self.capacity();
         if positions.start > positions.end || positions.end > capacity {
@@ -235,10 +240,16 @@ impl SessionKv {
             pos,
             capacity: self.capacity(),
         };
-        let page = *self.pages.get(pos >> self.page_shift).ok_or_else(out_of_range)?;
-        let page_start = self.pool.page_ptr(page).ok_or_else(|| KvError::AllocatorCorrupted {
-            detail: format!("session holds page {page}, which the pool does not have"),
-        })?;
+        let page = *self
+            .pages
+            .get(pos >> self.page_shift)
+            .ok_or_else(out_of_range)?;
+        let page_start = self
+            .pool
+            .page_ptr(page)
+            .ok_or_else(|| KvError::AllocatorCorrupted {
+                detail: format!("session holds page {page}, which the pool does not have"),
+            })?;
         let slot = pos & (self.page_positions - 1);
         let offset = ((layer * 2 + half as usize) * self.page_positions + slot) * self.kv_dim;
         // SAFETY: layer < n_layers and slot < page_positions, so
@@ -361,8 +372,18 @@ mod tests {
         fill(&mut session, 0..10);
         for pos in 0..10 {
             for layer in 0..3 {
-                let k: Vec<f32> = session.k(layer, pos).unwrap().iter().map(|x| x.to_f32()).collect();
-                let v: Vec<f32> = session.v(layer, pos).unwrap().iter().map(|x| x.to_f32()).collect();
+                let k: Vec<f32> = session
+                    .k(layer, pos)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                let v: Vec<f32> = session
+                    .v(layer, pos)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
                 let want_k: Vec<f32> = (0..4).map(|i| value(0, layer, pos, i)).collect();
                 let want_v: Vec<f32> = (0..4).map(|i| value(1, layer, pos, i)).collect();
                 assert_eq!(k, want_k, "K layer {layer} pos {pos}");
@@ -378,7 +399,12 @@ mod tests {
         session
             .write(2, 0, &[0.1, -3.3, 65_504.0, 1e-8], &[1.0, 2.0, 3.0, 4.0])
             .unwrap();
-        let bits: Vec<u16> = session.k(2, 0).unwrap().iter().map(|x| x.to_bits()).collect();
+        let bits: Vec<u16> = session
+            .k(2, 0)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
         let want: Vec<u16> = [0.1f32, -3.3, 65_504.0, 1e-8]
             .iter()
             .map(|&x| f16::from_f32(x).to_bits())
@@ -432,20 +458,32 @@ mod tests {
         let mut session = SessionKv::new(pool(2));
         assert!(matches!(
             session.k(0, 0),
-            Err(KvError::PositionOutOfRange { pos: 0, capacity: 0 })
+            Err(KvError::PositionOutOfRange {
+                pos: 0,
+                capacity: 0
+            })
         ));
         session.reserve(3).unwrap();
         assert!(matches!(
             session.v(0, 4),
-            Err(KvError::PositionOutOfRange { pos: 4, capacity: 4 })
+            Err(KvError::PositionOutOfRange {
+                pos: 4,
+                capacity: 4
+            })
         ));
         assert!(matches!(
             session.k(3, 0),
-            Err(KvError::LayerOutOfRange { layer: 3, n_layers: 3 })
+            Err(KvError::LayerOutOfRange {
+                layer: 3,
+                n_layers: 3
+            })
         ));
         assert!(matches!(
             session.write(0, 0, &[1.0; 3], &[1.0; 4]),
-            Err(KvError::RowLength { expected: 4, got: 3 })
+            Err(KvError::RowLength {
+                expected: 4,
+                got: 3
+            })
         ));
         assert!(session.write(0, usize::MAX, &[1.0; 4], &[1.0; 4]).is_err());
     }
@@ -487,11 +525,17 @@ mod tests {
         session.commit(3).unwrap();
         assert!(matches!(
             session.commit(2),
-            Err(KvError::InvariantViolation { current: 3, requested: 2 })
+            Err(KvError::InvariantViolation {
+                current: 3,
+                requested: 2
+            })
         ));
         assert!(matches!(
             session.commit(9),
-            Err(KvError::CommitBeyondCapacity { requested: 9, capacity: 8 })
+            Err(KvError::CommitBeyondCapacity {
+                requested: 9,
+                capacity: 8
+            })
         ));
         assert_eq!(session.len(), 3);
         session.commit(3).unwrap();
@@ -529,7 +573,10 @@ mod tests {
         session.reserve(6).unwrap();
         session.commit(6).unwrap();
         session.release().unwrap();
-        assert_eq!((session.len(), session.capacity(), pool.free_pages()), (0, 0, 5));
+        assert_eq!(
+            (session.len(), session.capacity(), pool.free_pages()),
+            (0, 0, 5)
+        );
         session.release().unwrap();
         assert_eq!(pool.free_pages(), 5);
         session.reserve(1).unwrap();
