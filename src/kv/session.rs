@@ -587,6 +587,42 @@ mod tests {
     }
 
     #[test]
+    fn file_backed_rows_land_where_the_page_layout_says() {
+        use crate::kv::pool::KvBacking;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv.slab");
+        let layout = KvLayout {
+            n_layers: 2,
+            kv_dim: 2,
+            page_positions: 2,
+        };
+        let config = KvPoolConfig {
+            layout,
+            n_pages: 2,
+            backing: KvBacking::File(path.clone()),
+            prefault: false,
+        };
+        let pool = Arc::new(KvPool::new(config).unwrap());
+        assert_eq!(pool.page_bytes(), 64);
+        let mut session = SessionKv::new(pool);
+        session.reserve(3).unwrap();
+        assert_eq!(session.page_table(), &[0, 1]);
+        // Layer 1, position 3: page 1, slot 1.
+        session.write(1, 3, &[1.0, 2.0], &[3.0, -2.0]).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let value_at = |byte: usize| f16::from_le_bytes([bytes[byte], bytes[byte + 1]]).to_f32();
+        // Element offset ((layer * 2 + half) * page_positions + slot) * kv_dim.
+        // Page 1 starts at byte 64; page_positions = kv_dim = 2; 2 bytes a value.
+        let byte_of =
+            |layer: usize, half: usize, slot: usize| 64 + ((layer * 2 + half) * 2 + slot) * 2 * 2;
+        let (k_byte, v_byte) = (byte_of(1, 0, 1), byte_of(1, 1, 1));
+        assert_eq!([value_at(k_byte), value_at(k_byte + 2)], [1.0, 2.0]);
+        assert_eq!([value_at(v_byte), value_at(v_byte + 2)], [3.0, -2.0]);
+        let nonzero = bytes.iter().filter(|&&b| b != 0).count();
+        assert_eq!(nonzero, 4, "only the two rows written may be non-zero");
+    }
+
+    #[test]
     fn session_is_send_and_sync() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<SessionKv>();
