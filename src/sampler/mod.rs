@@ -593,7 +593,8 @@ const EXP_MAX_ARG: f32 = 88.0;
 const ROUND_MAGIC: f32 = 12_582_912.0;
 /// ln 2 split in two: the high part has few mantissa bits, so `n * LN2_HI`
 /// is exact for every `n` used here (Cody and Waite).
-const LN2_HI: f32 = 0.693_359_375;
+const LN2_HI: f32 = 355.0 / 512.0;
+/// ln 2 - LN2_HI, rounded to f32.
 const LN2_LO: f32 = -2.121_944_4e-4;
 
 /// `exp(t)` for the softmax weights, by a fixed recipe of f32 operations
