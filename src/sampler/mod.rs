@@ -169,6 +169,38 @@ fn draw(candidates: &[Candidate], u: f32) -> Option<u32> {
         .map(|c| c.id)
 }
 
+/// Step 13 over a dense row of weights (0 for tokens that are out): the
+/// same bits as [`draw`] over the non-zero entries. Block sums first, so
+/// only the block holding the crossing is walked token by token.
+fn draw_dense(weights: &[f32], u: f32, block_sums: &mut Vec<f32>) -> Option<u32> {
+    let block_len = SUM_BLOCK_LEN as usize;
+    block_sums.clear();
+    block_sums.extend(
+        weights
+            .chunks(block_len)
+            .map(|block| block.iter().fold(0.0f32, |sum, &w| sum + w)),
+    );
+    let total = block_sums.iter().fold(0.0f32, |sum, &b| sum + b);
+    let target = u * total;
+    let mut complete_blocks = 0.0f32;
+    for (block_index, (block, &block_sum)) in
+        weights.chunks(block_len).zip(block_sums.iter()).enumerate()
+    {
+        if complete_blocks + block_sum > target {
+            let mut running = 0.0f32;
+            for (offset, &weight) in block.iter().enumerate() {
+                running += weight;
+                if weight > 0.0 && complete_blocks + running > target {
+                    return u32::try_from(block_index * block_len + offset).ok();
+                }
+            }
+        }
+        complete_blocks += block_sum;
+    }
+    let last = weights.iter().rposition(|&w| w > 0.0)?;
+    u32::try_from(last).ok()
+}
+
 /// Greedy choice: the id of the largest logit, the lowest id among equal
 /// maxima (`-0.0` equals `+0.0`). NaN is never chosen, and neither is -inf:
 /// `None` when the slice is empty or holds only NaN and -inf.
@@ -268,6 +300,8 @@ pub struct Sampler {
     by_id: Vec<Candidate>,
     /// `[V]` weights of every token when top-k is off (step 9).
     dense_weights: Vec<f32>,
+    /// `[V / SUM_BLOCK_LEN]` block sums of `dense_weights` for the draw.
+    block_sums: Vec<f32>,
 }
 
 impl Sampler {
@@ -336,6 +370,7 @@ impl Sampler {
             candidates,
             by_id,
             dense_weights,
+            block_sums,
             ..
         } = self;
         let source: &[f32] = if adjusts_logits { work } else { logits };
@@ -383,6 +418,18 @@ impl Sampler {
             // Dense first, so the exponentials run as straight-line vector code.
             dense_weights.clear();
             dense_weights.extend(source.iter().map(|&x| weight_exp((x - max) / temperature)));
+            if params.top_p >= 1.0 {
+                // No top-p: steps 11-13 run on the dense row, where a token
+                // outside the survivors simply weighs 0 (adding 0 changes no
+                // sum, and a zero weight is never drawn).
+                let min_p = params.min_p;
+                if min_p > 0.0 {
+                    for weight in dense_weights.iter_mut() {
+                        *weight = if *weight >= min_p { *weight } else { 0.0 };
+                    }
+                }
+                return draw_dense(dense_weights, u, block_sums).ok_or(no_candidate);
+            }
             candidates.extend(
                 source
                     .iter()
@@ -519,16 +566,21 @@ fn max_ignoring_nan(values: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; MAX_LANES];
     let mut chunks = values.chunks_exact(MAX_LANES);
     for chunk in &mut chunks {
-        for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane = if x > *lane { x } else { *lane };
+        if let Ok(chunk) = <&[f32; MAX_LANES]>::try_from(chunk) {
+            for lane in 0..MAX_LANES {
+                lanes[lane] = if chunk[lane] > lanes[lane] {
+                    chunk[lane]
+                } else {
+                    lanes[lane]
+                };
+            }
         }
     }
-    for (lane, &x) in lanes.iter_mut().zip(chunks.remainder()) {
-        *lane = if x > *lane { x } else { *lane };
+    let mut max = f32::NEG_INFINITY;
+    for &x in lanes.iter().chain(chunks.remainder()) {
+        max = if x > max { x } else { max };
     }
-    lanes
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+    max
 }
 
 /// Below this argument [`weight_exp`] returns 0 (e^-86 is about 4e-38), which
@@ -541,7 +593,8 @@ const EXP_MAX_ARG: f32 = 88.0;
 const ROUND_MAGIC: f32 = 12_582_912.0;
 /// ln 2 split in two: the high part has few mantissa bits, so `n * LN2_HI`
 /// is exact for every `n` used here (Cody and Waite).
-const LN2_HI: f32 = 0.693_359_375;
+const LN2_HI: f32 = 355.0 / 512.0;
+/// ln 2 - LN2_HI, rounded to f32.
 const LN2_LO: f32 = -2.121_944_4e-4;
 
 /// `exp(t)` for the softmax weights, by a fixed recipe of f32 operations
@@ -565,7 +618,8 @@ fn weight_exp(t: f32) -> f32 {
     } else {
         EXP_MAX_ARG
     };
-    let n = (clamped * std::f32::consts::LOG2_E + ROUND_MAGIC) - ROUND_MAGIC;
+    let shifted = clamped * std::f32::consts::LOG2_E + ROUND_MAGIC;
+    let n = shifted - ROUND_MAGIC;
     let r = (clamped - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -573,8 +627,14 @@ fn weight_exp(t: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    // n lies in [-124, 127] here, so the biased exponent is a normal one.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `shifted` holds n in its low mantissa bits (its bits are
+    // ROUND_MAGIC's plus n); n lies in [-124, 127], so n + 127 is a normal
+    // biased exponent. Integer-only, so it vectorises (an `as i32` would not).
+    let biased_exponent = shifted
+        .to_bits()
+        .wrapping_sub(ROUND_MAGIC.to_bits())
+        .wrapping_add(127);
+    let scale = f32::from_bits(biased_exponent << 23);
     let value = p * scale;
     if t >= EXP_MIN_ARG {
         if t <= EXP_MAX_ARG {
@@ -613,18 +673,25 @@ mod tests {
     }
 
     /// Runs the pipeline with a given `u` and returns the token and the
-    /// survivors of step 11 as `(id, weight)` in ascending id order.
+    /// survivors of step 11 as `(id, weight)` in ascending id order (from
+    /// the dense row when the pipeline took the dense path).
     fn run(logits: &[f32], params: &SamplingParams, u: f32) -> (u32, Vec<(u32, f32)>) {
         let mut sampler = Sampler::new();
         let token = sampler.sample_with_uniform(logits, params, &[], u).unwrap();
-        (
-            token,
+        let survivors = if sampler.candidates.is_empty() {
+            let dense = sampler.dense_weights.iter().enumerate();
+            dense
+                .filter(|(_, &w)| w > 0.0)
+                .map(|(i, &w)| (i as u32, w))
+                .collect()
+        } else {
             sampler
                 .candidates
                 .iter()
                 .map(|c| (c.id, c.weight))
-                .collect(),
-        )
+                .collect()
+        };
+        (token, survivors)
     }
 
     fn survivor_ids(logits: &[f32], params: &SamplingParams) -> Vec<u32> {
