@@ -361,7 +361,7 @@ fn tensors_past_the_end() {
     let image = base();
     let at = tensor_offset_field(&image, "tensor.third", 2);
     let data_len = (image.len() - parse(image.clone()).unwrap().data_start()) as u64;
-    for offset in [data_len, data_len - 32 + 32, 1 << 40, u64::MAX - 31] {
+    for offset in [data_len, data_len + 32, 1 << 40, u64::MAX - 31] {
         let mut bad = image.clone();
         put_u64(&mut bad, at, offset);
         let e = refuse(bad);

@@ -424,7 +424,7 @@ fn tensor_byte_len(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64, GgufEr
         dims: dims.to_vec(),
         why,
     };
-    if dims.iter().any(|&d| d == 0) {
+    if dims.contains(&0) {
         return Err(bad("a dimension is zero"));
     }
     let elements = dims
