@@ -516,7 +516,11 @@ unsafe fn round_half_away(v: __m256) -> __m256 {
     let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     let frac = _mm256_sub_ps(v, t);
     let sign = _mm256_set1_ps(-0.0);
-    let away = _mm256_cmp_ps(_mm256_andnot_ps(sign, frac), _mm256_set1_ps(0.5), _CMP_GE_OQ);
+    let away = _mm256_cmp_ps(
+        _mm256_andnot_ps(sign, frac),
+        _mm256_set1_ps(0.5),
+        _CMP_GE_OQ,
+    );
     let step = _mm256_or_ps(_mm256_set1_ps(1.0), _mm256_and_ps(v, sign));
     _mm256_add_ps(t, _mm256_and_ps(away, step))
 }

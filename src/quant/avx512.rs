@@ -53,9 +53,11 @@ unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
     let q0 = _mm_loadu_si128(p0 as *const __m128i);
     let q1 = _mm_loadu_si128(p1 as *const __m128i);
     let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
-    let four = 0x0004_0004_0004_0004i64;
-    let shifts = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
-    _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(0x0F))
+    // Immediate shift plus a blend: variable 16-bit shifts are slow on some
+    // AVX-512 cores.
+    let shifted = _mm512_srli_epi16(v, 4);
+    let nibbles = _mm512_mask_blend_epi64(0b1100_1100, v, shifted);
+    _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F))
 }
 
 /// Two 32-byte quant arrays as one 64-byte vector.
@@ -144,11 +146,17 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
     // Lanes 1 and 3 accumulate m * s of the even and odd blocks.
     let mut acc_min = [_mm_setzero_ps(); NT];
     for_each_pair!(nb, w, a, BlockQ4_1, BlockQ8_1, NT, |wp, ap| {
-        let wq = unpack_nibbles_x2(addr_of!((*wp).qs) as *const u8, addr_of!((*wp.add(1)).qs) as *const u8);
+        let wq = unpack_nibbles_x2(
+            addr_of!((*wp).qs) as *const u8,
+            addr_of!((*wp.add(1)).qs) as *const u8,
+        );
         let wdm = f16_quad(wp as *const u8, wp.add(1) as *const u8);
         for t in 0..NT {
             let (a0, a1) = (ap[t], ap[t].add(1));
-            let aq = load_x2(addr_of!((*a0).qs) as *const u8, addr_of!((*a1).qs) as *const u8);
+            let aq = load_x2(
+                addr_of!((*a0).qs) as *const u8,
+                addr_of!((*a1).qs) as *const u8,
+            );
             let prod = _mm_mul_ps(wdm, f16_quad(a0 as *const u8, a1 as *const u8));
             let sumi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
             acc[t] = _mm512_fmadd_ps(spread2(prod, 0, 2), _mm512_cvtepi32_ps(sumi), acc[t]);
@@ -181,11 +189,17 @@ pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
     let eights = _mm512_set1_epi8(8);
     let mut acc = [_mm512_setzero_ps(); NT];
     for_each_pair!(nb, w, a, BlockQ4_0, BlockQ8_0, NT, |wp, ap| {
-        let wq = unpack_nibbles_x2(addr_of!((*wp).qs) as *const u8, addr_of!((*wp.add(1)).qs) as *const u8);
+        let wq = unpack_nibbles_x2(
+            addr_of!((*wp).qs) as *const u8,
+            addr_of!((*wp.add(1)).qs) as *const u8,
+        );
         let wd = f16_two((*wp).d, (*wp.add(1)).d);
         for t in 0..NT {
             let (a0, a1) = (ap[t], ap[t].add(1));
-            let aq = load_x2(addr_of!((*a0).qs) as *const u8, addr_of!((*a1).qs) as *const u8);
+            let aq = load_x2(
+                addr_of!((*a0).qs) as *const u8,
+                addr_of!((*a1).qs) as *const u8,
+            );
             // sum((q - 8) * a) = sum(q * a) - sum(8 * a), both exact.
             let raw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
             let off = _mm512_dpbusd_epi32(_mm512_setzero_si512(), eights, aq);
@@ -216,14 +230,20 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); NT];
     for_each_pair!(nb, w, a, BlockQ8_0, BlockQ8_0, NT, |wp, ap| {
-        let wq = load_x2(addr_of!((*wp).qs) as *const u8, addr_of!((*wp.add(1)).qs) as *const u8);
+        let wq = load_x2(
+            addr_of!((*wp).qs) as *const u8,
+            addr_of!((*wp.add(1)).qs) as *const u8,
+        );
         // i8 x i8 through u8 x i8: |w| times a with the sign of w moved onto a.
         let wabs = _mm512_abs_epi8(wq);
         let wneg = _mm512_movepi8_mask(wq);
         let wd = f16_two((*wp).d, (*wp.add(1)).d);
         for t in 0..NT {
             let (a0, a1) = (ap[t], ap[t].add(1));
-            let aq = load_x2(addr_of!((*a0).qs) as *const u8, addr_of!((*a1).qs) as *const u8);
+            let aq = load_x2(
+                addr_of!((*a0).qs) as *const u8,
+                addr_of!((*a1).qs) as *const u8,
+            );
             let signed = _mm512_mask_sub_epi8(aq, wneg, zero, aq);
             let sumi = _mm512_dpbusd_epi32(zero, wabs, signed);
             let scale = _mm_mul_ps(wd, f16_two((*a0).d, (*a1).d));

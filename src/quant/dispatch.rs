@@ -370,5 +370,9 @@ pub(crate) fn active() -> &'static Kernels {
 
 /// All levels this CPU supports, best first (for tests and benchmarks).
 pub fn supported_levels() -> Vec<SimdLevel> {
-    PREFERENCE.iter().copied().filter(|l| l.is_supported()).collect()
+    PREFERENCE
+        .iter()
+        .copied()
+        .filter(|l| l.is_supported())
+        .collect()
 }

@@ -21,8 +21,16 @@ use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 unsafe fn dot_i8x32(w: [int8x16_t; 2], a: *const u8) -> i32 {
     let a0 = vld1q_s8(a as *const i8);
     let a1 = vld1q_s8(a.add(16) as *const i8);
-    let p0 = vmlal_s8(vmull_s8(vget_low_s8(w[0]), vget_low_s8(a0)), vget_high_s8(w[0]), vget_high_s8(a0));
-    let p1 = vmlal_s8(vmull_s8(vget_low_s8(w[1]), vget_low_s8(a1)), vget_high_s8(w[1]), vget_high_s8(a1));
+    let p0 = vmlal_s8(
+        vmull_s8(vget_low_s8(w[0]), vget_low_s8(a0)),
+        vget_high_s8(w[0]),
+        vget_high_s8(a0),
+    );
+    let p1 = vmlal_s8(
+        vmull_s8(vget_low_s8(w[1]), vget_low_s8(a1)),
+        vget_high_s8(w[1]),
+        vget_high_s8(a1),
+    );
     vaddvq_s32(vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1)))
 }
 

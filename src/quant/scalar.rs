@@ -80,7 +80,10 @@ pub(crate) fn signed_absmax(x: &[f32]) -> f32 {
 #[inline(always)]
 pub(crate) fn fill_q8k_bsums(b: &mut BlockQ8K) {
     for g in 0..QK_K / 16 {
-        let s: i32 = b.qs[16 * g..16 * g + 16].iter().map(|&q| q as i8 as i32).sum();
+        let s: i32 = b.qs[16 * g..16 * g + 16]
+            .iter()
+            .map(|&q| q as i8 as i32)
+            .sum();
         b.bsums[g] = (s as i16).to_le_bytes();
     }
 }
@@ -401,7 +404,10 @@ mod tests {
         let mut out = [BlockQ8_1::zeroed()];
         quantize_q8_1(&x, &mut out);
         assert_eq!(out[0].d(), 1.0);
-        assert_eq!((out[0].q(0), out[0].q(1), out[0].q(2), out[0].q(3)), (127, 3, -3, 0));
+        assert_eq!(
+            (out[0].q(0), out[0].q(1), out[0].q(2), out[0].q(3)),
+            (127, 3, -3, 0)
+        );
         assert_eq!(out[0].s(), 127.0);
     }
 
@@ -542,8 +548,14 @@ mod tests {
 
     #[test]
     fn float_dots_and_axpy() {
-        let a: Vec<f16> = [1.0f32, 2.0, -3.0].iter().map(|&v| f16::from_f32(v)).collect();
-        let b: Vec<f16> = [0.5f32, 4.0, 1.0].iter().map(|&v| f16::from_f32(v)).collect();
+        let a: Vec<f16> = [1.0f32, 2.0, -3.0]
+            .iter()
+            .map(|&v| f16::from_f32(v))
+            .collect();
+        let b: Vec<f16> = [0.5f32, 4.0, 1.0]
+            .iter()
+            .map(|&v| f16::from_f32(v))
+            .collect();
         assert_eq!(dot_f16(&a, &b), 5.5);
         let c: Vec<bf16> = [1.0f32, 2.0].iter().map(|&v| bf16::from_f32(v)).collect();
         assert_eq!(dot_bf16(&c, &c), 5.0);

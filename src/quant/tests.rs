@@ -120,14 +120,20 @@ fn every_simd_dot_matches_the_scalar_reference() {
                     let a = quantized_acts(scalar, ty, &x);
                     let want = vec_dot_with(scalar, ty, n, &w, &a);
                     let got = vec_dot_with(k, ty, n, &w, &a);
-                    let tol = 2e-6 * magnitude(ty, n, &w, &a) * (n as f32).sqrt() + f32::MIN_POSITIVE;
+                    let tol =
+                        2e-6 * magnitude(ty, n, &w, &a) * (n as f32).sqrt() + f32::MIN_POSITIVE;
                     assert!(
                         (got - want).abs() <= tol,
                         "{} {ty} n={n} scale {scale_mag}: got {got}, scalar {want}, tol {tol}",
                         level.name()
                     );
                     if ty.block_len() == QK_K {
-                        assert_eq!(got.to_bits(), want.to_bits(), "{} {ty}: K-quants are exact", level.name());
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{} {ty}: K-quants are exact",
+                            level.name()
+                        );
                     }
                 }
             }
@@ -147,7 +153,9 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
                 _ => 512,
             };
             let rows = 7;
-            let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(&mut rng, ty, n, 1.0)).collect();
+            let w: Vec<u8> = (0..rows)
+                .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
+                .collect();
             for tokens in [1usize, 2, 3, 5, 8, 17] {
                 let acts: Vec<u8> = (0..tokens)
                     .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
@@ -155,10 +163,19 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
                 let mut out = vec![0.0f32; rows * tokens];
                 matmul_with(k, ty, n, &w, &acts, tokens, &mut out);
                 let wb = ty.row_bytes(n).expect("whole");
-                let ab = activation_type(ty).expect("ok").row_bytes(n).expect("whole");
+                let ab = activation_type(ty)
+                    .expect("ok")
+                    .row_bytes(n)
+                    .expect("whole");
                 for r in 0..rows {
                     for t in 0..tokens {
-                        let single = vec_dot_with(k, ty, n, &w[r * wb..(r + 1) * wb], &acts[t * ab..(t + 1) * ab]);
+                        let single = vec_dot_with(
+                            k,
+                            ty,
+                            n,
+                            &w[r * wb..(r + 1) * wb],
+                            &acts[t * ab..(t + 1) * ab],
+                        );
                         assert_eq!(
                             out[r * tokens + t].to_bits(),
                             single.to_bits(),
@@ -176,9 +193,14 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
 fn matmul_results_do_not_depend_on_the_calling_thread() {
     let mut rng = StdRng::seed_from_u64(3);
     let (ty, n, rows, tokens) = (GgmlType::Q4_1, 576, 5, 6);
-    let w: Vec<u8> = (0..rows).flat_map(|_| random_weights(&mut rng, ty, n, 1.0)).collect();
+    let w: Vec<u8> = (0..rows)
+        .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
+        .collect();
     let mut acts = vec![0u8; tokens * GgmlType::Q8_1.row_bytes(n).expect("whole")];
-    for (t, chunk) in acts.chunks_exact_mut(GgmlType::Q8_1.row_bytes(n).expect("whole")).enumerate() {
+    for (t, chunk) in acts
+        .chunks_exact_mut(GgmlType::Q8_1.row_bytes(n).expect("whole"))
+        .enumerate()
+    {
         let x: Vec<f32> = (0..n).map(|i| ((i * 7 + t) % 13) as f32 - 6.0).collect();
         quantize_row(GgmlType::Q8_1, &x, chunk).expect("quantize");
     }
@@ -201,10 +223,22 @@ fn matmul_results_do_not_depend_on_the_calling_thread() {
 fn simd_quantizers_reproduce_the_scalar_bytes() {
     let mut rng = StdRng::seed_from_u64(5);
     let scalar = table(SimdLevel::Scalar);
-    let mut inputs: Vec<Vec<f32>> = (0..20).map(|i| random_floats(&mut rng, 512, 10f32.powi(i % 5 - 2))).collect();
+    let mut inputs: Vec<Vec<f32>> = (0..20)
+        .map(|i| random_floats(&mut rng, 512, 10f32.powi(i % 5 - 2)))
+        .collect();
     // Exact halves after scaling (amax 127 makes the scale 1), zeros, and a
     // block whose largest magnitude appears with both signs.
-    inputs.push((0..512).map(|i| if i % 32 == 0 { 127.0 } else { (i % 7) as f32 - 3.5 }).collect());
+    inputs.push(
+        (0..512)
+            .map(|i| {
+                if i % 32 == 0 {
+                    127.0
+                } else {
+                    (i % 7) as f32 - 3.5
+                }
+            })
+            .collect(),
+    );
     inputs.push(vec![0.0; 512]);
     inputs.push((0..512).map(|i| [5.0, -5.0, 1.0, 2.5][i % 4]).collect());
     for level in supported_levels() {
@@ -225,7 +259,14 @@ fn simd_quantizers_reproduce_the_scalar_bytes() {
 fn quantize_then_dequantize_is_close() {
     let mut rng = StdRng::seed_from_u64(9);
     let x = random_floats(&mut rng, 1024, 4.0);
-    for act in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+    for act in [
+        GgmlType::Q8_0,
+        GgmlType::Q8_1,
+        GgmlType::Q8_K,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::F32,
+    ] {
         let mut q = vec![0u8; act.row_bytes(x.len()).expect("whole")];
         quantize_row(act, &x, &mut q).expect("quantize");
         let mut back = vec![0.0f32; x.len()];
@@ -241,7 +282,10 @@ fn quantize_then_dequantize_is_close() {
                 _ => amax / 127.0 * 0.5 + amax / 1000.0,
             };
             for (a, b) in xb.iter().zip(yb) {
-                assert!((a - b).abs() <= tol, "{act}: {a} came back as {b} (tol {tol})");
+                assert!(
+                    (a - b).abs() <= tol,
+                    "{act}: {a} came back as {b} (tol {tol})"
+                );
             }
         }
     }
@@ -265,12 +309,23 @@ fn q8_1_sum_field_is_scale_times_quant_sum() {
 fn f16_attention_helpers_match_scalar() {
     let mut rng = StdRng::seed_from_u64(13);
     for n in [1usize, 7, 8, 16, 17, 64, 100] {
-        let a: Vec<half::f16> = (0..n).map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0))).collect();
-        let b: Vec<half::f16> = (0..n).map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0))).collect();
+        let a: Vec<half::f16> = (0..n)
+            .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+            .collect();
+        let b: Vec<half::f16> = (0..n)
+            .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+            .collect();
         let want = scalar::dot_f16(&a, &b);
-        let mag: f32 = a.iter().zip(&b).map(|(x, y)| (x.to_f32() * y.to_f32()).abs()).sum();
+        let mag: f32 = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x.to_f32() * y.to_f32()).abs())
+            .sum();
         let got = dot_f16(&a, &b);
-        assert!((got - want).abs() <= 1e-6 * mag + 1e-7, "n={n}: {got} vs {want}");
+        assert!(
+            (got - want).abs() <= 1e-6 * mag + 1e-7,
+            "n={n}: {got} vs {want}"
+        );
         let mut y1: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
         let mut y2 = y1.clone();
         axpy_f16(0.7, &a, &mut y1);
@@ -292,11 +347,19 @@ fn argument_errors_carry_the_numbers() {
     let mut out = vec![0u8; 10];
     assert_eq!(
         quantize_row(GgmlType::Q8_0, &[0.0; 32], &mut out),
-        Err(QuantError::WrongLength { what: "quantized activation buffer", got: 10, expected: 34 })
+        Err(QuantError::WrongLength {
+            what: "quantized activation buffer",
+            got: 10,
+            expected: 34
+        })
     );
     assert!(matches!(
         quantize_row(GgmlType::Q8_0, &[0.0; 33], &mut out),
-        Err(QuantError::PartialBlock { n: 33, block_len: 32, .. })
+        Err(QuantError::PartialBlock {
+            n: 33,
+            block_len: 32,
+            ..
+        })
     ));
     assert_eq!(
         quantize_row(GgmlType::Q4_1, &[0.0; 32], &mut out),
@@ -310,7 +373,12 @@ fn argument_errors_carry_the_numbers() {
     assert_eq!(check_matmul(GgmlType::Q4_1, 64, 120, 72, 1, 3), Ok(3));
     assert!(check_matmul(GgmlType::Q4_1, 64, 121, 72, 1, 3).is_err());
     assert!(check_matmul(GgmlType::Q4_1, 64, 120, 72, 1, 4).is_err());
-    let msg = QuantError::WrongLength { what: "output", got: 4, expected: 3 }.to_string();
+    let msg = QuantError::WrongLength {
+        what: "output",
+        got: 4,
+        expected: 3,
+    }
+    .to_string();
     assert!(msg.contains('4') && msg.contains('3'), "{msg}");
 }
 
