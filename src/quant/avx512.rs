@@ -53,9 +53,11 @@ unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
     let q0 = _mm_loadu_si128(p0 as *const __m128i);
     let q1 = _mm_loadu_si128(p1 as *const __m128i);
     let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
-    let four = 0x0004_0004_0004_0004i64;
-    let shifts = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
-    _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(0x0F))
+    // Immediate shift plus a blend: variable 16-bit shifts are slow on some
+    // AVX-512 cores.
+    let shifted = _mm512_srli_epi16(v, 4);
+    let nibbles = _mm512_mask_blend_epi64(0b1100_1100, v, shifted);
+    _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F))
 }
 
 /// Two 32-byte quant arrays as one 64-byte vector.

@@ -142,11 +142,19 @@ fn quantize_row_with(
                 o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
             }
         }
-        // SAFETY (all three): the table's level was checked to be supported
-        // when the table was handed out.
-        GgmlType::Q8_0 => unsafe { (k.quantize_q8_0)(x, bytemuck::cast_slice_mut(out)) },
-        GgmlType::Q8_1 => unsafe { (k.quantize_q8_1)(x, bytemuck::cast_slice_mut(out)) },
-        GgmlType::Q8_K => unsafe { (k.quantize_q8_k)(x, bytemuck::cast_slice_mut(out)) },
+        GgmlType::Q8_0 => {
+            // SAFETY: the table's level was checked to be supported when the
+            // table was handed out; the cast checked whole blocks.
+            unsafe { (k.quantize_q8_0)(x, bytemuck::cast_slice_mut(out)) }
+        }
+        GgmlType::Q8_1 => {
+            // SAFETY: as for Q8_0.
+            unsafe { (k.quantize_q8_1)(x, bytemuck::cast_slice_mut(out)) }
+        }
+        GgmlType::Q8_K => {
+            // SAFETY: as for Q8_0.
+            unsafe { (k.quantize_q8_k)(x, bytemuck::cast_slice_mut(out)) }
+        }
         ty => return Err(QuantError::NotActivation { ty }),
     }
     Ok(())

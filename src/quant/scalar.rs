@@ -536,7 +536,7 @@ mod tests {
         let mut y = [0.0f32; 256];
         dequantize_q6_k(&[b], &mut y);
         assert_eq!(y[0], 0.5 * 2.0 * 5.0);
-        assert_eq!(y[32], 0.5 * -1.0 * -17.0);
+        assert_eq!(y[32], 0.5 * 17.0); // scale -1 times q -17
         assert_eq!(y[1], 0.5 * 2.0 * -32.0);
         let mut a = BlockQ8K::zeroed();
         a.d = 2.0f32.to_le_bytes();
