@@ -1,1 +1,868 @@
-//! placeholder
+//! Text <-> token ids, from the vocabulary stored in a GGUF file.
+//!
+//! Implemented: GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`)
+//! with the GPT-2 and SmolLM/StarCoder pre-tokenizers. Other tokenizer
+//! families are refused with [`TokenizerError::UnsupportedModel`].
+//!
+//! Encoding follows llama.cpp's `llama_tokenize` so that token ids match it
+//! exactly (checked against golden vectors in `tests/vectors/`):
+//!
+//! 1. Special-token text is cut out first. Every control, user-defined and
+//!    unknown token is searched for, longest text first. User-defined tokens
+//!    are always recognised; control and unknown tokens only with
+//!    `parse_special`.
+//! 2. Each remaining stretch of text is split into words by the
+//!    pre-tokenizer ([`PreTokenizer`]).
+//! 3. Each word's bytes become byte-level tokens that are merged by rank.
+//!
+//! Decoding concatenates each token's bytes (special tokens as their text)
+//! and turns invalid UTF-8 into U+FFFD; [`StreamDecoder`] does the same
+//! incrementally for streaming output.
+
+mod bpe;
+mod byte_level;
+mod error;
+mod pretokenize;
+mod stream;
+
+use std::collections::HashMap;
+
+pub use error::TokenizerError;
+pub use pretokenize::PreTokenizer;
+pub use stream::StreamDecoder;
+
+use crate::gguf::{GgufFile, MetaArray};
+use bpe::{pair_key, BpeScratch, Merge, MergeTable};
+
+/// How a token is treated, from `tokenizer.ggml.token_type` (numbered as in
+/// llama.cpp), after llama.cpp's adjustments by token text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenType {
+    /// Ordinary text produced by merging.
+    Normal,
+    /// The unknown-token placeholder.
+    Unknown,
+    /// A control token such as `<|im_start|>`: never produced from plain
+    /// text unless special-token parsing is on.
+    Control,
+    /// An added token that is always matched as a whole in text.
+    UserDefined,
+    /// A reserved slot.
+    Unused,
+    /// A single raw byte written as `<0xXX>`.
+    Byte,
+    /// A type number outside the known set.
+    Undefined,
+}
+
+impl TokenType {
+    fn from_gguf(code: i32) -> Self {
+        match code {
+            1 => Self::Normal,
+            2 => Self::Unknown,
+            3 => Self::Control,
+            4 => Self::UserDefined,
+            5 => Self::Unused,
+            6 => Self::Byte,
+            _ => Self::Undefined,
+        }
+    }
+}
+
+/// Token texts that llama.cpp treats as ending generation whatever their
+/// stored type (it also forces them to control type).
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// Fill-in-the-middle tokens that also end generation, found by key or,
+/// failing that, by text (as llama.cpp does).
+const FIM_EOG: &[(&str, &[&str])] = &[
+    (
+        "tokenizer.ggml.fim_pad_token_id",
+        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+    ),
+    (
+        "tokenizer.ggml.fim_rep_token_id",
+        &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
+    ),
+    ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
+];
+
+/// Fill-in-the-middle texts llama.cpp forces to control type when found.
+const FIM_CONTROL_TEXTS: &[&str] = &[
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<｜fim▁begin｜>",
+    "<PRE>",
+    "▁<PRE>",
+    "<|code_prefix|>",
+    "<|prefix|>",
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<｜fim▁hole｜>",
+    "<SUF>",
+    "▁<SUF>",
+    "<|code_suffix|>",
+    "<|suffix|>",
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<｜fim▁end｜>",
+    "<MID>",
+    "▁<MID>",
+    "<|code_middle|>",
+    "<|middle|>",
+];
+
+/// A token text that is cut out of input before pre-tokenization.
+#[derive(Clone, Debug)]
+struct SpecialText {
+    text: String,
+    id: u32,
+    /// Control and unknown tokens are only matched with `parse_special`;
+    /// user-defined ones always are.
+    only_when_parsing: bool,
+}
+
+/// A piece of input after special tokens are cut out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fragment<'a> {
+    Text(&'a str),
+    Token(u32),
+}
+
+/// A byte-level BPE tokenizer built from GGUF metadata.
+#[derive(Clone, Debug)]
+pub struct Tokenizer {
+    texts: Vec<String>,
+    types: Vec<TokenType>,
+    /// `bytes[byte_offsets[i]..byte_offsets[i + 1]]` is what token `i`
+    /// stands for.
+    bytes: Vec<u8>,
+    byte_offsets: Vec<usize>,
+    text_to_id: HashMap<String, u32>,
+    merges: MergeTable,
+    byte_ids: [Option<u32>; 256],
+    pre: PreTokenizer,
+    /// Longest text first.
+    specials: Vec<SpecialText>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    add_eos: bool,
+    eog: Vec<u32>,
+    chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from a GGUF file's `tokenizer.*` metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, TokenizerError> {
+        let model = file.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel {
+                model: model.to_owned(),
+            });
+        }
+        let pre_name = file.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
+        let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
+            TokenizerError::UnsupportedPreTokenizer {
+                pre: pre_name.to_owned(),
+            }
+        })?;
+
+        let texts = match file.get_array("tokenizer.ggml.tokens")? {
+            MetaArray::String(v) => v.clone(),
+            _ => {
+                return Err(TokenizerError::WrongArrayType {
+                    key: "tokenizer.ggml.tokens",
+                    expected: "string",
+                })
+            }
+        };
+        let max = i32::MAX as usize;
+        if texts.is_empty() || texts.len() > max {
+            return Err(TokenizerError::BadVocabSize {
+                count: texts.len(),
+                max,
+            });
+        }
+        let n_vocab = texts.len();
+
+        let mut types = match file.get("tokenizer.ggml.token_type") {
+            None => vec![TokenType::Normal; n_vocab],
+            Some(_) => match file.get_array("tokenizer.ggml.token_type")? {
+                MetaArray::I32(codes) => codes.iter().map(|&c| TokenType::from_gguf(c)).collect(),
+                _ => {
+                    return Err(TokenizerError::WrongArrayType {
+                        key: "tokenizer.ggml.token_type",
+                        expected: "i32",
+                    })
+                }
+            },
+        };
+        if types.len() != n_vocab {
+            return Err(TokenizerError::LengthMismatch {
+                key: "tokenizer.ggml.token_type",
+                found: types.len(),
+                expected: n_vocab,
+            });
+        }
+
+        let mut text_to_id = HashMap::with_capacity(n_vocab);
+        for (id, text) in texts.iter().enumerate() {
+            // Ids fit: the vocabulary size was checked against i32::MAX.
+            text_to_id.insert(text.clone(), id as u32);
+        }
+
+        let special_id = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
+            match file.get_u64_opt(key)? {
+                None => Ok(None),
+                Some(id) if id < n_vocab as u64 => Ok(Some(id as u32)),
+                Some(id) => Err(TokenizerError::SpecialIdOutOfRange {
+                    key,
+                    id,
+                    vocab_size: n_vocab,
+                }),
+            }
+        };
+        let bos = special_id("tokenizer.ggml.bos_token_id")?;
+        let eos = special_id("tokenizer.ggml.eos_token_id")?;
+        let eot = special_id("tokenizer.ggml.eot_token_id")?;
+        let eom = special_id("tokenizer.ggml.eom_token_id")?;
+        let add_bos = file.get_bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        let add_eos = file.get_bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+
+        // End-of-generation set and control-type overrides, as llama.cpp
+        // derives them from ids in the metadata and from token texts.
+        let mut eog: Vec<u32> = [eos, eot, eom].into_iter().flatten().collect();
+        for (key, candidates) in FIM_EOG {
+            let id = match special_id(key)? {
+                Some(id) => Some(id),
+                None => candidates.iter().find_map(|t| text_to_id.get(*t).copied()),
+            };
+            eog.extend(id);
+        }
+        for text in EOG_TEXTS {
+            eog.extend(text_to_id.get(*text).copied());
+        }
+        eog.sort_unstable();
+        eog.dedup();
+        let forced_control = eog
+            .iter()
+            .copied()
+            .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| text_to_id.get(*t).copied()));
+        for id in forced_control {
+            types[id as usize] = TokenType::Control;
+        }
+
+        let mut bytes = Vec::with_capacity(n_vocab * 8);
+        let mut byte_offsets = Vec::with_capacity(n_vocab + 1);
+        byte_offsets.push(0);
+        for (text, ty) in texts.iter().zip(&types) {
+            match ty {
+                TokenType::Normal => byte_level::decode_text(text, &mut bytes),
+                TokenType::Control | TokenType::UserDefined | TokenType::Unknown => {
+                    bytes.extend_from_slice(text.as_bytes())
+                }
+                TokenType::Byte => bytes.extend(parse_byte_token(text)),
+                // llama.cpp renders these as nothing.
+                TokenType::Unused | TokenType::Undefined => {}
+            }
+            byte_offsets.push(bytes.len());
+        }
+
+        let mut byte_ids = [None; 256];
+        for (b, slot) in (0..=255u8).zip(byte_ids.iter_mut()) {
+            *slot = text_to_id
+                .get(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]) as &str)
+                .copied();
+        }
+
+        let merges = match file.get("tokenizer.ggml.merges") {
+            None => MergeTable::default(),
+            Some(_) => match file.get_array("tokenizer.ggml.merges")? {
+                MetaArray::String(list) => build_merges(list, &text_to_id),
+                _ => {
+                    return Err(TokenizerError::WrongArrayType {
+                        key: "tokenizer.ggml.merges",
+                        expected: "string",
+                    })
+                }
+            },
+        };
+
+        let mut specials: Vec<SpecialText> = texts
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (text, _))| !text.is_empty())
+            .filter_map(|(id, (text, ty))| {
+                let only_when_parsing = match ty {
+                    TokenType::Control | TokenType::Unknown => true,
+                    TokenType::UserDefined => false,
+                    _ => return None,
+                };
+                Some(SpecialText {
+                    text: text.clone(),
+                    id: id as u32,
+                    only_when_parsing,
+                })
+            })
+            .collect();
+        specials.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
+
+        let chat_template = file
+            .get_str_opt("tokenizer.chat_template")?
+            .map(str::to_owned);
+
+        Ok(Self {
+            texts,
+            types,
+            bytes,
+            byte_offsets,
+            text_to_id,
+            merges,
+            byte_ids,
+            pre,
+            specials,
+            bos,
+            eos,
+            add_bos,
+            add_eos,
+            eog,
+            chat_template,
+        })
+    }
+
+    /// Encodes text. `add_special`: add BOS/EOS where the model asks for
+    /// them (`tokenizer.ggml.add_bos_token` / `add_eos_token`);
+    /// `parse_special`: recognise control-token text such as `<|im_end|>`
+    /// as that token (user-defined tokens are recognised either way, as in
+    /// llama.cpp).
+    pub fn encode(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        if add_special && self.add_bos {
+            out.push(self.bos.ok_or(TokenizerError::MissingSpecialToken { which: "BOS" })?);
+        }
+        let mut scratch = EncodeScratch::default();
+        for fragment in self.split_special(text, parse_special) {
+            match fragment {
+                Fragment::Token(id) => out.push(id),
+                Fragment::Text(piece) => self.encode_plain(piece, &mut scratch, &mut out)?,
+            }
+        }
+        if add_special && self.add_eos {
+            out.push(self.eos.ok_or(TokenizerError::MissingSpecialToken { which: "EOS" })?);
+        }
+        Ok(out)
+    }
+
+    /// Decodes ids to text: each token's bytes in turn, special tokens as
+    /// their text. Bytes that do not form valid UTF-8 (a character cut off
+    /// at either end of `ids`) become U+FFFD; use [`Tokenizer::decode_bytes`]
+    /// to get them unaltered.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let bytes = self.decode_bytes(ids)?;
+        Ok(match String::from_utf8(bytes) {
+            Ok(text) => text,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        })
+    }
+
+    /// The bytes the ids stand for, concatenated.
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            let bytes = self.token_bytes(id).ok_or(TokenizerError::TokenOutOfRange {
+                id,
+                vocab_size: self.vocab_size(),
+            })?;
+            out.extend_from_slice(bytes);
+        }
+        Ok(out)
+    }
+
+    /// The raw bytes a token stands for (a special token's text for control
+    /// and user-defined tokens; empty for unused slots).
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        let i = id as usize;
+        let start = *self.byte_offsets.get(i)?;
+        let end = *self.byte_offsets.get(i + 1)?;
+        self.bytes.get(start..end)
+    }
+
+    /// The token's text exactly as stored in the vocabulary (byte-level
+    /// encoded, e.g. "Ġthe" for " the").
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.texts.get(id as usize).map(String::as_str)
+    }
+
+    /// The token's type.
+    pub fn token_type(&self, id: u32) -> Option<TokenType> {
+        self.types.get(id as usize).copied()
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.texts.len()
+    }
+
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    pub fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// Whether `encode(.., add_special = true, ..)` adds BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// End-of-generation ids, ascending: EOS, EOT and the tokens llama.cpp
+    /// recognises by text (`<|im_end|>`, `<|endoftext|>`, FIM padding ...).
+    pub fn eog_tokens(&self) -> &[u32] {
+        &self.eog
+    }
+
+    /// Whether the id ends generation.
+    pub fn is_eog(&self, id: u32) -> bool {
+        self.eog.binary_search(&id).is_ok()
+    }
+
+    /// The id of the token whose vocabulary text is exactly `text` (for
+    /// special tokens this is their plain text, e.g. "<|im_end|>").
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.text_to_id.get(text).copied()
+    }
+
+    /// Whether the id is a control token (not meant to be shown as text).
+    pub fn is_control(&self, id: u32) -> bool {
+        self.token_type(id) == Some(TokenType::Control)
+    }
+
+    /// The Jinja chat template stored with the model, if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Cuts special-token text out of `text`, longest special text first.
+    fn split_special<'a>(&self, text: &'a str, parse_special: bool) -> Vec<Fragment<'a>> {
+        let mut fragments = Vec::new();
+        if !text.is_empty() {
+            fragments.push(Fragment::Text(text));
+        }
+        let mut next = Vec::new();
+        for special in &self.specials {
+            if special.only_when_parsing && !parse_special {
+                continue;
+            }
+            let needle = special.text.as_str();
+            if !fragments
+                .iter()
+                .any(|f| matches!(f, Fragment::Text(t) if t.contains(needle)))
+            {
+                continue;
+            }
+            next.clear();
+            for &fragment in &fragments {
+                let Fragment::Text(mut rest) = fragment else {
+                    next.push(fragment);
+                    continue;
+                };
+                while let Some(at) = rest.find(needle) {
+                    if at > 0 {
+                        next.push(Fragment::Text(&rest[..at]));
+                    }
+                    next.push(Fragment::Token(special.id));
+                    rest = &rest[at + needle.len()..];
+                }
+                if !rest.is_empty() {
+                    next.push(Fragment::Text(rest));
+                }
+            }
+            std::mem::swap(&mut fragments, &mut next);
+        }
+        fragments
+    }
+
+    /// Pre-tokenizes and merges text that holds no special tokens.
+    fn encode_plain(
+        &self,
+        text: &str,
+        scratch: &mut EncodeScratch,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
+        scratch.words.clear();
+        self.pre.split(text, &mut scratch.words);
+        let bytes = text.as_bytes();
+        for &(start, end) in &scratch.words {
+            scratch.ids.clear();
+            for &b in &bytes[start..end] {
+                let id = self.byte_ids[usize::from(b)]
+                    .ok_or(TokenizerError::MissingByteToken { byte: b })?;
+                scratch.ids.push(id);
+            }
+            scratch.bpe.merge_word(&self.merges, &scratch.ids, out);
+        }
+        Ok(())
+    }
+}
+
+/// Buffers reused across the words of one `encode` call.
+#[derive(Default)]
+struct EncodeScratch {
+    words: Vec<(usize, usize)>,
+    ids: Vec<u32>,
+    bpe: BpeScratch,
+}
+
+/// Builds the merge table from "left right" entries. Entries whose halves
+/// or result are not tokens can never apply to token ids and are skipped.
+fn build_merges(list: &[String], text_to_id: &HashMap<String, u32>) -> MergeTable {
+    let mut merges = MergeTable::with_capacity_and_hasher(list.len(), Default::default());
+    let mut joined = String::new();
+    for (rank, entry) in list.iter().enumerate() {
+        // The separator is searched from the second byte on, so that a left
+        // half that is itself a space still works.
+        let Some(split) = entry.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1) else {
+            continue;
+        };
+        let (left, right) = (&entry[..split], &entry[split + 1..]);
+        joined.clear();
+        joined.push_str(left);
+        joined.push_str(right);
+        let (Some(&l), Some(&r), Some(&merged)) = (
+            text_to_id.get(left),
+            text_to_id.get(right),
+            text_to_id.get(joined.as_str()),
+        ) else {
+            continue;
+        };
+        let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+        merges
+            .entry(pair_key(l, r))
+            .or_insert(Merge { rank, merged });
+    }
+    merges
+}
+
+/// The byte of a `<0xXX>` token, if the text has that form.
+fn parse_byte_token(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A metadata value for the test GGUF writer.
+    enum Value {
+        Str(&'static str),
+        U32(u32),
+        Bool(bool),
+        Strings(Vec<String>),
+        I32s(Vec<i32>),
+    }
+
+    fn put_str(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+
+    /// A GGUF v3 file with no tensors and the given metadata.
+    fn gguf(entries: &[(&str, Value)]) -> GgufFile {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&3u32.to_le_bytes());
+        out.extend_from_slice(&0u64.to_le_bytes());
+        out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+        for (key, value) in entries {
+            put_str(&mut out, key);
+            match value {
+                Value::Str(s) => {
+                    out.extend_from_slice(&8u32.to_le_bytes());
+                    put_str(&mut out, s);
+                }
+                Value::U32(v) => {
+                    out.extend_from_slice(&4u32.to_le_bytes());
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                Value::Bool(b) => {
+                    out.extend_from_slice(&7u32.to_le_bytes());
+                    out.push(u8::from(*b));
+                }
+                Value::Strings(list) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&8u32.to_le_bytes());
+                    out.extend_from_slice(&(list.len() as u64).to_le_bytes());
+                    for s in list {
+                        put_str(&mut out, s);
+                    }
+                }
+                Value::I32s(list) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&5u32.to_le_bytes());
+                    out.extend_from_slice(&(list.len() as u64).to_le_bytes());
+                    for v in list {
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+        }
+        while out.len() % 32 != 0 {
+            out.push(0);
+        }
+        GgufFile::from_bytes(out).expect("test GGUF must parse")
+    }
+
+    const EXTRA: &[(&str, i32)] = &[
+        ("Ġt", 1),
+        ("he", 1),
+        ("Ġthe", 1),
+        ("ll", 1),
+        ("<|im_start|>", 3),
+        ("<|im_end|>", 3),
+        ("<tool>", 4),
+        ("<|endoftext|>", 3),
+    ];
+    const MERGES: &[&str] = &["Ġ t", "h e", "Ġt he", "l l"];
+
+    /// The 256 byte tokens (ids 0..=255 in byte order), then [`EXTRA`].
+    fn vocab_entries() -> (Vec<String>, Vec<i32>) {
+        let mut texts: Vec<String> = (0..=255u8)
+            .map(|b| byte_level::byte_to_char(b).to_string())
+            .collect();
+        let mut types = vec![1; 256];
+        for &(text, ty) in EXTRA {
+            texts.push(text.to_owned());
+            types.push(ty);
+        }
+        (texts, types)
+    }
+
+    fn tiny() -> Tokenizer {
+        let (texts, types) = vocab_entries();
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str("smollm")),
+            ("tokenizer.ggml.tokens", Value::Strings(texts)),
+            ("tokenizer.ggml.token_type", Value::I32s(types)),
+            (
+                "tokenizer.ggml.merges",
+                Value::Strings(MERGES.iter().map(|s| s.to_string()).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::U32(261)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(261)),
+            ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+            ("tokenizer.chat_template", Value::Str("{{ messages }}")),
+        ]);
+        Tokenizer::from_gguf(&file).expect("tiny vocabulary must load")
+    }
+
+    fn id(tok: &Tokenizer, text: &str) -> u32 {
+        tok.token_id(text).expect("token must exist")
+    }
+
+    #[test]
+    fn merges_by_rank() {
+        let tok = tiny();
+        let the = id(&tok, "Ġthe");
+        assert_eq!(tok.encode(" the", false, false).unwrap(), [the]);
+        assert_eq!(
+            tok.encode("the", false, false).unwrap(),
+            [u32::from(b't'), id(&tok, "he")]
+        );
+        assert_eq!(
+            tok.encode("hello the", false, false).unwrap(),
+            [
+                id(&tok, "he"),
+                id(&tok, "ll"),
+                u32::from(b'o'),
+                the
+            ]
+        );
+    }
+
+    #[test]
+    fn digits_are_single_tokens() {
+        let tok = tiny();
+        // Byte tokens have ids equal to their byte, so " " is 32.
+        assert_eq!(
+            tok.encode(" 42", false, false).unwrap(),
+            [32, u32::from(b'4'), u32::from(b'2')]
+        );
+    }
+
+    #[test]
+    fn special_tokens_need_parse_special_but_user_defined_do_not() {
+        let tok = tiny();
+        let start = id(&tok, "<|im_start|>");
+        let tool = id(&tok, "<tool>");
+        let parsed = tok.encode("<|im_start|>the<tool>", false, true).unwrap();
+        assert_eq!(parsed, [start, u32::from(b't'), id(&tok, "he"), tool]);
+        let plain = tok.encode("<|im_start|>the<tool>", false, false).unwrap();
+        assert!(!plain.contains(&start));
+        assert_eq!(plain.last(), Some(&tool));
+        assert_eq!(tok.decode(&plain).unwrap(), "<|im_start|>the<tool>");
+    }
+
+    #[test]
+    fn add_special_respects_model_flags() {
+        let tok = tiny();
+        assert!(!tok.adds_bos());
+        assert_eq!(tok.encode("a", true, false).unwrap(), [u32::from(b'a')]);
+        assert!(tok.encode("", true, true).unwrap().is_empty());
+    }
+
+    #[test]
+    fn decode_round_trips_and_reports_bad_ids() {
+        let tok = tiny();
+        for text in ["", " the hello", "naïve 東京 😀\n\n  x", "<|im_end|> 12 'll"] {
+            let ids = tok.encode(text, false, true).unwrap();
+            assert_eq!(tok.decode(&ids).unwrap(), text);
+        }
+        let euro = tok.encode("€", false, false).unwrap();
+        assert_eq!(euro.len(), 3);
+        assert_eq!(tok.decode(&euro[..2]).unwrap(), "\u{fffd}");
+        assert!(matches!(
+            tok.decode(&[9999]),
+            Err(TokenizerError::TokenOutOfRange { id: 9999, .. })
+        ));
+        assert_eq!(tok.token_bytes(u32::from(b' ')), Some(&b" "[..]));
+        assert_eq!(tok.token_bytes(id(&tok, "Ġthe")), Some(&b" the"[..]));
+    }
+
+    #[test]
+    fn special_token_facts() {
+        let tok = tiny();
+        let end = id(&tok, "<|im_end|>");
+        let eot = id(&tok, "<|endoftext|>");
+        assert_eq!(tok.vocab_size(), 256 + EXTRA.len());
+        assert_eq!(tok.eos(), Some(261));
+        assert_eq!(tok.bos(), Some(261));
+        assert_eq!(tok.eog_tokens(), [end, eot]);
+        assert!(tok.is_eog(end) && !tok.is_eog(id(&tok, "<|im_start|>")));
+        assert!(tok.is_control(end));
+        assert!(!tok.is_control(id(&tok, "<tool>")));
+        assert!(!tok.is_control(u32::from(b'a')));
+        assert_eq!(tok.chat_template(), Some("{{ messages }}"));
+    }
+
+    #[test]
+    fn stream_decoder_matches_decode() {
+        let tok = tiny();
+        let text = "€ the 東京!";
+        let ids = tok.encode(text, false, false).unwrap();
+        let mut stream = StreamDecoder::new();
+        let mut got = String::new();
+        for &i in &ids {
+            got.push_str(&stream.push(&tok, i).unwrap());
+        }
+        got.push_str(&stream.finish());
+        assert_eq!(got, text);
+    }
+
+    #[test]
+    fn rejects_unsupported_and_malformed_vocabularies() {
+        let (texts, mut types) = vocab_entries();
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("bert")),
+            ("tokenizer.ggml.tokens", Value::Strings(texts.clone())),
+        ]);
+        assert!(matches!(
+            Tokenizer::from_gguf(&file),
+            Err(TokenizerError::UnsupportedModel { model }) if model == "bert"
+        ));
+
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str("qwen2")),
+            ("tokenizer.ggml.tokens", Value::Strings(texts.clone())),
+        ]);
+        assert!(matches!(
+            Tokenizer::from_gguf(&file),
+            Err(TokenizerError::UnsupportedPreTokenizer { pre }) if pre == "qwen2"
+        ));
+
+        types.pop();
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str("gpt-2")),
+            ("tokenizer.ggml.tokens", Value::Strings(texts.clone())),
+            ("tokenizer.ggml.token_type", Value::I32s(types)),
+        ]);
+        assert!(matches!(
+            Tokenizer::from_gguf(&file),
+            Err(TokenizerError::LengthMismatch { found, expected, .. })
+                if found + 1 == expected
+        ));
+
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str("gpt-2")),
+            ("tokenizer.ggml.tokens", Value::Strings(texts)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(100_000)),
+        ]);
+        assert!(matches!(
+            Tokenizer::from_gguf(&file),
+            Err(TokenizerError::SpecialIdOutOfRange { id: 100_000, .. })
+        ));
+    }
+
+    #[test]
+    fn missing_byte_token_is_an_error_not_a_panic() {
+        let texts: Vec<String> = ["a", "b"].iter().map(|s| s.to_string()).collect();
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str("gpt-2")),
+            ("tokenizer.ggml.tokens", Value::Strings(texts)),
+        ]);
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        assert_eq!(tok.encode("ab", false, false).unwrap(), [0, 1]);
+        assert!(matches!(
+            tok.encode("c", false, false),
+            Err(TokenizerError::MissingByteToken { byte: b'c' })
+        ));
+    }
+
+    #[test]
+    fn byte_token_text_parses() {
+        assert_eq!(parse_byte_token("<0x0A>"), Some(10));
+        assert_eq!(parse_byte_token("<0xff>"), Some(255));
+        assert_eq!(parse_byte_token("<0x1>"), None);
+        assert_eq!(parse_byte_token("0x41"), None);
+    }
+}
