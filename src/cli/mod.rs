@@ -1,1 +1,252 @@
-//! placeholder
+//! The command-line front end: `inferd generate`, `inferd chat` and
+//! `inferd bench`. Flags become plain values here; the work is done by the
+//! engine, the tokenizer and the sampler.
+
+mod chat;
+mod generate;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use thiserror::Error;
+
+use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::model::{Model, ModelError};
+use crate::sampler::{SamplerError, SamplingParams};
+use crate::tokenizer::TokenizerError;
+
+/// Where the reference model lands (see `scripts/fetch-model`).
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// inferd: session-bound LLM inference on the CPU.
+#[derive(Debug, Parser)]
+#[command(name = "inferd", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Continue a prompt and print the continuation.
+    Generate(generate::GenerateArgs),
+    /// Chat with the model in the terminal, using the GGUF's chat template.
+    Chat(chat::ChatArgs),
+    /// Measure prefill and decode speed (the llama-bench equivalent).
+    Bench(BenchArgs),
+}
+
+/// Options shared by every command that loads a model.
+#[derive(Debug, Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file [default: the reference model in models/, or $INFERD_MODEL].
+    #[arg(long, short = 'm')]
+    pub model: Option<PathBuf>,
+    /// Compute threads [default: one per core].
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// KV cache memory in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_mib: u64,
+}
+
+/// Sampling flags (all off by default: greedy decoding).
+#[derive(Debug, Args, Clone)]
+pub struct SamplingArgs {
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens below this fraction of the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Presence penalty (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Frequency penalty (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Penalise only the last N tokens (0 = the whole history).
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Add BIAS to token ID's logit, as ID=BIAS (repeatable).
+    #[arg(long = "logit-bias", value_parser = parse_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Random seed [default: drawn from the OS and printed to stderr].
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The sampler parameters, with a seed drawn from the OS when none was given.
+    pub fn params(&self) -> Result<SamplingParams, CliError> {
+        let seed = match self.seed {
+            Some(s) => s,
+            None => {
+                let mut b = [0u8; 8];
+                getrandom::getrandom(&mut b).map_err(|e| CliError::Usage(format!("no OS randomness: {e}")))?;
+                u64::from_le_bytes(b)
+            }
+        };
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
+            logit_bias: self.logit_bias.clone(),
+            seed,
+        })
+    }
+}
+
+fn parse_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = s.split_once('=').ok_or("expected ID=BIAS")?;
+    let id = id.trim().parse().map_err(|_| format!("'{id}' is not a token id"))?;
+    let bias = bias.trim().parse().map_err(|_| format!("'{bias}' is not a number"))?;
+    Ok((id, bias))
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens prefilled in one batch (llama-bench -p).
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens decoded one at a time (llama-bench -n).
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Runs of each test; the mean is reported.
+    #[arg(long, default_value_t = 3)]
+    pub repetitions: usize,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = BenchFormat::Text)]
+    pub format: BenchFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchFormat {
+    Text,
+    Json,
+}
+
+/// Why a command failed; printed by `main`.
+#[derive(Debug, Error)]
+pub enum CliError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("model {path}: {source}\n(run scripts/fetch-model to download the reference model)")]
+    ModelLoad { path: String, source: ModelError },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Sampler(#[from] SamplerError),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (default: warnings).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Chat(args) => chat::run(args),
+        Command::Bench(args) => bench(args),
+    }
+}
+
+impl ModelArgs {
+    /// The model path: the flag, else `$INFERD_MODEL`, else the reference model.
+    pub fn path(&self) -> PathBuf {
+        self.model
+            .clone()
+            .or_else(|| std::env::var_os("INFERD_MODEL").map(PathBuf::from))
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL))
+    }
+
+    /// Loads the model and builds an engine around it.
+    pub fn engine(&self) -> Result<Engine, CliError> {
+        let path = self.path();
+        let t0 = std::time::Instant::now();
+        let model = Model::load(&path).map_err(|source| CliError::ModelLoad {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut cfg = EngineConfig::default();
+        if let Some(t) = self.threads {
+            if t == 0 {
+                return Err(CliError::Usage("--threads must be at least 1".into()));
+            }
+            cfg.threads = t;
+        }
+        cfg.kv_bytes = self.kv_mib.max(1) << 20;
+        let engine = Engine::new(Arc::new(model), &cfg)?;
+        tracing::info!(
+            model = %path.display(),
+            threads = engine.threads(),
+            simd = crate::quant::simd_level(),
+            load_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "model loaded"
+        );
+        Ok(engine)
+    }
+}
+
+fn bench(args: BenchArgs) -> Result<(), CliError> {
+    let mut engine = args.model.engine()?;
+    let reps = args.repetitions.max(1);
+    // One untimed warm-up so page faults and first-touch costs are not measured.
+    engine.bench(args.prompt_tokens.min(16), args.gen_tokens.min(4))?;
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let r = engine.bench(args.prompt_tokens, args.gen_tokens)?;
+        if r.prompt_tokens > 0 {
+            pp.push(r.prompt_tokens as f64 / r.prefill.as_secs_f64());
+        }
+        if r.gen_tokens > 0 {
+            tg.push(r.gen_tokens as f64 / r.decode.as_secs_f64());
+        }
+    }
+    let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
+    let (pp, tg) = (mean(&pp), mean(&tg));
+    match args.format {
+        BenchFormat::Json => println!(
+            "{{\"pp_tokens_per_s\": {pp:.2}, \"tg_tokens_per_s\": {tg:.2}, \"threads\": {}, \"simd\": \"{}\"}}",
+            engine.threads(),
+            crate::quant::simd_level()
+        ),
+        BenchFormat::Text => {
+            println!("model    {}", args.model.path().display());
+            println!("threads  {}   simd {}", engine.threads(), crate::quant::simd_level());
+            println!("pp{:<6} {pp:>8.2} tokens/s", args.prompt_tokens);
+            println!("tg{:<6} {tg:>8.2} tokens/s", args.gen_tokens);
+        }
+    }
+    Ok(())
+}
