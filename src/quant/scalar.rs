@@ -413,8 +413,7 @@ mod tests {
 
     #[test]
     fn q8_k_uses_signed_max_and_ties_to_even() {
-        // Signed max -127 gives iscale 1 and d = 1 / iscale = 1 (sign folded
-        // into d negative? no: iscale = -127 / -127 = 1).
+        // A signed maximum of -127 gives iscale = -127 / -127 = 1 and d = 1.
         let mut x = [0.0f32; 256];
         x[0] = -127.0;
         x[1] = 2.5;
