@@ -1,0 +1,61 @@
+//! End-to-end speed of the forward pass on the reference model: one decode
+//! step at a given history length, and a 64-token prefill chunk, both in
+//! tokens per second. Skips (with a message) when the model is absent.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use inferd::engine::{Engine, EngineConfig};
+use inferd::model::Model;
+
+const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn engine(threads: usize) -> Option<Engine> {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return None;
+    }
+    let model = Arc::new(Model::load(REFERENCE).expect("reference model loads"));
+    Some(Engine::new(model, &EngineConfig { threads, ..EngineConfig::default() }).expect("engine"))
+}
+
+fn forward(c: &mut Criterion) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let Some(mut engine) = engine(threads) else { return };
+    let vocab = engine.model().config.vocab as u32;
+    let history: Vec<u32> = (0..256u32).map(|i| (i * 7919 + 13) % vocab).collect();
+
+    let mut group = c.benchmark_group(format!("forward/{threads}threads"));
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("decode_step_at_256", |b| {
+        b.iter_batched_ref(
+            || {
+                let mut s = engine_session(&mut engine, &history);
+                let _ = &mut s;
+                s
+            },
+            |s| engine.append(s, &[42]).expect("decode"),
+            BatchSize::PerIteration,
+        )
+    });
+    group.throughput(Throughput::Elements(64));
+    group.bench_function("prefill_64", |b| {
+        b.iter_batched_ref(
+            || engine.new_session(),
+            |s| engine.append(s, &history[..64]).expect("prefill"),
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+fn engine_session(engine: &mut Engine, history: &[u32]) -> inferd::engine::Session {
+    let mut s = engine.new_session();
+    engine.append(&mut s, history).expect("history");
+    s
+}
+
+criterion_group!(benches, forward);
+criterion_main!(benches);
