@@ -54,7 +54,10 @@ impl Rig {
         let pool = ThreadPool::new(threads);
         let mut scratch = Scratch::default();
         let vocab = self.model.config.vocab;
-        let mut kvs: Vec<SessionKv> = seqs.iter().map(|_| SessionKv::new(Arc::clone(&self.kv))).collect();
+        let mut kvs: Vec<SessionKv> = seqs
+            .iter()
+            .map(|_| SessionKv::new(Arc::clone(&self.kv)))
+            .collect();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
         let mut fed = vec![0usize; seqs.len()];
         let mut step = 0;
@@ -75,10 +78,17 @@ impl Rig {
             if batch.is_empty() {
                 break;
             }
-            let rows = self.model.forward(&mut batch, &pool, &mut scratch).expect("forward");
+            let rows = self
+                .model
+                .forward(&mut batch, &pool, &mut scratch)
+                .expect("forward");
             for (b, &i) in who.iter().enumerate() {
                 let r = rows.per_sequence[b].clone();
-                out[i].extend(scratch.logits[r.start * vocab..r.end * vocab].iter().map(|x| x.to_bits()));
+                out[i].extend(
+                    scratch.logits[r.start * vocab..r.end * vocab]
+                        .iter()
+                        .map(|x| x.to_bits()),
+                );
             }
             step += 1;
         }
@@ -113,10 +123,16 @@ fn assert_chunking_invariant(rig: &Rig, history: &[u32]) {
     let vocab = rig.model.config.vocab;
     let reference = rig.run(&[(history, vec![n])], 2).remove(0);
     assert_eq!(reference.len(), n * vocab);
-    assert!(reference.iter().all(|b| f32::from_bits(*b).is_finite()), "logits must be finite");
+    assert!(
+        reference.iter().all(|b| f32::from_bits(*b).is_finite()),
+        "logits must be finite"
+    );
 
     let one_by_one = rig.run(&[(history, vec![1; n])], 2).remove(0);
-    assert!(one_by_one == reference, "one token at a time differs from one chunk");
+    assert!(
+        one_by_one == reference,
+        "one token at a time differs from one chunk"
+    );
 
     for seed in [1, 2, 3] {
         let chunks = random_chunks(n, 40, seed);
@@ -138,9 +154,15 @@ fn assert_chunking_invariant(rig: &Rig, history: &[u32]) {
         ],
         2,
     );
-    assert!(batched[1] == reference, "batched with other sequences differs");
+    assert!(
+        batched[1] == reference,
+        "batched with other sequences differs"
+    );
     let alone_a = rig.run(&[(&other_a, vec![other_a.len()])], 2).remove(0);
-    assert!(batched[0] == alone_a, "the neighbour sequence itself changed when batched");
+    assert!(
+        batched[0] == alone_a,
+        "the neighbour sequence itself changed when batched"
+    );
 }
 
 #[test]
@@ -177,7 +199,11 @@ fn a_failed_append_changes_nothing() {
     let good = tokens(20, rig.model.config.vocab, 1);
     rig.model
         .forward(
-            &mut [Sequence { kv: &mut kv, tokens: &good, logits: LogitsWanted::Last }],
+            &mut [Sequence {
+                kv: &mut kv,
+                tokens: &good,
+                logits: LogitsWanted::Last,
+            }],
             &pool,
             &mut scratch,
         )
@@ -186,7 +212,11 @@ fn a_failed_append_changes_nothing() {
     let err = rig
         .model
         .forward(
-            &mut [Sequence { kv: &mut kv, tokens: &bad, logits: LogitsWanted::Last }],
+            &mut [Sequence {
+                kv: &mut kv,
+                tokens: &bad,
+                logits: LogitsWanted::Last,
+            }],
             &pool,
             &mut scratch,
         )

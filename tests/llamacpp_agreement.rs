@@ -45,16 +45,29 @@ fn measure() -> Option<Vec<Agreement>> {
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
         return None;
     }
-    let golden: Value = serde_json::from_str(&std::fs::read_to_string(VECTORS).expect("golden vectors")).expect("json");
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(VECTORS).expect("golden vectors"))
+            .expect("json");
     let cases = golden["cases"].as_array().expect("cases");
     assert!(cases.len() >= 8, "need at least 8 golden prompts");
     let model = Arc::new(Model::load(REFERENCE).expect("reference model loads"));
-    let mut engine = Engine::new(model, &EngineConfig { threads: 2, ..EngineConfig::default() }).expect("engine");
+    let mut engine = Engine::new(
+        model,
+        &EngineConfig {
+            threads: 2,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
     let mut out = Vec::new();
     for case in cases {
         let name = case["name"].as_str().unwrap_or("?").to_owned();
         let prompt = ids(&case["prompt"]);
-        assert!((5..=300).contains(&prompt.len()), "{name}: prompt length {}", prompt.len());
+        assert!(
+            (5..=300).contains(&prompt.len()),
+            "{name}: prompt length {}",
+            prompt.len()
+        );
         let mut session = engine.new_session();
         engine.append(&mut session, &prompt).expect("prefill");
         let mut worst = 0f64;
@@ -65,7 +78,13 @@ fn measure() -> Option<Vec<Agreement>> {
         }
         let want = ids(&case["generated"]);
         let got = engine
-            .generate(&mut session, &SamplingParams::greedy(), want.len(), &[], |_| true)
+            .generate(
+                &mut session,
+                &SamplingParams::greedy(),
+                want.len(),
+                &[],
+                |_| true,
+            )
             .expect("generate")
             .tokens;
         let prefix = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
@@ -92,8 +111,17 @@ fn measure() -> Option<Vec<Agreement>> {
 fn next_token_and_top10_logprobs_agree_with_llamacpp() {
     let Some(results) = measure() else { return };
     for r in &results {
-        assert!(r.greedy_prefix >= 1, "{}: first greedy token differs from llama.cpp", r.name);
-        assert!(r.worst_logprob_diff <= 0.35, "{}: top-10 logprob differs by {:.4}", r.name, r.worst_logprob_diff);
+        assert!(
+            r.greedy_prefix >= 1,
+            "{}: first greedy token differs from llama.cpp",
+            r.name
+        );
+        assert!(
+            r.worst_logprob_diff <= 0.35,
+            "{}: top-10 logprob differs by {:.4}",
+            r.name,
+            r.worst_logprob_diff
+        );
     }
 }
 
@@ -106,7 +134,16 @@ fn greedy_continuations_and_top10_logprobs_match_llamacpp_exactly() {
     let failures: Vec<String> = results
         .iter()
         .filter(|r| r.worst_logprob_diff > LOGPROB_TOLERANCE || r.greedy_prefix < r.greedy_len)
-        .map(|r| format!("{}: logprob diff {:.4}, greedy {}/{}", r.name, r.worst_logprob_diff, r.greedy_prefix, r.greedy_len))
+        .map(|r| {
+            format!(
+                "{}: logprob diff {:.4}, greedy {}/{}",
+                r.name, r.worst_logprob_diff, r.greedy_prefix, r.greedy_len
+            )
+        })
         .collect();
-    assert!(failures.is_empty(), "disagreements with llama.cpp:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "disagreements with llama.cpp:\n{}",
+        failures.join("\n")
+    );
 }

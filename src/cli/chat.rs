@@ -42,12 +42,19 @@ impl ChatTemplate {
 
     /// Renders `messages` as (role, content) pairs, optionally opening an
     /// assistant turn at the end.
-    pub fn render(&self, messages: &[(String, String)], add_generation_prompt: bool) -> Result<String, CliError> {
+    pub fn render(
+        &self,
+        messages: &[(String, String)],
+        add_generation_prompt: bool,
+    ) -> Result<String, CliError> {
         let messages: Vec<_> = messages
             .iter()
             .map(|(role, content)| context! { role => role, content => content })
             .collect();
-        let tmpl = self.env.get_template("chat").map_err(|e| CliError::Template(e.to_string()))?;
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| CliError::Template(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -64,7 +71,11 @@ const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 pub fn run(args: ChatArgs) -> Result<(), CliError> {
     let mut engine = args.model.engine()?;
     let tokenizer = Tokenizer::from_gguf(engine.model().gguf())?;
-    let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_owned();
+    let text_of = |id: Option<u32>| {
+        id.and_then(|i| tokenizer.token_text(i))
+            .unwrap_or("")
+            .to_owned()
+    };
     let template = ChatTemplate::new(
         tokenizer.chat_template().unwrap_or(CHATML),
         text_of(tokenizer.bos()),
@@ -108,16 +119,22 @@ pub fn run(args: ChatArgs) -> Result<(), CliError> {
 
         let mut decoder = StreamDecoder::new();
         let mut reply = String::new();
-        let generation = engine.generate(&mut session, &params, args.max_tokens, tokenizer.eog_tokens(), |id| {
-            if !tokenizer.is_control(id) {
-                if let Ok(text) = decoder.push(&tokenizer, id) {
-                    reply.push_str(&text);
-                    let _ = out.write_all(text.as_bytes());
-                    let _ = out.flush();
+        let generation = engine.generate(
+            &mut session,
+            &params,
+            args.max_tokens,
+            tokenizer.eog_tokens(),
+            |id| {
+                if !tokenizer.is_control(id) {
+                    if let Ok(text) = decoder.push(&tokenizer, id) {
+                        reply.push_str(&text);
+                        let _ = out.write_all(text.as_bytes());
+                        let _ = out.flush();
+                    }
                 }
-            }
-            true
-        })?;
+                true
+            },
+        )?;
         writeln!(out)?;
         // What the history now holds beyond `rendered`: the reply tokens,
         // including the end-of-turn token when one was emitted.

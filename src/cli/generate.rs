@@ -13,7 +13,12 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt text (tokenized with the model's own vocabulary, special tokens parsed).
-    #[arg(long, short = 'p', conflicts_with = "tokens", required_unless_present = "tokens")]
+    #[arg(
+        long,
+        short = 'p',
+        conflicts_with = "tokens",
+        required_unless_present = "tokens"
+    )]
     pub prompt: Option<String>,
     /// Prompt as comma-separated token ids, e.g. 1,2,3.
     #[arg(long, value_delimiter = ',')]
@@ -53,7 +58,11 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     if args.sampling.seed.is_none() && !params.is_greedy() {
         eprintln!("seed: {}", params.seed);
     }
-    let stops: &[u32] = if args.ignore_eos { &[] } else { tokenizer.eog_tokens() };
+    let stops: &[u32] = if args.ignore_eos {
+        &[]
+    } else {
+        tokenizer.eog_tokens()
+    };
 
     let mut session = engine.new_session();
     engine.append(&mut session, &prompt)?;

@@ -93,7 +93,8 @@ impl SamplingArgs {
             Some(s) => s,
             None => {
                 let mut b = [0u8; 8];
-                getrandom::getrandom(&mut b).map_err(|e| CliError::Usage(format!("no OS randomness: {e}")))?;
+                getrandom::getrandom(&mut b)
+                    .map_err(|e| CliError::Usage(format!("no OS randomness: {e}")))?;
                 u64::from_le_bytes(b)
             }
         };
@@ -114,8 +115,14 @@ impl SamplingArgs {
 
 fn parse_bias(s: &str) -> Result<(u32, f32), String> {
     let (id, bias) = s.split_once('=').ok_or("expected ID=BIAS")?;
-    let id = id.trim().parse().map_err(|_| format!("'{id}' is not a token id"))?;
-    let bias = bias.trim().parse().map_err(|_| format!("'{bias}' is not a number"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{id}' is not a token id"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{bias}' is not a number"))?;
     Ok((id, bias))
 }
 
@@ -233,7 +240,13 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
             tg.push(r.gen_tokens as f64 / r.decode.as_secs_f64());
         }
     }
-    let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
     let (pp, tg) = (mean(&pp), mean(&tg));
     match args.format {
         BenchFormat::Json => println!(

@@ -177,19 +177,19 @@ impl SyntheticLlama {
                 value: self.vocab,
             });
         }
-        if self.hidden % self.n_heads != 0 {
+        if !self.hidden.is_multiple_of(self.n_heads) {
             return Err(SyntheticError::HeadsDoNotDivideHidden {
                 hidden: self.hidden,
                 n_heads: self.n_heads,
             });
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(SyntheticError::KvHeadsDoNotDivideHeads {
                 n_heads: self.n_heads,
                 n_kv_heads: self.n_kv_heads,
             });
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(SyntheticError::OddHeadDim {
                 head_dim: self.head_dim(),
             });

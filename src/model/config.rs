@@ -144,7 +144,7 @@ impl ModelConfig {
             }
         };
         let rope_freq_scale = rope_scale(file, p)?;
-        if !(rms_eps.is_finite() && rms_eps >= 0.0) || !(rope_base.is_finite() && rope_base > 0.0) {
+        if !(rms_eps.is_finite() && rms_eps >= 0.0 && rope_base.is_finite() && rope_base > 0.0) {
             return Err(ModelError::BadConfig(format!(
                 "rms epsilon {rms_eps} or rope base {rope_base} is not a usable number"
             )));

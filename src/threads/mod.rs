@@ -217,7 +217,7 @@ fn worker_loop(s: &Shared, index: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && started.elapsed() > SPIN_BEFORE_PARK {
+            if spins.is_multiple_of(1024) && started.elapsed() > SPIN_BEFORE_PARK {
                 s.sleeping[index].store(true, Ordering::SeqCst);
                 if s.epoch.load(Ordering::SeqCst) == seen {
                     std::thread::park_timeout(Duration::from_millis(100));
