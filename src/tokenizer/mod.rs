@@ -24,8 +24,7 @@ mod byte_level;
 mod error;
 mod pretokenize;
 mod stream;
-
-use std::collections::HashMap;
+mod token_texts;
 
 pub use error::TokenizerError;
 pub use pretokenize::PreTokenizer;
@@ -33,6 +32,7 @@ pub use stream::StreamDecoder;
 
 use crate::gguf::{GgufFile, MetaArray};
 use bpe::{pair_key, BpeScratch, Merge, MergeTable};
+use token_texts::TokenTexts;
 
 /// How a token is treated, from `tokenizer.ggml.token_type` (numbered as in
 /// llama.cpp), after llama.cpp's adjustments by token text.
@@ -105,7 +105,13 @@ const FIM_EOG: &[(&str, &[&str])] = &[
     ),
     (
         "tokenizer.ggml.fim_rep_token_id",
-        &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
+        &[
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+        ],
     ),
     ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
 ];
@@ -158,13 +164,12 @@ enum Fragment<'a> {
 /// A byte-level BPE tokenizer built from GGUF metadata.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
-    texts: Vec<String>,
+    texts: TokenTexts,
     types: Vec<TokenType>,
     /// `bytes[byte_offsets[i]..byte_offsets[i + 1]]` is what token `i`
     /// stands for.
     bytes: Vec<u8>,
     byte_offsets: Vec<usize>,
-    text_to_id: HashMap<String, u32>,
     merges: MergeTable,
     byte_ids: [Option<u32>; 256],
     pre: PreTokenizer,
@@ -194,8 +199,8 @@ impl Tokenizer {
             }
         })?;
 
-        let texts = match file.get_array("tokenizer.ggml.tokens")? {
-            MetaArray::String(v) => v.clone(),
+        let text_list = match file.get_array("tokenizer.ggml.tokens")? {
+            MetaArray::String(v) => v,
             _ => {
                 return Err(TokenizerError::WrongArrayType {
                     key: "tokenizer.ggml.tokens",
@@ -204,13 +209,13 @@ impl Tokenizer {
             }
         };
         let max = i32::MAX as usize;
-        if texts.is_empty() || texts.len() > max {
+        if text_list.is_empty() || text_list.len() > max {
             return Err(TokenizerError::BadVocabSize {
-                count: texts.len(),
+                count: text_list.len(),
                 max,
             });
         }
-        let n_vocab = texts.len();
+        let n_vocab = text_list.len();
 
         let mut types = match file.get("tokenizer.ggml.token_type") {
             None => vec![TokenType::Normal; n_vocab],
@@ -232,11 +237,8 @@ impl Tokenizer {
             });
         }
 
-        let mut text_to_id = HashMap::with_capacity(n_vocab);
-        for (id, text) in texts.iter().enumerate() {
-            // Ids fit: the vocabulary size was checked against i32::MAX.
-            text_to_id.insert(text.clone(), id as u32);
-        }
+        // Ids fit in u32: the vocabulary size was checked against i32::MAX.
+        let texts = TokenTexts::new(text_list);
 
         let special_id = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
             match file.get_u64_opt(key)? {
@@ -253,8 +255,12 @@ impl Tokenizer {
         let eos = special_id("tokenizer.ggml.eos_token_id")?;
         let eot = special_id("tokenizer.ggml.eot_token_id")?;
         let eom = special_id("tokenizer.ggml.eom_token_id")?;
-        let add_bos = file.get_bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
-        let add_eos = file.get_bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        let add_bos = file
+            .get_bool_opt("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(false);
+        let add_eos = file
+            .get_bool_opt("tokenizer.ggml.add_eos_token")?
+            .unwrap_or(false);
 
         // End-of-generation set and control-type overrides, as llama.cpp
         // derives them from ids in the metadata and from token texts.
@@ -262,19 +268,19 @@ impl Tokenizer {
         for (key, candidates) in FIM_EOG {
             let id = match special_id(key)? {
                 Some(id) => Some(id),
-                None => candidates.iter().find_map(|t| text_to_id.get(*t).copied()),
+                None => candidates.iter().find_map(|t| texts.id_of(t)),
             };
             eog.extend(id);
         }
         for text in EOG_TEXTS {
-            eog.extend(text_to_id.get(*text).copied());
+            eog.extend(texts.id_of(text));
         }
         eog.sort_unstable();
         eog.dedup();
         let forced_control = eog
             .iter()
             .copied()
-            .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| text_to_id.get(*t).copied()));
+            .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| texts.id_of(t)));
         for id in forced_control {
             types[id as usize] = TokenType::Control;
         }
@@ -297,15 +303,13 @@ impl Tokenizer {
 
         let mut byte_ids = [None; 256];
         for (b, slot) in (0..=255u8).zip(byte_ids.iter_mut()) {
-            *slot = text_to_id
-                .get(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]) as &str)
-                .copied();
+            *slot = texts.id_of(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]));
         }
 
         let merges = match file.get("tokenizer.ggml.merges") {
             None => MergeTable::default(),
             Some(_) => match file.get_array("tokenizer.ggml.merges")? {
-                MetaArray::String(list) => build_merges(list, &text_to_id),
+                MetaArray::String(list) => build_merges(list, &texts),
                 _ => {
                     return Err(TokenizerError::WrongArrayType {
                         key: "tokenizer.ggml.merges",
@@ -327,7 +331,7 @@ impl Tokenizer {
                     _ => return None,
                 };
                 Some(SpecialText {
-                    text: text.clone(),
+                    text: text.to_owned(),
                     id: id as u32,
                     only_when_parsing,
                 })
@@ -344,7 +348,6 @@ impl Tokenizer {
             types,
             bytes,
             byte_offsets,
-            text_to_id,
             merges,
             byte_ids,
             pre,
@@ -371,7 +374,10 @@ impl Tokenizer {
     ) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
-            out.push(self.bos.ok_or(TokenizerError::MissingSpecialToken { which: "BOS" })?);
+            out.push(
+                self.bos
+                    .ok_or(TokenizerError::MissingSpecialToken { which: "BOS" })?,
+            );
         }
         let mut scratch = EncodeScratch::default();
         for fragment in self.split_special(text, parse_special) {
@@ -381,7 +387,10 @@ impl Tokenizer {
             }
         }
         if add_special && self.add_eos {
-            out.push(self.eos.ok_or(TokenizerError::MissingSpecialToken { which: "EOS" })?);
+            out.push(
+                self.eos
+                    .ok_or(TokenizerError::MissingSpecialToken { which: "EOS" })?,
+            );
         }
         Ok(out)
     }
@@ -402,10 +411,12 @@ impl Tokenizer {
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
         let mut out = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
-            let bytes = self.token_bytes(id).ok_or(TokenizerError::TokenOutOfRange {
-                id,
-                vocab_size: self.vocab_size(),
-            })?;
+            let bytes = self
+                .token_bytes(id)
+                .ok_or(TokenizerError::TokenOutOfRange {
+                    id,
+                    vocab_size: self.vocab_size(),
+                })?;
             out.extend_from_slice(bytes);
         }
         Ok(out)
@@ -423,7 +434,7 @@ impl Tokenizer {
     /// The token's text exactly as stored in the vocabulary (byte-level
     /// encoded, e.g. "Ġthe" for " the").
     pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.texts.get(id as usize).map(String::as_str)
+        self.texts.get(id)
     }
 
     /// The token's type.
@@ -462,7 +473,7 @@ impl Tokenizer {
     /// The id of the token whose vocabulary text is exactly `text` (for
     /// special tokens this is their plain text, e.g. "<|im_end|>").
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.text_to_id.get(text).copied()
+        self.texts.id_of(text)
     }
 
     /// Whether the id is a control token (not meant to be shown as text).
@@ -548,7 +559,7 @@ struct EncodeScratch {
 
 /// Builds the merge table from "left right" entries. Entries whose halves
 /// or result are not tokens can never apply to token ids and are skipped.
-fn build_merges(list: &[String], text_to_id: &HashMap<String, u32>) -> MergeTable {
+fn build_merges(list: &[String], texts: &TokenTexts) -> MergeTable {
     let mut merges = MergeTable::with_capacity_and_hasher(list.len(), Default::default());
     let mut joined = String::new();
     for (rank, entry) in list.iter().enumerate() {
@@ -561,11 +572,9 @@ fn build_merges(list: &[String], text_to_id: &HashMap<String, u32>) -> MergeTabl
         joined.clear();
         joined.push_str(left);
         joined.push_str(right);
-        let (Some(&l), Some(&r), Some(&merged)) = (
-            text_to_id.get(left),
-            text_to_id.get(right),
-            text_to_id.get(joined.as_str()),
-        ) else {
+        let (Some(l), Some(r), Some(merged)) =
+            (texts.id_of(left), texts.id_of(right), texts.id_of(&joined))
+        else {
             continue;
         };
         let rank = u32::try_from(rank).unwrap_or(u32::MAX);
@@ -707,12 +716,7 @@ mod tests {
         );
         assert_eq!(
             tok.encode("hello the", false, false).unwrap(),
-            [
-                id(&tok, "he"),
-                id(&tok, "ll"),
-                u32::from(b'o'),
-                the
-            ]
+            [id(&tok, "he"), id(&tok, "ll"), u32::from(b'o'), the]
         );
     }
 
@@ -750,7 +754,12 @@ mod tests {
     #[test]
     fn decode_round_trips_and_reports_bad_ids() {
         let tok = tiny();
-        for text in ["", " the hello", "naïve 東京 😀\n\n  x", "<|im_end|> 12 'll"] {
+        for text in [
+            "",
+            " the hello",
+            "naïve 東京 😀\n\n  x",
+            "<|im_end|> 12 'll",
+        ] {
             let ids = tok.encode(text, false, true).unwrap();
             assert_eq!(tok.decode(&ids).unwrap(), text);
         }
