@@ -28,11 +28,11 @@ impl PreTokenizer {
     pub fn from_gguf_name(name: &str) -> Option<Self> {
         match name {
             "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
-            | "minerva-7b" => Some(Self::DigitsThenGpt2),
-            "gpt-2" | "gpt2" | "phi-2" | "jina-es" | "jina-de" | "jina-v1-en" | "jina-v2-es"
-            | "jina-v2-de" | "jina-v2-code" | "roberta-bpe" | "mpt" | "olmo" | "jais" => {
-                Some(Self::Gpt2)
-            }
+            | "minerva-7b" | "mellum2" => Some(Self::DigitsThenGpt2),
+            "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
+            | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "jina-v1-en"
+            | "jina-v2-code" | "roberta-bpe" | "exaone4" | "mpt" | "olmo" | "jais" | "trillion"
+            | "granite-docling" => Some(Self::Gpt2),
             _ => None,
         }
     }
