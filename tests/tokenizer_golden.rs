@@ -37,7 +37,8 @@ fn load() -> Option<Tokenizer> {
 }
 
 fn vectors() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/tokenizer_smollm2.json");
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/tokenizer_smollm2.json");
     let text = std::fs::read_to_string(&path).expect("golden vectors are checked in");
     serde_json::from_str(&text).expect("golden vectors are valid JSON")
 }
@@ -70,7 +71,11 @@ fn encodes_exactly_like_llama_cpp() {
     let Some(tok) = load() else { return };
     let doc = vectors();
     let cases = cases(&doc);
-    assert!(cases.len() >= 40, "expected at least 40 cases, found {}", cases.len());
+    assert!(
+        cases.len() >= 40,
+        "expected at least 40 cases, found {}",
+        cases.len()
+    );
     let mut failures = Vec::new();
     for (text, parse_special, want) in &cases {
         let got = tok.encode(text, false, *parse_special).expect("encodes");
@@ -93,7 +98,11 @@ fn encodes_exactly_like_llama_cpp() {
 fn decode_round_trips() {
     let Some(tok) = load() else { return };
     for (text, parse_special, ids) in cases(&vectors()) {
-        assert_eq!(tok.decode(&ids).expect("decodes"), text, "golden ids of {text:?}");
+        assert_eq!(
+            tok.decode(&ids).expect("decodes"),
+            text,
+            "golden ids of {text:?}"
+        );
         let ours = tok.encode(&text, false, parse_special).expect("encodes");
         assert_eq!(tok.decode(&ours).expect("decodes"), text);
 
@@ -112,12 +121,17 @@ fn special_tokens_match_llama_cpp() {
     let Some(tok) = load() else { return };
     let doc = vectors();
     let vocab = &doc["vocab"];
-    assert_eq!(tok.vocab_size() as u64, vocab["n_tokens"].as_u64().expect("n_tokens"));
+    assert_eq!(
+        tok.vocab_size() as u64,
+        vocab["n_tokens"].as_u64().expect("n_tokens")
+    );
     assert_eq!(tok.bos().map(u64::from), vocab["bos"].as_u64());
     assert_eq!(tok.eos().map(u64::from), vocab["eos"].as_u64());
     assert_eq!(tok.adds_bos(), vocab["add_bos"].as_bool().expect("add_bos"));
     assert_eq!(tok.eog_tokens(), ids_of(&vocab["eog"]).as_slice());
-    let control: Vec<u32> = (0..tok.vocab_size() as u32).filter(|&id| tok.is_control(id)).collect();
+    let control: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&id| tok.is_control(id))
+        .collect();
     assert_eq!(control, ids_of(&vocab["control"]));
     assert_eq!(tok.token_id("<|im_end|>"), Some(2));
     assert_eq!(tok.token_bytes(2), Some(&b"<|im_end|>"[..]));
@@ -127,7 +141,10 @@ fn special_tokens_match_llama_cpp() {
 fn loads_and_encodes_quickly() {
     let path = model_path();
     if !path.exists() {
-        eprintln!("\n*** SKIPPED: reference model not found at {} ***\n", path.display());
+        eprintln!(
+            "\n*** SKIPPED: reference model not found at {} ***\n",
+            path.display()
+        );
         return;
     }
     let file = GgufFile::open(&path).expect("reference model opens");

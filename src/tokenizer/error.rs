@@ -12,7 +12,7 @@ pub enum TokenizerError {
     Gguf(#[from] GgufError),
     /// `tokenizer.ggml.model` names a tokenizer family this crate does not
     /// implement.
-    #[error("unsupported tokenizer model {model:?} (supported: \"gpt2\" byte-level BPE)")]
+    #[error("unsupported tokenizer model {model:?} (supported: \"gpt2\" byte-level BPE, \"llama\" SentencePiece BPE)")]
     UnsupportedModel { model: String },
     /// `tokenizer.ggml.pre` names a pre-tokenizer this crate does not
     /// implement.

@@ -1,8 +1,10 @@
 //! Text <-> token ids, from the vocabulary stored in a GGUF file.
 //!
 //! Implemented: GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`)
-//! with the GPT-2 and SmolLM/StarCoder pre-tokenizers. Other tokenizer
-//! families are refused with [`TokenizerError::UnsupportedModel`].
+//! with the GPT-2 and SmolLM/StarCoder pre-tokenizers, and SentencePiece
+//! style BPE for `llama` vocabularies (scores, `▁` for spaces, `<0xXX>` byte
+//! fallback). Other tokenizer families are refused with
+//! [`TokenizerError::UnsupportedModel`].
 //!
 //! Encoding follows llama.cpp's `llama_tokenize` so that token ids match it
 //! exactly (checked against golden vectors in `tests/vectors/`):
@@ -11,9 +13,13 @@
 //!    unknown token is searched for, longest text first. User-defined tokens
 //!    are always recognised; control and unknown tokens only with
 //!    `parse_special`.
-//! 2. Each remaining stretch of text is split into words by the
-//!    pre-tokenizer ([`PreTokenizer`]).
-//! 3. Each word's bytes become byte-level tokens that are merged by rank.
+//! 2. Byte-level BPE: each remaining stretch of text is split into words by
+//!    the pre-tokenizer ([`PreTokenizer`]), and each word's bytes become
+//!    byte-level tokens that are merged by rank.
+//! 3. SentencePiece: each stretch that follows a special token (or starts
+//!    the text) gets a leading space if the model asks for one
+//!    (`tokenizer.ggml.add_space_prefix`), spaces become `▁`, and
+//!    characters are merged by token score.
 //!
 //! Decoding concatenates each token's bytes (special tokens as their text)
 //! and turns invalid UTF-8 into U+FFFD; [`StreamDecoder`] does the same
@@ -23,9 +29,9 @@ mod bpe;
 mod byte_level;
 mod error;
 mod pretokenize;
+mod spm;
 mod stream;
-
-use std::collections::HashMap;
+mod token_texts;
 
 pub use error::TokenizerError;
 pub use pretokenize::PreTokenizer;
@@ -33,6 +39,8 @@ pub use stream::StreamDecoder;
 
 use crate::gguf::{GgufFile, MetaArray};
 use bpe::{pair_key, BpeScratch, Merge, MergeTable};
+use spm::{SpmScratch, SpmVocab};
+use token_texts::TokenTexts;
 
 /// How a token is treated, from `tokenizer.ggml.token_type` (numbered as in
 /// llama.cpp), after llama.cpp's adjustments by token text.
@@ -105,7 +113,13 @@ const FIM_EOG: &[(&str, &[&str])] = &[
     ),
     (
         "tokenizer.ggml.fim_rep_token_id",
-        &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
+        &[
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+        ],
     ),
     ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
 ];
@@ -146,6 +160,9 @@ struct SpecialText {
     /// Control and unknown tokens are only matched with `parse_special`;
     /// user-defined ones always are.
     only_when_parsing: bool,
+    /// Whitespace right after the token is dropped (llama.cpp sets this
+    /// for Phi-3's special tokens, recognised by model name).
+    rstrip: bool,
 }
 
 /// A piece of input after special tokens are cut out.
@@ -155,19 +172,33 @@ enum Fragment<'a> {
     Token(u32),
 }
 
-/// A byte-level BPE tokenizer built from GGUF metadata.
+/// The merge algorithm and its tables.
+#[derive(Clone, Debug)]
+enum Kind {
+    /// GPT-2 style byte-level BPE.
+    ByteLevel {
+        merges: MergeTable,
+        pre: PreTokenizer,
+    },
+    /// SentencePiece style BPE over characters, by token score.
+    SentencePiece {
+        scores: Vec<f32>,
+        add_space_prefix: bool,
+    },
+}
+
+/// A tokenizer built from GGUF metadata.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
-    texts: Vec<String>,
+    texts: TokenTexts,
     types: Vec<TokenType>,
     /// `bytes[byte_offsets[i]..byte_offsets[i + 1]]` is what token `i`
     /// stands for.
     bytes: Vec<u8>,
     byte_offsets: Vec<usize>,
-    text_to_id: HashMap<String, u32>,
-    merges: MergeTable,
+    kind: Kind,
+    /// The token standing for each byte when text has no better one.
     byte_ids: [Option<u32>; 256],
-    pre: PreTokenizer,
     /// Longest text first.
     specials: Vec<SpecialText>,
     bos: Option<u32>,
@@ -182,20 +213,18 @@ impl Tokenizer {
     /// Builds the tokenizer from a GGUF file's `tokenizer.*` metadata.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, TokenizerError> {
         let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel {
-                model: model.to_owned(),
-            });
-        }
-        let pre_name = file.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
-        let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
-            TokenizerError::UnsupportedPreTokenizer {
-                pre: pre_name.to_owned(),
+        let sentencepiece = match model {
+            "gpt2" => false,
+            "llama" => true,
+            _ => {
+                return Err(TokenizerError::UnsupportedModel {
+                    model: model.to_owned(),
+                })
             }
-        })?;
+        };
 
-        let texts = match file.get_array("tokenizer.ggml.tokens")? {
-            MetaArray::String(v) => v.clone(),
+        let text_list = match file.get_array("tokenizer.ggml.tokens")? {
+            MetaArray::String(v) => v,
             _ => {
                 return Err(TokenizerError::WrongArrayType {
                     key: "tokenizer.ggml.tokens",
@@ -204,13 +233,13 @@ impl Tokenizer {
             }
         };
         let max = i32::MAX as usize;
-        if texts.is_empty() || texts.len() > max {
+        if text_list.is_empty() || text_list.len() > max {
             return Err(TokenizerError::BadVocabSize {
-                count: texts.len(),
+                count: text_list.len(),
                 max,
             });
         }
-        let n_vocab = texts.len();
+        let n_vocab = text_list.len();
 
         let mut types = match file.get("tokenizer.ggml.token_type") {
             None => vec![TokenType::Normal; n_vocab],
@@ -232,11 +261,8 @@ impl Tokenizer {
             });
         }
 
-        let mut text_to_id = HashMap::with_capacity(n_vocab);
-        for (id, text) in texts.iter().enumerate() {
-            // Ids fit: the vocabulary size was checked against i32::MAX.
-            text_to_id.insert(text.clone(), id as u32);
-        }
+        // Ids fit in u32: the vocabulary size was checked against i32::MAX.
+        let texts = TokenTexts::new(text_list);
 
         let special_id = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
             match file.get_u64_opt(key)? {
@@ -249,12 +275,18 @@ impl Tokenizer {
                 }),
             }
         };
-        let bos = special_id("tokenizer.ggml.bos_token_id")?;
-        let eos = special_id("tokenizer.ggml.eos_token_id")?;
+        // SentencePiece vocabularies default to llama's ids, as in llama.cpp.
+        let default_id = |id: u32| (sentencepiece && (id as usize) < n_vocab).then_some(id);
+        let bos = special_id("tokenizer.ggml.bos_token_id")?.or(default_id(1));
+        let eos = special_id("tokenizer.ggml.eos_token_id")?.or(default_id(2));
         let eot = special_id("tokenizer.ggml.eot_token_id")?;
         let eom = special_id("tokenizer.ggml.eom_token_id")?;
-        let add_bos = file.get_bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
-        let add_eos = file.get_bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        let add_bos = file
+            .get_bool_opt("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(sentencepiece);
+        let add_eos = file
+            .get_bool_opt("tokenizer.ggml.add_eos_token")?
+            .unwrap_or(false);
 
         // End-of-generation set and control-type overrides, as llama.cpp
         // derives them from ids in the metadata and from token texts.
@@ -262,19 +294,19 @@ impl Tokenizer {
         for (key, candidates) in FIM_EOG {
             let id = match special_id(key)? {
                 Some(id) => Some(id),
-                None => candidates.iter().find_map(|t| text_to_id.get(*t).copied()),
+                None => candidates.iter().find_map(|t| texts.id_of(t)),
             };
             eog.extend(id);
         }
         for text in EOG_TEXTS {
-            eog.extend(text_to_id.get(*text).copied());
+            eog.extend(texts.id_of(text));
         }
         eog.sort_unstable();
         eog.dedup();
         let forced_control = eog
             .iter()
             .copied()
-            .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| text_to_id.get(*t).copied()));
+            .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| texts.id_of(t)));
         for id in forced_control {
             types[id as usize] = TokenType::Control;
         }
@@ -284,6 +316,9 @@ impl Tokenizer {
         byte_offsets.push(0);
         for (text, ty) in texts.iter().zip(&types) {
             match ty {
+                TokenType::Normal if sentencepiece => {
+                    bytes.extend_from_slice(text.replace('\u{2581}', " ").as_bytes())
+                }
                 TokenType::Normal => byte_level::decode_text(text, &mut bytes),
                 TokenType::Control | TokenType::UserDefined | TokenType::Unknown => {
                     bytes.extend_from_slice(text.as_bytes())
@@ -297,24 +332,67 @@ impl Tokenizer {
 
         let mut byte_ids = [None; 256];
         for (b, slot) in (0..=255u8).zip(byte_ids.iter_mut()) {
-            *slot = text_to_id
-                .get(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]) as &str)
-                .copied();
+            *slot = if sentencepiece {
+                texts.id_of(&format!("<0x{b:02X}>")).or_else(|| {
+                    // llama.cpp falls back to the byte itself as text.
+                    std::str::from_utf8(&[b]).ok().and_then(|t| texts.id_of(t))
+                })
+            } else {
+                texts.id_of(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]))
+            };
         }
 
-        let merges = match file.get("tokenizer.ggml.merges") {
-            None => MergeTable::default(),
-            Some(_) => match file.get_array("tokenizer.ggml.merges")? {
-                MetaArray::String(list) => build_merges(list, &text_to_id),
+        let kind = if sentencepiece {
+            let scores = match file.get_array("tokenizer.ggml.scores")? {
+                MetaArray::F32(v) => v.clone(),
                 _ => {
                     return Err(TokenizerError::WrongArrayType {
-                        key: "tokenizer.ggml.merges",
-                        expected: "string",
+                        key: "tokenizer.ggml.scores",
+                        expected: "f32",
                     })
                 }
-            },
+            };
+            if scores.len() != n_vocab {
+                return Err(TokenizerError::LengthMismatch {
+                    key: "tokenizer.ggml.scores",
+                    found: scores.len(),
+                    expected: n_vocab,
+                });
+            }
+            let add_space_prefix = file
+                .get_bool_opt("tokenizer.ggml.add_space_prefix")?
+                .unwrap_or(true);
+            Kind::SentencePiece {
+                scores,
+                add_space_prefix,
+            }
+        } else {
+            let pre_name = file.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
+            let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
+                TokenizerError::UnsupportedPreTokenizer {
+                    pre: pre_name.to_owned(),
+                }
+            })?;
+            let merges = match file.get("tokenizer.ggml.merges") {
+                None => MergeTable::default(),
+                Some(_) => match file.get_array("tokenizer.ggml.merges")? {
+                    MetaArray::String(list) => build_merges(list, &texts),
+                    _ => {
+                        return Err(TokenizerError::WrongArrayType {
+                            key: "tokenizer.ggml.merges",
+                            expected: "string",
+                        })
+                    }
+                },
+            };
+            Kind::ByteLevel { merges, pre }
         };
 
+        let model_name = file
+            .get_str_opt("general.name")?
+            .unwrap_or_default()
+            .to_lowercase();
+        let phi3 = model_name.contains("phi-3") || model_name.contains("phi3");
         let mut specials: Vec<SpecialText> = texts
             .iter()
             .zip(&types)
@@ -326,10 +404,12 @@ impl Tokenizer {
                     TokenType::UserDefined => false,
                     _ => return None,
                 };
+                let rstrip = phi3 && !matches!(text, "<unk>" | "<s>" | "<|endoftext|>");
                 Some(SpecialText {
-                    text: text.clone(),
+                    text: text.to_owned(),
                     id: id as u32,
                     only_when_parsing,
+                    rstrip,
                 })
             })
             .collect();
@@ -344,10 +424,8 @@ impl Tokenizer {
             types,
             bytes,
             byte_offsets,
-            text_to_id,
-            merges,
+            kind,
             byte_ids,
-            pre,
             specials,
             bos,
             eos,
@@ -371,17 +449,30 @@ impl Tokenizer {
     ) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
-            out.push(self.bos.ok_or(TokenizerError::MissingSpecialToken { which: "BOS" })?);
+            out.push(
+                self.bos
+                    .ok_or(TokenizerError::MissingSpecialToken { which: "BOS" })?,
+            );
         }
         let mut scratch = EncodeScratch::default();
+        let mut after_special = true;
         for fragment in self.split_special(text, parse_special) {
             match fragment {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(piece) => self.encode_plain(piece, &mut scratch, &mut out)?,
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                }
+                Fragment::Text(piece) => {
+                    self.encode_plain(piece, after_special, &mut scratch, &mut out)?;
+                    after_special = false;
+                }
             }
         }
         if add_special && self.add_eos {
-            out.push(self.eos.ok_or(TokenizerError::MissingSpecialToken { which: "EOS" })?);
+            out.push(
+                self.eos
+                    .ok_or(TokenizerError::MissingSpecialToken { which: "EOS" })?,
+            );
         }
         Ok(out)
     }
@@ -389,7 +480,9 @@ impl Tokenizer {
     /// Decodes ids to text: each token's bytes in turn, special tokens as
     /// their text. Bytes that do not form valid UTF-8 (a character cut off
     /// at either end of `ids`) become U+FFFD; use [`Tokenizer::decode_bytes`]
-    /// to get them unaltered.
+    /// to get them unaltered. For SentencePiece vocabularies that add a
+    /// space prefix, one leading space of the first token is dropped (as
+    /// llama.cpp's detokenizer does), so plain text round-trips.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         let bytes = self.decode_bytes(ids)?;
         Ok(match String::from_utf8(bytes) {
@@ -398,14 +491,20 @@ impl Tokenizer {
         })
     }
 
-    /// The bytes the ids stand for, concatenated.
+    /// The bytes the ids stand for, concatenated (with the same leading
+    /// space rule as [`Tokenizer::decode`]).
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
         let mut out = Vec::with_capacity(ids.len() * 4);
-        for &id in ids {
-            let bytes = self.token_bytes(id).ok_or(TokenizerError::TokenOutOfRange {
-                id,
-                vocab_size: self.vocab_size(),
-            })?;
+        for (i, &id) in ids.iter().enumerate() {
+            let mut bytes = self
+                .token_bytes(id)
+                .ok_or(TokenizerError::TokenOutOfRange {
+                    id,
+                    vocab_size: self.vocab_size(),
+                })?;
+            if i == 0 && self.strips_leading_space() {
+                bytes = bytes.strip_prefix(b" ").unwrap_or(bytes);
+            }
             out.extend_from_slice(bytes);
         }
         Ok(out)
@@ -423,7 +522,7 @@ impl Tokenizer {
     /// The token's text exactly as stored in the vocabulary (byte-level
     /// encoded, e.g. "Ġthe" for " the").
     pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.texts.get(id as usize).map(String::as_str)
+        self.texts.get(id)
     }
 
     /// The token's type.
@@ -462,12 +561,24 @@ impl Tokenizer {
     /// The id of the token whose vocabulary text is exactly `text` (for
     /// special tokens this is their plain text, e.g. "<|im_end|>").
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.text_to_id.get(text).copied()
+        self.texts.id_of(text)
     }
 
     /// Whether the id is a control token (not meant to be shown as text).
     pub fn is_control(&self, id: u32) -> bool {
         self.token_type(id) == Some(TokenType::Control)
+    }
+
+    /// Whether decoding drops one leading space from the first token
+    /// (SentencePiece vocabularies that add a space prefix when encoding).
+    pub fn strips_leading_space(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::SentencePiece {
+                add_space_prefix: true,
+                ..
+            }
+        )
     }
 
     /// The Jinja chat template stored with the model, if any.
@@ -505,6 +616,10 @@ impl Tokenizer {
                     }
                     next.push(Fragment::Token(special.id));
                     rest = &rest[at + needle.len()..];
+                    if special.rstrip {
+                        // C `isspace`, as llama.cpp uses.
+                        rest = rest.trim_start_matches([' ', '\t', '\n', '\u{0B}', '\u{0C}', '\r']);
+                    }
                 }
                 if !rest.is_empty() {
                     next.push(Fragment::Text(rest));
@@ -515,26 +630,48 @@ impl Tokenizer {
         fragments
     }
 
-    /// Pre-tokenizes and merges text that holds no special tokens.
+    /// Encodes text that holds no special tokens; `after_special` says it
+    /// starts the input or follows a special token.
     fn encode_plain(
         &self,
         text: &str,
+        after_special: bool,
         scratch: &mut EncodeScratch,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizerError> {
-        scratch.words.clear();
-        self.pre.split(text, &mut scratch.words);
-        let bytes = text.as_bytes();
-        for &(start, end) in &scratch.words {
-            scratch.ids.clear();
-            for &b in &bytes[start..end] {
-                let id = self.byte_ids[usize::from(b)]
-                    .ok_or(TokenizerError::MissingByteToken { byte: b })?;
-                scratch.ids.push(id);
+        match &self.kind {
+            Kind::ByteLevel { merges, pre } => {
+                scratch.words.clear();
+                pre.split(text, &mut scratch.words);
+                let bytes = text.as_bytes();
+                for &(start, end) in &scratch.words {
+                    scratch.ids.clear();
+                    for &b in &bytes[start..end] {
+                        let id = self.byte_ids[usize::from(b)]
+                            .ok_or(TokenizerError::MissingByteToken { byte: b })?;
+                        scratch.ids.push(id);
+                    }
+                    scratch.bpe.merge_word(merges, &scratch.ids, out);
+                }
+                Ok(())
             }
-            scratch.bpe.merge_word(&self.merges, &scratch.ids, out);
+            Kind::SentencePiece {
+                scores,
+                add_space_prefix,
+            } => {
+                let mut escaped = String::with_capacity(text.len() + 3);
+                if *add_space_prefix && after_special {
+                    escaped.push('\u{2581}');
+                }
+                escaped.push_str(&text.replace(' ', "\u{2581}"));
+                let vocab = SpmVocab {
+                    texts: &self.texts,
+                    scores,
+                    byte_ids: &self.byte_ids,
+                };
+                scratch.spm.encode(&vocab, &escaped, out)
+            }
         }
-        Ok(())
     }
 }
 
@@ -544,11 +681,12 @@ struct EncodeScratch {
     words: Vec<(usize, usize)>,
     ids: Vec<u32>,
     bpe: BpeScratch,
+    spm: SpmScratch,
 }
 
 /// Builds the merge table from "left right" entries. Entries whose halves
 /// or result are not tokens can never apply to token ids and are skipped.
-fn build_merges(list: &[String], text_to_id: &HashMap<String, u32>) -> MergeTable {
+fn build_merges(list: &[String], texts: &TokenTexts) -> MergeTable {
     let mut merges = MergeTable::with_capacity_and_hasher(list.len(), Default::default());
     let mut joined = String::new();
     for (rank, entry) in list.iter().enumerate() {
@@ -561,11 +699,9 @@ fn build_merges(list: &[String], text_to_id: &HashMap<String, u32>) -> MergeTabl
         joined.clear();
         joined.push_str(left);
         joined.push_str(right);
-        let (Some(&l), Some(&r), Some(&merged)) = (
-            text_to_id.get(left),
-            text_to_id.get(right),
-            text_to_id.get(joined.as_str()),
-        ) else {
+        let (Some(l), Some(r), Some(merged)) =
+            (texts.id_of(left), texts.id_of(right), texts.id_of(&joined))
+        else {
             continue;
         };
         let rank = u32::try_from(rank).unwrap_or(u32::MAX);
@@ -596,6 +732,7 @@ mod tests {
         Bool(bool),
         Strings(Vec<String>),
         I32s(Vec<i32>),
+        F32s(Vec<f32>),
     }
 
     fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -635,6 +772,14 @@ mod tests {
                 Value::I32s(list) => {
                     out.extend_from_slice(&9u32.to_le_bytes());
                     out.extend_from_slice(&5u32.to_le_bytes());
+                    out.extend_from_slice(&(list.len() as u64).to_le_bytes());
+                    for v in list {
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+                Value::F32s(list) => {
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&6u32.to_le_bytes());
                     out.extend_from_slice(&(list.len() as u64).to_le_bytes());
                     for v in list {
                         out.extend_from_slice(&v.to_le_bytes());
@@ -707,12 +852,7 @@ mod tests {
         );
         assert_eq!(
             tok.encode("hello the", false, false).unwrap(),
-            [
-                id(&tok, "he"),
-                id(&tok, "ll"),
-                u32::from(b'o'),
-                the
-            ]
+            [id(&tok, "he"), id(&tok, "ll"), u32::from(b'o'), the]
         );
     }
 
@@ -750,7 +890,12 @@ mod tests {
     #[test]
     fn decode_round_trips_and_reports_bad_ids() {
         let tok = tiny();
-        for text in ["", " the hello", "naïve 東京 😀\n\n  x", "<|im_end|> 12 'll"] {
+        for text in [
+            "",
+            " the hello",
+            "naïve 東京 😀\n\n  x",
+            "<|im_end|> 12 'll",
+        ] {
             let ids = tok.encode(text, false, true).unwrap();
             assert_eq!(tok.decode(&ids).unwrap(), text);
         }
@@ -856,6 +1001,79 @@ mod tests {
             tok.encode("c", false, false),
             Err(TokenizerError::MissingByteToken { byte: b'c' })
         ));
+    }
+
+    /// A SentencePiece vocabulary: <unk>, <s>, </s>, byte tokens for 'é'
+    /// (0xC3 0xA9), then pieces with scores.
+    fn tiny_spm() -> Tokenizer {
+        let entries: &[(&str, f32, i32)] = &[
+            ("<unk>", 0.0, 2),
+            ("<s>", 0.0, 3),
+            ("</s>", 0.0, 3),
+            ("<0xC3>", 0.0, 6),
+            ("<0xA9>", 0.0, 6),
+            ("▁", -1.0, 1),
+            ("h", -2.0, 1),
+            ("i", -2.0, 1),
+            ("▁h", -3.0, 1),
+            ("hi", -1.5, 1),
+            ("▁hi", -0.5, 1),
+            ("x", -2.0, 1),
+        ];
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("llama")),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Strings(entries.iter().map(|e| e.0.to_string()).collect()),
+            ),
+            (
+                "tokenizer.ggml.scores",
+                Value::F32s(entries.iter().map(|e| e.1).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type",
+                Value::I32s(entries.iter().map(|e| e.2).collect()),
+            ),
+        ]);
+        Tokenizer::from_gguf(&file).expect("tiny SentencePiece vocabulary loads")
+    }
+
+    #[test]
+    fn sentencepiece_encodes_with_space_prefix_and_byte_fallback() {
+        let tok = tiny_spm();
+        assert!(tok.adds_bos());
+        assert_eq!(tok.bos(), Some(1));
+        assert_eq!(tok.eos(), Some(2));
+        // " hi" after the prefix: ▁hi outscores everything else.
+        assert_eq!(tok.encode("hi", false, false).unwrap(), [10]);
+        assert_eq!(tok.encode("hi", true, false).unwrap(), [1, 10]);
+        // "é" has no piece: its bytes; "x hi" -> ▁ x ▁hi.
+        assert_eq!(tok.encode("é", false, false).unwrap(), [5, 3, 4]);
+        assert_eq!(tok.encode("x hi", false, false).unwrap(), [5, 11, 10]);
+        // A special token is followed by a space prefix again.
+        assert_eq!(tok.encode("hi</s>hi", false, true).unwrap(), [10, 2, 10]);
+        assert!(matches!(
+            tok.encode("q", false, false),
+            Err(TokenizerError::MissingByteToken { byte: b'q' })
+        ));
+    }
+
+    #[test]
+    fn sentencepiece_decode_drops_the_prefix_space() {
+        let tok = tiny_spm();
+        for text in ["hi", "x hi", "é hi", " hi"] {
+            let ids = tok.encode(text, false, false).unwrap();
+            assert_eq!(tok.decode(&ids).unwrap(), text);
+            let mut stream = StreamDecoder::new();
+            let mut streamed = String::new();
+            for &id in &ids {
+                streamed.push_str(&stream.push(&tok, id).unwrap());
+            }
+            streamed.push_str(&stream.finish());
+            assert_eq!(streamed, text);
+        }
+        assert_eq!(tok.token_bytes(10), Some(&b" hi"[..]));
+        assert_eq!(tok.token_bytes(3), Some(&[0xC3][..]));
     }
 
     #[test]

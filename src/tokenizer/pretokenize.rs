@@ -28,11 +28,11 @@ impl PreTokenizer {
     pub fn from_gguf_name(name: &str) -> Option<Self> {
         match name {
             "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
-            | "minerva-7b" => Some(Self::DigitsThenGpt2),
-            "gpt-2" | "gpt2" | "phi-2" | "jina-es" | "jina-de" | "jina-v1-en" | "jina-v2-es"
-            | "jina-v2-de" | "jina-v2-code" | "roberta-bpe" | "mpt" | "olmo" | "jais" => {
-                Some(Self::Gpt2)
-            }
+            | "minerva-7b" | "mellum2" => Some(Self::DigitsThenGpt2),
+            "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
+            | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "jina-v1-en"
+            | "jina-v2-code" | "roberta-bpe" | "exaone4" | "mpt" | "olmo" | "jais" | "trillion"
+            | "granite-docling" => Some(Self::Gpt2),
             _ => None,
         }
     }
@@ -137,7 +137,13 @@ impl CharTable {
 /// outside that range is looked at (lookahead included).
 fn split_gpt2(t: &CharTable, start: usize, end: usize, words: &mut Vec<(usize, usize)>) {
     let class_at = |i: usize| if i < end { t.class(i) } else { None };
-    let char_at = |i: usize| if i < end { t.chars.get(i).copied() } else { None };
+    let char_at = |i: usize| {
+        if i < end {
+            t.chars.get(i).copied()
+        } else {
+            None
+        }
+    };
     let mut emit = |from: usize, to: usize| {
         if to > from {
             words.push((t.offsets[from], t.offsets[to]));
@@ -213,7 +219,10 @@ mod tests {
     #[test]
     fn whitespace_run_leaves_last_space_for_next_word() {
         assert_eq!(words(PreTokenizer::Gpt2, "a   b"), ["a", "  ", " b"]);
-        assert_eq!(words(PreTokenizer::Gpt2, "a \n\nb"), ["a", " \n", "\n", "b"]);
+        assert_eq!(
+            words(PreTokenizer::Gpt2, "a \n\nb"),
+            ["a", " \n", "\n", "b"]
+        );
         assert_eq!(words(PreTokenizer::Gpt2, "a   "), ["a", "   "]);
         assert_eq!(words(PreTokenizer::Gpt2, "\tx"), ["\t", "x"]);
     }
@@ -241,7 +250,10 @@ mod tests {
         );
         // U+0301 COMBINING ACUTE ACCENT is a mark, not a letter.
         assert_eq!(words(PreTokenizer::Gpt2, "e\u{301}"), ["e", "\u{301}"]);
-        assert_eq!(words(PreTokenizer::Gpt2, "a\u{3000}b"), ["a", "\u{3000}", "b"]);
+        assert_eq!(
+            words(PreTokenizer::Gpt2, "a\u{3000}b"),
+            ["a", "\u{3000}", "b"]
+        );
     }
 
     #[test]

@@ -6,10 +6,13 @@ use super::{Tokenizer, TokenizerError};
 
 /// Turns a stream of token ids into text without ever emitting half a
 /// character. Bytes that can never become valid UTF-8 are replaced by
-/// U+FFFD, as [`String::from_utf8_lossy`] does.
+/// U+FFFD, as [`String::from_utf8_lossy`] does. Like
+/// [`Tokenizer::decode`], it drops one leading space of the first token for
+/// SentencePiece vocabularies that add a space prefix.
 #[derive(Debug, Default, Clone)]
 pub struct StreamDecoder {
     pending: Vec<u8>,
+    started: bool,
 }
 
 impl StreamDecoder {
@@ -19,17 +22,21 @@ impl StreamDecoder {
 
     /// Adds one token and returns the text it completes (possibly empty).
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
-        let bytes = tokenizer
+        let mut bytes = tokenizer
             .token_bytes(id)
             .ok_or(TokenizerError::TokenOutOfRange {
                 id,
                 vocab_size: tokenizer.vocab_size(),
             })?;
+        if !self.started && tokenizer.strips_leading_space() {
+            bytes = bytes.strip_prefix(b" ").unwrap_or(bytes);
+        }
         Ok(self.push_bytes(bytes))
     }
 
     /// Adds raw bytes and returns the text they complete (possibly empty).
     pub fn push_bytes(&mut self, bytes: &[u8]) -> String {
+        self.started = true;
         self.pending.extend_from_slice(bytes);
         let mut text = String::new();
         let mut rest: &[u8] = &self.pending;
