@@ -787,7 +787,7 @@ mod tests {
                 }
             }
         }
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         GgufFile::from_bytes(out).expect("test GGUF must parse")
