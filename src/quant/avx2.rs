@@ -588,8 +588,14 @@ pub(crate) unsafe fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
         let gv = _mm256_loadu_ps(g.as_ptr());
         _mm256_storeu_ps(e.as_mut_ptr(), _mm256_sub_ps(_mm256_setzero_ps(), gv));
         exp8_in_place(e.as_mut_ptr());
-        let silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0), _mm256_loadu_ps(e.as_ptr())));
-        _mm256_storeu_ps(g.as_mut_ptr(), _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr())));
+        let silu = _mm256_div_ps(
+            gv,
+            _mm256_add_ps(_mm256_set1_ps(1.0), _mm256_loadu_ps(e.as_ptr())),
+        );
+        _mm256_storeu_ps(
+            g.as_mut_ptr(),
+            _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr())),
+        );
         gate[i..i + m].copy_from_slice(&g[..m]);
         i += m;
     }

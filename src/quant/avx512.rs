@@ -325,7 +325,11 @@ pub(crate) unsafe fn exp_ggml(x: &mut [f32]) {
     let p = x.as_mut_ptr();
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+        let mask: __mmask16 = if n - i >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << (n - i)) - 1
+        };
         let v = _mm512_maskz_loadu_ps(mask, p.add(i));
         _mm512_mask_storeu_ps(p.add(i), mask, exp16(v));
         i += 16;
@@ -342,7 +346,11 @@ pub(crate) unsafe fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
     let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
     let mut i = 0;
     while i < n {
-        let mask: __mmask16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+        let mask: __mmask16 = if n - i >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << (n - i)) - 1
+        };
         let gv = _mm512_maskz_loadu_ps(mask, g.add(i));
         let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
         let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));

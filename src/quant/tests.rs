@@ -320,7 +320,12 @@ fn f16_attention_helpers_match_scalar_bit_for_bit() {
             let want = scalar::dot_f16(&a, &b);
             // SAFETY: the level is supported; both slices hold `n` values.
             let got = unsafe { (k.dot_f16)(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8) };
-            assert_eq!(got.to_bits(), want.to_bits(), "{} n={n}: {got} vs {want}", level.name());
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "{} n={n}: {got} vs {want}",
+                level.name()
+            );
             let mut y1: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
             let mut y2 = y1.clone();
             // SAFETY: the level is supported.
@@ -336,7 +341,9 @@ fn ggml_exp_and_swiglu_match_scalar_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(17);
     // Ordinary, subnormal-result, saturating and infinite arguments.
     let mut x: Vec<f32> = (0..200).map(|_| rng.gen_range(-30.0f32..10.0)).collect();
-    x.extend([0.0, -0.0, -87.5, -95.0, -103.0, -110.0, -150.0, 88.0, 88.8, 200.0]);
+    x.extend([
+        0.0, -0.0, -87.5, -95.0, -103.0, -110.0, -150.0, 88.0, 88.8, 200.0,
+    ]);
     x.extend([f32::NEG_INFINITY, -1e-30, 1e-30]);
     let up: Vec<f32> = (0..x.len()).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
     let mut want_exp = x.clone();
@@ -349,11 +356,21 @@ fn ggml_exp_and_swiglu_match_scalar_bit_for_bit() {
             let mut got = x[..len].to_vec();
             // SAFETY: the level is supported.
             unsafe { (k.exp_ggml)(&mut got) };
-            assert_eq!(bits(&got), bits(&want_exp[..len]), "{} exp len {len}", level.name());
+            assert_eq!(
+                bits(&got),
+                bits(&want_exp[..len]),
+                "{} exp len {len}",
+                level.name()
+            );
             let mut got = x[..len].to_vec();
             // SAFETY: the level is supported.
             unsafe { (k.swiglu_ggml)(&mut got, &up[..len]) };
-            assert_eq!(bits(&got), bits(&want_glu[..len]), "{} swiglu len {len}", level.name());
+            assert_eq!(
+                bits(&got),
+                bits(&want_glu[..len]),
+                "{} swiglu len {len}",
+                level.name()
+            );
         }
     }
 }
