@@ -13,13 +13,22 @@
 //! was written a moment ago in this batch or by an earlier call. Threads
 //! split only independent outputs (rows, heads, tokens).
 //!
-//! Numerical conventions follow llama.cpp's CPU backend so the two agree:
-//! activations are quantized to the weight's paired 8-bit block format
-//! before each matrix multiply; RMSNorm accumulates squares in f64 and
-//! applies `1/sqrt(mean + eps)` then the weight; RoPE angles are built by
-//! repeated multiplication by `base^(-2/d)`; queries and attention weights
-//! are rounded to f16 before meeting the f16 K and V caches; the softmax
-//! sum is accumulated in f64.
+//! Numerical conventions follow llama.cpp's CPU backend (x86, AVX-512, its
+//! prefill path) operation for operation, because the network is chaotic
+//! at the rounding level: activations are quantized to the weight's paired
+//! 8-bit block format before each matrix multiply; RMSNorm accumulates
+//! squares in f64 and applies `1/sqrt(mean + eps)` then the weight; RoPE
+//! angles are built by repeated multiplication by `base^(-2/d)` and the
+//! rotation uses one fused multiply-add per output, as GCC contracts it;
+//! queries and attention weights are rounded to f16 before meeting the f16
+//! K and V caches, and both attention products use the 16-lane order of
+//! llama.cpp's tinyBLAS f16 kernel (score: [`quant::dot_f16`]; weighted V
+//! sum: lane `p % 16` per position, reduced by [`quant::reduce16`]); the
+//! softmax exponential is ggml's `expf` approximation, summed per 16
+//! positions in f32 and across them in f64; SwiGLU uses the same `expf`.
+//! llama.cpp's decode path (one token) scores with a different f16 dot
+//! order; a batch-invariant forward pass can follow only one, and the
+//! prefill order is the one the prompt's logits come from.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -93,7 +102,13 @@ pub struct LogitRows {
 thread_local! {
     /// Attention scores of one query, reused across heads and layers.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The 16 lane accumulators (`[lane][head_dim]`) of one weighted V sum.
+    static V_LANES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Positions per lane group of the attention products (tinyBLAS's AVX-512
+/// vector width).
+const LANES: usize = 16;
 
 fn resize(buf: &mut Vec<f32>, len: usize) {
     buf.clear();
@@ -448,8 +463,8 @@ impl Model {
                     };
                     let (cos, sin) = (cs[2 * i], cs[2 * i + 1]);
                     let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos - x1 * sin;
-                    head[b] = x0 * sin + x1 * cos;
+                    head[a] = x0.mul_add(cos, -(x1 * sin));
+                    head[b] = x0.mul_add(sin, x1 * cos);
                 }
             }
         }
@@ -499,20 +514,33 @@ impl Model {
                         }
                     }
                 }
-                let mut sum = 0f64;
                 for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s as f64;
+                    *s -= max;
+                }
+                quant::exp_ggml(scores);
+                let mut sum = 0f64;
+                for chunk in scores.chunks(LANES) {
+                    let mut lanes = [0f32; LANES];
+                    lanes[..chunk.len()].copy_from_slice(chunk);
+                    sum += quant::reduce16(&lanes) as f64;
                 }
                 let inv = (1.0 / sum) as f32;
-                out.fill(0.0);
-                if let Ok(blocks) = kv.v_blocks(kv_layer, 0..pos + 1) {
-                    let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
-                    for (v, &s) in rows.zip(scores.iter()) {
-                        let p = f16::from_f32(s * inv).to_f32();
-                        quant::axpy_f16(p, &v[kv_head * hd..][..hd], out);
+                V_LANES.with_borrow_mut(|acc| {
+                    acc.clear();
+                    acc.resize(LANES * hd, 0.0);
+                    if let Ok(blocks) = kv.v_blocks(kv_layer, 0..pos + 1) {
+                        let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
+                        for (p, (v, &s)) in rows.zip(scores.iter()).enumerate() {
+                            let w = f16::from_f32(s * inv).to_f32();
+                            let lane = &mut acc[(p % LANES) * hd..][..hd];
+                            quant::axpy_f16(w, &v[kv_head * hd..][..hd], lane);
+                        }
                     }
-                }
+                    for (d, o) in out.iter_mut().enumerate() {
+                        let lanes: [f32; LANES] = std::array::from_fn(|l| acc[l * hd + d]);
+                        *o = quant::reduce16(&lanes);
+                    }
+                });
             });
         });
     }
@@ -546,13 +574,10 @@ fn rms_norm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut Ve
     });
 }
 
-/// `gate = silu(gate) * up`, element-wise.
+/// `gate = silu(gate) * up`, element-wise, on ggml's `expf`.
 fn swiglu(pool: &ThreadPool, gate: &mut [f32], up: &[f32], ffn: usize) {
     pool.for_each_chunk_mut(gate, ffn * 4, &|chunk, g| {
-        let u = &up[chunk * ffn * 4..][..g.len()];
-        for (g, &u) in g.iter_mut().zip(u) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
+        quant::swiglu_ggml(g, &up[chunk * ffn * 4..][..g.len()]);
     });
 }
 

@@ -65,7 +65,7 @@ unsafe fn hsum_epi32(v: __m256i) -> i32 {
 /// F16C must be available; `p` must be readable for 4 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_pair(p: *const u8) -> __m128 {
+pub(crate) unsafe fn f16_pair(p: *const u8) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(read_unaligned(p as *const i32)))
 }
 
@@ -75,7 +75,7 @@ unsafe fn f16_pair(p: *const u8) -> __m128 {
 /// F16C must be available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_one(bytes: [u8; 2]) -> __m128 {
+pub(crate) unsafe fn f16_one(bytes: [u8; 2]) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(bytes) as i32))
 }
 
@@ -85,7 +85,7 @@ unsafe fn f16_one(bytes: [u8; 2]) -> __m128 {
 /// AVX2 must be available; `p` readable for 16 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+pub(crate) unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
     let q = _mm_loadu_si128(p as *const __m128i);
     _mm256_and_si256(
         _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
@@ -125,14 +125,15 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
         for t in 0..NT {
             let ab = a[t].add(b);
             let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
-            let prod = _mm_mul_ps(wdm, f16_pair(ab as *const u8));
+            let adm = f16_pair(ab as *const u8);
+            let prod = _mm_mul_ps(wdm, adm);
             let sumi = dot_u8_i8(wq, aq);
             acc[t] = _mm256_fmadd_ps(
                 _mm256_broadcastss_ps(prod),
                 _mm256_cvtepi32_ps(sumi),
                 acc[t],
             );
-            acc_min[t] = _mm_add_ps(acc_min[t], prod);
+            acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
         }
     }
     let mut out = [0.0f32; NT];
@@ -390,22 +391,24 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
 /// See the file header; both pointers readable for `n` f16 values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
-    let mut acc = _mm256_setzero_ps();
+    // Lanes 0..8 and 8..16 of the 16-lane reference order.
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut i = 0;
-    while i + 8 <= n {
-        let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.add(2 * i) as *const __m128i));
-        let yv = _mm256_cvtph_ps(_mm_loadu_si128(y.add(2 * i) as *const __m128i));
-        acc = _mm256_fmadd_ps(xv, yv, acc);
-        i += 8;
+    let load = |p: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+    while i + 16 <= n {
+        lo = _mm256_fmadd_ps(load(x.add(2 * i)), load(y.add(2 * i)), lo);
+        hi = _mm256_fmadd_ps(load(x.add(2 * i + 16)), load(y.add(2 * i + 16)), hi);
+        i += 16;
     }
-    let mut s = hsum_ps(acc);
-    while i < n {
-        let xv = f16::from_le_bytes(read_unaligned(x.add(2 * i) as *const [u8; 2])).to_f32();
-        let yv = f16::from_le_bytes(read_unaligned(y.add(2 * i) as *const [u8; 2])).to_f32();
-        s += xv * yv;
-        i += 1;
+    if i < n {
+        // The tail goes through the same lanes, zero-padded.
+        let (mut xt, mut yt) = ([0u8; 32], [0u8; 32]);
+        std::ptr::copy_nonoverlapping(x.add(2 * i), xt.as_mut_ptr(), 2 * (n - i));
+        std::ptr::copy_nonoverlapping(y.add(2 * i), yt.as_mut_ptr(), 2 * (n - i));
+        lo = _mm256_fmadd_ps(load(xt.as_ptr()), load(yt.as_ptr()), lo);
+        hi = _mm256_fmadd_ps(load(xt.as_ptr().add(16)), load(yt.as_ptr().add(16)), hi);
     }
-    s
+    hsum_ps(_mm256_add_ps(lo, hi))
 }
 
 /// 8 bf16 values at `p` widened to f32.
@@ -483,7 +486,118 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
         i += 8;
     }
     for j in i..n {
-        y[j] += a * x[j].to_f32();
+        y[j] = a.mul_add(x[j].to_f32(), y[j]);
+    }
+}
+
+/// ggml's `expf` on 8 lanes: `(j, n)` of [`scalar::exp_parts`].
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn exp_parts8(x: __m256) -> (__m256, __m256) {
+    use scalar::exp_consts::*;
+    let c = |b: u32| _mm256_set1_ps(f32::from_bits(b));
+    let z = _mm256_fmadd_ps(x, c(LOG2E), c(SHIFTER));
+    let n = _mm256_sub_ps(z, c(SHIFTER));
+    let b = _mm256_fnmadd_ps(n, c(LN2_LO), _mm256_fnmadd_ps(n, c(LN2_HI), x));
+    let u = _mm256_mul_ps(b, b);
+    let j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(
+            _mm256_fmadd_ps(c(C5), b, c(C4)),
+            u,
+            _mm256_fmadd_ps(c(C3), b, c(C2)),
+        ),
+        u,
+        _mm256_fmadd_ps(c(C1), b, _mm256_set1_ps(1.0)),
+    );
+    (j, n)
+}
+
+/// ggml's `expf` on 8 values at `p`, in place: `j * 2^n` through the
+/// exponent bits when every result is normal, else lane by lane.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `p` valid for 8 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8_in_place(p: *mut f32) {
+    let (j, n) = exp_parts8(_mm256_loadu_ps(p));
+    // j lies in (0.5, 2), so n in [-125, 127] keeps j * 2^n normal and exact.
+    let in_range = _mm256_and_ps(
+        _mm256_cmp_ps(n, _mm256_set1_ps(-125.0), _CMP_GE_OQ),
+        _mm256_cmp_ps(n, _mm256_set1_ps(127.0), _CMP_LE_OQ),
+    );
+    if _mm256_movemask_ps(in_range) == 0xFF {
+        let bits = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        );
+        _mm256_storeu_ps(p, _mm256_mul_ps(j, _mm256_castsi256_ps(bits)));
+        return;
+    }
+    let (mut js, mut ns) = ([0.0f32; 8], [0.0f32; 8]);
+    _mm256_storeu_ps(js.as_mut_ptr(), j);
+    _mm256_storeu_ps(ns.as_mut_ptr(), n);
+    for k in 0..8 {
+        *p.add(k) = if ns[k].abs() > 192.0 {
+            if ns[k] <= 0.0 {
+                0.0
+            } else {
+                f32::INFINITY
+            }
+        } else {
+            scalar::scale_pow2(js[k], ns[k])
+        };
+    }
+}
+
+/// ggml's `expf` in place (same bits as [`scalar::exp_ggml_in_place`]).
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn exp_ggml(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        exp8_in_place(c.as_mut_ptr());
+    }
+    let rest = chunks.into_remainder();
+    let mut tail = [0.0f32; 8];
+    tail[..rest.len()].copy_from_slice(rest);
+    exp8_in_place(tail.as_mut_ptr());
+    let n = rest.len();
+    rest.copy_from_slice(&tail[..n]);
+}
+
+/// `gate = silu(gate) * up` (same bits as [`scalar::swiglu_ggml`]).
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let mut e = [0.0f32; 8];
+    let mut i = 0;
+    while i < n {
+        let m = (n - i).min(8);
+        let (mut g, mut u) = ([0.0f32; 8], [0.0f32; 8]);
+        g[..m].copy_from_slice(&gate[i..i + m]);
+        u[..m].copy_from_slice(&up[i..i + m]);
+        let gv = _mm256_loadu_ps(g.as_ptr());
+        _mm256_storeu_ps(e.as_mut_ptr(), _mm256_sub_ps(_mm256_setzero_ps(), gv));
+        exp8_in_place(e.as_mut_ptr());
+        let silu = _mm256_div_ps(
+            gv,
+            _mm256_add_ps(_mm256_set1_ps(1.0), _mm256_loadu_ps(e.as_ptr())),
+        );
+        _mm256_storeu_ps(
+            g.as_mut_ptr(),
+            _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr())),
+        );
+        gate[i..i + m].copy_from_slice(&g[..m]);
+        i += m;
     }
 }
 
@@ -504,25 +618,6 @@ unsafe fn absmax32(x: *const f32) -> f32 {
     let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_max_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
-}
-
-/// `round(v)` with halves away from zero, as C's `roundf`.
-///
-/// # Safety
-/// AVX2 must be available.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn round_half_away(v: __m256) -> __m256 {
-    let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    let frac = _mm256_sub_ps(v, t);
-    let sign = _mm256_set1_ps(-0.0);
-    let away = _mm256_cmp_ps(
-        _mm256_andnot_ps(sign, frac),
-        _mm256_set1_ps(0.5),
-        _CMP_GE_OQ,
-    );
-    let step = _mm256_or_ps(_mm256_set1_ps(1.0), _mm256_and_ps(v, sign));
-    _mm256_add_ps(t, _mm256_and_ps(away, step))
 }
 
 /// Packs 4 x 8 i32 (each in i8 range) into 32 bytes in element order.
@@ -551,7 +646,7 @@ unsafe fn quantize_block32(x: *const f32, id: f32) -> (__m256i, i32) {
     let mut sum = _mm256_setzero_si256();
     for (k, qk) in q.iter_mut().enumerate() {
         let v = _mm256_mul_ps(_mm256_loadu_ps(x.add(8 * k)), idv);
-        *qk = _mm256_cvtps_epi32(round_half_away(v));
+        *qk = _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(v));
         sum = _mm256_add_epi32(sum, *qk);
     }
     (pack_i32x32_to_i8(q), hsum_epi32(sum))

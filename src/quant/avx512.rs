@@ -7,11 +7,12 @@
 #![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
 
 use std::arch::x86_64::*;
-use std::ptr::{addr_of, read_unaligned};
+use std::ptr::addr_of;
 
 use bytemuck::Zeroable;
 use half::f16;
 
+use super::avx2;
 use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
 // Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
@@ -74,21 +75,6 @@ unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
     )
 }
 
-/// The first 4 bytes of two blocks (two f16 each) as f32 lanes 0..4.
-///
-/// # Safety
-/// See the file header; both pointers readable for 4 bytes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn f16_quad(p0: *const u8, p1: *const u8) -> __m128 {
-    let v = _mm_insert_epi32(
-        _mm_cvtsi32_si128(read_unaligned(p0 as *const i32)),
-        read_unaligned(p1 as *const i32),
-        1,
-    );
-    _mm_cvtph_ps(v)
-}
-
 /// Two blocks' f16 scales (given as bytes) as f32 lanes 0 and 1.
 ///
 /// # Safety
@@ -130,7 +116,8 @@ macro_rules! for_each_pair {
     }};
 }
 
-/// Q4_1 × Q8_1 tile.
+/// Q4_1 × Q8_1 tile: one block per 256-bit step, in the lane order of
+/// the scalar reference (and of llama.cpp's kernel).
 ///
 /// # Safety
 /// See the file header.
@@ -142,34 +129,30 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
 ) -> [f32; NT] {
     let w = w as *const BlockQ4_1;
     let a = a.map(|p| p as *const BlockQ8_1);
-    let mut acc = [_mm512_setzero_ps(); NT];
-    // Lanes 1 and 3 accumulate m * s of the even and odd blocks.
+    let mut acc = [_mm256_setzero_ps(); NT];
+    // Lane 1 accumulates m * s with fused multiply-adds.
     let mut acc_min = [_mm_setzero_ps(); NT];
-    for_each_pair!(nb, w, a, BlockQ4_1, BlockQ8_1, NT, |wp, ap| {
-        let wq = unpack_nibbles_x2(
-            addr_of!((*wp).qs) as *const u8,
-            addr_of!((*wp.add(1)).qs) as *const u8,
-        );
-        let wdm = f16_quad(wp as *const u8, wp.add(1) as *const u8);
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = avx2::unpack_nibbles(addr_of!((*wb).qs) as *const u8);
+        let wdm = avx2::f16_pair(wb as *const u8);
         for t in 0..NT {
-            let (a0, a1) = (ap[t], ap[t].add(1));
-            let aq = load_x2(
-                addr_of!((*a0).qs) as *const u8,
-                addr_of!((*a1).qs) as *const u8,
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let adm = avx2::f16_pair(ab as *const u8);
+            let prod = _mm_mul_ps(wdm, adm);
+            let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq);
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(prod),
+                _mm256_cvtepi32_ps(sumi),
+                acc[t],
             );
-            let prod = _mm_mul_ps(wdm, f16_quad(a0 as *const u8, a1 as *const u8));
-            let sumi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
-            acc[t] = _mm512_fmadd_ps(spread2(prod, 0, 2), _mm512_cvtepi32_ps(sumi), acc[t]);
-            acc_min[t] = _mm_add_ps(acc_min[t], prod);
+            acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
         }
-    });
+    }
     let mut out = [0.0f32; NT];
     for t in 0..NT {
-        let mins = _mm_add_ss(
-            _mm_movehdup_ps(acc_min[t]),
-            _mm_shuffle_ps(acc_min[t], acc_min[t], 0b11),
-        );
-        out[t] = hsum512(acc[t]) + _mm_cvtss_f32(mins);
+        out[t] = avx2::hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
     }
     out
 }
@@ -215,7 +198,8 @@ pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
     out
 }
 
-/// Q8_0 × Q8_0 tile.
+/// Q8_0 × Q8_0 tile: one block per 256-bit step, in the lane order of
+/// the scalar reference.
 ///
 /// # Safety
 /// See the file header.
@@ -227,32 +211,28 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
 ) -> [f32; NT] {
     let w = w as *const BlockQ8_0;
     let a = a.map(|p| p as *const BlockQ8_0);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); NT];
-    for_each_pair!(nb, w, a, BlockQ8_0, BlockQ8_0, NT, |wp, ap| {
-        let wq = load_x2(
-            addr_of!((*wp).qs) as *const u8,
-            addr_of!((*wp.add(1)).qs) as *const u8,
-        );
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = _mm256_loadu_si256(addr_of!((*wb).qs) as *const __m256i);
         // i8 x i8 through u8 x i8: |w| times a with the sign of w moved onto a.
-        let wabs = _mm512_abs_epi8(wq);
-        let wneg = _mm512_movepi8_mask(wq);
-        let wd = f16_two((*wp).d, (*wp.add(1)).d);
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let wd = avx2::f16_one((*wb).d);
         for t in 0..NT {
-            let (a0, a1) = (ap[t], ap[t].add(1));
-            let aq = load_x2(
-                addr_of!((*a0).qs) as *const u8,
-                addr_of!((*a1).qs) as *const u8,
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(aq, wq));
+            let scale = _mm_mul_ps(wd, avx2::f16_one((*ab).d));
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(scale),
+                _mm256_cvtepi32_ps(sumi),
+                acc[t],
             );
-            let signed = _mm512_mask_sub_epi8(aq, wneg, zero, aq);
-            let sumi = _mm512_dpbusd_epi32(zero, wabs, signed);
-            let scale = _mm_mul_ps(wd, f16_two((*a0).d, (*a1).d));
-            acc[t] = _mm512_fmadd_ps(spread2(scale, 0, 1), _mm512_cvtepi32_ps(sumi), acc[t]);
         }
-    });
+    }
     let mut out = [0.0f32; NT];
     for t in 0..NT {
-        out[t] = hsum512(acc[t]);
+        out[t] = avx2::hsum_ps(acc[t]);
     }
     out
 }
@@ -271,14 +251,16 @@ pub(crate) unsafe fn dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
         acc = _mm512_fmadd_ps(xv, yv, acc);
         i += 16;
     }
-    let mut s = hsum512(acc);
-    while i < n {
-        let xv = f16::from_le_bytes(read_unaligned(x.add(2 * i) as *const [u8; 2])).to_f32();
-        let yv = f16::from_le_bytes(read_unaligned(y.add(2 * i) as *const [u8; 2])).to_f32();
-        s += xv * yv;
-        i += 1;
+    if i < n {
+        // The tail goes through the same lanes, zero-padded.
+        let (mut xt, mut yt) = ([0u8; 32], [0u8; 32]);
+        std::ptr::copy_nonoverlapping(x.add(2 * i), xt.as_mut_ptr(), 2 * (n - i));
+        std::ptr::copy_nonoverlapping(y.add(2 * i), yt.as_mut_ptr(), 2 * (n - i));
+        let xv = _mm512_cvtph_ps(_mm256_loadu_si256(xt.as_ptr() as *const __m256i));
+        let yv = _mm512_cvtph_ps(_mm256_loadu_si256(yt.as_ptr() as *const __m256i));
+        acc = _mm512_fmadd_ps(xv, yv, acc);
     }
-    s
+    hsum512(acc)
 }
 
 /// `y += a * x` with f16 `x`.
@@ -297,6 +279,83 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
         i += 16;
     }
     for j in i..n {
-        y[j] += a * x[j].to_f32();
+        y[j] = a.mul_add(x[j].to_f32(), y[j]);
+    }
+}
+
+/// ggml's `expf` on 16 lanes, the AVX-512 form itself (`vscalefps`).
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    use super::scalar::exp_consts::*;
+    let c = |b: u32| _mm512_set1_ps(f32::from_bits(b));
+    let z = _mm512_fmadd_ps(x, c(LOG2E), c(SHIFTER));
+    let n = _mm512_sub_ps(z, c(SHIFTER));
+    let b = _mm512_fnmadd_ps(n, c(LN2_LO), _mm512_fnmadd_ps(n, c(LN2_HI), x));
+    let u = _mm512_mul_ps(b, b);
+    let j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(c(C5), b, c(C4)),
+            u,
+            _mm512_fmadd_ps(c(C3), b, c(C2)),
+        ),
+        u,
+        _mm512_fmadd_ps(c(C1), b, _mm512_set1_ps(1.0)),
+    );
+    let res = _mm512_scalef_ps(j, n);
+    let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+    if big == 0 {
+        return res;
+    }
+    let neg = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+    let alt = _mm512_mask_blend_ps(neg, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
+    _mm512_mask_blend_ps(big, res, alt)
+}
+
+/// ggml's `expf` in place (same bits as the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn exp_ggml(x: &mut [f32]) {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << (n - i)) - 1
+        };
+        let v = _mm512_maskz_loadu_ps(mask, p.add(i));
+        _mm512_mask_storeu_ps(p.add(i), mask, exp16(v));
+        i += 16;
+    }
+}
+
+/// `gate = silu(gate) * up` (same bits as the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let mut i = 0;
+    while i < n {
+        let mask: __mmask16 = if n - i >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << (n - i)) - 1
+        };
+        let gv = _mm512_maskz_loadu_ps(mask, g.add(i));
+        let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
+        let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+        _mm512_mask_storeu_ps(g.add(i), mask, _mm512_mul_ps(silu, uv));
+        i += 16;
     }
 }

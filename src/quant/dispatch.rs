@@ -105,6 +105,12 @@ pub(crate) struct Kernels {
     pub dot_f16: unsafe fn(usize, *const u8, *const u8) -> f32,
     /// # Safety: the CPU must support the level.
     pub axpy_f16: unsafe fn(f32, &[f16], &mut [f32]),
+    /// ggml's `expf` in place.
+    /// # Safety: the CPU must support the level.
+    pub exp_ggml: unsafe fn(&mut [f32]),
+    /// `gate = silu(gate) * up` with ggml's `expf`.
+    /// # Safety: the CPU must support the level.
+    pub swiglu_ggml: unsafe fn(&mut [f32], &[f32]),
 }
 
 /// Builds the two forms of a generic tile kernel.
@@ -179,13 +185,15 @@ unsafe fn read2(p: *const u8, i: usize) -> [u8; 2] {
 /// # Safety
 /// Both pointers readable for `n` f16 values.
 unsafe fn scalar_dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
-    let mut s = 0.0f32;
+    let mut acc = [0.0f32; 16];
     for i in 0..n {
         // SAFETY: `i < n`, forwarded from the caller.
         let (a, b) = unsafe { (read2(x, i), read2(y, i)) };
-        s += f16::from_le_bytes(a).to_f32() * f16::from_le_bytes(b).to_f32();
+        acc[i % 16] = f16::from_le_bytes(a)
+            .to_f32()
+            .mul_add(f16::from_le_bytes(b).to_f32(), acc[i % 16]);
     }
-    s
+    scalar::reduce16(&acc)
 }
 
 /// Scalar bf16 dot over byte pointers, same order as [`scalar::dot_bf16`].
@@ -233,6 +241,22 @@ unsafe fn scalar_axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     scalar::axpy_f16(a, x, y)
 }
 
+/// Scalar ggml `expf` with the table's signature.
+///
+/// # Safety
+/// None beyond the signature; `unsafe` only to fit the table.
+unsafe fn scalar_exp_ggml(x: &mut [f32]) {
+    scalar::exp_ggml_in_place(x)
+}
+
+/// Scalar SwiGLU with the table's signature.
+///
+/// # Safety
+/// None beyond the signature; `unsafe` only to fit the table.
+unsafe fn scalar_swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    scalar::swiglu_ggml(gate, up)
+}
+
 /// The portable reference table (a `const` so other tables can start from it).
 const SCALAR_TABLE: Kernels = Kernels {
     level: SimdLevel::Scalar,
@@ -250,6 +274,8 @@ const SCALAR_TABLE: Kernels = Kernels {
     quantize_q8_k: scalar::quantize_q8_k,
     dot_f16: scalar_dot_f16_ptr,
     axpy_f16: scalar_axpy_f16,
+    exp_ggml: scalar_exp_ggml,
+    swiglu_ggml: scalar_swiglu_ggml,
 };
 
 static SCALAR: Kernels = SCALAR_TABLE;
@@ -280,6 +306,8 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx2::dot_f16_ptr,
         axpy_f16: avx2::axpy_f16,
+        exp_ggml: avx2::exp_ggml,
+        swiglu_ggml: avx2::swiglu_ggml,
     };
 
     pub(crate) static AVX512: Kernels = Kernels {
@@ -298,6 +326,8 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx512::dot_f16_ptr,
         axpy_f16: avx512::axpy_f16,
+        exp_ggml: avx512::exp_ggml,
+        swiglu_ggml: avx512::swiglu_ggml,
     };
 }
 

@@ -367,12 +367,36 @@ pub fn dot_f16(a: &[half::f16], b: &[half::f16]) -> f32 {
     unsafe { (dispatch::active().dot_f16)(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8) }
 }
 
-/// `y += a * x` with `x` f16 and `y` f32 (attention over the f16 V cache).
-/// Uses the shorter length if they differ (a debug assertion flags it).
+/// `y = fma(a, x, y)` element-wise with `x` f16 and `y` f32 (attention over
+/// the f16 V cache). Uses the shorter length if they differ (a debug
+/// assertion flags it).
 pub fn axpy_f16(a: f32, x: &[half::f16], y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len(), "axpy_f16 length mismatch");
     // SAFETY: the level is supported; the kernel bounds itself by both lengths.
     unsafe { (dispatch::active().axpy_f16)(a, x, y) }
+}
+
+/// ggml's vectorised `expf` approximation, element-wise in place (the
+/// softmax exponential llama.cpp uses; it is not correctly rounded, and the
+/// reference model's outputs depend on its exact bits).
+pub fn exp_ggml(x: &mut [f32]) {
+    // SAFETY: the level is supported; the kernel stays inside the slice.
+    unsafe { (dispatch::active().exp_ggml)(x) }
+}
+
+/// `gate = silu(gate) * up` element-wise, with `silu(x) = x / (1 + e^-x)`
+/// on ggml's `expf`. Uses the shorter length if they differ.
+pub fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    debug_assert_eq!(gate.len(), up.len(), "swiglu length mismatch");
+    // SAFETY: the level is supported; the kernel bounds itself by both lengths.
+    unsafe { (dispatch::active().swiglu_ggml)(gate, up) }
+}
+
+/// Horizontal sum of 16 lanes in the fixed order of GCC's
+/// `_mm512_reduce_add_ps`: `l[i] + l[i + 8]`, then `+ [i + 4]`, then
+/// `(r0 + r2) + (r1 + r3)`.
+pub fn reduce16(l: &[f32; 16]) -> f32 {
+    scalar::reduce16(l)
 }
 
 #[cfg(test)]

@@ -7,9 +7,17 @@
 //! exactly the float steps written here, so the SIMD K-quant kernels agree
 //! with these bit for bit.
 //!
-//! Activation quantization follows llama.cpp's reference quantizers:
-//! Q8_0/Q8_1 round half away from zero (`roundf`), Q8_K rounds half to even
+//! Activation quantization follows llama.cpp's x86 SIMD quantizers (what it
+//! runs on the machines inferd is compared on): Q8_0/Q8_1 multiply by
+//! `127 / amax` and round half to even; Q8_K rounds half to even
 //! (`nearest_int`) with the scale chosen from the signed maximum.
+//!
+//! The Q4_1 and Q8_0 dots and the f16 dot fix the float summation order of
+//! llama.cpp's x86 kernels: 8 lanes, lane `j` holding the integer sum of
+//! elements `4j..4j+4` of each block, accumulated across blocks with fused
+//! multiply-adds and reduced as `hsum8` does (the f16 dot: 16 lanes by
+//! element index, fused multiply-adds, reduced as `reduce16` does). The
+//! exponential is ggml's vectorised `expf` approximation, element by element.
 
 use bytemuck::Zeroable;
 use half::{bf16, f16};
@@ -29,7 +37,7 @@ use super::types::QK_K;
 #[inline(always)]
 pub(crate) fn q8_scale(amax: f32) -> (f32, f32) {
     let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     (d, id)
 }
 
@@ -40,7 +48,7 @@ pub fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
         let (d, id) = q8_scale(amax);
         yb.d = f16::from_f32(d).to_le_bytes();
         for (q, v) in yb.qs.iter_mut().zip(xb) {
-            *q = (v * id).round() as i8 as u8;
+            *q = (v * id).round_ties_even() as i8 as u8;
         }
     }
 }
@@ -52,7 +60,7 @@ pub fn quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
         let (d, id) = q8_scale(amax);
         let mut sum = 0i32;
         for (q, v) in yb.qs.iter_mut().zip(xb) {
-            let r = (v * id).round() as i8;
+            let r = (v * id).round_ties_even() as i8;
             sum += r as i32;
             *q = r as u8;
         }
@@ -245,28 +253,65 @@ pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
     sumf
 }
 
+/// Horizontal sum of 8 lanes: `(l0+l4)+(l2+l6)` plus `(l1+l5)+(l3+l7)`,
+/// the order of llama.cpp's `hsum_float_8`.
+#[inline(always)]
+pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
+    let r = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Horizontal sum of 16 lanes in the order of GCC's `_mm512_reduce_add_ps`
+/// (upper half onto lower, then as [`hsum8`]).
+#[inline(always)]
+pub fn reduce16(l: &[f32; 16]) -> f32 {
+    let mut h = [0.0f32; 8];
+    for (i, v) in h.iter_mut().enumerate() {
+        *v = l[i] + l[i + 8];
+    }
+    hsum8(&h)
+}
+
+/// Integer dot of lane `j` of a 32-element block: elements `4j..4j+4`.
+#[inline(always)]
+fn lane_sums(w: impl Fn(usize) -> i32, a: impl Fn(usize) -> i32) -> [f32; 8] {
+    let mut out = [0.0f32; 8];
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = (4 * j..4 * j + 4).map(|k| w(k) * a(k)).sum::<i32>() as f32;
+    }
+    out
+}
+
 /// Q4_1 weights × Q8_1 activations.
 pub fn dot_q4_1_q8_1(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
-    let mut sumf = 0.0f32;
+    let mut acc = [0.0f32; 8];
+    let mut mins = 0.0f32;
     for (x, y) in w.iter().zip(a) {
-        let mut sumi = 0i32;
-        for j in 0..16 {
-            sumi += (x.qs[j] & 0x0F) as i32 * y.q(j);
-            sumi += (x.qs[j] >> 4) as i32 * y.q(j + 16);
+        let q = |k: usize| {
+            let b = x.qs[k % 16];
+            (if k < 16 { b & 0x0F } else { b >> 4 }) as i32
+        };
+        let xy = lane_sums(q, |k| y.q(k));
+        let dd = x.d() * y.d();
+        for (acc, xy) in acc.iter_mut().zip(xy) {
+            *acc = dd.mul_add(xy, *acc);
         }
-        sumf += (x.d() * y.d()) * sumi as f32 + x.m() * y.s();
+        mins = x.m().mul_add(y.s(), mins);
     }
-    sumf
+    hsum8(&acc) + mins
 }
 
 /// Q8_0 weights × Q8_0 activations.
 pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    let mut sumf = 0.0f32;
+    let mut acc = [0.0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let sumi: i32 = (0..QK32).map(|j| x.q(j) * y.q(j)).sum();
-        sumf += sumi as f32 * (x.d() * y.d());
+        let xy = lane_sums(|k| x.q(k), |k| y.q(k));
+        let dd = x.d() * y.d();
+        for (acc, xy) in acc.iter_mut().zip(xy) {
+            *acc = dd.mul_add(xy, *acc);
+        }
     }
-    sumf
+    hsum8(&acc)
 }
 
 /// Adds one K-quant super-block's contribution: the float steps shared by
@@ -353,11 +398,15 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
 // The table runs the byte-pointer twin of this in `dispatch.rs`; this
 // typed form states the order and is what the tests compare against.
 #[cfg_attr(not(test), allow(dead_code))]
-/// f16 × f16, accumulated in f32 in element order.
+/// f16 × f16: element `i` is fused-multiply-added into lane `i % 16`, the
+/// lanes reduced by [`reduce16`] (the order of llama.cpp's tinyBLAS f16
+/// kernel on AVX-512, which its prefill attention runs).
 pub fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |s, (x, y)| s + x.to_f32() * y.to_f32())
+    let mut acc = [0.0f32; 16];
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        acc[i % 16] = x.to_f32().mul_add(y.to_f32(), acc[i % 16]);
+    }
+    reduce16(&acc)
 }
 
 // The table runs the byte-pointer twin of this in `dispatch.rs`; this
@@ -378,10 +427,79 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0.0f32, |s, (x, y)| s + x * y)
 }
 
-/// `y += a * x`.
+/// `y = fma(a, x, y)` element-wise.
 pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     for (yv, xv) in y.iter_mut().zip(x) {
-        *yv += a * xv.to_f32();
+        *yv = a.mul_add(xv.to_f32(), *yv);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// ggml's exponential
+// ---------------------------------------------------------------------------
+
+/// Constants of ggml's vectorised `expf` (a minimax polynomial after
+/// reduction by `ln 2`), as f32 bit patterns.
+pub(crate) mod exp_consts {
+    /// 1.5 * 2^23: adding it rounds to an integer.
+    pub const SHIFTER: u32 = 0x4b40_0000;
+    /// log2(e).
+    pub const LOG2E: u32 = 0x3fb8_aa3b;
+    /// ln 2, high part.
+    pub const LN2_HI: u32 = 0x3f31_7200;
+    /// ln 2, low part.
+    pub const LN2_LO: u32 = 0x35bf_be8e;
+    /// Polynomial coefficients, degree 5 down to 1.
+    pub const C5: u32 = 0x3c07_2010;
+    pub const C4: u32 = 0x3d2b_9f17;
+    pub const C3: u32 = 0x3e2a_af33;
+    pub const C2: u32 = 0x3eff_fedb;
+    pub const C1: u32 = 0x3f7f_fff6;
+}
+
+/// The mantissa part `j` and the power of two `n` of ggml's `expf(x)`:
+/// the result is `j * 2^n` unless `|n| > 192`.
+#[inline(always)]
+pub(crate) fn exp_parts(x: f32) -> (f32, f32) {
+    use exp_consts::*;
+    let c = f32::from_bits;
+    let z = x.mul_add(c(LOG2E), c(SHIFTER));
+    let n = z - c(SHIFTER);
+    let b = (-n).mul_add(c(LN2_LO), (-n).mul_add(c(LN2_HI), x));
+    let u = b * b;
+    let j = c(C5).mul_add(b, c(C4)).mul_add(u, c(C3).mul_add(b, c(C2)));
+    let j = j.mul_add(u, c(C1).mul_add(b, 1.0));
+    (j, n)
+}
+
+/// `j * 2^n` rounded once, as `vscalefps` does (`n` is an integer with
+/// `|n| <= 192`, so the f64 product is exact).
+#[inline(always)]
+pub(crate) fn scale_pow2(j: f32, n: f32) -> f32 {
+    let p = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (j as f64 * p) as f32
+}
+
+/// ggml's `expf` approximation (AVX-512 form) of one value.
+pub fn exp_ggml(x: f32) -> f32 {
+    let (j, n) = exp_parts(x);
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    scale_pow2(j, n)
+}
+
+/// `x = exp_ggml(x)` element-wise.
+pub fn exp_ggml_in_place(x: &mut [f32]) {
+    for v in x {
+        *v = exp_ggml(*v);
+    }
+}
+
+/// `gate = silu(gate) * up` with ggml's `silu(x) = x / (1 + exp(-x))`.
+pub fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + exp_ggml(0.0 - *g)) * u;
     }
 }
 
@@ -394,21 +512,62 @@ mod tests {
     }
 
     #[test]
-    fn q8_1_rounds_half_away_from_zero_and_stores_sum() {
-        // amax 127 gives d = 1, so x * id is x itself: 2.5 -> 3, -2.5 -> -3.
+    fn q8_1_rounds_half_to_even_and_stores_sum() {
+        // amax 127 gives id = 1, so x * id is x itself: 2.5 -> 2, -3.5 -> -4.
         let mut x = [0.0f32; 32];
         x[0] = 127.0;
         x[1] = 2.5;
-        x[2] = -2.5;
+        x[2] = -3.5;
         x[3] = 0.49;
         let mut out = [BlockQ8_1::zeroed()];
         quantize_q8_1(&x, &mut out);
         assert_eq!(out[0].d(), 1.0);
         assert_eq!(
             (out[0].q(0), out[0].q(1), out[0].q(2), out[0].q(3)),
-            (127, 3, -3, 0)
+            (127, 2, -4, 0)
         );
-        assert_eq!(out[0].s(), 127.0);
+        assert_eq!(out[0].s(), 125.0);
+    }
+
+    #[test]
+    fn q8_scale_inverse_is_127_over_amax() {
+        // 1 / (amax / 127) and 127 / amax differ in the last bit for 0.3.
+        let (d, id) = q8_scale(0.3);
+        assert_eq!(id, 127.0f32 / 0.3);
+        assert_ne!(id, 1.0 / d);
+    }
+
+    #[test]
+    fn lane_order_sums_match_hand_values() {
+        let l: [f32; 16] = std::array::from_fn(|i| (i + 1) as f32);
+        assert_eq!(reduce16(&l), 136.0);
+        // 1e8 + 1 - 1e8: the grouping decides whether the 1 survives.
+        let mut h = [0.0f32; 8];
+        h[0] = 1e8;
+        h[4] = 1.0;
+        h[2] = -1e8;
+        assert_eq!(hsum8(&h), 0.0); // (1e8 + 1) rounds to 1e8 first
+        h[4] = 0.0;
+        h[1] = 1.0;
+        assert_eq!(hsum8(&h), 1.0);
+    }
+
+    #[test]
+    fn ggml_exp_is_close_to_exp_and_saturates() {
+        for &x in &[-20.0f32, -1.5, -0.1, 0.0, 0.7, 3.0, 60.0] {
+            let rel = (exp_ggml(x) as f64 / (x as f64).exp() - 1.0).abs();
+            assert!(rel < 4e-7, "exp_ggml({x}) off by {rel}");
+        }
+        assert_eq!(exp_ggml(0.0), 1.0);
+        assert_eq!(exp_ggml(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_ggml(-200.0), 0.0);
+        assert_eq!(exp_ggml(200.0), f32::INFINITY);
+        // Subnormal results round once.
+        let tiny = exp_ggml(-100.0);
+        assert!(tiny > 0.0 && tiny < f32::MIN_POSITIVE);
+        let mut g = [1.0f32, -2.0];
+        swiglu_ggml(&mut g, &[2.0, 1.0]);
+        assert!((g[0] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
     }
 
     #[test]

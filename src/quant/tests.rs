@@ -306,34 +306,77 @@ fn q8_1_sum_field_is_scale_times_quant_sum() {
 }
 
 #[test]
-fn f16_attention_helpers_match_scalar() {
+fn f16_attention_helpers_match_scalar_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(13);
-    for n in [1usize, 7, 8, 16, 17, 64, 100] {
-        let a: Vec<half::f16> = (0..n)
-            .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
-            .collect();
-        let b: Vec<half::f16> = (0..n)
-            .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
-            .collect();
-        let want = scalar::dot_f16(&a, &b);
-        let mag: f32 = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x.to_f32() * y.to_f32()).abs())
-            .sum();
-        let got = dot_f16(&a, &b);
-        assert!(
-            (got - want).abs() <= 1e-6 * mag + 1e-7,
-            "n={n}: {got} vs {want}"
-        );
-        let mut y1: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
-        let mut y2 = y1.clone();
-        axpy_f16(0.7, &a, &mut y1);
-        scalar::axpy_f16(0.7, &a, &mut y2);
-        for (u, v) in y1.iter().zip(&y2) {
-            assert!((u - v).abs() <= 1e-6 * (u.abs() + 1.0), "n={n}: {u} vs {v}");
+    for level in supported_levels() {
+        let k = table(level);
+        for n in [1usize, 7, 8, 16, 17, 64, 100] {
+            let a: Vec<half::f16> = (0..n)
+                .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let b: Vec<half::f16> = (0..n)
+                .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let want = scalar::dot_f16(&a, &b);
+            // SAFETY: the level is supported; both slices hold `n` values.
+            let got = unsafe { (k.dot_f16)(n, a.as_ptr() as *const u8, b.as_ptr() as *const u8) };
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "{} n={n}: {got} vs {want}",
+                level.name()
+            );
+            let mut y1: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+            let mut y2 = y1.clone();
+            // SAFETY: the level is supported.
+            unsafe { (k.axpy_f16)(0.7, &a, &mut y1) };
+            scalar::axpy_f16(0.7, &a, &mut y2);
+            assert_eq!(bits(&y1), bits(&y2), "{} axpy n={n}", level.name());
         }
     }
+}
+
+#[test]
+fn ggml_exp_and_swiglu_match_scalar_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(17);
+    // Ordinary, subnormal-result, saturating and infinite arguments.
+    let mut x: Vec<f32> = (0..200).map(|_| rng.gen_range(-30.0f32..10.0)).collect();
+    x.extend([
+        0.0, -0.0, -87.5, -95.0, -103.0, -110.0, -150.0, 88.0, 88.8, 200.0,
+    ]);
+    x.extend([f32::NEG_INFINITY, -1e-30, 1e-30]);
+    let up: Vec<f32> = (0..x.len()).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+    let mut want_exp = x.clone();
+    scalar::exp_ggml_in_place(&mut want_exp);
+    let mut want_glu = x.clone();
+    scalar::swiglu_ggml(&mut want_glu, &up);
+    for level in supported_levels() {
+        let k = table(level);
+        for len in [x.len(), 13, 5] {
+            let mut got = x[..len].to_vec();
+            // SAFETY: the level is supported.
+            unsafe { (k.exp_ggml)(&mut got) };
+            assert_eq!(
+                bits(&got),
+                bits(&want_exp[..len]),
+                "{} exp len {len}",
+                level.name()
+            );
+            let mut got = x[..len].to_vec();
+            // SAFETY: the level is supported.
+            unsafe { (k.swiglu_ggml)(&mut got, &up[..len]) };
+            assert_eq!(
+                bits(&got),
+                bits(&want_glu[..len]),
+                "{} swiglu len {len}",
+                level.name()
+            );
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 #[test]
