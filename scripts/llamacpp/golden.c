@@ -189,9 +189,35 @@ static int run_greedy(const char *model_path, int threads, int n_predict, int to
         }
         printf("],\"generated_logprobs\":[");
         for (int step = 0; step < n_predict; step++) printf("%s%.9g", step ? "," : "", lps[step]);
+        llama_free(ctx);
+
+        /* The same greedy continuation with every step computed by a fresh
+           prefill of the whole sequence in one batch. llama.cpp's one-token
+           decode orders the attention sums differently from its batched
+           path, so the two can pick different tokens at near-ties; a
+           batch-invariant engine can match only one of them. */
+        printf("],\"generated_by_prefill\":[");
+        llama_token *seq = malloc(sizeof(llama_token) * (size_t)(n_prompt + n_predict));
+        if (!seq) return 1;
+        memcpy(seq, prompt, sizeof(llama_token) * (size_t)n_prompt);
+        for (int step = 0; step < n_predict; step++) {
+            const int n = n_prompt + step;
+            struct llama_context_params fp = cp;
+            fp.n_batch = (uint32_t)n;
+            fp.n_ubatch = (uint32_t)n;
+            struct llama_context *fctx = llama_init_from_model(model, fp);
+            if (!fctx) { fprintf(stderr, "inferd-golden: cannot create context\n"); return 1; }
+            if (llama_decode(fctx, llama_batch_get_one(seq, n)) != 0) {
+                fprintf(stderr, "inferd-golden: prefill failed at step %d\n", step);
+                return 1;
+            }
+            seq[n] = argmax(llama_get_logits_ith(fctx, -1), n_vocab);
+            printf("%s%d", step ? "," : "", seq[n]);
+            llama_free(fctx);
+        }
+        free(seq);
         printf("]}\n");
         fflush(stdout);
-        llama_free(ctx);
     }
     free(line); free(prompt); free(taken);
     llama_model_free(model);
