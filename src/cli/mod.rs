@@ -130,6 +130,9 @@ fn parse_bias(s: &str) -> Result<(u32, f32), String> {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Tokens already in the session before each test (llama-bench -d).
+    #[arg(long, default_value_t = 0)]
+    pub depth: usize,
     /// Prompt tokens prefilled in one batch (llama-bench -p).
     #[arg(long, default_value_t = 512)]
     pub prompt_tokens: usize,
@@ -229,10 +232,10 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
     let mut engine = args.model.engine()?;
     let reps = args.repetitions.max(1);
     // One untimed warm-up so page faults and first-touch costs are not measured.
-    engine.bench(args.prompt_tokens.min(16), args.gen_tokens.min(4))?;
+    engine.bench(0, args.prompt_tokens.min(16), args.gen_tokens.min(4))?;
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
     for _ in 0..reps {
-        let r = engine.bench(args.prompt_tokens, args.gen_tokens)?;
+        let r = engine.bench(args.depth, args.prompt_tokens, args.gen_tokens)?;
         if r.prompt_tokens > 0 {
             pp.push(r.prompt_tokens as f64 / r.prefill.as_secs_f64());
         }
@@ -257,8 +260,9 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
         BenchFormat::Text => {
             println!("model    {}", args.model.path().display());
             println!("threads  {}   simd {}", engine.threads(), crate::quant::simd_level());
-            println!("pp{:<6} {pp:>8.2} tokens/s", args.prompt_tokens);
-            println!("tg{:<6} {tg:>8.2} tokens/s", args.gen_tokens);
+            let at = if args.depth > 0 { format!(" @ d{}", args.depth) } else { String::new() };
+            println!("pp{:<6} {pp:>8.2} tokens/s{at}", args.prompt_tokens);
+            println!("tg{:<6} {tg:>8.2} tokens/s{at}", args.gen_tokens);
         }
     }
     Ok(())

@@ -282,18 +282,22 @@ impl Engine {
     }
 
     /// The llama-bench equivalent: prefill `prompt_tokens` tokens in one
-    /// batch into an empty session, then, in another empty session, decode
-    /// `gen_tokens` tokens one at a time.
+    /// batch into a session holding `depth` tokens, then, in another session
+    /// holding `depth` tokens, decode `gen_tokens` tokens one at a time.
     pub fn bench(
         &mut self,
+        depth: usize,
         prompt_tokens: usize,
         gen_tokens: usize,
     ) -> Result<BenchResult, EngineError> {
         let vocab = self.model.config.vocab as u32;
-        let prompt: Vec<u32> = (0..prompt_tokens as u32)
-            .map(|i| (i * 7919 + 13) % vocab)
-            .collect();
+        let filler = |n: usize, salt: u32| -> Vec<u32> {
+            (0..n as u32).map(|i| (i * 7919 + salt) % vocab).collect()
+        };
+        let prompt = filler(prompt_tokens, 13);
+        let context = filler(depth, 101);
         let mut s = self.new_session();
+        self.append(&mut s, &context)?;
         let t0 = Instant::now();
         if !prompt.is_empty() {
             s.kv.reserve(prompt.len())?;
@@ -302,6 +306,7 @@ impl Engine {
         let prefill = t0.elapsed();
         drop(s);
         let mut s = self.new_session();
+        self.append(&mut s, &context)?;
         let t0 = Instant::now();
         let mut token = 1 % vocab;
         for _ in 0..gen_tokens {
