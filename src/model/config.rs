@@ -184,12 +184,18 @@ fn rope_scale(file: &GgufFile, p: &str) -> Result<f32, ModelError> {
         .unwrap_or("none");
     let factor = file.get_f32_opt(&format!("{p}.rope.scaling.factor"))?;
     let legacy = file.get_f32_opt(&format!("{p}.rope.scale_linear"))?;
-    match (kind, factor.or(legacy)) {
-        ("none", None) | ("none", Some(_)) if legacy.is_none() => Ok(1.0),
-        ("none" | "linear", Some(f)) if f.is_finite() && f > 0.0 => Ok(1.0 / f),
-        ("linear", None) => Ok(1.0),
-        (kind, f) => Err(ModelError::BadConfig(format!(
-            "RoPE scaling '{kind}' with factor {f:?} is not supported"
+    if kind != "none" && kind != "linear" {
+        return Err(ModelError::BadConfig(format!(
+            "RoPE scaling '{kind}' is not supported (supported: none, linear)"
+        )));
+    }
+    // As llama.cpp: a factor applies linearly whatever the declared type.
+    match factor.or(legacy) {
+        None => Ok(1.0),
+        Some(f) if f == 0.0 => Ok(1.0),
+        Some(f) if f.is_finite() && f > 0.0 => Ok(1.0 / f),
+        Some(f) => Err(ModelError::BadConfig(format!(
+            "RoPE scaling factor {f} is not a positive number"
         ))),
     }
 }

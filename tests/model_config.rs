@@ -1,0 +1,233 @@
+//! Loading models from GGUF metadata: bad or unsupported configurations are
+//! typed errors that name the problem, and the `qwen2` variant (Q/K/V
+//! biases, NeoX RoPE) loads and keeps the byte-exact prefill promise.
+
+use std::sync::Arc;
+
+use inferd::gguf::synthetic::SyntheticLlama;
+use inferd::gguf::{GgufFile, GgufWriter, MetaValue};
+use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
+use inferd::model::{LogitsWanted, Model, ModelError, RopeLayout, Scratch, Sequence};
+use inferd::quant::GgmlType;
+use inferd::threads::ThreadPool;
+
+fn synthetic() -> GgufFile {
+    let cfg = SyntheticLlama {
+        weight_type: GgmlType::Q8_0,
+        ..SyntheticLlama::tiny()
+    };
+    GgufFile::from_bytes(cfg.build()).expect("synthetic model parses")
+}
+
+/// Rewrites a GGUF: `edit` may rename or replace each metadata entry (None
+/// drops it); `extra_meta` and `extra_tensors` are appended; tensors named in
+/// `drop_tensors` are left out.
+fn rewrite(
+    file: &GgufFile,
+    edit: impl Fn(&str, &MetaValue) -> Option<(String, MetaValue)>,
+    extra_meta: Vec<(&str, MetaValue)>,
+    extra_tensors: Vec<(String, Vec<u64>, Vec<f32>)>,
+    drop_tensors: &[&str],
+) -> GgufFile {
+    let mut w = GgufWriter::new(3);
+    for (k, v) in file.metadata() {
+        if let Some((k, v)) = edit(k, v) {
+            w.add_meta(k, v);
+        }
+    }
+    for (k, v) in extra_meta {
+        w.add_meta(k, v);
+    }
+    for t in file.tensors() {
+        if !drop_tensors.contains(&t.name.as_str()) {
+            w.add_tensor(&t.name, &t.dims, t.ty, file.tensor_bytes(t).to_vec());
+        }
+    }
+    for (name, dims, values) in extra_tensors {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.add_tensor(&name, &dims, GgmlType::F32, bytes);
+    }
+    GgufFile::from_bytes(w.to_bytes()).expect("rewritten model parses")
+}
+
+fn load(file: GgufFile) -> Result<Model, ModelError> {
+    Model::from_gguf(Arc::new(file))
+}
+
+fn keep(k: &str, v: &MetaValue) -> Option<(String, MetaValue)> {
+    Some((k.to_owned(), v.clone()))
+}
+
+#[test]
+fn linear_rope_scaling_is_applied_and_yarn_is_refused() {
+    let base = synthetic();
+    let linear = rewrite(
+        &base,
+        keep,
+        vec![
+            (
+                "llama.rope.scaling.type",
+                MetaValue::String("linear".into()),
+            ),
+            ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
+        ],
+        vec![],
+        &[],
+    );
+    assert_eq!(load(linear).expect("loads").config.rope_freq_scale, 0.25);
+    let yarn = rewrite(
+        &base,
+        keep,
+        vec![("llama.rope.scaling.type", MetaValue::String("yarn".into()))],
+        vec![],
+        &[],
+    );
+    let err = load(yarn).expect_err("yarn is not supported");
+    assert!(matches!(err, ModelError::BadConfig(_)), "{err:?}");
+    assert!(err.to_string().contains("yarn"), "{err}");
+}
+
+#[test]
+fn inconsistent_shapes_and_unknown_architectures_are_errors() {
+    let base = synthetic();
+    let bad_groups = rewrite(
+        &base,
+        |k, v| match k {
+            "llama.attention.head_count_kv" => Some((k.to_owned(), MetaValue::U32(3))),
+            _ => keep(k, v),
+        },
+        vec![],
+        vec![],
+        &[],
+    );
+    let err = load(bad_groups).expect_err("4 heads cannot be grouped over 3");
+    assert!(err.to_string().contains("grouped"), "{err}");
+
+    let missing = rewrite(&base, keep, vec![], vec![], &["blk.1.ffn_up.weight"]);
+    let err = load(missing).expect_err("a missing tensor is an error");
+    assert!(err.to_string().contains("blk.1.ffn_up.weight"), "{err}");
+
+    let wrong_vocab = rewrite(
+        &base,
+        |k, v| match k {
+            "llama.vocab_size" => Some((k.to_owned(), MetaValue::U32(400))),
+            _ => keep(k, v),
+        },
+        vec![],
+        vec![],
+        &[],
+    );
+    let err = load(wrong_vocab).expect_err("embedding shape no longer matches");
+    assert!(matches!(err, ModelError::BadTensor { .. }), "{err:?}");
+    assert!(err.to_string().contains("token_embd.weight"), "{err}");
+
+    let mamba = rewrite(
+        &base,
+        |k, v| match k {
+            "general.architecture" => Some((k.to_owned(), MetaValue::String("mamba".into()))),
+            _ => keep(k, v),
+        },
+        vec![],
+        vec![],
+        &[],
+    );
+    let err = load(mamba).expect_err("unknown architecture");
+    assert!(
+        matches!(err, ModelError::UnsupportedArchitecture(_)),
+        "{err:?}"
+    );
+}
+
+/// A `qwen2` model: the llama tensors plus Q/K/V biases, keys renamed.
+fn qwen2() -> Model {
+    let base = synthetic();
+    let tiny = SyntheticLlama::tiny();
+    let mut biases = Vec::new();
+    for layer in 0..tiny.n_layers {
+        for (name, len) in [
+            ("q", tiny.hidden),
+            ("k", tiny.kv_dim()),
+            ("v", tiny.kv_dim()),
+        ] {
+            let values = (0..len)
+                .map(|i| ((i * 7 + layer) % 11) as f32 * 0.01 - 0.05)
+                .collect();
+            biases.push((
+                format!("blk.{layer}.attn_{name}.bias"),
+                vec![len as u64],
+                values,
+            ));
+        }
+    }
+    let file = rewrite(
+        &base,
+        |k, v| match k {
+            "general.architecture" => Some((k.to_owned(), MetaValue::String("qwen2".into()))),
+            _ => Some((k.replacen("llama.", "qwen2.", 1), v.clone())),
+        },
+        vec![],
+        biases,
+        &[],
+    );
+    load(file).expect("qwen2 loads")
+}
+
+#[test]
+fn qwen2_loads_with_biases_and_neox_rope_and_prefill_stays_exact() {
+    let model = qwen2();
+    assert_eq!(model.config.rope_layout, RopeLayout::Neox);
+    assert!(model
+        .weights()
+        .layers
+        .iter()
+        .all(|l| l.bq.is_some() && l.bk.is_some() && l.bv.is_some()));
+
+    let layout = model.kv_layout(model.config.n_layers, 16);
+    let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 64)).expect("kv pool"));
+    let threads = ThreadPool::new(2);
+    let mut scratch = Scratch::default();
+    let tokens: Vec<u32> = (0..60)
+        .map(|i| (i * 37 + 5) % model.config.vocab as u32)
+        .collect();
+    let vocab = model.config.vocab;
+
+    let mut whole = SessionKv::new(Arc::clone(&pool));
+    let rows = model
+        .forward(
+            &mut [Sequence {
+                kv: &mut whole,
+                tokens: &tokens,
+                logits: LogitsWanted::All,
+            }],
+            &threads,
+            &mut scratch,
+        )
+        .expect("forward");
+    assert_eq!(rows.per_sequence[0], 0..tokens.len());
+    let reference: Vec<u32> = scratch.logits[..tokens.len() * vocab]
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    assert!(reference.iter().all(|&b| f32::from_bits(b).is_finite()));
+
+    let mut stepwise = SessionKv::new(Arc::clone(&pool));
+    let mut got = Vec::new();
+    for t in &tokens {
+        model
+            .forward(
+                &mut [Sequence {
+                    kv: &mut stepwise,
+                    tokens: std::slice::from_ref(t),
+                    logits: LogitsWanted::All,
+                }],
+                &threads,
+                &mut scratch,
+            )
+            .expect("forward");
+        got.extend(scratch.logits[..vocab].iter().map(|x| x.to_bits()));
+    }
+    assert!(
+        got == reference,
+        "token-by-token logits differ from one chunk"
+    );
+}
