@@ -172,19 +172,8 @@ impl Engine {
         if tokens.is_empty() {
             return Ok(());
         }
-        let vocab = self.model.config.vocab;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::TokenOutOfRange { token: bad, vocab }.into());
-        }
-        let total = session.kv.len() + tokens.len();
-        if total > self.model.config.context {
-            return Err(ModelError::ContextOverflow {
-                wanted: total,
-                context: self.model.config.context,
-            }
-            .into());
-        }
-        session.kv.reserve(total)?;
+        self.model.check_append(session.kv.len(), tokens)?;
+        session.kv.reserve(session.kv.len() + tokens.len())?;
         let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk).collect();
         for (i, chunk) in chunks.iter().enumerate() {
             let want = if i + 1 == chunks.len() {

@@ -152,25 +152,30 @@ impl Model {
     /// anything is computed.
     fn prepare(&self, seqs: &mut [Sequence<'_>], scratch: &mut Scratch) -> Result<(), ModelError> {
         for s in seqs.iter() {
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab) {
-                return Err(ModelError::TokenOutOfRange {
-                    token: bad,
-                    vocab: self.config.vocab,
-                });
-            }
-            let want = s.kv.len() + s.tokens.len();
-            if want > self.config.context {
-                return Err(ModelError::ContextOverflow {
-                    wanted: want,
-                    context: self.config.context,
-                });
-            }
+            self.check_append(s.kv.len(), s.tokens)?;
         }
         for s in seqs.iter_mut() {
             let want = s.kv.len() + s.tokens.len();
             s.kv.reserve(want)?;
         }
         self.prepare_positions(seqs, scratch);
+        Ok(())
+    }
+
+    /// Checks that `tokens` may be appended to a history of `history_len`:
+    /// every id inside the vocabulary and the result within the context.
+    pub fn check_append(&self, history_len: usize, tokens: &[u32]) -> Result<(), ModelError> {
+        let vocab = self.config.vocab;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { token: bad, vocab });
+        }
+        let wanted = history_len + tokens.len();
+        if wanted > self.config.context {
+            return Err(ModelError::ContextOverflow {
+                wanted,
+                context: self.config.context,
+            });
+        }
         Ok(())
     }
 
