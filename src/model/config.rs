@@ -192,7 +192,7 @@ fn rope_scale(file: &GgufFile, p: &str) -> Result<f32, ModelError> {
     // As llama.cpp: a factor applies linearly whatever the declared type.
     match factor.or(legacy) {
         None => Ok(1.0),
-        Some(f) if f == 0.0 => Ok(1.0),
+        Some(0.0) => Ok(1.0),
         Some(f) if f.is_finite() && f > 0.0 => Ok(1.0 / f),
         Some(f) => Err(ModelError::BadConfig(format!(
             "RoPE scaling factor {f} is not a positive number"
