@@ -9,6 +9,7 @@
 use std::arch::aarch64::*;
 
 use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use super::scalar;
 
 // Safety of every `unsafe fn` in this file: each pointer must be valid for
 // reading `nb` blocks of its format.
@@ -47,7 +48,27 @@ unsafe fn unpack_nibbles(p: *const u8) -> [int8x16_t; 2] {
     ]
 }
 
-/// Q4_1 × Q8_1 tile.
+/// Integer sums of the 8 lanes of a 32-element block product, lane `j`
+/// holding elements `4j..4j+4`: the lanes the scalar reference (and
+/// llama.cpp's x86 kernels) accumulate in. Integer sums are exact, so only
+/// the float steps that follow fix the result's bits.
+///
+/// # Safety
+/// `a` readable for 32 bytes.
+#[inline]
+unsafe fn lane_sums(w: [int8x16_t; 2], a: *const u8) -> [i32; 8] {
+    let a = a as *const i8;
+    let mut out = [0i32; 8];
+    for (half, wv) in w.into_iter().enumerate() {
+        let av = vld1q_s8(a.add(16 * half));
+        let lo = vpaddlq_s16(vmull_s8(vget_low_s8(wv), vget_low_s8(av)));
+        let hi = vpaddlq_s16(vmull_s8(vget_high_s8(wv), vget_high_s8(av)));
+        vst1q_s32(out.as_mut_ptr().add(4 * half), vpaddq_s32(lo, hi));
+    }
+    out
+}
+
+/// Q4_1 × Q8_1 tile, in the scalar reference's float order.
 ///
 /// # Safety
 /// See the file header.
@@ -60,12 +81,17 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
     let mut out = [0.0f32; NT];
     for (t, o) in out.iter_mut().enumerate() {
         let a = std::slice::from_raw_parts(a[t] as *const BlockQ8_1, nb);
-        let mut sumf = 0.0f32;
+        let mut acc = [0.0f32; 8];
+        let mut mins = 0.0f32;
         for (x, y) in w.iter().zip(a) {
-            let sumi = dot_i8x32(unpack_nibbles(x.qs.as_ptr()), y.qs.as_ptr());
-            sumf += (x.d() * y.d()) * sumi as f32 + x.m() * y.s();
+            let xy = lane_sums(unpack_nibbles(x.qs.as_ptr()), y.qs.as_ptr());
+            let dd = x.d() * y.d();
+            for (acc, xy) in acc.iter_mut().zip(xy) {
+                *acc = dd.mul_add(xy as f32, *acc);
+            }
+            mins = x.m().mul_add(y.s(), mins);
         }
-        *o = sumf;
+        *o = scalar::hsum8(&acc) + mins;
     }
     out
 }
@@ -96,7 +122,7 @@ pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
     out
 }
 
-/// Q8_0 × Q8_0 tile.
+/// Q8_0 × Q8_0 tile, in the scalar reference's float order.
 ///
 /// # Safety
 /// See the file header.
@@ -109,14 +135,16 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
     let mut out = [0.0f32; NT];
     for (t, o) in out.iter_mut().enumerate() {
         let a = std::slice::from_raw_parts(a[t] as *const BlockQ8_0, nb);
-        let mut sumf = 0.0f32;
+        let mut acc = [0.0f32; 8];
         for (x, y) in w.iter().zip(a) {
             let p = x.qs.as_ptr() as *const i8;
-            let wq = [vld1q_s8(p), vld1q_s8(p.add(16))];
-            let sumi = dot_i8x32(wq, y.qs.as_ptr());
-            sumf += sumi as f32 * (x.d() * y.d());
+            let xy = lane_sums([vld1q_s8(p), vld1q_s8(p.add(16))], y.qs.as_ptr());
+            let dd = x.d() * y.d();
+            for (acc, xy) in acc.iter_mut().zip(xy) {
+                *acc = dd.mul_add(xy as f32, *acc);
+            }
         }
-        *o = sumf;
+        *o = scalar::hsum8(&acc);
     }
     out
 }
