@@ -224,3 +224,57 @@ fn a_failed_append_changes_nothing() {
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     assert_eq!(kv.len(), 20);
 }
+
+/// A model split by layer ranges, each range with its own KV pool (as
+/// shards will hold), gives the same logits bits as the whole model.
+#[test]
+fn layer_ranges_computed_separately_give_the_same_logits() {
+    let rig = Rig::synthetic(GgmlType::Q4_1, true);
+    let model = &rig.model;
+    let (n_layers, hidden, vocab) = (
+        model.config.n_layers,
+        model.config.hidden,
+        model.config.vocab,
+    );
+    let history = tokens(90, vocab, 21);
+    let reference = rig
+        .run(&[(&history, random_chunks(history.len(), 30, 2))], 2)
+        .remove(0);
+
+    let pool = ThreadPool::new(2);
+    let mut scratch = Scratch::default();
+    let ranges = [0..1, 1..n_layers];
+    let mut kvs: Vec<SessionKv> = ranges
+        .iter()
+        .map(|r| {
+            let layout = model.kv_layout(r.len(), 16);
+            let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 16)).expect("kv pool"));
+            SessionKv::new(pool)
+        })
+        .collect();
+    let mut got = Vec::new();
+    let mut logits = Vec::new();
+    for chunk in history.chunks(25) {
+        let mut x = vec![0f32; chunk.len() * hidden];
+        model.embed(chunk, &mut x).expect("embed");
+        for (range, kv) in ranges.iter().zip(kvs.iter_mut()) {
+            kv.reserve(kv.len() + chunk.len()).expect("reserve");
+            let mut seq = [Sequence {
+                kv,
+                tokens: chunk,
+                logits: LogitsWanted::All,
+            }];
+            model
+                .forward_layers(range.clone(), &mut seq, &mut x, &pool, &mut scratch)
+                .expect("layer range");
+            let new_len = seq[0].kv.len() + chunk.len();
+            seq[0].kv.commit(new_len).expect("commit");
+        }
+        model.logits_from_hidden(&pool, &x, &mut logits, &mut scratch);
+        got.extend(logits.iter().map(|v| v.to_bits()));
+    }
+    assert!(
+        got == reference,
+        "split layer ranges differ from the whole model"
+    );
+}

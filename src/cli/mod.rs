@@ -49,6 +49,10 @@ pub struct ModelArgs {
     /// KV cache memory in MiB.
     #[arg(long, default_value_t = 256)]
     pub kv_mib: u64,
+    /// Back the KV cache with this file instead of anonymous memory
+    /// (created or truncated, then sized to the cache).
+    #[arg(long)]
+    pub kv_file: Option<PathBuf>,
 }
 
 /// Sampling flags (all off by default: greedy decoding).
@@ -216,6 +220,9 @@ impl ModelArgs {
             cfg.threads = t;
         }
         cfg.kv_bytes = self.kv_mib.max(1) << 20;
+        if let Some(file) = &self.kv_file {
+            cfg.kv_backing = crate::kv::KvBacking::File(file.clone());
+        }
         let engine = Engine::new(Arc::new(model), &cfg)?;
         tracing::info!(
             model = %path.display(),

@@ -343,39 +343,39 @@ impl Model {
         for (dst, &r) in hidden.chunks_exact_mut(h).zip(&rows) {
             dst.copy_from_slice(&scratch.x[r * h..][..h]);
         }
-        let mut normed = std::mem::take(&mut scratch.att);
-        rms_norm(
-            pool,
-            &hidden,
-            &self.weights.output_norm,
-            self.config.rms_eps,
-            &mut normed,
-        );
-        scratch.xn = hidden;
         let mut logits = std::mem::take(&mut scratch.logits);
-        self.project_logits(pool, &normed, &mut logits, scratch);
-        scratch.att = normed;
+        self.logits_from_hidden(pool, &hidden, &mut logits, scratch);
+        scratch.xn = hidden;
         scratch.logits = logits;
         Ok(LogitRows { per_sequence })
     }
 
-    /// Output projection of already-normalised hidden rows (`[rows][hidden]`)
-    /// into `out` (`[rows][vocab]`).
-    pub fn project_logits(
+    /// Final RMSNorm and output projection of hidden states (`[rows][hidden]`,
+    /// as `forward_layers` leaves them) into `out` (`[rows][vocab]`).
+    pub fn logits_from_hidden(
         &self,
         pool: &ThreadPool,
-        normed: &[f32],
+        hidden: &[f32],
         out: &mut Vec<f32>,
         scratch: &mut Scratch,
     ) {
-        let n = normed.len() / self.config.hidden;
+        let n = hidden.len() / self.config.hidden;
         let m = &self.weights.output;
         resize(out, n * m.rows);
         if n == 0 {
             return;
         }
-        self.quantize_acts(pool, m, normed, n, &mut scratch.acts);
+        let mut normed = std::mem::take(&mut scratch.att);
+        rms_norm(
+            pool,
+            hidden,
+            &self.weights.output_norm,
+            self.config.rms_eps,
+            &mut normed,
+        );
+        self.quantize_acts(pool, m, &normed, n, &mut scratch.acts);
         self.matmul(pool, m, &scratch.acts, n, out, &mut scratch.by_row);
+        scratch.att = normed;
     }
 
     /// Quantizes `n` rows of `x` into `m`'s activation format.
