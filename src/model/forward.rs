@@ -253,7 +253,7 @@ impl Model {
                 )?;
             }
             resize(&mut scratch.att, n * h);
-            self.attention(pool, seqs, kv_layer, scratch);
+            self.attention(pool, seqs, kv_layer, scratch)?;
             self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
             resize(&mut scratch.proj, n * h);
             self.matmul(
@@ -483,10 +483,18 @@ impl Model {
         seqs: &[Sequence<'_>],
         kv_layer: usize,
         scratch: &mut Scratch,
-    ) {
+    ) -> Result<(), ModelError> {
         let cfg = &self.config;
         let hd = cfg.head_dim;
         let kv_dim = cfg.kv_dim();
+        // The first KV read error of any task (a broken page table); the
+        // positions were reserved before the layer ran, so none is expected.
+        let failure: std::sync::Mutex<Option<crate::kv::KvError>> = std::sync::Mutex::new(None);
+        let fail = |e| {
+            if let Ok(mut slot) = failure.lock() {
+                slot.get_or_insert(e);
+            }
+        };
         let group = cfg.n_heads / cfg.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let token_seq = &scratch.token_seq;
@@ -508,14 +516,15 @@ impl Model {
             SCORES.with_borrow_mut(|scores| {
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
-                // Ranges were reserved before the layer ran; a failure here
-                // would mean a broken page table, which leaves zeros.
-                if let Ok(blocks) = kv.k_blocks(kv_layer, 0..pos + 1) {
-                    for block in blocks {
-                        for k in block.chunks_exact(kv_dim) {
-                            let s = quant::dot_f16(q16, &k[kv_head * hd..][..hd]) * scale;
-                            max = max.max(s);
-                            scores.push(s);
+                match kv.k_blocks(kv_layer, 0..pos + 1) {
+                    Err(e) => fail(e),
+                    Ok(blocks) => {
+                        for block in blocks {
+                            for k in block.chunks_exact(kv_dim) {
+                                let s = quant::dot_f16(q16, &k[kv_head * hd..][..hd]) * scale;
+                                max = max.max(s);
+                                scores.push(s);
+                            }
                         }
                     }
                 }
@@ -533,12 +542,15 @@ impl Model {
                 V_LANES.with_borrow_mut(|acc| {
                     acc.clear();
                     acc.resize(LANES * hd, 0.0);
-                    if let Ok(blocks) = kv.v_blocks(kv_layer, 0..pos + 1) {
-                        let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
-                        for (p, (v, &s)) in rows.zip(scores.iter()).enumerate() {
-                            let w = f16::from_f32(s * inv).to_f32();
-                            let lane = &mut acc[(p % LANES) * hd..][..hd];
-                            quant::axpy_f16(w, &v[kv_head * hd..][..hd], lane);
+                    match kv.v_blocks(kv_layer, 0..pos + 1) {
+                        Err(e) => fail(e),
+                        Ok(blocks) => {
+                            let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
+                            for (p, (v, &s)) in rows.zip(scores.iter()).enumerate() {
+                                let w = f16::from_f32(s * inv).to_f32();
+                                let lane = &mut acc[(p % LANES) * hd..][..hd];
+                                quant::axpy_f16(w, &v[kv_head * hd..][..hd], lane);
+                            }
                         }
                     }
                     for (d, o) in out.iter_mut().enumerate() {
@@ -548,6 +560,11 @@ impl Model {
                 });
             });
         });
+        // A poisoned lock means a task panicked, which `run` re-raised already.
+        match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some(e) => Err(e.into()),
+        }
     }
 }
 
