@@ -394,8 +394,10 @@ impl Model {
         pool.for_each_chunk_mut(acts, act_row * rows_per_task, &|chunk, out| {
             for (i, dst) in out.chunks_exact_mut(act_row).enumerate() {
                 let t = chunk * rows_per_task + i;
-                // Lengths were fixed by the weight checks at load time.
-                let _ = quant::quantize_row(m.act_ty, &x[t * m.cols..][..m.cols], dst);
+                // The format and lengths were checked against the weight at
+                // load time (`Weights::locate`), so this cannot fail.
+                let quantized = quant::quantize_row(m.act_ty, &x[t * m.cols..][..m.cols], dst);
+                debug_assert!(quantized.is_ok(), "{quantized:?}");
             }
         });
     }
