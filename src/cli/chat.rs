@@ -135,6 +135,9 @@ pub fn run(args: ChatArgs) -> Result<(), CliError> {
                 true
             },
         )?;
+        let rest = decoder.finish();
+        reply.push_str(&rest);
+        write!(out, "{rest}")?;
         writeln!(out)?;
         // What the history now holds beyond `rendered`: the reply tokens,
         // including the end-of-turn token when one was emitted.

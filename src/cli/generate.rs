@@ -95,6 +95,10 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     if let Some(e) = io_error {
         return Err(e.into());
     }
+    // A character cut off by the token limit comes out as U+FFFD, not lost.
+    if args.format == OutputFormat::Text {
+        out.write_all(decoder.finish().as_bytes())?;
+    }
     writeln!(out)?;
     Ok(())
 }
