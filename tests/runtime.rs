@@ -95,7 +95,10 @@ fn split(events: Vec<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {
 }
 
 fn generate(rt: &Runtime, id: SessionId, max: u32, s: SamplingOptions) -> (Vec<u32>, GenerateDone) {
-    let events = rt.generate(request(id, max, s), None).expect("queued").collect();
+    let events = rt
+        .generate(request(id, max, s), None)
+        .expect("queued")
+        .collect();
     match split(events) {
         (tokens, GenerateEvent::Done(done)) => (tokens, done),
         (_, other) => panic!("generation failed: {other:?}"),
@@ -132,7 +135,10 @@ fn generated_tokens_are_committed_and_reported() {
     assert_eq!(done.history_length, 8);
     let i = info(&rt, id).expect("info");
     assert_eq!(i.history_length, 8);
-    assert!(i.kv_live_bytes > 0 && i.kv_live_bytes % 8 == 0);
+    assert_eq!(
+        i.kv_live_bytes,
+        8 * rt.kv_pool().bytes_per_position() as u64
+    );
     assert_eq!(i.client_label, "test");
     assert!(i.pages_held >= 1);
     assert_eq!((i.inv1_violations, i.inv2_violations), (0, 0));
@@ -174,15 +180,28 @@ fn a_stop_sequence_ends_the_generation_after_it_is_emitted() {
         GenerateEvent::Done(d) => assert_eq!(d.stop_reason, StopReason::StopSequence),
         other => panic!("{other:?}"),
     }
-    assert_eq!(info(&rt, id).expect("info").history_length, 2 + first_end as u64);
+    assert_eq!(
+        info(&rt, id).expect("info").history_length,
+        2 + first_end as u64
+    );
 }
 
 #[test]
 fn bad_arguments_are_invalid_and_change_nothing() {
     let rt = start(config(1));
     let id = create(&rt, &[]);
-    let empty = split(rt.generate(request(id, 4, SamplingOptions::default()), None).expect("q").collect());
-    assert!(matches!(empty.1, GenerateEvent::Error(RuntimeError::InvalidArgument(_))), "{empty:?}");
+    let empty = split(
+        rt.generate(request(id, 4, SamplingOptions::default()), None)
+            .expect("q")
+            .collect(),
+    );
+    assert!(
+        matches!(
+            empty.1,
+            GenerateEvent::Error(RuntimeError::InvalidArgument(_))
+        ),
+        "{empty:?}"
+    );
     append(&rt, id, &[1, 2]).expect("append");
     let err = append(&rt, id, &[3, 320, 4]).expect_err("out of vocabulary");
     assert_eq!(err.code(), StatusKind::InvalidArgument);
@@ -190,16 +209,46 @@ fn bad_arguments_are_invalid_and_change_nothing() {
     assert_eq!(info(&rt, id).expect("info").history_length, 2);
     let bad = [
         (0, SamplingOptions::default()),
-        (4, SamplingOptions { temperature: Some(-1.0), ..Default::default() }),
-        (4, SamplingOptions { temperature: Some(f32::NAN), ..Default::default() }),
-        (4, SamplingOptions { top_p: Some(0.0), ..Default::default() }),
-        (4, SamplingOptions { top_p: Some(1.5), ..Default::default() }),
+        (
+            4,
+            SamplingOptions {
+                temperature: Some(-1.0),
+                ..Default::default()
+            },
+        ),
+        (
+            4,
+            SamplingOptions {
+                temperature: Some(f32::NAN),
+                ..Default::default()
+            },
+        ),
+        (
+            4,
+            SamplingOptions {
+                top_p: Some(0.0),
+                ..Default::default()
+            },
+        ),
+        (
+            4,
+            SamplingOptions {
+                top_p: Some(1.5),
+                ..Default::default()
+            },
+        ),
     ];
     for (max, sampling) in bad {
-        let (tokens, end) = split(rt.generate(request(id, max, sampling.clone()), None).expect("q").collect());
+        let (tokens, end) = split(
+            rt.generate(request(id, max, sampling.clone()), None)
+                .expect("q")
+                .collect(),
+        );
         assert!(tokens.is_empty());
         match end {
-            GenerateEvent::Error(e) => assert_eq!(e.code(), StatusKind::InvalidArgument, "{sampling:?}"),
+            GenerateEvent::Error(e) => {
+                assert_eq!(e.code(), StatusKind::InvalidArgument, "{sampling:?}")
+            }
             other => panic!("{sampling:?}: {other:?}"),
         }
     }
@@ -210,11 +259,21 @@ fn bad_arguments_are_invalid_and_change_nothing() {
 fn unknown_closed_and_twice_closed_ids_are_not_found() {
     let rt = start(config(2));
     let unknown = SessionId::random().expect("id");
-    assert_eq!(info(&rt, unknown).expect_err("unknown"), RuntimeError::NotFound);
-    assert_eq!(append(&rt, unknown, &[1]).expect_err("unknown"), RuntimeError::NotFound);
+    assert_eq!(
+        info(&rt, unknown).expect_err("unknown"),
+        RuntimeError::NotFound
+    );
+    assert_eq!(
+        append(&rt, unknown, &[1]).expect_err("unknown"),
+        RuntimeError::NotFound
+    );
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
-    let closed = rt.close_session(id, None).expect("q").wait().expect("closed");
+    let closed = rt
+        .close_session(id, None)
+        .expect("q")
+        .wait()
+        .expect("closed");
     assert_eq!(closed.final_history_length, 3);
     let again = rt.close_session(id, None).expect("q").wait();
     assert_eq!(again.expect_err("second close"), RuntimeError::NotFound);
@@ -228,31 +287,43 @@ fn unknown_closed_and_twice_closed_ids_are_not_found() {
 #[test]
 fn an_unset_seed_is_drawn_reported_and_reproduces() {
     let rt = start(config(1));
-    let sampling = SamplingOptions { seed: None, ..seeded() };
+    let sampling = SamplingOptions {
+        seed: None,
+        ..seeded()
+    };
     let a = create(&rt, &[]);
     append(&rt, a, &[4, 5, 6]).expect("append");
     let (tokens, done) = generate(&rt, a, 8, sampling);
     let b = create(&rt, &[]);
     append(&rt, b, &[4, 5, 6]).expect("append");
-    let again = SamplingOptions { seed: Some(done.seed_used), ..seeded() };
+    let again = SamplingOptions {
+        seed: Some(done.seed_used),
+        ..seeded()
+    };
     assert_eq!(generate(&rt, b, 8, again).0, tokens);
     let c = create(&rt, &[]);
     append(&rt, c, &[4, 5, 6]).expect("append");
-    let other = generate(&rt, c, 8, SamplingOptions { seed: None, ..seeded() }).1;
+    let other = generate(
+        &rt,
+        c,
+        8,
+        SamplingOptions {
+            seed: None,
+            ..seeded()
+        },
+    )
+    .1;
     assert_ne!(other.seed_used, done.seed_used);
 }
 
 /// Tokens and final-logits digest of one session's history and generation.
-fn reference_run(
-    rt: &Runtime,
-    appends: &[&[u32]],
-    neighbours: usize,
-) -> (Vec<u32>, u64) {
+fn reference_run(rt: &Runtime, appends: &[&[u32]], neighbours: usize) -> (Vec<u32>, u64) {
     let others: Vec<_> = (0..neighbours)
         .map(|k| {
             let id = create(rt, &[]);
             append(rt, id, &prompt(20 + k * 7, k as u32)).expect("append");
-            rt.generate(request(id, 40, seeded()), None).expect("queued")
+            rt.generate(request(id, 40, seeded()), None)
+                .expect("queued")
         })
         .collect();
     let id = create(rt, &[]);
@@ -274,38 +345,63 @@ fn tokens_do_not_depend_on_batching_chunking_or_worker_count() {
     assert_eq!(reference.0.len(), 24);
     let batched_rt = start(config(1));
     assert_eq!(reference_run(&batched_rt, &[&p], 3), reference);
-    assert!(batched_rt.stats().workers[0].2 > 1, "sessions were batched together");
+    assert!(
+        batched_rt.stats().workers[0].2 > 1,
+        "sessions were batched together"
+    );
     assert_eq!(reference_run(&start(config(3)), &[&p], 4), reference);
-    let small_chunks = RuntimeConfig { prefill_chunk: 5, ..config(2) };
+    let small_chunks = RuntimeConfig {
+        prefill_chunk: 5,
+        ..config(2)
+    };
     let pieces: Vec<&[u32]> = p.chunks(7).collect();
     assert_eq!(reference_run(&start(small_chunks), &pieces, 2), reference);
 }
 
 #[test]
 fn a_reader_that_does_not_read_does_not_stall_another_session() {
-    let rt = start(RuntimeConfig { stream_capacity: 4, ..config(1) });
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
     let slow = create(&rt, &[]);
     append(&rt, slow, &[1, 2, 3]).expect("append");
-    let unread = rt.generate(request(slow, 50, SamplingOptions::default()), None).expect("q");
+    let unread = rt
+        .generate(request(slow, 50, SamplingOptions::default()), None)
+        .expect("q");
     std::thread::sleep(Duration::from_millis(50));
     let fast = create(&rt, &[]);
     append(&rt, fast, &[4, 5, 6]).expect("append");
     let t0 = Instant::now();
     let (tokens, done) = generate(&rt, fast, 30, SamplingOptions::default());
-    assert_eq!((tokens.len(), done.stop_reason), (30, StopReason::MaxTokens));
+    assert_eq!(
+        (tokens.len(), done.stop_reason),
+        (30, StopReason::MaxTokens)
+    );
     assert!(t0.elapsed() < Duration::from_secs(20));
     assert!(info(&rt, slow).expect("info").history_length <= 3 + 4);
     let (tokens, end) = split(unread.collect());
     assert_eq!(tokens.len(), 50);
-    assert!(matches!(end, GenerateEvent::Done(GenerateDone { stop_reason: StopReason::MaxTokens, .. })));
+    assert!(matches!(
+        end,
+        GenerateEvent::Done(GenerateDone {
+            stop_reason: StopReason::MaxTokens,
+            ..
+        })
+    ));
 }
 
 #[test]
 fn cancellation_stops_within_a_step_and_keeps_the_session_usable() {
-    let rt = start(RuntimeConfig { stream_capacity: 4, ..config(1) });
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
-    let stream = rt.generate(request(id, 200, SamplingOptions::default()), None).expect("q");
+    let stream = rt
+        .generate(request(id, 200, SamplingOptions::default()), None)
+        .expect("q");
     for _ in 0..2 {
         assert!(matches!(stream.recv(None), Some(GenerateEvent::Token(_))));
     }
@@ -325,9 +421,14 @@ fn cancellation_stops_within_a_step_and_keeps_the_session_usable() {
     // Buffered tokens plus at most the one step that was in flight.
     assert!(after <= 4 + 1, "{after} tokens after cancel");
     assert_eq!(done.generated_token_count as usize, 2 + after);
-    assert_eq!(info(&rt, id).expect("info").history_length, 3 + 2 + after as u64);
+    assert_eq!(
+        info(&rt, id).expect("info").history_length,
+        3 + 2 + after as u64
+    );
     // Dropping the stream cancels too.
-    let dropped = rt.generate(request(id, 200, SamplingOptions::default()), None).expect("q");
+    let dropped = rt
+        .generate(request(id, 200, SamplingOptions::default()), None)
+        .expect("q");
     assert!(matches!(dropped.recv(None), Some(GenerateEvent::Token(_))));
     drop(dropped);
     std::thread::sleep(Duration::from_millis(50));
@@ -344,52 +445,113 @@ fn operations_on_one_session_run_in_arrival_order() {
     let rt = start(config(1));
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
-    let a1 = rt.append_tokens(AppendTokens { id, tokens: vec![10] }, None).expect("q");
-    let g = rt.generate(request(id, 5, SamplingOptions::default()), None).expect("q");
-    let a2 = rt.append_tokens(AppendTokens { id, tokens: vec![11, 12] }, None).expect("q");
+    let a1 = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![10],
+            },
+            None,
+        )
+        .expect("q");
+    let g = rt
+        .generate(request(id, 5, SamplingOptions::default()), None)
+        .expect("q");
+    let a2 = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![11, 12],
+            },
+            None,
+        )
+        .expect("q");
     let closed = rt.close_session(id, None).expect("q");
     assert_eq!(a1.wait().expect("a1").history_length, 4);
     let (tokens, done) = split(g.collect());
     assert_eq!(tokens.len(), 5);
-    assert!(matches!(done, GenerateEvent::Done(GenerateDone { history_length: 9, .. })));
+    assert!(matches!(
+        done,
+        GenerateEvent::Done(GenerateDone {
+            history_length: 9,
+            ..
+        })
+    ));
     assert_eq!(a2.wait().expect("a2").history_length, 11);
     assert_eq!(closed.wait().expect("close").final_history_length, 11);
 }
 
 #[test]
 fn a_full_session_queue_is_resource_exhausted() {
-    let rt = start(RuntimeConfig { session_queue: 1, stream_capacity: 4, ..config(1) });
+    let rt = start(RuntimeConfig {
+        session_queue: 1,
+        stream_capacity: 4,
+        ..config(1)
+    });
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     let _busy = stalled(&rt, id);
-    let _waiting = rt.append_tokens(AppendTokens { id, tokens: vec![7] }, None).expect("q");
+    let _waiting = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![7],
+            },
+            None,
+        )
+        .expect("q");
     let err = append(&rt, id, &[8]).expect_err("queue full");
     assert_eq!(err.code(), StatusKind::ResourceExhausted);
-    assert_eq!(err.to_string(), "session wait queue exhausted: 2 asked, 0 free");
+    assert_eq!(
+        err.to_string(),
+        "session wait queue exhausted: 2 asked, 0 free"
+    );
 }
 
 #[test]
 fn deadlines_end_waiting_and_running_calls() {
-    let rt = start(RuntimeConfig { stream_capacity: 4, ..config(1) });
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     let busy = rt
-        .generate(request(id, 200, SamplingOptions::default()), Some(Instant::now() + Duration::from_millis(150)))
+        .generate(
+            request(id, 200, SamplingOptions::default()),
+            Some(Instant::now() + Duration::from_millis(150)),
+        )
         .expect("q");
     let waiting = rt
-        .append_tokens(AppendTokens { id, tokens: vec![9] }, Some(Instant::now() + Duration::from_millis(50)))
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![9],
+            },
+            Some(Instant::now() + Duration::from_millis(50)),
+        )
         .expect("q");
-    assert_eq!(waiting.wait().expect_err("deadline"), RuntimeError::DeadlineExceeded);
+    assert_eq!(
+        waiting.wait().expect_err("deadline"),
+        RuntimeError::DeadlineExceeded
+    );
     std::thread::sleep(Duration::from_millis(200));
     let (tokens, end) = split(busy.collect());
     assert_eq!(end, GenerateEvent::Error(RuntimeError::DeadlineExceeded));
     let len = info(&rt, id).expect("info").history_length;
-    assert_eq!(len, 3 + tokens.len() as u64, "the late append never ran; emitted tokens stay");
+    assert_eq!(
+        len,
+        3 + tokens.len() as u64,
+        "the late append never ran; emitted tokens stay"
+    );
 }
 
 #[test]
 fn idle_sessions_expire_after_the_ttl() {
-    let rt = start(RuntimeConfig { idle_ttl: Duration::from_millis(60), ..config(1) });
+    let rt = start(RuntimeConfig {
+        idle_ttl: Duration::from_millis(60),
+        ..config(1)
+    });
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     std::thread::sleep(Duration::from_millis(400));
@@ -401,7 +563,11 @@ fn idle_sessions_expire_after_the_ttl() {
 
 #[test]
 fn the_session_limit_evicts_the_least_recently_used_idle_session() {
-    let rt = start(RuntimeConfig { max_sessions: 2, stream_capacity: 4, ..config(1) });
+    let rt = start(RuntimeConfig {
+        max_sessions: 2,
+        stream_capacity: 4,
+        ..config(1)
+    });
     let a = create(&rt, &[]);
     let b = create(&rt, &[]);
     append(&rt, a, &[1]).expect("append");
@@ -429,7 +595,10 @@ fn the_session_limit_evicts_the_least_recently_used_idle_session() {
 fn kv_exhaustion_evicts_idle_sessions_then_reports_numbers() {
     // Tiny model: 2 layers x (K, V) x 32 values x 2 bytes = 256 bytes per
     // position, 4096 per 16-position page; 4 pages = 64 positions.
-    let rt = start(RuntimeConfig { kv_bytes: 4 * 4096, ..config(1) });
+    let rt = start(RuntimeConfig {
+        kv_bytes: 4 * 4096,
+        ..config(1)
+    });
     assert_eq!(rt.stats().kv_total_pages, 4);
     let a = create(&rt, &[]);
     append(&rt, a, &prompt(40, 1)).expect("3 pages");
@@ -447,12 +616,23 @@ fn kv_exhaustion_evicts_idle_sessions_then_reports_numbers() {
 
 #[test]
 fn overflow_truncates_to_sink_plus_recent_and_reports_it_first() {
-    let rt = start(RuntimeConfig { overflow: OverflowPolicy::Truncate { sink: 4 }, ..config(1) });
+    let rt = start(RuntimeConfig {
+        overflow: OverflowPolicy::Truncate { sink: 4 },
+        ..config(1)
+    });
     let history = prompt(250, 5);
     let id = create(&rt, &[]);
     append(&rt, id, &history).expect("append");
-    let events = rt.generate(request(id, 20, SamplingOptions::default()), None).expect("q").collect();
-    assert_eq!(events[0], GenerateEvent::Truncated { dropped_token_count: 14 });
+    let events = rt
+        .generate(request(id, 20, SamplingOptions::default()), None)
+        .expect("q")
+        .collect();
+    assert_eq!(
+        events[0],
+        GenerateEvent::Truncated {
+            dropped_token_count: 14
+        }
+    );
     let (tokens, _) = split(events);
     assert_eq!(tokens.len(), 20);
     assert_eq!(info(&rt, id).expect("info").history_length, CONTEXT as u64);
@@ -461,19 +641,34 @@ fn overflow_truncates_to_sink_plus_recent_and_reports_it_first() {
     kept.extend_from_slice(&history[250 - 232..]);
     let direct = create(&rt, &[]);
     append(&rt, direct, &kept).expect("append");
-    assert_eq!(generate(&rt, direct, 20, SamplingOptions::default()).0, tokens);
+    assert_eq!(
+        generate(&rt, direct, 20, SamplingOptions::default()).0,
+        tokens
+    );
     // An append past the context truncates too and says how much.
     let r = rt
-        .append_tokens(AppendTokens { id: direct, tokens: prompt(10, 6) }, None)
+        .append_tokens(
+            AppendTokens {
+                id: direct,
+                tokens: prompt(10, 6),
+            },
+            None,
+        )
         .expect("q")
         .wait()
         .expect("append");
-    assert_eq!((r.history_length, r.dropped_token_count), (CONTEXT as u64, 256 + 10 - 256));
+    assert_eq!(
+        (r.history_length, r.dropped_token_count),
+        (CONTEXT as u64, 256 + 10 - 256)
+    );
 }
 
 #[test]
 fn the_stop_policy_ends_with_truncated() {
-    let rt = start(RuntimeConfig { overflow: OverflowPolicy::Stop, ..config(1) });
+    let rt = start(RuntimeConfig {
+        overflow: OverflowPolicy::Stop,
+        ..config(1)
+    });
     let id = create(&rt, &[]);
     append(&rt, id, &prompt(250, 5)).expect("append");
     let (tokens, done) = generate(&rt, id, 20, SamplingOptions::default());
@@ -488,6 +683,9 @@ fn a_draining_runtime_is_unavailable() {
     let rt = start(config(1));
     let id = create(&rt, &[]);
     rt.drain();
-    assert_eq!(append(&rt, id, &[1]).expect_err("draining"), RuntimeError::Unavailable);
+    assert_eq!(
+        append(&rt, id, &[1]).expect_err("draining"),
+        RuntimeError::Unavailable
+    );
     rt.shutdown();
 }

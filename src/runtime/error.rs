@@ -143,11 +143,7 @@ mod tests {
         }
         .into();
         assert_eq!(e.code(), StatusKind::FailedPrecondition);
-        let e: RuntimeError = ModelError::TokenOutOfRange {
-            token: 9,
-            vocab: 5,
-        }
-        .into();
+        let e: RuntimeError = ModelError::TokenOutOfRange { token: 9, vocab: 5 }.into();
         assert_eq!(e.code(), StatusKind::InvalidArgument);
     }
 }

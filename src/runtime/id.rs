@@ -93,7 +93,9 @@ mod tests {
         let id = SessionId::random().expect("random");
         let text = id.to_string();
         assert_eq!(text.len(), 32);
-        assert!(text.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+        assert!(text
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
         assert_eq!(SessionId::parse(&text).expect("parses"), id);
     }
 
@@ -118,7 +120,11 @@ mod tests {
             "é123456789abcdef0123456789abcde",
         ] {
             let err = SessionId::parse(bad).expect_err(bad);
-            assert_eq!(err.code(), super::super::StatusKind::InvalidArgument, "{bad}");
+            assert_eq!(
+                err.code(),
+                super::super::StatusKind::InvalidArgument,
+                "{bad}"
+            );
         }
     }
 

@@ -178,14 +178,7 @@ impl Runtime {
             }
         };
         let (tx, rx) = bounded(1);
-        self.send(
-            worker,
-            Command::Create {
-                id,
-                req,
-                reply: tx,
-            },
-        )?;
+        self.send(worker, Command::Create { id, req, reply: tx })?;
         Ok(Pending {
             reply: rx,
             deadline,
@@ -325,7 +318,11 @@ impl Runtime {
             // A full queue still sees the disconnect once the sender drops.
             let _ = w.commands.try_send(Command::Shutdown);
         }
-        let handles: Vec<_> = self.workers.iter_mut().filter_map(|w| w.thread.take()).collect();
+        let handles: Vec<_> = self
+            .workers
+            .iter_mut()
+            .filter_map(|w| w.thread.take())
+            .collect();
         // Dropping the senders wakes a worker whose queue was full.
         self.workers.iter_mut().for_each(|w| {
             let (dead, _) = bounded(0);

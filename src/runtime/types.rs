@@ -115,9 +115,8 @@ impl SamplingOptions {
             Some(seed) => seed,
             None => {
                 let mut bytes = [0u8; 8];
-                getrandom::getrandom(&mut bytes).map_err(|e| {
-                    RuntimeError::Internal(format!("OS random source failed: {e}"))
-                })?;
+                getrandom::getrandom(&mut bytes)
+                    .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
                 u64::from_le_bytes(bytes)
             }
         };
@@ -184,7 +183,9 @@ pub struct GenerateDone {
 #[derive(Clone, Debug, PartialEq)]
 pub enum GenerateEvent {
     /// The history was truncated before any token of this call.
-    Truncated { dropped_token_count: u64 },
+    Truncated {
+        dropped_token_count: u64,
+    },
     /// A generated token, already committed to the history.
     Token(u32),
     Done(GenerateDone),

@@ -209,7 +209,11 @@ impl Worker {
                 break;
             }
             let progressed = self.step();
-            wait = if progressed { Duration::ZERO } else { STALLED_WAIT };
+            wait = if progressed {
+                Duration::ZERO
+            } else {
+                STALLED_WAIT
+            };
             self.sweep_if_due();
         }
         self.fail_everything();
@@ -293,7 +297,9 @@ impl Worker {
                 feed_logits: LogitsWanted::None,
             },
         );
-        self.counters.sessions_created.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .sessions_created
+            .fetch_add(1, Ordering::Relaxed);
         self.gauges
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
@@ -305,7 +311,9 @@ impl Worker {
     fn claim_session(&self) -> bool {
         let max = self.cfg.max_sessions;
         self.live_sessions
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
             .is_ok()
     }
 
@@ -474,7 +482,9 @@ impl Worker {
                     events,
                     cancel,
                 } => {
-                    if let Err(e) = self.start_generate(id, &req, events.clone(), cancel, queued.deadline) {
+                    if let Err(e) =
+                        self.start_generate(id, &req, events.clone(), cancel, queued.deadline)
+                    {
                         let _ = events.try_send(GenerateEvent::Error(e));
                     }
                 }
@@ -492,7 +502,11 @@ impl Worker {
     }
 
     /// Validates and reserves an append. `None`: nothing to do.
-    fn start_append(&mut self, id: SessionId, tokens: Vec<u32>) -> Result<Option<Active>, RuntimeError> {
+    fn start_append(
+        &mut self,
+        id: SessionId,
+        tokens: Vec<u32>,
+    ) -> Result<Option<Active>, RuntimeError> {
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -503,7 +517,12 @@ impl Worker {
         if tokens.is_empty() {
             return Ok(None);
         }
-        let len = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?.history.len();
+        let len = self
+            .sessions
+            .get(&id)
+            .ok_or(RuntimeError::NotFound)?
+            .history
+            .len();
         let (dummy, _) = crossbeam_channel::bounded(1);
         if len + tokens.len() <= context {
             self.reserve(id, len + tokens.len())?;
@@ -591,7 +610,12 @@ impl Worker {
         if req.max_tokens == 0 {
             return Err(RuntimeError::invalid("max_tokens must be at least 1"));
         }
-        if let Some(bad) = req.stop_sequences.iter().flatten().find(|&&t| t as usize >= vocab) {
+        if let Some(bad) = req
+            .stop_sequences
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
             return Err(RuntimeError::invalid(format!(
                 "stop sequence token {bad} is outside the vocabulary of {vocab}"
             )));
@@ -659,7 +683,8 @@ impl Worker {
         };
         if active.fed < active.pending.len() {
             let end = (active.fed + chunk).min(active.pending.len());
-            slot.feed.extend_from_slice(&active.pending[active.fed..end]);
+            slot.feed
+                .extend_from_slice(&active.pending[active.fed..end]);
             slot.feed_logits = if end == active.pending.len() {
                 LogitsWanted::Last
             } else {
@@ -816,7 +841,9 @@ impl Worker {
         let kv_len = slot.kv.len();
         if kv_len < slot.high_water {
             slot.inv2 += 1;
-            self.counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .inv2_violations
+                .fetch_add(1, Ordering::Relaxed);
             return Err(RuntimeError::FailedPrecondition(format!(
                 "INV-2: KV length went from {} down to {kv_len}",
                 slot.high_water
@@ -824,7 +851,9 @@ impl Worker {
         }
         if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
             slot.inv1 += 1;
-            self.counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .inv1_violations
+                .fetch_add(1, Ordering::Relaxed);
             return Err(RuntimeError::FailedPrecondition(format!(
                 "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
                 slot.history.len(),
@@ -896,9 +925,12 @@ impl Worker {
             return;
         };
         gen.generated.push(token);
-        self.counters.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .tokens_generated
+            .fetch_add(1, Ordering::Relaxed);
         self.gauges.tokens_generated.fetch_add(1, Ordering::Relaxed);
-        if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token)) {
+        if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token))
+        {
             return self.finish_generate(id, Ok(StopReason::Cancelled));
         }
         let stop = if eos_hit {
@@ -948,4 +980,133 @@ fn digest(values: &[f32]) -> u64 {
         }
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::synthetic::SyntheticLlama;
+    use crate::gguf::GgufFile;
+    use crate::kv::KvPoolConfig;
+
+    fn worker() -> Worker {
+        let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("parses");
+        let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+        let layout = model.kv_layout(model.config.n_layers, 16);
+        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 8)).expect("pool"));
+        Worker::new(
+            0,
+            model,
+            pool,
+            RuntimeConfig::default(),
+            Arc::new(Counters::default()),
+            Arc::new(WorkerGauges::default()),
+            Arc::new(AtomicUsize::new(0)),
+        )
+    }
+
+    fn new_session(w: &mut Worker) -> SessionId {
+        let id = SessionId::random().expect("id");
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        w.handle(Command::Create {
+            id,
+            req: CreateSession::default(),
+            reply: tx,
+        });
+        rx.recv().expect("reply").expect("created")
+    }
+
+    fn append(w: &mut Worker, id: SessionId, tokens: &[u32]) -> Result<AppendReply, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        w.handle(Command::Enqueue {
+            id,
+            op: Op::Append {
+                tokens: tokens.to_vec(),
+                reply: tx,
+            },
+            deadline: None,
+        });
+        for _ in 0..100 {
+            if let Ok(r) = rx.try_recv() {
+                return r;
+            }
+            w.step();
+        }
+        Err(RuntimeError::Internal("no reply".into()))
+    }
+
+    #[test]
+    fn a_prefill_is_fed_in_chunks_one_step_each() {
+        let mut w = worker();
+        w.cfg.prefill_chunk = 4;
+        let id = new_session(&mut w);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        w.handle(Command::Enqueue {
+            id,
+            op: Op::Append {
+                tokens: (1..=10).collect(),
+                reply: tx,
+            },
+            deadline: None,
+        });
+        let mut lengths = Vec::new();
+        while rx.is_empty() {
+            w.step();
+            lengths.push(w.sessions[&id].history.len());
+        }
+        assert_eq!(lengths, vec![4, 8, 10]);
+        assert_eq!(rx.recv().expect("reply").expect("ok").history_length, 10);
+    }
+
+    #[test]
+    fn an_inv2_violation_fails_the_call_and_frees_the_session() {
+        let mut w = worker();
+        let id = new_session(&mut w);
+        append(&mut w, id, &[1, 2, 3]).expect("append");
+        assert!(w.kv_pool.free_pages() < 8);
+        // Pretend the cache once held more than it does now.
+        if let Some(slot) = w.sessions.get_mut(&id) {
+            slot.high_water = 10;
+        }
+        let err = append(&mut w, id, &[4]).expect_err("violation");
+        assert_eq!(err.code(), super::super::StatusKind::FailedPrecondition);
+        assert!(err.to_string().contains("INV-2"), "{err}");
+        assert!(!w.sessions.contains_key(&id));
+        assert_eq!(w.counters.inv2_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(w.kv_pool.free_pages(), 8);
+        assert_eq!(w.live_sessions.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn an_inv1_violation_is_caught_after_the_mutation() {
+        let mut w = worker();
+        let id = new_session(&mut w);
+        append(&mut w, id, &[1, 2, 3]).expect("append");
+        if let Some(slot) = w.sessions.get_mut(&id) {
+            slot.history.push(7);
+        }
+        let err = append(&mut w, id, &[4]).expect_err("violation");
+        assert!(err.to_string().contains("INV-1"), "{err}");
+        assert_eq!(w.counters.inv1_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            append(&mut w, id, &[5]).expect_err("gone"),
+            RuntimeError::NotFound
+        );
+    }
+
+    #[test]
+    fn keep_window_keeps_the_sink_and_the_most_recent_tokens() {
+        let h: Vec<u32> = (0..10).collect();
+        assert_eq!(keep_window(&h, 2, 5), vec![0, 1, 7, 8, 9]);
+        assert_eq!(keep_window(&h, 0, 3), vec![7, 8, 9]);
+        assert_eq!(keep_window(&h, 9, 3), vec![0, 1, 2]);
+        assert_eq!(keep_window(&h, 2, 10), h);
+    }
+
+    #[test]
+    fn digest_sees_every_bit() {
+        assert_ne!(digest(&[0.0]), digest(&[-0.0]));
+        assert_ne!(digest(&[1.0, 2.0]), digest(&[2.0, 1.0]));
+        assert_eq!(digest(&[1.5]), digest(&[1.5]));
+    }
 }
