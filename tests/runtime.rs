@@ -119,7 +119,9 @@ fn stalled(rt: &Runtime, id: SessionId) -> inferd::runtime::GenerateStream {
     let s = rt
         .generate(request(id, 200, SamplingOptions::default()), None)
         .expect("queued");
-    std::thread::sleep(Duration::from_millis(100));
+    // The first token proves it left the queue; then the stream fills.
+    assert!(matches!(s.recv(None), Some(GenerateEvent::Token(_))));
+    std::thread::sleep(Duration::from_millis(20));
     s
 }
 
@@ -519,7 +521,7 @@ fn deadlines_end_waiting_and_running_calls() {
     let busy = rt
         .generate(
             request(id, 200, SamplingOptions::default()),
-            Some(Instant::now() + Duration::from_millis(150)),
+            Some(Instant::now() + Duration::from_millis(300)),
         )
         .expect("q");
     let waiting = rt
@@ -535,7 +537,7 @@ fn deadlines_end_waiting_and_running_calls() {
         waiting.wait().expect_err("deadline"),
         RuntimeError::DeadlineExceeded
     );
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(350));
     let (tokens, end) = split(busy.collect());
     assert_eq!(end, GenerateEvent::Error(RuntimeError::DeadlineExceeded));
     let len = info(&rt, id).expect("info").history_length;

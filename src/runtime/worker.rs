@@ -434,11 +434,9 @@ impl Worker {
             let Some(slot) = self.sessions.get_mut(&id) else {
                 return moved;
             };
-            if slot.active.is_some() {
-                return moved;
-            }
             let now = Instant::now();
-            // Expired waiters leave the queue wherever they stand.
+            // Expired waiters leave the queue wherever they stand, even
+            // behind a running operation.
             let mut i = 0;
             while i < slot.queue.len() {
                 if slot.queue[i].deadline.is_some_and(|d| d <= now) {
@@ -449,6 +447,9 @@ impl Worker {
                 } else {
                     i += 1;
                 }
+            }
+            if slot.active.is_some() {
+                return moved;
             }
             let Some(queued) = slot.queue.pop_front() else {
                 return moved;
