@@ -348,7 +348,7 @@ fn tokens_do_not_depend_on_batching_chunking_or_worker_count() {
     let batched_rt = start(config(1));
     assert_eq!(reference_run(&batched_rt, &[&p], 3), reference);
     assert!(
-        batched_rt.stats().workers[0].2 > 1,
+        batched_rt.stats().workers[0].max_batch_sequences > 1,
         "sessions were batched together"
     );
     assert_eq!(reference_run(&start(config(3)), &[&p], 4), reference);
@@ -678,6 +678,34 @@ fn the_stop_policy_ends_with_truncated() {
     let err = append(&rt, id, &[1]).expect_err("full");
     assert_eq!(err.code(), StatusKind::InvalidArgument);
     assert_eq!(info(&rt, id).expect("info").history_length, 256);
+}
+
+#[test]
+fn pinned_workers_serve_and_count() {
+    let rt = start(RuntimeConfig {
+        pin_cores: true,
+        ..config(2)
+    });
+    let ids: Vec<_> = (0..4).map(|_| create(&rt, &[])).collect();
+    for &id in &ids {
+        append(&rt, id, &[1, 2]).expect("append");
+        generate(&rt, id, 3, SamplingOptions::default());
+    }
+    let stats = rt.stats();
+    assert_eq!(stats.sessions_active, 4);
+    assert_eq!(stats.sessions_created, 4);
+    assert_eq!(stats.tokens_generated, 12);
+    assert_eq!(stats.prefill_tokens, 8);
+    assert_eq!(stats.workers.iter().map(|w| w.sessions).sum::<u64>(), 4);
+    assert_eq!(
+        stats
+            .workers
+            .iter()
+            .map(|w| w.tokens_generated)
+            .sum::<u64>(),
+        12
+    );
+    assert!(stats.workers.iter().all(|w| w.sessions == 2), "{stats:?}");
 }
 
 #[test]

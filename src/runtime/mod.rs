@@ -26,7 +26,7 @@ pub use id::SessionId;
 pub use types::{
     AppendReply, AppendTokens, CloseReply, Counters, CreateSession, GenerateDone, GenerateEvent,
     GenerateRequest, GenerateStream, OverflowPolicy, Pending, RuntimeConfig, RuntimeStats,
-    SamplingOptions, SessionInfo, StopReason, WorkerGauges,
+    SamplingOptions, SessionInfo, StopReason, WorkerGauges, WorkerStats,
 };
 
 use crate::kv::{KvBacking, KvPool, KvPoolConfig};
@@ -296,12 +296,13 @@ impl Runtime {
             workers: self
                 .workers
                 .iter()
-                .map(|w| {
-                    (
-                        load(&w.gauges.sessions),
-                        w.commands.len() as u64,
-                        load(&w.gauges.max_batch_sequences),
-                    )
+                .map(|w| WorkerStats {
+                    sessions: load(&w.gauges.sessions),
+                    queued_commands: w.commands.len() as u64,
+                    last_batch_sequences: load(&w.gauges.last_batch_sequences),
+                    max_batch_sequences: load(&w.gauges.max_batch_sequences),
+                    steps: load(&w.gauges.steps),
+                    tokens_generated: load(&w.gauges.tokens_generated),
                 })
                 .collect(),
         }

@@ -331,6 +331,19 @@ pub struct RuntimeStats {
     pub prefill_tokens: u64,
     pub kv_free_pages: u64,
     pub kv_total_pages: u64,
-    /// Per worker: (sessions, commands queued, largest batch so far).
-    pub workers: Vec<(u64, u64, u64)>,
+    pub workers: Vec<WorkerStats>,
+}
+
+/// One worker's share of a [`RuntimeStats`] snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub sessions: u64,
+    /// Commands waiting in the worker's channel.
+    pub queued_commands: u64,
+    /// Sequences in the last batched forward step.
+    pub last_batch_sequences: u64,
+    /// Most sequences ever run in one forward step.
+    pub max_batch_sequences: u64,
+    pub steps: u64,
+    pub tokens_generated: u64,
 }
