@@ -109,6 +109,16 @@ struct Active {
     fed: usize,
 }
 
+/// Why a session left its worker; each eviction reason has a counter.
+#[derive(Clone, Copy, Debug)]
+enum Removal {
+    Ttl,
+    Lru,
+    Close,
+    /// An invariant broke or the forward pass failed.
+    Failed,
+}
+
 /// A session and its queue.
 struct Slot {
     kv: SessionKv,
@@ -338,17 +348,17 @@ impl Worker {
     }
 
     /// Removes a session and frees its KV, counting the reason.
-    fn remove(&mut self, id: SessionId, reason: &'static str) -> Option<Slot> {
+    fn remove(&mut self, id: SessionId, reason: Removal) -> Option<Slot> {
         let mut slot = self.sessions.remove(&id)?;
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
         }
         self.live_sessions.fetch_sub(1, Ordering::AcqRel);
         let counter = match reason {
-            "ttl" => Some(&self.counters.evicted_ttl),
-            "lru" => Some(&self.counters.evicted_lru),
-            "close" => Some(&self.counters.evicted_close),
-            _ => None,
+            Removal::Ttl => Some(&self.counters.evicted_ttl),
+            Removal::Lru => Some(&self.counters.evicted_lru),
+            Removal::Close => Some(&self.counters.evicted_close),
+            Removal::Failed => None,
         };
         if let Some(c) = counter {
             c.fetch_add(1, Ordering::Relaxed);
@@ -356,7 +366,7 @@ impl Worker {
         self.gauges
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
-        tracing::info!(session = %id, worker = self.index, reason, "session removed");
+        tracing::info!(session = %id, worker = self.index, reason = ?reason, "session removed");
         Some(slot)
     }
 
@@ -369,7 +379,7 @@ impl Worker {
             .min_by_key(|(_, s)| s.last_used)
             .map(|(id, _)| *id);
         match victim {
-            Some(id) => self.remove(id, "lru").is_some(),
+            Some(id) => self.remove(id, Removal::Lru).is_some(),
             None => false,
         }
     }
@@ -409,7 +419,7 @@ impl Worker {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            self.remove(id, "ttl");
+            self.remove(id, Removal::Ttl);
         }
     }
 
@@ -459,7 +469,7 @@ impl Worker {
             match queued.op {
                 Op::Close { reply } => {
                     let len = slot.history.len() as u64;
-                    self.remove(id, "close");
+                    self.remove(id, Removal::Close);
                     let _ = reply.send(Ok(CloseReply {
                         final_history_length: len,
                     }));
@@ -867,7 +877,7 @@ impl Worker {
 
     /// Removes a session whose call failed, telling every waiter.
     fn fail_session(&mut self, id: SessionId, err: RuntimeError) {
-        if let Some(mut slot) = self.remove(id, "failed") {
+        if let Some(mut slot) = self.remove(id, Removal::Failed) {
             if let Some(active) = slot.active.take() {
                 finish_with_error(active, err.clone());
             }
