@@ -12,6 +12,8 @@
 //! - [`sampler`]: turning logits into a token id (CPU reference sampler).
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
+//! - [`runtime`]: the server core: sessions sharded over pinned workers with
+//!   continuous batching and the session contract, free of any transport.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 pub mod cli;
@@ -20,6 +22,7 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod quant;
+pub mod runtime;
 pub mod sampler;
 pub mod threads;
 pub mod tokenizer;

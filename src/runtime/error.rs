@@ -1,0 +1,149 @@
+//! The runtime's one error enum. Each variant is one status of the client
+//! contract (CONTRACT §2.4), so a transport maps it in exactly one place via
+//! [`RuntimeError::code`].
+
+use thiserror::Error;
+
+use crate::kv::KvError;
+use crate::model::ModelError;
+use crate::sampler::SamplerError;
+
+/// The status kinds of the client contract, free of any transport's types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StatusKind {
+    NotFound,
+    InvalidArgument,
+    ResourceExhausted,
+    FailedPrecondition,
+    DeadlineExceeded,
+    Unavailable,
+    Internal,
+}
+
+/// Why a runtime call failed.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum RuntimeError {
+    /// The session id is unknown, closed, evicted or was removed after a
+    /// failure; the four cases are deliberately indistinguishable.
+    #[error("session not found")]
+    NotFound,
+    /// A request argument is malformed or out of range; nothing changed.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A bounded resource is full and nothing idle could be evicted.
+    #[error("{what} exhausted: {asked} asked, {free} free")]
+    ResourceExhausted { what: String, asked: u64, free: u64 },
+    /// A session invariant (INV-1 or INV-2) broke; the session was removed
+    /// and its KV freed.
+    #[error("session invariant violated, session removed: {0}")]
+    FailedPrecondition(String),
+    /// The call's deadline passed while it waited or ran.
+    #[error("deadline exceeded")]
+    DeadlineExceeded,
+    /// The runtime is draining for shutdown and takes no new work.
+    #[error("runtime is shutting down")]
+    Unavailable,
+    /// A bug reached the top; the message says where.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RuntimeError {
+    /// The contract status this error is reported as.
+    pub fn code(&self) -> StatusKind {
+        match self {
+            RuntimeError::NotFound => StatusKind::NotFound,
+            RuntimeError::InvalidArgument(_) => StatusKind::InvalidArgument,
+            RuntimeError::ResourceExhausted { .. } => StatusKind::ResourceExhausted,
+            RuntimeError::FailedPrecondition(_) => StatusKind::FailedPrecondition,
+            RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
+            RuntimeError::Unavailable => StatusKind::Unavailable,
+            RuntimeError::Internal(_) => StatusKind::Internal,
+        }
+    }
+
+    pub(crate) fn invalid(what: impl Into<String>) -> Self {
+        RuntimeError::InvalidArgument(what.into())
+    }
+}
+
+impl From<SamplerError> for RuntimeError {
+    fn from(err: SamplerError) -> Self {
+        match err {
+            SamplerError::EmptyLogits
+            | SamplerError::VocabTooLarge { .. }
+            | SamplerError::HistoryTokenOutOfRange { .. }
+            | SamplerError::NoCandidate { .. } => RuntimeError::Internal(err.to_string()),
+            _ => RuntimeError::InvalidArgument(err.to_string()),
+        }
+    }
+}
+
+impl From<KvError> for RuntimeError {
+    fn from(err: KvError) -> Self {
+        match err {
+            KvError::Exhausted { wanted, free } => RuntimeError::ResourceExhausted {
+                what: "KV pages".into(),
+                asked: wanted as u64,
+                free: free as u64,
+            },
+            e if e.is_invariant_violation() => RuntimeError::FailedPrecondition(e.to_string()),
+            e => RuntimeError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<ModelError> for RuntimeError {
+    fn from(err: ModelError) -> Self {
+        match err {
+            ModelError::TokenOutOfRange { .. } | ModelError::ContextOverflow { .. } => {
+                RuntimeError::InvalidArgument(err.to_string())
+            }
+            ModelError::Kv(kv) => kv.into(),
+            e => RuntimeError::Internal(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_has_its_own_code() {
+        let all = [
+            RuntimeError::NotFound,
+            RuntimeError::invalid("x"),
+            RuntimeError::ResourceExhausted {
+                what: "sessions".into(),
+                asked: 1,
+                free: 0,
+            },
+            RuntimeError::FailedPrecondition("INV-2".into()),
+            RuntimeError::DeadlineExceeded,
+            RuntimeError::Unavailable,
+            RuntimeError::Internal("bug".into()),
+        ];
+        let codes: std::collections::HashSet<_> = all.iter().map(|e| e.code()).collect();
+        assert_eq!(codes.len(), all.len());
+    }
+
+    #[test]
+    fn exhaustion_carries_the_numbers() {
+        let e: RuntimeError = KvError::Exhausted { wanted: 7, free: 3 }.into();
+        assert_eq!(e.code(), StatusKind::ResourceExhausted);
+        assert_eq!(e.to_string(), "KV pages exhausted: 7 asked, 3 free");
+    }
+
+    #[test]
+    fn kv_invariant_errors_are_failed_preconditions() {
+        let e: RuntimeError = KvError::InvariantViolation {
+            current: 5,
+            requested: 4,
+        }
+        .into();
+        assert_eq!(e.code(), StatusKind::FailedPrecondition);
+        let e: RuntimeError = ModelError::TokenOutOfRange { token: 9, vocab: 5 }.into();
+        assert_eq!(e.code(), StatusKind::InvalidArgument);
+    }
+}

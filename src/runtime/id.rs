@@ -1,0 +1,138 @@
+//! Session ids: 128 random bits from the operating system, written as 32
+//! lowercase hex digits. The server draws them; clients only echo them.
+
+use std::fmt;
+
+use super::RuntimeError;
+
+/// A server-owned, unguessable session id.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId([u8; 16]);
+
+impl SessionId {
+    /// Draws a fresh id from the operating system's random source.
+    pub fn random() -> Result<Self, RuntimeError> {
+        let mut bytes = [0u8; 16];
+        getrandom::getrandom(&mut bytes)
+            .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
+        Ok(SessionId(bytes))
+    }
+
+    /// Parses exactly 32 lowercase hex digits; anything else is an
+    /// `InvalidArgument`.
+    pub fn parse(text: &str) -> Result<Self, RuntimeError> {
+        let digits = text.as_bytes();
+        if digits.len() != 32 {
+            return Err(RuntimeError::invalid(format!(
+                "session id must be 32 lowercase hex digits, got {} characters",
+                digits.len()
+            )));
+        }
+        let mut bytes = [0u8; 16];
+        for (i, pair) in digits.chunks_exact(2).enumerate() {
+            let (hi, lo) = (hex_value(pair[0]), hex_value(pair[1]));
+            match (hi, lo) {
+                (Some(hi), Some(lo)) => bytes[i] = hi << 4 | lo,
+                _ => {
+                    return Err(RuntimeError::invalid(
+                        "session id must be 32 lowercase hex digits",
+                    ))
+                }
+            }
+        }
+        Ok(SessionId(bytes))
+    }
+
+    /// The raw bits.
+    pub fn bytes(&self) -> [u8; 16] {
+        self.0
+    }
+
+    /// The worker that owns this id among `n_workers` (`n_workers > 0`).
+    pub fn shard(&self, n_workers: usize) -> usize {
+        self.0[0] as usize % n_workers.max(1)
+    }
+}
+
+fn hex_value(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SessionId({self})")
+    }
+}
+
+impl std::str::FromStr for SessionId {
+    type Err = RuntimeError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_through_their_text() {
+        let id = SessionId::random().expect("random");
+        let text = id.to_string();
+        assert_eq!(text.len(), 32);
+        assert!(text
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+        assert_eq!(SessionId::parse(&text).expect("parses"), id);
+    }
+
+    #[test]
+    fn two_draws_differ() {
+        let a = SessionId::random().expect("random");
+        let b = SessionId::random().expect("random");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn malformed_ids_are_rejected() {
+        let good = "0123456789abcdef0123456789abcdef";
+        assert!(SessionId::parse(good).is_ok());
+        for bad in [
+            "",
+            "0123456789abcdef0123456789abcde",
+            "0123456789abcdef0123456789abcdef0",
+            "0123456789ABCDEF0123456789abcdef",
+            "0123456789abcdeg0123456789abcdef",
+            "0123456789abcdef0123456789abcd-f",
+            "é123456789abcdef0123456789abcde",
+        ] {
+            let err = SessionId::parse(bad).expect_err(bad);
+            assert_eq!(
+                err.code(),
+                super::super::StatusKind::InvalidArgument,
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn shard_is_the_first_byte_modulo_workers() {
+        let id = SessionId::parse("0700000000000000000000000000000f").expect("parses");
+        assert_eq!(id.shard(4), 3);
+        assert_eq!(id.shard(7), 0);
+        assert_eq!(id.shard(0), 0);
+    }
+}

@@ -1,0 +1,344 @@
+//! The transport-independent server core: sessions sharded over pinned
+//! worker threads, each advancing all of its generating sessions in one
+//! batched forward step, with the session contract (CONTRACT §2) enforced
+//! here so a transport only converts messages.
+//!
+//! A caller's request becomes a [`worker::Command`] on the owning worker's
+//! bounded channel (full: `ResourceExhausted`, never a blocked caller). The
+//! session id's first byte picks the worker, so no shared map exists. Unary
+//! replies come back as a [`Pending`]; a Generate streams over a bounded
+//! channel, and a full stream makes only that session sit out steps.
+
+mod error;
+mod id;
+mod types;
+mod worker;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{bounded, Sender, TrySendError};
+
+pub use error::{RuntimeError, StatusKind};
+pub use id::SessionId;
+pub use types::{
+    AppendReply, AppendTokens, CloseReply, Counters, CreateSession, GenerateDone, GenerateEvent,
+    GenerateRequest, GenerateStream, OverflowPolicy, Pending, RuntimeConfig, RuntimeStats,
+    SamplingOptions, SessionInfo, StopReason, WorkerGauges, WorkerStats,
+};
+
+use crate::kv::{KvBacking, KvPool, KvPoolConfig};
+use crate::model::Model;
+use worker::{Command, Op, Worker};
+
+struct WorkerHandle {
+    commands: Sender<Command>,
+    gauges: Arc<WorkerGauges>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The running server core. Dropping it stops and joins the workers.
+pub struct Runtime {
+    workers: Vec<WorkerHandle>,
+    kv_pool: Arc<KvPool>,
+    counters: Arc<Counters>,
+    live_sessions: Arc<AtomicUsize>,
+    next_worker: AtomicUsize,
+    draining: AtomicBool,
+    cfg: RuntimeConfig,
+}
+
+impl Runtime {
+    /// Maps the KV pool and spawns `cfg.workers` worker threads, pinned one
+    /// per core when asked (a failed pin is logged, not fatal).
+    pub fn start(model: Arc<Model>, cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+        let mut cfg = cfg;
+        cfg.workers = cfg.workers.max(1);
+        cfg.prefill_chunk = cfg.prefill_chunk.max(1);
+        cfg.stream_capacity = cfg.stream_capacity.max(4);
+        cfg.worker_queue = cfg.worker_queue.max(1);
+        let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
+        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
+        let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
+            layout,
+            n_pages,
+            backing: KvBacking::Anonymous,
+            prefault: false,
+        })?);
+        // Asked before any thread is pinned: a pinned thread sees only its core.
+        let cores = if cfg.pin_cores {
+            core_affinity::get_core_ids().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let counters = Arc::new(Counters::default());
+        let live_sessions = Arc::new(AtomicUsize::new(0));
+        let mut workers = Vec::with_capacity(cfg.workers);
+        for index in 0..cfg.workers {
+            let (tx, rx) = bounded(cfg.worker_queue);
+            let gauges = Arc::new(WorkerGauges::default());
+            let worker = Worker::new(
+                index,
+                Arc::clone(&model),
+                Arc::clone(&kv_pool),
+                cfg.clone(),
+                Arc::clone(&counters),
+                Arc::clone(&gauges),
+                Arc::clone(&live_sessions),
+            );
+            let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
+            let thread = std::thread::Builder::new()
+                .name(format!("inferd-worker-{index}"))
+                .spawn(move || {
+                    if let Some(core) = core {
+                        if !core_affinity::set_for_current(core) {
+                            tracing::warn!(worker = index, core = core.id, "could not pin worker");
+                        }
+                    }
+                    worker.run(rx);
+                })
+                .map_err(|e| RuntimeError::Internal(format!("cannot spawn worker {index}: {e}")))?;
+            workers.push(WorkerHandle {
+                commands: tx,
+                gauges,
+                thread: Some(thread),
+            });
+        }
+        Ok(Runtime {
+            workers,
+            kv_pool,
+            counters,
+            live_sessions,
+            next_worker: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            cfg,
+        })
+    }
+
+    /// Number of worker threads.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The KV page pool shared by the workers.
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv_pool
+    }
+
+    /// The configuration in force (after clamping).
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.cfg
+    }
+
+    fn send(&self, worker: usize, cmd: Command) -> Result<(), RuntimeError> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(RuntimeError::Unavailable);
+        }
+        let handle = &self.workers[worker];
+        handle.commands.try_send(cmd).map_err(|e| match e {
+            TrySendError::Full(_) => RuntimeError::ResourceExhausted {
+                what: format!("worker {worker} queue"),
+                asked: 1,
+                free: 0,
+            },
+            TrySendError::Disconnected(_) => RuntimeError::Unavailable,
+        })
+    }
+
+    fn pick_worker(&self) -> usize {
+        let n = self.workers.len();
+        if self.live_sessions.load(Ordering::Acquire) >= self.cfg.max_sessions {
+            // At the limit, the fullest shard is the likeliest to hold an idle
+            // session it may evict.
+            return (0..n)
+                .max_by_key(|&i| self.workers[i].gauges.sessions.load(Ordering::Relaxed))
+                .unwrap_or(0);
+        }
+        let start = self.next_worker.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .min_by_key(|&i| self.workers[i].gauges.sessions.load(Ordering::Relaxed))
+            .unwrap_or(0)
+    }
+
+    /// CreateSession: a fresh, empty session on the least-loaded worker.
+    pub fn create_session(
+        &self,
+        req: CreateSession,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<SessionId>, RuntimeError> {
+        let worker = self.pick_worker();
+        let n = self.workers.len();
+        let id = loop {
+            let id = SessionId::random()?;
+            if id.shard(n) == worker {
+                break id;
+            }
+        };
+        let (tx, rx) = bounded(1);
+        self.send(worker, Command::Create { id, req, reply: tx })?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// AppendTokens: runs after any operation already queued on the session.
+    pub fn append_tokens(
+        &self,
+        req: AppendTokens,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<AppendReply>, RuntimeError> {
+        let (tx, rx) = bounded(1);
+        let worker = req.id.shard(self.workers.len());
+        self.send(
+            worker,
+            Command::Enqueue {
+                id: req.id,
+                op: Op::Append {
+                    tokens: req.tokens,
+                    reply: tx,
+                },
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// Generate: the tokens stream back as [`GenerateEvent`]s.
+    pub fn generate(
+        &self,
+        req: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<GenerateStream, RuntimeError> {
+        let (tx, rx) = bounded(self.cfg.stream_capacity);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let worker = req.id.shard(self.workers.len());
+        self.send(
+            worker,
+            Command::Enqueue {
+                id: req.id,
+                op: Op::Generate {
+                    req: Box::new(req),
+                    events: tx,
+                    cancel: Arc::clone(&cancel),
+                },
+                deadline,
+            },
+        )?;
+        Ok(GenerateStream { events: rx, cancel })
+    }
+
+    /// CloseSession: runs after what is already queued, then frees the KV.
+    pub fn close_session(
+        &self,
+        id: SessionId,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<CloseReply>, RuntimeError> {
+        let (tx, rx) = bounded(1);
+        self.send(
+            id.shard(self.workers.len()),
+            Command::Enqueue {
+                id,
+                op: Op::Close { reply: tx },
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// GetSessionInfo: answered at once, even while the session is busy.
+    pub fn session_info(
+        &self,
+        id: SessionId,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<SessionInfo>, RuntimeError> {
+        let (tx, rx) = bounded(1);
+        self.send(
+            id.shard(self.workers.len()),
+            Command::Info { id, reply: tx },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// Stops taking new requests: every later call is `Unavailable`.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    /// A snapshot of the counters and gauges.
+    pub fn stats(&self) -> RuntimeStats {
+        let c = &self.counters;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        RuntimeStats {
+            sessions_active: self.live_sessions.load(Ordering::Relaxed) as u64,
+            sessions_created: load(&c.sessions_created),
+            evicted_ttl: load(&c.evicted_ttl),
+            evicted_lru: load(&c.evicted_lru),
+            evicted_close: load(&c.evicted_close),
+            inv1_violations: load(&c.inv1_violations),
+            inv2_violations: load(&c.inv2_violations),
+            tokens_generated: load(&c.tokens_generated),
+            prefill_tokens: load(&c.prefill_tokens),
+            kv_free_pages: self.kv_pool.free_pages() as u64,
+            kv_total_pages: self.kv_pool.total_pages() as u64,
+            workers: self
+                .workers
+                .iter()
+                .map(|w| WorkerStats {
+                    sessions: load(&w.gauges.sessions),
+                    queued_commands: w.commands.len() as u64,
+                    last_batch_sequences: load(&w.gauges.last_batch_sequences),
+                    max_batch_sequences: load(&w.gauges.max_batch_sequences),
+                    steps: load(&w.gauges.steps),
+                    tokens_generated: load(&w.gauges.tokens_generated),
+                })
+                .collect(),
+        }
+    }
+
+    /// Stops the workers: queued and running calls end with `Unavailable`.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.drain();
+        for w in &self.workers {
+            // A full queue still sees the disconnect once the sender drops.
+            let _ = w.commands.try_send(Command::Shutdown);
+        }
+        let handles: Vec<_> = self
+            .workers
+            .iter_mut()
+            .filter_map(|w| w.thread.take())
+            .collect();
+        // Dropping the senders wakes a worker whose queue was full.
+        self.workers.iter_mut().for_each(|w| {
+            let (dead, _) = bounded(0);
+            w.commands = dead;
+        });
+        for h in handles {
+            if h.join().is_err() {
+                tracing::error!("a runtime worker panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,349 @@
+//! Plain request, reply and event types of the runtime API, plus its
+//! configuration. A transport converts its messages to and from these.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+
+use super::{RuntimeError, SessionId};
+use crate::kv::DEFAULT_PAGE_POSITIONS;
+use crate::sampler::SamplingParams;
+
+/// What to do when a history would outgrow the model's context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverflowPolicy {
+    /// Keep the first `sink` tokens and the most recent window, re-prefilled
+    /// into fresh KV, and report how many were dropped.
+    Truncate { sink: usize },
+    /// Refuse to grow: an Append is an `InvalidArgument`, a Generate ends
+    /// with [`StopReason::Truncated`] when the context is full.
+    Stop,
+}
+
+/// How a runtime is sized.
+#[derive(Clone, Debug)]
+pub struct RuntimeConfig {
+    /// Worker threads, each owning a shard of the sessions.
+    pub workers: usize,
+    /// Pin worker `i` to core `i` (modulo the cores seen at start).
+    pub pin_cores: bool,
+    /// KV memory budget in bytes, rounded down to whole pages (at least one).
+    pub kv_bytes: u64,
+    /// Positions per KV page.
+    pub page_positions: usize,
+    /// Most prompt tokens one session feeds per worker step.
+    pub prefill_chunk: usize,
+    /// Most live sessions over all workers.
+    pub max_sessions: usize,
+    /// A session idle this long is evicted.
+    pub idle_ttl: Duration,
+    pub overflow: OverflowPolicy,
+    /// Commands waiting for one worker; a full queue is `ResourceExhausted`.
+    pub worker_queue: usize,
+    /// Appends and Generates waiting behind a busy session.
+    pub session_queue: usize,
+    /// Events buffered per Generate stream (at least 4).
+    pub stream_capacity: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            pin_cores: true,
+            kv_bytes: 256 << 20,
+            page_positions: DEFAULT_PAGE_POSITIONS,
+            prefill_chunk: 64,
+            max_sessions: 1024,
+            idle_ttl: Duration::from_secs(1800),
+            overflow: OverflowPolicy::Truncate { sink: 4 },
+            worker_queue: 1024,
+            session_queue: 8,
+            stream_capacity: 32,
+        }
+    }
+}
+
+/// CreateSession.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CreateSession {
+    /// Kept verbatim for diagnostics.
+    pub client_label: String,
+    /// Emitting one of these ends a Generate with [`StopReason::Eos`].
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// AppendTokens: raw token ids to add to the history.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AppendTokens {
+    pub id: SessionId,
+    pub tokens: Vec<u32>,
+}
+
+/// What an append did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppendReply {
+    pub history_length: u64,
+    /// Tokens dropped by the truncate overflow policy (0 normally).
+    pub dropped_token_count: u64,
+}
+
+/// The sampling knobs of a Generate; `None` means "not set".
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingOptions {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub penalty_last_n: Option<u32>,
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Unset: one is drawn from the OS and reported as `seed_used`.
+    pub seed: Option<u64>,
+}
+
+impl SamplingOptions {
+    /// The sampler parameters these options mean, and the seed used.
+    /// Greedy when the temperature is 0, or unset with no other knob set;
+    /// an unset temperature with other knobs set means 1.
+    pub fn resolve(&self, vocab: usize) -> Result<(SamplingParams, u64), RuntimeError> {
+        let seed = match self.seed {
+            Some(seed) => seed,
+            None => {
+                let mut bytes = [0u8; 8];
+                getrandom::getrandom(&mut bytes)
+                    .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
+                u64::from_le_bytes(bytes)
+            }
+        };
+        let other_knobs = self.top_p.is_some() || self.top_k.is_some() || self.min_p.is_some();
+        let greedy = SamplingParams::greedy();
+        let params = SamplingParams {
+            temperature: self
+                .temperature
+                .unwrap_or(if other_knobs { 1.0 } else { 0.0 }),
+            top_k: self.top_k.unwrap_or(greedy.top_k),
+            top_p: self.top_p.unwrap_or(greedy.top_p),
+            min_p: self.min_p.unwrap_or(greedy.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(greedy.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(greedy.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(greedy.frequency_penalty),
+            penalty_last_n: self.penalty_last_n.unwrap_or(0) as usize,
+            logit_bias: self.logit_bias.clone(),
+            seed,
+        };
+        params.validate(vocab)?;
+        Ok((params, seed))
+    }
+}
+
+/// Generate: continue the history by up to `max_tokens` tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateRequest {
+    pub id: SessionId,
+    pub max_tokens: u32,
+    pub sampling: SamplingOptions,
+    /// Token sequences that end the generation once the generated tokens
+    /// end with one (the sequence is emitted and committed first).
+    pub stop_sequences: Vec<Vec<u32>>,
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    MaxTokens,
+    /// An EOS id of the session was emitted (and committed).
+    Eos,
+    /// The client cancelled (or dropped the stream).
+    Cancelled,
+    /// The context is full and the overflow policy says stop.
+    Truncated,
+    /// The generated tokens ended with one of the request's stop sequences.
+    StopSequence,
+}
+
+/// The terminal event of a Generate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GenerateDone {
+    pub stop_reason: StopReason,
+    pub generated_token_count: u32,
+    /// Time spent re-prefilling a truncated history (0 otherwise).
+    pub prefill_duration: Duration,
+    pub total_duration: Duration,
+    pub seed_used: u64,
+    pub history_length: u64,
+}
+
+/// One event of a Generate stream. A stream ends with exactly one `Done`
+/// or one `Error`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GenerateEvent {
+    /// The history was truncated before any token of this call.
+    Truncated {
+        dropped_token_count: u64,
+    },
+    /// A generated token, already committed to the history.
+    Token(u32),
+    Done(GenerateDone),
+    /// The call failed; tokens emitted before it stay committed.
+    Error(RuntimeError),
+}
+
+/// The receiving end of a Generate. Dropping it cancels the generation
+/// within one decode step.
+pub struct GenerateStream {
+    pub(crate) events: Receiver<GenerateEvent>,
+    pub(crate) cancel: Arc<AtomicBool>,
+}
+
+impl GenerateStream {
+    /// The event channel (for `select!` in a transport).
+    pub fn events(&self) -> &Receiver<GenerateEvent> {
+        &self.events
+    }
+
+    /// Asks the worker to stop; it does within one decode step and sends a
+    /// `Done(Cancelled)` if the stream is still held.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+
+    /// A handle that cancels this stream from another thread.
+    pub fn canceller(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.cancel)
+    }
+
+    /// Next event, waiting at most until `deadline` (`None`: forever).
+    pub fn recv(&self, deadline: Option<Instant>) -> Option<GenerateEvent> {
+        match deadline {
+            Some(d) => self.events.recv_deadline(d).ok(),
+            None => self.events.recv().ok(),
+        }
+    }
+
+    /// Reads every event up to the terminal one.
+    pub fn collect(self) -> Vec<GenerateEvent> {
+        let mut all = Vec::new();
+        while let Ok(event) = self.events.recv() {
+            let terminal = matches!(event, GenerateEvent::Done(_) | GenerateEvent::Error(_));
+            all.push(event);
+            if terminal {
+                break;
+            }
+        }
+        all
+    }
+}
+
+impl Drop for GenerateStream {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+}
+
+/// What CloseSession reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CloseReply {
+    pub final_history_length: u64,
+}
+
+/// GetSessionInfo.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionInfo {
+    pub history_length: u64,
+    pub kv_live_bytes: u64,
+    pub inv1_violations: u64,
+    pub inv2_violations: u64,
+    /// Seconds since the last Append or Generate ended (0 while busy).
+    pub idle_seconds: f64,
+    pub pages_held: u64,
+    pub client_label: String,
+    /// Whether an operation is running or queued on the session.
+    pub busy: bool,
+    /// FNV-1a over the bits of the logits predicting the next token, for
+    /// checking determinism from outside.
+    pub logits_digest: u64,
+}
+
+/// A unary reply on its way from a worker.
+pub struct Pending<T> {
+    pub(crate) reply: Receiver<Result<T, RuntimeError>>,
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl<T> Pending<T> {
+    /// Waits for the reply, at most until the call's deadline.
+    pub fn wait(self) -> Result<T, RuntimeError> {
+        let got = match self.deadline {
+            Some(d) => self.reply.recv_deadline(d).map_err(|e| match e {
+                crossbeam_channel::RecvTimeoutError::Timeout => RuntimeError::DeadlineExceeded,
+                crossbeam_channel::RecvTimeoutError::Disconnected => RuntimeError::Unavailable,
+            }),
+            None => self.reply.recv().map_err(|_| RuntimeError::Unavailable),
+        };
+        got?
+    }
+
+    /// The reply channel (for `select!` in a transport).
+    pub fn receiver(&self) -> &Receiver<Result<T, RuntimeError>> {
+        &self.reply
+    }
+}
+
+/// Eviction and invariant counters shared by all workers.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub evicted_ttl: AtomicU64,
+    pub evicted_lru: AtomicU64,
+    pub evicted_close: AtomicU64,
+    pub inv1_violations: AtomicU64,
+    pub inv2_violations: AtomicU64,
+    pub sessions_created: AtomicU64,
+    pub tokens_generated: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+}
+
+/// One worker's gauges.
+#[derive(Debug, Default)]
+pub struct WorkerGauges {
+    pub sessions: AtomicU64,
+    pub last_batch_sequences: AtomicU64,
+    pub max_batch_sequences: AtomicU64,
+    pub steps: AtomicU64,
+    pub tokens_generated: AtomicU64,
+}
+
+/// A snapshot of the runtime's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuntimeStats {
+    pub sessions_active: u64,
+    pub sessions_created: u64,
+    pub evicted_ttl: u64,
+    pub evicted_lru: u64,
+    pub evicted_close: u64,
+    pub inv1_violations: u64,
+    pub inv2_violations: u64,
+    pub tokens_generated: u64,
+    pub prefill_tokens: u64,
+    pub kv_free_pages: u64,
+    pub kv_total_pages: u64,
+    pub workers: Vec<WorkerStats>,
+}
+
+/// One worker's share of a [`RuntimeStats`] snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub sessions: u64,
+    /// Commands waiting in the worker's channel.
+    pub queued_commands: u64,
+    /// Sequences in the last batched forward step.
+    pub last_batch_sequences: u64,
+    /// Most sequences ever run in one forward step.
+    pub max_batch_sequences: u64,
+    pub steps: u64,
+    pub tokens_generated: u64,
+}

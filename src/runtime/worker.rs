@@ -1,0 +1,1123 @@
+//! One worker thread: it alone owns its shard of sessions (a plain map, no
+//! locks) and its compute context, and runs the step loop.
+//!
+//! Each turn of the loop: take every waiting command; start the next queued
+//! operation of each idle session (validate, reserve KV, then mutate);
+//! build ONE batch holding a decode token for every generating session whose
+//! stream has room and a prefill chunk for every session with prompt tokens
+//! left; run one `Model::forward`; commit, check invariants and emit. A
+//! session whose reader is slow simply sits out steps; the others go on.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+
+use super::types::{Counters, WorkerGauges};
+use super::{
+    AppendReply, CloseReply, CreateSession, GenerateDone, GenerateEvent, GenerateRequest,
+    OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo, StopReason,
+};
+use crate::kv::{KvError, KvPool, SessionKv};
+use crate::model::{LogitsWanted, Model, Scratch, Sequence};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::threads::ThreadPool;
+
+type Reply<T> = Sender<Result<T, RuntimeError>>;
+
+/// A message to a worker.
+pub(crate) enum Command {
+    Create {
+        id: SessionId,
+        req: CreateSession,
+        reply: Reply<SessionId>,
+    },
+    /// An operation that joins the session's FIFO.
+    Enqueue {
+        id: SessionId,
+        op: Op,
+        deadline: Option<Instant>,
+    },
+    Info {
+        id: SessionId,
+        reply: Reply<SessionInfo>,
+    },
+    Shutdown,
+}
+
+/// An operation that runs in the session's arrival order.
+pub(crate) enum Op {
+    Append {
+        tokens: Vec<u32>,
+        reply: Reply<AppendReply>,
+    },
+    Generate {
+        req: Box<GenerateRequest>,
+        events: Sender<GenerateEvent>,
+        cancel: Arc<AtomicBool>,
+    },
+    Close {
+        reply: Reply<CloseReply>,
+    },
+}
+
+impl Op {
+    fn fail(self, err: RuntimeError) {
+        // A caller that went away no longer needs the answer.
+        match self {
+            Op::Append { reply, .. } => drop(reply.send(Err(err))),
+            Op::Close { reply } => drop(reply.send(Err(err))),
+            Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
+        }
+    }
+}
+
+struct Queued {
+    op: Op,
+    deadline: Option<Instant>,
+}
+
+/// A Generate in progress.
+struct Generating {
+    params: SamplingParams,
+    seed_used: u64,
+    max_tokens: u32,
+    stop_sequences: Vec<Vec<u32>>,
+    generated: Vec<u32>,
+    events: Sender<GenerateEvent>,
+    cancel: Arc<AtomicBool>,
+    deadline: Option<Instant>,
+    started: Instant,
+    prefill_duration: Duration,
+}
+
+enum Work {
+    Append {
+        reply: Reply<AppendReply>,
+        dropped: u64,
+    },
+    Generate(Box<Generating>),
+}
+
+/// The operation a session is running: prompt tokens still to feed (after
+/// an append or a truncation), then, for a Generate, decoding.
+struct Active {
+    work: Work,
+    pending: Vec<u32>,
+    fed: usize,
+}
+
+/// Why a session left its worker; each eviction reason has a counter.
+#[derive(Clone, Copy, Debug)]
+enum Removal {
+    Ttl,
+    Lru,
+    Close,
+    /// An invariant broke or the forward pass failed.
+    Failed,
+}
+
+/// A session and its queue.
+struct Slot {
+    kv: SessionKv,
+    history: Vec<u32>,
+    next_logits: Vec<f32>,
+    label: String,
+    eos: Vec<u32>,
+    inv1: u64,
+    inv2: u64,
+    /// Committed KV length after the last mutation; it must never decrease
+    /// except through a deliberate truncation, which resets it.
+    high_water: usize,
+    last_used: Instant,
+    active: Option<Active>,
+    queue: VecDeque<Queued>,
+    /// What this step feeds for the session.
+    feed: Vec<u32>,
+    feed_logits: LogitsWanted,
+}
+
+impl Slot {
+    fn idle(&self) -> bool {
+        self.active.is_none() && self.queue.is_empty()
+    }
+}
+
+pub(crate) struct Worker {
+    index: usize,
+    model: Arc<Model>,
+    kv_pool: Arc<KvPool>,
+    cfg: RuntimeConfig,
+    counters: Arc<Counters>,
+    gauges: Arc<WorkerGauges>,
+    live_sessions: Arc<AtomicUsize>,
+    compute: ThreadPool,
+    scratch: Scratch,
+    sampler: Sampler,
+    sessions: HashMap<SessionId, Slot>,
+    last_sweep: Instant,
+}
+
+/// How long an idle worker waits for a command before sweeping for TTL.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// How long a worker whose sessions are all blocked waits before retrying.
+const STALLED_WAIT: Duration = Duration::from_millis(1);
+
+impl Worker {
+    pub(crate) fn new(
+        index: usize,
+        model: Arc<Model>,
+        kv_pool: Arc<KvPool>,
+        cfg: RuntimeConfig,
+        counters: Arc<Counters>,
+        gauges: Arc<WorkerGauges>,
+        live_sessions: Arc<AtomicUsize>,
+    ) -> Self {
+        Worker {
+            index,
+            model,
+            kv_pool,
+            cfg,
+            counters,
+            gauges,
+            live_sessions,
+            compute: ThreadPool::new(1),
+            scratch: Scratch::default(),
+            sampler: Sampler::new(),
+            sessions: HashMap::new(),
+            last_sweep: Instant::now(),
+        }
+    }
+
+    /// The loop: runs until `Shutdown` or until every sender is gone.
+    pub(crate) fn run(mut self, commands: Receiver<Command>) {
+        tracing::debug!(worker = self.index, "worker started");
+        let mut wait = IDLE_WAIT;
+        loop {
+            let first = if self.has_work() {
+                commands.recv_timeout(wait)
+            } else {
+                commands.recv_timeout(IDLE_WAIT)
+            };
+            let mut next = match first {
+                Ok(cmd) => Some(cmd),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            let mut stop = false;
+            while let Some(cmd) = next {
+                if matches!(cmd, Command::Shutdown) {
+                    stop = true;
+                    break;
+                }
+                self.handle(cmd);
+                next = commands.try_recv().ok();
+            }
+            if stop {
+                break;
+            }
+            let progressed = self.step();
+            wait = if progressed {
+                Duration::ZERO
+            } else {
+                STALLED_WAIT
+            };
+            self.sweep_if_due();
+        }
+        self.fail_everything();
+        tracing::debug!(worker = self.index, "worker stopped");
+    }
+
+    fn has_work(&self) -> bool {
+        self.sessions.values().any(|s| !s.idle())
+    }
+
+    fn fail_everything(&mut self) {
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for id in ids {
+            if let Some(mut slot) = self.sessions.remove(&id) {
+                if let Some(active) = slot.active.take() {
+                    finish_with_error(active, RuntimeError::Unavailable);
+                }
+                for q in slot.queue.drain(..) {
+                    q.op.fail(RuntimeError::Unavailable);
+                }
+                self.live_sessions.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        self.gauges.sessions.store(0, Ordering::Relaxed);
+    }
+
+    pub(crate) fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Create { id, req, reply } => {
+                let _ = reply.send(self.create(id, req));
+            }
+            Command::Info { id, reply } => {
+                let _ = reply.send(self.info(id));
+            }
+            Command::Enqueue { id, op, deadline } => {
+                let limit = self.cfg.session_queue;
+                let Some(slot) = self.sessions.get_mut(&id) else {
+                    return op.fail(RuntimeError::NotFound);
+                };
+                if slot.queue.len() >= limit {
+                    return op.fail(RuntimeError::ResourceExhausted {
+                        what: "session wait queue".into(),
+                        asked: slot.queue.len() as u64 + 1,
+                        free: 0,
+                    });
+                }
+                slot.queue.push_back(Queued { op, deadline });
+            }
+            Command::Shutdown => {}
+        }
+    }
+
+    fn create(&mut self, id: SessionId, req: CreateSession) -> Result<SessionId, RuntimeError> {
+        if self.sessions.contains_key(&id) {
+            return Err(RuntimeError::Internal("session id drawn twice".into()));
+        }
+        while !self.claim_session() {
+            if !self.evict_lru(None) {
+                return Err(RuntimeError::ResourceExhausted {
+                    what: "sessions".into(),
+                    asked: 1,
+                    free: 0,
+                });
+            }
+        }
+        self.sessions.insert(
+            id,
+            Slot {
+                kv: SessionKv::new(Arc::clone(&self.kv_pool)),
+                history: Vec::new(),
+                next_logits: Vec::new(),
+                label: req.client_label,
+                eos: req.eos_token_ids,
+                inv1: 0,
+                inv2: 0,
+                high_water: 0,
+                last_used: Instant::now(),
+                active: None,
+                queue: VecDeque::new(),
+                feed: Vec::new(),
+                feed_logits: LogitsWanted::None,
+            },
+        );
+        self.counters
+            .sessions_created
+            .fetch_add(1, Ordering::Relaxed);
+        self.gauges
+            .sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, "session created");
+        Ok(id)
+    }
+
+    /// Takes one place under the session limit, if one is left.
+    fn claim_session(&self) -> bool {
+        let max = self.cfg.max_sessions;
+        self.live_sessions
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
+        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+        let busy = !slot.idle();
+        Ok(SessionInfo {
+            history_length: slot.history.len() as u64,
+            kv_live_bytes: slot.kv.live_bytes(),
+            inv1_violations: slot.inv1,
+            inv2_violations: slot.inv2,
+            idle_seconds: if busy {
+                0.0
+            } else {
+                slot.last_used.elapsed().as_secs_f64()
+            },
+            pages_held: slot.kv.pages_held() as u64,
+            client_label: slot.label.clone(),
+            busy,
+            logits_digest: digest(&slot.next_logits),
+        })
+    }
+
+    /// Removes a session and frees its KV, counting the reason.
+    fn remove(&mut self, id: SessionId, reason: Removal) -> Option<Slot> {
+        let mut slot = self.sessions.remove(&id)?;
+        if let Err(e) = slot.kv.release() {
+            tracing::error!(session = %id, "freeing KV: {e}");
+        }
+        self.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        let counter = match reason {
+            Removal::Ttl => Some(&self.counters.evicted_ttl),
+            Removal::Lru => Some(&self.counters.evicted_lru),
+            Removal::Close => Some(&self.counters.evicted_close),
+            Removal::Failed => None,
+        };
+        if let Some(c) = counter {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        self.gauges
+            .sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, reason = ?reason, "session removed");
+        Some(slot)
+    }
+
+    /// Evicts the least recently used idle session other than `keep`.
+    fn evict_lru(&mut self, keep: Option<SessionId>) -> bool {
+        let victim = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| s.idle() && Some(**id) != keep)
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(id, _)| *id);
+        match victim {
+            Some(id) => self.remove(id, Removal::Lru).is_some(),
+            None => false,
+        }
+    }
+
+    /// Reserves KV for `total` positions of `id`, evicting idle sessions
+    /// while the pool is short.
+    fn reserve(&mut self, id: SessionId, total: usize) -> Result<(), RuntimeError> {
+        loop {
+            let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+            match slot.kv.reserve(total) {
+                Ok(()) => return Ok(()),
+                Err(KvError::Exhausted { wanted, free }) => {
+                    if !self.evict_lru(Some(id)) {
+                        return Err(RuntimeError::ResourceExhausted {
+                            what: "KV pages".into(),
+                            asked: wanted as u64,
+                            free: free as u64,
+                        });
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn sweep_if_due(&mut self) {
+        let every = (self.cfg.idle_ttl / 4).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        if self.last_sweep.elapsed() < every {
+            return;
+        }
+        self.last_sweep = Instant::now();
+        let ttl = self.cfg.idle_ttl;
+        let expired: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.idle() && s.last_used.elapsed() >= ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.remove(id, Removal::Ttl);
+        }
+    }
+
+    /// One turn: start queued operations, run one batched forward, emit.
+    /// Returns whether anything moved.
+    pub(crate) fn step(&mut self) -> bool {
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        let mut moved = false;
+        for &id in &ids {
+            moved |= self.start_next(id);
+        }
+        for &id in &ids {
+            moved |= self.plan(id);
+        }
+        moved | self.run_batch()
+    }
+
+    /// Starts the session's next queued operation if it is free.
+    fn start_next(&mut self, id: SessionId) -> bool {
+        let mut moved = false;
+        loop {
+            let Some(slot) = self.sessions.get_mut(&id) else {
+                return moved;
+            };
+            let now = Instant::now();
+            // Expired waiters leave the queue wherever they stand, even
+            // behind a running operation.
+            let mut i = 0;
+            while i < slot.queue.len() {
+                if slot.queue[i].deadline.is_some_and(|d| d <= now) {
+                    if let Some(q) = slot.queue.remove(i) {
+                        q.op.fail(RuntimeError::DeadlineExceeded);
+                        moved = true;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            if slot.active.is_some() {
+                return moved;
+            }
+            let Some(queued) = slot.queue.pop_front() else {
+                return moved;
+            };
+            moved = true;
+            slot.last_used = now;
+            match queued.op {
+                Op::Close { reply } => {
+                    let len = slot.history.len() as u64;
+                    self.remove(id, Removal::Close);
+                    let _ = reply.send(Ok(CloseReply {
+                        final_history_length: len,
+                    }));
+                    return moved;
+                }
+                Op::Append { tokens, reply } => match self.start_append(id, tokens) {
+                    Ok(Some(active)) => self.set_active(id, active, Some(reply)),
+                    Ok(None) => {
+                        let len = self.sessions.get(&id).map_or(0, |s| s.history.len());
+                        let _ = reply.send(Ok(AppendReply {
+                            history_length: len as u64,
+                            dropped_token_count: 0,
+                        }));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                },
+                Op::Generate {
+                    req,
+                    events,
+                    cancel,
+                } => {
+                    if let Err(e) =
+                        self.start_generate(id, &req, events.clone(), cancel, queued.deadline)
+                    {
+                        let _ = events.try_send(GenerateEvent::Error(e));
+                    }
+                }
+            }
+        }
+    }
+
+    fn set_active(&mut self, id: SessionId, mut active: Active, reply: Option<Reply<AppendReply>>) {
+        if let (Work::Append { reply: r, .. }, Some(reply)) = (&mut active.work, reply) {
+            *r = reply;
+        }
+        if let Some(slot) = self.sessions.get_mut(&id) {
+            slot.active = Some(active);
+        }
+    }
+
+    /// Validates and reserves an append. `None`: nothing to do.
+    fn start_append(
+        &mut self,
+        id: SessionId,
+        tokens: Vec<u32>,
+    ) -> Result<Option<Active>, RuntimeError> {
+        let vocab = self.model.config.vocab;
+        let context = self.model.config.context;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RuntimeError::invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        let len = self
+            .sessions
+            .get(&id)
+            .ok_or(RuntimeError::NotFound)?
+            .history
+            .len();
+        let (dummy, _) = crossbeam_channel::bounded(1);
+        if len + tokens.len() <= context {
+            self.reserve(id, len + tokens.len())?;
+            return Ok(Some(Active {
+                work: Work::Append {
+                    reply: dummy,
+                    dropped: 0,
+                },
+                pending: tokens,
+                fed: 0,
+            }));
+        }
+        let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
+            return Err(RuntimeError::invalid(format!(
+                "appending {} tokens to a history of {len} exceeds the context of {context}",
+                tokens.len()
+            )));
+        };
+        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+        let mut all = slot.history.clone();
+        all.extend_from_slice(&tokens);
+        let kept = keep_window(&all, sink, context);
+        let dropped = (all.len() - kept.len()) as u64;
+        self.restart_kv(id, kept.len())?;
+        Ok(Some(Active {
+            work: Work::Append {
+                reply: dummy,
+                dropped,
+            },
+            pending: kept,
+            fed: 0,
+        }))
+    }
+
+    /// Swaps the session's KV for fresh pages holding `positions` (whose
+    /// RoPE-baked positions must be recomputed), emptying its history.
+    fn restart_kv(&mut self, id: SessionId, positions: usize) -> Result<(), RuntimeError> {
+        let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
+        let mut evicted_enough = false;
+        loop {
+            match fresh.reserve(positions) {
+                Ok(()) => break,
+                Err(KvError::Exhausted { wanted, free }) => {
+                    if self.evict_lru(Some(id)) {
+                        continue;
+                    }
+                    if evicted_enough {
+                        return Err(RuntimeError::ResourceExhausted {
+                            what: "KV pages".into(),
+                            asked: wanted as u64,
+                            free: free as u64,
+                        });
+                    }
+                    // The old pages are about to be freed anyway: free
+                    // them first (the history goes with them).
+                    let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+                    slot.kv.release()?;
+                    slot.history.clear();
+                    slot.next_logits.clear();
+                    slot.high_water = 0;
+                    evicted_enough = true;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        let mut old = std::mem::replace(&mut slot.kv, fresh);
+        slot.history.clear();
+        slot.next_logits.clear();
+        slot.high_water = 0;
+        old.release()?;
+        Ok(())
+    }
+
+    fn start_generate(
+        &mut self,
+        id: SessionId,
+        req: &GenerateRequest,
+        events: Sender<GenerateEvent>,
+        cancel: Arc<AtomicBool>,
+        deadline: Option<Instant>,
+    ) -> Result<(), RuntimeError> {
+        let vocab = self.model.config.vocab;
+        let context = self.model.config.context;
+        if req.max_tokens == 0 {
+            return Err(RuntimeError::invalid("max_tokens must be at least 1"));
+        }
+        if let Some(bad) = req
+            .stop_sequences
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(RuntimeError::invalid(format!(
+                "stop sequence token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if req.stop_sequences.iter().any(|s| s.is_empty()) {
+            return Err(RuntimeError::invalid("stop sequences must not be empty"));
+        }
+        let (params, seed_used) = req.sampling.resolve(vocab)?;
+        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+        if slot.history.is_empty() || slot.next_logits.is_empty() {
+            return Err(RuntimeError::invalid(
+                "cannot generate from an empty history: append tokens first",
+            ));
+        }
+        let started = Instant::now();
+        let mut pending = Vec::new();
+        let len = slot.history.len();
+        if let OverflowPolicy::Truncate { sink } = self.cfg.overflow {
+            let room = (req.max_tokens as usize)
+                .min(context.saturating_sub(sink + 1))
+                .max(1);
+            if len + room > context {
+                let history = slot.history.clone();
+                let kept = keep_window(&history, sink, context - room);
+                let dropped = (history.len() - kept.len()) as u64;
+                self.restart_kv(id, kept.len())?;
+                let _ = events.try_send(GenerateEvent::Truncated {
+                    dropped_token_count: dropped,
+                });
+                pending = kept;
+            }
+        }
+        let gen = Generating {
+            params,
+            seed_used,
+            max_tokens: req.max_tokens,
+            stop_sequences: req.stop_sequences.clone(),
+            generated: Vec::new(),
+            events,
+            cancel,
+            deadline,
+            started,
+            prefill_duration: Duration::ZERO,
+        };
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        slot.active = Some(Active {
+            work: Work::Generate(Box::new(gen)),
+            pending,
+            fed: 0,
+        });
+        Ok(())
+    }
+
+    /// Decides what the session feeds this step (a prefill chunk or one
+    /// sampled token), or ends its Generate. Returns whether it moved.
+    fn plan(&mut self, id: SessionId) -> bool {
+        let chunk = self.cfg.prefill_chunk;
+        let context = self.model.config.context;
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return false;
+        };
+        slot.feed.clear();
+        let Some(active) = slot.active.as_mut() else {
+            return false;
+        };
+        if active.fed < active.pending.len() {
+            let end = (active.fed + chunk).min(active.pending.len());
+            slot.feed
+                .extend_from_slice(&active.pending[active.fed..end]);
+            slot.feed_logits = if end == active.pending.len() {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
+            return true;
+        }
+        let Work::Generate(gen) = &mut active.work else {
+            return false;
+        };
+        let stop = if gen.cancel.load(Ordering::Acquire) {
+            Some(Ok(StopReason::Cancelled))
+        } else if gen.deadline.is_some_and(|d| d <= Instant::now()) {
+            Some(Err(RuntimeError::DeadlineExceeded))
+        } else if slot.history.len() >= context {
+            Some(Ok(StopReason::Truncated))
+        } else {
+            None
+        };
+        if let Some(stop) = stop {
+            self.finish_generate(id, stop);
+            return true;
+        }
+        // Room for a token and a terminal event, or the session sits out.
+        let room = gen
+            .events
+            .capacity()
+            .map_or(usize::MAX, |c| c.saturating_sub(gen.events.len()));
+        if room < 2 {
+            return false;
+        }
+        let position = slot.history.len() as u64;
+        let token =
+            match self
+                .sampler
+                .sample(&slot.next_logits, &gen.params, &slot.history, position)
+            {
+                Ok(t) => t,
+                Err(e) => {
+                    self.finish_generate(id, Err(e.into()));
+                    return true;
+                }
+            };
+        let total = slot.history.len() + 1;
+        if let Err(e) = self.reserve(id, total) {
+            self.finish_generate(id, Err(e));
+            return true;
+        }
+        if let Some(slot) = self.sessions.get_mut(&id) {
+            slot.feed.push(token);
+            slot.feed_logits = LogitsWanted::Last;
+        }
+        true
+    }
+
+    /// Ends the session's Generate with a stop reason or an error.
+    fn finish_generate(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        slot.last_used = Instant::now();
+        let history_length = slot.history.len() as u64;
+        let Some(active) = slot.active.take() else {
+            return;
+        };
+        let Work::Generate(gen) = active.work else {
+            slot.active = Some(active);
+            return;
+        };
+        let event = match end {
+            Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
+                stop_reason,
+                generated_token_count: gen.generated.len() as u32,
+                prefill_duration: gen.prefill_duration,
+                total_duration: gen.started.elapsed(),
+                seed_used: gen.seed_used,
+                history_length,
+            }),
+            Err(e) => GenerateEvent::Error(e),
+        };
+        // Room for it was checked before the last token; a gone reader is fine.
+        let _ = gen.events.try_send(event);
+    }
+
+    /// Runs one forward over every planned feed and applies the results.
+    fn run_batch(&mut self) -> bool {
+        let mut ids = Vec::new();
+        let mut seqs = Vec::new();
+        for (id, slot) in self.sessions.iter_mut() {
+            if !slot.feed.is_empty() {
+                ids.push(*id);
+                seqs.push(Sequence {
+                    kv: &mut slot.kv,
+                    tokens: &slot.feed,
+                    logits: slot.feed_logits,
+                });
+            }
+        }
+        if seqs.is_empty() {
+            return false;
+        }
+        let result = self
+            .model
+            .forward(&mut seqs, &self.compute, &mut self.scratch);
+        drop(seqs);
+        self.gauges.steps.fetch_add(1, Ordering::Relaxed);
+        self.gauges
+            .last_batch_sequences
+            .store(ids.len() as u64, Ordering::Relaxed);
+        self.gauges
+            .max_batch_sequences
+            .fetch_max(ids.len() as u64, Ordering::Relaxed);
+        let rows = match result {
+            Ok(rows) => rows,
+            Err(e) => {
+                let err: RuntimeError = e.into();
+                tracing::error!(worker = self.index, "batched forward failed: {err}");
+                for id in ids {
+                    self.fail_session(id, err.clone());
+                }
+                return true;
+            }
+        };
+        let vocab = self.model.config.vocab;
+        for (i, id) in ids.into_iter().enumerate() {
+            let Some(slot) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let fed = std::mem::take(&mut slot.feed);
+            slot.history.extend_from_slice(&fed);
+            if slot.feed_logits != LogitsWanted::None {
+                if let Some(r) = rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1)) {
+                    slot.next_logits.clear();
+                    slot.next_logits
+                        .extend_from_slice(&self.scratch.logits[r * vocab..][..vocab]);
+                }
+            }
+            slot.feed = fed;
+            if let Err(e) = self.check_invariants(id) {
+                self.fail_session(id, e);
+                continue;
+            }
+            self.after_feed(id);
+        }
+        true
+    }
+
+    /// INV-1 (cached positions = history length, within the pages held) and
+    /// INV-2 (the committed length never went down).
+    fn check_invariants(&mut self, id: SessionId) -> Result<(), RuntimeError> {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return Err(RuntimeError::NotFound);
+        };
+        let kv_len = slot.kv.len();
+        if kv_len < slot.high_water {
+            slot.inv2 += 1;
+            self.counters
+                .inv2_violations
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "INV-2: KV length went from {} down to {kv_len}",
+                slot.high_water
+            )));
+        }
+        if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
+            slot.inv1 += 1;
+            self.counters
+                .inv1_violations
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
+                slot.history.len(),
+                slot.kv.capacity()
+            )));
+        }
+        slot.high_water = kv_len;
+        Ok(())
+    }
+
+    /// Removes a session whose call failed, telling every waiter.
+    fn fail_session(&mut self, id: SessionId, err: RuntimeError) {
+        if let Some(mut slot) = self.remove(id, Removal::Failed) {
+            if let Some(active) = slot.active.take() {
+                finish_with_error(active, err.clone());
+            }
+            for q in slot.queue.drain(..) {
+                q.op.fail(RuntimeError::NotFound);
+            }
+        }
+    }
+
+    /// Bookkeeping after the session's feed went through the model.
+    fn after_feed(&mut self, id: SessionId) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let n_fed = slot.feed.len();
+        let last = slot.feed.last().copied();
+        slot.feed.clear();
+        let history_length = slot.history.len() as u64;
+        let eos_hit = last.is_some_and(|t| slot.eos.contains(&t));
+        let Some(active) = slot.active.as_mut() else {
+            return;
+        };
+        if active.fed < active.pending.len() {
+            active.fed += n_fed;
+            self.counters
+                .prefill_tokens
+                .fetch_add(n_fed as u64, Ordering::Relaxed);
+            if active.fed < active.pending.len() {
+                return;
+            }
+            active.pending = Vec::new();
+            active.fed = 0;
+            match &mut active.work {
+                Work::Append { dropped, .. } => {
+                    let dropped = *dropped;
+                    slot.last_used = Instant::now();
+                    if let Some(Active {
+                        work: Work::Append { reply, .. },
+                        ..
+                    }) = slot.active.take()
+                    {
+                        let _ = reply.send(Ok(AppendReply {
+                            history_length,
+                            dropped_token_count: dropped,
+                        }));
+                    }
+                }
+                Work::Generate(gen) => gen.prefill_duration = gen.started.elapsed(),
+            }
+            return;
+        }
+        let Work::Generate(gen) = &mut active.work else {
+            return;
+        };
+        let Some(token) = last else {
+            return;
+        };
+        gen.generated.push(token);
+        self.counters
+            .tokens_generated
+            .fetch_add(1, Ordering::Relaxed);
+        self.gauges.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token))
+        {
+            return self.finish_generate(id, Ok(StopReason::Cancelled));
+        }
+        let stop = if eos_hit {
+            Some(StopReason::Eos)
+        } else if gen
+            .stop_sequences
+            .iter()
+            .any(|s| gen.generated.ends_with(s))
+        {
+            Some(StopReason::StopSequence)
+        } else if gen.generated.len() >= gen.max_tokens as usize {
+            Some(StopReason::MaxTokens)
+        } else {
+            None
+        };
+        if let Some(stop) = stop {
+            self.finish_generate(id, Ok(stop));
+        }
+    }
+}
+
+fn finish_with_error(active: Active, err: RuntimeError) {
+    match active.work {
+        Work::Append { reply, .. } => drop(reply.send(Err(err))),
+        Work::Generate(gen) => drop(gen.events.try_send(GenerateEvent::Error(err))),
+    }
+}
+
+/// The first `sink` tokens plus the most recent ones, `keep` in all.
+fn keep_window(history: &[u32], sink: usize, keep: usize) -> Vec<u32> {
+    if history.len() <= keep {
+        return history.to_vec();
+    }
+    let sink = sink.min(keep);
+    let mut kept = history[..sink].to_vec();
+    kept.extend_from_slice(&history[history.len() - (keep - sink)..]);
+    kept
+}
+
+/// FNV-1a over the bits of `values`.
+fn digest(values: &[f32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in values {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::synthetic::SyntheticLlama;
+    use crate::gguf::GgufFile;
+    use crate::kv::KvPoolConfig;
+
+    fn worker() -> Worker {
+        let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("parses");
+        let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+        let layout = model.kv_layout(model.config.n_layers, 16);
+        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 8)).expect("pool"));
+        Worker::new(
+            0,
+            model,
+            pool,
+            RuntimeConfig::default(),
+            Arc::new(Counters::default()),
+            Arc::new(WorkerGauges::default()),
+            Arc::new(AtomicUsize::new(0)),
+        )
+    }
+
+    fn new_session(w: &mut Worker) -> SessionId {
+        let id = SessionId::random().expect("id");
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        w.handle(Command::Create {
+            id,
+            req: CreateSession::default(),
+            reply: tx,
+        });
+        rx.recv().expect("reply").expect("created")
+    }
+
+    fn append(w: &mut Worker, id: SessionId, tokens: &[u32]) -> Result<AppendReply, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        w.handle(Command::Enqueue {
+            id,
+            op: Op::Append {
+                tokens: tokens.to_vec(),
+                reply: tx,
+            },
+            deadline: None,
+        });
+        for _ in 0..100 {
+            if let Ok(r) = rx.try_recv() {
+                return r;
+            }
+            w.step();
+        }
+        Err(RuntimeError::Internal("no reply".into()))
+    }
+
+    #[test]
+    fn a_prefill_is_fed_in_chunks_one_step_each() {
+        let mut w = worker();
+        w.cfg.prefill_chunk = 4;
+        let id = new_session(&mut w);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        w.handle(Command::Enqueue {
+            id,
+            op: Op::Append {
+                tokens: (1..=10).collect(),
+                reply: tx,
+            },
+            deadline: None,
+        });
+        let mut lengths = Vec::new();
+        while rx.is_empty() {
+            w.step();
+            lengths.push(w.sessions[&id].history.len());
+        }
+        assert_eq!(lengths, vec![4, 8, 10]);
+        assert_eq!(rx.recv().expect("reply").expect("ok").history_length, 10);
+    }
+
+    #[test]
+    fn an_inv2_violation_fails_the_call_and_frees_the_session() {
+        let mut w = worker();
+        let id = new_session(&mut w);
+        append(&mut w, id, &[1, 2, 3]).expect("append");
+        assert!(w.kv_pool.free_pages() < 8);
+        // Pretend the cache once held more than it does now.
+        if let Some(slot) = w.sessions.get_mut(&id) {
+            slot.high_water = 10;
+        }
+        let err = append(&mut w, id, &[4]).expect_err("violation");
+        assert_eq!(err.code(), super::super::StatusKind::FailedPrecondition);
+        assert!(err.to_string().contains("INV-2"), "{err}");
+        assert!(!w.sessions.contains_key(&id));
+        assert_eq!(w.counters.inv2_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(w.kv_pool.free_pages(), 8);
+        assert_eq!(w.live_sessions.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn an_inv1_violation_is_caught_after_the_mutation() {
+        let mut w = worker();
+        let id = new_session(&mut w);
+        append(&mut w, id, &[1, 2, 3]).expect("append");
+        if let Some(slot) = w.sessions.get_mut(&id) {
+            slot.history.push(7);
+        }
+        let err = append(&mut w, id, &[4]).expect_err("violation");
+        assert!(err.to_string().contains("INV-1"), "{err}");
+        assert_eq!(w.counters.inv1_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            append(&mut w, id, &[5]).expect_err("gone"),
+            RuntimeError::NotFound
+        );
+    }
+
+    #[test]
+    fn keep_window_keeps_the_sink_and_the_most_recent_tokens() {
+        let h: Vec<u32> = (0..10).collect();
+        assert_eq!(keep_window(&h, 2, 5), vec![0, 1, 7, 8, 9]);
+        assert_eq!(keep_window(&h, 0, 3), vec![7, 8, 9]);
+        assert_eq!(keep_window(&h, 9, 3), vec![0, 1, 2]);
+        assert_eq!(keep_window(&h, 2, 10), h);
+    }
+
+    #[test]
+    fn digest_sees_every_bit() {
+        assert_ne!(digest(&[0.0]), digest(&[-0.0]));
+        assert_ne!(digest(&[1.0, 2.0]), digest(&[2.0, 1.0]));
+        assert_eq!(digest(&[1.5]), digest(&[1.5]));
+    }
+}

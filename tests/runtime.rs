@@ -1,0 +1,721 @@
+//! The runtime core on a synthetic model: the session contract (CONTRACT
+//! §2.1-2.8) through the plain Rust API a transport will wrap.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inferd::gguf::synthetic::SyntheticLlama;
+use inferd::gguf::GgufFile;
+use inferd::model::Model;
+use inferd::quant::GgmlType;
+use inferd::runtime::{
+    AppendTokens, CreateSession, GenerateDone, GenerateEvent, GenerateRequest, OverflowPolicy,
+    Runtime, RuntimeConfig, RuntimeError, SamplingOptions, SessionId, StatusKind, StopReason,
+};
+
+const CONTEXT: usize = 256;
+
+fn model() -> Arc<Model> {
+    let cfg = SyntheticLlama {
+        weight_type: GgmlType::Q4_1,
+        tied_output: true,
+        ..SyntheticLlama::tiny()
+    };
+    let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
+    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
+}
+
+fn config(workers: usize) -> RuntimeConfig {
+    RuntimeConfig {
+        workers,
+        pin_cores: false,
+        kv_bytes: 16 << 20,
+        ..RuntimeConfig::default()
+    }
+}
+
+fn start(cfg: RuntimeConfig) -> Runtime {
+    Runtime::start(model(), cfg).expect("runtime starts")
+}
+
+fn create(rt: &Runtime, eos: &[u32]) -> SessionId {
+    rt.create_session(
+        CreateSession {
+            client_label: "test".into(),
+            eos_token_ids: eos.to_vec(),
+        },
+        None,
+    )
+    .expect("queued")
+    .wait()
+    .expect("created")
+}
+
+fn append(rt: &Runtime, id: SessionId, tokens: &[u32]) -> Result<u64, RuntimeError> {
+    rt.append_tokens(
+        AppendTokens {
+            id,
+            tokens: tokens.to_vec(),
+        },
+        None,
+    )?
+    .wait()
+    .map(|r| r.history_length)
+}
+
+fn request(id: SessionId, max_tokens: u32, sampling: SamplingOptions) -> GenerateRequest {
+    GenerateRequest {
+        id,
+        max_tokens,
+        sampling,
+        stop_sequences: Vec::new(),
+    }
+}
+
+fn seeded() -> SamplingOptions {
+    SamplingOptions {
+        temperature: Some(50.0),
+        min_p: Some(0.01),
+        seed: Some(1234),
+        ..SamplingOptions::default()
+    }
+}
+
+/// Tokens and the terminal event of a finished stream.
+fn split(events: Vec<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {
+    let mut tokens = Vec::new();
+    let mut last = None;
+    for e in events {
+        match e {
+            GenerateEvent::Token(t) => tokens.push(t),
+            other => last = Some(other),
+        }
+    }
+    (tokens, last.expect("a terminal event"))
+}
+
+fn generate(rt: &Runtime, id: SessionId, max: u32, s: SamplingOptions) -> (Vec<u32>, GenerateDone) {
+    let events = rt
+        .generate(request(id, max, s), None)
+        .expect("queued")
+        .collect();
+    match split(events) {
+        (tokens, GenerateEvent::Done(done)) => (tokens, done),
+        (_, other) => panic!("generation failed: {other:?}"),
+    }
+}
+
+fn info(rt: &Runtime, id: SessionId) -> Result<inferd::runtime::SessionInfo, RuntimeError> {
+    rt.session_info(id, None)?.wait()
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt) % 300).collect()
+}
+
+/// A Generate whose stream is never read: it stalls once the stream is full
+/// and keeps the session busy.
+fn stalled(rt: &Runtime, id: SessionId) -> inferd::runtime::GenerateStream {
+    let s = rt
+        .generate(request(id, 200, SamplingOptions::default()), None)
+        .expect("queued");
+    // The first token proves it left the queue; then the stream fills.
+    assert!(matches!(s.recv(None), Some(GenerateEvent::Token(_))));
+    std::thread::sleep(Duration::from_millis(20));
+    s
+}
+
+#[test]
+fn generated_tokens_are_committed_and_reported() {
+    let rt = start(config(2));
+    let id = create(&rt, &[]);
+    assert_eq!(append(&rt, id, &[1, 2, 3]).expect("append"), 3);
+    let (tokens, done) = generate(&rt, id, 5, SamplingOptions::default());
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(done.stop_reason, StopReason::MaxTokens);
+    assert_eq!(done.generated_token_count, 5);
+    assert_eq!(done.history_length, 8);
+    let i = info(&rt, id).expect("info");
+    assert_eq!(i.history_length, 8);
+    assert_eq!(
+        i.kv_live_bytes,
+        8 * rt.kv_pool().bytes_per_position() as u64
+    );
+    assert_eq!(i.client_label, "test");
+    assert!(i.pages_held >= 1);
+    assert_eq!((i.inv1_violations, i.inv2_violations), (0, 0));
+    assert!(!i.busy);
+}
+
+#[test]
+fn eos_is_emitted_committed_then_done() {
+    let rt = start(config(1));
+    let probe = create(&rt, &[]);
+    append(&rt, probe, &[5, 6, 7]).expect("append");
+    let first = generate(&rt, probe, 1, SamplingOptions::default()).0[0];
+    let id = create(&rt, &[first]);
+    append(&rt, id, &[5, 6, 7]).expect("append");
+    let (tokens, done) = generate(&rt, id, 10, SamplingOptions::default());
+    assert_eq!(tokens, vec![first]);
+    assert_eq!(done.stop_reason, StopReason::Eos);
+    assert_eq!(done.generated_token_count, 1);
+    assert_eq!(info(&rt, id).expect("info").history_length, 4);
+}
+
+#[test]
+fn a_stop_sequence_ends_the_generation_after_it_is_emitted() {
+    let rt = start(config(1));
+    let probe = create(&rt, &[]);
+    append(&rt, probe, &[9, 8]).expect("append");
+    let free = generate(&rt, probe, 8, seeded()).0;
+    let stop = free[3..5].to_vec();
+    let first_end = (2..=free.len())
+        .find(|&k| free[..k].ends_with(&stop))
+        .expect("the sequence occurs");
+    let id = create(&rt, &[]);
+    append(&rt, id, &[9, 8]).expect("append");
+    let mut req = request(id, 8, seeded());
+    req.stop_sequences = vec![vec![319, 319, 319], stop];
+    let (tokens, done) = split(rt.generate(req, None).expect("queued").collect());
+    assert_eq!(tokens, free[..first_end].to_vec());
+    match done {
+        GenerateEvent::Done(d) => assert_eq!(d.stop_reason, StopReason::StopSequence),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        info(&rt, id).expect("info").history_length,
+        2 + first_end as u64
+    );
+}
+
+#[test]
+fn bad_arguments_are_invalid_and_change_nothing() {
+    let rt = start(config(1));
+    let id = create(&rt, &[]);
+    let empty = split(
+        rt.generate(request(id, 4, SamplingOptions::default()), None)
+            .expect("q")
+            .collect(),
+    );
+    assert!(
+        matches!(
+            empty.1,
+            GenerateEvent::Error(RuntimeError::InvalidArgument(_))
+        ),
+        "{empty:?}"
+    );
+    append(&rt, id, &[1, 2]).expect("append");
+    let err = append(&rt, id, &[3, 320, 4]).expect_err("out of vocabulary");
+    assert_eq!(err.code(), StatusKind::InvalidArgument);
+    assert!(err.to_string().contains("320"), "{err}");
+    assert_eq!(info(&rt, id).expect("info").history_length, 2);
+    let bad = [
+        (0, SamplingOptions::default()),
+        (
+            4,
+            SamplingOptions {
+                temperature: Some(-1.0),
+                ..Default::default()
+            },
+        ),
+        (
+            4,
+            SamplingOptions {
+                temperature: Some(f32::NAN),
+                ..Default::default()
+            },
+        ),
+        (
+            4,
+            SamplingOptions {
+                top_p: Some(0.0),
+                ..Default::default()
+            },
+        ),
+        (
+            4,
+            SamplingOptions {
+                top_p: Some(1.5),
+                ..Default::default()
+            },
+        ),
+    ];
+    for (max, sampling) in bad {
+        let (tokens, end) = split(
+            rt.generate(request(id, max, sampling.clone()), None)
+                .expect("q")
+                .collect(),
+        );
+        assert!(tokens.is_empty());
+        match end {
+            GenerateEvent::Error(e) => {
+                assert_eq!(e.code(), StatusKind::InvalidArgument, "{sampling:?}")
+            }
+            other => panic!("{sampling:?}: {other:?}"),
+        }
+    }
+    assert_eq!(info(&rt, id).expect("info").history_length, 2);
+}
+
+#[test]
+fn unknown_closed_and_twice_closed_ids_are_not_found() {
+    let rt = start(config(2));
+    let unknown = SessionId::random().expect("id");
+    assert_eq!(
+        info(&rt, unknown).expect_err("unknown"),
+        RuntimeError::NotFound
+    );
+    assert_eq!(
+        append(&rt, unknown, &[1]).expect_err("unknown"),
+        RuntimeError::NotFound
+    );
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    let closed = rt
+        .close_session(id, None)
+        .expect("q")
+        .wait()
+        .expect("closed");
+    assert_eq!(closed.final_history_length, 3);
+    let again = rt.close_session(id, None).expect("q").wait();
+    assert_eq!(again.expect_err("second close"), RuntimeError::NotFound);
+    assert_eq!(info(&rt, id).expect_err("closed"), RuntimeError::NotFound);
+    let stats = rt.stats();
+    assert_eq!(stats.evicted_close, 1);
+    assert_eq!(stats.kv_free_pages, stats.kv_total_pages);
+    assert_eq!(stats.sessions_active, 0);
+}
+
+#[test]
+fn an_unset_seed_is_drawn_reported_and_reproduces() {
+    let rt = start(config(1));
+    let sampling = SamplingOptions {
+        seed: None,
+        ..seeded()
+    };
+    let a = create(&rt, &[]);
+    append(&rt, a, &[4, 5, 6]).expect("append");
+    let (tokens, done) = generate(&rt, a, 8, sampling);
+    let b = create(&rt, &[]);
+    append(&rt, b, &[4, 5, 6]).expect("append");
+    let again = SamplingOptions {
+        seed: Some(done.seed_used),
+        ..seeded()
+    };
+    assert_eq!(generate(&rt, b, 8, again).0, tokens);
+    let c = create(&rt, &[]);
+    append(&rt, c, &[4, 5, 6]).expect("append");
+    let other = generate(
+        &rt,
+        c,
+        8,
+        SamplingOptions {
+            seed: None,
+            ..seeded()
+        },
+    )
+    .1;
+    assert_ne!(other.seed_used, done.seed_used);
+}
+
+/// Tokens and final-logits digest of one session's history and generation.
+fn reference_run(rt: &Runtime, appends: &[&[u32]], neighbours: usize) -> (Vec<u32>, u64) {
+    let others: Vec<_> = (0..neighbours)
+        .map(|k| {
+            let id = create(rt, &[]);
+            append(rt, id, &prompt(20 + k * 7, k as u32)).expect("append");
+            rt.generate(request(id, 40, seeded()), None)
+                .expect("queued")
+        })
+        .collect();
+    let id = create(rt, &[]);
+    for a in appends {
+        append(rt, id, a).expect("append");
+    }
+    let (tokens, _) = generate(rt, id, 24, seeded());
+    for o in others {
+        let (_, end) = split(o.collect());
+        assert!(matches!(end, GenerateEvent::Done(_)), "{end:?}");
+    }
+    (tokens, info(rt, id).expect("info").logits_digest)
+}
+
+#[test]
+fn tokens_do_not_depend_on_batching_chunking_or_worker_count() {
+    let p = prompt(90, 3);
+    let reference = reference_run(&start(config(1)), &[&p], 0);
+    assert_eq!(reference.0.len(), 24);
+    let batched_rt = start(config(1));
+    assert_eq!(reference_run(&batched_rt, &[&p], 3), reference);
+    assert!(
+        batched_rt.stats().workers[0].max_batch_sequences > 1,
+        "sessions were batched together"
+    );
+    assert_eq!(reference_run(&start(config(3)), &[&p], 4), reference);
+    let small_chunks = RuntimeConfig {
+        prefill_chunk: 5,
+        ..config(2)
+    };
+    let pieces: Vec<&[u32]> = p.chunks(7).collect();
+    assert_eq!(reference_run(&start(small_chunks), &pieces, 2), reference);
+}
+
+#[test]
+fn a_reader_that_does_not_read_does_not_stall_another_session() {
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let slow = create(&rt, &[]);
+    append(&rt, slow, &[1, 2, 3]).expect("append");
+    let unread = rt
+        .generate(request(slow, 50, SamplingOptions::default()), None)
+        .expect("q");
+    std::thread::sleep(Duration::from_millis(50));
+    let fast = create(&rt, &[]);
+    append(&rt, fast, &[4, 5, 6]).expect("append");
+    let t0 = Instant::now();
+    let (tokens, done) = generate(&rt, fast, 30, SamplingOptions::default());
+    assert_eq!(
+        (tokens.len(), done.stop_reason),
+        (30, StopReason::MaxTokens)
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    assert!(info(&rt, slow).expect("info").history_length <= 3 + 4);
+    let (tokens, end) = split(unread.collect());
+    assert_eq!(tokens.len(), 50);
+    assert!(matches!(
+        end,
+        GenerateEvent::Done(GenerateDone {
+            stop_reason: StopReason::MaxTokens,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn cancellation_stops_within_a_step_and_keeps_the_session_usable() {
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    let stream = rt
+        .generate(request(id, 200, SamplingOptions::default()), None)
+        .expect("q");
+    for _ in 0..2 {
+        assert!(matches!(stream.recv(None), Some(GenerateEvent::Token(_))));
+    }
+    stream.cancel();
+    let mut after = 0;
+    let end = loop {
+        match stream.recv(None).expect("terminal event") {
+            GenerateEvent::Token(_) => after += 1,
+            other => break other,
+        }
+    };
+    let done = match end {
+        GenerateEvent::Done(d) => d,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(done.stop_reason, StopReason::Cancelled);
+    // Buffered tokens plus at most the one step that was in flight.
+    assert!(after <= 4 + 1, "{after} tokens after cancel");
+    assert_eq!(done.generated_token_count as usize, 2 + after);
+    assert_eq!(
+        info(&rt, id).expect("info").history_length,
+        3 + 2 + after as u64
+    );
+    // Dropping the stream cancels too.
+    let dropped = rt
+        .generate(request(id, 200, SamplingOptions::default()), None)
+        .expect("q");
+    assert!(matches!(dropped.recv(None), Some(GenerateEvent::Token(_))));
+    drop(dropped);
+    std::thread::sleep(Duration::from_millis(50));
+    let len = info(&rt, id).expect("info").history_length;
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(info(&rt, id).expect("info").history_length, len);
+    let (tokens, _) = generate(&rt, id, 3, SamplingOptions::default());
+    assert_eq!(tokens.len(), 3);
+    assert_eq!(info(&rt, id).expect("info").history_length, len + 3);
+}
+
+#[test]
+fn operations_on_one_session_run_in_arrival_order() {
+    let rt = start(config(1));
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    let a1 = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![10],
+            },
+            None,
+        )
+        .expect("q");
+    let g = rt
+        .generate(request(id, 5, SamplingOptions::default()), None)
+        .expect("q");
+    let a2 = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![11, 12],
+            },
+            None,
+        )
+        .expect("q");
+    let closed = rt.close_session(id, None).expect("q");
+    assert_eq!(a1.wait().expect("a1").history_length, 4);
+    let (tokens, done) = split(g.collect());
+    assert_eq!(tokens.len(), 5);
+    assert!(matches!(
+        done,
+        GenerateEvent::Done(GenerateDone {
+            history_length: 9,
+            ..
+        })
+    ));
+    assert_eq!(a2.wait().expect("a2").history_length, 11);
+    assert_eq!(closed.wait().expect("close").final_history_length, 11);
+}
+
+#[test]
+fn a_full_session_queue_is_resource_exhausted() {
+    let rt = start(RuntimeConfig {
+        session_queue: 1,
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    let _busy = stalled(&rt, id);
+    let _waiting = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![7],
+            },
+            None,
+        )
+        .expect("q");
+    let err = append(&rt, id, &[8]).expect_err("queue full");
+    assert_eq!(err.code(), StatusKind::ResourceExhausted);
+    assert_eq!(
+        err.to_string(),
+        "session wait queue exhausted: 2 asked, 0 free"
+    );
+}
+
+#[test]
+fn deadlines_end_waiting_and_running_calls() {
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    let busy = rt
+        .generate(
+            request(id, 200, SamplingOptions::default()),
+            Some(Instant::now() + Duration::from_millis(300)),
+        )
+        .expect("q");
+    let waiting = rt
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![9],
+            },
+            Some(Instant::now() + Duration::from_millis(50)),
+        )
+        .expect("q");
+    assert_eq!(
+        waiting.wait().expect_err("deadline"),
+        RuntimeError::DeadlineExceeded
+    );
+    std::thread::sleep(Duration::from_millis(350));
+    let (tokens, end) = split(busy.collect());
+    assert_eq!(end, GenerateEvent::Error(RuntimeError::DeadlineExceeded));
+    let len = info(&rt, id).expect("info").history_length;
+    assert_eq!(
+        len,
+        3 + tokens.len() as u64,
+        "the late append never ran; emitted tokens stay"
+    );
+}
+
+#[test]
+fn idle_sessions_expire_after_the_ttl() {
+    let rt = start(RuntimeConfig {
+        idle_ttl: Duration::from_millis(60),
+        ..config(1)
+    });
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(info(&rt, id).expect_err("expired"), RuntimeError::NotFound);
+    let stats = rt.stats();
+    assert_eq!((stats.evicted_ttl, stats.evicted_lru), (1, 0));
+    assert_eq!(stats.kv_free_pages, stats.kv_total_pages);
+}
+
+#[test]
+fn the_session_limit_evicts_the_least_recently_used_idle_session() {
+    let rt = start(RuntimeConfig {
+        max_sessions: 2,
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let a = create(&rt, &[]);
+    let b = create(&rt, &[]);
+    append(&rt, a, &[1]).expect("append");
+    append(&rt, b, &[2]).expect("append");
+    append(&rt, a, &[3]).expect("touch a");
+    let c = create(&rt, &[]);
+    assert_eq!(info(&rt, b).expect_err("evicted"), RuntimeError::NotFound);
+    assert_eq!(info(&rt, a).expect("a stays").history_length, 2);
+    assert_eq!(rt.stats().evicted_lru, 1);
+    // Busy sessions are never evicted.
+    append(&rt, c, &[4, 5]).expect("append");
+    append(&rt, a, &[6]).expect("append");
+    let _ga = stalled(&rt, a);
+    let _gc = stalled(&rt, c);
+    let err = rt
+        .create_session(CreateSession::default(), None)
+        .expect("q")
+        .wait()
+        .expect_err("all busy");
+    assert_eq!(err.to_string(), "sessions exhausted: 1 asked, 0 free");
+    assert_eq!(rt.stats().evicted_lru, 1);
+}
+
+#[test]
+fn kv_exhaustion_evicts_idle_sessions_then_reports_numbers() {
+    // Tiny model: 2 layers x (K, V) x 32 values x 2 bytes = 256 bytes per
+    // position, 4096 per 16-position page; 4 pages = 64 positions.
+    let rt = start(RuntimeConfig {
+        kv_bytes: 4 * 4096,
+        ..config(1)
+    });
+    assert_eq!(rt.stats().kv_total_pages, 4);
+    let a = create(&rt, &[]);
+    append(&rt, a, &prompt(40, 1)).expect("3 pages");
+    let b = create(&rt, &[]);
+    let err = append(&rt, b, &prompt(100, 2)).expect_err("too big");
+    assert_eq!(err.to_string(), "KV pages exhausted: 7 asked, 4 free");
+    assert_eq!(info(&rt, b).expect("b").history_length, 0);
+    assert_eq!(rt.stats().evicted_lru, 1, "a was evicted trying");
+    let b2 = create(&rt, &[]);
+    append(&rt, b2, &prompt(40, 3)).expect("3 pages");
+    append(&rt, b, &prompt(30, 4)).expect("evicts b2");
+    assert_eq!(info(&rt, b2).expect_err("evicted"), RuntimeError::NotFound);
+    assert_eq!(rt.stats().evicted_lru, 2);
+}
+
+#[test]
+fn overflow_truncates_to_sink_plus_recent_and_reports_it_first() {
+    let rt = start(RuntimeConfig {
+        overflow: OverflowPolicy::Truncate { sink: 4 },
+        ..config(1)
+    });
+    let history = prompt(250, 5);
+    let id = create(&rt, &[]);
+    append(&rt, id, &history).expect("append");
+    let events = rt
+        .generate(request(id, 20, SamplingOptions::default()), None)
+        .expect("q")
+        .collect();
+    assert_eq!(
+        events[0],
+        GenerateEvent::Truncated {
+            dropped_token_count: 14
+        }
+    );
+    let (tokens, _) = split(events);
+    assert_eq!(tokens.len(), 20);
+    assert_eq!(info(&rt, id).expect("info").history_length, CONTEXT as u64);
+    // Same tokens as a session that was given the kept tokens directly.
+    let mut kept = history[..4].to_vec();
+    kept.extend_from_slice(&history[250 - 232..]);
+    let direct = create(&rt, &[]);
+    append(&rt, direct, &kept).expect("append");
+    assert_eq!(
+        generate(&rt, direct, 20, SamplingOptions::default()).0,
+        tokens
+    );
+    // An append past the context truncates too and says how much.
+    let r = rt
+        .append_tokens(
+            AppendTokens {
+                id: direct,
+                tokens: prompt(10, 6),
+            },
+            None,
+        )
+        .expect("q")
+        .wait()
+        .expect("append");
+    assert_eq!(
+        (r.history_length, r.dropped_token_count),
+        (CONTEXT as u64, 256 + 10 - 256)
+    );
+}
+
+#[test]
+fn the_stop_policy_ends_with_truncated() {
+    let rt = start(RuntimeConfig {
+        overflow: OverflowPolicy::Stop,
+        ..config(1)
+    });
+    let id = create(&rt, &[]);
+    append(&rt, id, &prompt(250, 5)).expect("append");
+    let (tokens, done) = generate(&rt, id, 20, SamplingOptions::default());
+    assert_eq!((tokens.len(), done.stop_reason), (6, StopReason::Truncated));
+    let err = append(&rt, id, &[1]).expect_err("full");
+    assert_eq!(err.code(), StatusKind::InvalidArgument);
+    assert_eq!(info(&rt, id).expect("info").history_length, 256);
+}
+
+#[test]
+fn pinned_workers_serve_and_count() {
+    let rt = start(RuntimeConfig {
+        pin_cores: true,
+        ..config(2)
+    });
+    let ids: Vec<_> = (0..4).map(|_| create(&rt, &[])).collect();
+    for &id in &ids {
+        append(&rt, id, &[1, 2]).expect("append");
+        generate(&rt, id, 3, SamplingOptions::default());
+    }
+    let stats = rt.stats();
+    assert_eq!(stats.sessions_active, 4);
+    assert_eq!(stats.sessions_created, 4);
+    assert_eq!(stats.tokens_generated, 12);
+    assert_eq!(stats.prefill_tokens, 8);
+    assert_eq!(stats.workers.iter().map(|w| w.sessions).sum::<u64>(), 4);
+    assert_eq!(
+        stats
+            .workers
+            .iter()
+            .map(|w| w.tokens_generated)
+            .sum::<u64>(),
+        12
+    );
+    assert!(stats.workers.iter().all(|w| w.sessions == 2), "{stats:?}");
+}
+
+#[test]
+fn a_draining_runtime_is_unavailable() {
+    let rt = start(config(1));
+    let id = create(&rt, &[]);
+    rt.drain();
+    assert_eq!(
+        append(&rt, id, &[1]).expect_err("draining"),
+        RuntimeError::Unavailable
+    );
+    rt.shutdown();
+}
