@@ -12,6 +12,7 @@
 //! - [`sampler`]: turning logits into a token id (CPU reference sampler).
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
+//! - [`proto`]: the gRPC wire types generated from `protos/` (client API and health).
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 pub mod cli;
@@ -19,6 +20,8 @@ pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+#[cfg(not(loom))]
+pub mod proto;
 pub mod quant;
 pub mod sampler;
 pub mod threads;
