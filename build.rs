@@ -50,11 +50,18 @@ fn main() -> Result<(), Box<dyn Error>> {
         .include(&proto_root)
         .inputs(&inputs)
         .parse_and_typecheck()?;
-    let descriptors = parsed
+    let mut descriptors = parsed
         .file_descriptors
         .iter()
         .map(to_protobuf2)
         .collect::<Result<Vec<_>, _>>()?;
+    for file in &mut descriptors {
+        if file.get_syntax() == "proto3" {
+            for message in file.mut_message_type().iter_mut() {
+                pack_repeated_scalars(message);
+            }
+        }
+    }
 
     for package in PACKAGES {
         let names: Vec<String> = package.files.iter().map(|f| f.to_string()).collect();
@@ -64,9 +71,12 @@ fn main() -> Result<(), Box<dyn Error>> {
             &protobuf_codegen::Customize::default(),
         );
         let services = grpcio_compiler::codegen::gen(&descriptors, &names);
-        let module = wrap_modules(messages.iter().chain(&services).map(|generated| {
-            (generated.name.as_str(), generated.content.as_slice())
-        }))?;
+        let module = wrap_modules(
+            messages
+                .iter()
+                .chain(&services)
+                .map(|generated| (generated.name.as_str(), generated.content.as_slice())),
+        )?;
         write_if_changed(&out_dir.join(format!("{}.rs", package.module)), &module)?;
     }
     Ok(())
@@ -78,6 +88,30 @@ fn to_protobuf2(
 ) -> Result<protobuf::descriptor::FileDescriptorProto, Box<dyn Error>> {
     let bytes = protobuf3::Message::write_to_bytes(descriptor)?;
     Ok(protobuf::Message::parse_from_bytes(&bytes)?)
+}
+
+/// Marks repeated numeric fields `packed` unless they say otherwise: proto3
+/// packs them by default, but rust-protobuf 2 only packs what the descriptor
+/// marks, and would otherwise send them unpacked (valid, yet neither canonical
+/// nor what other proto3 implementations send).
+fn pack_repeated_scalars(message: &mut protobuf::descriptor::DescriptorProto) {
+    use protobuf::descriptor::FieldDescriptorProto_Label as Label;
+    use protobuf::descriptor::FieldDescriptorProto_Type as Type;
+    for field in message.mut_field().iter_mut() {
+        let packable = !matches!(
+            field.get_field_type(),
+            Type::TYPE_STRING | Type::TYPE_BYTES | Type::TYPE_MESSAGE | Type::TYPE_GROUP
+        );
+        if field.get_label() == Label::LABEL_REPEATED
+            && packable
+            && !field.get_options().has_packed()
+        {
+            field.mut_options().set_packed(true);
+        }
+    }
+    for nested in message.mut_nested_type().iter_mut() {
+        pack_repeated_scalars(nested);
+    }
 }
 
 /// Puts each generated file in its own inline module named after the file, so
@@ -94,7 +128,8 @@ fn wrap_modules<'a>(
             .ok_or_else(|| format!("generated file {name:?} is not a .rs file"))?;
         // grpcio-compiler keeps the method descriptors private; they are made
         // public so servers and tests can name the methods (and their kinds).
-        let content = std::str::from_utf8(content)?.replace("\nconst METHOD_", "\npub const METHOD_");
+        let content =
+            std::str::from_utf8(content)?.replace("\nconst METHOD_", "\npub const METHOD_");
         writeln!(module, "pub mod {module_name} {{\n{content}\n}}")?;
     }
     Ok(module)

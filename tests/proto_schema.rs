@@ -279,7 +279,10 @@ fn runtime_service_descriptor_has_the_five_contract_methods() {
     let p = ".kakeya.v1.";
     let m = |name: &str, streaming: bool| {
         let (input, output) = if name == "Generate" {
-            (format!("{p}GenerateRequest"), format!("{p}GenerateResponse"))
+            (
+                format!("{p}GenerateRequest"),
+                format!("{p}GenerateResponse"),
+            )
         } else {
             (format!("{p}{name}Request"), format!("{p}{name}Response"))
         };
@@ -295,6 +298,16 @@ fn runtime_service_descriptor_has_the_five_contract_methods() {
             m("GetSessionInfo", false),
         ]
     );
+}
+
+/// grpcio's `MethodType` has neither `PartialEq` nor `Debug`.
+fn kind_name(kind: MethodType) -> &'static str {
+    match kind {
+        MethodType::Unary => "unary",
+        MethodType::ClientStreaming => "client streaming",
+        MethodType::ServerStreaming => "server streaming",
+        MethodType::Duplex => "duplex",
+    }
 }
 
 #[test]
@@ -329,24 +342,19 @@ fn grpcio_method_definitions_have_full_names_and_streaming_kinds() {
             health_grpc::METHOD_HEALTH_WATCH.ty,
         ),
     ];
-    // MethodType has no PartialEq; compare its Debug names.
-    let kinds: Vec<(&str, String)> = kinds
+    let kinds: Vec<(&str, &str)> = kinds
         .iter()
-        .map(|(name, ty)| (*name, format!("{ty:?}")))
+        .map(|(name, ty)| (*name, kind_name(*ty)))
         .collect();
-    let unary = format!("{:?}", MethodType::Unary);
-    let server_streaming = format!("{:?}", MethodType::ServerStreaming);
+    let (unary, server_streaming) = ("unary", "server streaming");
     assert_eq!(
         kinds,
         [
-            ("/kakeya.v1.RuntimeService/CreateSession", unary.clone()),
-            ("/kakeya.v1.RuntimeService/AppendTokens", unary.clone()),
-            (
-                "/kakeya.v1.RuntimeService/Generate",
-                server_streaming.clone()
-            ),
-            ("/kakeya.v1.RuntimeService/CloseSession", unary.clone()),
-            ("/kakeya.v1.RuntimeService/GetSessionInfo", unary.clone()),
+            ("/kakeya.v1.RuntimeService/CreateSession", unary),
+            ("/kakeya.v1.RuntimeService/AppendTokens", unary),
+            ("/kakeya.v1.RuntimeService/Generate", server_streaming),
+            ("/kakeya.v1.RuntimeService/CloseSession", unary),
+            ("/kakeya.v1.RuntimeService/GetSessionInfo", unary),
             ("/grpc.health.v1.Health/Check", unary),
             ("/grpc.health.v1.Health/Watch", server_streaming),
         ]
@@ -448,7 +456,12 @@ fn single_field_encodings() -> Vec<(&'static str, Vec<u8>, Vec<u8>)> {
 
     let mut m = runtime::AppendTokensResponse::new();
     m.set_history_length(9);
-    push("AppendTokensResponse.history_length", bytes_of(&m), 1, VARINT);
+    push(
+        "AppendTokensResponse.history_length",
+        bytes_of(&m),
+        1,
+        VARINT,
+    );
 
     let mut m = runtime::CloseSessionRequest::new();
     m.set_session_id("x".into());
@@ -498,7 +511,12 @@ fn single_field_encodings() -> Vec<(&'static str, Vec<u8>, Vec<u8>)> {
     push("GenerateDone.stop_reason", bytes_of(&m), 1, VARINT);
     let mut m = runtime::GenerateDone::new();
     m.set_generated_token_count(3);
-    push("GenerateDone.generated_token_count", bytes_of(&m), 2, VARINT);
+    push(
+        "GenerateDone.generated_token_count",
+        bytes_of(&m),
+        2,
+        VARINT,
+    );
     let mut m = runtime::GenerateDone::new();
     m.set_prefill_duration_seconds(0.5);
     push(
@@ -509,11 +527,21 @@ fn single_field_encodings() -> Vec<(&'static str, Vec<u8>, Vec<u8>)> {
     );
     let mut m = runtime::GenerateDone::new();
     m.set_total_duration_seconds(0.5);
-    push("GenerateDone.total_duration_seconds", bytes_of(&m), 4, FIXED64);
+    push(
+        "GenerateDone.total_duration_seconds",
+        bytes_of(&m),
+        4,
+        FIXED64,
+    );
 
     let mut m = runtime::HistoryTruncated::new();
     m.set_dropped_token_count(5);
-    push("HistoryTruncated.dropped_token_count", bytes_of(&m), 1, VARINT);
+    push(
+        "HistoryTruncated.dropped_token_count",
+        bytes_of(&m),
+        1,
+        VARINT,
+    );
 
     let mut m = runtime::GetSessionInfoRequest::new();
     m.set_session_id("x".into());
@@ -521,10 +549,20 @@ fn single_field_encodings() -> Vec<(&'static str, Vec<u8>, Vec<u8>)> {
 
     let mut m = runtime::GetSessionInfoResponse::new();
     m.set_history_length(1);
-    push("GetSessionInfoResponse.history_length", bytes_of(&m), 1, VARINT);
+    push(
+        "GetSessionInfoResponse.history_length",
+        bytes_of(&m),
+        1,
+        VARINT,
+    );
     let mut m = runtime::GetSessionInfoResponse::new();
     m.set_kv_live_bytes(1);
-    push("GetSessionInfoResponse.kv_live_bytes", bytes_of(&m), 2, VARINT);
+    push(
+        "GetSessionInfoResponse.kv_live_bytes",
+        bytes_of(&m),
+        2,
+        VARINT,
+    );
     let mut m = runtime::GetSessionInfoResponse::new();
     m.set_cache_invariant_inv1_violations(1);
     push(
@@ -543,7 +581,12 @@ fn single_field_encodings() -> Vec<(&'static str, Vec<u8>, Vec<u8>)> {
     );
     let mut m = runtime::GetSessionInfoResponse::new();
     m.set_idle_seconds(1.0);
-    push("GetSessionInfoResponse.idle_seconds", bytes_of(&m), 5, FIXED64);
+    push(
+        "GetSessionInfoResponse.idle_seconds",
+        bytes_of(&m),
+        5,
+        FIXED64,
+    );
     cases
 }
 
@@ -559,6 +602,17 @@ fn each_contract_field_is_encoded_under_its_contract_number() {
             hex(&key)
         );
     }
+}
+
+#[test]
+fn repeated_token_ids_are_packed_as_proto3_requires() {
+    let mut m = runtime::AppendTokensRequest::new();
+    m.set_token_ids(vec![1, 300]);
+    // Field 2, length-delimited, 3 bytes: varint 1, varint 300 (ac 02).
+    assert_eq!(hex(&bytes_of(&m)), "120301ac02");
+    let decoded = runtime::AppendTokensRequest::parse_from_bytes(&[0x10, 0x01, 0x10, 0xac, 0x02])
+        .expect("unpacked encoding is accepted too");
+    assert_eq!(decoded.get_token_ids(), [1, 300]);
 }
 
 #[test]
@@ -584,7 +638,7 @@ fn hex(bytes: &[u8]) -> String {
 
 fn unhex(text: &str) -> Option<Vec<u8>> {
     let text = text.trim();
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())
@@ -618,7 +672,7 @@ fn check_golden<M: Message + PartialEq>(name: &str, message: &M) {
         .unwrap_or_else(|e| panic!("{name}: golden bytes do not decode: {e}"));
     assert!(decoded == *message, "{name}: decoded message differs");
     assert!(
-        decoded.unknown_fields().iter().next().is_none(),
+        decoded.get_unknown_fields().iter().next().is_none(),
         "{name}: decoding left unknown fields"
     );
 }

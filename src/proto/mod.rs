@@ -20,6 +20,8 @@
     unknown_lints,
     missing_docs,
     unused_qualifications,
+    unused_parens,
+    mismatched_lifetime_syntaxes,
     deprecated
 )]
 pub mod kakeya_v1 {
@@ -34,6 +36,8 @@ pub mod kakeya_v1 {
     unknown_lints,
     missing_docs,
     unused_qualifications,
+    unused_parens,
+    mismatched_lifetime_syntaxes,
     deprecated
 )]
 pub mod grpc_health_v1 {
