@@ -43,3 +43,29 @@ pub mod kakeya_v1 {
 pub mod grpc_health_v1 {
     include!(concat!(env!("OUT_DIR"), "/grpc_health_v1.rs"));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::grpc_health_v1::health::{HealthCheckResponse, HealthCheckResponse_ServingStatus};
+    use super::kakeya_v1::runtime::{GenerateDone, GenerateDone_StopReason, GenerateResponse};
+    use protobuf::Message;
+
+    #[test]
+    fn enum_defaults_are_the_zero_values_of_the_schema() {
+        assert_eq!(
+            GenerateDone::new().get_stop_reason(),
+            GenerateDone_StopReason::STOP_REASON_UNSPECIFIED
+        );
+        assert_eq!(
+            HealthCheckResponse::new().get_status(),
+            HealthCheckResponse_ServingStatus::UNKNOWN
+        );
+    }
+
+    #[test]
+    fn an_empty_generate_response_has_no_payload_and_encodes_to_nothing() {
+        let response = GenerateResponse::new();
+        assert!(response.payload.is_none());
+        assert_eq!(response.write_to_bytes().map(|b| b.len()).ok(), Some(0));
+    }
+}
