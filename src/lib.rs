@@ -14,6 +14,7 @@
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
+//! - [`proto`]: the gRPC wire types generated from `protos/` (client API and health).
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 pub mod cli;
@@ -21,6 +22,8 @@ pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+#[cfg(not(loom))]
+pub mod proto;
 pub mod quant;
 pub mod runtime;
 pub mod sampler;
