@@ -11,6 +11,7 @@
 
 mod error;
 mod id;
+mod notify;
 mod types;
 mod worker;
 
@@ -177,7 +178,7 @@ impl Runtime {
                 break id;
             }
         };
-        let (tx, rx) = bounded(1);
+        let (tx, rx) = notify::channel(1);
         self.send(worker, Command::Create { id, req, reply: tx })?;
         Ok(Pending {
             reply: rx,
@@ -191,7 +192,7 @@ impl Runtime {
         req: AppendTokens,
         deadline: Option<Instant>,
     ) -> Result<Pending<AppendReply>, RuntimeError> {
-        let (tx, rx) = bounded(1);
+        let (tx, rx) = notify::channel(1);
         let worker = req.id.shard(self.workers.len());
         self.send(
             worker,
@@ -216,7 +217,7 @@ impl Runtime {
         req: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<GenerateStream, RuntimeError> {
-        let (tx, rx) = bounded(self.cfg.stream_capacity);
+        let (tx, rx) = notify::channel(self.cfg.stream_capacity);
         let cancel = Arc::new(AtomicBool::new(false));
         let worker = req.id.shard(self.workers.len());
         self.send(
@@ -231,7 +232,11 @@ impl Runtime {
                 deadline,
             },
         )?;
-        Ok(GenerateStream { events: rx, cancel })
+        Ok(GenerateStream {
+            events: rx,
+            finished: false,
+            cancel,
+        })
     }
 
     /// CloseSession: runs after what is already queued, then frees the KV.
@@ -240,7 +245,7 @@ impl Runtime {
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<CloseReply>, RuntimeError> {
-        let (tx, rx) = bounded(1);
+        let (tx, rx) = notify::channel(1);
         self.send(
             id.shard(self.workers.len()),
             Command::Enqueue {
@@ -261,7 +266,7 @@ impl Runtime {
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<SessionInfo>, RuntimeError> {
-        let (tx, rx) = bounded(1);
+        let (tx, rx) = notify::channel(1);
         self.send(
             id.shard(self.workers.len()),
             Command::Info { id, reply: tx },

@@ -5,7 +5,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use crossbeam_channel::Receiver;
+use futures_core::Stream;
+
+use super::notify::NotifyReceiver;
 
 use super::{RuntimeError, SessionId};
 use crate::kv::DEFAULT_PAGE_POSITIONS;
@@ -196,14 +203,16 @@ pub enum GenerateEvent {
 /// The receiving end of a Generate. Dropping it cancels the generation
 /// within one decode step.
 pub struct GenerateStream {
-    pub(crate) events: Receiver<GenerateEvent>,
+    pub(crate) events: NotifyReceiver<GenerateEvent>,
+    /// Set once the terminal event was handed out, so the stream then ends.
+    pub(crate) finished: bool,
     pub(crate) cancel: Arc<AtomicBool>,
 }
 
 impl GenerateStream {
     /// The event channel (for `select!` in a transport).
     pub fn events(&self) -> &Receiver<GenerateEvent> {
-        &self.events
+        self.events.inner()
     }
 
     /// Asks the worker to stop; it does within one decode step and sends a
@@ -239,6 +248,28 @@ impl GenerateStream {
     }
 }
 
+/// The async face of the stream: yields every event up to and including the
+/// terminal `Done` or `Error`, then ends. A runtime that went away mid-call
+/// yields an `Unavailable` error rather than ending silently.
+impl Stream for GenerateStream {
+    type Item = GenerateEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<GenerateEvent>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        let event = match self.events.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(event)) => event,
+            Poll::Ready(None) => GenerateEvent::Error(RuntimeError::Unavailable),
+        };
+        if matches!(event, GenerateEvent::Done(_) | GenerateEvent::Error(_)) {
+            self.finished = true;
+        }
+        Poll::Ready(Some(event))
+    }
+}
+
 impl Drop for GenerateStream {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Release);
@@ -271,7 +302,7 @@ pub struct SessionInfo {
 
 /// A unary reply on its way from a worker.
 pub struct Pending<T> {
-    pub(crate) reply: Receiver<Result<T, RuntimeError>>,
+    pub(crate) reply: NotifyReceiver<Result<T, RuntimeError>>,
     pub(crate) deadline: Option<Instant>,
 }
 
@@ -288,9 +319,24 @@ impl<T> Pending<T> {
         got?
     }
 
-    /// The reply channel (for `select!` in a transport).
+    /// The reply channel (for `select!` with other channels).
     pub fn receiver(&self) -> &Receiver<Result<T, RuntimeError>> {
-        &self.reply
+        self.reply.inner()
+    }
+}
+
+/// The async face of a reply: resolves when the worker answers. The call's
+/// deadline is the transport's to enforce here (the worker enforces it on
+/// work that waits in a session's queue).
+impl<T> Future for Pending<T> {
+    type Output = Result<T, RuntimeError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.reply.poll_recv(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(reply)) => Poll::Ready(reply),
+            Poll::Ready(None) => Poll::Ready(Err(RuntimeError::Unavailable)),
+        }
     }
 }
 

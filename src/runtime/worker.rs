@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
+
+use super::notify::{self, NotifySender};
 
 use super::types::{Counters, WorkerGauges};
 use super::{
@@ -25,7 +27,7 @@ use crate::model::{LogitsWanted, Model, Scratch, Sequence};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::threads::ThreadPool;
 
-type Reply<T> = Sender<Result<T, RuntimeError>>;
+type Reply<T> = NotifySender<Result<T, RuntimeError>>;
 
 /// A message to a worker.
 pub(crate) enum Command {
@@ -55,7 +57,7 @@ pub(crate) enum Op {
     },
     Generate {
         req: Box<GenerateRequest>,
-        events: Sender<GenerateEvent>,
+        events: NotifySender<GenerateEvent>,
         cancel: Arc<AtomicBool>,
     },
     Close {
@@ -86,7 +88,7 @@ struct Generating {
     max_tokens: u32,
     stop_sequences: Vec<Vec<u32>>,
     generated: Vec<u32>,
-    events: Sender<GenerateEvent>,
+    events: NotifySender<GenerateEvent>,
     cancel: Arc<AtomicBool>,
     deadline: Option<Instant>,
     started: Instant,
@@ -534,7 +536,7 @@ impl Worker {
             .ok_or(RuntimeError::NotFound)?
             .history
             .len();
-        let (dummy, _) = crossbeam_channel::bounded(1);
+        let (dummy, _) = notify::channel(1);
         if len + tokens.len() <= context {
             self.reserve(id, len + tokens.len())?;
             return Ok(Some(Active {
@@ -612,7 +614,7 @@ impl Worker {
         &mut self,
         id: SessionId,
         req: &GenerateRequest,
-        events: Sender<GenerateEvent>,
+        events: NotifySender<GenerateEvent>,
         cancel: Arc<AtomicBool>,
         deadline: Option<Instant>,
     ) -> Result<(), RuntimeError> {
@@ -1018,7 +1020,7 @@ mod tests {
 
     fn new_session(w: &mut Worker) -> SessionId {
         let id = SessionId::random().expect("id");
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (tx, rx) = notify::channel(1);
         w.handle(Command::Create {
             id,
             req: CreateSession::default(),
@@ -1028,7 +1030,7 @@ mod tests {
     }
 
     fn append(w: &mut Worker, id: SessionId, tokens: &[u32]) -> Result<AppendReply, RuntimeError> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (tx, rx) = notify::channel(1);
         w.handle(Command::Enqueue {
             id,
             op: Op::Append {
@@ -1051,7 +1053,7 @@ mod tests {
         let mut w = worker();
         w.cfg.prefill_chunk = 4;
         let id = new_session(&mut w);
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (tx, rx) = notify::channel(1);
         w.handle(Command::Enqueue {
             id,
             op: Op::Append {
