@@ -457,9 +457,7 @@ mod tests {
             .settings()
             .expect_err("unknown key");
         assert!(err.to_string().contains("worker"), "{err}");
-        let err = parse(&["--idle-ttl=-1"])
-            .settings()
-            .expect_err("negative");
+        let err = parse(&["--idle-ttl=-1"]).settings().expect_err("negative");
         assert!(err.to_string().contains("idle-ttl"), "{err}");
         let err = parse(&["--workers", "0"]).settings().expect_err("zero");
         assert!(err.to_string().contains("workers"), "{err}");

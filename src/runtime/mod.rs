@@ -11,6 +11,9 @@
 
 mod error;
 mod id;
+#[cfg(loom)]
+pub mod notify;
+#[cfg(not(loom))]
 mod notify;
 mod types;
 mod worker;

@@ -3,20 +3,37 @@
 //! polls the receiving end and is woken by the send, so no completion-queue
 //! thread ever blocks on a worker. Synchronous callers (tests, the CLI) use
 //! the blocking `recv` family as with a plain crossbeam channel.
+//!
+//! Under `--cfg loom` the channel and the waker are loom's model-checked
+//! stand-ins (`loom_shim` below), so `tests/loom` checks this very code for
+//! lost wake-ups.
 
 use std::mem::ManuallyDrop;
-use std::sync::Arc;
 use std::task::{Context, Poll};
+#[cfg(not(loom))]
 use std::time::Instant;
 
-use crossbeam_channel::{
-    Receiver, RecvError, RecvTimeoutError, SendError, Sender, TryRecvError, TrySendError,
-};
+#[cfg(not(loom))]
+use crossbeam_channel::{RecvError, RecvTimeoutError};
+use crossbeam_channel::{SendError, TryRecvError, TrySendError};
+
+#[cfg(not(loom))]
+use crossbeam_channel::{bounded, Receiver, Sender};
+#[cfg(not(loom))]
 use futures_util::task::AtomicWaker;
+#[cfg(not(loom))]
+use std::sync::Arc;
+
+#[cfg(loom)]
+use loom::future::AtomicWaker;
+#[cfg(loom)]
+use loom::sync::Arc;
+#[cfg(loom)]
+use loom_shim::{bounded, Receiver, Sender};
 
 /// A bounded channel whose receiver can be polled from a future.
-pub(crate) fn channel<T>(capacity: usize) -> (NotifySender<T>, NotifyReceiver<T>) {
-    let (tx, rx) = crossbeam_channel::bounded(capacity);
+pub fn channel<T>(capacity: usize) -> (NotifySender<T>, NotifyReceiver<T>) {
+    let (tx, rx) = bounded(capacity);
     let waker = Arc::new(AtomicWaker::new());
     (
         NotifySender {
@@ -29,7 +46,7 @@ pub(crate) fn channel<T>(capacity: usize) -> (NotifySender<T>, NotifyReceiver<T>
 
 /// The sending half: every send, and the drop that disconnects, wakes the
 /// task polling the receiver.
-pub(crate) struct NotifySender<T> {
+pub struct NotifySender<T> {
     // Dropped by hand so the disconnect happens BEFORE the wake: a receiver
     // woken first would still see a live sender and sleep forever.
     tx: ManuallyDrop<Sender<T>>,
@@ -38,14 +55,14 @@ pub(crate) struct NotifySender<T> {
 
 impl<T> NotifySender<T> {
     /// Sends, waiting for room (reply channels are sized so this never waits).
-    pub(crate) fn send(&self, value: T) -> Result<(), SendError<T>> {
+    pub fn send(&self, value: T) -> Result<(), SendError<T>> {
         let sent = self.tx.send(value);
         self.waker.wake();
         sent
     }
 
     /// Sends only if there is room.
-    pub(crate) fn try_send(&self, value: T) -> Result<(), TrySendError<T>> {
+    pub fn try_send(&self, value: T) -> Result<(), TrySendError<T>> {
         let sent = self.tx.try_send(value);
         if sent.is_ok() {
             self.waker.wake();
@@ -56,12 +73,12 @@ impl<T> NotifySender<T> {
 
 impl<T> NotifySender<T> {
     /// Messages waiting to be received.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.tx.len()
     }
 
     /// The bound the channel was made with.
-    pub(crate) fn capacity(&self) -> Option<usize> {
+    pub fn capacity(&self) -> Option<usize> {
         self.tx.capacity()
     }
 }
@@ -84,41 +101,47 @@ impl<T> Drop for NotifySender<T> {
 }
 
 /// The receiving half.
-pub(crate) struct NotifyReceiver<T> {
+pub struct NotifyReceiver<T> {
     rx: Receiver<T>,
     waker: Arc<AtomicWaker>,
 }
 
+#[cfg(not(loom))]
 impl<T> NotifyReceiver<T> {
-    pub(crate) fn recv(&self) -> Result<T, RecvError> {
+    pub fn recv(&self) -> Result<T, RecvError> {
         self.rx.recv()
     }
 
-    pub(crate) fn recv_deadline(&self, deadline: Instant) -> Result<T, RecvTimeoutError> {
+    pub fn recv_deadline(&self, deadline: Instant) -> Result<T, RecvTimeoutError> {
         self.rx.recv_deadline(deadline)
     }
 
     #[cfg(test)]
-    pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
+    pub fn try_recv(&self) -> Result<T, TryRecvError> {
         self.rx.try_recv()
     }
 
     #[cfg(test)]
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.rx.is_empty()
     }
 
     /// The plain channel, for `select!` with other crossbeam channels.
-    pub(crate) fn inner(&self) -> &Receiver<T> {
+    pub fn inner(&self) -> &Receiver<T> {
         &self.rx
     }
+}
 
+impl<T> NotifyReceiver<T> {
     /// `Ready(Some(v))` for a message, `Ready(None)` once every sender is
     /// gone and the channel is empty, `Pending` (with the task's waker
     /// registered) otherwise.
-    pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<T>> {
+    pub fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         // Register before looking, so a send landing in between still wakes us.
+        #[cfg(not(loom))]
         self.waker.register(cx.waker());
+        #[cfg(loom)]
+        self.waker.register_by_ref(cx.waker());
         match self.rx.try_recv() {
             Ok(value) => Poll::Ready(Some(value)),
             Err(TryRecvError::Disconnected) => Poll::Ready(None),
@@ -127,7 +150,86 @@ impl<T> NotifyReceiver<T> {
     }
 }
 
-#[cfg(test)]
+/// A bounded channel built from loom's primitives with crossbeam's API and
+/// error types, so loom explores every interleaving of send, drop and poll.
+#[cfg(loom)]
+mod loom_shim {
+    use std::collections::VecDeque;
+
+    use crossbeam_channel::{SendError, TryRecvError, TrySendError};
+    use loom::sync::atomic::{AtomicUsize, Ordering};
+    use loom::sync::{Arc, Mutex};
+
+    struct Chan<T> {
+        queue: Mutex<VecDeque<T>>,
+        senders: AtomicUsize,
+        capacity: usize,
+    }
+
+    pub struct Sender<T>(Arc<Chan<T>>);
+    pub struct Receiver<T>(Arc<Chan<T>>);
+
+    pub fn bounded<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
+        let chan = Arc::new(Chan {
+            queue: Mutex::new(VecDeque::new()),
+            senders: AtomicUsize::new(1),
+            capacity,
+        });
+        (Sender(Arc::clone(&chan)), Receiver(chan))
+    }
+
+    impl<T> Sender<T> {
+        pub fn try_send(&self, value: T) -> Result<(), TrySendError<T>> {
+            let mut queue = self.0.queue.lock().unwrap_or_else(|p| p.into_inner());
+            if queue.len() >= self.0.capacity {
+                return Err(TrySendError::Full(value));
+            }
+            queue.push_back(value);
+            Ok(())
+        }
+
+        /// Loom cannot model a blocked sender; the models never fill a channel.
+        pub fn send(&self, value: T) -> Result<(), SendError<T>> {
+            self.try_send(value).map_err(|e| SendError(e.into_inner()))
+        }
+
+        pub fn len(&self) -> usize {
+            self.0.queue.lock().unwrap_or_else(|p| p.into_inner()).len()
+        }
+
+        pub fn capacity(&self) -> Option<usize> {
+            Some(self.0.capacity)
+        }
+    }
+
+    impl<T> Clone for Sender<T> {
+        fn clone(&self) -> Self {
+            self.0.senders.fetch_add(1, Ordering::AcqRel);
+            Sender(Arc::clone(&self.0))
+        }
+    }
+
+    impl<T> Drop for Sender<T> {
+        fn drop(&mut self) {
+            self.0.senders.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    impl<T> Receiver<T> {
+        pub fn try_recv(&self) -> Result<T, TryRecvError> {
+            let mut queue = self.0.queue.lock().unwrap_or_else(|p| p.into_inner());
+            match queue.pop_front() {
+                Some(value) => Ok(value),
+                None if self.0.senders.load(Ordering::Acquire) == 0 => {
+                    Err(TryRecvError::Disconnected)
+                }
+                None => Err(TryRecvError::Empty),
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::future::poll_fn;

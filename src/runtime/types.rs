@@ -9,6 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+#[cfg(not(loom))]
 use crossbeam_channel::Receiver;
 use futures_core::Stream;
 
@@ -210,6 +211,7 @@ pub struct GenerateStream {
 }
 
 impl GenerateStream {
+    #[cfg(not(loom))]
     /// The event channel (for `select!` in a transport).
     pub fn events(&self) -> &Receiver<GenerateEvent> {
         self.events.inner()
@@ -226,6 +228,7 @@ impl GenerateStream {
         Arc::clone(&self.cancel)
     }
 
+    #[cfg(not(loom))]
     /// Next event, waiting at most until `deadline` (`None`: forever).
     pub fn recv(&self, deadline: Option<Instant>) -> Option<GenerateEvent> {
         match deadline {
@@ -234,6 +237,7 @@ impl GenerateStream {
         }
     }
 
+    #[cfg(not(loom))]
     /// Reads every event up to the terminal one.
     pub fn collect(self) -> Vec<GenerateEvent> {
         let mut all = Vec::new();
@@ -303,10 +307,12 @@ pub struct SessionInfo {
 /// A unary reply on its way from a worker.
 pub struct Pending<T> {
     pub(crate) reply: NotifyReceiver<Result<T, RuntimeError>>,
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) deadline: Option<Instant>,
 }
 
 impl<T> Pending<T> {
+    #[cfg(not(loom))]
     /// Waits for the reply, at most until the call's deadline.
     pub fn wait(self) -> Result<T, RuntimeError> {
         let got = match self.deadline {
@@ -319,6 +325,7 @@ impl<T> Pending<T> {
         got?
     }
 
+    #[cfg(not(loom))]
     /// The reply channel (for `select!` with other channels).
     pub fn receiver(&self) -> &Receiver<Result<T, RuntimeError>> {
         self.reply.inner()

@@ -1,4 +1,5 @@
-//! Model-checked tests of the KV page allocator: loom runs every interleaving
+//! Model-checked tests of the KV page allocator (and, at the end, of the
+//! runtime's awaitable reply channels): loom runs every interleaving
 //! (and every permitted reordering of the atomics) of a few threads
 //! allocating and freeing over a handful of pages, and each test asserts that
 //! no page is handed out twice and none is lost.
@@ -190,4 +191,53 @@ fn the_checker_finds_aba_when_the_tag_is_removed() {
         let allocator = PageAllocator::new_without_aba_tag(3).unwrap_or_else(|err| panic!("{err}"));
         pop_pop_push_race(allocator);
     });
+}
+
+// ---------------------------------------------------------------------------
+// Reply channels (runtime::notify): a worker sends and drops its sender while
+// a gRPC future polls the receiver. Loom's `block_on` fails the model if the
+// future is left pending with no wake-up to come (a lost wake-up).
+
+mod notify_channel {
+    use std::future::poll_fn;
+
+    use inferd::runtime::notify;
+    use loom::thread;
+
+    #[test]
+    fn a_reply_then_the_disconnect_always_wake_the_awaiting_task() {
+        loom::model(|| {
+            let (tx, rx) = notify::channel::<u32>(1);
+            let worker = thread::spawn(move || {
+                let _ = tx.send(7);
+                drop(tx);
+            });
+            let got = loom::future::block_on(async {
+                let first = poll_fn(|cx| rx.poll_recv(cx)).await;
+                let second = poll_fn(|cx| rx.poll_recv(cx)).await;
+                (first, second)
+            });
+            worker.join().expect("worker thread");
+            assert_eq!(got, (Some(7), None));
+        });
+    }
+
+    #[test]
+    fn a_sender_dropped_without_a_reply_wakes_the_task_with_the_disconnect() {
+        // Two dropping threads and the poller make a large state space; a
+        // preemption bound of 3 keeps the run short and still covers every
+        // order of the two drops against register-then-check.
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(3);
+        model.check(|| {
+            let (tx, rx) = notify::channel::<u32>(1);
+            let clone = tx.clone();
+            let a = thread::spawn(move || drop(tx));
+            let b = thread::spawn(move || drop(clone));
+            let got = loom::future::block_on(poll_fn(|cx| rx.poll_recv(cx)));
+            a.join().expect("thread a");
+            b.join().expect("thread b");
+            assert_eq!(got, None);
+        });
+    }
 }
