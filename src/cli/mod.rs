@@ -4,6 +4,7 @@
 
 mod chat;
 mod generate;
+mod serve;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,6 +36,19 @@ pub enum Command {
     Chat(chat::ChatArgs),
     /// Measure prefill and decode speed (the llama-bench equivalent).
     Bench(BenchArgs),
+    /// Serve kakeya.v1.RuntimeService over gRPC.
+    Serve(serve::ServeArgs),
+}
+
+impl Command {
+    /// The log level when `RUST_LOG` is unset: a server logs each session's
+    /// lifecycle, the one-shot commands only warnings.
+    pub fn default_log_level(&self) -> &'static str {
+        match self {
+            Command::Serve(_) => "info",
+            _ => "warn",
+        }
+    }
 }
 
 /// Options shared by every command that loads a model.
@@ -176,13 +190,14 @@ pub enum CliError {
     Io(#[from] std::io::Error),
 }
 
-/// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (default: warnings).
-pub fn init_logging() {
+/// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (else `default`).
+pub fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -192,6 +207,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench(args),
+        Command::Serve(args) => serve::run(args),
     }
 }
 
