@@ -285,7 +285,12 @@ fn systemd_unit_declares_a_sandboxed_notify_service() {
         "{UNIT}: no SystemCallFilter=@system-service"
     );
     assert!(unit_seconds(service_value(&unit, "RestartSec")) >= 1);
-    assert!(service_value(&unit, "LimitNOFILE").parse::<u64>().expect("LimitNOFILE") >= 4096);
+    assert!(
+        service_value(&unit, "LimitNOFILE")
+            .parse::<u64>()
+            .expect("LimitNOFILE")
+            >= 4096
+    );
     assert_eq!(
         unit_value(&unit, "Install", "WantedBy"),
         Some("multi-user.target")
@@ -364,7 +369,7 @@ fn systemd_analyze_verifies_the_unit() {
     assert!(
         security.status.success(),
         "the unit's exposure score is above 2.0:\n{}",
-        report.lines().last().unwrap_or_default()
+        report.lines().next_back().unwrap_or_default()
     );
 }
 
@@ -401,7 +406,11 @@ fn launchd_plist_parses_and_keeps_the_daemon_alive() {
     for key in ["StandardErrorPath", "StandardOutPath", "WorkingDirectory"] {
         assert!(string(key).starts_with('/'), "{key} is not absolute");
     }
-    assert_ne!(string("UserName"), "root", "the daemon must not run as root");
+    assert_ne!(
+        string("UserName"),
+        "root",
+        "the daemon must not run as root"
+    );
 
     let exit_timeout = dict
         .get("ExitTimeOut")
@@ -446,7 +455,11 @@ fn every_documented_key_is_a_serve_flag() {
     let help = String::from_utf8_lossy(&help.stdout);
     for shipped in [UNIT_CONFIG, PLIST_CONFIG] {
         let keys = config_keys(&read(shipped));
-        assert!(keys.len() >= 10, "{shipped}: only {} keys found", keys.len());
+        assert!(
+            keys.len() >= 10,
+            "{shipped}: only {} keys found",
+            keys.len()
+        );
         for (key, _, _) in keys {
             let flag = format!("--{}", key.replace('_', "-"));
             assert!(
@@ -488,7 +501,8 @@ fn a_public_listen_address_needs_a_token_file() {
     if !have_model() {
         return;
     }
-    let public = |t: String| t.replace("listen = \"127.0.0.1:50051\"", "listen = \"0.0.0.0:50051\"");
+    let public =
+        |t: String| t.replace("listen = \"127.0.0.1:50051\"", "listen = \"0.0.0.0:50051\"");
     assert!(public(read(UNIT_CONFIG)).contains("listen = \"0.0.0.0:50051\""));
 
     let out = check_edited_config(public);
@@ -514,7 +528,7 @@ fn a_public_listen_address_needs_a_token_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     let token = dir.path().join("auth-token");
     std::fs::write(&token, "interop-test-token\n").expect("write token");
-    let out = check_edited_config(|t| public(t) + &format!("auth_token_file = {:?}\n", token));
+    let out = check_edited_config(|t| public(t) + &format!("auth_token_file = {token:?}\n"));
     assert!(out.status.success(), "auth_token_file: {}", stderr(&out));
 }
 

@@ -62,7 +62,7 @@ fn python_env() -> Option<PathBuf> {
         out.status.code()
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let python = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
+    let python = PathBuf::from(stdout.lines().next_back().unwrap_or_default().trim());
     assert!(
         python.is_file(),
         "scripts/python-env printed {python:?}, which is not a file"
