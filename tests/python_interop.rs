@@ -17,6 +17,9 @@ const CLIENT: &str = "tests/interop/runtime_client.py";
 const MAX_SESSIONS: &str = "2";
 /// How long the server may take to load the model and start listening.
 const STARTUP: Duration = Duration::from_secs(120);
+/// How long an idle server may take to stop after SIGTERM (its drain
+/// timeout is 30 s, and nothing is running).
+const DRAIN_LIMIT: Duration = Duration::from_secs(40);
 
 /// The server process, killed (and reaped) however the test ends.
 struct ServerGuard {
@@ -150,5 +153,33 @@ fn a_stock_python_client_drives_the_server_through_every_status() {
     assert!(
         stdout.contains("interop: every check passed"),
         "the python client exited 0 without finishing:\n{stdout}"
+    );
+    stops_gracefully_on_sigterm(server);
+}
+
+/// SIGTERM drains (nothing is running by now) and exits 0, as a service
+/// manager expects.
+fn stops_gracefully_on_sigterm(mut server: ServerGuard) {
+    let pid = server.child.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status();
+    if !sent.is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: no `kill` command to send SIGTERM with");
+        return;
+    }
+    let waited_from = std::time::Instant::now();
+    let status = loop {
+        match server.child.try_wait().expect("poll the server") {
+            Some(status) => break status,
+            None if waited_from.elapsed() > DRAIN_LIMIT => panic!(
+                "inferd serve still running {DRAIN_LIMIT:?} after SIGTERM; its log:\n{}",
+                server.log_text()
+            ),
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    assert!(
+        status.success(),
+        "inferd serve exited {status} after SIGTERM; its log:\n{}",
+        server.log_text()
     );
 }
