@@ -15,6 +15,9 @@ const CLIENT: &str = "tests/interop/runtime_client.py";
 /// The session limit the server runs with; the client fills it up to
 /// provoke RESOURCE_EXHAUSTED.
 const MAX_SESSIONS: &str = "2";
+/// The eviction policy the server runs with; the client checks that an
+/// idle session is evicted (lru) or that the limit is a hard one (none).
+const EVICTION: &str = "none";
 /// How long the server may take to load the model and start listening.
 const STARTUP: Duration = Duration::from_secs(120);
 /// How long an idle server may take to stop after SIGTERM (its drain
@@ -90,7 +93,7 @@ fn start_server(log_dir: &Path) -> (ServerGuard, String) {
         "--max-sessions",
         MAX_SESSIONS,
         "--eviction",
-        "none",
+        EVICTION,
     ])
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
@@ -108,14 +111,16 @@ fn start_server(log_dir: &Path) -> (ServerGuard, String) {
     // hang the test past STARTUP; the thread keeps draining afterwards.
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        for line in lines.by_ref().map_while(Result::ok) {
-            if let Some(addr) = line.strip_prefix("listening on ") {
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        while reader.read_line(&mut line).is_ok_and(|n| n > 0) {
+            if let Some(addr) = line.trim_end().strip_prefix("listening on ") {
                 let _ = tx.send(addr.trim().to_owned());
                 break;
             }
+            line.clear();
         }
-        let _ = std::io::copy(&mut lines.into_inner(), &mut std::io::sink());
+        let _ = std::io::copy(&mut reader, &mut std::io::sink());
     });
     match rx.recv_timeout(STARTUP) {
         Ok(addr) => (guard, addr),
@@ -139,7 +144,14 @@ fn a_stock_python_client_drives_the_server_through_every_status() {
     let (server, addr) = start_server(dir.path());
 
     let out = Command::new(&python)
-        .args([CLIENT, &addr, "--max-sessions", MAX_SESSIONS])
+        .args([
+            CLIENT,
+            &addr,
+            "--max-sessions",
+            MAX_SESSIONS,
+            "--eviction",
+            EVICTION,
+        ])
         .output()
         .expect("run the python client");
     let stdout = String::from_utf8_lossy(&out.stdout);
