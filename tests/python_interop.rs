@@ -1,0 +1,197 @@
+//! A stock Python gRPC client against the real `inferd serve`: stubs
+//! generated from the published `protos/` with grpcio-tools (in the
+//! virtualenv `scripts/python-env` keeps), driving the session lifecycle,
+//! streaming, every error status a client can provoke, deadlines and
+//! cancellation (`tests/interop/runtime_client.py`).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const CLIENT: &str = "tests/interop/runtime_client.py";
+/// The session limit the server runs with; the client fills it up to
+/// provoke RESOURCE_EXHAUSTED.
+const MAX_SESSIONS: &str = "2";
+/// The eviction policy the server runs with; the client checks that an
+/// idle session is evicted (lru) or that the limit is a hard one (none).
+const EVICTION: &str = "none";
+/// How long the server may take to load the model and start listening.
+const STARTUP: Duration = Duration::from_secs(120);
+/// How long an idle server may take to stop after SIGTERM (its drain
+/// timeout is 30 s, and nothing is running).
+const DRAIN_LIMIT: Duration = Duration::from_secs(40);
+
+/// The server process, killed (and reaped) however the test ends.
+struct ServerGuard {
+    child: Child,
+    log: PathBuf,
+}
+
+impl ServerGuard {
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        // Already exited is fine: the kill then just fails.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The virtualenv's python, made by scripts/python-env; None (after saying
+/// so loudly) when this machine has no python3 at all.
+fn python_env() -> Option<PathBuf> {
+    let has_python = Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_python {
+        eprintln!(
+            "SKIPPED (LOUDLY): python3 is not installed, so the stock-client interop test \
+             did not run; scripts/setup installs it"
+        );
+        return None;
+    }
+    let out = Command::new("scripts/python-env")
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run scripts/python-env");
+    assert!(
+        out.status.success(),
+        "scripts/python-env failed (exit {:?}); it needs pip access to PyPI the first time",
+        out.status.code()
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let python = PathBuf::from(stdout.lines().next_back().unwrap_or_default().trim());
+    assert!(
+        python.is_file(),
+        "scripts/python-env printed {python:?}, which is not a file"
+    );
+    Some(python)
+}
+
+/// Starts `inferd serve` on a free loopback port and returns it with the
+/// address from its `listening on ADDR` line.
+fn start_server(log_dir: &Path) -> (ServerGuard, String) {
+    let log = log_dir.join("server.log");
+    let log_file = std::fs::File::create(&log).expect("create server log");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_inferd"));
+    cmd.args([
+        "serve",
+        "--model",
+        REFERENCE,
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        "--max-sessions",
+        MAX_SESSIONS,
+        "--eviction",
+        EVICTION,
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::from(log_file));
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("INFERD_") {
+            cmd.env_remove(key);
+        }
+    }
+    let mut child = cmd.spawn().expect("start inferd serve");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let guard = ServerGuard { child, log };
+
+    // Read stdout on a thread so that a server that never prints cannot
+    // hang the test past STARTUP; the thread keeps draining afterwards.
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        while reader.read_line(&mut line).is_ok_and(|n| n > 0) {
+            if let Some(addr) = line.trim_end().strip_prefix("listening on ") {
+                let _ = tx.send(addr.trim().to_owned());
+                break;
+            }
+            line.clear();
+        }
+        let _ = std::io::copy(&mut reader, &mut std::io::sink());
+    });
+    match rx.recv_timeout(STARTUP) {
+        Ok(addr) => (guard, addr),
+        Err(_) => panic!(
+            "inferd serve printed no `listening on` line within {STARTUP:?}; its log:\n{}",
+            guard.log_text()
+        ),
+    }
+}
+
+#[test]
+fn a_stock_python_client_drives_the_server_through_every_status() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let Some(python) = python_env() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (server, addr) = start_server(dir.path());
+
+    let out = Command::new(&python)
+        .args([
+            CLIENT,
+            &addr,
+            "--max-sessions",
+            MAX_SESSIONS,
+            "--eviction",
+            EVICTION,
+        ])
+        .output()
+        .expect("run the python client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the python client failed (exit {:?}):\n{stdout}\n{}\n--- server log ---\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr),
+        server.log_text()
+    );
+    assert!(
+        stdout.contains("interop: every check passed"),
+        "the python client exited 0 without finishing:\n{stdout}"
+    );
+    stops_gracefully_on_sigterm(server);
+}
+
+/// SIGTERM drains (nothing is running by now) and exits 0, as a service
+/// manager expects.
+fn stops_gracefully_on_sigterm(mut server: ServerGuard) {
+    let pid = server.child.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status();
+    if !sent.is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: no `kill` command to send SIGTERM with");
+        return;
+    }
+    let waited_from = std::time::Instant::now();
+    let status = loop {
+        match server.child.try_wait().expect("poll the server") {
+            Some(status) => break status,
+            None if waited_from.elapsed() > DRAIN_LIMIT => panic!(
+                "inferd serve still running {DRAIN_LIMIT:?} after SIGTERM; its log:\n{}",
+                server.log_text()
+            ),
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    assert!(
+        status.success(),
+        "inferd serve exited {status} after SIGTERM; its log:\n{}",
+        server.log_text()
+    );
+}
