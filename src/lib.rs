@@ -15,12 +15,15 @@
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
 //! - [`proto`]: the gRPC wire types generated from `protos/` (client API and health).
+//! - [`metrics`]: Prometheus text rendering of the runtime counters, served over HTTP.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 pub mod cli;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
+#[cfg(not(loom))]
+pub mod metrics;
 pub mod model;
 #[cfg(not(loom))]
 pub mod proto;
