@@ -29,7 +29,7 @@ use crossbeam_channel::{bounded, Sender, TrySendError};
 pub use error::{RuntimeError, StatusKind};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
 pub use id::SessionId;
-pub use rate::{DecodeRate, RATE_WINDOW_SECS};
+pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
 pub use stats::{
     Counters, DurationHistogram, HistogramSnapshot, RuntimeStats, WorkerGauges, WorkerStats,
     PREFILL_BUCKETS,
