@@ -781,6 +781,8 @@ impl Worker {
                 if slot.queue[i].deadline.is_some_and(|d| d <= now) {
                     if let Some(q) = slot.queue.remove(i) {
                         q.op.fail(RuntimeError::DeadlineExceeded);
+                        // Its wait for room (if it was waiting) ends too.
+                        slot.short_since = None;
                         moved = true;
                     }
                 } else {
@@ -1415,6 +1417,7 @@ mod tests {
         assert!(err.to_string().contains("INV-2"), "{err}");
         assert!(!w.sessions.contains_key(&id));
         assert_eq!(w.shared.counters.inv2_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(w.shared.counters.sessions_failed.load(Ordering::Relaxed), 1);
         assert_eq!(w.kv_pool.free_pages(), 8);
         assert_eq!(w.shared.live_sessions.load(Ordering::Relaxed), 0);
     }
@@ -1434,6 +1437,51 @@ mod tests {
             append(&mut w, id, &[5]).expect_err("gone"),
             RuntimeError::NotFound
         );
+    }
+
+    #[test]
+    fn an_eviction_request_takes_the_lru_idle_session_never_a_busy_one() {
+        let mut w = worker();
+        let old = new_session(&mut w);
+        let newer = new_session(&mut w);
+        let busy = new_session(&mut w);
+        append(&mut w, old, &[1]).expect("append");
+        append(&mut w, newer, &[2]).expect("append");
+        append(&mut w, busy, &[3]).expect("append");
+        let (tx, _rx) = notify::channel(1);
+        w.handle(Command::Enqueue {
+            id: busy,
+            op: Op::Append {
+                tokens: vec![4],
+                reply: tx,
+            },
+            deadline: None,
+        });
+        w.publish();
+        let board = Arc::clone(&w.shared);
+        let stamp = |id: SessionId, w: &Worker| w.stamp(w.sessions[&id].last_used);
+        assert_eq!(board.board.oldest_idle(0), Some(stamp(old, &w)));
+        let tickets = [0, 1, 2].map(|_| board.board.ask(0));
+        w.serve_evictions();
+        assert!(tickets.iter().all(|&t| board.board.is_answered(t)));
+        // Two idle sessions for three requests: both go, the busy one stays.
+        assert!(w.sessions.contains_key(&busy));
+        assert_eq!(w.sessions.len(), 1);
+        assert_eq!(w.shared.counters.evicted_lru.load(Ordering::Relaxed), 2);
+        assert_eq!(board.board.oldest_idle(0), None);
+    }
+
+    #[test]
+    fn the_none_policy_makes_no_room() {
+        let mut w = worker();
+        w.cfg.eviction = EvictionPolicy::None;
+        let idle = new_session(&mut w);
+        append(&mut w, idle, &[1]).expect("append");
+        assert!(matches!(w.make_room(None), Room::Nothing));
+        assert!(w.sessions.contains_key(&idle));
+        w.cfg.eviction = EvictionPolicy::Lru;
+        assert!(matches!(w.make_room(None), Room::Retry));
+        assert!(!w.sessions.contains_key(&idle));
     }
 
     #[test]
