@@ -2,7 +2,7 @@
 //! eviction board's request/answer handshake and the decode-rate window's
 //! recycled buckets.
 
-use inferd::runtime::{DecodeRate, EvictionBoard, RATE_BUCKETS};
+use inferd::runtime::{DecodeRate, EvictionBoard, EvictionTicket, RATE_BUCKETS};
 use loom::sync::Arc;
 use loom::thread;
 
@@ -22,46 +22,63 @@ fn serve(board: &EvictionBoard, idle: &mut u32, evicted: &mut u32) {
     board.answer(0, open, (*idle > 0).then_some(10));
 }
 
-#[test]
-fn an_answered_request_sees_the_owners_fresh_board_and_none_is_lost() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
-    builder.check(|| {
-        let board = Arc::new(EvictionBoard::new(3));
-        // Worker 0 owns one idle session, last used at stamp 10.
-        board.publish(0, Some(10));
-        let requesters: Vec<_> = (1..=2)
-            .map(|me| {
-                let board = Arc::clone(&board);
-                thread::spawn(move || {
-                    let (victim, stamp) = board.best_victim(me)?;
-                    assert_eq!((victim, stamp), (0, 10));
-                    let ticket = board.ask(victim);
-                    if board.is_answered(ticket) {
-                        // The answer is published after the eviction, so
-                        // the stale stamp can no longer be seen.
-                        assert_eq!(board.oldest_idle(0), None, "stale board after answer");
-                    }
-                    Some(ticket)
-                })
-            })
-            .collect();
-        let (mut idle, mut evicted) = (1, 0);
-        serve(&board, &mut idle, &mut evicted);
-        let tickets: Vec<_> = requesters
-            .into_iter()
-            .filter_map(|r| r.join().unwrap_or_else(|_| panic!("requester panicked")))
-            .collect();
-        serve(&board, &mut idle, &mut evicted);
-        // Every ticket is answered once the owner has looked after the asks.
-        for t in &tickets {
-            assert!(board.is_answered(*t), "ticket {t:?} lost");
+/// A requester (worker `me`) asks for worker 0's idle session if the board
+/// shows one; once its ticket is answered it must see the owner's fresh
+/// stamp (none idle), never the stale one it acted on.
+fn request(board: &EvictionBoard, me: usize) -> Option<EvictionTicket> {
+    let (victim, stamp) = board.best_victim(me)?;
+    assert_eq!((victim, stamp), (0, 10));
+    let ticket = board.ask(victim);
+    for _ in 0..2 {
+        if board.is_answered(ticket) {
+            assert_eq!(board.oldest_idle(0), None, "stale board after answer");
+            break;
         }
-        assert_eq!(board.open_requests(0).count, 0);
-        // Never more evictions than asked for, nor than were idle.
-        assert_eq!(evicted, u32::from(!tickets.is_empty()));
-        assert_eq!(board.oldest_idle(0), None);
-    });
+        thread::yield_now();
+    }
+    Some(ticket)
+}
+
+/// Worker 0 owns one idle session (stamp 10) and serves the requests of
+/// `requesters` other workers concurrently, then once more after them.
+fn eviction_round(requesters: usize) {
+    let board = Arc::new(EvictionBoard::new(requesters + 1));
+    board.publish(0, Some(10));
+    let handles: Vec<_> = (1..=requesters)
+        .map(|me| {
+            let board = Arc::clone(&board);
+            thread::spawn(move || request(&board, me))
+        })
+        .collect();
+    let (mut idle, mut evicted) = (1, 0);
+    serve(&board, &mut idle, &mut evicted);
+    let tickets: Vec<_> = handles
+        .into_iter()
+        .filter_map(|h| h.join().unwrap_or_else(|_| panic!("requester panicked")))
+        .collect();
+    serve(&board, &mut idle, &mut evicted);
+    // Every ticket is answered once the owner has looked after the asks.
+    for t in &tickets {
+        assert!(board.is_answered(*t), "ticket {t:?} lost");
+    }
+    assert_eq!(board.open_requests(0).count, 0);
+    // Never more evictions than asked for, nor than were idle.
+    assert_eq!(evicted, u32::from(!tickets.is_empty()));
+    assert_eq!(board.oldest_idle(0), None);
+}
+
+#[test]
+fn an_answered_request_sees_the_owners_fresh_board() {
+    loom::model(|| eviction_round(1));
+}
+
+#[test]
+fn racing_requesters_are_all_answered_and_evict_no_more_than_idle() {
+    let mut builder = loom::model::Builder::new();
+    // Two requesters and the owner: two preemptions cover every pairwise
+    // race on the request counter.
+    builder.preemption_bound = Some(2);
+    builder.check(|| eviction_round(2));
 }
 
 /// A reader racing the writer recycling a bucket for a later second
