@@ -235,9 +235,12 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
 fn render_workers(e: &mut Exposition, stats: &RuntimeStats) {
     let ids: Vec<String> = (0..stats.workers.len()).map(|i| i.to_string()).collect();
     let families: [(&str, &str, &str, fn(&crate::runtime::WorkerStats) -> String); 7] = [
-        ("worker_sessions", "gauge", "Sessions the worker owns.", |w| {
-            w.sessions.to_string()
-        }),
+        (
+            "worker_sessions",
+            "gauge",
+            "Sessions the worker owns.",
+            |w| w.sessions.to_string(),
+        ),
         (
             "worker_generated_tokens_total",
             "counter",
@@ -577,13 +580,13 @@ mod tests {
             value(&samples, name, labels).unwrap_or_else(|| panic!("no {name} {labels:?}"))
         };
         assert_eq!(get("inferd_session_active", &[]), 3.0);
-        assert_eq!(
-            get("inferd_session_total", &[("outcome", "created")]),
-            7.0
-        );
+        assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "failed")]), 1.0);
         assert_eq!(
-            get("inferd_cache_invariant_violations_total", &[("kind", "inv2")]),
+            get(
+                "inferd_cache_invariant_violations_total",
+                &[("kind", "inv2")]
+            ),
             1.0
         );
         assert_eq!(
@@ -661,7 +664,10 @@ mod tests {
             MetricsEndpoint::bind("127.0.0.1:0", Arc::new(move || text.clone())).expect("binds");
         assert_ne!(endpoint.addr().port(), 0);
         let (head, body) = get(endpoint.addr(), "/metrics");
-        assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+            "{head}"
+        );
         assert!(
             head.to_ascii_lowercase()
                 .contains("content-type: text/plain; version=0.0.4"),

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use inferd::gguf::synthetic::SyntheticLlama;
 use inferd::gguf::GgufFile;
+use inferd::metrics::{render, MetricsEndpoint, ServerNumbers};
 use inferd::model::Model;
 use inferd::quant::GgmlType;
-use inferd::metrics::{render, MetricsEndpoint, ServerNumbers};
 use inferd::runtime::{
     AppendTokens, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent, GenerateRequest,
     OverflowPolicy, Runtime, RuntimeConfig, RuntimeError, RuntimeStats, SamplingOptions, SessionId,
@@ -759,9 +759,18 @@ fn a_truncating_append_that_cannot_get_pages_changes_nothing() {
     assert_eq!(err.to_string(), "KV pages exhausted: 16 asked, 0 free");
     let after = info(&rt, id).expect("the session survives");
     let kept = |i: &inferd::runtime::SessionInfo| {
-        (i.history_length, i.kv_live_bytes, i.pages_held, i.logits_digest)
+        (
+            i.history_length,
+            i.kv_live_bytes,
+            i.pages_held,
+            i.logits_digest,
+        )
     };
-    assert_eq!(kept(&after), kept(&before), "history and KV exactly as before");
+    assert_eq!(
+        kept(&after),
+        kept(&before),
+        "history and KV exactly as before"
+    );
     assert_eq!(after.history_length, 200);
     assert_eq!(rt.stats().kv_free_pages, 0);
     assert_eq!(rt.stats().evicted_lru, 0);
@@ -862,7 +871,10 @@ fn the_session_limit_evicts_an_idle_session_of_another_worker() {
     append(&rt, busy, &[2]).expect("append");
     let _busy = stalled(&rt, busy);
     let c = create(&rt, &[]);
-    assert_eq!(info(&rt, idle).expect_err("evicted"), RuntimeError::NotFound);
+    assert_eq!(
+        info(&rt, idle).expect_err("evicted"),
+        RuntimeError::NotFound
+    );
     assert!(info(&rt, busy).expect("busy stays").busy);
     assert_eq!(info(&rt, c).expect("c").history_length, 0);
     assert_eq!(rt.stats().evicted_lru, 1);

@@ -26,8 +26,8 @@ use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
-pub use error::{RuntimeError, StatusKind};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
+pub use error::{RuntimeError, StatusKind};
 pub use id::SessionId;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
 pub use stats::{

@@ -1068,9 +1068,9 @@ impl Worker {
             return false;
         };
         let position = slot.history.len() as u64;
-        let sampled =
-            self.sampler
-                .sample(&slot.next_logits, &gen.params, &slot.history, position);
+        let sampled = self
+            .sampler
+            .sample(&slot.next_logits, &gen.params, &slot.history, position);
         match sampled {
             Ok(token) => {
                 slot.feed.push(token);

@@ -96,9 +96,7 @@ fn recycle_race(read: fn(&DecodeRate, u64, u64) -> u64) {
         assert!(old == 0 || old == 5, "second 1 read as {old}");
         let new = read(&rate, later, later + 1);
         assert!(new == 0 || new == 7, "second {later} read as {new}");
-        writer
-            .join()
-            .unwrap_or_else(|_| panic!("writer panicked"));
+        writer.join().unwrap_or_else(|_| panic!("writer panicked"));
         assert_eq!(read(&rate, 1, 2), 0);
         assert_eq!(read(&rate, later, later + 1), 7);
     });
