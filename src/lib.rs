@@ -16,6 +16,7 @@
 //!   continuous batching and the session contract, free of any transport.
 //! - [`proto`]: the gRPC wire types generated from `protos/` (client API and health).
 //! - [`server`]: the gRPC front end (grpcio): RuntimeService, health, auth, TLS.
+//! - [`metrics`]: Prometheus text rendering of the runtime counters, served over HTTP.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 #[cfg(not(loom))]
@@ -23,6 +24,8 @@ pub mod cli;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
+#[cfg(not(loom))]
+pub mod metrics;
 pub mod model;
 #[cfg(not(loom))]
 pub mod proto;

@@ -6,11 +6,13 @@ use std::time::{Duration, Instant};
 
 use inferd::gguf::synthetic::SyntheticLlama;
 use inferd::gguf::GgufFile;
+use inferd::metrics::{render, MetricsEndpoint, ServerNumbers};
 use inferd::model::Model;
 use inferd::quant::GgmlType;
 use inferd::runtime::{
-    AppendTokens, CreateSession, GenerateDone, GenerateEvent, GenerateRequest, OverflowPolicy,
-    Runtime, RuntimeConfig, RuntimeError, SamplingOptions, SessionId, StatusKind, StopReason,
+    AppendTokens, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent, GenerateRequest,
+    OverflowPolicy, Runtime, RuntimeConfig, RuntimeError, RuntimeStats, SamplingOptions, SessionId,
+    StatusKind, StopReason,
 };
 
 const CONTEXT: usize = 256;
@@ -179,7 +181,7 @@ fn a_stop_sequence_ends_the_generation_after_it_is_emitted() {
     let (tokens, done) = split(rt.generate(req, None).expect("queued").collect());
     assert_eq!(tokens, free[..first_end].to_vec());
     match done {
-        GenerateEvent::Done(d) => assert_eq!(d.stop_reason, StopReason::StopSequence),
+        GenerateEvent::Done(d) => assert!(matches!(d.stop_reason, StopReason::StopSequence { .. })),
         other => panic!("{other:?}"),
     }
     assert_eq!(
@@ -718,4 +720,295 @@ fn a_draining_runtime_is_unavailable() {
         RuntimeError::Unavailable
     );
     rt.shutdown();
+}
+
+/// Tiny model: 256 bytes per position, 4096 per 16-position page.
+const PAGE_BYTES: u64 = 4096;
+
+/// Waits (at most 5 s) for the gauges, which workers publish at the end of
+/// each turn, to satisfy `ok`.
+fn eventually(rt: &Runtime, ok: impl Fn(&RuntimeStats) -> bool) -> RuntimeStats {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = rt.stats();
+        if ok(&stats) || Instant::now() > until {
+            return stats;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_truncating_append_that_cannot_get_pages_changes_nothing() {
+    let rt = start(RuntimeConfig {
+        kv_bytes: 20 * PAGE_BYTES,
+        stream_capacity: 4,
+        ..config(1)
+    });
+    // A busy neighbour holds 7 pages (96 prompt tokens plus a few generated).
+    let busy = create(&rt, &[]);
+    append(&rt, busy, &prompt(96, 7)).expect("6 pages");
+    let _stalled = stalled(&rt, busy);
+    let id = create(&rt, &[]);
+    append(&rt, id, &prompt(200, 3)).expect("13 pages");
+    assert_eq!(rt.stats().kv_free_pages, 0);
+    let before = info(&rt, id).expect("info");
+    // Past the context: the kept window needs 16 fresh pages.
+    let err = append(&rt, id, &prompt(100, 9)).expect_err("no pages");
+    assert_eq!(err.code(), StatusKind::ResourceExhausted);
+    assert_eq!(err.to_string(), "KV pages exhausted: 16 asked, 0 free");
+    let after = info(&rt, id).expect("the session survives");
+    let kept = |i: &inferd::runtime::SessionInfo| {
+        (
+            i.history_length,
+            i.kv_live_bytes,
+            i.pages_held,
+            i.logits_digest,
+        )
+    };
+    assert_eq!(
+        kept(&after),
+        kept(&before),
+        "history and KV exactly as before"
+    );
+    assert_eq!(after.history_length, 200);
+    assert_eq!(rt.stats().kv_free_pages, 0);
+    assert_eq!(rt.stats().evicted_lru, 0);
+    // And it still works from where it was.
+    let (tokens, done) = generate(&rt, id, 3, SamplingOptions::default());
+    assert_eq!((tokens.len(), done.history_length), (3, 203));
+}
+
+#[test]
+fn a_truncating_generate_under_pressure_reuses_the_sessions_own_pages() {
+    let rt = start(RuntimeConfig {
+        kv_bytes: 23 * PAGE_BYTES,
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let busy = create(&rt, &[]);
+    append(&rt, busy, &prompt(96, 7)).expect("6 pages");
+    let _stalled = stalled(&rt, busy);
+    let id = create(&rt, &[]);
+    append(&rt, id, &prompt(250, 5)).expect("16 pages");
+    assert_eq!(rt.stats().kv_free_pages, 0);
+    // The kept window (15 pages) fits only in the session's own pages.
+    let events = rt
+        .generate(request(id, 20, SamplingOptions::default()), None)
+        .expect("q")
+        .collect();
+    assert_eq!(
+        events[0],
+        GenerateEvent::Truncated {
+            dropped_token_count: 14
+        }
+    );
+    let (tokens, end) = split(events);
+    assert!(matches!(end, GenerateEvent::Done(_)), "{end:?}");
+    assert_eq!(tokens.len(), 20);
+    assert_eq!(info(&rt, id).expect("info").history_length, CONTEXT as u64);
+}
+
+/// Two sessions on different workers, in the order (worker 0, worker 1).
+fn one_per_worker(rt: &Runtime) -> (SessionId, SessionId) {
+    let a = create(rt, &[]);
+    let b = create(rt, &[]);
+    assert_ne!(a.shard(2), b.shard(2), "placed on the least loaded worker");
+    if a.shard(2) == 0 {
+        (a, b)
+    } else {
+        (b, a)
+    }
+}
+
+#[test]
+fn an_idle_session_on_another_worker_is_evicted_for_pages() {
+    let rt = start(RuntimeConfig {
+        kv_bytes: 4 * PAGE_BYTES,
+        ..config(2)
+    });
+    let (a, b) = one_per_worker(&rt);
+    append(&rt, a, &prompt(40, 1)).expect("3 pages");
+    append(&rt, b, &prompt(40, 2)).expect("evicts a on the other worker");
+    assert_eq!(info(&rt, a).expect_err("evicted"), RuntimeError::NotFound);
+    assert_eq!(info(&rt, b).expect("b").history_length, 40);
+    let stats = rt.stats();
+    assert_eq!((stats.evicted_lru, stats.sessions_active), (1, 1));
+    // The other way round as well.
+    let c = create(&rt, &[]);
+    assert_ne!(c.shard(2), b.shard(2));
+    append(&rt, c, &prompt(40, 3)).expect("evicts b");
+    assert_eq!(info(&rt, b).expect_err("evicted"), RuntimeError::NotFound);
+    assert_eq!(rt.stats().evicted_lru, 2);
+}
+
+#[test]
+fn a_busy_session_on_another_worker_is_never_evicted() {
+    let rt = start(RuntimeConfig {
+        kv_bytes: 4 * PAGE_BYTES,
+        stream_capacity: 4,
+        ..config(2)
+    });
+    let (a, b) = one_per_worker(&rt);
+    append(&rt, a, &prompt(40, 1)).expect("3 pages");
+    let _busy = stalled(&rt, a);
+    let err = append(&rt, b, &prompt(40, 2)).expect_err("nothing idle");
+    assert_eq!(err.to_string(), "KV pages exhausted: 3 asked, 1 free");
+    assert!(info(&rt, a).expect("a stays").busy);
+    assert_eq!(info(&rt, b).expect("b stays").history_length, 0);
+    assert_eq!(rt.stats().evicted_lru, 0);
+}
+
+#[test]
+fn the_session_limit_evicts_an_idle_session_of_another_worker() {
+    let rt = start(RuntimeConfig {
+        max_sessions: 2,
+        stream_capacity: 4,
+        ..config(2)
+    });
+    let (idle, busy) = one_per_worker(&rt);
+    append(&rt, idle, &[1]).expect("append");
+    append(&rt, busy, &[2]).expect("append");
+    let _busy = stalled(&rt, busy);
+    let c = create(&rt, &[]);
+    assert_eq!(
+        info(&rt, idle).expect_err("evicted"),
+        RuntimeError::NotFound
+    );
+    assert!(info(&rt, busy).expect("busy stays").busy);
+    assert_eq!(info(&rt, c).expect("c").history_length, 0);
+    assert_eq!(rt.stats().evicted_lru, 1);
+}
+
+#[test]
+fn a_create_whose_deadline_passed_creates_nothing() {
+    let rt = start(config(1));
+    let late = rt
+        .create_session(CreateSession::default(), Some(Instant::now()))
+        .expect("queued");
+    assert_eq!(
+        late.wait().expect_err("late"),
+        RuntimeError::DeadlineExceeded
+    );
+    // Commands to one worker run in order: once this one is answered, the
+    // late one has been dealt with.
+    create(&rt, &[]);
+    let stats = rt.stats();
+    assert_eq!((stats.sessions_created, stats.sessions_active), (1, 1));
+}
+
+#[test]
+fn the_none_eviction_policy_never_evicts() {
+    let rt = start(RuntimeConfig {
+        kv_bytes: 4 * PAGE_BYTES,
+        max_sessions: 2,
+        eviction: EvictionPolicy::None,
+        ..config(1)
+    });
+    let a = create(&rt, &[]);
+    append(&rt, a, &prompt(40, 1)).expect("3 pages");
+    let b = create(&rt, &[]);
+    let err = append(&rt, b, &prompt(40, 2)).expect_err("pool full");
+    assert_eq!(err.code(), StatusKind::ResourceExhausted);
+    assert_eq!(err.to_string(), "KV pages exhausted: 3 asked, 1 free");
+    let err = rt
+        .create_session(CreateSession::default(), None)
+        .expect("q")
+        .wait()
+        .expect_err("limit");
+    assert_eq!(err.to_string(), "sessions exhausted: 1 asked, 0 free");
+    assert_eq!(info(&rt, a).expect("a stays").history_length, 40);
+    assert_eq!(rt.stats().evicted_lru, 0);
+}
+
+#[test]
+fn stats_count_sessions_tokens_prefill_and_queues() {
+    let rt = start(RuntimeConfig {
+        stream_capacity: 4,
+        ..config(1)
+    });
+    let a = create(&rt, &[]);
+    append(&rt, a, &prompt(10, 1)).expect("append");
+    generate(&rt, a, 5, SamplingOptions::default());
+    let b = create(&rt, &[]);
+    append(&rt, b, &[1, 2]).expect("append");
+    rt.close_session(b, None)
+        .expect("q")
+        .wait()
+        .expect("closed");
+    let bytes = rt.kv_pool().bytes_per_position() as u64;
+    let stats = eventually(&rt, |s| s.history_tokens == 15);
+    assert_eq!(stats.sessions_created, 2);
+    assert_eq!(stats.sessions_active, 1);
+    assert_eq!(stats.evicted_close, 1);
+    assert_eq!(stats.sessions_failed, 0);
+    assert_eq!(stats.history_tokens, 15);
+    assert_eq!(stats.kv_live_bytes, 15 * bytes);
+    assert_eq!(stats.prefill_tokens, 12);
+    assert_eq!(stats.prefill_duration.count, 2);
+    assert_eq!(stats.prefill_duration.counts.iter().sum::<u64>(), 2);
+    assert!(stats.prefill_duration.sum_seconds > 0.0);
+    assert_eq!(stats.tokens_generated, 5);
+    assert_eq!(stats.workers[0].tokens_generated, 5);
+    assert!(stats.workers[0].steps >= 5);
+    // A busy session with an append waiting behind it: one queued op.
+    let _busy = stalled(&rt, a);
+    let _waiting = rt
+        .append_tokens(
+            AppendTokens {
+                id: a,
+                tokens: vec![3],
+            },
+            None,
+        )
+        .expect("q");
+    let stats = eventually(&rt, |s| s.workers[0].queued_ops == 1);
+    assert_eq!(stats.workers[0].queued_ops, 1);
+    assert!(stats.workers[0].queue_depth >= 1);
+    // Decode rate counts whole seconds, so look once one has passed.
+    std::thread::sleep(Duration::from_millis(1100));
+    let rate = rt.stats().workers[0].decode_tokens_per_second;
+    assert!(rate > 0.0, "{rate}");
+}
+
+/// The value of the sample line starting with `prefix` (name and labels).
+fn sample(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn metrics_move_with_real_traffic_and_are_served_over_http() {
+    let rt = Arc::new(start(config(2)));
+    let scrape = {
+        let rt = Arc::clone(&rt);
+        move || render(&rt.stats(), &ServerNumbers::default())
+    };
+    let created = r#"inferd_session_total{outcome="created"}"#;
+    assert_eq!(sample(&scrape(), created), Some(0.0));
+    assert_eq!(sample(&scrape(), "inferd_generate_tokens_total"), Some(0.0));
+    let id = create(&rt, &[]);
+    append(&rt, id, &[1, 2, 3]).expect("append");
+    generate(&rt, id, 4, SamplingOptions::default());
+    let endpoint = MetricsEndpoint::bind("127.0.0.1:0", Arc::new(scrape)).expect("binds");
+    let body = {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(endpoint.addr()).expect("connects");
+        write!(stream, "GET /metrics HTTP/1.0\r\n\r\n").expect("sends");
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).expect("reads");
+        reply
+    };
+    assert!(body.contains(" 200 "), "{body}");
+    assert_eq!(sample(&body, created), Some(1.0));
+    assert_eq!(sample(&body, "inferd_generate_tokens_total"), Some(4.0));
+    assert_eq!(
+        sample(&body, "inferd_generate_prefill_tokens_total"),
+        Some(3.0)
+    );
+    assert_eq!(
+        sample(&body, "inferd_generate_prefill_duration_seconds_count"),
+        Some(1.0)
+    );
+    assert_eq!(sample(&body, "inferd_session_active"), Some(1.0));
 }

@@ -14,7 +14,7 @@ use signal_hook::iterator::Signals;
 
 use super::{CliError, DEFAULT_MODEL};
 use crate::model::Model;
-use crate::runtime::{OverflowPolicy, RuntimeConfig};
+use crate::runtime::{EvictionPolicy, OverflowPolicy, RuntimeConfig};
 use crate::server::{ServeConfig, Server, TlsIdentity};
 
 /// Which idle session makes room when memory or the session limit runs out.
@@ -299,6 +299,10 @@ impl Settings {
             kv_bytes,
             max_sessions: self.max_sessions,
             idle_ttl: self.idle_ttl,
+            eviction: match self.eviction {
+                Eviction::Lru => EvictionPolicy::Lru,
+                Eviction::None => EvictionPolicy::None,
+            },
             overflow: match self.overflow {
                 Overflow::Truncate => OverflowPolicy::Truncate {
                     sink: self.overflow_sink,
@@ -312,6 +316,7 @@ impl Settings {
             cfg.completion_queues = n;
         }
         cfg.allow_unauthenticated = self.allow_unauthenticated;
+        cfg.metrics_listen = self.metrics_listen.clone();
         if let Some(path) = &self.auth_token_file {
             let token = String::from_utf8(read_file("auth token file", path)?).map_err(|_| {
                 CliError::Usage(format!("auth token file {}: not UTF-8", path.display()))
@@ -390,6 +395,9 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", server.addr())?;
+        if let Some(addr) = server.metrics_addr() {
+            writeln!(out, "metrics on {addr}")?;
+        }
         out.flush()?;
     }
     notify_systemd(&[

@@ -9,33 +9,43 @@
 //! replies come back as a [`Pending`]; a Generate streams over a bounded
 //! channel, and a full stream makes only that session sit out steps.
 
+mod board;
 mod error;
 mod id;
 #[cfg(loom)]
 pub mod notify;
 #[cfg(not(loom))]
 mod notify;
+mod rate;
+mod stats;
+mod sync;
 mod types;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
+pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
 pub use error::{RuntimeError, StatusKind};
 pub use id::SessionId;
+pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
+pub use stats::{
+    Counters, DurationHistogram, HistogramSnapshot, RuntimeStats, WorkerGauges, WorkerStats,
+    PREFILL_BUCKETS,
+};
 pub use types::{
-    AppendReply, AppendTokens, CloseReply, Counters, CreateSession, GenerateDone, GenerateEvent,
-    GenerateRequest, GenerateStream, OverflowPolicy, Pending, RuntimeConfig, RuntimeStats,
-    SamplingOptions, SessionInfo, StopReason, WorkerGauges, WorkerStats,
+    AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateDone,
+    GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending, RuntimeConfig,
+    SamplingOptions, SessionInfo, StopReason,
 };
 
 use crate::kv::{KvBacking, KvPool, KvPoolConfig};
 use crate::model::Model;
-use worker::{Command, Op, Worker};
+use worker::{Command, Op, Shared, Worker};
 
 struct WorkerHandle {
     commands: Sender<Command>,
@@ -47,8 +57,7 @@ struct WorkerHandle {
 pub struct Runtime {
     workers: Vec<WorkerHandle>,
     kv_pool: Arc<KvPool>,
-    counters: Arc<Counters>,
-    live_sessions: Arc<AtomicUsize>,
+    shared: Arc<Shared>,
     next_worker: AtomicUsize,
     draining: AtomicBool,
     cfg: RuntimeConfig,
@@ -77,10 +86,11 @@ impl Runtime {
         } else {
             Vec::new()
         };
-        let counters = Arc::new(Counters::default());
-        let live_sessions = Arc::new(AtomicUsize::new(0));
+        let (wakers, wake_receivers): (Vec<_>, Vec<_>) =
+            (0..cfg.workers).map(|_| bounded::<()>(1)).unzip();
+        let shared = Arc::new(Shared::new(wakers));
         let mut workers = Vec::with_capacity(cfg.workers);
-        for index in 0..cfg.workers {
+        for (index, wake) in wake_receivers.into_iter().enumerate() {
             let (tx, rx) = bounded(cfg.worker_queue);
             let gauges = Arc::new(WorkerGauges::default());
             let worker = Worker::new(
@@ -88,9 +98,8 @@ impl Runtime {
                 Arc::clone(&model),
                 Arc::clone(&kv_pool),
                 cfg.clone(),
-                Arc::clone(&counters),
+                Arc::clone(&shared),
                 Arc::clone(&gauges),
-                Arc::clone(&live_sessions),
             );
             let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
             let thread = std::thread::Builder::new()
@@ -101,7 +110,7 @@ impl Runtime {
                             tracing::warn!(worker = index, core = core.id, "could not pin worker");
                         }
                     }
-                    worker.run(rx);
+                    worker.run(rx, wake);
                 })
                 .map_err(|e| RuntimeError::Internal(format!("cannot spawn worker {index}: {e}")))?;
             workers.push(WorkerHandle {
@@ -113,8 +122,7 @@ impl Runtime {
         Ok(Runtime {
             workers,
             kv_pool,
-            counters,
-            live_sessions,
+            shared,
             next_worker: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             cfg,
@@ -153,9 +161,15 @@ impl Runtime {
 
     fn pick_worker(&self) -> usize {
         let n = self.workers.len();
-        if self.live_sessions.load(Ordering::Acquire) >= self.cfg.max_sessions {
-            // At the limit, the fullest shard is the likeliest to hold an idle
-            // session it may evict.
+        if self.shared.live_sessions.load(Ordering::Acquire) >= self.cfg.max_sessions {
+            // At the limit, the worker holding the oldest idle session can
+            // evict it without asking another; failing that, the fullest
+            // shard is the likeliest to have one idle by then.
+            if self.cfg.eviction == EvictionPolicy::Lru {
+                if let Some((worker, _)) = self.shared.board.best_victim(usize::MAX) {
+                    return worker;
+                }
+            }
             return (0..n)
                 .max_by_key(|&i| self.workers[i].gauges.sessions.load(Ordering::Relaxed))
                 .unwrap_or(0);
@@ -167,7 +181,8 @@ impl Runtime {
             .unwrap_or(0)
     }
 
-    /// CreateSession: a fresh, empty session on the least-loaded worker.
+    /// CreateSession: a fresh, empty session on the least-loaded worker. A
+    /// request still waiting when `deadline` passes creates nothing.
     pub fn create_session(
         &self,
         req: CreateSession,
@@ -182,7 +197,15 @@ impl Runtime {
             }
         };
         let (tx, rx) = notify::channel(1);
-        self.send(worker, Command::Create { id, req, reply: tx })?;
+        self.send(
+            worker,
+            Command::Create {
+                id,
+                req,
+                reply: tx,
+                deadline,
+            },
+        )?;
         Ok(Pending {
             reply: rx,
             deadline,
@@ -285,13 +308,36 @@ impl Runtime {
         self.draining.store(true, Ordering::Release);
     }
 
-    /// A snapshot of the counters and gauges.
+    /// A snapshot of the counters and gauges (lock-free reads; the
+    /// per-worker gauges are as of each worker's last turn).
     pub fn stats(&self) -> RuntimeStats {
-        let c = &self.counters;
-        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let c = &self.shared.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let now = self.shared.epoch.elapsed().as_secs();
+        let workers: Vec<WorkerStats> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let g = &w.gauges;
+                let queued_commands = w.commands.len() as u64;
+                let queued_ops = load(&g.queued_ops);
+                WorkerStats {
+                    sessions: load(&g.sessions),
+                    queued_commands,
+                    queued_ops,
+                    queue_depth: queued_commands + queued_ops,
+                    last_batch_sequences: load(&g.last_batch_sequences),
+                    max_batch_sequences: load(&g.max_batch_sequences),
+                    steps: load(&g.steps),
+                    tokens_generated: load(&g.tokens_generated),
+                    decode_tokens_per_second: g.decode_rate.per_second(now),
+                }
+            })
+            .collect();
         RuntimeStats {
-            sessions_active: self.live_sessions.load(Ordering::Relaxed) as u64,
+            sessions_active: self.shared.live_sessions.load(Ordering::Relaxed) as u64,
             sessions_created: load(&c.sessions_created),
+            sessions_failed: load(&c.sessions_failed),
             evicted_ttl: load(&c.evicted_ttl),
             evicted_lru: load(&c.evicted_lru),
             evicted_close: load(&c.evicted_close),
@@ -299,20 +345,20 @@ impl Runtime {
             inv2_violations: load(&c.inv2_violations),
             tokens_generated: load(&c.tokens_generated),
             prefill_tokens: load(&c.prefill_tokens),
-            kv_free_pages: self.kv_pool.free_pages() as u64,
-            kv_total_pages: self.kv_pool.total_pages() as u64,
-            workers: self
+            prefill_duration: c.prefill_duration.snapshot(),
+            kv_live_bytes: self
                 .workers
                 .iter()
-                .map(|w| WorkerStats {
-                    sessions: load(&w.gauges.sessions),
-                    queued_commands: w.commands.len() as u64,
-                    last_batch_sequences: load(&w.gauges.last_batch_sequences),
-                    max_batch_sequences: load(&w.gauges.max_batch_sequences),
-                    steps: load(&w.gauges.steps),
-                    tokens_generated: load(&w.gauges.tokens_generated),
-                })
-                .collect(),
+                .map(|w| load(&w.gauges.kv_live_bytes))
+                .sum(),
+            history_tokens: self
+                .workers
+                .iter()
+                .map(|w| load(&w.gauges.history_tokens))
+                .sum(),
+            kv_free_pages: self.kv_pool.free_pages() as u64,
+            kv_total_pages: self.kv_pool.total_pages() as u64,
+            workers,
         }
     }
 

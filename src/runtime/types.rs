@@ -1,7 +1,7 @@
 //! Plain request, reply and event types of the runtime API, plus its
 //! configuration. A transport converts its messages to and from these.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,16 @@ pub enum OverflowPolicy {
     Stop,
 }
 
+/// What to do when the KV pool is empty or the session limit is reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    /// Evict the least recently used idle session, on any worker.
+    #[default]
+    Lru,
+    /// Never evict: the call is `ResourceExhausted`.
+    None,
+}
+
 /// How a runtime is sized.
 #[derive(Clone, Debug)]
 pub struct RuntimeConfig {
@@ -48,6 +58,8 @@ pub struct RuntimeConfig {
     /// A session idle this long is evicted.
     pub idle_ttl: Duration,
     pub overflow: OverflowPolicy,
+    /// Whether a full pool or session limit evicts idle sessions.
+    pub eviction: EvictionPolicy,
     /// Commands waiting for one worker; a full queue is `ResourceExhausted`.
     pub worker_queue: usize,
     /// Appends and Generates waiting behind a busy session.
@@ -67,6 +79,7 @@ impl Default for RuntimeConfig {
             max_sessions: 1024,
             idle_ttl: Duration::from_secs(1800),
             overflow: OverflowPolicy::Truncate { sink: 4 },
+            eviction: EvictionPolicy::Lru,
             worker_queue: 1024,
             session_queue: 8,
             stream_capacity: 32,
@@ -171,7 +184,10 @@ pub enum StopReason {
     /// The context is full and the overflow policy says stop.
     Truncated,
     /// The generated tokens ended with one of the request's stop sequences.
-    StopSequence,
+    StopSequence {
+        /// Which of the request's stop sequences matched.
+        index: u32,
+    },
 }
 
 /// The terminal event of a Generate.
@@ -297,6 +313,10 @@ pub struct SessionInfo {
     pub idle_seconds: f64,
     pub pages_held: u64,
     pub client_label: String,
+    /// The stop ids given at CreateSession.
+    pub eos_token_ids: Vec<u32>,
+    /// Tokens dropped so far by context-overflow truncation.
+    pub truncated_token_count: u64,
     /// Whether an operation is running or queued on the session.
     pub busy: bool,
     /// FNV-1a over the bits of the logits predicting the next token, for
@@ -345,58 +365,4 @@ impl<T> Future for Pending<T> {
             Poll::Ready(None) => Poll::Ready(Err(RuntimeError::Unavailable)),
         }
     }
-}
-
-/// Eviction and invariant counters shared by all workers.
-#[derive(Debug, Default)]
-pub struct Counters {
-    pub evicted_ttl: AtomicU64,
-    pub evicted_lru: AtomicU64,
-    pub evicted_close: AtomicU64,
-    pub inv1_violations: AtomicU64,
-    pub inv2_violations: AtomicU64,
-    pub sessions_created: AtomicU64,
-    pub tokens_generated: AtomicU64,
-    pub prefill_tokens: AtomicU64,
-}
-
-/// One worker's gauges.
-#[derive(Debug, Default)]
-pub struct WorkerGauges {
-    pub sessions: AtomicU64,
-    pub last_batch_sequences: AtomicU64,
-    pub max_batch_sequences: AtomicU64,
-    pub steps: AtomicU64,
-    pub tokens_generated: AtomicU64,
-}
-
-/// A snapshot of the runtime's counters.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RuntimeStats {
-    pub sessions_active: u64,
-    pub sessions_created: u64,
-    pub evicted_ttl: u64,
-    pub evicted_lru: u64,
-    pub evicted_close: u64,
-    pub inv1_violations: u64,
-    pub inv2_violations: u64,
-    pub tokens_generated: u64,
-    pub prefill_tokens: u64,
-    pub kv_free_pages: u64,
-    pub kv_total_pages: u64,
-    pub workers: Vec<WorkerStats>,
-}
-
-/// One worker's share of a [`RuntimeStats`] snapshot.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct WorkerStats {
-    pub sessions: u64,
-    /// Commands waiting in the worker's channel.
-    pub queued_commands: u64,
-    /// Sequences in the last batched forward step.
-    pub last_batch_sequences: u64,
-    /// Most sequences ever run in one forward step.
-    pub max_batch_sequences: u64,
-    pub steps: u64,
-    pub tokens_generated: u64,
 }

@@ -1,26 +1,35 @@
 //! One worker thread: it alone owns its shard of sessions (a plain map, no
 //! locks) and its compute context, and runs the step loop.
 //!
-//! Each turn of the loop: take every waiting command; start the next queued
-//! operation of each idle session (validate, reserve KV, then mutate);
-//! build ONE batch holding a decode token for every generating session whose
-//! stream has room and a prefill chunk for every session with prompt tokens
-//! left; run one `Model::forward`; commit, check invariants and emit. A
-//! session whose reader is slow simply sits out steps; the others go on.
+//! Each turn of the loop: take every waiting command; serve eviction
+//! requests from other workers; retry creations waiting for a place; start
+//! the next queued operation of each idle session (validate, reserve KV,
+//! then mutate); build ONE batch holding a decode token for every generating
+//! session whose stream has room and a prefill chunk for every session with
+//! prompt tokens left; run one `Model::forward`; commit, check invariants and
+//! emit; publish gauges and the oldest idle session. A session whose reader
+//! is slow simply sits out steps; the others go on.
+//!
+//! When pages or a session place run out, the least recently used idle
+//! session over ALL workers is evicted: a local one at once, another
+//! worker's by a request on the [`EvictionBoard`]; the operation that needs
+//! the room waits in its queue (other sessions go on) until the owner has
+//! answered, then tries again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 
-use super::notify::{self, NotifySender};
-
-use super::types::{Counters, WorkerGauges};
+use super::board::{EvictionBoard, EvictionTicket};
+use super::notify::NotifySender;
+use super::stats::{Counters, WorkerGauges};
 use super::{
-    AppendReply, CloseReply, CreateSession, GenerateDone, GenerateEvent, GenerateRequest,
-    OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo, StopReason,
+    AppendReply, CloseReply, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent,
+    GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
+    StopReason,
 };
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitsWanted, Model, Scratch, Sequence};
@@ -35,6 +44,7 @@ pub(crate) enum Command {
         id: SessionId,
         req: CreateSession,
         reply: Reply<SessionId>,
+        deadline: Option<Instant>,
     },
     /// An operation that joins the session's FIFO.
     Enqueue {
@@ -76,9 +86,43 @@ impl Op {
     }
 }
 
+/// What every worker shares; all of it is lock-free.
+pub(crate) struct Shared {
+    pub(crate) counters: Counters,
+    /// Live sessions over all workers (the session limit).
+    pub(crate) live_sessions: AtomicUsize,
+    pub(crate) board: EvictionBoard,
+    /// Wakes worker `i` from its wait for commands (a full channel means a
+    /// wake is already pending).
+    pub(crate) wakers: Vec<Sender<()>>,
+    /// Time zero of the board's stamps and the decode-rate seconds.
+    pub(crate) epoch: Instant,
+}
+
+impl Shared {
+    pub(crate) fn new(wakers: Vec<Sender<()>>) -> Self {
+        Shared {
+            counters: Counters::default(),
+            live_sessions: AtomicUsize::new(0),
+            board: EvictionBoard::new(wakers.len()),
+            wakers,
+            epoch: Instant::now(),
+        }
+    }
+}
+
 struct Queued {
     op: Op,
     deadline: Option<Instant>,
+}
+
+/// A CreateSession waiting for another worker to evict a session.
+struct WaitingCreate {
+    id: SessionId,
+    req: CreateSession,
+    reply: Reply<SessionId>,
+    deadline: Option<Instant>,
+    since: Instant,
 }
 
 /// A Generate in progress.
@@ -109,9 +153,38 @@ struct Active {
     work: Work,
     pending: Vec<u32>,
     fed: usize,
+    prefill_started: Instant,
 }
 
-/// Why a session left its worker; each eviction reason has a counter.
+/// How an append starts.
+enum Begin {
+    /// Nothing to append.
+    Empty,
+    /// Reserved (and truncated, if it had to be): feed these tokens.
+    Prefill { pending: Vec<u32>, dropped: u64 },
+    /// Waiting for another worker to evict; nothing changed.
+    Later,
+}
+
+/// Whether pages or a place were had now, or another worker was asked to
+/// evict and the caller should try again on a later turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Got {
+    Now,
+    Later,
+}
+
+/// What making room did.
+enum Room {
+    /// Something was evicted (or a remote request answered): try again now.
+    Retry,
+    /// Another worker was asked to evict; try again on a later turn.
+    Later,
+    /// Nothing idle anywhere may be evicted.
+    Nothing,
+}
+
+/// Why a session left its worker; each reason has a counter.
 #[derive(Clone, Copy, Debug)]
 enum Removal {
     Ttl,
@@ -130,12 +203,16 @@ struct Slot {
     eos: Vec<u32>,
     inv1: u64,
     inv2: u64,
+    /// Tokens dropped so far by context-overflow truncation.
+    truncated: u64,
     /// Committed KV length after the last mutation; it must never decrease
     /// except through a deliberate truncation, which resets it.
     high_water: usize,
     last_used: Instant,
     active: Option<Active>,
     queue: VecDeque<Queued>,
+    /// When the session began waiting for another worker to free pages.
+    short_since: Option<Instant>,
     /// What this step feeds for the session.
     feed: Vec<u32>,
     feed_logits: LogitsWanted,
@@ -152,13 +229,16 @@ pub(crate) struct Worker {
     model: Arc<Model>,
     kv_pool: Arc<KvPool>,
     cfg: RuntimeConfig,
-    counters: Arc<Counters>,
+    shared: Arc<Shared>,
     gauges: Arc<WorkerGauges>,
-    live_sessions: Arc<AtomicUsize>,
     compute: ThreadPool,
     scratch: Scratch,
     sampler: Sampler,
     sessions: HashMap<SessionId, Slot>,
+    waiting_creates: VecDeque<WaitingCreate>,
+    /// The one eviction this worker has asked another for and not seen
+    /// answered.
+    evict_wait: Option<EvictionTicket>,
     last_sweep: Instant,
 }
 
@@ -166,6 +246,25 @@ pub(crate) struct Worker {
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// How long a worker whose sessions are all blocked waits before retrying.
 const STALLED_WAIT: Duration = Duration::from_millis(1);
+/// How long a call waits for other workers to evict before it is
+/// `ResourceExhausted` (an owner answers within one of its turns).
+const EVICTION_PATIENCE: Duration = Duration::from_secs(2);
+
+fn kv_exhausted(asked: usize, free: usize) -> RuntimeError {
+    RuntimeError::ResourceExhausted {
+        what: "KV pages".into(),
+        asked: asked as u64,
+        free: free as u64,
+    }
+}
+
+fn sessions_exhausted() -> RuntimeError {
+    RuntimeError::ResourceExhausted {
+        what: "sessions".into(),
+        asked: 1,
+        free: 0,
+    }
+}
 
 impl Worker {
     pub(crate) fn new(
@@ -173,40 +272,39 @@ impl Worker {
         model: Arc<Model>,
         kv_pool: Arc<KvPool>,
         cfg: RuntimeConfig,
-        counters: Arc<Counters>,
+        shared: Arc<Shared>,
         gauges: Arc<WorkerGauges>,
-        live_sessions: Arc<AtomicUsize>,
     ) -> Self {
         Worker {
             index,
             model,
             kv_pool,
             cfg,
-            counters,
+            shared,
             gauges,
-            live_sessions,
             compute: ThreadPool::new(1),
             scratch: Scratch::default(),
             sampler: Sampler::new(),
             sessions: HashMap::new(),
+            waiting_creates: VecDeque::new(),
+            evict_wait: None,
             last_sweep: Instant::now(),
         }
     }
 
     /// The loop: runs until `Shutdown` or until every sender is gone.
-    pub(crate) fn run(mut self, commands: Receiver<Command>) {
+    pub(crate) fn run(mut self, commands: Receiver<Command>, wake: Receiver<()>) {
         tracing::debug!(worker = self.index, "worker started");
         let mut wait = IDLE_WAIT;
         loop {
-            let first = if self.has_work() {
-                commands.recv_timeout(wait)
-            } else {
-                commands.recv_timeout(IDLE_WAIT)
+            let timeout = if self.has_work() { wait } else { IDLE_WAIT };
+            let first = crossbeam_channel::select! {
+                recv(commands) -> got => got.map(Some),
+                recv(wake) -> _ => Ok(None),
+                default(timeout) => Ok(None),
             };
-            let mut next = match first {
-                Ok(cmd) => Some(cmd),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => break,
+            let Ok(mut next) = first else {
+                break;
             };
             let mut stop = false;
             while let Some(cmd) = next {
@@ -220,20 +318,23 @@ impl Worker {
             if stop {
                 break;
             }
-            let progressed = self.step();
+            self.serve_evictions();
+            let mut progressed = self.retry_creates();
+            progressed |= self.step();
             wait = if progressed {
                 Duration::ZERO
             } else {
                 STALLED_WAIT
             };
             self.sweep_if_due();
+            self.publish();
         }
         self.fail_everything();
         tracing::debug!(worker = self.index, "worker stopped");
     }
 
     fn has_work(&self) -> bool {
-        self.sessions.values().any(|s| !s.idle())
+        !self.waiting_creates.is_empty() || self.sessions.values().any(|s| !s.idle())
     }
 
     fn fail_everything(&mut self) {
@@ -246,16 +347,36 @@ impl Worker {
                 for q in slot.queue.drain(..) {
                     q.op.fail(RuntimeError::Unavailable);
                 }
-                self.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
             }
         }
-        self.gauges.sessions.store(0, Ordering::Relaxed);
+        for w in self.waiting_creates.drain(..) {
+            let _ = w.reply.send(Err(RuntimeError::Unavailable));
+        }
+        // Whoever waits on this worker's evictions learns there are none.
+        let board = &self.shared.board;
+        board.answer(self.index, board.open_requests(self.index), None);
+        self.publish();
     }
 
     pub(crate) fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Create { id, req, reply } => {
-                let _ = reply.send(self.create(id, req));
+            Command::Create {
+                id,
+                req,
+                reply,
+                deadline,
+            } => {
+                let waiting = WaitingCreate {
+                    id,
+                    req,
+                    reply,
+                    deadline,
+                    since: Instant::now(),
+                };
+                if let Some(w) = self.try_create(waiting) {
+                    self.waiting_creates.push_back(w);
+                }
             }
             Command::Info { id, reply } => {
                 let _ = reply.send(self.info(id));
@@ -278,51 +399,81 @@ impl Worker {
         }
     }
 
-    fn create(&mut self, id: SessionId, req: CreateSession) -> Result<SessionId, RuntimeError> {
-        if self.sessions.contains_key(&id) {
-            return Err(RuntimeError::Internal("session id drawn twice".into()));
+    /// Creates the session, or hands the request back to wait for another
+    /// worker's eviction. A request whose deadline has passed creates
+    /// nothing.
+    fn try_create(&mut self, w: WaitingCreate) -> Option<WaitingCreate> {
+        if w.deadline.is_some_and(|d| d <= Instant::now()) {
+            let _ = w.reply.send(Err(RuntimeError::DeadlineExceeded));
+            return None;
+        }
+        if self.sessions.contains_key(&w.id) {
+            let _ = w
+                .reply
+                .send(Err(RuntimeError::Internal("session id drawn twice".into())));
+            return None;
         }
         while !self.claim_session() {
-            if !self.evict_lru(None) {
-                return Err(RuntimeError::ResourceExhausted {
-                    what: "sessions".into(),
-                    asked: 1,
-                    free: 0,
-                });
+            match self.make_room(None) {
+                Room::Retry => {}
+                Room::Later if w.since.elapsed() < EVICTION_PATIENCE => return Some(w),
+                Room::Later | Room::Nothing => {
+                    let _ = w.reply.send(Err(sessions_exhausted()));
+                    return None;
+                }
             }
         }
+        let id = w.id;
         self.sessions.insert(
             id,
             Slot {
                 kv: SessionKv::new(Arc::clone(&self.kv_pool)),
                 history: Vec::new(),
                 next_logits: Vec::new(),
-                label: req.client_label,
-                eos: req.eos_token_ids,
+                label: w.req.client_label,
+                eos: w.req.eos_token_ids,
                 inv1: 0,
                 inv2: 0,
+                truncated: 0,
                 high_water: 0,
                 last_used: Instant::now(),
                 active: None,
                 queue: VecDeque::new(),
+                short_since: None,
                 feed: Vec::new(),
                 feed_logits: LogitsWanted::None,
             },
         );
-        self.counters
+        self.shared
+            .counters
             .sessions_created
             .fetch_add(1, Ordering::Relaxed);
         self.gauges
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
         tracing::info!(session = %id, worker = self.index, "session created");
-        Ok(id)
+        let _ = w.reply.send(Ok(id));
+        None
+    }
+
+    /// Retries the creations waiting for a place. Returns whether any ended.
+    fn retry_creates(&mut self) -> bool {
+        let before = self.waiting_creates.len();
+        for _ in 0..before {
+            if let Some(w) = self.waiting_creates.pop_front() {
+                if let Some(w) = self.try_create(w) {
+                    self.waiting_creates.push_back(w);
+                }
+            }
+        }
+        self.waiting_creates.len() != before
     }
 
     /// Takes one place under the session limit, if one is left.
     fn claim_session(&self) -> bool {
         let max = self.cfg.max_sessions;
-        self.live_sessions
+        self.shared
+            .live_sessions
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
@@ -344,6 +495,8 @@ impl Worker {
             },
             pages_held: slot.kv.pages_held() as u64,
             client_label: slot.label.clone(),
+            eos_token_ids: slot.eos.clone(),
+            truncated_token_count: slot.truncated,
             busy,
             logits_digest: digest(&slot.next_logits),
         })
@@ -355,16 +508,15 @@ impl Worker {
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
         }
-        self.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        let c = &self.shared.counters;
         let counter = match reason {
-            Removal::Ttl => Some(&self.counters.evicted_ttl),
-            Removal::Lru => Some(&self.counters.evicted_lru),
-            Removal::Close => Some(&self.counters.evicted_close),
-            Removal::Failed => None,
+            Removal::Ttl => &c.evicted_ttl,
+            Removal::Lru => &c.evicted_lru,
+            Removal::Close => &c.evicted_close,
+            Removal::Failed => &c.sessions_failed,
         };
-        if let Some(c) = counter {
-            c.fetch_add(1, Ordering::Relaxed);
-        }
+        counter.fetch_add(1, Ordering::Relaxed);
         self.gauges
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
@@ -372,37 +524,217 @@ impl Worker {
         Some(slot)
     }
 
-    /// Evicts the least recently used idle session other than `keep`.
-    fn evict_lru(&mut self, keep: Option<SessionId>) -> bool {
-        let victim = self
-            .sessions
+    /// Nanoseconds from the shared epoch to `t`: the board's stamps.
+    fn stamp(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.shared.epoch).as_nanos() as u64
+    }
+
+    /// The least recently used idle session other than `keep`.
+    fn lru_idle(&self, keep: Option<SessionId>) -> Option<(SessionId, Instant)> {
+        self.sessions
             .iter()
             .filter(|(id, s)| s.idle() && Some(**id) != keep)
             .min_by_key(|(_, s)| s.last_used)
-            .map(|(id, _)| *id);
-        match victim {
-            Some(id) => self.remove(id, Removal::Lru).is_some(),
+            .map(|(id, s)| (*id, s.last_used))
+    }
+
+    /// Evicts the least recently used idle session other than `keep`.
+    fn evict_lru(&mut self, keep: Option<SessionId>) -> bool {
+        match self.lru_idle(keep) {
+            Some((id, _)) => self.remove(id, Removal::Lru).is_some(),
             None => false,
         }
     }
 
+    /// Frees room by evicting the least recently used idle session of any
+    /// worker (never `keep`), as the eviction policy allows.
+    fn make_room(&mut self, keep: Option<SessionId>) -> Room {
+        if self.cfg.eviction == EvictionPolicy::None {
+            return Room::Nothing;
+        }
+        if let Some(ticket) = self.evict_wait {
+            if !self.shared.board.is_answered(ticket) {
+                return Room::Later;
+            }
+            self.evict_wait = None;
+            return Room::Retry;
+        }
+        let local = self.lru_idle(keep);
+        let remote = self.shared.board.best_victim(self.index);
+        let ask = match (local, remote) {
+            (Some((_, used)), Some((worker, stamp))) => {
+                (stamp < self.stamp(used)).then_some(worker)
+            }
+            (None, Some((worker, _))) => Some(worker),
+            _ => None,
+        };
+        if let Some(worker) = ask {
+            self.evict_wait = Some(self.shared.board.ask(worker));
+            if let Some(waker) = self.shared.wakers.get(worker) {
+                let _ = waker.try_send(());
+            }
+            return Room::Later;
+        }
+        match local {
+            Some((id, _)) => {
+                self.remove(id, Removal::Lru);
+                Room::Retry
+            }
+            None => Room::Nothing,
+        }
+    }
+
+    /// Serves other workers' eviction requests: one LRU idle session each,
+    /// while any is idle; then republishes and marks them answered.
+    fn serve_evictions(&mut self) {
+        let board = &self.shared.board;
+        let open = board.open_requests(self.index);
+        if open.count == 0 {
+            return;
+        }
+        for _ in 0..open.count {
+            if !self.evict_lru(None) {
+                break;
+            }
+        }
+        let oldest = self.lru_idle(None).map(|(_, used)| self.stamp(used));
+        self.shared.board.answer(self.index, open, oldest);
+    }
+
+    /// Publishes the gauges and this worker's oldest idle session.
+    fn publish(&self) {
+        let mut kv_bytes = 0;
+        let mut history = 0;
+        let mut queued = self.waiting_creates.len() as u64;
+        let mut oldest: Option<Instant> = None;
+        for slot in self.sessions.values() {
+            kv_bytes += slot.kv.live_bytes();
+            history += slot.history.len() as u64;
+            queued += slot.queue.len() as u64;
+            if slot.idle() && oldest.is_none_or(|t| slot.last_used < t) {
+                oldest = Some(slot.last_used);
+            }
+        }
+        let g = &self.gauges;
+        g.sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        g.kv_live_bytes.store(kv_bytes, Ordering::Relaxed);
+        g.history_tokens.store(history, Ordering::Relaxed);
+        g.queued_ops.store(queued, Ordering::Relaxed);
+        self.shared
+            .board
+            .publish(self.index, oldest.map(|t| self.stamp(t)));
+    }
+
+    /// Whether a session short of pages may go on waiting for another
+    /// worker's eviction (starting its clock on the first call).
+    fn still_patient(&mut self, id: SessionId) -> bool {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return false;
+        };
+        let since = *slot.short_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < EVICTION_PATIENCE {
+            return true;
+        }
+        slot.short_since = None;
+        false
+    }
+
+    fn clear_short(&mut self, id: SessionId) {
+        if let Some(slot) = self.sessions.get_mut(&id) {
+            slot.short_since = None;
+        }
+    }
+
     /// Reserves KV for `total` positions of `id`, evicting idle sessions
-    /// while the pool is short.
-    fn reserve(&mut self, id: SessionId, total: usize) -> Result<(), RuntimeError> {
+    /// while the pool is short. All or nothing.
+    fn reserve(&mut self, id: SessionId, total: usize) -> Result<Got, RuntimeError> {
         loop {
             let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
             match slot.kv.reserve(total) {
-                Ok(()) => return Ok(()),
-                Err(KvError::Exhausted { wanted, free }) => {
-                    if !self.evict_lru(Some(id)) {
-                        return Err(RuntimeError::ResourceExhausted {
-                            what: "KV pages".into(),
-                            asked: wanted as u64,
-                            free: free as u64,
-                        });
-                    }
+                Ok(()) => {
+                    slot.short_since = None;
+                    return Ok(Got::Now);
                 }
+                Err(KvError::Exhausted { wanted, free }) => match self.make_room(Some(id)) {
+                    Room::Retry => {}
+                    Room::Later if self.still_patient(id) => return Ok(Got::Later),
+                    Room::Later | Room::Nothing => {
+                        self.clear_short(id);
+                        return Err(kv_exhausted(wanted, free));
+                    }
+                },
                 Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Empties the session into KV with `positions` reserved, for a
+    /// truncated history to be re-prefilled (RoPE bakes positions into K, so
+    /// the kept window must be recomputed).
+    ///
+    /// Validate, reserve, then mutate: fresh pages are reserved NEXT to the
+    /// session's own (evicting idle sessions as needed) and swapped in only
+    /// once had. Only when nothing idle is left anywhere and the session's
+    /// own pages plus the free ones would do, are its pages given back and
+    /// reserved again; with one worker nothing can take them in between, and
+    /// if another worker does, the session is removed (counted as failed)
+    /// rather than left silently empty. `Err` otherwise means nothing
+    /// changed; `Later` means another worker was asked to evict.
+    fn restart_kv(&mut self, id: SessionId, positions: usize) -> Result<Got, RuntimeError> {
+        loop {
+            let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
+            match fresh.reserve(positions) {
+                Ok(()) => {
+                    let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+                    let mut old = std::mem::replace(&mut slot.kv, fresh);
+                    slot.history.clear();
+                    slot.next_logits.clear();
+                    slot.high_water = 0;
+                    slot.short_since = None;
+                    old.release()?;
+                    return Ok(Got::Now);
+                }
+                Err(KvError::Exhausted { wanted, free }) => match self.make_room(Some(id)) {
+                    Room::Retry => {}
+                    Room::Later if self.still_patient(id) => return Ok(Got::Later),
+                    Room::Later | Room::Nothing => {
+                        self.clear_short(id);
+                        return self.restart_in_place(id, positions, wanted, free);
+                    }
+                },
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// The last resort of [`Worker::restart_kv`]: reuse the session's own
+    /// pages when they and the free ones cover `wanted`.
+    fn restart_in_place(
+        &mut self,
+        id: SessionId,
+        positions: usize,
+        wanted: usize,
+        free: usize,
+    ) -> Result<Got, RuntimeError> {
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        if wanted > free + slot.kv.pages_held() {
+            return Err(kv_exhausted(wanted, free));
+        }
+        slot.kv.release()?;
+        slot.history.clear();
+        slot.next_logits.clear();
+        slot.high_water = 0;
+        match slot.kv.reserve(positions) {
+            Ok(()) => Ok(Got::Now),
+            Err(e) => {
+                let err = match e {
+                    KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
+                    e => e.into(),
+                };
+                tracing::warn!(session = %id, "pages taken while truncating: {err}");
+                self.fail_session(id, err.clone());
+                Err(err)
             }
         }
     }
@@ -454,6 +786,8 @@ impl Worker {
                 if slot.queue[i].deadline.is_some_and(|d| d <= now) {
                     if let Some(q) = slot.queue.remove(i) {
                         q.op.fail(RuntimeError::DeadlineExceeded);
+                        // Its wait for room (if it was waiting) ends too.
+                        slot.short_since = None;
                         moved = true;
                     }
                 } else {
@@ -466,60 +800,88 @@ impl Worker {
             let Some(queued) = slot.queue.pop_front() else {
                 return moved;
             };
-            moved = true;
             slot.last_used = now;
-            match queued.op {
-                Op::Close { reply } => {
-                    let len = slot.history.len() as u64;
-                    self.remove(id, Removal::Close);
-                    let _ = reply.send(Ok(CloseReply {
-                        final_history_length: len,
-                    }));
+            match self.begin(id, queued) {
+                Some(waiting) => {
+                    // Waiting for another worker's eviction: back to the
+                    // head of the queue, unchanged.
+                    if let Some(slot) = self.sessions.get_mut(&id) {
+                        slot.queue.push_front(waiting);
+                    }
                     return moved;
                 }
-                Op::Append { tokens, reply } => match self.start_append(id, tokens) {
-                    Ok(Some(active)) => self.set_active(id, active, Some(reply)),
-                    Ok(None) => {
-                        let len = self.sessions.get(&id).map_or(0, |s| s.history.len());
-                        let _ = reply.send(Ok(AppendReply {
-                            history_length: len as u64,
-                            dropped_token_count: 0,
-                        }));
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                    }
-                },
-                Op::Generate {
-                    req,
-                    events,
-                    cancel,
-                } => {
-                    if let Err(e) =
-                        self.start_generate(id, &req, events.clone(), cancel, queued.deadline)
-                    {
-                        let _ = events.try_send(GenerateEvent::Error(e));
-                    }
-                }
+                None => moved = true,
             }
         }
     }
 
-    fn set_active(&mut self, id: SessionId, mut active: Active, reply: Option<Reply<AppendReply>>) {
-        if let (Work::Append { reply: r, .. }, Some(reply)) = (&mut active.work, reply) {
-            *r = reply;
-        }
-        if let Some(slot) = self.sessions.get_mut(&id) {
-            slot.active = Some(active);
+    /// Starts (or ends at once) one operation; hands it back when it must
+    /// wait for room.
+    fn begin(&mut self, id: SessionId, queued: Queued) -> Option<Queued> {
+        let Queued { op, deadline } = queued;
+        match op {
+            Op::Close { reply } => {
+                let len = self.sessions.get(&id).map_or(0, |s| s.history.len()) as u64;
+                self.remove(id, Removal::Close);
+                let _ = reply.send(Ok(CloseReply {
+                    final_history_length: len,
+                }));
+                None
+            }
+            Op::Append { tokens, reply } => match self.start_append(id, &tokens) {
+                Ok(Begin::Later) => Some(Queued {
+                    op: Op::Append { tokens, reply },
+                    deadline,
+                }),
+                Ok(Begin::Empty) => {
+                    let len = self.sessions.get(&id).map_or(0, |s| s.history.len());
+                    let _ = reply.send(Ok(AppendReply {
+                        history_length: len as u64,
+                        dropped_token_count: 0,
+                    }));
+                    None
+                }
+                Ok(Begin::Prefill { pending, dropped }) => {
+                    if let Some(slot) = self.sessions.get_mut(&id) {
+                        slot.active = Some(Active {
+                            work: Work::Append { reply, dropped },
+                            pending,
+                            fed: 0,
+                            prefill_started: Instant::now(),
+                        });
+                    }
+                    None
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    None
+                }
+            },
+            Op::Generate {
+                req,
+                events,
+                cancel,
+            } => match self.start_generate(id, &req, &events, &cancel, deadline) {
+                Ok(Got::Now) => None,
+                Ok(Got::Later) => Some(Queued {
+                    op: Op::Generate {
+                        req,
+                        events,
+                        cancel,
+                    },
+                    deadline,
+                }),
+                Err(e) => {
+                    let _ = events.try_send(GenerateEvent::Error(e));
+                    None
+                }
+            },
         }
     }
 
-    /// Validates and reserves an append. `None`: nothing to do.
-    fn start_append(
-        &mut self,
-        id: SessionId,
-        tokens: Vec<u32>,
-    ) -> Result<Option<Active>, RuntimeError> {
+    /// Validates and reserves an append (truncating first if the policy
+    /// says so); nothing changes unless it returns `Prefill`.
+    fn start_append(&mut self, id: SessionId, tokens: &[u32]) -> Result<Begin, RuntimeError> {
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -528,7 +890,7 @@ impl Worker {
             )));
         }
         if tokens.is_empty() {
-            return Ok(None);
+            return Ok(Begin::Empty);
         }
         let len = self
             .sessions
@@ -536,17 +898,14 @@ impl Worker {
             .ok_or(RuntimeError::NotFound)?
             .history
             .len();
-        let (dummy, _) = notify::channel(1);
         if len + tokens.len() <= context {
-            self.reserve(id, len + tokens.len())?;
-            return Ok(Some(Active {
-                work: Work::Append {
-                    reply: dummy,
+            return Ok(match self.reserve(id, len + tokens.len())? {
+                Got::Now => Begin::Prefill {
+                    pending: tokens.to_vec(),
                     dropped: 0,
                 },
-                pending: tokens,
-                fed: 0,
-            }));
+                Got::Later => Begin::Later,
+            });
         }
         let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
             return Err(RuntimeError::invalid(format!(
@@ -556,68 +915,33 @@ impl Worker {
         };
         let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
         let mut all = slot.history.clone();
-        all.extend_from_slice(&tokens);
+        all.extend_from_slice(tokens);
         let kept = keep_window(&all, sink, context);
         let dropped = (all.len() - kept.len()) as u64;
-        self.restart_kv(id, kept.len())?;
-        Ok(Some(Active {
-            work: Work::Append {
-                reply: dummy,
-                dropped,
-            },
-            pending: kept,
-            fed: 0,
-        }))
-    }
-
-    /// Swaps the session's KV for fresh pages holding `positions` (whose
-    /// RoPE-baked positions must be recomputed), emptying its history.
-    fn restart_kv(&mut self, id: SessionId, positions: usize) -> Result<(), RuntimeError> {
-        let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
-        let mut evicted_enough = false;
-        loop {
-            match fresh.reserve(positions) {
-                Ok(()) => break,
-                Err(KvError::Exhausted { wanted, free }) => {
-                    if self.evict_lru(Some(id)) {
-                        continue;
-                    }
-                    if evicted_enough {
-                        return Err(RuntimeError::ResourceExhausted {
-                            what: "KV pages".into(),
-                            asked: wanted as u64,
-                            free: free as u64,
-                        });
-                    }
-                    // The old pages are about to be freed anyway: free
-                    // them first (the history goes with them).
-                    let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-                    slot.kv.release()?;
-                    slot.history.clear();
-                    slot.next_logits.clear();
-                    slot.high_water = 0;
-                    evicted_enough = true;
+        Ok(match self.restart_kv(id, kept.len())? {
+            Got::Now => {
+                if let Some(slot) = self.sessions.get_mut(&id) {
+                    slot.truncated += dropped;
                 }
-                Err(e) => return Err(e.into()),
+                Begin::Prefill {
+                    pending: kept,
+                    dropped,
+                }
             }
-        }
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-        let mut old = std::mem::replace(&mut slot.kv, fresh);
-        slot.history.clear();
-        slot.next_logits.clear();
-        slot.high_water = 0;
-        old.release()?;
-        Ok(())
+            Got::Later => Begin::Later,
+        })
     }
 
+    /// Validates a Generate and makes it the session's active work
+    /// (truncating first if the policy says so). `Later`: nothing changed.
     fn start_generate(
         &mut self,
         id: SessionId,
         req: &GenerateRequest,
-        events: NotifySender<GenerateEvent>,
-        cancel: Arc<AtomicBool>,
+        events: &NotifySender<GenerateEvent>,
+        cancel: &Arc<AtomicBool>,
         deadline: Option<Instant>,
-    ) -> Result<(), RuntimeError> {
+    ) -> Result<Got, RuntimeError> {
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
         if req.max_tokens == 0 {
@@ -654,10 +978,15 @@ impl Worker {
                 let history = slot.history.clone();
                 let kept = keep_window(&history, sink, context - room);
                 let dropped = (history.len() - kept.len()) as u64;
-                self.restart_kv(id, kept.len())?;
+                if self.restart_kv(id, kept.len())? == Got::Later {
+                    return Ok(Got::Later);
+                }
                 let _ = events.try_send(GenerateEvent::Truncated {
                     dropped_token_count: dropped,
                 });
+                if let Some(slot) = self.sessions.get_mut(&id) {
+                    slot.truncated += dropped;
+                }
                 pending = kept;
             }
         }
@@ -667,8 +996,8 @@ impl Worker {
             max_tokens: req.max_tokens,
             stop_sequences: req.stop_sequences.clone(),
             generated: Vec::new(),
-            events,
-            cancel,
+            events: events.clone(),
+            cancel: Arc::clone(cancel),
             deadline,
             started,
             prefill_duration: Duration::ZERO,
@@ -678,8 +1007,9 @@ impl Worker {
             work: Work::Generate(Box::new(gen)),
             pending,
             fed: 0,
+            prefill_started: started,
         });
-        Ok(())
+        Ok(Got::Now)
     }
 
     /// Decides what the session feeds this step (a prefill chunk or one
@@ -729,26 +1059,37 @@ impl Worker {
         if room < 2 {
             return false;
         }
-        let position = slot.history.len() as u64;
-        let token =
-            match self
-                .sampler
-                .sample(&slot.next_logits, &gen.params, &slot.history, position)
-            {
-                Ok(t) => t,
-                Err(e) => {
-                    self.finish_generate(id, Err(e.into()));
-                    return true;
-                }
-            };
+        // Pages first: a session waiting for another worker's eviction sits
+        // out the step and samples the same token next time.
         let total = slot.history.len() + 1;
-        if let Err(e) = self.reserve(id, total) {
-            self.finish_generate(id, Err(e));
-            return true;
+        match self.reserve(id, total) {
+            Ok(Got::Now) => {}
+            Ok(Got::Later) => return false,
+            Err(e) => {
+                self.finish_generate(id, Err(e));
+                return true;
+            }
         }
-        if let Some(slot) = self.sessions.get_mut(&id) {
-            slot.feed.push(token);
-            slot.feed_logits = LogitsWanted::Last;
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return false;
+        };
+        let Some(Active {
+            work: Work::Generate(gen),
+            ..
+        }) = slot.active.as_ref()
+        else {
+            return false;
+        };
+        let position = slot.history.len() as u64;
+        let sampled = self
+            .sampler
+            .sample(&slot.next_logits, &gen.params, &slot.history, position);
+        match sampled {
+            Ok(token) => {
+                slot.feed.push(token);
+                slot.feed_logits = LogitsWanted::Last;
+            }
+            Err(e) => self.finish_generate(id, Err(e.into())),
         }
         true
     }
@@ -851,12 +1192,11 @@ impl Worker {
         let Some(slot) = self.sessions.get_mut(&id) else {
             return Err(RuntimeError::NotFound);
         };
+        let counters = &self.shared.counters;
         let kv_len = slot.kv.len();
         if kv_len < slot.high_water {
             slot.inv2 += 1;
-            self.counters
-                .inv2_violations
-                .fetch_add(1, Ordering::Relaxed);
+            counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
             return Err(RuntimeError::FailedPrecondition(format!(
                 "INV-2: KV length went from {} down to {kv_len}",
                 slot.high_water
@@ -864,9 +1204,7 @@ impl Worker {
         }
         if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
             slot.inv1 += 1;
-            self.counters
-                .inv1_violations
-                .fetch_add(1, Ordering::Relaxed);
+            counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
             return Err(RuntimeError::FailedPrecondition(format!(
                 "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
                 slot.history.len(),
@@ -902,9 +1240,10 @@ impl Worker {
         let Some(active) = slot.active.as_mut() else {
             return;
         };
+        let counters = &self.shared.counters;
         if active.fed < active.pending.len() {
             active.fed += n_fed;
-            self.counters
+            counters
                 .prefill_tokens
                 .fetch_add(n_fed as u64, Ordering::Relaxed);
             if active.fed < active.pending.len() {
@@ -912,6 +1251,9 @@ impl Worker {
             }
             active.pending = Vec::new();
             active.fed = 0;
+            counters
+                .prefill_duration
+                .observe(active.prefill_started.elapsed());
             match &mut active.work {
                 Work::Append { dropped, .. } => {
                     let dropped = *dropped;
@@ -938,22 +1280,24 @@ impl Worker {
             return;
         };
         gen.generated.push(token);
-        self.counters
-            .tokens_generated
-            .fetch_add(1, Ordering::Relaxed);
+        counters.tokens_generated.fetch_add(1, Ordering::Relaxed);
         self.gauges.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        let second = self.shared.epoch.elapsed().as_secs();
+        self.gauges.decode_rate.record(second, 1);
         if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token))
         {
             return self.finish_generate(id, Ok(StopReason::Cancelled));
         }
         let stop = if eos_hit {
             Some(StopReason::Eos)
-        } else if gen
+        } else if let Some(index) = gen
             .stop_sequences
             .iter()
-            .any(|s| gen.generated.ends_with(s))
+            .position(|s| gen.generated.ends_with(s))
         {
-            Some(StopReason::StopSequence)
+            Some(StopReason::StopSequence {
+                index: index as u32,
+            })
         } else if gen.generated.len() >= gen.max_tokens as usize {
             Some(StopReason::MaxTokens)
         } else {
@@ -997,6 +1341,7 @@ fn digest(values: &[f32]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::notify;
     use super::*;
     use crate::gguf::synthetic::SyntheticLlama;
     use crate::gguf::GgufFile;
@@ -1007,14 +1352,14 @@ mod tests {
         let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
         let layout = model.kv_layout(model.config.n_layers, 16);
         let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 8)).expect("pool"));
+        let (wake, _) = crossbeam_channel::bounded(1);
         Worker::new(
             0,
             model,
             pool,
             RuntimeConfig::default(),
-            Arc::new(Counters::default()),
+            Arc::new(Shared::new(vec![wake])),
             Arc::new(WorkerGauges::default()),
-            Arc::new(AtomicUsize::new(0)),
         )
     }
 
@@ -1025,6 +1370,7 @@ mod tests {
             id,
             req: CreateSession::default(),
             reply: tx,
+            deadline: None,
         });
         rx.recv().expect("reply").expect("created")
     }
@@ -1085,9 +1431,10 @@ mod tests {
         assert_eq!(err.code(), super::super::StatusKind::FailedPrecondition);
         assert!(err.to_string().contains("INV-2"), "{err}");
         assert!(!w.sessions.contains_key(&id));
-        assert_eq!(w.counters.inv2_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(w.shared.counters.inv2_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(w.shared.counters.sessions_failed.load(Ordering::Relaxed), 1);
         assert_eq!(w.kv_pool.free_pages(), 8);
-        assert_eq!(w.live_sessions.load(Ordering::Relaxed), 0);
+        assert_eq!(w.shared.live_sessions.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -1100,11 +1447,56 @@ mod tests {
         }
         let err = append(&mut w, id, &[4]).expect_err("violation");
         assert!(err.to_string().contains("INV-1"), "{err}");
-        assert_eq!(w.counters.inv1_violations.load(Ordering::Relaxed), 1);
+        assert_eq!(w.shared.counters.inv1_violations.load(Ordering::Relaxed), 1);
         assert_eq!(
             append(&mut w, id, &[5]).expect_err("gone"),
             RuntimeError::NotFound
         );
+    }
+
+    #[test]
+    fn an_eviction_request_takes_the_lru_idle_session_never_a_busy_one() {
+        let mut w = worker();
+        let old = new_session(&mut w);
+        let newer = new_session(&mut w);
+        let busy = new_session(&mut w);
+        append(&mut w, old, &[1]).expect("append");
+        append(&mut w, newer, &[2]).expect("append");
+        append(&mut w, busy, &[3]).expect("append");
+        let (tx, _rx) = notify::channel(1);
+        w.handle(Command::Enqueue {
+            id: busy,
+            op: Op::Append {
+                tokens: vec![4],
+                reply: tx,
+            },
+            deadline: None,
+        });
+        w.publish();
+        let board = Arc::clone(&w.shared);
+        let stamp = |id: SessionId, w: &Worker| w.stamp(w.sessions[&id].last_used);
+        assert_eq!(board.board.oldest_idle(0), Some(stamp(old, &w)));
+        let tickets = [0, 1, 2].map(|_| board.board.ask(0));
+        w.serve_evictions();
+        assert!(tickets.iter().all(|&t| board.board.is_answered(t)));
+        // Two idle sessions for three requests: both go, the busy one stays.
+        assert!(w.sessions.contains_key(&busy));
+        assert_eq!(w.sessions.len(), 1);
+        assert_eq!(w.shared.counters.evicted_lru.load(Ordering::Relaxed), 2);
+        assert_eq!(board.board.oldest_idle(0), None);
+    }
+
+    #[test]
+    fn the_none_policy_makes_no_room() {
+        let mut w = worker();
+        w.cfg.eviction = EvictionPolicy::None;
+        let idle = new_session(&mut w);
+        append(&mut w, idle, &[1]).expect("append");
+        assert!(matches!(w.make_room(None), Room::Nothing));
+        assert!(w.sessions.contains_key(&idle));
+        w.cfg.eviction = EvictionPolicy::Lru;
+        assert!(matches!(w.make_room(None), Room::Retry));
+        assert!(!w.sessions.contains_key(&idle));
     }
 
     #[test]

@@ -96,7 +96,7 @@ fn stop_reason(reason: StopReason) -> pb::GenerateDone_StopReason {
     use pb::GenerateDone_StopReason as R;
     match reason {
         StopReason::MaxTokens => R::STOP_REASON_MAX_TOKENS,
-        StopReason::Eos | StopReason::StopSequence => R::STOP_REASON_EOS,
+        StopReason::Eos | StopReason::StopSequence { .. } => R::STOP_REASON_EOS,
         StopReason::Cancelled => R::STOP_REASON_CANCELLED,
         StopReason::Truncated => R::STOP_REASON_TRUNCATED,
     }
@@ -110,6 +110,9 @@ pub fn done_message(done: &GenerateDone) -> pb::GenerateResponse {
     msg.set_prefill_duration_seconds(done.prefill_duration.as_secs_f64());
     msg.set_total_duration_seconds(done.total_duration.as_secs_f64());
     msg.set_seed_used(done.seed_used);
+    if let StopReason::StopSequence { index } = done.stop_reason {
+        msg.set_stop_sequence_index(index);
+    }
     msg.set_history_length(done.history_length);
     let mut response = pb::GenerateResponse::new();
     response.set_done(msg);
@@ -145,6 +148,9 @@ pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoRe
     msg.set_kv_page_bytes(page_bytes);
     msg.set_client_label(info.client_label.clone());
     msg.set_logits_digest(info.logits_digest);
+    msg.set_eos_token_ids(info.eos_token_ids.clone());
+    msg.set_truncated_token_count(info.truncated_token_count);
+    msg.set_busy(info.busy);
     msg
 }
 

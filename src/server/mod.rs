@@ -25,6 +25,7 @@ pub use auth::is_loopback;
 pub use health::{HealthState, SERVICES as HEALTH_SERVICES};
 pub use stats::{Method, ServerStats};
 
+use crate::metrics::{self, MetricsEndpoint, RenderFn, RequestCount, ServerNumbers};
 use crate::model::Model;
 use crate::proto::grpc_health_v1::health::HealthCheckResponse_ServingStatus as ServingStatus;
 use crate::proto::grpc_health_v1::health_grpc::create_health;
@@ -65,6 +66,8 @@ pub struct ServeConfig {
     pub tls: Option<TlsIdentity>,
     /// gRPC completion-queue threads (decode and hand over only).
     pub completion_queues: usize,
+    /// Serve Prometheus metrics at `http://ADDR/metrics` (port 0: any free port).
+    pub metrics_listen: Option<String>,
 }
 
 impl ServeConfig {
@@ -77,6 +80,7 @@ impl ServeConfig {
             allow_unauthenticated: false,
             tls: None,
             completion_queues: default_completion_queues(),
+            metrics_listen: None,
         }
     }
 
@@ -118,6 +122,9 @@ pub enum ServeError {
     /// The runtime (KV pool, workers) could not start.
     #[error("cannot start the runtime: {0}")]
     Runtime(#[from] RuntimeError),
+    /// The metrics endpoint could not be bound.
+    #[error("{0}")]
+    Metrics(std::io::Error),
     /// The one-token warm-up forward failed, so the server never turned SERVING.
     #[error("warm-up forward failed: {0}")]
     Warmup(RuntimeError),
@@ -126,6 +133,8 @@ pub enum ServeError {
 /// A running server. Dropping it stops it at once; [`Server::shutdown`]
 /// drains first.
 pub struct Server {
+    // Declared first so it is dropped first: it reads the runtime.
+    metrics: Option<MetricsEndpoint>,
     grpc: Option<grpcio::Server>,
     shared: Option<Arc<Shared>>,
     health: Arc<HealthState>,
@@ -196,6 +205,13 @@ impl Server {
         grpc.start();
 
         warm_up(&shared.runtime, warmup_token).map_err(ServeError::Warmup)?;
+        let metrics = match &cfg.metrics_listen {
+            Some(listen) => Some(
+                MetricsEndpoint::bind(listen, metrics_renderer(&shared, &health))
+                    .map_err(ServeError::Metrics)?,
+            ),
+            None => None,
+        };
         health.set(ServingStatus::SERVING);
         tracing::info!(
             %addr,
@@ -205,6 +221,7 @@ impl Server {
             "serving kakeya.v1.RuntimeService"
         );
         Ok(Server {
+            metrics,
             grpc: Some(grpc),
             shared: Some(shared),
             health,
@@ -216,6 +233,11 @@ impl Server {
     /// The address actually bound (the real port when 0 was asked).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where the Prometheus metrics are served, when they are.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::addr)
     }
 
     /// The serving status the health service reports.
@@ -242,6 +264,7 @@ impl Server {
     pub fn shutdown(mut self, drain: Duration) -> ShutdownReport {
         let began = Instant::now();
         self.health.set(ServingStatus::NOT_SERVING);
+        // Metrics stay up while draining: the drain is worth watching.
         if let Some(shared) = &self.shared {
             shared.runtime.drain();
         }
@@ -269,6 +292,7 @@ impl Server {
             let _ = waiter.join();
             drop(grpc);
         }
+        self.metrics = None;
         self.shared = None;
         let report = ShutdownReport {
             drained,
@@ -285,6 +309,7 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        self.metrics = None;
         if let Some(mut grpc) = self.grpc.take() {
             let done = grpc.shutdown();
             grpc.cancel_all_calls();
@@ -292,6 +317,44 @@ impl Drop for Server {
             let _ = futures_executor::block_on(done);
         }
     }
+}
+
+/// Renders the runtime's and the front end's numbers for one scrape. Holds
+/// the runtime weakly: a scrape racing shutdown gets an empty snapshot.
+fn metrics_renderer(shared: &Arc<Shared>, health: &Arc<HealthState>) -> RenderFn {
+    let shared = Arc::downgrade(shared);
+    let health = Arc::clone(health);
+    Arc::new(move || {
+        let Some(shared) = shared.upgrade() else {
+            return String::new();
+        };
+        let stats = &shared.stats;
+        let mut requests: Vec<RequestCount> = stats
+            .calls()
+            .into_iter()
+            .map(|(method, code, count)| RequestCount {
+                method: method.into(),
+                code: code.into(),
+                count,
+            })
+            .collect();
+        let refused = stats.unauthenticated();
+        if refused > 0 {
+            // Refused before any handler ran, so no method is known.
+            requests.push(RequestCount {
+                method: "unknown".into(),
+                code: "UNAUTHENTICATED".into(),
+                count: refused,
+            });
+        }
+        let numbers = ServerNumbers {
+            requests,
+            grpc_active_streams: stats.active_streams(),
+            health_serving: health.status() == ServingStatus::SERVING,
+            sampler_backend: "cpu".into(),
+        };
+        metrics::render(&shared.runtime.stats(), &numbers)
+    })
 }
 
 /// A token every vocabulary has: the model's BOS if it names one, else 0.

@@ -2,7 +2,8 @@
 //! runtime's awaitable reply channels): loom runs every interleaving
 //! (and every permitted reordering of the atomics) of a few threads
 //! allocating and freeing over a handful of pages, and each test asserts that
-//! no page is handed out twice and none is lost.
+//! no page is handed out twice and none is lost. The runtime's cross-worker
+//! structures are checked in `runtime.rs`.
 //!
 //! Run with:
 //!
@@ -13,6 +14,8 @@
 //! Without `--cfg loom` this file compiles to nothing.
 
 #![cfg(loom)]
+
+mod runtime;
 
 use std::collections::HashSet;
 

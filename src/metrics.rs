@@ -1,0 +1,696 @@
+//! Prometheus metrics: renders a [`RuntimeStats`] snapshot plus a few
+//! server-level numbers in the Prometheus text exposition format (version
+//! 0.0.4), every name prefixed `inferd_` (CONTRACT §2.9), and serves it as
+//! `GET /metrics` on its own HTTP thread.
+
+use std::fmt::{Display, Write as _};
+use std::io;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::runtime::RuntimeStats;
+
+/// Calls finished by one gRPC method with one status code.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestCount {
+    /// The method's name, e.g. `CreateSession`.
+    pub method: String,
+    /// The status code's name, e.g. `OK`, `NOT_FOUND`.
+    pub code: String,
+    pub count: u64,
+}
+
+/// The numbers only the server knows, rendered next to the runtime's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServerNumbers {
+    pub requests: Vec<RequestCount>,
+    /// Server-streaming calls (Generate) in progress.
+    pub grpc_active_streams: u64,
+    /// Whether the health service answers SERVING.
+    pub health_serving: bool,
+    /// The sampler backend in use, e.g. `cpu`.
+    pub sampler_backend: String,
+}
+
+/// The text exposition being written: one HELP and TYPE per family, then
+/// its samples.
+struct Exposition {
+    out: String,
+}
+
+impl Exposition {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let help = help.replace('\\', "\\\\").replace('\n', "\\n");
+        let _ = writeln!(self.out, "# HELP inferd_{name} {help}");
+        let _ = writeln!(self.out, "# TYPE inferd_{name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl Display) {
+        let _ = write!(self.out, "inferd_{name}");
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (key, value)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{key}=\"{}\"", escape_label(value));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+
+    /// A family with one unlabelled sample.
+    fn single(&mut self, name: &str, kind: &str, help: &str, value: impl Display) {
+        self.family(name, kind, help);
+        self.sample(name, &[], value);
+    }
+}
+
+/// Escapes a label value: backslash, double quote and newline.
+fn escape_label(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => escaped.push_str("\\\\"),
+            '"' => escaped.push_str("\\\""),
+            '\n' => escaped.push_str("\\n"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
+
+/// A float as the exposition format writes it.
+fn float(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".into()
+    } else if value == f64::INFINITY {
+        "+Inf".into()
+    } else if value == f64::NEG_INFINITY {
+        "-Inf".into()
+    } else {
+        format!("{value}")
+    }
+}
+
+/// Renders the snapshot and the server's numbers as Prometheus text.
+pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
+    let mut e = Exposition { out: String::new() };
+    e.single(
+        "session_active",
+        "gauge",
+        "Sessions alive now.",
+        stats.sessions_active,
+    );
+    e.family(
+        "session_total",
+        "counter",
+        "Sessions by how they were created or ended.",
+    );
+    for (outcome, n) in [
+        ("created", stats.sessions_created),
+        ("closed", stats.evicted_close),
+        ("evicted_ttl", stats.evicted_ttl),
+        ("evicted_lru", stats.evicted_lru),
+        ("failed", stats.sessions_failed),
+    ] {
+        e.sample("session_total", &[("outcome", outcome)], n);
+    }
+    e.family(
+        "session_evicted_total",
+        "counter",
+        "Sessions whose KV was freed, by reason.",
+    );
+    for (reason, n) in [
+        ("ttl", stats.evicted_ttl),
+        ("lru", stats.evicted_lru),
+        ("close", stats.evicted_close),
+    ] {
+        e.sample("session_evicted_total", &[("reason", reason)], n);
+    }
+    e.single(
+        "session_kv_live_bytes",
+        "gauge",
+        "K and V bytes of the committed positions of all live sessions.",
+        stats.kv_live_bytes,
+    );
+    e.single(
+        "session_history_tokens",
+        "gauge",
+        "History tokens of all live sessions.",
+        stats.history_tokens,
+    );
+    e.single(
+        "generate_prefill_tokens_total",
+        "counter",
+        "Prompt tokens computed (appends and truncation re-prefills).",
+        stats.prefill_tokens,
+    );
+    let h = &stats.prefill_duration;
+    let name = "generate_prefill_duration_seconds";
+    e.family(
+        name,
+        "histogram",
+        "Time to compute one append or truncation re-prefill.",
+    );
+    for (bound, n) in h.cumulative() {
+        e.sample(&format!("{name}_bucket"), &[("le", &float(bound))], n);
+    }
+    e.sample(&format!("{name}_sum"), &[], float(h.sum_seconds));
+    e.sample(&format!("{name}_count"), &[], h.count);
+    e.single(
+        "generate_tokens_total",
+        "counter",
+        "Tokens generated over all sessions.",
+        stats.tokens_generated,
+    );
+    e.family(
+        "cache_invariant_violations_total",
+        "counter",
+        "Session invariant violations (each removed its session).",
+    );
+    e.sample(
+        "cache_invariant_violations_total",
+        &[("kind", "inv1")],
+        stats.inv1_violations,
+    );
+    e.sample(
+        "cache_invariant_violations_total",
+        &[("kind", "inv2")],
+        stats.inv2_violations,
+    );
+    e.single(
+        "kv_pages_free",
+        "gauge",
+        "KV pages free in the shared pool.",
+        stats.kv_free_pages,
+    );
+    e.single(
+        "kv_pages_total",
+        "gauge",
+        "KV pages in the shared pool.",
+        stats.kv_total_pages,
+    );
+    render_workers(&mut e, stats);
+    e.family(
+        "grpc_requests_total",
+        "counter",
+        "Finished gRPC calls by method and status code.",
+    );
+    for r in &server.requests {
+        e.sample(
+            "grpc_requests_total",
+            &[("method", &r.method), ("code", &r.code)],
+            r.count,
+        );
+    }
+    e.single(
+        "grpc_active_streams",
+        "gauge",
+        "Streaming calls in progress.",
+        server.grpc_active_streams,
+    );
+    e.single(
+        "health_serving",
+        "gauge",
+        "1 when the health service answers SERVING, else 0.",
+        u8::from(server.health_serving),
+    );
+    e.family(
+        "sampler_backend_info",
+        "gauge",
+        "The sampler backend in use (always 1).",
+    );
+    e.sample(
+        "sampler_backend_info",
+        &[("backend", &server.sampler_backend)],
+        1,
+    );
+    e.out
+}
+
+fn render_workers(e: &mut Exposition, stats: &RuntimeStats) {
+    let ids: Vec<String> = (0..stats.workers.len()).map(|i| i.to_string()).collect();
+    let families: [(&str, &str, &str, fn(&crate::runtime::WorkerStats) -> String); 7] = [
+        (
+            "worker_sessions",
+            "gauge",
+            "Sessions the worker owns.",
+            |w| w.sessions.to_string(),
+        ),
+        (
+            "worker_generated_tokens_total",
+            "counter",
+            "Tokens the worker generated.",
+            |w| w.tokens_generated.to_string(),
+        ),
+        (
+            "worker_steps_total",
+            "counter",
+            "Batched forward steps the worker ran.",
+            |w| w.steps.to_string(),
+        ),
+        (
+            "worker_batch_sequences",
+            "gauge",
+            "Sequences in the worker's last batched step.",
+            |w| w.last_batch_sequences.to_string(),
+        ),
+        (
+            "worker_batch_sequences_max",
+            "gauge",
+            "Most sequences the worker ever ran in one step.",
+            |w| w.max_batch_sequences.to_string(),
+        ),
+        (
+            "worker_queue_depth",
+            "gauge",
+            "Commands waiting for the worker plus operations queued on its sessions.",
+            |w| w.queue_depth.to_string(),
+        ),
+        (
+            "worker_decode_tokens_per_second",
+            "gauge",
+            "Tokens the worker decoded per second over the last 10 seconds.",
+            |w| float(w.decode_tokens_per_second),
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        e.family(name, kind, help);
+        for (w, id) in stats.workers.iter().zip(&ids) {
+            e.sample(name, &[("worker", id)], value(w));
+        }
+    }
+}
+
+/// What the endpoint calls for each scrape.
+pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// `GET /metrics` over HTTP on its own thread; stopped and joined on drop.
+pub struct MetricsEndpoint {
+    server: Arc<tiny_http::Server>,
+    addr: SocketAddr,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MetricsEndpoint {
+    /// Binds `addr` (port 0 picks a free one) and starts serving.
+    pub fn bind(addr: &str, render: RenderFn) -> Result<MetricsEndpoint, io::Error> {
+        let server = tiny_http::Server::http(addr).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::AddrNotAvailable,
+                format!("cannot serve metrics on {addr}: {e}"),
+            )
+        })?;
+        let addr = server.server_addr().to_ip().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("metrics address {addr} is not an IP address"),
+            )
+        })?;
+        let server = Arc::new(server);
+        let serving = Arc::clone(&server);
+        let thread = std::thread::Builder::new()
+            .name("inferd-metrics".into())
+            .spawn(move || serve(&serving, &render))?;
+        Ok(MetricsEndpoint {
+            server,
+            addr,
+            thread: Some(thread),
+        })
+    }
+
+    /// The bound address (with the real port).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsEndpoint {
+    fn drop(&mut self) {
+        // Queued behind any request already accepted, so the thread's
+        // `recv` returns it even if it was not yet waiting.
+        self.server.unblock();
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!("the metrics thread panicked");
+            }
+        }
+    }
+}
+
+fn serve(server: &tiny_http::Server, render: &RenderFn) {
+    // `recv` fails only when unblocked by the drop.
+    while let Ok(request) = server.recv() {
+        let path = request.url().split('?').next().unwrap_or_default();
+        let response = if path != "/metrics" {
+            tiny_http::Response::from_string("not found\n").with_status_code(404)
+        } else if *request.method() != tiny_http::Method::Get {
+            tiny_http::Response::from_string("only GET\n").with_status_code(405)
+        } else {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| render())) {
+                Ok(body) => {
+                    let response = tiny_http::Response::from_string(body);
+                    match tiny_http::Header::from_bytes(
+                        &b"Content-Type"[..],
+                        &b"text/plain; version=0.0.4; charset=utf-8"[..],
+                    ) {
+                        Ok(header) => response.with_header(header),
+                        Err(()) => response,
+                    }
+                }
+                Err(_) => {
+                    tracing::error!("rendering metrics panicked");
+                    tiny_http::Response::from_string("internal error\n").with_status_code(500)
+                }
+            }
+        };
+        if let Err(e) = request.respond(response) {
+            tracing::debug!("metrics client went away: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::{HistogramSnapshot, WorkerStats, PREFILL_BUCKETS};
+    use std::collections::{HashMap, HashSet};
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    fn stats() -> RuntimeStats {
+        let mut counts = vec![0; PREFILL_BUCKETS.len() + 1];
+        counts[2] = 3;
+        counts[PREFILL_BUCKETS.len()] = 1;
+        RuntimeStats {
+            sessions_active: 3,
+            sessions_created: 7,
+            sessions_failed: 1,
+            evicted_ttl: 1,
+            evicted_lru: 1,
+            evicted_close: 1,
+            inv1_violations: 0,
+            inv2_violations: 1,
+            tokens_generated: 40,
+            prefill_tokens: 123,
+            prefill_duration: HistogramSnapshot {
+                bounds: PREFILL_BUCKETS.to_vec(),
+                counts,
+                sum_seconds: 12.5,
+                count: 4,
+            },
+            kv_live_bytes: 4096,
+            history_tokens: 16,
+            kv_free_pages: 10,
+            kv_total_pages: 12,
+            workers: vec![
+                WorkerStats {
+                    sessions: 2,
+                    queue_depth: 5,
+                    decode_tokens_per_second: 12.5,
+                    tokens_generated: 30,
+                    ..WorkerStats::default()
+                },
+                WorkerStats {
+                    sessions: 1,
+                    tokens_generated: 10,
+                    ..WorkerStats::default()
+                },
+            ],
+        }
+    }
+
+    fn server() -> ServerNumbers {
+        ServerNumbers {
+            requests: vec![
+                RequestCount {
+                    method: "CreateSession".into(),
+                    code: "OK".into(),
+                    count: 7,
+                },
+                RequestCount {
+                    method: "we\"ird\\name\nx".into(),
+                    code: "NOT_FOUND".into(),
+                    count: 2,
+                },
+            ],
+            grpc_active_streams: 1,
+            health_serving: true,
+            sampler_backend: "cpu".into(),
+        }
+    }
+
+    /// One parsed sample: its full name, its labels and its value.
+    type Sample = (String, Vec<(String, String)>, f64);
+
+    /// Parses `name{k="v",...} value`, undoing the label escapes.
+    fn parse_sample(line: &str) -> Result<Sample, String> {
+        let name_end = line
+            .find(['{', ' '])
+            .ok_or_else(|| format!("no value: {line}"))?;
+        let name = &line[..name_end];
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+        {
+            return Err(format!("bad name: {line}"));
+        }
+        let mut rest = &line[name_end..];
+        let mut labels = Vec::new();
+        if let Some(body) = rest.strip_prefix('{') {
+            let mut chars = body.char_indices();
+            let mut key = String::new();
+            loop {
+                let (_, c) = chars.next().ok_or("unterminated labels")?;
+                match c {
+                    '}' => break,
+                    ',' => {}
+                    '=' => {
+                        if chars.next().map(|(_, c)| c) != Some('"') {
+                            return Err(format!("unquoted label: {line}"));
+                        }
+                        let mut value = String::new();
+                        loop {
+                            match chars.next().ok_or("unterminated value")?.1 {
+                                '"' => break,
+                                '\\' => match chars.next().ok_or("dangling escape")?.1 {
+                                    'n' => value.push('\n'),
+                                    c @ ('\\' | '"') => value.push(c),
+                                    c => return Err(format!("bad escape \\{c}")),
+                                },
+                                '\n' => return Err("raw newline in label".into()),
+                                c => value.push(c),
+                            }
+                        }
+                        labels.push((std::mem::take(&mut key), value));
+                    }
+                    c => key.push(c),
+                }
+            }
+            let consumed = chars.next().map_or(body.len(), |(i, _)| i);
+            rest = &body[consumed..];
+        }
+        let value = rest
+            .strip_prefix(' ')
+            .ok_or_else(|| format!("no space before the value: {line}"))?;
+        let value = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().map_err(|_| format!("bad value {v:?}: {line}"))?,
+        };
+        Ok((name.to_string(), labels, value))
+    }
+
+    /// Checks the whole exposition: HELP then TYPE before each family's
+    /// samples, every sample belonging to the family declared last, every
+    /// value a number. Returns the samples.
+    fn parse(text: &str) -> Result<Vec<Sample>, String> {
+        let mut declared: HashMap<String, String> = HashMap::new();
+        let mut current: Option<(String, String)> = None;
+        let mut helped = HashSet::new();
+        let mut samples = Vec::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap_or_default();
+                helped.insert(name.to_string());
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let mut parts = rest.split(' ');
+                let name = parts.next().unwrap_or_default().to_string();
+                let kind = parts.next().unwrap_or_default().to_string();
+                if !["counter", "gauge", "histogram"].contains(&kind.as_str()) {
+                    return Err(format!("unknown type: {line}"));
+                }
+                if !helped.contains(&name) {
+                    return Err(format!("TYPE without HELP: {line}"));
+                }
+                if declared.insert(name.clone(), kind.clone()).is_some() {
+                    return Err(format!("declared twice: {line}"));
+                }
+                if kind == "counter" && !name.ends_with("_total") {
+                    return Err(format!("counter not ending in _total: {line}"));
+                }
+                current = Some((name, kind));
+            } else if line.starts_with('#') || line.is_empty() {
+                return Err(format!("unexpected line: {line:?}"));
+            } else {
+                let sample = parse_sample(line)?;
+                let (family, kind) = current.as_ref().ok_or("sample before any TYPE")?;
+                let belongs = if kind == "histogram" {
+                    ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .any(|s| sample.0 == format!("{family}{s}"))
+                } else {
+                    &sample.0 == family
+                };
+                if !belongs {
+                    return Err(format!("{} is not part of {family}", sample.0));
+                }
+                if !sample.0.starts_with("inferd_") {
+                    return Err(format!("unprefixed: {line}"));
+                }
+                samples.push(sample);
+            }
+        }
+        Ok(samples)
+    }
+
+    fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        samples
+            .iter()
+            .find(|(n, l, _)| {
+                n == name
+                    && l.len() == labels.len()
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+            })
+            .map(|s| s.2)
+    }
+
+    #[test]
+    fn every_line_parses_and_belongs_to_a_declared_family() {
+        let text = render(&stats(), &server());
+        let samples = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let get = |name: &str, labels: &[(&str, &str)]| {
+            value(&samples, name, labels).unwrap_or_else(|| panic!("no {name} {labels:?}"))
+        };
+        assert_eq!(get("inferd_session_active", &[]), 3.0);
+        assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
+        assert_eq!(get("inferd_session_total", &[("outcome", "failed")]), 1.0);
+        assert_eq!(
+            get(
+                "inferd_cache_invariant_violations_total",
+                &[("kind", "inv2")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            get("inferd_session_evicted_total", &[("reason", "close")]),
+            1.0
+        );
+        assert_eq!(get("inferd_session_kv_live_bytes", &[]), 4096.0);
+        assert_eq!(get("inferd_generate_prefill_tokens_total", &[]), 123.0);
+        let bucket = "inferd_generate_prefill_duration_seconds_bucket";
+        assert_eq!(get(bucket, &[("le", "0.001")]), 0.0);
+        assert_eq!(get(bucket, &[("le", "0.005")]), 3.0);
+        assert_eq!(get(bucket, &[("le", "10")]), 3.0);
+        assert_eq!(get(bucket, &[("le", "+Inf")]), 4.0);
+        assert_eq!(
+            get("inferd_generate_prefill_duration_seconds_count", &[]),
+            4.0
+        );
+        assert_eq!(
+            get("inferd_generate_prefill_duration_seconds_sum", &[]),
+            12.5
+        );
+        assert_eq!(
+            get("inferd_worker_decode_tokens_per_second", &[("worker", "0")]),
+            12.5
+        );
+        assert_eq!(get("inferd_worker_queue_depth", &[("worker", "0")]), 5.0);
+        assert_eq!(
+            get("inferd_worker_generated_tokens_total", &[("worker", "1")]),
+            10.0
+        );
+        assert_eq!(
+            get(
+                "inferd_grpc_requests_total",
+                &[("method", "we\"ird\\name\nx"), ("code", "NOT_FOUND")]
+            ),
+            2.0
+        );
+        assert_eq!(get("inferd_health_serving", &[]), 1.0);
+        assert_eq!(
+            get("inferd_sampler_backend_info", &[("backend", "cpu")]),
+            1.0
+        );
+        assert!(text.contains(r#"method="we\"ird\\name\nx""#), "{text}");
+    }
+
+    #[test]
+    fn the_checker_rejects_what_the_format_forbids() {
+        let ok = "# HELP inferd_x_total x\n# TYPE inferd_x_total counter\ninferd_x_total 1\n";
+        assert!(parse(ok).is_ok());
+        for bad in [
+            "inferd_x 1\n",
+            "# HELP inferd_x x\n# TYPE inferd_x counter\ninferd_x 1\n",
+            "# HELP inferd_x_total x\n# TYPE inferd_x_total counter\ninferd_y_total 1\n",
+            "# HELP inferd_x_total x\n# TYPE inferd_x_total counter\ninferd_x_total one\n",
+            "# HELP inferd_x_total x\n# TYPE inferd_x_total counter\ninferd_x_total{a=\"\\q\"} 1\n",
+        ] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn get(addr: SocketAddr, path: &str) -> (String, String) {
+        let mut stream = TcpStream::connect(addr).expect("connects");
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("sends");
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).expect("reads");
+        let (head, body) = reply.split_once("\r\n\r\n").expect("a header block");
+        (head.to_string(), body.to_string())
+    }
+
+    #[test]
+    fn the_endpoint_serves_metrics_over_http_and_404_elsewhere() {
+        let text = render(&stats(), &server());
+        let expected = text.clone();
+        let endpoint =
+            MetricsEndpoint::bind("127.0.0.1:0", Arc::new(move || text.clone())).expect("binds");
+        assert_ne!(endpoint.addr().port(), 0);
+        let (head, body) = get(endpoint.addr(), "/metrics");
+        assert!(
+            head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+            "{head}"
+        );
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: text/plain; version=0.0.4"),
+            "{head}"
+        );
+        assert_eq!(body, expected);
+        let (head, _) = get(endpoint.addr(), "/");
+        assert!(head.contains(" 404"), "{head}");
+        let addr = endpoint.addr();
+        drop(endpoint);
+        // The listener closes once tiny_http's accept thread has seen the drop.
+        let closed = (0..200).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            TcpStream::connect(addr).is_err()
+        });
+        assert!(closed, "still listening 2 s after drop");
+    }
+
+    #[test]
+    fn a_taken_address_is_an_io_error() {
+        let first = MetricsEndpoint::bind("127.0.0.1:0", Arc::new(String::new)).expect("binds");
+        let taken = first.addr().to_string();
+        let err = MetricsEndpoint::bind(&taken, Arc::new(String::new)).err();
+        assert!(err.is_some_and(|e| e.to_string().contains(&taken)));
+    }
+}

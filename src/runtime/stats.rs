@@ -1,0 +1,201 @@
+//! The runtime's counters and gauges: plain atomics the workers bump and
+//! publish, read without locks into a [`RuntimeStats`] snapshot that a
+//! metrics endpoint renders (CONTRACT §2.9).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::rate::DecodeRate;
+
+/// Upper bounds (seconds) of the prefill-duration histogram buckets; one
+/// more bucket above the last catches everything longer.
+pub const PREFILL_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// A fixed-bucket histogram of durations, updated with atomics.
+#[derive(Debug, Default)]
+pub struct DurationHistogram {
+    /// Observations per bucket (not cumulative); the last is above every bound.
+    buckets: [AtomicU64; PREFILL_BUCKETS.len() + 1],
+    sum_nanos: AtomicU64,
+    count: AtomicU64,
+}
+
+impl DurationHistogram {
+    /// Counts one observation.
+    pub fn observe(&self, duration: Duration) {
+        let seconds = duration.as_secs_f64();
+        let index = PREFILL_BUCKETS
+            .iter()
+            .position(|&bound| seconds <= bound)
+            .unwrap_or(PREFILL_BUCKETS.len());
+        self.buckets[index].fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A copy of the current numbers.
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        HistogramSnapshot {
+            bounds: PREFILL_BUCKETS.to_vec(),
+            counts: self
+                .buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .collect(),
+            sum_seconds: self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+            count: self.count.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A histogram's numbers at one moment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HistogramSnapshot {
+    /// Bucket upper bounds in seconds, increasing.
+    pub bounds: Vec<f64>,
+    /// Observations per bucket, not cumulative: `bounds.len() + 1` entries,
+    /// the last for everything above the last bound.
+    pub counts: Vec<u64>,
+    pub sum_seconds: f64,
+    pub count: u64,
+}
+
+impl HistogramSnapshot {
+    /// `(upper bound, observations at or below it)` per bucket, ending with
+    /// `+Inf` (the Prometheus `le` buckets).
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut total = 0;
+        self.bounds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(&self.counts)
+            .map(|(bound, &n)| {
+                total += n;
+                (bound, total)
+            })
+            .collect()
+    }
+}
+
+/// Counters shared by all workers.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub evicted_ttl: AtomicU64,
+    pub evicted_lru: AtomicU64,
+    pub evicted_close: AtomicU64,
+    pub inv1_violations: AtomicU64,
+    pub inv2_violations: AtomicU64,
+    pub sessions_created: AtomicU64,
+    /// Sessions removed after an invariant violation or a failed step.
+    pub sessions_failed: AtomicU64,
+    pub tokens_generated: AtomicU64,
+    /// Prompt tokens computed (appends and truncation re-prefills).
+    pub prefill_tokens: AtomicU64,
+    /// How long each append or truncation re-prefill took to compute.
+    pub prefill_duration: DurationHistogram,
+}
+
+/// One worker's gauges, published by the worker at the end of each turn.
+#[derive(Default)]
+pub struct WorkerGauges {
+    pub sessions: AtomicU64,
+    pub last_batch_sequences: AtomicU64,
+    pub max_batch_sequences: AtomicU64,
+    pub steps: AtomicU64,
+    pub tokens_generated: AtomicU64,
+    /// Operations waiting in its sessions' queues, plus creations waiting
+    /// for a session place.
+    pub queued_ops: AtomicU64,
+    /// K and V bytes of the committed positions of its sessions.
+    pub kv_live_bytes: AtomicU64,
+    /// History tokens of its sessions.
+    pub history_tokens: AtomicU64,
+    /// Tokens decoded per second.
+    pub decode_rate: DecodeRate,
+}
+
+impl std::fmt::Debug for WorkerGauges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerGauges")
+            .field("sessions", &self.sessions)
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A snapshot of the runtime's counters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RuntimeStats {
+    pub sessions_active: u64,
+    pub sessions_created: u64,
+    /// Sessions removed after an invariant violation or a failed step.
+    pub sessions_failed: u64,
+    pub evicted_ttl: u64,
+    pub evicted_lru: u64,
+    /// Sessions ended by CloseSession.
+    pub evicted_close: u64,
+    pub inv1_violations: u64,
+    pub inv2_violations: u64,
+    pub tokens_generated: u64,
+    /// Prompt tokens computed (appends and truncation re-prefills).
+    pub prefill_tokens: u64,
+    pub prefill_duration: HistogramSnapshot,
+    /// K and V bytes of the committed positions of all live sessions.
+    pub kv_live_bytes: u64,
+    /// History tokens of all live sessions.
+    pub history_tokens: u64,
+    pub kv_free_pages: u64,
+    pub kv_total_pages: u64,
+    pub workers: Vec<WorkerStats>,
+}
+
+/// One worker's share of a [`RuntimeStats`] snapshot.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkerStats {
+    pub sessions: u64,
+    /// Commands waiting in the worker's channel.
+    pub queued_commands: u64,
+    /// Operations waiting in its sessions' queues (and creations waiting
+    /// for a place).
+    pub queued_ops: u64,
+    /// `queued_commands + queued_ops`.
+    pub queue_depth: u64,
+    /// Sequences in the last batched forward step.
+    pub last_batch_sequences: u64,
+    /// Most sequences ever run in one forward step.
+    pub max_batch_sequences: u64,
+    pub steps: u64,
+    pub tokens_generated: u64,
+    /// Tokens decoded per second over the last few whole seconds.
+    pub decode_tokens_per_second: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn observations_land_in_the_first_bucket_that_holds_them() {
+        let h = DurationHistogram::default();
+        h.observe(Duration::from_micros(500));
+        h.observe(Duration::from_millis(1));
+        h.observe(Duration::from_millis(30));
+        h.observe(Duration::from_secs(60));
+        let s = h.snapshot();
+        assert_eq!(s.count, 4);
+        assert!((s.sum_seconds - 60.0315).abs() < 1e-9, "{}", s.sum_seconds);
+        assert_eq!(s.counts[0], 2);
+        assert_eq!(s.counts[5], 1);
+        assert_eq!(s.counts[PREFILL_BUCKETS.len()], 1);
+        let c = s.cumulative();
+        assert_eq!(c.len(), PREFILL_BUCKETS.len() + 1);
+        assert_eq!(c[0], (0.001, 2));
+        assert_eq!(c[4], (0.025, 2));
+        assert_eq!(c[5], (0.05, 3));
+        assert_eq!(c[c.len() - 1], (f64::INFINITY, 4));
+    }
+}
