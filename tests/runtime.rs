@@ -118,8 +118,18 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 /// A Generate whose stream is never read: it stalls once the stream is full
 /// and keeps the session busy.
 fn stalled(rt: &Runtime, id: SessionId) -> inferd::runtime::GenerateStream {
+    stalled_at_most(rt, id, 200)
+}
+
+/// [`stalled`] with a token budget small enough not to truncate a long
+/// history.
+fn stalled_at_most(
+    rt: &Runtime,
+    id: SessionId,
+    max_tokens: u32,
+) -> inferd::runtime::GenerateStream {
     let s = rt
-        .generate(request(id, 200, SamplingOptions::default()), None)
+        .generate(request(id, max_tokens, SamplingOptions::default()), None)
         .expect("queued");
     // The first token proves it left the queue; then the stream fills.
     assert!(matches!(s.recv(None), Some(GenerateEvent::Token(_))));
@@ -322,12 +332,22 @@ fn an_unset_seed_is_drawn_reported_and_reproduces() {
 
 /// Tokens and final-logits digest of one session's history and generation.
 fn reference_run(rt: &Runtime, appends: &[&[u32]], neighbours: usize) -> (Vec<u32>, u64) {
+    // Neighbours decode while the session under test runs: each stream is
+    // read slowly on its own thread, so it neither stalls on a full stream
+    // nor finishes before the session under test has been batched with it.
     let others: Vec<_> = (0..neighbours)
         .map(|k| {
             let id = create(rt, &[]);
             append(rt, id, &prompt(20 + k * 7, k as u32)).expect("append");
-            rt.generate(request(id, 40, seeded()), None)
-                .expect("queued")
+            let stream = rt
+                .generate(request(id, 100, seeded()), None)
+                .expect("queued");
+            std::thread::spawn(move || loop {
+                match stream.recv(None) {
+                    Some(GenerateEvent::Token(_)) => std::thread::sleep(Duration::from_millis(2)),
+                    other => return other,
+                }
+            })
         })
         .collect();
     let id = create(rt, &[]);
@@ -336,8 +356,8 @@ fn reference_run(rt: &Runtime, appends: &[&[u32]], neighbours: usize) -> (Vec<u3
     }
     let (tokens, _) = generate(rt, id, 24, seeded());
     for o in others {
-        let (_, end) = split(o.collect());
-        assert!(matches!(end, GenerateEvent::Done(_)), "{end:?}");
+        let end = o.join().expect("reader thread");
+        assert!(matches!(end, Some(GenerateEvent::Done(_))), "{end:?}");
     }
     (tokens, info(rt, id).expect("info").logits_digest)
 }
@@ -748,7 +768,7 @@ fn a_truncating_append_that_cannot_get_pages_changes_nothing() {
     // A busy neighbour holds 7 pages (96 prompt tokens plus a few generated).
     let busy = create(&rt, &[]);
     append(&rt, busy, &prompt(96, 7)).expect("6 pages");
-    let _stalled = stalled(&rt, busy);
+    let _stalled = stalled_at_most(&rt, busy, 20);
     let id = create(&rt, &[]);
     append(&rt, id, &prompt(200, 3)).expect("13 pages");
     assert_eq!(rt.stats().kv_free_pages, 0);
@@ -788,7 +808,7 @@ fn a_truncating_generate_under_pressure_reuses_the_sessions_own_pages() {
     });
     let busy = create(&rt, &[]);
     append(&rt, busy, &prompt(96, 7)).expect("6 pages");
-    let _stalled = stalled(&rt, busy);
+    let _stalled = stalled_at_most(&rt, busy, 20);
     let id = create(&rt, &[]);
     append(&rt, id, &prompt(250, 5)).expect("16 pages");
     assert_eq!(rt.stats().kv_free_pages, 0);
