@@ -1,9 +1,14 @@
-//! The command-line front end: `inferd generate`, `inferd chat` and
-//! `inferd bench`. Flags become plain values here; the work is done by the
-//! engine, the tokenizer and the sampler.
+//! The command-line front end: `inferd generate`, `inferd chat`,
+//! `inferd bench`, and `inferd session` (the client side of `inferd serve`).
+//! Flags become plain values here; the work is done by the engine, the
+//! tokenizer and the sampler, or by a server reached over gRPC.
 
 mod chat;
+#[cfg(not(loom))]
+mod client;
 mod generate;
+pub mod remote;
+mod session;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +19,7 @@ use thiserror::Error;
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::model::{Model, ModelError};
 use crate::sampler::{SamplerError, SamplingParams};
-use crate::tokenizer::TokenizerError;
+use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Where the reference model lands (see `scripts/fetch-model`).
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -35,6 +40,9 @@ pub enum Command {
     Chat(chat::ChatArgs),
     /// Measure prefill and decode speed (the llama-bench equivalent).
     Bench(BenchArgs),
+    /// Drive a session on an inferd server by token ids, for scripts.
+    #[command(subcommand)]
+    Session(session::SessionCommand),
 }
 
 /// Options shared by every command that loads a model.
@@ -174,6 +182,17 @@ pub enum CliError {
     Template(String),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// A call to an inferd server failed.
+    #[error(transparent)]
+    Remote(#[from] remote::RemoteError),
+    /// The model file could not be read for its tokenizer.
+    #[error(
+        "model {path}: {source}\n(the client needs the served model's file for its vocabulary)"
+    )]
+    TokenizerLoad {
+        path: String,
+        source: crate::gguf::GgufError,
+    },
 }
 
 /// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (default: warnings).
@@ -192,7 +211,18 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench(args),
+        Command::Session(command) => session::run(command),
     }
+}
+
+/// The tokenizer of the model file at `path`, without loading its weights:
+/// what a client needs to speak the served model's vocabulary.
+pub fn load_tokenizer(path: &std::path::Path) -> Result<Tokenizer, CliError> {
+    let gguf = crate::gguf::GgufFile::open(path).map_err(|source| CliError::TokenizerLoad {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(Tokenizer::from_gguf(&gguf)?)
 }
 
 impl ModelArgs {
