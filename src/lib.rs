@@ -15,8 +15,10 @@
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
 //! - [`proto`]: the gRPC wire types generated from `protos/` (client API and health).
+//! - [`server`]: the gRPC front end (grpcio): RuntimeService, health, auth, TLS.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
+#[cfg(not(loom))]
 pub mod cli;
 pub mod engine;
 pub mod gguf;
@@ -27,5 +29,7 @@ pub mod proto;
 pub mod quant;
 pub mod runtime;
 pub mod sampler;
+#[cfg(not(loom))]
+pub mod server;
 pub mod threads;
 pub mod tokenizer;

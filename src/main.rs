@@ -7,7 +7,7 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = inferd::cli::Cli::parse();
-    inferd::cli::init_logging();
+    inferd::cli::init_logging(cli.command.default_log_level());
     match inferd::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -60,6 +60,7 @@ const CONTRACT_BASE_FIELDS: &[&str] = &[
 /// The extensions this project adds; numbered 16 and up, never below.
 const EXTENSION_FIELDS: &[&str] = &[
     "CreateSessionResponse.vocab_size = 16: uint32",
+    "AppendTokensResponse.dropped_token_count = 16: uint64",
     "CreateSessionResponse.context_length = 17: uint64",
     "CreateSessionResponse.worker = 18: uint32",
     "GenerateRequest.min_p = 16: optional float",
@@ -81,6 +82,8 @@ const EXTENSION_FIELDS: &[&str] = &[
     "GetSessionInfoResponse.eos_token_ids = 19: repeated uint32",
     "GetSessionInfoResponse.worker = 20: uint32",
     "GetSessionInfoResponse.truncated_token_count = 21: uint64",
+    "GetSessionInfoResponse.logits_digest = 22: fixed64",
+    "GetSessionInfoResponse.busy = 23: bool",
 ];
 
 /// Messages this project adds (any field numbers).
@@ -725,6 +728,7 @@ fn every_runtime_message_matches_its_golden_bytes_and_decodes_back() {
 
     let mut m = runtime::AppendTokensResponse::new();
     m.set_history_length(1 << 40);
+    m.set_dropped_token_count(300);
     check_golden("append_tokens_response", &m);
 
     let mut m = runtime::CloseSessionRequest::new();
@@ -802,6 +806,8 @@ fn every_runtime_message_matches_its_golden_bytes_and_decodes_back() {
     m.set_eos_token_ids(vec![2, 0]);
     m.set_worker(1);
     m.set_truncated_token_count(17);
+    m.set_logits_digest(0x0123_4567_89ab_cdef);
+    m.set_busy(true);
     check_golden("get_session_info_response", &m);
 }
 

@@ -9,7 +9,6 @@ use std::io::{BufRead, Write};
 use clap::Args;
 use minijinja::{context, Environment};
 
-#[cfg(not(loom))]
 use super::client::{generate_request, RemoteClient};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
@@ -309,7 +308,6 @@ pub fn run(args: ChatArgs) -> Result<(), CliError> {
 
 /// The chat's session on an inferd server: the template and the tokenizer
 /// stay here, the server sees only token ids.
-#[cfg(not(loom))]
 struct RemoteChat<'c> {
     client: &'c RemoteClient,
     session_id: String,
@@ -318,12 +316,10 @@ struct RemoteChat<'c> {
     stops: Vec<u32>,
 }
 
-#[cfg(not(loom))]
 impl RemoteChat<'_> {
     const LABEL: &'static str = "inferd chat";
 }
 
-#[cfg(not(loom))]
 impl ChatBackend for RemoteChat<'_> {
     fn restart(&mut self) -> Result<(), CliError> {
         let old = std::mem::take(&mut self.session_id);
@@ -338,7 +334,11 @@ impl ChatBackend for RemoteChat<'_> {
     }
 
     fn append(&mut self, tokens: &[u32]) -> Result<(), CliError> {
-        self.client.append(&self.session_id, tokens)?;
+        let appended = self.client.append(&self.session_id, tokens)?;
+        let dropped = appended.get_dropped_token_count();
+        if dropped > 0 {
+            eprintln!("(the server dropped {dropped} old tokens to fit the context)");
+        }
         Ok(())
     }
 
@@ -362,7 +362,6 @@ impl ChatBackend for RemoteChat<'_> {
     }
 }
 
-#[cfg(not(loom))]
 fn run_remote(args: ChatArgs) -> Result<(), CliError> {
     let tokenizer = super::load_tokenizer(&args.model.path())?;
     let params = args.sampling.params()?;
@@ -389,11 +388,6 @@ fn run_remote(args: ChatArgs) -> Result<(), CliError> {
     chatted?;
     closed?;
     Ok(())
-}
-
-#[cfg(loom)]
-fn run_remote(_args: ChatArgs) -> Result<(), CliError> {
-    Err(CliError::Usage("this build has no gRPC client".into()))
 }
 
 #[cfg(test)]

@@ -2,20 +2,17 @@
 //! server, the bearer token and deadline attached to every call, and every
 //! failure turned into a [`RemoteError`] that names the gRPC status.
 
-use std::future::Future;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
 
-use futures_util::StreamExt;
 use grpcio::{
     CallOption, ChannelBuilder, ChannelCredentialsBuilder, Environment, Metadata, MetadataBuilder,
 };
 
 use super::remote::{status_name, ConnectArgs, RemoteError};
 use crate::proto::kakeya_v1::runtime::{
-    AppendTokensRequest, CloseSessionRequest, CreateSessionRequest, CreateSessionResponse,
-    GenerateDone, GenerateRequest, GenerateResponse_oneof_payload, GetSessionInfoRequest,
-    GetSessionInfoResponse, LogitBias,
+    AppendTokensRequest, AppendTokensResponse, CloseSessionRequest, CreateSessionRequest,
+    CreateSessionResponse, GenerateDone, GenerateRequest, GenerateResponse_oneof_payload,
+    GetSessionInfoRequest, GetSessionInfoResponse, LogitBias,
 };
 use crate::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
 use crate::sampler::SamplingParams;
@@ -41,6 +38,19 @@ impl RemoteClient {
     /// is made lazily, by the first call).
     pub fn connect(args: &ConnectArgs) -> Result<Self, RemoteError> {
         let server = args.address();
+        // The C core takes C strings; a NUL could only come from a
+        // config value, and would otherwise abort inside grpcio.
+        for (what, value) in [
+            ("server address", Some(server.as_str())),
+            ("TLS server name", args.tls_server_name.as_deref()),
+        ] {
+            if value.is_some_and(|v| v.contains('\0')) {
+                return Err(RemoteError::Transport {
+                    server: server.clone(),
+                    detail: format!("the {what} contains a NUL byte"),
+                });
+            }
+        }
         let headers = match args.token_file() {
             Some(path) => Some(bearer_metadata(&path)?),
             None => None,
@@ -104,14 +114,18 @@ impl RemoteClient {
             .map_err(|e| self.fail(e))
     }
 
-    /// Appends `tokens` and returns the history length after the append.
-    pub fn append(&self, session_id: &str, tokens: &[u32]) -> Result<u64, RemoteError> {
+    /// Appends `tokens`; the answer holds the history length after the
+    /// append and how many old tokens the context-overflow policy dropped.
+    pub fn append(
+        &self,
+        session_id: &str,
+        tokens: &[u32],
+    ) -> Result<AppendTokensResponse, RemoteError> {
         let mut req = AppendTokensRequest::new();
         req.set_session_id(session_id.to_owned());
         req.set_token_ids(tokens.to_vec());
         self.client
             .append_tokens_opt(&req, self.call_option())
-            .map(|r| r.get_history_length())
             .map_err(|e| self.fail(e))
     }
 
@@ -124,13 +138,16 @@ impl RemoteClient {
         mut on_token: impl FnMut(u32) -> bool,
         mut on_truncated: impl FnMut(u64),
     ) -> Result<GenerateEnd, RemoteError> {
-        let mut stream = self
+        let receiver = self
             .client
             .generate_opt(req, self.call_option())
             .map_err(|e| self.fail(e))?;
+        // The commands are plain blocking programs: the stream is read on
+        // this thread, which parks between messages.
+        let mut stream = futures_executor::block_on_stream(receiver);
         let mut tokens = 0u64;
         loop {
-            let Some(message) = block_on(stream.next()) else {
+            let Some(message) = stream.next() else {
                 return Err(RemoteError::StreamWithoutDone {
                     server: self.server.clone(),
                     tokens,
@@ -141,7 +158,7 @@ impl RemoteClient {
                 Some(GenerateResponse_oneof_payload::token_id(id)) => {
                     tokens += 1;
                     if !on_token(id) {
-                        stream.cancel();
+                        stream.get_mut().cancel();
                         return Ok(GenerateEnd::StoppedByCaller);
                     }
                 }
@@ -254,88 +271,9 @@ fn bearer_metadata(path: &std::path::Path) -> Result<Metadata, RemoteError> {
     Ok(builder.build())
 }
 
-/// Wakes the thread blocked in [`block_on`].
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Drives one future to completion on the calling thread. The client is
-/// used from plain blocking commands, so parking the thread between polls
-/// is all the executor it needs.
-fn block_on<F: Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        match future.as_mut().poll(&mut cx) {
-            Poll::Ready(value) => return value,
-            // A wake that came before the park makes `park` return at once,
-            // and a spurious return only costs one extra poll.
-            Poll::Pending => std::thread::park(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn block_on_waits_for_a_wake_from_another_thread() {
-        let (tx, rx) = one_shot();
-        let handle = std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-            tx.send(41);
-        });
-        assert_eq!(block_on(rx) + 1, 42);
-        handle.join().ok();
-    }
-
-    /// A one-shot value handed over between threads with a waker, so the
-    /// test does not depend on any executor crate.
-    fn one_shot() -> (OneShotSender, OneShotReceiver) {
-        let shared = Arc::new(std::sync::Mutex::new((None, None::<Waker>)));
-        (OneShotSender(shared.clone()), OneShotReceiver(shared))
-    }
-
-    type Slot = Arc<std::sync::Mutex<(Option<u32>, Option<Waker>)>>;
-    struct OneShotSender(Slot);
-    struct OneShotReceiver(Slot);
-
-    impl OneShotSender {
-        fn send(self, value: u32) {
-            if let Ok(mut slot) = self.0.lock() {
-                slot.0 = Some(value);
-                if let Some(w) = slot.1.take() {
-                    w.wake();
-                }
-            }
-        }
-    }
-
-    impl Future for OneShotReceiver {
-        type Output = u32;
-        fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<u32> {
-            let Ok(mut slot) = self.0.lock() else {
-                return Poll::Pending;
-            };
-            match slot.0.take() {
-                Some(v) => Poll::Ready(v),
-                None => {
-                    slot.1 = Some(cx.waker().clone());
-                    Poll::Pending
-                }
-            }
-        }
-    }
 
     #[test]
     fn a_failed_rpc_becomes_a_status_error_naming_the_code() {

@@ -7,7 +7,6 @@ use std::io::Write;
 
 use clap::{Args, ValueEnum};
 
-#[cfg(not(loom))]
 use super::client::{generate_request, GenerateEnd, RemoteClient};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
@@ -193,7 +192,6 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-#[cfg(not(loom))]
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
     let tokenizer = super::load_tokenizer(&args.model.path())?;
     let prompt = prompt_tokens(&args, &tokenizer)?;
@@ -216,7 +214,6 @@ fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
 }
 
 /// Appends the prompt to the server session and streams its continuation.
-#[cfg(not(loom))]
 fn continue_remotely(
     client: &RemoteClient,
     session_id: &str,
@@ -225,7 +222,10 @@ fn continue_remotely(
     params: &SamplingParams,
     tokenizer: &Tokenizer,
 ) -> Result<(), CliError> {
-    client.append(session_id, prompt)?;
+    let dropped = client.append(session_id, prompt)?.get_dropped_token_count();
+    if dropped > 0 {
+        eprintln!("(the server dropped {dropped} prompt tokens to fit the context)");
+    }
     let req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
     let stdout = std::io::stdout();
     let mut writer = ContinuationWriter::new(args.format, tokenizer, stdout.lock());
@@ -247,11 +247,6 @@ fn continue_remotely(
     }
     writer.finish()?;
     Ok(())
-}
-
-#[cfg(loom)]
-fn run_remote(_args: GenerateArgs) -> Result<(), CliError> {
-    Err(CliError::Usage("this build has no gRPC client".into()))
 }
 
 #[cfg(test)]

@@ -1,13 +1,14 @@
 //! The command-line front end: `inferd generate`, `inferd chat`,
-//! `inferd bench`, and `inferd session` (the client side of `inferd serve`).
+//! `inferd bench`, `inferd serve`, and `inferd session` (a client of
+//! `inferd serve`).
 //! Flags become plain values here; the work is done by the engine, the
 //! tokenizer and the sampler, or by a server reached over gRPC.
 
 mod chat;
-#[cfg(not(loom))]
 mod client;
 mod generate;
 pub mod remote;
+mod serve;
 mod session;
 
 use std::path::PathBuf;
@@ -40,9 +41,22 @@ pub enum Command {
     Chat(chat::ChatArgs),
     /// Measure prefill and decode speed (the llama-bench equivalent).
     Bench(BenchArgs),
+    /// Serve kakeya.v1.RuntimeService over gRPC.
+    Serve(serve::ServeArgs),
     /// Drive a session on an inferd server by token ids, for scripts.
     #[command(subcommand)]
     Session(session::SessionCommand),
+}
+
+impl Command {
+    /// The log level when `RUST_LOG` is unset: a server logs each session's
+    /// lifecycle, the one-shot commands only warnings.
+    pub fn default_log_level(&self) -> &'static str {
+        match self {
+            Command::Serve(_) => "info",
+            _ => "warn",
+        }
+    }
 }
 
 /// Options shared by every command that loads a model.
@@ -195,13 +209,14 @@ pub enum CliError {
     },
 }
 
-/// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (default: warnings).
-pub fn init_logging() {
+/// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (else `default`).
+pub fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -211,6 +226,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench(args),
+        Command::Serve(args) => serve::run(args),
         Command::Session(command) => session::run(command),
     }
 }

@@ -1,8 +1,7 @@
 //! What the client commands need to reach an `inferd serve`: the connection
 //! flags, the typed error a failed call becomes, and the small parsers and
 //! formatters shared by `inferd session`, `generate --server` and
-//! `chat --server`. The gRPC calls themselves live in `client.rs`; this
-//! file holds no transport types, so it builds everywhere the CLI does.
+//! `chat --server`. The gRPC calls themselves live in `client.rs`.
 
 use std::path::PathBuf;
 use std::time::Duration;

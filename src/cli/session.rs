@@ -2,13 +2,16 @@
 //! command, token ids and session ids in and out, so a shell script can
 //! drive a server session step by step (`id=$(inferd session create)`).
 
+use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::generate::OutputFormat;
-use super::remote::{json_string, ConnectArgs};
-use super::{CliError, SamplingArgs};
+use super::client::{generate_request, GenerateEnd, RemoteClient};
+use super::generate::{ContinuationWriter, OutputFormat};
+use super::remote::{json_string, parse_token_list, ConnectArgs};
+use super::{load_tokenizer, CliError, ModelArgs, SamplingArgs};
+use crate::proto::kakeya_v1::runtime::{GenerateDone_StopReason, GetSessionInfoResponse};
 
 #[derive(Debug, Subcommand)]
 pub enum SessionCommand {
@@ -98,18 +101,10 @@ pub struct CloseArgs {
 /// One value of a session's info.
 #[derive(Debug, Clone, PartialEq)]
 enum InfoValue {
-    /// A number, already formatted.
-    Number(String),
+    /// A number or a boolean, already written as JSON.
+    Literal(String),
     Text(String),
     Ids(Vec<u32>),
-}
-
-#[cfg(not(loom))]
-pub use remote_impl::run;
-
-#[cfg(loom)]
-pub fn run(_command: SessionCommand) -> Result<(), CliError> {
-    Err(CliError::Usage("this build has no gRPC client".into()))
 }
 
 /// Renders info fields as `name value` lines (text raw, ids
@@ -121,7 +116,7 @@ fn render_info(fields: &[(&str, InfoValue)], format: InfoFormat) -> String {
                 .iter()
                 .map(|(name, value)| {
                     let value = match value {
-                        InfoValue::Number(n) => n.clone(),
+                        InfoValue::Literal(n) => n.clone(),
                         InfoValue::Text(t) => json_string(t),
                         InfoValue::Ids(ids) => format!("[{}]", join_ids(ids, ",")),
                     };
@@ -136,7 +131,7 @@ fn render_info(fields: &[(&str, InfoValue)], format: InfoFormat) -> String {
                 .iter()
                 .map(|(name, value)| {
                     let value = match value {
-                        InfoValue::Number(n) => n.clone(),
+                        InfoValue::Literal(n) => n.clone(),
                         InfoValue::Text(t) => t.clone(),
                         InfoValue::Ids(ids) => join_ids(ids, " "),
                     };
@@ -152,175 +147,163 @@ fn join_ids(ids: &[u32], sep: &str) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(sep)
 }
 
-#[cfg(not(loom))]
-mod remote_impl {
-    use std::io::{Read, Write};
+/// Runs one `inferd session` command.
+pub fn run(command: SessionCommand) -> Result<(), CliError> {
+    match command {
+        SessionCommand::Create(args) => create(args),
+        SessionCommand::Append(args) => append(args),
+        SessionCommand::Generate(args) => generate(args),
+        SessionCommand::Info(args) => info(args),
+        SessionCommand::Close(args) => close(args),
+    }
+}
 
-    use super::super::client::{generate_request, GenerateEnd, RemoteClient};
-    use super::super::generate::{ContinuationWriter, OutputFormat};
-    use super::super::remote::parse_token_list;
-    use super::super::{load_tokenizer, CliError, ModelArgs};
-    use super::*;
-    use crate::proto::kakeya_v1::runtime::{GenerateDone_StopReason, GetSessionInfoResponse};
+fn create(args: CreateArgs) -> Result<(), CliError> {
+    let client = RemoteClient::connect(&args.connect)?;
+    let created = client.create_session(&args.label, &args.eos)?;
+    tracing::info!(
+        vocab = created.get_vocab_size(),
+        context = created.get_context_length(),
+        worker = created.get_worker(),
+        "session created"
+    );
+    println!("{}", created.get_session_id());
+    Ok(())
+}
 
-    /// Runs one `inferd session` command.
-    pub fn run(command: SessionCommand) -> Result<(), CliError> {
-        match command {
-            SessionCommand::Create(args) => create(args),
-            SessionCommand::Append(args) => append(args),
-            SessionCommand::Generate(args) => generate(args),
-            SessionCommand::Info(args) => info(args),
-            SessionCommand::Close(args) => close(args),
+fn append(args: AppendArgs) -> Result<(), CliError> {
+    let tokens = if args.tokens.is_empty() {
+        let mut text = String::new();
+        std::io::stdin().read_to_string(&mut text)?;
+        parse_token_list(&text).map_err(|e| CliError::Usage(format!("stdin: {e}")))?
+    } else {
+        args.tokens
+    };
+    if tokens.is_empty() {
+        return Err(CliError::Usage(
+            "no token ids to append (give them as arguments or on stdin)".into(),
+        ));
+    }
+    let client = RemoteClient::connect(&args.connect)?;
+    println!("{}", client.append(&args.id, &tokens)?);
+    Ok(())
+}
+
+fn generate(args: SessionGenerateArgs) -> Result<(), CliError> {
+    // The text format needs the vocabulary; ids need nothing local.
+    let tokenizer = match args.format {
+        OutputFormat::Text => {
+            let model = ModelArgs {
+                model: args.model.clone(),
+                threads: None,
+                kv_mib: 0,
+                kv_file: None,
+            };
+            Some(load_tokenizer(&model.path())?)
         }
+        OutputFormat::Ids => None,
+    };
+    if args.max_tokens == 0 {
+        return Err(CliError::Usage("--max-tokens must be at least 1".into()));
     }
+    let params = args.sampling.params()?;
+    let req = generate_request(&args.id, args.max_tokens, &params, args.sampling.seed);
+    let client = RemoteClient::connect(&args.connect)?;
 
-    fn create(args: CreateArgs) -> Result<(), CliError> {
-        let client = RemoteClient::connect(&args.connect)?;
-        let created = client.create_session(&args.label, &args.eos)?;
-        tracing::info!(
-            vocab = created.get_vocab_size(),
-            context = created.get_context_length(),
-            worker = created.get_worker(),
-            "session created"
-        );
-        println!("{}", created.get_session_id());
-        Ok(())
-    }
-
-    fn append(args: AppendArgs) -> Result<(), CliError> {
-        let tokens = if args.tokens.is_empty() {
-            let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text)?;
-            parse_token_list(&text).map_err(|e| CliError::Usage(format!("stdin: {e}")))?
-        } else {
-            args.tokens
-        };
-        if tokens.is_empty() {
-            return Err(CliError::Usage(
-                "no token ids to append (give them as arguments or on stdin)".into(),
-            ));
-        }
-        let client = RemoteClient::connect(&args.connect)?;
-        println!("{}", client.append(&args.id, &tokens)?);
-        Ok(())
-    }
-
-    fn generate(args: SessionGenerateArgs) -> Result<(), CliError> {
-        // The text format needs the vocabulary; ids need nothing local.
-        let tokenizer = match args.format {
-            OutputFormat::Text => {
-                let model = ModelArgs {
-                    model: args.model.clone(),
-                    threads: None,
-                    kv_mib: 0,
-                    kv_file: None,
-                };
-                Some(load_tokenizer(&model.path())?)
+    let stdout = std::io::stdout();
+    let mut writer = match &tokenizer {
+        Some(t) => ContinuationWriter::text(t, stdout.lock()),
+        None => ContinuationWriter::ids(stdout.lock()),
+    };
+    let mut io_error = None;
+    let end = client.generate(
+        &req,
+        |id| match writer.push(id) {
+            Ok(()) => true,
+            Err(e) => {
+                io_error = Some(e);
+                false
             }
-            OutputFormat::Ids => None,
-        };
-        if args.max_tokens == 0 {
-            return Err(CliError::Usage("--max-tokens must be at least 1".into()));
-        }
-        let params = args.sampling.params()?;
-        let req = generate_request(&args.id, args.max_tokens, &params, args.sampling.seed);
-        let client = RemoteClient::connect(&args.connect)?;
-
-        let stdout = std::io::stdout();
-        let mut writer = match &tokenizer {
-            Some(t) => ContinuationWriter::text(t, stdout.lock()),
-            None => ContinuationWriter::ids(stdout.lock()),
-        };
-        let mut io_error = None;
-        let end = client.generate(
-            &req,
-            |id| match writer.push(id) {
-                Ok(()) => true,
-                Err(e) => {
-                    io_error = Some(e);
-                    false
-                }
-            },
-            |dropped| eprintln!("truncated dropped_token_count={dropped}"),
-        )?;
-        if let Some(e) = io_error {
-            return Err(e.into());
-        }
-        writer.finish()?;
-        if let GenerateEnd::Done(done) = end {
-            eprintln!(
-                "done stop_reason={} generated_token_count={} seed_used={} history_length={} \
-                 prefill_token_count={} prefill_seconds={:.3} total_seconds={:.3}",
-                stop_reason_name(done.get_stop_reason()),
-                done.get_generated_token_count(),
-                done.get_seed_used(),
-                done.get_history_length(),
-                done.get_prefill_token_count(),
-                done.get_prefill_duration_seconds(),
-                done.get_total_duration_seconds(),
-            );
-        }
-        Ok(())
+        },
+        |dropped| eprintln!("truncated dropped_token_count={dropped}"),
+    )?;
+    if let Some(e) = io_error {
+        return Err(e.into());
     }
-
-    fn info(args: InfoArgs) -> Result<(), CliError> {
-        let client = RemoteClient::connect(&args.connect)?;
-        let info = client.info(&args.id)?;
-        let fields = info_fields(&args.id, &info);
-        let mut out = std::io::stdout();
-        writeln!(out, "{}", render_info(&fields, args.format))?;
-        Ok(())
+    writer.finish()?;
+    if let GenerateEnd::Done(done) = end {
+        eprintln!(
+            "done stop_reason={} generated_token_count={} seed_used={} history_length={} \
+             prefill_token_count={} prefill_seconds={:.3} total_seconds={:.3}",
+            stop_reason_name(done.get_stop_reason()),
+            done.get_generated_token_count(),
+            done.get_seed_used(),
+            done.get_history_length(),
+            done.get_prefill_token_count(),
+            done.get_prefill_duration_seconds(),
+            done.get_total_duration_seconds(),
+        );
     }
+    Ok(())
+}
 
-    fn close(args: CloseArgs) -> Result<(), CliError> {
-        let client = RemoteClient::connect(&args.connect)?;
-        println!("{}", client.close(&args.id)?);
-        Ok(())
-    }
+fn info(args: InfoArgs) -> Result<(), CliError> {
+    let client = RemoteClient::connect(&args.connect)?;
+    let info = client.info(&args.id)?;
+    let fields = info_fields(&args.id, &info);
+    let mut out = std::io::stdout();
+    writeln!(out, "{}", render_info(&fields, args.format))?;
+    Ok(())
+}
 
-    fn stop_reason_name(reason: GenerateDone_StopReason) -> &'static str {
-        match reason {
-            GenerateDone_StopReason::STOP_REASON_UNSPECIFIED => "unspecified",
-            GenerateDone_StopReason::STOP_REASON_MAX_TOKENS => "max_tokens",
-            GenerateDone_StopReason::STOP_REASON_EOS => "eos",
-            GenerateDone_StopReason::STOP_REASON_CANCELLED => "cancelled",
-            GenerateDone_StopReason::STOP_REASON_TRUNCATED => "truncated",
-        }
-    }
+fn close(args: CloseArgs) -> Result<(), CliError> {
+    let client = RemoteClient::connect(&args.connect)?;
+    println!("{}", client.close(&args.id)?);
+    Ok(())
+}
 
-    /// The info fields, in a fixed order.
-    fn info_fields(id: &str, info: &GetSessionInfoResponse) -> Vec<(&'static str, InfoValue)> {
-        let n = |v: u64| InfoValue::Number(v.to_string());
-        vec![
-            ("session_id", InfoValue::Text(id.to_owned())),
-            ("history_length", n(info.get_history_length())),
-            ("kv_live_bytes", n(info.get_kv_live_bytes())),
-            ("kv_pages_held", n(info.get_kv_pages_held())),
-            ("kv_page_bytes", n(info.get_kv_page_bytes())),
-            (
-                "cache_invariant_inv1_violations",
-                n(info.get_cache_invariant_inv1_violations()),
-            ),
-            (
-                "cache_invariant_inv2_violations",
-                n(info.get_cache_invariant_inv2_violations()),
-            ),
-            (
-                "idle_seconds",
-                InfoValue::Number(format!("{:.3}", info.get_idle_seconds())),
-            ),
-            ("truncated_token_count", n(info.get_truncated_token_count())),
-            ("worker", n(u64::from(info.get_worker()))),
-            (
-                "client_label",
-                InfoValue::Text(info.get_client_label().to_owned()),
-            ),
-            (
-                "eos_token_ids",
-                InfoValue::Ids(info.get_eos_token_ids().to_vec()),
-            ),
-        ]
+fn stop_reason_name(reason: GenerateDone_StopReason) -> &'static str {
+    match reason {
+        GenerateDone_StopReason::STOP_REASON_UNSPECIFIED => "unspecified",
+        GenerateDone_StopReason::STOP_REASON_MAX_TOKENS => "max_tokens",
+        GenerateDone_StopReason::STOP_REASON_EOS => "eos",
+        GenerateDone_StopReason::STOP_REASON_CANCELLED => "cancelled",
+        GenerateDone_StopReason::STOP_REASON_TRUNCATED => "truncated",
     }
+}
+
+/// The info fields, in a fixed order.
+fn info_fields(id: &str, info: &GetSessionInfoResponse) -> Vec<(&'static str, InfoValue)> {
+    let n = |v: u64| InfoValue::Literal(v.to_string());
+    vec![
+        ("session_id", InfoValue::Text(id.to_owned())),
+        ("history_length", n(info.get_history_length())),
+        ("kv_live_bytes", n(info.get_kv_live_bytes())),
+        ("kv_pages_held", n(info.get_kv_pages_held())),
+        ("kv_page_bytes", n(info.get_kv_page_bytes())),
+        (
+            "cache_invariant_inv1_violations",
+            n(info.get_cache_invariant_inv1_violations()),
+        ),
+        (
+            "cache_invariant_inv2_violations",
+            n(info.get_cache_invariant_inv2_violations()),
+        ),
+        (
+            "idle_seconds",
+            InfoValue::Literal(format!("{:.3}", info.get_idle_seconds())),
+        ),
+        ("truncated_token_count", n(info.get_truncated_token_count())),
+        ("worker", n(u64::from(info.get_worker()))),
+        (
+            "client_label",
+            InfoValue::Text(info.get_client_label().to_owned()),
+        ),
+        (
+            "eos_token_ids",
+            InfoValue::Ids(info.get_eos_token_ids().to_vec()),
+        ),
+    ]
 }
 
 #[cfg(test)]
@@ -329,7 +312,7 @@ mod tests {
 
     fn sample() -> Vec<(&'static str, InfoValue)> {
         vec![
-            ("history_length", InfoValue::Number("12".into())),
+            ("history_length", InfoValue::Literal("12".into())),
             ("client_label", InfoValue::Text("say \"hi\"".into())),
             ("eos_token_ids", InfoValue::Ids(vec![2, 7])),
         ]

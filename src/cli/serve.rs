@@ -1,0 +1,465 @@
+//! `inferd serve`: settings from flags, environment and a TOML file (in
+//! that order of precedence), then the gRPC server until SIGTERM or SIGINT,
+//! then a graceful drain. Tells systemd when it is ready and when it stops.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use serde::Deserialize;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+
+use super::{CliError, DEFAULT_MODEL};
+use crate::model::Model;
+use crate::runtime::{OverflowPolicy, RuntimeConfig};
+use crate::server::{ServeConfig, Server, TlsIdentity};
+
+/// Which idle session makes room when memory or the session limit runs out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Eviction {
+    /// The least recently used idle session is evicted.
+    Lru,
+    /// Nothing is evicted: the request fails with RESOURCE_EXHAUSTED.
+    None,
+}
+
+/// What happens when a history outgrows the model's context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overflow {
+    /// Keep the first `overflow-sink` tokens and the most recent window.
+    Truncate,
+    /// End the Generate with STOP_REASON_TRUNCATED (an Append is refused).
+    Stop,
+}
+
+/// Flags of `inferd serve`. Every one can also come from the environment
+/// (`INFERD_<NAME>`) or the TOML file (`name = value`, `-` written `_`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct ServeArgs {
+    /// TOML configuration file; flags and environment override it.
+    #[arg(long, env = "INFERD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// GGUF model file [default: models/SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long, short = 'm', env = "INFERD_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Address to listen on, IP:PORT or localhost:PORT (port 0: any free port)
+    /// [default: 127.0.0.1:50051].
+    #[arg(long, env = "INFERD_LISTEN")]
+    pub listen: Option<String>,
+    /// Worker threads, one pinned per core, each owning a shard of the
+    /// sessions [default: one per core].
+    #[arg(long, env = "INFERD_WORKERS")]
+    pub workers: Option<usize>,
+    /// KV cache memory in MiB [default: 256].
+    #[arg(long, env = "INFERD_KV_MIB", conflicts_with = "kv_pages")]
+    pub kv_mib: Option<u64>,
+    /// KV cache size in pages (of 16 positions over all layers), instead of --kv-mib.
+    #[arg(long, env = "INFERD_KV_PAGES")]
+    pub kv_pages: Option<u64>,
+    /// Most sessions alive at once [default: 1024].
+    #[arg(long, env = "INFERD_MAX_SESSIONS")]
+    pub max_sessions: Option<usize>,
+    /// Seconds a session may stay idle before it is evicted [default: 1800].
+    #[arg(long, env = "INFERD_IDLE_TTL")]
+    pub idle_ttl: Option<f64>,
+    /// What makes room when KV memory or sessions run out [default: lru].
+    #[arg(long, value_enum, env = "INFERD_EVICTION")]
+    pub eviction: Option<Eviction>,
+    /// What a history longer than the context does [default: truncate].
+    #[arg(long, value_enum, env = "INFERD_OVERFLOW")]
+    pub overflow: Option<Overflow>,
+    /// Tokens kept at the start of the history when truncating [default: 4].
+    #[arg(long, env = "INFERD_OVERFLOW_SINK")]
+    pub overflow_sink: Option<usize>,
+    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    #[arg(long, env = "INFERD_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+    /// File holding the access token every call must carry as
+    /// `authorization: Bearer <token>`.
+    #[arg(long, env = "INFERD_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// Accept a non-loopback --listen without an access token.
+    #[arg(long, env = "INFERD_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+    /// PEM certificate chain: serve TLS (needs --tls-key).
+    #[arg(long, env = "INFERD_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "INFERD_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Seconds to let calls finish after SIGTERM/SIGINT before cancelling
+    /// them [default: 30].
+    #[arg(long, env = "INFERD_DRAIN_TIMEOUT")]
+    pub drain_timeout: Option<f64>,
+    /// gRPC completion-queue threads [default: one per four cores].
+    #[arg(long, env = "INFERD_COMPLETION_QUEUES")]
+    pub completion_queues: Option<usize>,
+    /// Check the configuration and the model file, print the settings, and
+    /// exit without serving.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// The TOML file: the same names as the flags, `-` written `_`. Relative
+/// paths in it are relative to the file's folder.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    model: Option<PathBuf>,
+    listen: Option<String>,
+    workers: Option<usize>,
+    kv_mib: Option<u64>,
+    kv_pages: Option<u64>,
+    max_sessions: Option<usize>,
+    idle_ttl: Option<f64>,
+    eviction: Option<Eviction>,
+    overflow: Option<Overflow>,
+    overflow_sink: Option<usize>,
+    metrics_listen: Option<String>,
+    auth_token_file: Option<PathBuf>,
+    allow_unauthenticated: Option<bool>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    drain_timeout: Option<f64>,
+    completion_queues: Option<usize>,
+}
+
+impl FileConfig {
+    fn read(path: &Path) -> Result<Self, CliError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CliError::Usage(format!("config {}: {e}", path.display())))?;
+        let mut cfg: FileConfig = toml::from_str(&text)
+            .map_err(|e| CliError::Usage(format!("config {}: {e}", path.display())))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [
+            &mut cfg.model,
+            &mut cfg.auth_token_file,
+            &mut cfg.tls_cert,
+            &mut cfg.tls_key,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+/// The merged settings, before anything is opened.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub model: PathBuf,
+    pub listen: String,
+    pub workers: usize,
+    pub kv: KvSize,
+    pub max_sessions: usize,
+    pub idle_ttl: Duration,
+    pub eviction: Eviction,
+    pub overflow: Overflow,
+    pub overflow_sink: usize,
+    pub metrics_listen: Option<String>,
+    pub auth_token_file: Option<PathBuf>,
+    pub allow_unauthenticated: bool,
+    pub tls: Option<(PathBuf, PathBuf)>,
+    pub drain_timeout: Duration,
+    pub completion_queues: Option<usize>,
+}
+
+/// KV memory, by size or by page count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvSize {
+    Mib(u64),
+    Pages(u64),
+}
+
+fn seconds(name: &str, value: f64) -> Result<Duration, CliError> {
+    Duration::try_from_secs_f64(value).map_err(|_| {
+        CliError::Usage(format!(
+            "{name} must be a number of seconds >= 0, got {value}"
+        ))
+    })
+}
+
+fn positive(name: &str, value: usize) -> Result<usize, CliError> {
+    if value == 0 {
+        return Err(CliError::Usage(format!("{name} must be at least 1")));
+    }
+    Ok(value)
+}
+
+impl ServeArgs {
+    /// Flags (with their environment variables) over the file over defaults.
+    pub fn settings(&self) -> Result<Settings, CliError> {
+        let file = match &self.config {
+            Some(path) => FileConfig::read(path)?,
+            None => FileConfig::default(),
+        };
+        let kv = match (self.kv_mib, self.kv_pages) {
+            (Some(mib), _) => KvSize::Mib(mib),
+            (None, Some(pages)) => KvSize::Pages(pages),
+            (None, None) => match (file.kv_mib, file.kv_pages) {
+                (Some(_), Some(_)) => {
+                    return Err(CliError::Usage(
+                        "config: give kv_mib or kv_pages, not both".into(),
+                    ))
+                }
+                (Some(mib), None) => KvSize::Mib(mib),
+                (None, Some(pages)) => KvSize::Pages(pages),
+                (None, None) => KvSize::Mib(256),
+            },
+        };
+        if matches!(kv, KvSize::Mib(0) | KvSize::Pages(0)) {
+            return Err(CliError::Usage(
+                "the KV cache size must be at least 1".into(),
+            ));
+        }
+        let tls = match (
+            self.tls_cert.clone().or(file.tls_cert),
+            self.tls_key.clone().or(file.tls_key),
+        ) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => {
+                return Err(CliError::Usage(
+                    "TLS needs both a certificate (tls_cert) and a key (tls_key)".into(),
+                ))
+            }
+        };
+        let workers = match self.workers.or(file.workers) {
+            Some(n) => positive("workers", n)?,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        Ok(Settings {
+            model: self
+                .model
+                .clone()
+                .or(file.model)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
+            listen: self
+                .listen
+                .clone()
+                .or(file.listen)
+                .unwrap_or_else(|| "127.0.0.1:50051".into()),
+            workers,
+            kv,
+            max_sessions: positive(
+                "max-sessions",
+                self.max_sessions.or(file.max_sessions).unwrap_or(1024),
+            )?,
+            idle_ttl: seconds(
+                "idle-ttl",
+                self.idle_ttl.or(file.idle_ttl).unwrap_or(1800.0),
+            )?,
+            eviction: self.eviction.or(file.eviction).unwrap_or(Eviction::Lru),
+            overflow: self
+                .overflow
+                .or(file.overflow)
+                .unwrap_or(Overflow::Truncate),
+            overflow_sink: self.overflow_sink.or(file.overflow_sink).unwrap_or(4),
+            metrics_listen: self.metrics_listen.clone().or(file.metrics_listen),
+            auth_token_file: self.auth_token_file.clone().or(file.auth_token_file),
+            allow_unauthenticated: self.allow_unauthenticated
+                || file.allow_unauthenticated.unwrap_or(false),
+            tls,
+            drain_timeout: seconds(
+                "drain-timeout",
+                self.drain_timeout.or(file.drain_timeout).unwrap_or(30.0),
+            )?,
+            completion_queues: match self.completion_queues.or(file.completion_queues) {
+                Some(n) => Some(positive("completion-queues", n)?),
+                None => None,
+            },
+        })
+    }
+}
+
+fn read_file(what: &str, path: &Path) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|e| CliError::Usage(format!("{what} {}: {e}", path.display())))
+}
+
+impl Settings {
+    /// Opens the files the settings name and builds the server's
+    /// configuration for `model`.
+    fn serve_config(&self, model: &Model) -> Result<ServeConfig, CliError> {
+        let layout = model.kv_layout(model.config.n_layers, crate::kv::DEFAULT_PAGE_POSITIONS);
+        let kv_bytes = match self.kv {
+            KvSize::Mib(mib) => mib.saturating_mul(1 << 20),
+            KvSize::Pages(pages) => pages.saturating_mul(layout.page_stride() as u64),
+        };
+        let runtime = RuntimeConfig {
+            workers: self.workers,
+            kv_bytes,
+            max_sessions: self.max_sessions,
+            idle_ttl: self.idle_ttl,
+            overflow: match self.overflow {
+                Overflow::Truncate => OverflowPolicy::Truncate {
+                    sink: self.overflow_sink,
+                },
+                Overflow::Stop => OverflowPolicy::Stop,
+            },
+            ..RuntimeConfig::default()
+        };
+        let mut cfg = ServeConfig::new(self.listen.clone(), runtime);
+        if let Some(n) = self.completion_queues {
+            cfg.completion_queues = n;
+        }
+        cfg.allow_unauthenticated = self.allow_unauthenticated;
+        if let Some(path) = &self.auth_token_file {
+            let token = String::from_utf8(read_file("auth token file", path)?).map_err(|_| {
+                CliError::Usage(format!("auth token file {}: not UTF-8", path.display()))
+            })?;
+            warn_if_readable_by_others(path);
+            cfg.auth_token = Some(token.trim().to_owned());
+        }
+        if let Some((cert, key)) = &self.tls {
+            cfg.tls = Some(TlsIdentity {
+                cert_pem: read_file("TLS certificate", cert)?,
+                key_pem: read_file("TLS key", key)?,
+            });
+        }
+        cfg.check_security()
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        Ok(cfg)
+    }
+}
+
+#[cfg(unix)]
+fn warn_if_readable_by_others(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path) {
+        if meta.permissions().mode() & 0o044 != 0 {
+            tracing::warn!(file = %path.display(), "the auth token file is readable by other users");
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn warn_if_readable_by_others(_: &Path) {}
+
+fn notify_systemd(state: &[sd_notify::NotifyState]) {
+    if let Err(e) = sd_notify::notify(false, state) {
+        tracing::warn!(error = %e, "could not notify systemd");
+    }
+}
+
+/// Runs `inferd serve`.
+pub fn run(args: ServeArgs) -> Result<(), CliError> {
+    // Registered first, so a signal that arrives during start-up is not the
+    // default (fatal) action but a drain right after it.
+    let mut signals = Signals::new([SIGTERM, SIGINT])?;
+    let settings = args.settings()?;
+    let t0 = Instant::now();
+    let model = Model::load(&settings.model).map_err(|source| CliError::ModelLoad {
+        path: settings.model.display().to_string(),
+        source,
+    })?;
+    let cfg = settings.serve_config(&model)?;
+    if args.check {
+        println!(
+            "configuration ok: model {} ({} layers, vocabulary {}), listen {}, {} workers, \
+             KV {} MiB, tls {}, auth token {}",
+            settings.model.display(),
+            model.config.n_layers,
+            model.config.vocab,
+            settings.listen,
+            settings.workers,
+            cfg.runtime.kv_bytes >> 20,
+            if cfg.tls.is_some() { "on" } else { "off" },
+            if cfg.auth_token.is_some() {
+                "required"
+            } else {
+                "none"
+            },
+        );
+        return Ok(());
+    }
+    let server = Server::start(Arc::new(model), cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    tracing::info!(
+        model = %settings.model.display(),
+        start_ms = t0.elapsed().as_secs_f64() * 1e3,
+        "ready"
+    );
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on {}", server.addr())?;
+        out.flush()?;
+    }
+    notify_systemd(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving on {}", server.addr())),
+    ]);
+    let signal = signals.forever().next().unwrap_or(SIGTERM);
+    tracing::info!(signal, "draining");
+    notify_systemd(&[sd_notify::NotifyState::Stopping]);
+    let report = server.shutdown(settings.drain_timeout);
+    if !report.drained {
+        tracing::warn!("some calls were cancelled at the drain timeout");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Harness {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> ServeArgs {
+        Harness::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .expect("flags parse")
+            .serve
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_defaults() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("inferd.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:7000\"\nworkers = 3\nkv_pages = 64\neviction = \"none\"\nmodel = \"m.gguf\"\n",
+        )
+        .expect("write config");
+        let config = path.to_str().expect("utf-8 path");
+        let s = parse(&["--config", config, "--workers", "2"])
+            .settings()
+            .expect("valid");
+        assert_eq!(s.listen, "127.0.0.1:7000");
+        assert_eq!(s.workers, 2);
+        assert_eq!(s.kv, KvSize::Pages(64));
+        assert_eq!(s.eviction, Eviction::None);
+        assert_eq!(s.model, dir.path().join("m.gguf"), "relative to the file");
+        assert_eq!(s.idle_ttl, Duration::from_secs(1800));
+        let s = parse(&["--config", config, "--kv-mib", "8"])
+            .settings()
+            .expect("valid");
+        assert_eq!(s.kv, KvSize::Mib(8), "a flag of the other kind wins too");
+    }
+
+    #[test]
+    fn an_unknown_key_or_a_bad_value_is_refused_with_its_name() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "listen = \"127.0.0.1:1\"\nworker = 2\n").expect("write");
+        let err = parse(&["--config", path.to_str().expect("utf-8")])
+            .settings()
+            .expect_err("unknown key");
+        assert!(err.to_string().contains("worker"), "{err}");
+        let err = parse(&["--idle-ttl=-1"]).settings().expect_err("negative");
+        assert!(err.to_string().contains("idle-ttl"), "{err}");
+        let err = parse(&["--workers", "0"]).settings().expect_err("zero");
+        assert!(err.to_string().contains("workers"), "{err}");
+    }
+}

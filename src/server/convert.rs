@@ -1,0 +1,223 @@
+//! Conversions between the `kakeya.v1` wire messages and the runtime's
+//! plain types, and from runtime errors to gRPC statuses. Every check of a
+//! request's shape that needs no session state happens here, on the
+//! completion-queue thread, before any work reaches a worker.
+
+use grpcio::{RpcStatus, RpcStatusCode};
+
+use crate::proto::kakeya_v1::runtime as pb;
+use crate::runtime::{
+    CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError, SamplingOptions,
+    SessionId, SessionInfo, StatusKind, StopReason,
+};
+
+/// The gRPC status a runtime error is reported as (CONTRACT §2.4).
+pub fn status_of(err: &RuntimeError) -> RpcStatus {
+    let code = match err.code() {
+        StatusKind::NotFound => RpcStatusCode::NOT_FOUND,
+        StatusKind::InvalidArgument => RpcStatusCode::INVALID_ARGUMENT,
+        StatusKind::ResourceExhausted => RpcStatusCode::RESOURCE_EXHAUSTED,
+        StatusKind::FailedPrecondition => RpcStatusCode::FAILED_PRECONDITION,
+        StatusKind::DeadlineExceeded => RpcStatusCode::DEADLINE_EXCEEDED,
+        StatusKind::Unavailable => RpcStatusCode::UNAVAILABLE,
+        StatusKind::Internal => RpcStatusCode::INTERNAL,
+    };
+    RpcStatus::with_message(code, err.to_string())
+}
+
+/// A session id from the wire: 32 lowercase hex digits, else INVALID_ARGUMENT.
+pub fn session_id(text: &str) -> Result<SessionId, RuntimeError> {
+    SessionId::parse(text)
+}
+
+pub fn create_request(req: &pb::CreateSessionRequest) -> CreateSession {
+    CreateSession {
+        client_label: req.get_client_label().to_owned(),
+        eos_token_ids: req.get_eos_token_ids().to_vec(),
+    }
+}
+
+/// Checks the arguments of a Generate that need no session state (the
+/// runtime checks the rest, such as an empty history or the vocabulary).
+pub fn generate_request(req: &pb::GenerateRequest) -> Result<GenerateRequest, RuntimeError> {
+    let id = session_id(req.get_session_id())?;
+    if req.get_max_tokens() == 0 {
+        return Err(RuntimeError::InvalidArgument(
+            "max_tokens must be at least 1".into(),
+        ));
+    }
+    if req.has_temperature() {
+        let t = req.get_temperature();
+        if t.is_nan() || t < 0.0 || t.is_infinite() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "temperature must be a finite number >= 0, got {t}"
+            )));
+        }
+    }
+    if req.has_top_p() {
+        let p = req.get_top_p();
+        if p.is_nan() || p <= 0.0 || p > 1.0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "top_p must be in (0, 1], got {p}"
+            )));
+        }
+    }
+    let opt_f32 = |has: bool, v: f32| has.then_some(v);
+    let sampling = SamplingOptions {
+        temperature: opt_f32(req.has_temperature(), req.get_temperature()),
+        top_p: opt_f32(req.has_top_p(), req.get_top_p()),
+        // 0 is "no limit" in the schema; the sampler knows it the same way.
+        top_k: req.has_top_k().then_some(req.get_top_k()),
+        min_p: opt_f32(req.has_min_p(), req.get_min_p()),
+        repetition_penalty: opt_f32(req.has_repetition_penalty(), req.get_repetition_penalty()),
+        presence_penalty: opt_f32(req.has_presence_penalty(), req.get_presence_penalty()),
+        frequency_penalty: opt_f32(req.has_frequency_penalty(), req.get_frequency_penalty()),
+        penalty_last_n: req.has_penalty_last_n().then_some(req.get_penalty_last_n()),
+        logit_bias: req
+            .get_logit_bias()
+            .iter()
+            .map(|b| (b.get_token_id(), b.get_bias()))
+            .collect(),
+        seed: req.has_seed().then_some(req.get_seed()),
+    };
+    Ok(GenerateRequest {
+        id,
+        max_tokens: req.get_max_tokens(),
+        sampling,
+        stop_sequences: req
+            .get_stop_sequences()
+            .iter()
+            .map(|s| s.get_token_ids().to_vec())
+            .collect(),
+    })
+}
+
+fn stop_reason(reason: StopReason) -> pb::GenerateDone_StopReason {
+    use pb::GenerateDone_StopReason as R;
+    match reason {
+        StopReason::MaxTokens => R::STOP_REASON_MAX_TOKENS,
+        StopReason::Eos | StopReason::StopSequence => R::STOP_REASON_EOS,
+        StopReason::Cancelled => R::STOP_REASON_CANCELLED,
+        StopReason::Truncated => R::STOP_REASON_TRUNCATED,
+    }
+}
+
+/// The terminal message of a Generate stream.
+pub fn done_message(done: &GenerateDone) -> pb::GenerateResponse {
+    let mut msg = pb::GenerateDone::new();
+    msg.set_stop_reason(stop_reason(done.stop_reason));
+    msg.set_generated_token_count(done.generated_token_count);
+    msg.set_prefill_duration_seconds(done.prefill_duration.as_secs_f64());
+    msg.set_total_duration_seconds(done.total_duration.as_secs_f64());
+    msg.set_seed_used(done.seed_used);
+    msg.set_history_length(done.history_length);
+    let mut response = pb::GenerateResponse::new();
+    response.set_done(msg);
+    response
+}
+
+/// One stream event as a wire message; `Err` for the error that ends it.
+pub fn event_message(event: &GenerateEvent) -> Result<pb::GenerateResponse, RpcStatus> {
+    let mut response = pb::GenerateResponse::new();
+    match event {
+        GenerateEvent::Token(token) => response.set_token_id(*token),
+        GenerateEvent::Truncated {
+            dropped_token_count,
+        } => {
+            let mut truncated = pb::HistoryTruncated::new();
+            truncated.set_dropped_token_count(*dropped_token_count);
+            response.set_truncated(truncated);
+        }
+        GenerateEvent::Done(done) => return Ok(done_message(done)),
+        GenerateEvent::Error(err) => return Err(status_of(err)),
+    }
+    Ok(response)
+}
+
+pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoResponse {
+    let mut msg = pb::GetSessionInfoResponse::new();
+    msg.set_history_length(info.history_length);
+    msg.set_kv_live_bytes(info.kv_live_bytes);
+    msg.set_cache_invariant_inv1_violations(info.inv1_violations);
+    msg.set_cache_invariant_inv2_violations(info.inv2_violations);
+    msg.set_idle_seconds(info.idle_seconds);
+    msg.set_kv_pages_held(info.pages_held);
+    msg.set_kv_page_bytes(page_bytes);
+    msg.set_client_label(info.client_label.clone());
+    msg.set_logits_digest(info.logits_digest);
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generate(f: impl FnOnce(&mut pb::GenerateRequest)) -> Result<GenerateRequest, RuntimeError> {
+        let mut req = pb::GenerateRequest::new();
+        req.set_session_id("0123456789abcdef0123456789abcdef".into());
+        req.set_max_tokens(4);
+        f(&mut req);
+        generate_request(&req)
+    }
+
+    #[test]
+    fn every_bad_generate_argument_is_invalid_argument() {
+        let bad: [fn(&mut pb::GenerateRequest); 7] = [
+            |r| r.set_max_tokens(0),
+            |r| r.set_temperature(-0.5),
+            |r| r.set_temperature(f32::NAN),
+            |r| r.set_top_p(0.0),
+            |r| r.set_top_p(1.5),
+            |r| r.set_session_id("not-an-id".into()),
+            |r| r.set_session_id(String::new()),
+        ];
+        for (i, f) in bad.iter().enumerate() {
+            let got = generate(f);
+            assert_eq!(
+                got.as_ref().map_err(RuntimeError::code).err(),
+                Some(StatusKind::InvalidArgument),
+                "case {i}: {got:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn unset_knobs_stay_unset_and_set_zeroes_stay_set() {
+        let plain = generate(|_| {}).expect("valid");
+        assert_eq!(plain.sampling, SamplingOptions::default());
+        let seeded = generate(|r| {
+            r.set_seed(0);
+            r.set_temperature(0.0);
+            r.set_top_k(0);
+        })
+        .expect("valid");
+        assert_eq!(seeded.sampling.seed, Some(0));
+        assert_eq!(seeded.sampling.temperature, Some(0.0));
+        assert_eq!(seeded.sampling.top_k, Some(0));
+    }
+
+    #[test]
+    fn statuses_follow_the_contract_table() {
+        let cases = [
+            (RuntimeError::NotFound, RpcStatusCode::NOT_FOUND),
+            (
+                RuntimeError::DeadlineExceeded,
+                RpcStatusCode::DEADLINE_EXCEEDED,
+            ),
+            (RuntimeError::Unavailable, RpcStatusCode::UNAVAILABLE),
+            (
+                RuntimeError::ResourceExhausted {
+                    what: "KV pages".into(),
+                    asked: 3,
+                    free: 1,
+                },
+                RpcStatusCode::RESOURCE_EXHAUSTED,
+            ),
+        ];
+        for (err, code) in cases {
+            let status = status_of(&err);
+            assert_eq!(status.code(), code);
+            assert_eq!(status.message(), err.to_string());
+        }
+    }
+}

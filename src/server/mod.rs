@@ -1,0 +1,346 @@
+//! The gRPC front end: `kakeya.v1.RuntimeService` and `grpc.health.v1.Health`
+//! on a grpcio (gRPC C core) server in front of the [`crate::runtime`].
+//!
+//! The completion-queue threads only decode, validate, check the bearer
+//! token and hand work to the owning worker through the runtime's bounded
+//! crossbeam channels; replies come back through channels the handlers'
+//! futures await (never blocking a completion-queue thread). A Generate
+//! stream whose reader is slow fills its bounded channel, and the worker
+//! then leaves that session out of its batch steps until there is room.
+
+mod auth;
+mod convert;
+mod deadline;
+mod health;
+mod service;
+mod stats;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+pub use auth::is_loopback;
+pub use health::{HealthState, SERVICES as HEALTH_SERVICES};
+pub use stats::{Method, ServerStats};
+
+use crate::model::Model;
+use crate::proto::grpc_health_v1::health::HealthCheckResponse_ServingStatus as ServingStatus;
+use crate::proto::grpc_health_v1::health_grpc::create_health;
+use crate::proto::kakeya_v1::runtime_grpc::create_runtime_service;
+use crate::runtime::{
+    AppendTokens, CreateSession, Runtime, RuntimeConfig, RuntimeError, RuntimeStats,
+};
+use service::{RuntimeServiceImpl, Shared};
+
+/// A PEM certificate chain and its private key.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print key material.
+        write!(
+            f,
+            "TlsIdentity {{ cert: {} bytes, key: <hidden> }}",
+            self.cert_pem.len()
+        )
+    }
+}
+
+/// Everything `Server::start` needs besides the model.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// `IP:PORT` (port 0 picks a free one) or `localhost:PORT`.
+    pub listen: String,
+    pub runtime: RuntimeConfig,
+    /// Required on every RuntimeService call as `authorization: Bearer <token>`.
+    pub auth_token: Option<String>,
+    /// Allows a non-loopback `listen` without a token.
+    pub allow_unauthenticated: bool,
+    pub tls: Option<TlsIdentity>,
+    /// gRPC completion-queue threads (decode and hand over only).
+    pub completion_queues: usize,
+}
+
+impl ServeConfig {
+    /// Loopback, no token, no TLS, the runtime's defaults.
+    pub fn new(listen: impl Into<String>, runtime: RuntimeConfig) -> Self {
+        Self {
+            listen: listen.into(),
+            runtime,
+            auth_token: None,
+            allow_unauthenticated: false,
+            tls: None,
+            completion_queues: default_completion_queues(),
+        }
+    }
+
+    /// Refuses an open non-loopback server and an empty token.
+    pub fn check_security(&self) -> Result<(), ServeError> {
+        if let Some(token) = &self.auth_token {
+            if token.trim().is_empty() {
+                return Err(ServeError::EmptyToken);
+            }
+        }
+        if self.auth_token.is_none() && !self.allow_unauthenticated && !is_loopback(&self.listen) {
+            return Err(ServeError::OpenListen(self.listen.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// One completion-queue thread per four cores: they only decode and hand
+/// over, the cores belong to the workers.
+fn default_completion_queues() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().div_ceil(4))
+}
+
+/// Why the server could not start.
+#[derive(Debug, Error)]
+pub enum ServeError {
+    /// A non-loopback address without a token or the explicit opt-out.
+    #[error(
+        "refusing to listen on {0} without an access token: it is not a loopback address; \
+         give --auth-token-file, or --allow-unauthenticated to accept an open server"
+    )]
+    OpenListen(String),
+    /// The token file held nothing but whitespace.
+    #[error("the access token is empty")]
+    EmptyToken,
+    /// The address could not be bound.
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+    /// The runtime (KV pool, workers) could not start.
+    #[error("cannot start the runtime: {0}")]
+    Runtime(#[from] RuntimeError),
+    /// The one-token warm-up forward failed, so the server never turned SERVING.
+    #[error("warm-up forward failed: {0}")]
+    Warmup(RuntimeError),
+}
+
+/// A running server. Dropping it stops it at once; [`Server::shutdown`]
+/// drains first.
+pub struct Server {
+    grpc: Option<grpcio::Server>,
+    shared: Option<Arc<Shared>>,
+    health: Arc<HealthState>,
+    stats: Arc<ServerStats>,
+    addr: SocketAddr,
+}
+
+/// How a drain ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Every call in flight finished before the drain timeout.
+    pub drained: bool,
+    pub waited: Duration,
+}
+
+impl Server {
+    /// Starts the runtime, binds, and turns SERVING after a one-token
+    /// forward through a worker succeeded. The warm-up creates and closes
+    /// one session labelled `inferd-warmup` (it shows in the counters).
+    pub fn start(model: Arc<Model>, cfg: ServeConfig) -> Result<Server, ServeError> {
+        cfg.check_security()?;
+        let vocab = u32::try_from(model.config.vocab).unwrap_or(u32::MAX);
+        let context = model.config.context as u64;
+        let warmup_token = warmup_token(&model);
+        let runtime = Runtime::start(model, cfg.runtime.clone())?;
+        let page_bytes = runtime.kv_pool().page_bytes() as u64;
+        let stats = Arc::new(ServerStats::default());
+        let health = HealthState::new();
+        let shared = Arc::new(Shared {
+            runtime,
+            stats: Arc::clone(&stats),
+            vocab,
+            context,
+            page_bytes,
+        });
+
+        let env = Arc::new(
+            grpcio::EnvBuilder::new()
+                .cq_count(cfg.completion_queues.max(1))
+                .name_prefix("inferd-grpc")
+                .build(),
+        );
+        let mut builder = grpcio::ServerBuilder::new(env)
+            .register_service(create_runtime_service(RuntimeServiceImpl {
+                shared: Arc::clone(&shared),
+            }))
+            .register_service(create_health(health::HealthService {
+                state: Arc::clone(&health),
+            }));
+        if let Some(token) = &cfg.auth_token {
+            builder = builder.add_checker(auth::BearerAuth::new(token.trim(), Arc::clone(&stats)));
+        }
+        let bind_error = |reason: String| ServeError::Bind {
+            addr: cfg.listen.clone(),
+            reason,
+        };
+        let mut grpc = builder.build().map_err(|e| bind_error(e.to_string()))?;
+        let credentials = match &cfg.tls {
+            Some(tls) => grpcio::ServerCredentialsBuilder::new()
+                .add_cert(tls.cert_pem.clone(), tls.key_pem.clone())
+                .build(),
+            None => grpcio::ServerCredentials::insecure(),
+        };
+        let port = grpc
+            .add_listening_port(cfg.listen.clone(), credentials)
+            .map_err(|e| bind_error(e.to_string()))?;
+        let addr = bound_address(&cfg.listen, port).map_err(bind_error)?;
+        grpc.start();
+
+        warm_up(&shared.runtime, warmup_token).map_err(ServeError::Warmup)?;
+        health.set(ServingStatus::SERVING);
+        tracing::info!(
+            %addr,
+            workers = shared.runtime.workers(),
+            tls = cfg.tls.is_some(),
+            auth = cfg.auth_token.is_some(),
+            "serving kakeya.v1.RuntimeService"
+        );
+        Ok(Server {
+            grpc: Some(grpc),
+            shared: Some(shared),
+            health,
+            stats,
+            addr,
+        })
+    }
+
+    /// The address actually bound (the real port when 0 was asked).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The serving status the health service reports.
+    pub fn health(&self) -> &Arc<HealthState> {
+        &self.health
+    }
+
+    /// Counters of the gRPC front end.
+    pub fn server_stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// A snapshot of the runtime's counters.
+    pub fn runtime_stats(&self) -> RuntimeStats {
+        self.shared
+            .as_ref()
+            .map(|s| s.runtime.stats())
+            .unwrap_or_default()
+    }
+
+    /// Stops taking calls (new ones get UNAVAILABLE, health turns
+    /// NOT_SERVING), lets the calls in flight finish for up to `drain`, then
+    /// cancels what is left and stops the workers.
+    pub fn shutdown(mut self, drain: Duration) -> ShutdownReport {
+        let began = Instant::now();
+        self.health.set(ServingStatus::NOT_SERVING);
+        if let Some(shared) = &self.shared {
+            shared.runtime.drain();
+        }
+        let mut drained = true;
+        if let Some(mut grpc) = self.grpc.take() {
+            // The C core stops accepting at once and completes the future
+            // when the last call in flight is over.
+            let done = grpc.shutdown();
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let waiter = std::thread::spawn(move || {
+                let _ = futures_executor::block_on(done);
+                let _ = tx.send(());
+            });
+            if rx.recv_timeout(drain).is_err() {
+                drained = false;
+                tracing::warn!(
+                    seconds = drain.as_secs_f64(),
+                    "drain timeout: cancelling the calls still running"
+                );
+                grpc.cancel_all_calls();
+                // Stopping the workers ends whatever still waits on them.
+                self.shared = None;
+                let _ = rx.recv_timeout(Duration::from_secs(5));
+            }
+            let _ = waiter.join();
+            drop(grpc);
+        }
+        self.shared = None;
+        let report = ShutdownReport {
+            drained,
+            waited: began.elapsed(),
+        };
+        tracing::info!(
+            drained,
+            seconds = report.waited.as_secs_f64(),
+            "server stopped"
+        );
+        report
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut grpc) = self.grpc.take() {
+            let done = grpc.shutdown();
+            grpc.cancel_all_calls();
+            self.shared = None;
+            let _ = futures_executor::block_on(done);
+        }
+    }
+}
+
+/// A token every vocabulary has: the model's BOS if it names one, else 0.
+fn warmup_token(model: &Model) -> u32 {
+    crate::tokenizer::Tokenizer::from_gguf(model.gguf())
+        .ok()
+        .and_then(|t| t.bos())
+        .unwrap_or(0)
+}
+
+/// One token through a real worker's forward pass, in a throwaway session.
+fn warm_up(runtime: &Runtime, token: u32) -> Result<(), RuntimeError> {
+    let deadline = Some(Instant::now() + Duration::from_secs(120));
+    let id = runtime
+        .create_session(
+            CreateSession {
+                client_label: "inferd-warmup".into(),
+                eos_token_ids: Vec::new(),
+            },
+            deadline,
+        )?
+        .wait()?;
+    let appended = runtime
+        .append_tokens(
+            AppendTokens {
+                id,
+                tokens: vec![token],
+            },
+            deadline,
+        )
+        .and_then(|p| p.wait());
+    let closed = runtime.close_session(id, deadline).and_then(|p| p.wait());
+    appended?;
+    closed?;
+    Ok(())
+}
+
+/// The socket address a listen string and the bound port make.
+fn bound_address(listen: &str, port: u16) -> Result<SocketAddr, String> {
+    let host = listen
+        .rsplit_once(':')
+        .map(|(host, _)| host)
+        .ok_or_else(|| format!("{listen:?} has no port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip = if host == "localhost" {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        host.parse()
+            .map_err(|e| format!("{host:?} is not an IP address: {e}"))?
+    };
+    Ok(SocketAddr::new(ip, port))
+}

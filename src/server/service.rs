@@ -1,0 +1,280 @@
+//! `kakeya.v1.RuntimeService` on grpcio: each handler decodes and validates
+//! on the completion-queue thread, hands the work to the owning worker
+//! through the runtime's bounded channels, and spawns a small future that
+//! forwards the reply. No handler ever blocks a completion-queue thread: the
+//! futures are woken by the worker's send (see `runtime::notify`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use futures_util::future::{select, Either};
+use futures_util::{Sink, SinkExt, StreamExt};
+use grpcio::{RpcContext, ServerStreamingSink, UnarySink, WriteFlags};
+
+use super::convert::{self, status_of};
+use super::deadline::call_deadline;
+use super::stats::{Method, ServerStats};
+use crate::proto::kakeya_v1::runtime as pb;
+use crate::proto::kakeya_v1::runtime_grpc::RuntimeService;
+use crate::runtime::{AppendTokens, GenerateEvent, Pending, Runtime, RuntimeError};
+
+/// What every handler shares: the runtime and the numbers it reports.
+pub(crate) struct Shared {
+    pub runtime: Runtime,
+    pub stats: Arc<ServerStats>,
+    pub vocab: u32,
+    pub context: u64,
+    pub page_bytes: u64,
+}
+
+/// The service object grpcio clones into each completion queue.
+#[derive(Clone)]
+pub(crate) struct RuntimeServiceImpl {
+    pub shared: Arc<Shared>,
+}
+
+impl RuntimeServiceImpl {
+    /// Forwards a unary reply once the worker answers.
+    fn reply<T, R>(
+        &self,
+        ctx: &RpcContext,
+        sink: UnarySink<R>,
+        method: Method,
+        started: Result<Pending<T>, RuntimeError>,
+        to_message: impl FnOnce(T) -> R + Send + 'static,
+    ) where
+        T: Send + 'static,
+        R: Send + 'static,
+    {
+        let stats = Arc::clone(&self.shared.stats);
+        let task = async move {
+            let result = match started {
+                Ok(pending) => pending.await,
+                Err(err) => Err(err),
+            };
+            let sent = match result {
+                Ok(value) => {
+                    stats.count(method, grpcio::RpcStatusCode::OK);
+                    sink.success(to_message(value)).await
+                }
+                Err(err) => {
+                    let status = status_of(&err);
+                    log_failure(method, &err);
+                    stats.count(method, status.code());
+                    sink.fail(status).await
+                }
+            };
+            if let Err(e) = sent {
+                tracing::debug!(method = method.name(), error = %e, "reply not delivered");
+            }
+        };
+        ctx.spawn(task);
+    }
+}
+
+fn log_failure(method: Method, err: &RuntimeError) {
+    match err {
+        RuntimeError::Internal(_) => {
+            tracing::error!(method = method.name(), error = %err, "call failed")
+        }
+        RuntimeError::FailedPrecondition(_) => {
+            tracing::warn!(method = method.name(), error = %err, "session removed")
+        }
+        _ => tracing::debug!(method = method.name(), error = %err, "call refused"),
+    }
+}
+
+impl RuntimeService for RuntimeServiceImpl {
+    fn create_session(
+        &mut self,
+        ctx: RpcContext,
+        req: pb::CreateSessionRequest,
+        sink: UnarySink<pb::CreateSessionResponse>,
+    ) {
+        let shared = &self.shared;
+        let started = shared
+            .runtime
+            .create_session(convert::create_request(&req), call_deadline(ctx.deadline()));
+        let (vocab, context, workers) = (shared.vocab, shared.context, shared.runtime.workers());
+        self.reply(&ctx, sink, Method::CreateSession, started, move |id| {
+            let worker = id.shard(workers) as u32;
+            let mut msg = pb::CreateSessionResponse::new();
+            msg.set_session_id(id.to_string());
+            msg.set_vocab_size(vocab);
+            msg.set_context_length(context);
+            msg.set_worker(worker);
+            msg
+        });
+    }
+
+    fn append_tokens(
+        &mut self,
+        ctx: RpcContext,
+        mut req: pb::AppendTokensRequest,
+        sink: UnarySink<pb::AppendTokensResponse>,
+    ) {
+        let deadline = call_deadline(ctx.deadline());
+        let started = convert::session_id(req.get_session_id()).and_then(|id| {
+            let tokens = req.take_token_ids();
+            self.shared
+                .runtime
+                .append_tokens(AppendTokens { id, tokens }, deadline)
+        });
+        self.reply(&ctx, sink, Method::AppendTokens, started, |reply| {
+            let mut msg = pb::AppendTokensResponse::new();
+            msg.set_history_length(reply.history_length);
+            msg.set_dropped_token_count(reply.dropped_token_count);
+            msg
+        });
+    }
+
+    fn generate(
+        &mut self,
+        ctx: RpcContext,
+        req: pb::GenerateRequest,
+        sink: ServerStreamingSink<pb::GenerateResponse>,
+    ) {
+        let deadline = call_deadline(ctx.deadline());
+        let started = convert::generate_request(&req)
+            .and_then(|request| self.shared.runtime.generate(request, deadline));
+        let stats = Arc::clone(&self.shared.stats);
+        ctx.spawn(stream_generate(started, sink, stats));
+    }
+
+    fn close_session(
+        &mut self,
+        ctx: RpcContext,
+        req: pb::CloseSessionRequest,
+        sink: UnarySink<pb::CloseSessionResponse>,
+    ) {
+        let deadline = call_deadline(ctx.deadline());
+        let id = convert::session_id(req.get_session_id());
+        let started = id.and_then(|id| self.shared.runtime.close_session(id, deadline));
+        self.reply(&ctx, sink, Method::CloseSession, started, move |reply| {
+            let mut msg = pb::CloseSessionResponse::new();
+            msg.set_final_history_length(reply.final_history_length);
+            msg
+        });
+    }
+
+    fn get_session_info(
+        &mut self,
+        ctx: RpcContext,
+        req: pb::GetSessionInfoRequest,
+        sink: UnarySink<pb::GetSessionInfoResponse>,
+    ) {
+        let deadline = call_deadline(ctx.deadline());
+        let id = convert::session_id(req.get_session_id());
+        let workers = self.shared.runtime.workers();
+        let page_bytes = self.shared.page_bytes;
+        let started = id.and_then(|id| {
+            self.shared
+                .runtime
+                .session_info(id, deadline)
+                .map(|pending| (id, pending))
+        });
+        let (worker, started) = match started {
+            Ok((id, pending)) => (id.shard(workers) as u32, Ok(pending)),
+            Err(e) => (0, Err(e)),
+        };
+        self.reply(&ctx, sink, Method::GetSessionInfo, started, move |info| {
+            let mut msg = convert::info_message(&info, page_bytes);
+            msg.set_worker(worker);
+            msg
+        });
+    }
+}
+
+/// Resolves when the call is over on the client's side (cancelled, deadline
+/// passed, connection lost) before the server finished it.
+struct CallGone<'a, T> {
+    sink: &'a mut ServerStreamingSink<T>,
+}
+
+impl<T> Future for CallGone<'_, T> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        // `poll_ready` looks at the call's completion first (registering this
+        // task for it) and reports a finished call as an error.
+        match Pin::new(&mut *self.sink).poll_ready(cx) {
+            Poll::Ready(Err(_)) => Poll::Ready(()),
+            _ => Poll::Pending,
+        }
+    }
+}
+
+/// Streams a Generate's events to the client. A client that goes away
+/// cancels the generation at once (the worker stops within one step).
+async fn stream_generate(
+    started: Result<crate::runtime::GenerateStream, RuntimeError>,
+    mut sink: ServerStreamingSink<pb::GenerateResponse>,
+    stats: Arc<ServerStats>,
+) {
+    let mut stream = match started {
+        Ok(stream) => stream,
+        Err(err) => {
+            log_failure(Method::Generate, &err);
+            let status = status_of(&err);
+            stats.count(Method::Generate, status.code());
+            let _ = sink.fail(status).await;
+            return;
+        }
+    };
+    let _active = stats.stream_started();
+    let began = Instant::now();
+    let mut tokens = 0u32;
+    loop {
+        let next = {
+            let gone = CallGone { sink: &mut sink };
+            match select(stream.next(), gone).await {
+                Either::Left((event, _)) => event,
+                Either::Right(((), _)) => None,
+            }
+        };
+        let Some(event) = next else {
+            stream.cancel();
+            stats.count(Method::Generate, grpcio::RpcStatusCode::CANCELLED);
+            tracing::debug!(tokens, "generate abandoned by the client");
+            return;
+        };
+        if matches!(event, GenerateEvent::Token(_)) {
+            tokens += 1;
+        }
+        match convert::event_message(&event) {
+            Ok(message) => {
+                let terminal = matches!(event, GenerateEvent::Done(_));
+                let flags = WriteFlags::default().buffer_hint(terminal);
+                if sink.send((message, flags)).await.is_err() {
+                    stream.cancel();
+                    stats.count(Method::Generate, grpcio::RpcStatusCode::CANCELLED);
+                    return;
+                }
+                if terminal {
+                    stats.count(Method::Generate, grpcio::RpcStatusCode::OK);
+                    if let GenerateEvent::Done(done) = &event {
+                        tracing::info!(
+                            tokens = done.generated_token_count,
+                            reason = ?done.stop_reason,
+                            seconds = began.elapsed().as_secs_f64(),
+                            "generate done"
+                        );
+                    }
+                    let _ = sink.close().await;
+                    return;
+                }
+            }
+            Err(status) => {
+                if let GenerateEvent::Error(err) = &event {
+                    log_failure(Method::Generate, err);
+                }
+                stats.count(Method::Generate, status.code());
+                let _ = sink.fail(status).await;
+                return;
+            }
+        }
+    }
+}
