@@ -79,11 +79,6 @@ impl RemoteClient {
         })
     }
 
-    /// The address this client dials.
-    pub fn server(&self) -> &str {
-        &self.server
-    }
-
     /// Fresh options for one call: the deadline counts from now.
     fn call_option(&self) -> CallOption {
         let mut opt = CallOption::default();
@@ -158,7 +153,7 @@ impl RemoteClient {
                 Some(GenerateResponse_oneof_payload::token_id(id)) => {
                     tokens += 1;
                     if !on_token(id) {
-                        stream.get_mut().cancel();
+                        stream.into_inner().cancel();
                         return Ok(GenerateEnd::StoppedByCaller);
                     }
                 }

@@ -185,7 +185,12 @@ fn append(args: AppendArgs) -> Result<(), CliError> {
         ));
     }
     let client = RemoteClient::connect(&args.connect)?;
-    println!("{}", client.append(&args.id, &tokens)?);
+    let appended = client.append(&args.id, &tokens)?;
+    let dropped = appended.get_dropped_token_count();
+    if dropped > 0 {
+        eprintln!("truncated dropped_token_count={dropped}");
+    }
+    println!("{}", appended.get_history_length());
     Ok(())
 }
 
