@@ -42,6 +42,7 @@ impl ServerProcess {
                 REFERENCE,
             ])
             .args(extra)
+            .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -210,7 +211,6 @@ fn session_commands_round_trip_ids_between_processes() {
     assert_eq!(info["session_id"], Value::from(id.as_str()));
     assert_eq!(info["history_length"], Value::from(history as u64));
     assert_eq!(info["client_label"], Value::from("round trip"));
-    assert_eq!(info["eos_token_ids"], Value::from(vec![eos]));
     assert_eq!(info["cache_invariant_inv1_violations"], Value::from(0));
     assert_eq!(info["cache_invariant_inv2_violations"], Value::from(0));
     assert!(info["kv_live_bytes"].as_u64().unwrap_or(0) > 0, "{info}");
@@ -226,6 +226,23 @@ fn session_commands_round_trip_ids_between_processes() {
     let out = server.client(&["session", "close", &id]);
     assert!(!out.status.success(), "a second close must fail");
     assert!(stderr(&out).contains("NOT_FOUND"), "{}", stderr(&out));
+
+    // The --eos ids reach the server: a session whose stop id is the
+    // first greedy token stops right after emitting it.
+    let first = expected[0].to_string();
+    let out = server.client(&["session", "create", "--eos", &first]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let id = stdout(&out).trim().to_owned();
+    let out = server.client_with_stdin(&["session", "append", &id], Some(&joined(&prompt, " ")));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = server.client(&["session", "generate", &id, "-n", "4", "--seed", "7"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), first);
+    assert!(stderr(&out).contains("stop_reason=eos"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("seed_used=7"), "{}", stderr(&out));
+    let out = server.client(&["session", "close", &id]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), (prompt.len() + 1).to_string());
 }
 
 #[test]
@@ -234,12 +251,14 @@ fn calls_on_unknown_sessions_fail_with_not_found() {
         return;
     }
     let server = ServerProcess::start(&[]);
-    let out = server.client(&["session", "append", "no-such-session", "1", "2"]);
+    // Well-formed (32 hex digits) but never handed out.
+    let unknown = "0123456789abcdef0123456789abcdef";
+    let out = server.client(&["session", "append", unknown, "1", "2"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("NOT_FOUND"), "{}", stderr(&out));
     assert!(stdout(&out).is_empty(), "{}", stdout(&out));
 
-    let out = server.client(&["session", "generate", "no-such-session", "-n", "1"]);
+    let out = server.client(&["session", "generate", unknown, "-n", "1"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("NOT_FOUND"), "{}", stderr(&out));
 
@@ -267,6 +286,11 @@ fn the_bearer_token_is_sent_on_every_call() {
     let dir = tempfile::tempdir().expect("tempdir");
     let token = dir.path().join("token");
     std::fs::write(&token, "let-me-in\n").expect("write token");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600))
+            .expect("chmod token");
+    }
     let token = token.to_str().expect("utf-8 path");
     let server = ServerProcess::start(&["--auth-token-file", token]);
 
