@@ -1,13 +1,19 @@
 //! `inferd chat`: an interactive conversation rendered with the GGUF's own
 //! chat template. One session lives for the whole conversation, so each
-//! turn feeds only the tokens that are new since the last one.
+//! turn feeds only the tokens that are new since the last one. The session
+//! lives in this process, or with `--server` on an inferd server; the
+//! template and the tokenizer always run here.
 
 use std::io::{BufRead, Write};
 
 use clap::Args;
 use minijinja::{context, Environment};
 
+use super::client::{generate_request, RemoteClient};
+use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
+use crate::engine::{Engine, Session};
+use crate::sampler::SamplingParams;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 #[derive(Debug, Args)]
@@ -22,6 +28,10 @@ pub struct ChatArgs {
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Keep the session on an inferd server (`--server ADDR`) instead of
+    /// loading the model here; --model then only supplies the tokenizer.
+    #[command(flatten)]
+    pub connect: ConnectArgs,
 }
 
 /// Renders a conversation with a GGUF chat template.
@@ -68,29 +78,147 @@ impl ChatTemplate {
 /// A minimal ChatML template for models whose GGUF carries none.
 const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-pub fn run(args: ChatArgs) -> Result<(), CliError> {
-    let mut engine = args.model.engine()?;
-    let tokenizer = Tokenizer::from_gguf(engine.model().gguf())?;
-    let text_of = |id: Option<u32>| {
-        id.and_then(|i| tokenizer.token_text(i))
-            .unwrap_or("")
-            .to_owned()
-    };
-    let template = ChatTemplate::new(
-        tokenizer.chat_template().unwrap_or(CHATML),
-        text_of(tokenizer.bos()),
-        text_of(tokenizer.eos()),
-    )?;
-    let params = args.sampling.params()?;
-    params.validate(engine.model().config.vocab)?;
+/// The conversation as messages, and the text the session's history
+/// already stands for, so each turn feeds only what is new. Shared by the
+/// local and the `--server` chat so both send exactly the same tokens.
+pub struct Conversation<'t> {
+    tokenizer: &'t Tokenizer,
+    template: ChatTemplate,
+    messages: Vec<(String, String)>,
+    /// The rendered text the session's history holds, ending where the
+    /// last reply ended.
+    rendered: String,
+}
 
-    let mut messages: Vec<(String, String)> = Vec::new();
-    if let Some(system) = &args.system {
-        messages.push(("system".into(), system.clone()));
+/// The tokens one user turn appends to the session.
+#[derive(Debug, PartialEq, Eq)]
+pub struct TurnTokens {
+    /// The template re-rendered earlier turns differently, so the history
+    /// (append-only) no longer matches: the caller must start a fresh
+    /// session, and `tokens` is then the whole conversation.
+    pub fresh_session: bool,
+    pub tokens: Vec<u32>,
+}
+
+impl<'t> Conversation<'t> {
+    /// Starts a conversation with the tokenizer's own chat template (or
+    /// ChatML when the GGUF carries none).
+    pub fn new(tokenizer: &'t Tokenizer, system: Option<&str>) -> Result<Self, CliError> {
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_text(i))
+                .unwrap_or("")
+                .to_owned()
+        };
+        let template = ChatTemplate::new(
+            tokenizer.chat_template().unwrap_or(CHATML),
+            text_of(tokenizer.bos()),
+            text_of(tokenizer.eos()),
+        )?;
+        let messages = system
+            .map(|s| vec![("system".to_owned(), s.to_owned())])
+            .unwrap_or_default();
+        Ok(Self {
+            tokenizer,
+            template,
+            messages,
+            rendered: String::new(),
+        })
     }
-    let mut session = engine.new_session();
-    // The text the session's history stands for, to find each turn's new part.
-    let mut rendered = String::new();
+
+    /// Adds a user message and returns the tokens the session lacks: the
+    /// rendered text past what it already holds, up to the opening of the
+    /// assistant's turn.
+    pub fn user_turn(&mut self, text: &str) -> Result<TurnTokens, CliError> {
+        self.messages.push(("user".into(), text.to_owned()));
+        let full = self.template.render(&self.messages, true)?;
+        let (fresh_session, new_text) = match full.strip_prefix(self.rendered.as_str()) {
+            Some(suffix) => (false, suffix),
+            None => (true, full.as_str()),
+        };
+        let add_bos = fresh_session || self.rendered.is_empty();
+        let tokens = self.tokenizer.encode(new_text, add_bos, true)?;
+        self.rendered = full;
+        Ok(TurnTokens {
+            fresh_session,
+            tokens,
+        })
+    }
+
+    /// Records the assistant's reply: `text` as shown, `generated` the ids
+    /// the session committed (the end-of-turn token included when one was
+    /// emitted), which is what the history now holds beyond the last turn.
+    pub fn assistant_replied(&mut self, text: String, generated: &[u32]) -> Result<(), CliError> {
+        let tail = self.tokenizer.decode(generated)?;
+        self.rendered.push_str(&tail);
+        self.messages.push(("assistant".into(), text));
+        Ok(())
+    }
+}
+
+/// Prints a reply as it streams: control tokens are hidden, and a
+/// character split across tokens is printed once whole.
+pub struct ReplyPrinter<'t, W: Write> {
+    tokenizer: &'t Tokenizer,
+    decoder: StreamDecoder,
+    reply: String,
+    out: W,
+}
+
+impl<'t, W: Write> ReplyPrinter<'t, W> {
+    pub fn new(tokenizer: &'t Tokenizer, out: W) -> Self {
+        Self {
+            tokenizer,
+            decoder: StreamDecoder::new(),
+            reply: String::new(),
+            out,
+        }
+    }
+
+    /// Prints the text `id` completes.
+    pub fn push(&mut self, id: u32) -> std::io::Result<()> {
+        if self.tokenizer.is_control(id) {
+            return Ok(());
+        }
+        // An id the vocabulary lacks has no text to show; the history
+        // still holds it, through the generated ids.
+        if let Ok(text) = self.decoder.push(self.tokenizer, id) {
+            self.reply.push_str(&text);
+            self.out.write_all(text.as_bytes())?;
+            self.out.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Prints what is held back and ends the line; returns the reply text.
+    pub fn finish(mut self) -> std::io::Result<String> {
+        let rest = self.decoder.finish();
+        self.reply.push_str(&rest);
+        self.out.write_all(rest.as_bytes())?;
+        writeln!(self.out)?;
+        self.out.flush()?;
+        Ok(self.reply)
+    }
+}
+
+/// Where a chat's session lives: in this process, or on a server.
+trait ChatBackend {
+    /// Replaces the session with an empty one.
+    fn restart(&mut self) -> Result<(), CliError>;
+    /// Appends a turn's tokens to the session.
+    fn append(&mut self, tokens: &[u32]) -> Result<(), CliError>;
+    /// Generates a reply, streaming each token to `on_token` (false stops
+    /// early); returns the ids committed to the session.
+    fn reply(&mut self, on_token: &mut dyn FnMut(u32) -> bool) -> Result<Vec<u32>, CliError>;
+}
+
+/// The conversation loop shared by every backend: a line of stdin is a
+/// user turn; an empty line or end of input ends the chat.
+fn converse(
+    tokenizer: &Tokenizer,
+    system: Option<&str>,
+    backend: &mut dyn ChatBackend,
+) -> Result<(), CliError> {
+    let mut conversation = Conversation::new(tokenizer, system)?;
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     eprintln!("(type a message; an empty line or end of input quits)");
@@ -101,49 +229,250 @@ pub fn run(args: ChatArgs) -> Result<(), CliError> {
         if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
             break;
         }
-        messages.push(("user".into(), line.trim_end().to_owned()));
-        let full = template.render(&messages, true)?;
-        let new_text = match full.strip_prefix(rendered.as_str()) {
-            Some(suffix) => suffix.to_owned(),
-            None => {
-                // The template re-rendered earlier turns differently; history
-                // is append-only, so start a fresh session with the whole text.
-                session = engine.new_session();
-                full.clone()
-            }
-        };
-        let add_bos = session.history().is_empty();
-        let tokens = tokenizer.encode(&new_text, add_bos, true)?;
-        engine.append(&mut session, &tokens)?;
-        rendered = full;
+        let turn = conversation.user_turn(line.trim_end())?;
+        if turn.fresh_session {
+            backend.restart()?;
+        }
+        backend.append(&turn.tokens)?;
 
-        let mut decoder = StreamDecoder::new();
-        let mut reply = String::new();
-        let generation = engine.generate(
-            &mut session,
-            &params,
-            args.max_tokens,
-            tokenizer.eog_tokens(),
-            |id| {
-                if !tokenizer.is_control(id) {
-                    if let Ok(text) = decoder.push(&tokenizer, id) {
-                        reply.push_str(&text);
-                        let _ = out.write_all(text.as_bytes());
-                        let _ = out.flush();
-                    }
-                }
-                true
-            },
-        )?;
-        let rest = decoder.finish();
-        reply.push_str(&rest);
-        write!(out, "{rest}")?;
-        writeln!(out)?;
-        // What the history now holds beyond `rendered`: the reply tokens,
-        // including the end-of-turn token when one was emitted.
-        let tail = tokenizer.decode(&generation.tokens)?;
-        rendered.push_str(&tail);
-        messages.push(("assistant".into(), reply));
+        let mut printer = ReplyPrinter::new(tokenizer, &mut out);
+        let mut write_error = None;
+        let generated = backend.reply(&mut |id| match printer.push(id) {
+            Ok(()) => true,
+            Err(e) => {
+                write_error = Some(e);
+                false
+            }
+        })?;
+        if let Some(e) = write_error {
+            return Err(e.into());
+        }
+        let reply = printer.finish()?;
+        conversation.assistant_replied(reply, &generated)?;
     }
     Ok(())
+}
+
+/// The chat's session in this process's own engine.
+struct LocalChat {
+    engine: Engine,
+    session: Session,
+    params: SamplingParams,
+    max_tokens: usize,
+    stops: Vec<u32>,
+}
+
+impl ChatBackend for LocalChat {
+    fn restart(&mut self) -> Result<(), CliError> {
+        self.session = self.engine.new_session();
+        Ok(())
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<(), CliError> {
+        Ok(self.engine.append(&mut self.session, tokens)?)
+    }
+
+    fn reply(&mut self, on_token: &mut dyn FnMut(u32) -> bool) -> Result<Vec<u32>, CliError> {
+        let generation = self.engine.generate(
+            &mut self.session,
+            &self.params,
+            self.max_tokens,
+            &self.stops,
+            on_token,
+        )?;
+        Ok(generation.tokens)
+    }
+}
+
+pub fn run(args: ChatArgs) -> Result<(), CliError> {
+    if args.connect.server.is_some() {
+        return run_remote(args);
+    }
+    if let Some(flag) = args.connect.remote_only_flag_given() {
+        return Err(CliError::Usage(format!("{flag} needs --server")));
+    }
+    let engine = args.model.engine()?;
+    let tokenizer = Tokenizer::from_gguf(engine.model().gguf())?;
+    let params = args.sampling.params()?;
+    params.validate(engine.model().config.vocab)?;
+    let session = engine.new_session();
+    let mut backend = LocalChat {
+        engine,
+        session,
+        params,
+        max_tokens: args.max_tokens,
+        stops: tokenizer.eog_tokens().to_vec(),
+    };
+    converse(&tokenizer, args.system.as_deref(), &mut backend)
+}
+
+/// The chat's session on an inferd server: the template and the tokenizer
+/// stay here, the server sees only token ids.
+struct RemoteChat<'c> {
+    client: &'c RemoteClient,
+    session_id: String,
+    params: SamplingParams,
+    max_tokens: usize,
+    stops: Vec<u32>,
+}
+
+impl RemoteChat<'_> {
+    const LABEL: &'static str = "inferd chat";
+}
+
+impl ChatBackend for RemoteChat<'_> {
+    fn restart(&mut self) -> Result<(), CliError> {
+        let old = std::mem::take(&mut self.session_id);
+        // The old history is of no further use; if the server already let
+        // it go (idle eviction), there is nothing left to close.
+        if let Err(e) = self.client.close(&old) {
+            tracing::warn!(session = %old, error = %e, "closing the replaced chat session");
+        }
+        let created = self.client.create_session(Self::LABEL, &self.stops)?;
+        self.session_id = created.get_session_id().to_owned();
+        Ok(())
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<(), CliError> {
+        let appended = self.client.append(&self.session_id, tokens)?;
+        let dropped = appended.get_dropped_token_count();
+        if dropped > 0 {
+            eprintln!("(the server dropped {dropped} old tokens to fit the context)");
+        }
+        Ok(())
+    }
+
+    fn reply(&mut self, on_token: &mut dyn FnMut(u32) -> bool) -> Result<Vec<u32>, CliError> {
+        let req = generate_request(
+            &self.session_id,
+            self.max_tokens,
+            &self.params,
+            Some(self.params.seed),
+        );
+        let mut generated = Vec::new();
+        self.client.generate(
+            &req,
+            |id| {
+                generated.push(id);
+                on_token(id)
+            },
+            |dropped| eprintln!("(the server dropped {dropped} old tokens to fit the context)"),
+        )?;
+        Ok(generated)
+    }
+}
+
+fn run_remote(args: ChatArgs) -> Result<(), CliError> {
+    let tokenizer = super::load_tokenizer(&args.model.path())?;
+    let params = args.sampling.params()?;
+    params.validate(tokenizer.vocab_size())?;
+    let client = RemoteClient::connect(&args.connect)?;
+    let stops = tokenizer.eog_tokens().to_vec();
+    let created = client.create_session(RemoteChat::LABEL, &stops)?;
+    let mut backend = RemoteChat {
+        client: &client,
+        session_id: created.get_session_id().to_owned(),
+        params,
+        max_tokens: args.max_tokens,
+        stops,
+    };
+    let chatted = converse(&tokenizer, args.system.as_deref(), &mut backend);
+    // The session is the server's memory: give it back even when the chat
+    // failed, but report the chat's own error first.
+    let session_id = std::mem::take(&mut backend.session_id);
+    let closed = if session_id.is_empty() {
+        Ok(0)
+    } else {
+        client.close(&session_id)
+    };
+    chatted?;
+    closed?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::synthetic::{SyntheticLlama, EOS_TOKEN_ID};
+    use crate::gguf::GgufFile;
+
+    fn tokenizer() -> Tokenizer {
+        let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("synthetic gguf");
+        Tokenizer::from_gguf(&file).expect("synthetic tokenizer")
+    }
+
+    #[test]
+    fn each_turn_feeds_only_what_the_history_lacks() {
+        let tok = tokenizer();
+        let mut chat = Conversation::new(&tok, Some("Be brief.")).expect("conversation");
+        let first = chat.user_turn("Hi").expect("turn 1");
+        assert!(!first.fresh_session);
+        assert_eq!(
+            tok.decode(&first.tokens).expect("decode"),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // The reply as generated: its text, then the end-of-turn token.
+        let mut reply = tok.encode("Hello!", false, false).expect("encode");
+        reply.push(EOS_TOKEN_ID);
+        chat.assistant_replied("Hello!".into(), &reply)
+            .expect("reply");
+
+        let second = chat.user_turn("Bye").expect("turn 2");
+        assert!(!second.fresh_session);
+        assert_eq!(
+            tok.decode(&second.tokens).expect("decode"),
+            "\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Everything fed, in order, is the whole conversation rendered once.
+        let fed: Vec<u32> = [first.tokens, reply, second.tokens].concat();
+        let whole = chat.template.render(&chat.messages, true).expect("render");
+        assert_eq!(tok.decode(&fed).expect("decode"), whole);
+    }
+
+    #[test]
+    fn a_reply_cut_off_before_its_end_token_is_closed_by_the_next_turn() {
+        let tok = tokenizer();
+        let mut chat = Conversation::new(&tok, None).expect("conversation");
+        chat.user_turn("Hi").expect("turn 1");
+        let reply = tok.encode("Hel", false, false).expect("encode");
+        chat.assistant_replied("Hel".into(), &reply).expect("reply");
+        let second = chat.user_turn("Go on").expect("turn 2");
+        assert!(!second.fresh_session);
+        assert_eq!(second.tokens[0], EOS_TOKEN_ID);
+        assert_eq!(
+            tok.decode(&second.tokens).expect("decode"),
+            "<|im_end|>\n<|im_start|>user\nGo on<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn a_history_the_template_no_longer_renders_asks_for_a_fresh_session() {
+        let tok = tokenizer();
+        let mut chat = Conversation::new(&tok, None).expect("conversation");
+        chat.user_turn("Hi").expect("turn 1");
+        // The text recorded differs from what the session holds.
+        let held = tok.encode("Hello", false, false).expect("encode");
+        chat.assistant_replied("Howdy".into(), &held)
+            .expect("reply");
+        let second = chat.user_turn("Again").expect("turn 2");
+        assert!(second.fresh_session);
+        assert_eq!(
+            tok.decode(&second.tokens).expect("decode"),
+            chat.template.render(&chat.messages, true).expect("render")
+        );
+    }
+
+    #[test]
+    fn the_reply_printer_hides_control_tokens_and_joins_split_characters() {
+        let tok = tokenizer();
+        let mut out = Vec::new();
+        let mut printer = ReplyPrinter::new(&tok, &mut out);
+        // Byte-level ids: é is C3 A9, split over two tokens.
+        for id in [b'o' as u32, 0xC3, 0xA9, EOS_TOKEN_ID] {
+            printer.push(id).expect("push");
+        }
+        let reply = printer.finish().expect("finish");
+        assert_eq!(reply, "oé");
+        assert_eq!(String::from_utf8(out).expect("utf-8"), "oé\n");
+    }
 }

@@ -1,11 +1,16 @@
 //! `inferd generate`: one prompt in, its continuation out, as text or as
-//! space-separated token ids for scripts.
+//! space-separated token ids for scripts. With `--server` the prompt is
+//! tokenized here and continued in a throwaway session on an inferd server;
+//! the output is the same either way.
 
 use std::io::Write;
 
 use clap::{Args, ValueEnum};
 
+use super::client::{generate_request, GenerateEnd, RemoteClient};
+use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
+use crate::sampler::SamplingParams;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 #[derive(Debug, Args)]
@@ -34,6 +39,10 @@ pub struct GenerateArgs {
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
+    /// Continue the prompt on an inferd server (`--server ADDR`) instead of
+    /// loading the model here; --model then only supplies the tokenizer.
+    #[command(flatten)]
+    pub connect: ConnectArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -42,9 +51,75 @@ pub enum OutputFormat {
     Ids,
 }
 
-pub fn run(args: GenerateArgs) -> Result<(), CliError> {
-    let mut engine = args.model.engine()?;
-    let tokenizer = Tokenizer::from_gguf(engine.model().gguf())?;
+/// Writes a continuation as it streams, in the chosen format: ids
+/// space-separated on one line, or text with control tokens hidden and
+/// characters split across tokens held back until whole.
+pub struct ContinuationWriter<'t, W: Write> {
+    text: Option<(&'t Tokenizer, StreamDecoder)>,
+    first: bool,
+    out: W,
+}
+
+impl<'t, W: Write> ContinuationWriter<'t, W> {
+    /// Writes ids.
+    pub fn ids(out: W) -> Self {
+        Self {
+            text: None,
+            first: true,
+            out,
+        }
+    }
+
+    /// Writes text decoded with `tokenizer`.
+    pub fn text(tokenizer: &'t Tokenizer, out: W) -> Self {
+        Self {
+            text: Some((tokenizer, StreamDecoder::new())),
+            first: true,
+            out,
+        }
+    }
+
+    /// Writes `format`, decoding text with `tokenizer`.
+    pub fn new(format: OutputFormat, tokenizer: &'t Tokenizer, out: W) -> Self {
+        match format {
+            OutputFormat::Ids => Self::ids(out),
+            OutputFormat::Text => Self::text(tokenizer, out),
+        }
+    }
+
+    /// Writes one token and flushes, so a reader sees it at once.
+    pub fn push(&mut self, id: u32) -> std::io::Result<()> {
+        match &mut self.text {
+            None => {
+                let sep = if self.first { "" } else { " " };
+                write!(self.out, "{sep}{id}")?;
+            }
+            Some((tokenizer, _)) if tokenizer.is_control(id) => {}
+            Some((tokenizer, decoder)) => {
+                // An id outside the vocabulary has no text to show.
+                if let Ok(text) = decoder.push(tokenizer, id) {
+                    self.out.write_all(text.as_bytes())?;
+                }
+            }
+        }
+        self.first = false;
+        self.out.flush()
+    }
+
+    /// Writes what is held back and ends the line. A character cut off by
+    /// the token limit comes out as U+FFFD, not lost.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        if let Some((_, decoder)) = &mut self.text {
+            self.out.write_all(decoder.finish().as_bytes())?;
+        }
+        writeln!(self.out)?;
+        self.out.flush()
+    }
+}
+
+/// The prompt's token ids: `--prompt` tokenized (BOS added, special
+/// tokens parsed), or `--tokens` as given.
+fn prompt_tokens(args: &GenerateArgs, tokenizer: &Tokenizer) -> Result<Vec<u32>, CliError> {
     let prompt = match (&args.prompt, &args.tokens) {
         (Some(text), _) => tokenizer.encode(text, true, true)?,
         (None, Some(ids)) => ids.clone(),
@@ -53,11 +128,45 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     if prompt.is_empty() {
         return Err(CliError::Usage("the prompt is empty".into()));
     }
+    Ok(prompt)
+}
+
+/// The sampler parameters, checked against `vocab`; announces a drawn seed
+/// so a sampled run can be repeated.
+fn sampling_params(args: &GenerateArgs, vocab: usize) -> Result<SamplingParams, CliError> {
     let params = args.sampling.params()?;
-    params.validate(engine.model().config.vocab)?;
+    params.validate(vocab)?;
     if args.sampling.seed.is_none() && !params.is_greedy() {
         eprintln!("seed: {}", params.seed);
     }
+    Ok(params)
+}
+
+/// Runs `generate` through `writer`, keeping the first write error.
+fn write_through<'a, 't, W: Write>(
+    writer: &'a mut ContinuationWriter<'t, W>,
+    io_error: &'a mut Option<std::io::Error>,
+) -> impl FnMut(u32) -> bool + use<'a, 't, W> {
+    move |id| match writer.push(id) {
+        Ok(()) => true,
+        Err(e) => {
+            *io_error = Some(e);
+            false
+        }
+    }
+}
+
+pub fn run(args: GenerateArgs) -> Result<(), CliError> {
+    if args.connect.server.is_some() {
+        return run_remote(args);
+    }
+    if let Some(flag) = args.connect.remote_only_flag_given() {
+        return Err(CliError::Usage(format!("{flag} needs --server")));
+    }
+    let mut engine = args.model.engine()?;
+    let tokenizer = Tokenizer::from_gguf(engine.model().gguf())?;
+    let prompt = prompt_tokens(&args, &tokenizer)?;
+    let params = sampling_params(&args, engine.model().config.vocab)?;
     let stops: &[u32] = if args.ignore_eos {
         &[]
     } else {
@@ -67,38 +176,111 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let mut session = engine.new_session();
     engine.append(&mut session, &prompt)?;
     let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    let mut decoder = StreamDecoder::new();
-    let mut first = true;
+    let mut writer = ContinuationWriter::new(args.format, &tokenizer, stdout.lock());
     let mut io_error = None;
-    engine.generate(&mut session, &params, args.max_tokens, stops, |id| {
-        let written = match args.format {
-            OutputFormat::Ids => {
-                let sep = if first { "" } else { " " };
-                write!(out, "{sep}{id}")
-            }
-            OutputFormat::Text if tokenizer.is_control(id) => Ok(()),
-            OutputFormat::Text => match decoder.push(&tokenizer, id) {
-                Ok(text) => out.write_all(text.as_bytes()).and_then(|_| out.flush()),
-                Err(_) => Ok(()),
-            },
-        };
-        first = false;
-        match written {
-            Ok(()) => true,
-            Err(e) => {
-                io_error = Some(e);
-                false
-            }
-        }
+    engine.generate(
+        &mut session,
+        &params,
+        args.max_tokens,
+        stops,
+        write_through(&mut writer, &mut io_error),
+    )?;
+    if let Some(e) = io_error {
+        return Err(e.into());
+    }
+    writer.finish()?;
+    Ok(())
+}
+
+fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
+    let tokenizer = super::load_tokenizer(&args.model.path())?;
+    let prompt = prompt_tokens(&args, &tokenizer)?;
+    let params = sampling_params(&args, tokenizer.vocab_size())?;
+    let stops: &[u32] = if args.ignore_eos {
+        &[]
+    } else {
+        tokenizer.eog_tokens()
+    };
+    let client = RemoteClient::connect(&args.connect)?;
+    let created = client.create_session("inferd generate", stops)?;
+    let session_id = created.get_session_id();
+    let continued = continue_remotely(&client, session_id, &prompt, &args, &params, &tokenizer);
+    // The session was only for this prompt: free it whatever happened,
+    // reporting the generation's own error first.
+    let closed = client.close(session_id);
+    continued?;
+    closed?;
+    Ok(())
+}
+
+/// Appends the prompt to the server session and streams its continuation.
+fn continue_remotely(
+    client: &RemoteClient,
+    session_id: &str,
+    prompt: &[u32],
+    args: &GenerateArgs,
+    params: &SamplingParams,
+    tokenizer: &Tokenizer,
+) -> Result<(), CliError> {
+    let dropped = client.append(session_id, prompt)?.get_dropped_token_count();
+    if dropped > 0 {
+        eprintln!("(the server dropped {dropped} prompt tokens to fit the context)");
+    }
+    let req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
+    let stdout = std::io::stdout();
+    let mut writer = ContinuationWriter::new(args.format, tokenizer, stdout.lock());
+    let mut io_error = None;
+    let end = client.generate(&req, write_through(&mut writer, &mut io_error), |dropped| {
+        eprintln!("(the server dropped {dropped} prompt tokens to fit the context)")
     })?;
     if let Some(e) = io_error {
         return Err(e.into());
     }
-    // A character cut off by the token limit comes out as U+FFFD, not lost.
-    if args.format == OutputFormat::Text {
-        out.write_all(decoder.finish().as_bytes())?;
+    if let GenerateEnd::Done(done) = end {
+        tracing::info!(
+            stop = ?done.get_stop_reason(),
+            tokens = done.get_generated_token_count(),
+            prefill_s = done.get_prefill_duration_seconds(),
+            total_s = done.get_total_duration_seconds(),
+            "generated"
+        );
     }
-    writeln!(out)?;
+    writer.finish()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::synthetic::{SyntheticLlama, EOS_TOKEN_ID};
+    use crate::gguf::GgufFile;
+
+    fn tokenizer() -> Tokenizer {
+        let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("synthetic gguf");
+        Tokenizer::from_gguf(&file).expect("synthetic tokenizer")
+    }
+
+    #[test]
+    fn ids_are_written_space_separated_on_one_line() {
+        let mut out = Vec::new();
+        let mut writer = ContinuationWriter::ids(&mut out);
+        for id in [5, 0, EOS_TOKEN_ID] {
+            writer.push(id).expect("push");
+        }
+        writer.finish().expect("finish");
+        assert_eq!(out, format!("5 0 {EOS_TOKEN_ID}\n").into_bytes());
+    }
+
+    #[test]
+    fn text_hides_control_tokens_and_marks_a_cut_off_character() {
+        let tok = tokenizer();
+        let mut out = Vec::new();
+        let mut writer = ContinuationWriter::text(&tok, &mut out);
+        // "é" is C3 A9 over two tokens; a lone C3 is cut off by the end.
+        for id in [b'a' as u32, 0xC3, 0xA9, EOS_TOKEN_ID, 0xC3] {
+            writer.push(id).expect("push");
+        }
+        writer.finish().expect("finish");
+        assert_eq!(String::from_utf8(out).expect("utf-8"), "aé\u{FFFD}\n");
+    }
 }

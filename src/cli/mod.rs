@@ -1,10 +1,15 @@
-//! The command-line front end: `inferd generate`, `inferd chat` and
-//! `inferd bench`. Flags become plain values here; the work is done by the
-//! engine, the tokenizer and the sampler.
+//! The command-line front end: `inferd generate`, `inferd chat`,
+//! `inferd bench`, `inferd serve`, and `inferd session` (a client of
+//! `inferd serve`).
+//! Flags become plain values here; the work is done by the engine, the
+//! tokenizer and the sampler, or by a server reached over gRPC.
 
 mod chat;
+mod client;
 mod generate;
+pub mod remote;
 mod serve;
+mod session;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,7 +20,7 @@ use thiserror::Error;
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::model::{Model, ModelError};
 use crate::sampler::{SamplerError, SamplingParams};
-use crate::tokenizer::TokenizerError;
+use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Where the reference model lands (see `scripts/fetch-model`).
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -38,6 +43,9 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve kakeya.v1.RuntimeService over gRPC.
     Serve(serve::ServeArgs),
+    /// Drive a session on an inferd server by token ids, for scripts.
+    #[command(subcommand)]
+    Session(session::SessionCommand),
 }
 
 impl Command {
@@ -188,6 +196,17 @@ pub enum CliError {
     Template(String),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// A call to an inferd server failed.
+    #[error(transparent)]
+    Remote(#[from] remote::RemoteError),
+    /// The model file could not be read for its tokenizer.
+    #[error(
+        "model {path}: {source}\n(the client needs the served model's file for its vocabulary)"
+    )]
+    TokenizerLoad {
+        path: String,
+        source: crate::gguf::GgufError,
+    },
 }
 
 /// Sets up `tracing` output on stderr, filtered by `RUST_LOG` (else `default`).
@@ -208,7 +227,18 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench(args),
         Command::Serve(args) => serve::run(args),
+        Command::Session(command) => session::run(command),
     }
+}
+
+/// The tokenizer of the model file at `path`, without loading its weights:
+/// what a client needs to speak the served model's vocabulary.
+pub fn load_tokenizer(path: &std::path::Path) -> Result<Tokenizer, CliError> {
+    let gguf = crate::gguf::GgufFile::open(path).map_err(|source| CliError::TokenizerLoad {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(Tokenizer::from_gguf(&gguf)?)
 }
 
 impl ModelArgs {
