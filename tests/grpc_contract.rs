@@ -507,7 +507,8 @@ fn session_ids_are_server_owned_random_hex_and_the_reply_describes_the_model() {
         let id = reply.get_session_id().to_owned();
         assert_eq!(id.len(), 32, "{id}");
         assert!(
-            id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            id.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
             "32 lowercase hex digits: {id}"
         );
         assert_ne!(id, label, "never the client's text");
@@ -538,7 +539,10 @@ fn session_ids_are_server_owned_random_hex_and_the_reply_describes_the_model() {
         .map(|(a, b)| a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count())
         .max()
         .unwrap_or(0);
-    assert!(longest_shared < 8, "ids share {longest_shared} leading digits");
+    assert!(
+        longest_shared < 8,
+        "ids share {longest_shared} leading digits"
+    );
     served.stop();
 }
 
@@ -560,7 +564,11 @@ fn appends_add_up_and_an_id_outside_the_vocabulary_changes_nothing() {
     assert_eq!(empty.get_logits_digest(), 0, "no logits yet");
     assert_eq!(served.append(&id, &[1, 2, 3]).expect("append"), 3);
     assert_eq!(served.append(&id, &[0, 319]).expect("append"), 5);
-    assert_eq!(served.append(&id, &[]).expect("append"), 5, "an empty append is a no-op");
+    assert_eq!(
+        served.append(&id, &[]).expect("append"),
+        5,
+        "an empty append is a no-op"
+    );
     assert_eq!(served.append(&id, &prompt(40, 9)).expect("append"), 45);
     let before = served.info(&id).expect("info");
     assert_eq!(before.get_history_length(), 45);
@@ -580,7 +588,11 @@ fn appends_add_up_and_an_id_outside_the_vocabulary_changes_nothing() {
     assert_eq!(after.get_logits_digest(), before.get_logits_digest());
     assert_eq!(after.get_kv_live_bytes(), before.get_kv_live_bytes());
 
-    assert_eq!(served.append(&id, &[6]).expect("append"), 46, "later appends still work");
+    assert_eq!(
+        served.append(&id, &[6]).expect("append"),
+        46,
+        "later appends still work"
+    );
     served.stop();
 }
 
@@ -591,7 +603,11 @@ fn unknown_closed_and_twice_closed_ids_are_not_found() {
     let served = Served::tiny(2);
     let unknown = "00112233445566778899aabbccddeeff";
     assert_code(served.info(unknown), RpcStatusCode::NOT_FOUND, "info");
-    assert_code(served.append(unknown, &[1]), RpcStatusCode::NOT_FOUND, "append");
+    assert_code(
+        served.append(unknown, &[1]),
+        RpcStatusCode::NOT_FOUND,
+        "append",
+    );
     assert_code(served.close(unknown), RpcStatusCode::NOT_FOUND, "close");
     let outcome = served.generate(gen_req(unknown, 3)).finish(STREAM_TIMEOUT);
     assert_eq!(outcome.failure().code, RpcStatusCode::NOT_FOUND);
@@ -600,8 +616,16 @@ fn unknown_closed_and_twice_closed_ids_are_not_found() {
     served.append(&id, &[1, 2, 3]).expect("append");
     assert_eq!(served.close(&id).expect("closed"), 3);
     assert_code(served.close(&id), RpcStatusCode::NOT_FOUND, "second close");
-    assert_code(served.info(&id), RpcStatusCode::NOT_FOUND, "info after close");
-    assert_code(served.append(&id, &[4]), RpcStatusCode::NOT_FOUND, "append after close");
+    assert_code(
+        served.info(&id),
+        RpcStatusCode::NOT_FOUND,
+        "info after close",
+    );
+    assert_code(
+        served.append(&id, &[4]),
+        RpcStatusCode::NOT_FOUND,
+        "append after close",
+    );
     let outcome = served.generate(gen_req(&id, 3)).finish(STREAM_TIMEOUT);
     assert_eq!(outcome.failure().code, RpcStatusCode::NOT_FOUND);
     // The warm-up session and this one.
@@ -636,27 +660,33 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
     ] {
         let what = format!("id {bad_id:?}");
         assert_code(served.info(bad_id), RpcStatusCode::INVALID_ARGUMENT, &what);
-        assert_code(served.append(bad_id, &[1]), RpcStatusCode::INVALID_ARGUMENT, &what);
+        assert_code(
+            served.append(bad_id, &[1]),
+            RpcStatusCode::INVALID_ARGUMENT,
+            &what,
+        );
         assert_code(served.close(bad_id), RpcStatusCode::INVALID_ARGUMENT, &what);
         let outcome = served.generate(gen_req(bad_id, 2)).finish(STREAM_TIMEOUT);
-        assert_eq!(outcome.failure().code, RpcStatusCode::INVALID_ARGUMENT, "{what}");
+        assert_eq!(
+            outcome.failure().code,
+            RpcStatusCode::INVALID_ARGUMENT,
+            "{what}"
+        );
     }
 
-    let bad: Vec<(&str, Box<dyn Fn(&mut pb::GenerateRequest)>)> = vec![
-        ("max_tokens 0", Box::new(|r| r.set_max_tokens(0))),
-        ("temperature -1", Box::new(|r| r.set_temperature(-1.0))),
-        ("temperature NaN", Box::new(|r| r.set_temperature(f32::NAN))),
-        ("top_p 0", Box::new(|r| r.set_top_p(0.0))),
-        ("top_p 1.5", Box::new(|r| r.set_top_p(1.5))),
-        (
-            "logit_bias token out of range",
-            Box::new(|r| {
-                let mut bias = pb::LogitBias::new();
-                bias.set_token_id(TINY_VOCAB);
-                bias.set_bias(-5.0);
-                r.mut_logit_bias().push(bias);
-            }),
-        ),
+    type Spoil = fn(&mut pb::GenerateRequest);
+    let bad: [(&str, Spoil); 6] = [
+        ("max_tokens 0", |r| r.set_max_tokens(0)),
+        ("temperature -1", |r| r.set_temperature(-1.0)),
+        ("temperature NaN", |r| r.set_temperature(f32::NAN)),
+        ("top_p 0", |r| r.set_top_p(0.0)),
+        ("top_p 1.5", |r| r.set_top_p(1.5)),
+        ("logit_bias token out of range", |r| {
+            let mut bias = pb::LogitBias::new();
+            bias.set_token_id(TINY_VOCAB);
+            bias.set_bias(-5.0);
+            r.mut_logit_bias().push(bias);
+        }),
     ];
     for (what, set) in &bad {
         let mut req = gen_req(&id, 4);
@@ -729,7 +759,8 @@ fn a_full_session_queue_is_resource_exhausted_with_the_numbers() {
     let err = served.append(&id, &[8]).expect_err("queue full");
     assert_eq!(err.code, RpcStatusCode::RESOURCE_EXHAUSTED, "{err:?}");
     assert!(
-        err.message.contains("session wait queue exhausted: 2 asked, 0 free"),
+        err.message
+            .contains("session wait queue exhausted: 2 asked, 0 free"),
         "{err:?}"
     );
     busy.cancel();
@@ -806,7 +837,9 @@ enum Build {
     RandomChunks(u64),
     /// `prefix` appended, the rest generated greedily (the history must be
     /// that greedy continuation).
-    PartlyGenerated { prefix: usize },
+    PartlyGenerated {
+        prefix: usize,
+    },
 }
 
 /// What must be identical however the history was built: the digest, a
@@ -1046,7 +1079,11 @@ fn a_generate_past_its_deadline_ends_deadline_exceeded_and_keeps_its_tokens() {
     );
     thread::sleep(Duration::from_millis(100));
     assert_eq!(served.history(&id), committed, "the work stopped");
-    assert_eq!(served.append(&id, &[4]).expect("append"), committed + 1, "still usable");
+    assert_eq!(
+        served.append(&id, &[4]).expect("append"),
+        committed + 1,
+        "still usable"
+    );
     served.stop();
 }
 
@@ -1125,24 +1162,35 @@ fn idle_sessions_expire_after_the_ttl_but_never_mid_call() {
     served.append(&kept_fresh, &[1]).expect("append");
     let working = served.create("working", &[]);
     served.append(&working, &[4, 5]).expect("append");
-    let t0 = Instant::now();
-    let long = served.generate(gen_req(&working, 400));
-    // Appends refresh the idle clock.
-    while t0.elapsed() < Duration::from_millis(700) {
-        served.append(&kept_fresh, &[2]).expect("refreshed session lives");
-        thread::sleep(Duration::from_millis(60));
+    let long = served.generate(gen_req(&working, 1000));
+    // Appends refresh the idle clock: keep one session fresh for as long as
+    // the long call runs.
+    thread::sleep(Duration::from_millis(20));
+    while served
+        .info(&working)
+        .expect("never evicted mid-call")
+        .get_busy()
+    {
+        served
+            .append(&kept_fresh, &[2])
+            .expect("refreshed session lives");
+        thread::sleep(Duration::from_millis(50));
     }
     assert_code(served.info(&idle), RpcStatusCode::NOT_FOUND, "expired");
-    assert_code(served.append(&idle, &[1]), RpcStatusCode::NOT_FOUND, "expired");
-    let outcome = long.finish(STREAM_TIMEOUT);
-    let done = outcome.done();
-    assert!(
-        t0.elapsed() > Duration::from_millis(300),
-        "the generate ran longer than the TTL ({:?})",
-        t0.elapsed()
+    assert_code(
+        served.append(&idle, &[1]),
+        RpcStatusCode::NOT_FOUND,
+        "expired",
     );
-    assert_eq!(done.get_generated_token_count(), 400);
-    assert_eq!(served.history(&working), 2 + 400, "not evicted mid-call");
+    let done = long.finish(STREAM_TIMEOUT).done();
+    assert!(
+        done.get_total_duration_seconds() > 0.5,
+        "the generate ran longer than the TTL ({} s)",
+        done.get_total_duration_seconds()
+    );
+    assert_eq!(done.get_generated_token_count(), 1000);
+    assert_eq!(served.history(&working), 2 + 1000, "not evicted mid-call");
+    assert!(served.info(&kept_fresh).is_ok());
     let stats = served.server().runtime_stats();
     assert_eq!(stats.evicted_ttl, 1, "{stats:?}");
     assert_eq!(stats.evicted_lru, 0, "{stats:?}");
@@ -1203,7 +1251,9 @@ fn kv_pressure_evicts_the_lru_idle_session() {
     let a = served.create("a", &[]);
     served.append(&a, &prompt(40, 1)).expect("3 pages");
     let b = served.create("b", &[]);
-    served.append(&b, &prompt(30, 2)).expect("2 pages, a evicted");
+    served
+        .append(&b, &prompt(30, 2))
+        .expect("2 pages, a evicted");
     assert_code(served.info(&a), RpcStatusCode::NOT_FOUND, "evicted");
     assert_eq!(served.history(&b), 30);
     let stats = served.server().runtime_stats();
@@ -1218,13 +1268,23 @@ fn overflow_truncates_and_says_so_before_any_token() {
     served.append(&id, &prompt(250, 5)).expect("append");
     let outcome = served.generate(gen_req(&id, 20)).finish(STREAM_TIMEOUT);
     let done = outcome.done();
-    assert!(outcome.messages[0].has_truncated(), "{:?}", outcome.messages[0]);
+    assert!(
+        outcome.messages[0].has_truncated(),
+        "{:?}",
+        outcome.messages[0]
+    );
     assert_eq!(
-        outcome.messages[0].get_truncated().get_dropped_token_count(),
+        outcome.messages[0]
+            .get_truncated()
+            .get_dropped_token_count(),
         14
     );
     assert_eq!(
-        outcome.messages.iter().filter(|m| m.has_truncated()).count(),
+        outcome
+            .messages
+            .iter()
+            .filter(|m| m.has_truncated())
+            .count(),
         1
     );
     assert_eq!(outcome.tokens().len(), 20);
@@ -1264,7 +1324,11 @@ fn the_stop_overflow_policy_ends_with_truncated() {
     assert_eq!(done.get_stop_reason(), Stop::STOP_REASON_TRUNCATED);
     assert_eq!(done.get_generated_token_count(), 6);
     assert_eq!(served.history(&id), TINY_CONTEXT);
-    assert_code(served.append(&id, &[1]), RpcStatusCode::INVALID_ARGUMENT, "full");
+    assert_code(
+        served.append(&id, &[1]),
+        RpcStatusCode::INVALID_ARGUMENT,
+        "full",
+    );
     assert_eq!(served.history(&id), TINY_CONTEXT);
     served.stop();
 }
@@ -1323,15 +1387,27 @@ fn a_bearer_token_is_required_except_for_health() {
     req.set_client_label("auth".into());
     let timeout = CallOption::default().timeout(CALL_TIMEOUT);
     let none = served.client.create_session_opt(&req, timeout.clone());
-    assert_code(none.map_err(status_of), RpcStatusCode::UNAUTHENTICATED, "no token");
+    assert_code(
+        none.map_err(status_of),
+        RpcStatusCode::UNAUTHENTICATED,
+        "no token",
+    );
     let wrong = served
         .client
         .create_session_opt(&req, timeout.clone().headers(bearer("s3cret-tokem")));
-    assert_code(wrong.map_err(status_of), RpcStatusCode::UNAUTHENTICATED, "wrong");
+    assert_code(
+        wrong.map_err(status_of),
+        RpcStatusCode::UNAUTHENTICATED,
+        "wrong",
+    );
     let prefix = served
         .client
         .create_session_opt(&req, timeout.clone().headers(bearer("s3cret")));
-    assert_code(prefix.map_err(status_of), RpcStatusCode::UNAUTHENTICATED, "prefix");
+    assert_code(
+        prefix.map_err(status_of),
+        RpcStatusCode::UNAUTHENTICATED,
+        "prefix",
+    );
     let mut info = pb::GetSessionInfoRequest::new();
     info.set_session_id("00112233445566778899aabbccddeeff".into());
     let unauthenticated_info = served.client.get_session_info_opt(&info, timeout.clone());
@@ -1358,7 +1434,10 @@ fn a_bearer_token_is_required_except_for_health() {
 #[test]
 fn an_open_listen_address_needs_a_token_or_an_explicit_opt_out() {
     let open = ServeConfig::new("0.0.0.0:0", runtime_config(1));
-    assert!(matches!(open.check_security(), Err(ServeError::OpenListen(_))));
+    assert!(matches!(
+        open.check_security(),
+        Err(ServeError::OpenListen(_))
+    ));
     assert!(matches!(
         Server::start(tiny_model(), open.clone()),
         Err(ServeError::OpenListen(_))
@@ -1368,7 +1447,10 @@ fn an_open_listen_address_needs_a_token_or_an_explicit_opt_out() {
     assert!(with_token.check_security().is_ok());
     let mut blank = open.clone();
     blank.auth_token = Some("  ".into());
-    assert!(matches!(blank.check_security(), Err(ServeError::EmptyToken)));
+    assert!(matches!(
+        blank.check_security(),
+        Err(ServeError::EmptyToken)
+    ));
     let mut opted_out = open;
     opted_out.allow_unauthenticated = true;
     assert!(opted_out.check_security().is_ok());
@@ -1380,11 +1462,9 @@ fn an_open_listen_address_needs_a_token_or_an_explicit_opt_out() {
 
 #[test]
 fn tls_serves_a_whole_session_and_refuses_plaintext() {
-    let certified = rcgen::generate_simple_self_signed(vec![
-        "localhost".to_string(),
-        "127.0.0.1".to_string(),
-    ])
-    .expect("self-signed certificate");
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .expect("self-signed certificate");
     let cert_pem = certified.cert.pem();
     let mut cfg = loopback(runtime_config(1));
     cfg.tls = Some(TlsIdentity {

@@ -144,7 +144,15 @@ pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoRe
     msg.set_kv_pages_held(info.pages_held);
     msg.set_kv_page_bytes(page_bytes);
     msg.set_client_label(info.client_label.clone());
-    msg.set_logits_digest(info.logits_digest);
+    // The schema promises 0 for an empty history (there are no logits yet);
+    // the runtime's FNV-1a of no bytes is the offset basis instead.
+    let digest = if info.history_length == 0 {
+        0
+    } else {
+        info.logits_digest
+    };
+    msg.set_logits_digest(digest);
+    msg.set_busy(info.busy);
     msg
 }
 
@@ -194,6 +202,29 @@ mod tests {
         assert_eq!(seeded.sampling.seed, Some(0));
         assert_eq!(seeded.sampling.temperature, Some(0.0));
         assert_eq!(seeded.sampling.top_k, Some(0));
+    }
+
+    #[test]
+    fn info_reports_busy_and_a_zero_digest_for_an_empty_history() {
+        let mut info = SessionInfo {
+            history_length: 0,
+            kv_live_bytes: 0,
+            inv1_violations: 0,
+            inv2_violations: 0,
+            idle_seconds: 0.0,
+            pages_held: 0,
+            client_label: "c".into(),
+            busy: true,
+            logits_digest: 0xcbf2_9ce4_8422_2325,
+        };
+        let msg = info_message(&info, 4096);
+        assert!(msg.get_busy());
+        assert_eq!(msg.get_logits_digest(), 0);
+        info.history_length = 3;
+        info.busy = false;
+        let msg = info_message(&info, 4096);
+        assert!(!msg.get_busy());
+        assert_eq!(msg.get_logits_digest(), 0xcbf2_9ce4_8422_2325);
     }
 
     #[test]
