@@ -1512,8 +1512,10 @@ fn shutdown_lets_a_running_stream_finish_and_refuses_new_calls() {
     let mut served = Served::slow(1);
     let id = served.create("drain", &[]);
     served.append(&id, &[1, 2, 3]).expect("append");
+    let started = Instant::now();
     let mut running = served.generate(gen_req(&id, 250));
     running.first_token(STREAM_TIMEOUT);
+    let shutdown_after = started.elapsed().as_secs_f64();
     let server = served.server.take().expect("server");
     let (report_tx, report_rx) = mpsc::channel();
     thread::spawn(move || {
@@ -1528,19 +1530,27 @@ fn shutdown_lets_a_running_stream_finish_and_refuses_new_calls() {
     thread::sleep(Duration::from_millis(50));
     let late = served.try_create("late", &[]);
     match late {
-        Err(s) => assert!(
-            matches!(
-                s.code,
-                RpcStatusCode::UNAVAILABLE | RpcStatusCode::DEADLINE_EXCEEDED
-            ),
-            "refused or unreachable: {s:?}"
-        ),
+        Err(s) => {
+            eprintln!("a call after shutdown began: {s:?}");
+            assert!(
+                matches!(
+                    s.code,
+                    RpcStatusCode::UNAVAILABLE | RpcStatusCode::DEADLINE_EXCEEDED
+                ),
+                "refused or unreachable: {s:?}"
+            )
+        }
         Ok(r) => panic!("a call after shutdown began was served: {r:?}"),
     }
     let outcome = running.finish(STREAM_TIMEOUT);
     let done = outcome.done();
     assert_eq!(done.get_stop_reason(), Stop::STOP_REASON_MAX_TOKENS);
     assert_eq!(outcome.tokens().len(), 250);
+    assert!(
+        done.get_total_duration_seconds() > shutdown_after,
+        "the generate was still running when shutdown began ({} s vs {shutdown_after} s)",
+        done.get_total_duration_seconds()
+    );
     let report = report_rx
         .recv_timeout(Duration::from_secs(30))
         .expect("shutdown returns");
@@ -1611,7 +1621,8 @@ fn sigterm_drains_the_real_process_and_it_exits_zero() {
     client
         .append_tokens_opt(&append, opt.clone())
         .expect("append");
-    let mut running = Gen::spawn(client.clone(), gen_req(&id, 40), opt);
+    let started = Instant::now();
+    let mut running = Gen::spawn(client.clone(), gen_req(&id, 120), opt);
     running.first_token(STREAM_TIMEOUT);
     let killed = Command::new("kill")
         .args(["-TERM", &pid])
@@ -1619,10 +1630,16 @@ fn sigterm_drains_the_real_process_and_it_exits_zero() {
         .expect("kill runs");
     assert!(killed.success());
     let t0 = Instant::now();
+    let signalled_after = t0.duration_since(started).as_secs_f64();
     let outcome = running.finish(STREAM_TIMEOUT);
     let done = outcome.done();
     assert_eq!(done.get_stop_reason(), Stop::STOP_REASON_MAX_TOKENS);
-    assert_eq!(outcome.tokens().len(), 40);
+    assert_eq!(outcome.tokens().len(), 120);
+    assert!(
+        done.get_total_duration_seconds() > signalled_after,
+        "the generate was still running when the signal came ({} s vs {signalled_after} s)",
+        done.get_total_duration_seconds()
+    );
     let child = reaper.0.as_mut().expect("child");
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
@@ -1637,4 +1654,82 @@ fn sigterm_drains_the_real_process_and_it_exits_zero() {
     };
     reaper.0 = None;
     assert_eq!(status.code(), Some(0), "stderr:\n{}", logs(&stderr));
+}
+
+#[test]
+fn a_stop_sequence_ends_the_stream_with_eos_after_it_is_emitted() {
+    let served = Served::tiny(1);
+    let probe = served.create("probe", &[]);
+    served.append(&probe, &[9, 8]).expect("append");
+    let (free, _) = served.run(seeded_req(&probe, 8, Some(99)));
+    let stop = free[3..5].to_vec();
+    let first_end = (2..=free.len())
+        .find(|&k| free[..k].ends_with(&stop))
+        .expect("the sequence occurs");
+    let id = served.create("stop", &[]);
+    served.append(&id, &[9, 8]).expect("append");
+    let mut req = seeded_req(&id, 8, Some(99));
+    for seq in [vec![319, 319, 319], stop] {
+        let mut s = pb::StopSequence::new();
+        s.set_token_ids(seq);
+        req.mut_stop_sequences().push(s);
+    }
+    let (tokens, done) = served.run(req);
+    assert_eq!(tokens, free[..first_end].to_vec(), "emitted, then stopped");
+    assert_eq!(done.get_stop_reason(), Stop::STOP_REASON_EOS);
+    assert_eq!(served.history(&id), 2 + first_end as u64);
+    served.stop();
+}
+
+#[test]
+#[ignore = "GenerateDone.stop_sequence_index (field 19) is never set: runtime::GenerateDone carries no index"]
+fn generate_done_names_the_stop_sequence_that_ended_it() {
+    let served = Served::tiny(1);
+    let id = served.create("stop", &[]);
+    served.append(&id, &[9, 8]).expect("append");
+    let (free, _) = served.run(gen_req(&id, 2));
+    let id = served.create("stop", &[]);
+    served.append(&id, &[9, 8]).expect("append");
+    let mut req = gen_req(&id, 8);
+    for seq in [vec![319, 319], vec![free[0]]] {
+        let mut s = pb::StopSequence::new();
+        s.set_token_ids(seq);
+        req.mut_stop_sequences().push(s);
+    }
+    let (_, done) = served.run(req);
+    assert!(done.has_stop_sequence_index());
+    assert_eq!(done.get_stop_sequence_index(), 1);
+    served.stop();
+}
+
+#[test]
+#[ignore = "GenerateDone.prefill_token_count (field 18) is never set: runtime::GenerateDone carries no count"]
+fn generate_done_counts_the_re_prefilled_tokens_of_a_truncation() {
+    let served = Served::tiny(1);
+    let id = served.create("long", &[]);
+    served.append(&id, &prompt(250, 5)).expect("append");
+    let (_, done) = served.run(gen_req(&id, 20));
+    // 4 sink tokens and the 232 most recent were computed again.
+    assert_eq!(done.get_prefill_token_count(), 236);
+    served.stop();
+}
+
+#[test]
+#[ignore = "GenerateRequest.top_logprobs (field 23) is ignored: no TokenLogprobs message is ever sent"]
+fn top_logprobs_follow_every_token() {
+    let served = Served::tiny(1);
+    let id = served.create("logprobs", &[]);
+    served.append(&id, &[1, 2, 3]).expect("append");
+    let mut req = gen_req(&id, 3);
+    req.set_top_logprobs(2);
+    let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+    outcome.done();
+    let logprobs: Vec<_> = outcome
+        .messages
+        .iter()
+        .filter(|m| m.has_logprobs())
+        .collect();
+    assert_eq!(logprobs.len(), 3);
+    assert_eq!(logprobs[0].get_logprobs().get_top().len(), 2);
+    served.stop();
 }
