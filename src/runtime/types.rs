@@ -197,6 +197,9 @@ pub struct GenerateDone {
     pub generated_token_count: u32,
     /// Time spent re-prefilling a truncated history (0 otherwise).
     pub prefill_duration: Duration,
+    /// History tokens computed before the first sampled token (a
+    /// re-prefilled truncation window; 0 when the cache was complete).
+    pub prefill_token_count: u64,
     pub total_duration: Duration,
     pub seed_used: u64,
     pub history_length: u64,

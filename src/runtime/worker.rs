@@ -137,6 +137,8 @@ struct Generating {
     deadline: Option<Instant>,
     started: Instant,
     prefill_duration: Duration,
+    /// History tokens computed again before the first sampled token.
+    prefill_tokens: u64,
 }
 
 enum Work {
@@ -1001,6 +1003,7 @@ impl Worker {
             deadline,
             started,
             prefill_duration: Duration::ZERO,
+            prefill_tokens: pending.len() as u64,
         };
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.active = Some(Active {
@@ -1113,6 +1116,7 @@ impl Worker {
                 stop_reason,
                 generated_token_count: gen.generated.len() as u32,
                 prefill_duration: gen.prefill_duration,
+                prefill_token_count: gen.prefill_tokens,
                 total_duration: gen.started.elapsed(),
                 seed_used: gen.seed_used,
                 history_length,

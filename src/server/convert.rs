@@ -62,6 +62,11 @@ pub fn generate_request(req: &pb::GenerateRequest) -> Result<GenerateRequest, Ru
             )));
         }
     }
+    if req.get_top_logprobs() > 0 {
+        return Err(RuntimeError::InvalidArgument(
+            "top_logprobs is not supported by this server yet".into(),
+        ));
+    }
     let opt_f32 = |has: bool, v: f32| has.then_some(v);
     let sampling = SamplingOptions {
         temperature: opt_f32(req.has_temperature(), req.get_temperature()),
@@ -110,6 +115,7 @@ pub fn done_message(done: &GenerateDone) -> pb::GenerateResponse {
     msg.set_prefill_duration_seconds(done.prefill_duration.as_secs_f64());
     msg.set_total_duration_seconds(done.total_duration.as_secs_f64());
     msg.set_seed_used(done.seed_used);
+    msg.set_prefill_token_count(done.prefill_token_count);
     if let StopReason::StopSequence { index } = done.stop_reason {
         msg.set_stop_sequence_index(index);
     }
@@ -147,7 +153,14 @@ pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoRe
     msg.set_kv_pages_held(info.pages_held);
     msg.set_kv_page_bytes(page_bytes);
     msg.set_client_label(info.client_label.clone());
-    msg.set_logits_digest(info.logits_digest);
+    // The schema promises 0 for an empty history (there are no logits yet);
+    // the runtime's FNV-1a of no bytes is the offset basis instead.
+    let digest = if info.history_length == 0 {
+        0
+    } else {
+        info.logits_digest
+    };
+    msg.set_logits_digest(digest);
     msg.set_eos_token_ids(info.eos_token_ids.clone());
     msg.set_truncated_token_count(info.truncated_token_count);
     msg.set_busy(info.busy);
@@ -200,6 +213,32 @@ mod tests {
         assert_eq!(seeded.sampling.seed, Some(0));
         assert_eq!(seeded.sampling.temperature, Some(0.0));
         assert_eq!(seeded.sampling.top_k, Some(0));
+    }
+
+    #[test]
+    fn info_reports_busy_and_a_zero_digest_for_an_empty_history() {
+        let mut info = SessionInfo {
+            history_length: 0,
+            kv_live_bytes: 0,
+            inv1_violations: 0,
+            inv2_violations: 0,
+            idle_seconds: 0.0,
+            pages_held: 0,
+            client_label: "c".into(),
+            eos_token_ids: vec![2],
+            truncated_token_count: 0,
+            busy: true,
+            logits_digest: 0xcbf2_9ce4_8422_2325,
+        };
+        let msg = info_message(&info, 4096);
+        assert!(msg.get_busy());
+        assert_eq!(msg.get_logits_digest(), 0);
+        assert_eq!(msg.get_eos_token_ids(), &[2]);
+        info.history_length = 3;
+        info.busy = false;
+        let msg = info_message(&info, 4096);
+        assert!(!msg.get_busy());
+        assert_eq!(msg.get_logits_digest(), 0xcbf2_9ce4_8422_2325);
     }
 
     #[test]
