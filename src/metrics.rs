@@ -232,9 +232,17 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     e.out
 }
 
+/// A per-worker metric: name, type, help and how to read its value.
+type WorkerFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&crate::runtime::WorkerStats) -> String,
+);
+
 fn render_workers(e: &mut Exposition, stats: &RuntimeStats) {
     let ids: Vec<String> = (0..stats.workers.len()).map(|i| i.to_string()).collect();
-    let families: [(&str, &str, &str, fn(&crate::runtime::WorkerStats) -> String); 7] = [
+    let families: [WorkerFamily; 7] = [
         (
             "worker_sessions",
             "gauge",
