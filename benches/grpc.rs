@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use futures_executor::block_on;
 use futures_util::future::join_all;
 use futures_util::StreamExt;
-use grpcio::{ChannelBuilder, Environment, RpcContext, ServerBuilder, ServerCredentials, UnarySink};
+use grpcio::{
+    ChannelBuilder, Environment, RpcContext, ServerBuilder, ServerCredentials, UnarySink,
+};
 
 use inferd::engine::{Engine, EngineConfig};
 use inferd::model::Model;
@@ -245,9 +247,7 @@ struct Streamed {
     last: Instant,
 }
 
-async fn read_stream(
-    mut stream: grpcio::ClientSStreamReceiver<pb::GenerateResponse>,
-) -> Streamed {
+async fn read_stream(mut stream: grpcio::ClientSStreamReceiver<pb::GenerateResponse>) -> Streamed {
     let mut tokens = Vec::new();
     let now = Instant::now();
     let (mut first, mut last) = (now, now);
@@ -282,11 +282,7 @@ fn unary_section(model: &Arc<Model>, plan: &Plan) {
     let health = HealthClient::new(real_channel);
 
     let session = create(&real);
-    append(
-        &real,
-        &session,
-        &filler(64, 13, model.config.vocab as u32),
-    );
+    append(&real, &session, &filler(64, 13, model.config.vocab as u32));
     let (n, w) = (plan.unary_calls, plan.unary_warmup);
     let timed = |f: &mut dyn FnMut()| {
         let t0 = Instant::now();
