@@ -11,7 +11,8 @@
 //!
 //! A plain `main` that prints markdown tables (criterion's sampling does not
 //! fit streams and concurrent sessions). `cargo bench --bench grpc` runs it;
-//! `-- --quick` makes every count small for a smoke run. Skips (with a
+//! `-- --quick` makes every count small for a smoke run, `-- --only
+//! unary|single|concurrent` runs one section. Skips (with a
 //! message) when the reference model is absent.
 
 use std::path::Path;
@@ -370,18 +371,22 @@ struct Single {
     tokens: Vec<u32>,
 }
 
-fn rate(tokens: usize, first: Instant, last: Instant) -> f64 {
-    let span = last.duration_since(first).as_secs_f64();
-    if tokens < 2 || span <= 0.0 {
+/// Tokens per second from the moment generation was asked for to the last
+/// token: every token's step is inside the span, and a late first token
+/// cannot shorten it.
+fn rate(tokens: usize, start: Instant, last: Instant) -> f64 {
+    let span = last.duration_since(start).as_secs_f64();
+    if tokens == 0 || span <= 0.0 {
         return 0.0;
     }
-    (tokens - 1) as f64 / span
+    tokens as f64 / span
 }
 
 fn engine_single(engine: &mut Engine, prompt: &[u32], gen: u32) -> Single {
     let mut s = engine.new_session();
     let t0 = Instant::now();
     engine.append(&mut s, prompt).expect("prefill");
+    let decode_start = Instant::now();
     let (mut first, mut last) = (None, t0);
     let generation = engine
         .generate(&mut s, &SamplingParams::greedy(), gen as usize, &[], |_| {
@@ -393,7 +398,7 @@ fn engine_single(engine: &mut Engine, prompt: &[u32], gen: u32) -> Single {
     let first = first.unwrap_or(last);
     Single {
         ttft: first.duration_since(t0),
-        decode_tps: rate(generation.tokens.len(), first, last),
+        decode_tps: rate(generation.tokens.len(), decode_start, last),
         tokens: generation.tokens,
     }
 }
@@ -402,6 +407,7 @@ fn grpc_single(client: &RuntimeServiceClient, prompt: &[u32], gen: u32) -> Singl
     let id = create(client);
     let t0 = Instant::now();
     append(client, &id, prompt);
+    let decode_start = Instant::now();
     let stream = client
         .generate(&greedy_request(&id, gen))
         .expect("Generate");
@@ -409,7 +415,7 @@ fn grpc_single(client: &RuntimeServiceClient, prompt: &[u32], gen: u32) -> Singl
     close(client, &id);
     Single {
         ttft: got.first.duration_since(t0),
-        decode_tps: rate(got.tokens.len(), got.first, got.last),
+        decode_tps: rate(got.tokens.len(), decode_start, got.last),
         tokens: got.tokens,
     }
 }
@@ -436,8 +442,8 @@ fn single_section(model: &Arc<Model>, plan: &Plan) {
     let mut same_tokens = true;
     for _ in 0..plan.single_reps {
         // Alternated so drift on the shared machine hits both alike.
-        let e = engine_single(&mut engine, &prompt, plan.gen_tokens);
         let g = grpc_single(&client, &prompt, plan.gen_tokens);
+        let e = engine_single(&mut engine, &prompt, plan.gen_tokens);
         same_tokens &= e.tokens == g.tokens;
         e_ttft.push(e.ttft.as_secs_f64() * 1e3);
         e_tps.push(e.decode_tps);
@@ -447,7 +453,9 @@ fn single_section(model: &Arc<Model>, plan: &Plan) {
     let (e_ttft, e_tps) = (median(&mut e_ttft), median(&mut e_tps));
     let (g_ttft, g_tps) = (median(&mut g_ttft), median(&mut g_tps));
     println!(
-        "\n### One session: {}-token prompt, {} greedy tokens (median of {} runs)\n",
+        "\n### One session: {}-token prompt, {} greedy tokens (median of {} runs; time to \
+         first token from the prompt's append, decode rate from the Generate call to the \
+         last token)\n",
         plan.prompt_tokens, plan.gen_tokens, plan.single_reps
     );
     println!("| path | time to first token ms | decode tokens/s | decode µs/token |");
@@ -548,7 +556,15 @@ fn concurrent_section(model: &Arc<Model>, plan: &Plan) {
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--only unary|single|concurrent` runs one section.
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let wanted = |section: &str| only.as_deref().is_none_or(|o| o == section);
     if !Path::new(REFERENCE).exists() {
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
         return;
@@ -561,7 +577,13 @@ fn main() {
         inferd::quant::simd_level(),
         if quick { " (--quick)" } else { "" }
     );
-    unary_section(&model, &plan);
-    single_section(&model, &plan);
-    concurrent_section(&model, &plan);
+    if wanted("unary") {
+        unary_section(&model, &plan);
+    }
+    if wanted("single") {
+        single_section(&model, &plan);
+    }
+    if wanted("concurrent") {
+        concurrent_section(&model, &plan);
+    }
 }
