@@ -293,6 +293,10 @@ fn unary_section(model: &Arc<Model>, plan: &Plan) {
     let create_req = pb::CreateSessionRequest::new();
     let echo_info = info_request(ECHO_ID);
     let real_info = info_request(&session);
+    // An empty session has no logits to digest: the difference to the row
+    // above is the digest GetSessionInfo computes over the vocabulary.
+    let empty = create(&real);
+    let empty_info = info_request(&empty);
     let health_req = HealthCheckRequest::new();
 
     let rows = [
@@ -332,10 +336,19 @@ fn unary_section(model: &Arc<Model>, plan: &Plan) {
         ),
         (
             "GetSessionInfo",
-            "inferd server",
+            "inferd server, 64-token history",
             measure(n, w, || {
                 timed(&mut || {
                     real.get_session_info(&real_info).expect("GetSessionInfo");
+                })
+            }),
+        ),
+        (
+            "GetSessionInfo",
+            "inferd server, empty session",
+            measure(n, w, || {
+                timed(&mut || {
+                    real.get_session_info(&empty_info).expect("GetSessionInfo");
                 })
             }),
         ),
@@ -361,6 +374,7 @@ fn unary_section(model: &Arc<Model>, plan: &Plan) {
         );
     }
     close(&real, &session);
+    close(&real, &empty);
     server.shutdown(Duration::from_secs(5));
 }
 
