@@ -123,26 +123,7 @@ pub enum RemoteError {
 
 /// The canonical name of a gRPC status code (`NOT_FOUND` for 5).
 pub fn status_name(code: i32) -> &'static str {
-    match code {
-        0 => "OK",
-        1 => "CANCELLED",
-        2 => "UNKNOWN",
-        3 => "INVALID_ARGUMENT",
-        4 => "DEADLINE_EXCEEDED",
-        5 => "NOT_FOUND",
-        6 => "ALREADY_EXISTS",
-        7 => "PERMISSION_DENIED",
-        8 => "RESOURCE_EXHAUSTED",
-        9 => "FAILED_PRECONDITION",
-        10 => "ABORTED",
-        11 => "OUT_OF_RANGE",
-        12 => "UNIMPLEMENTED",
-        13 => "INTERNAL",
-        14 => "UNAVAILABLE",
-        15 => "DATA_LOSS",
-        16 => "UNAUTHENTICATED",
-        _ => "UNRECOGNISED_STATUS",
-    }
+    crate::server::code_name(code)
 }
 
 /// Parses token ids separated by whitespace and/or commas, as scripts pipe

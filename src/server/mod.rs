@@ -23,7 +23,7 @@ use thiserror::Error;
 
 pub use auth::is_loopback;
 pub use health::{HealthState, SERVICES as HEALTH_SERVICES};
-pub use stats::{Method, ServerStats};
+pub use stats::{code_name, Method, ServerStats};
 
 use crate::metrics::{self, MetricsEndpoint, RenderFn, RequestCount, ServerNumbers};
 use crate::model::Model;

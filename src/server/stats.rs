@@ -39,8 +39,9 @@ impl Method {
 /// gRPC defines status codes 0 to 16.
 const CODES: usize = 17;
 
-/// The canonical upper-case name of a status code, as metrics label it.
-pub fn code_name(code: usize) -> &'static str {
+/// The canonical upper-case name of a gRPC status code (as metrics label
+/// it and the CLI client prints it); `UNRECOGNISED_STATUS` outside 0-16.
+pub fn code_name(code: i32) -> &'static str {
     const NAMES: [&str; CODES] = [
         "OK",
         "CANCELLED",
@@ -60,7 +61,11 @@ pub fn code_name(code: usize) -> &'static str {
         "DATA_LOSS",
         "UNAUTHENTICATED",
     ];
-    NAMES.get(code).copied().unwrap_or("UNKNOWN")
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| NAMES.get(i))
+        .copied()
+        .unwrap_or("UNRECOGNISED_STATUS")
 }
 
 /// Counters of the gRPC front end.
@@ -102,7 +107,7 @@ impl ServerStats {
             for (code, counter) in self.calls[method as usize].iter().enumerate() {
                 let n = counter.load(Ordering::Relaxed);
                 if n > 0 {
-                    out.push((method.name(), code_name(code), n));
+                    out.push((method.name(), code_name(code as i32), n));
                 }
             }
         }
