@@ -73,7 +73,9 @@ impl From<SamplerError> for RuntimeError {
             SamplerError::EmptyLogits
             | SamplerError::VocabTooLarge { .. }
             | SamplerError::HistoryTokenOutOfRange { .. }
-            | SamplerError::NoCandidate { .. } => RuntimeError::Internal(err.to_string()),
+            | SamplerError::NoCandidate { .. }
+            | SamplerError::VocabMismatch { .. }
+            | SamplerError::Device { .. } => RuntimeError::Internal(err.to_string()),
             _ => RuntimeError::InvalidArgument(err.to_string()),
         }
     }

@@ -49,4 +49,10 @@ pub enum SamplerError {
         "all {vocab_size} logits are NaN or -inf after penalties and bias: no token can be chosen"
     )]
     NoCandidate { vocab_size: usize },
+    /// A backend built for one vocabulary size was handed logits of another.
+    #[error("the sampler was built for {expected} logits per row, but a row has {got}")]
+    VocabMismatch { expected: usize, got: usize },
+    /// The GPU device failed (lost, out of memory, or a mapping error).
+    #[error("the wgpu sampler failed: {message}")]
+    Device { message: String },
 }

@@ -28,8 +28,10 @@
 //! 3. **Penalties** over the window = the last `penalty_last_n` history
 //!    tokens (`0` = the whole history). For each distinct token `t` in the
 //!    window with `c` occurrences, once:
-//!    `x[t] = if x[t] > 0 { x[t] / r } else { x[t] * r }` (llama.cpp's
-//!    repetition penalty `r`), then `x[t] = x[t] - (c as f32 * frequency +
+//!    `x[t] = if x[t] > 0 { x[t] * (1 / r) } else { x[t] * r }` (llama.cpp's
+//!    repetition penalty `r`; the reciprocal `1 / r` is one f32 division
+//!    per call, so a shader, whose division is not correctly rounded, gets
+//!    it from the host), then `x[t] = x[t] - (c as f32 * frequency +
 //!    presence)` (OpenAI's penalties). The stage is skipped when `r == 1`,
 //!    `presence == 0` and `frequency == 0`: it is then the identity anyway.
 //! 4. **Logit bias**: `x[t] += bias` for each entry, in list order.
@@ -46,7 +48,8 @@
 //! 8. **Top-k** (`top_k > 0` and fewer than `top_k` candidates otherwise):
 //!    keep the first `top_k` candidates in rank order (partial selection).
 //! 9. **Weights** (softmax numerators, temperature `T`):
-//!    `w = weight_exp((x - m) / T)` with f32 subtraction and division;
+//!    `w = weight_exp((x - m) * (1 / T))` with f32 subtraction and
+//!    multiplication by the f32 reciprocal of `T` (for the same reason);
 //!    `weight_exp` is a fixed polynomial recipe (documented on the function)
 //!    rather than the platform's `exp`, so the weights are the same bits on
 //!    every platform. The top token has `w = 1` exactly, every other
@@ -83,12 +86,16 @@
 //! call at a given vocabulary size it allocates nothing (checked by the
 //! counting-allocator test in `tests/sampler_no_alloc.rs`).
 
+mod backend;
 mod error;
+#[cfg(not(loom))]
+pub mod gpu;
 mod params;
 pub mod philox;
 
 use std::cmp::Ordering;
 
+pub use backend::{SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
 pub use error::SamplerError;
 pub use params::SamplingParams;
 
@@ -97,9 +104,9 @@ pub use params::SamplingParams;
 pub const SUM_BLOCK_LEN: u32 = 256;
 
 /// Length of the first rank-sorted prefix tried by top-p when top-k is off.
-const TOP_P_FIRST_PREFIX: usize = 64;
+pub(crate) const TOP_P_FIRST_PREFIX: usize = 64;
 /// Factor by which that prefix grows while it holds too little mass.
-const TOP_P_PREFIX_GROWTH: usize = 8;
+pub(crate) const TOP_P_PREFIX_GROWTH: usize = 8;
 /// Top-k's candidate buffer holds this many times `k` before it is cut.
 const TOP_K_BUFFER_FACTOR: usize = 4;
 /// ...and at least this many entries, so small `k` cuts rarely.
@@ -276,8 +283,34 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
+/// Step 1 for any backend: the parameters, and the history tokens the
+/// penalties will read, checked against the vocabulary size.
+pub(crate) fn check_inputs(
+    vocab_size: usize,
+    params: &SamplingParams,
+    history: &[u32],
+) -> Result<(), SamplerError> {
+    params.validate(vocab_size)?;
+    if params.has_penalties() {
+        let window = penalty_window(history, params.penalty_last_n);
+        let offset = history.len() - window.len();
+        if let Some((index, &token)) = window
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab_size)
+        {
+            return Err(SamplerError::HistoryTokenOutOfRange {
+                token,
+                index: offset + index,
+                vocab_size,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The last `penalty_last_n` tokens of the history (`0` = all of it).
-fn penalty_window(history: &[u32], penalty_last_n: usize) -> &[u32] {
+pub(crate) fn penalty_window(history: &[u32], penalty_last_n: usize) -> &[u32] {
     if penalty_last_n == 0 || penalty_last_n >= history.len() {
         history
     } else {
@@ -334,22 +367,8 @@ impl Sampler {
         u: f32,
     ) -> Result<u32, SamplerError> {
         let vocab_size = logits.len();
-        params.validate(vocab_size)?;
+        check_inputs(vocab_size, params, history)?;
         let window = penalty_window(history, params.penalty_last_n);
-        if params.has_penalties() {
-            let offset = history.len() - window.len();
-            if let Some((index, &token)) = window
-                .iter()
-                .enumerate()
-                .find(|(_, &t)| t as usize >= vocab_size)
-            {
-                return Err(SamplerError::HistoryTokenOutOfRange {
-                    token,
-                    index: offset + index,
-                    vocab_size,
-                });
-            }
-        }
         let no_candidate = SamplerError::NoCandidate { vocab_size };
 
         // Steps 2-4: copy, penalties, bias. Without them the input row is
@@ -382,7 +401,7 @@ impl Sampler {
 
         // Steps 6-9: non-finite values, candidates, top-k, weights. NaN is
         // skipped wherever -inf is (every test is `x > ...` or `x == ...`).
-        let temperature = params.temperature;
+        let inverse_temperature = params.inverse_temperature();
         let top_k = params.top_k as usize;
         let top_k_active = top_k > 0 && top_k < vocab_size;
         let mut rank_sorted = false;
@@ -412,12 +431,16 @@ impl Sampler {
             collect_top_k(source, top_k, candidates);
             rank_sorted = true;
             for candidate in candidates.iter_mut() {
-                candidate.weight = weight_exp((candidate.logit - max) / temperature);
+                candidate.weight = weight_exp((candidate.logit - max) * inverse_temperature);
             }
         } else {
             // Dense first, so the exponentials run as straight-line vector code.
             dense_weights.clear();
-            dense_weights.extend(source.iter().map(|&x| weight_exp((x - max) / temperature)));
+            dense_weights.extend(
+                source
+                    .iter()
+                    .map(|&x| weight_exp((x - max) * inverse_temperature)),
+            );
             if params.top_p >= 1.0 {
                 // No top-p: steps 11-13 run on the dense row, where a token
                 // outside the survivors simply weighs 0 (adding 0 changes no
@@ -491,6 +514,7 @@ impl Sampler {
             *count = count.saturating_add(1);
         }
         let repetition = params.repetition_penalty;
+        let inverse_repetition = 1.0 / repetition;
         for &token in window {
             let count = std::mem::take(&mut self.occurrences[token as usize]);
             if count == 0 {
@@ -498,7 +522,7 @@ impl Sampler {
             }
             let x = &mut self.work[token as usize];
             *x = if *x > 0.0 {
-                *x / repetition
+                *x * inverse_repetition
             } else {
                 *x * repetition
             };
@@ -585,17 +609,30 @@ fn max_ignoring_nan(values: &[f32]) -> f32 {
 
 /// Below this argument [`weight_exp`] returns 0 (e^-86 is about 4e-38), which
 /// keeps every non-zero result a normal float.
-const EXP_MIN_ARG: f32 = -86.0;
+pub(crate) const EXP_MIN_ARG: f32 = -86.0;
 /// Above this argument [`weight_exp`] returns +inf (e^88 is near f32's top).
-const EXP_MAX_ARG: f32 = 88.0;
+pub(crate) const EXP_MAX_ARG: f32 = 88.0;
 /// Adding and subtracting 1.5 * 2^23 rounds an f32 below 2^22 in magnitude
 /// to an integer, ties to even.
-const ROUND_MAGIC: f32 = 12_582_912.0;
+pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
 /// ln 2 split in two: the high part has few mantissa bits, so `n * LN2_HI`
 /// is exact for every `n` used here (Cody and Waite).
-const LN2_HI: f32 = 355.0 / 512.0;
+pub(crate) const LN2_HI: f32 = 355.0 / 512.0;
 /// ln 2 - LN2_HI, rounded to f32.
-const LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
+/// log2(e), the factor that turns `t` into a power of two.
+pub(crate) const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// Taylor coefficients 1/i! of the exp polynomial, lowest degree first.
+pub(crate) const EXP_COEFFICIENTS: [f32; 8] = [
+    1.0,
+    1.0,
+    1.0 / 2.0,
+    1.0 / 6.0,
+    1.0 / 24.0,
+    1.0 / 120.0,
+    1.0 / 720.0,
+    1.0 / 5040.0,
+];
 
 /// `exp(t)` for the softmax weights, by a fixed recipe of f32 operations
 /// (no fused multiply-add, no platform math library), so every platform
@@ -618,15 +655,12 @@ fn weight_exp(t: f32) -> f32 {
     } else {
         EXP_MAX_ARG
     };
-    let shifted = clamped * std::f32::consts::LOG2_E + ROUND_MAGIC;
+    let shifted = clamped * LOG2_E + ROUND_MAGIC;
     let n = shifted - ROUND_MAGIC;
     let r = (clamped - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (1.0 / 2.0
-                + r * (1.0 / 6.0
-                    + r * (1.0 / 24.0
-                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let c = EXP_COEFFICIENTS;
+    let p = c[0]
+        + r * (c[1] + r * (c[2] + r * (c[3] + r * (c[4] + r * (c[5] + r * (c[6] + r * c[7]))))));
     // `shifted` holds n in its low mantissa bits (its bits are
     // ROUND_MAGIC's plus n); n lies in [-124, 127], so n + 127 is a normal
     // biased exponent. Integer-only, so it vectorises (an `as i32` would not).
@@ -1202,7 +1236,7 @@ mod tests {
         }
         let mut weight = vec![0.0f32; vocab];
         for &id in &order {
-            weight[id as usize] = weight_exp((x[id as usize] - max) / params.temperature);
+            weight[id as usize] = weight_exp((x[id as usize] - max) * params.inverse_temperature());
         }
         let dense_blocked_sum = |w: &[f32]| {
             w.chunks(SUM_BLOCK_LEN as usize)

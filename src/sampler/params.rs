@@ -17,8 +17,8 @@ pub struct SamplingParams {
     /// Drop tokens whose probability is below `min_p` times the largest
     /// probability; `0` = off. Must lie in [0, 1].
     pub min_p: f32,
-    /// llama.cpp repetition penalty: a seen token's positive logit is divided
-    /// by it, a non-positive one multiplied; `1` = off. Must be finite, `> 0`.
+    /// llama.cpp repetition penalty: a seen token's positive logit is multiplied
+    /// by its reciprocal, a non-positive one multiplied; `1` = off. Must be finite, `> 0`.
     pub repetition_penalty: f32,
     /// OpenAI presence penalty: subtracted once from a seen token's logit; `0` = off.
     pub presence_penalty: f32,
@@ -55,6 +55,12 @@ impl SamplingParams {
     /// still apply; top-k, top-p, min-p and the seed are then ignored.
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// `1 / temperature` in f32: the sampler multiplies by it rather than
+    /// dividing, so the CPU and a shader round the same way.
+    pub fn inverse_temperature(&self) -> f32 {
+        1.0 / self.temperature
     }
 
     /// True when any of the three history penalties is on.

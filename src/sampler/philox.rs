@@ -19,17 +19,17 @@
 //! so `u` is one of the 2^24 values `k / 2^24`, `0 <= u < 1`.
 
 /// Multiplier applied to counter word 0 in each round.
-const PHILOX_M0: u32 = 0xD251_1F53;
+pub(crate) const PHILOX_M0: u32 = 0xD251_1F53;
 /// Multiplier applied to counter word 2 in each round.
-const PHILOX_M1: u32 = 0xCD9E_8D57;
+pub(crate) const PHILOX_M1: u32 = 0xCD9E_8D57;
 /// Weyl increment added to key word 0 between rounds (golden ratio).
-const PHILOX_W0: u32 = 0x9E37_79B9;
+pub(crate) const PHILOX_W0: u32 = 0x9E37_79B9;
 /// Weyl increment added to key word 1 between rounds (sqrt(3) - 1).
-const PHILOX_W1: u32 = 0xBB67_AE85;
+pub(crate) const PHILOX_W1: u32 = 0xBB67_AE85;
 /// Rounds in the standard, Crush-resistant variant.
 const PHILOX_ROUNDS: usize = 10;
 /// 2^-24: scales a 24-bit integer into [0, 1).
-const UNIT_24_BITS: f32 = 1.0 / 16_777_216.0;
+pub(crate) const UNIT_24_BITS: f32 = 1.0 / 16_777_216.0;
 
 /// High and low 32-bit halves of the 64-bit product `a * b`.
 #[inline]

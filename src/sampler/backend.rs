@@ -1,0 +1,231 @@
+//! Which sampler a process uses, and the one interface the runtime and the
+//! engine sample through: the CPU reference, or the WGSL sampler with the
+//! CPU as its fallback should the device fail.
+
+use std::fmt;
+use std::str::FromStr;
+#[cfg(not(loom))]
+use std::sync::Arc;
+
+#[cfg(not(loom))]
+use super::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler, DEFAULT_MAX_ROWS};
+use super::{Sampler, SamplerError, SamplingParams};
+
+/// One row to sample: its logits, parameters, history (for penalties) and
+/// the absolute position of the token being sampled (the RNG counter).
+#[derive(Clone, Copy, Debug)]
+pub struct SampleRequest<'a> {
+    pub logits: &'a [f32],
+    pub params: &'a SamplingParams,
+    pub history: &'a [u32],
+    pub position: u64,
+}
+
+/// The operator's choice (`--sampler`, `sampler =` in the config file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SamplerChoice {
+    /// A hardware GPU adapter if one exists, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU reference sampler.
+    Cpu,
+    /// The WGSL sampler on any wgpu adapter (lavapipe included); start-up
+    /// fails when there is none.
+    Wgpu,
+}
+
+impl SamplerChoice {
+    pub const NAMES: [&'static str; 3] = ["auto", "cpu", "wgpu"];
+}
+
+impl fmt::Display for SamplerChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SamplerChoice::Auto => "auto",
+            SamplerChoice::Cpu => "cpu",
+            SamplerChoice::Wgpu => "wgpu",
+        })
+    }
+}
+
+impl FromStr for SamplerChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(SamplerChoice::Auto),
+            "cpu" => Ok(SamplerChoice::Cpu),
+            "wgpu" => Ok(SamplerChoice::Wgpu),
+            other => Err(format!(
+                "unknown sampler {other:?}: expected one of {}",
+                SamplerChoice::NAMES.join(", ")
+            )),
+        }
+    }
+}
+
+/// A resolved choice: the CPU, or a wgpu context every worker shares.
+#[derive(Clone, Debug, Default)]
+pub enum SelectedSampler {
+    #[default]
+    Cpu,
+    #[cfg(not(loom))]
+    Wgpu(Arc<GpuContext>),
+}
+
+impl SelectedSampler {
+    /// Resolves the operator's choice once, at start-up. `auto` takes a
+    /// hardware adapter only: on a CPU-only host a software Vulkan device
+    /// samples far slower than the CPU sampler (docs/PERFORMANCE.md).
+    #[cfg(not(loom))]
+    pub fn resolve(choice: SamplerChoice) -> Result<SelectedSampler, GpuError> {
+        match choice {
+            SamplerChoice::Cpu => Ok(SelectedSampler::Cpu),
+            SamplerChoice::Wgpu => Ok(SelectedSampler::Wgpu(GpuContext::open(AdapterKind::Any)?)),
+            SamplerChoice::Auto => match GpuContext::open(AdapterKind::Hardware) {
+                Ok(context) => Ok(SelectedSampler::Wgpu(context)),
+                Err(GpuError::NoAdapter { seen }) => {
+                    tracing::info!("no hardware GPU adapter{seen}; sampling on the CPU");
+                    Ok(SelectedSampler::Cpu)
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "the GPU sampler is unavailable; sampling on the CPU");
+                    Ok(SelectedSampler::Cpu)
+                }
+            },
+        }
+    }
+
+    /// `cpu` or `wgpu`.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            SelectedSampler::Cpu => "cpu",
+            #[cfg(not(loom))]
+            SelectedSampler::Wgpu(_) => "wgpu",
+        }
+    }
+
+    /// The adapter in use, described for logs and metrics (`None` on the CPU).
+    pub fn adapter(&self) -> Option<String> {
+        match self {
+            SelectedSampler::Cpu => None,
+            #[cfg(not(loom))]
+            SelectedSampler::Wgpu(context) => Some(context.describe()),
+        }
+    }
+
+    /// One worker's sampler for `vocab_size` logits per row; `history_hint`
+    /// sizes the GPU's penalty-window buffers (the context length).
+    pub fn backend(
+        &self,
+        vocab_size: usize,
+        history_hint: usize,
+    ) -> Result<SamplerBackend, SamplerError> {
+        match self {
+            SelectedSampler::Cpu => Ok(SamplerBackend::Cpu(Sampler::new())),
+            #[cfg(not(loom))]
+            SelectedSampler::Wgpu(context) => {
+                let gpu = GpuSampler::new(
+                    Arc::clone(context),
+                    vocab_size,
+                    DEFAULT_MAX_ROWS,
+                    history_hint,
+                )
+                .map_err(|e| SamplerError::Device {
+                    message: e.to_string(),
+                })?;
+                Ok(SamplerBackend::Wgpu {
+                    gpu: Box::new(gpu),
+                    cpu: Sampler::new(),
+                    failed: false,
+                })
+            }
+        }
+    }
+}
+
+/// The sampler a worker or an engine owns.
+#[derive(Debug)]
+pub enum SamplerBackend {
+    Cpu(Sampler),
+    /// The GPU path; once the device fails, `cpu` takes over for good
+    /// (logged once) rather than failing every later request.
+    #[cfg(not(loom))]
+    Wgpu {
+        gpu: Box<GpuSampler>,
+        cpu: Sampler,
+        failed: bool,
+    },
+}
+
+impl Default for SamplerBackend {
+    fn default() -> Self {
+        SamplerBackend::Cpu(Sampler::new())
+    }
+}
+
+impl SamplerBackend {
+    /// `cpu`, or `wgpu` while the device works.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SamplerBackend::Cpu(_) => "cpu",
+            #[cfg(not(loom))]
+            SamplerBackend::Wgpu { failed: false, .. } => "wgpu",
+            #[cfg(not(loom))]
+            SamplerBackend::Wgpu { failed: true, .. } => "cpu",
+        }
+    }
+
+    /// Samples one row.
+    pub fn sample(&mut self, request: SampleRequest<'_>) -> Result<u32, SamplerError> {
+        match self {
+            SamplerBackend::Cpu(cpu) => cpu_sample(cpu, &request),
+            #[cfg(not(loom))]
+            SamplerBackend::Wgpu { .. } => {
+                let mut out = Vec::with_capacity(1);
+                self.sample_batch(&[request], &mut out);
+                out.pop().unwrap_or(Err(SamplerError::EmptyLogits))
+            }
+        }
+    }
+
+    /// Samples every row; `out[i]` answers `rows[i]`. On the GPU the whole
+    /// batch is one dispatch (up to the sampler's row capacity).
+    pub fn sample_batch(
+        &mut self,
+        rows: &[SampleRequest<'_>],
+        out: &mut Vec<Result<u32, SamplerError>>,
+    ) {
+        match self {
+            SamplerBackend::Cpu(cpu) => {
+                out.clear();
+                out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
+            }
+            #[cfg(not(loom))]
+            SamplerBackend::Wgpu { gpu, cpu, failed } => {
+                if !*failed {
+                    gpu.sample_batch(rows, out);
+                    let device_error = out.iter().find_map(|r| match r {
+                        Err(SamplerError::Device { message }) => Some(message.clone()),
+                        _ => None,
+                    });
+                    let Some(message) = device_error else {
+                        return;
+                    };
+                    tracing::error!(
+                        adapter = %gpu.context().describe(),
+                        error = %message,
+                        "the GPU sampler failed; this worker samples on the CPU from now on"
+                    );
+                    *failed = true;
+                }
+                out.clear();
+                out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
+            }
+        }
+    }
+}
+
+fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<u32, SamplerError> {
+    cpu.sample(row.logits, row.params, row.history, row.position)
+}

@@ -1,0 +1,236 @@
+//! The long-lived wgpu context of the GPU sampler: one adapter, device,
+//! queue, shader module and compute pipeline per process, created at
+//! start-up and shared by every worker's [`super::GpuSampler`].
+
+use std::sync::Arc;
+
+use futures_executor::block_on;
+
+use super::layout::{shader_source, WORKGROUP_SIZE};
+
+/// Why no GPU sampler could be had.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// No Vulkan (or, on macOS, Metal) adapter is visible to this process.
+    #[error(
+        "no wgpu adapter found (looked for Vulkan and Metal devices{}): install a Vulkan driver \
+         (on Debian: mesa-vulkan-drivers and libvulkan1) or use --sampler cpu",
+        .seen
+    )]
+    NoAdapter { seen: String },
+    /// The device could not be opened.
+    #[error("opening the wgpu device on {adapter} failed: {message}")]
+    Device { adapter: String, message: String },
+    /// The shader or the pipeline failed validation on this device.
+    #[error("building the sampler pipeline on {adapter} failed: {message}")]
+    Pipeline { adapter: String, message: String },
+}
+
+/// Which adapters [`GpuContext::open`] may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdapterKind {
+    /// A discrete, integrated or virtual GPU; software rasterisers refused.
+    Hardware,
+    /// Any adapter, a CPU implementation such as lavapipe included.
+    Any,
+}
+
+/// Device, queue and the sampler pipeline; see the module docs.
+pub struct GpuContext {
+    pub(super) info: wgpu::AdapterInfo,
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
+    pub(super) pipeline: wgpu::ComputePipeline,
+    pub(super) layout: wgpu::BindGroupLayout,
+    pub(super) limits: wgpu::Limits,
+}
+
+impl std::fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuContext")
+            .field("adapter", &self.describe())
+            .finish()
+    }
+}
+
+/// Preference among adapters: real GPUs first, software last.
+fn rank(device_type: wgpu::DeviceType) -> u8 {
+    match device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+/// Whether the adapter is a real GPU rather than a CPU implementation.
+pub fn is_hardware(device_type: wgpu::DeviceType) -> bool {
+    !matches!(device_type, wgpu::DeviceType::Cpu)
+}
+
+fn describe(info: &wgpu::AdapterInfo) -> String {
+    format!(
+        "{} ({:?} {:?}, driver {} {})",
+        info.name, info.backend, info.device_type, info.driver, info.driver_info
+    )
+}
+
+impl GpuContext {
+    /// Finds the best adapter of the wanted kind and builds the pipeline.
+    pub fn open(kind: AdapterKind) -> Result<Arc<GpuContext>, GpuError> {
+        let mut descriptor = wgpu::InstanceDescriptor::new_without_display_handle();
+        // Vulkan and Metal only: GL would be taken silently when no Vulkan
+        // driver is installed, and is far slower for compute.
+        descriptor.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL;
+        descriptor.flags = wgpu::InstanceFlags::empty();
+        let instance = wgpu::Instance::new(descriptor);
+        let mut adapters = block_on(instance.enumerate_adapters(descriptor_backends()));
+        let seen: Vec<String> = adapters.iter().map(|a| describe(&a.get_info())).collect();
+        adapters.retain(|a| kind == AdapterKind::Any || is_hardware(a.get_info().device_type));
+        adapters.sort_by_key(|a| rank(a.get_info().device_type));
+        let Some(adapter) = adapters.into_iter().next() else {
+            let seen = if seen.is_empty() {
+                String::new()
+            } else {
+                format!("; only software adapters: {}", seen.join(", "))
+            };
+            return Err(GpuError::NoAdapter { seen });
+        };
+        Self::with_adapter(adapter)
+    }
+
+    fn with_adapter(adapter: wgpu::Adapter) -> Result<Arc<GpuContext>, GpuError> {
+        let info = adapter.get_info();
+        let name = describe(&info);
+        let limits = adapter.limits();
+        let (device, queue) = block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("inferd sampler"),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| GpuError::Device {
+            adapter: name.clone(),
+            message: e.to_string(),
+        })?;
+        // Errors inside a sampling step are caught by error scopes; anything
+        // else is logged rather than panicking a worker thread.
+        device.on_uncaptured_error(Arc::new(|error: wgpu::Error| {
+            tracing::error!(%error, "wgpu sampler error");
+        }));
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("sampler.wgsl"),
+            source: wgpu::ShaderSource::Wgsl(shader_source().into()),
+        });
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("sampler bindings"),
+            entries: &bind_group_layout_entries(),
+        });
+        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("sampler pipeline layout"),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("sample_rows"),
+            layout: Some(&pipeline_layout),
+            module: &module,
+            entry_point: Some("sample_rows"),
+            compilation_options: wgpu::PipelineCompilationOptions::default(),
+            cache: None,
+        });
+        if let Some(error) = block_on(scope.pop()) {
+            return Err(GpuError::Pipeline {
+                adapter: name,
+                message: error.to_string(),
+            });
+        }
+        tracing::debug!(adapter = %name, workgroup = WORKGROUP_SIZE, "sampler pipeline built");
+        Ok(Arc::new(GpuContext {
+            info,
+            device,
+            queue,
+            pipeline,
+            layout,
+            limits,
+        }))
+    }
+
+    /// The adapter's name, backend, kind and driver, for logs and metrics.
+    pub fn describe(&self) -> String {
+        describe(&self.info)
+    }
+
+    /// The adapter's name alone.
+    pub fn adapter_name(&self) -> &str {
+        &self.info.name
+    }
+
+    /// Whether the adapter is a real GPU (not lavapipe or another CPU one).
+    pub fn is_hardware(&self) -> bool {
+        is_hardware(self.info.device_type)
+    }
+
+    /// Live GPU objects and memory of this device, from wgpu's counters:
+    /// the evidence that sampling steps create nothing.
+    pub fn resource_counts(&self) -> ResourceCounts {
+        let counters = self.device.get_internal_counters();
+        let hal = counters.hal;
+        ResourceCounts {
+            buffers: hal.buffers.read(),
+            bind_groups: hal.bind_groups.read(),
+            compute_pipelines: hal.compute_pipelines.read(),
+            shader_modules: hal.shader_modules.read(),
+            buffer_memory: hal.buffer_memory.read(),
+            memory_allocations: hal.memory_allocations.read(),
+        }
+    }
+}
+
+/// A snapshot of [`GpuContext::resource_counts`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResourceCounts {
+    pub buffers: isize,
+    pub bind_groups: isize,
+    pub compute_pipelines: isize,
+    pub shader_modules: isize,
+    pub buffer_memory: isize,
+    pub memory_allocations: isize,
+}
+
+fn descriptor_backends() -> wgpu::Backends {
+    wgpu::Backends::VULKAN | wgpu::Backends::METAL
+}
+
+/// Bindings of `shaders/sampler.wgsl`, in its order.
+fn bind_group_layout_entries() -> [wgpu::BindGroupLayoutEntry; 7] {
+    let storage = |binding: u32, read_only: bool| wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    };
+    [
+        wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        },
+        storage(1, true),
+        storage(2, true),
+        storage(3, false),
+        storage(4, false),
+        storage(5, false),
+        storage(6, false),
+    ]
+}

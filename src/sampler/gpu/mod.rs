@@ -1,0 +1,519 @@
+//! The sampler as WGSL compute through wgpu: the host side of
+//! `shaders/sampler.wgsl`.
+//!
+//! A [`GpuSampler`] belongs to one worker and owns every buffer its steps
+//! use, created once: an upload buffer the host writes through a mapping
+//! (logits rows, then the rows' request words), device-side copies of
+//! both, the shader's scratch, and a readback buffer for the results. One
+//! step maps nothing new and creates nothing: it writes the mapped upload
+//! buffer, unmaps it, records two copies, one dispatch (a workgroup per
+//! row) and one copy back, submits once, then maps the readback and the
+//! upload buffer again for the next step. (`Queue::write_buffer` is not
+//! used because wgpu creates a staging buffer for every call.)
+//!
+//! Rows that fail the shared input checks never reach the GPU; they get the
+//! same typed error the CPU sampler gives.
+
+mod context;
+mod layout;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_executor::block_on;
+
+pub use context::{AdapterKind, GpuContext, GpuError, ResourceCounts};
+pub use layout::{MAX_VOCAB, WORKGROUP_SIZE};
+
+use super::{check_inputs, SampleRequest, SamplerError};
+use layout::{pack_row, request_words, PARAM_WORDS, RESULT_WORDS, STATUS_NO_CANDIDATE, STATUS_OK};
+
+/// Rows one dispatch samples unless the device's limits ask for fewer.
+pub const DEFAULT_MAX_ROWS: usize = 32;
+/// How long a step may take on the device before it counts as lost.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Map-callback outcome slots: pending, done, failed.
+const MAP_PENDING: u8 = 0;
+const MAP_DONE: u8 = 1;
+const MAP_FAILED: u8 = 2;
+
+/// One worker's GPU sampler; see the module docs.
+pub struct GpuSampler {
+    context: Arc<GpuContext>,
+    vocab_size: usize,
+    max_rows: usize,
+    /// Words the request buffers hold.
+    request_capacity: usize,
+    upload: wgpu::Buffer,
+    logits: wgpu::Buffer,
+    requests: wgpu::Buffer,
+    results: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    /// Kept alive beside the bind group that names them.
+    fixed: FixedBuffers,
+    bind_group: wgpu::BindGroup,
+    upload_mapped: bool,
+    /// A failed step leaves the mapping state unknown: refuse from then on.
+    broken: Option<String>,
+    /// Host-side request words, reused across steps.
+    words: Vec<u32>,
+    /// Indices of the rows in the current dispatch, reused across steps.
+    chunk: Vec<usize>,
+    upload_state: Arc<AtomicU8>,
+    readback_state: Arc<AtomicU8>,
+}
+
+/// Buffers whose size never changes: uniforms and shader scratch.
+struct FixedBuffers {
+    globals: wgpu::Buffer,
+    work: wgpu::Buffer,
+    counts: wgpu::Buffer,
+    scratch: wgpu::Buffer,
+}
+
+impl std::fmt::Debug for GpuSampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuSampler")
+            .field("adapter", &self.context.describe())
+            .field("vocab_size", &self.vocab_size)
+            .field("max_rows", &self.max_rows)
+            .finish()
+    }
+}
+
+fn bytes(words: usize) -> u64 {
+    (words * 4) as u64
+}
+
+impl GpuSampler {
+    /// Buffers for up to `max_rows` rows of `vocab_size` logits per
+    /// dispatch, with room for `history_hint` penalty-window tokens per row
+    /// (more is handled by growing the request buffers once).
+    pub fn new(
+        context: Arc<GpuContext>,
+        vocab_size: usize,
+        max_rows: usize,
+        history_hint: usize,
+    ) -> Result<GpuSampler, GpuError> {
+        let pipeline_error = |message: String| GpuError::Pipeline {
+            adapter: context.describe(),
+            message,
+        };
+        if vocab_size == 0 || vocab_size > MAX_VOCAB as usize {
+            return Err(pipeline_error(format!(
+                "a vocabulary of {vocab_size} tokens is outside the shader's 1..={MAX_VOCAB}"
+            )));
+        }
+        let scratch_stride = vocab_size.next_power_of_two();
+        let limits = &context.limits;
+        let biggest_per_row = (2 * vocab_size * 4).max(scratch_stride * 8) as u64;
+        let limit = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        let max_rows = max_rows.max(1).min((limit / biggest_per_row) as usize);
+        if max_rows == 0 {
+            return Err(pipeline_error(format!(
+                "one row needs {biggest_per_row} bytes of storage; the device allows {limit}"
+            )));
+        }
+        let request_capacity = max_rows * (PARAM_WORDS + history_hint + 256);
+        let device = &context.device;
+        let storage = |label: &str, size: u64, extra: wgpu::BufferUsages| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size,
+                usage: wgpu::BufferUsages::STORAGE | extra,
+                mapped_at_creation: false,
+            })
+        };
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let globals = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("sampler globals"),
+            size: 16,
+            usage: wgpu::BufferUsages::UNIFORM,
+            mapped_at_creation: true,
+        });
+        {
+            let values: [u32; 4] = [
+                vocab_size as u32,
+                0, // opaque_zero
+                (max_rows * vocab_size) as u32,
+                scratch_stride as u32,
+            ];
+            let mut view = globals
+                .get_mapped_range_mut(..)
+                .map_err(|e| pipeline_error(e.to_string()))?;
+            view.copy_from_slice(bytemuck::cast_slice(&values));
+        }
+        globals.unmap();
+        let fixed = FixedBuffers {
+            globals,
+            work: storage(
+                "sampler work",
+                bytes(2 * max_rows * vocab_size),
+                wgpu::BufferUsages::empty(),
+            ),
+            counts: storage(
+                "sampler counts",
+                bytes(max_rows * vocab_size),
+                wgpu::BufferUsages::empty(),
+            ),
+            scratch: storage(
+                "sampler scratch",
+                bytes(2 * max_rows * scratch_stride),
+                wgpu::BufferUsages::empty(),
+            ),
+        };
+        let logits = storage(
+            "sampler logits",
+            bytes(max_rows * vocab_size),
+            wgpu::BufferUsages::COPY_DST,
+        );
+        let results = storage(
+            "sampler results",
+            bytes(max_rows * RESULT_WORDS),
+            wgpu::BufferUsages::COPY_SRC,
+        );
+        let readback = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("sampler readback"),
+            size: bytes(max_rows * RESULT_WORDS),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let (upload, requests) =
+            Self::request_buffers(device, max_rows * vocab_size, request_capacity);
+        let bind_group = Self::bind_group(&context, &fixed, &logits, &requests, &results);
+        if let Some(error) = block_on(scope.pop()) {
+            return Err(pipeline_error(error.to_string()));
+        }
+        Ok(GpuSampler {
+            context,
+            vocab_size,
+            max_rows,
+            request_capacity,
+            upload,
+            logits,
+            requests,
+            results,
+            readback,
+            fixed,
+            bind_group,
+            upload_mapped: true,
+            broken: None,
+            words: Vec::with_capacity(request_capacity),
+            chunk: Vec::with_capacity(max_rows),
+            upload_state: Arc::new(AtomicU8::new(MAP_PENDING)),
+            readback_state: Arc::new(AtomicU8::new(MAP_PENDING)),
+        })
+    }
+
+    /// The upload buffer (mapped, logits then request words) and the
+    /// device-side request buffer.
+    fn request_buffers(
+        device: &wgpu::Device,
+        logits_words: usize,
+        request_words: usize,
+    ) -> (wgpu::Buffer, wgpu::Buffer) {
+        let upload = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("sampler upload"),
+            size: bytes(logits_words + request_words),
+            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        });
+        let requests = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("sampler requests"),
+            size: bytes(request_words),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        (upload, requests)
+    }
+
+    fn bind_group(
+        context: &GpuContext,
+        fixed: &FixedBuffers,
+        logits: &wgpu::Buffer,
+        requests: &wgpu::Buffer,
+        results: &wgpu::Buffer,
+    ) -> wgpu::BindGroup {
+        let entries = [
+            &fixed.globals,
+            logits,
+            requests,
+            &fixed.work,
+            &fixed.counts,
+            &fixed.scratch,
+            results,
+        ];
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = entries
+            .iter()
+            .enumerate()
+            .map(|(binding, buffer)| wgpu::BindGroupEntry {
+                binding: binding as u32,
+                resource: buffer.as_entire_binding(),
+            })
+            .collect();
+        context
+            .device
+            .create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("sampler bind group"),
+                layout: &context.layout,
+                entries: &entries,
+            })
+    }
+
+    /// The context this sampler runs on.
+    pub fn context(&self) -> &Arc<GpuContext> {
+        &self.context
+    }
+
+    /// Rows one dispatch takes.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Samples every row; `out[i]` answers `rows[i]`. Valid rows go to the
+    /// GPU, `max_rows` per dispatch (so a batch within that is one dispatch
+    /// and one submission).
+    pub fn sample_batch(
+        &mut self,
+        rows: &[SampleRequest<'_>],
+        out: &mut Vec<Result<u32, SamplerError>>,
+    ) {
+        out.clear();
+        for row in rows {
+            out.push(self.check(row).map(|()| 0));
+        }
+        let mut next = 0;
+        while next < rows.len() {
+            self.chunk.clear();
+            let mut words = self.max_rows * PARAM_WORDS;
+            while next < rows.len() && self.chunk.len() < self.max_rows {
+                if out[next].is_err() {
+                    next += 1;
+                    continue;
+                }
+                let row = &rows[next];
+                let wanted = request_words(row.params, row.history) - PARAM_WORDS;
+                if !self.chunk.is_empty() && words + wanted > self.request_capacity {
+                    break;
+                }
+                words += wanted;
+                self.chunk.push(next);
+                next += 1;
+            }
+            if self.chunk.is_empty() {
+                continue;
+            }
+            let outcome = self
+                .ensure_request_capacity(words)
+                .and_then(|()| self.run_chunk(rows, words, out));
+            if let Err(e) = outcome {
+                self.broken = Some(e.clone());
+                for &i in &self.chunk {
+                    out[i] = Err(SamplerError::Device { message: e.clone() });
+                }
+            }
+        }
+    }
+
+    fn check(&self, row: &SampleRequest<'_>) -> Result<(), SamplerError> {
+        if let Some(message) = &self.broken {
+            return Err(SamplerError::Device {
+                message: message.clone(),
+            });
+        }
+        check_inputs(row.logits.len(), row.params, row.history)?;
+        if row.logits.len() != self.vocab_size {
+            return Err(SamplerError::VocabMismatch {
+                expected: self.vocab_size,
+                got: row.logits.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Grows the request buffers when one row's window and bias outgrow
+    /// them: rare (a penalty window longer than the hint), never per token.
+    fn ensure_request_capacity(&mut self, words: usize) -> Result<(), String> {
+        if words <= self.request_capacity {
+            return Ok(());
+        }
+        let capacity = words.next_power_of_two();
+        tracing::debug!(
+            words = capacity,
+            "growing the GPU sampler's request buffers"
+        );
+        if !self.upload_mapped {
+            self.wait_for_upload_mapping()?;
+        }
+        let device = &self.context.device;
+        let (upload, requests) =
+            Self::request_buffers(device, self.max_rows * self.vocab_size, capacity);
+        self.bind_group = Self::bind_group(
+            &self.context,
+            &self.fixed,
+            &self.logits,
+            &requests,
+            &self.results,
+        );
+        self.upload = upload;
+        self.requests = requests;
+        self.request_capacity = capacity;
+        self.upload_mapped = true;
+        Ok(())
+    }
+
+    fn wait_for_upload_mapping(&mut self) -> Result<(), String> {
+        self.upload_state.store(MAP_PENDING, Ordering::Release);
+        let state = Arc::clone(&self.upload_state);
+        self.upload
+            .slice(..)
+            .map_async(wgpu::MapMode::Write, move |r| {
+                state.store(
+                    if r.is_ok() { MAP_DONE } else { MAP_FAILED },
+                    Ordering::Release,
+                )
+            });
+        self.poll(None)?;
+        if self.upload_state.load(Ordering::Acquire) != MAP_DONE {
+            return Err("mapping the upload buffer failed".into());
+        }
+        self.upload_mapped = true;
+        Ok(())
+    }
+
+    fn poll(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<(), String> {
+        self.context
+            .device
+            .poll(wgpu::PollType::Wait {
+                submission_index: submission,
+                timeout: Some(STEP_TIMEOUT),
+            })
+            .map(|_| ())
+            .map_err(|e| format!("waiting for the device: {e}"))
+    }
+
+    /// One dispatch over the rows in `self.chunk`.
+    fn run_chunk(
+        &mut self,
+        rows: &[SampleRequest<'_>],
+        words: usize,
+        out: &mut [Result<u32, SamplerError>],
+    ) -> Result<(), String> {
+        if !self.upload_mapped {
+            self.wait_for_upload_mapping()?;
+        }
+        let count = self.chunk.len();
+        let row_bytes = self.vocab_size * 4;
+        let logits_bytes = self.max_rows * row_bytes;
+        self.words.clear();
+        self.words.resize(words, 0);
+        let mut tail = self.max_rows * PARAM_WORDS;
+        for (slot, &i) in self.chunk.iter().enumerate() {
+            let row = &rows[i];
+            pack_row(
+                &mut self.words,
+                slot,
+                &mut tail,
+                row.params,
+                row.history,
+                row.position,
+            );
+        }
+        {
+            let mut view = self
+                .upload
+                .get_mapped_range_mut(..)
+                .map_err(|e| format!("the upload buffer is not mapped: {e}"))?;
+            for (slot, &i) in self.chunk.iter().enumerate() {
+                view.slice(slot * row_bytes..(slot + 1) * row_bytes)
+                    .copy_from_slice(bytemuck::cast_slice(rows[i].logits));
+            }
+            view.slice(logits_bytes..logits_bytes + words * 4)
+                .copy_from_slice(bytemuck::cast_slice(&self.words));
+        }
+        self.upload.unmap();
+        self.upload_mapped = false;
+
+        let device = &self.context.device;
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("sampler step"),
+        });
+        encoder.copy_buffer_to_buffer(&self.upload, 0, &self.logits, 0, (count * row_bytes) as u64);
+        encoder.copy_buffer_to_buffer(
+            &self.upload,
+            logits_bytes as u64,
+            &self.requests,
+            0,
+            bytes(words),
+        );
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("sample_rows"),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&self.context.pipeline);
+            pass.set_bind_group(0, &self.bind_group, &[]);
+            pass.dispatch_workgroups(count as u32, 1, 1);
+        }
+        let result_bytes = bytes(count * RESULT_WORDS);
+        encoder.copy_buffer_to_buffer(&self.results, 0, &self.readback, 0, result_bytes);
+        let submission = self.context.queue.submit([encoder.finish()]);
+        if let Some(error) = block_on(scope.pop()) {
+            return Err(error.to_string());
+        }
+
+        self.readback_state.store(MAP_PENDING, Ordering::Release);
+        self.upload_state.store(MAP_PENDING, Ordering::Release);
+        let readback_state = Arc::clone(&self.readback_state);
+        self.readback
+            .slice(..result_bytes)
+            .map_async(wgpu::MapMode::Read, move |r| {
+                readback_state.store(
+                    if r.is_ok() { MAP_DONE } else { MAP_FAILED },
+                    Ordering::Release,
+                )
+            });
+        let upload_state = Arc::clone(&self.upload_state);
+        self.upload
+            .slice(..)
+            .map_async(wgpu::MapMode::Write, move |r| {
+                upload_state.store(
+                    if r.is_ok() { MAP_DONE } else { MAP_FAILED },
+                    Ordering::Release,
+                )
+            });
+        self.poll(Some(submission))?;
+        if self.readback_state.load(Ordering::Acquire) != MAP_DONE {
+            return Err("reading the sampler results back failed".into());
+        }
+        self.upload_mapped = self.upload_state.load(Ordering::Acquire) == MAP_DONE;
+        {
+            let view = self
+                .readback
+                .get_mapped_range(..result_bytes)
+                .map_err(|e| format!("the readback buffer is not mapped: {e}"))?;
+            let results: &[u32] = bytemuck::try_cast_slice(&view)
+                .map_err(|e| format!("the readback mapping is misaligned: {e}"))?;
+            for (slot, &i) in self.chunk.iter().enumerate() {
+                let token = results[slot * RESULT_WORDS];
+                let status = results[slot * RESULT_WORDS + 1];
+                out[i] = match status {
+                    STATUS_OK if (token as usize) < self.vocab_size => Ok(token),
+                    STATUS_NO_CANDIDATE => Err(SamplerError::NoCandidate {
+                        vocab_size: self.vocab_size,
+                    }),
+                    _ => Err(SamplerError::Device {
+                        message: format!("the shader answered token {token} with status {status}"),
+                    }),
+                };
+            }
+        }
+        self.readback.unmap();
+        Ok(())
+    }
+}
