@@ -14,6 +14,12 @@
 // infinities and signed zeros behave exactly as on the CPU whatever the
 // driver's float mode. No division and no built-in exp: the host hands over
 // reciprocals, and `weight_exp` is the reference's polynomial.
+//
+// Loop budget: Mesa's llvmpipe (lavapipe) ends every loop of an invocation
+// once the invocation has run 65,535 loop iterations in all, silently. So
+// per-token passes visit four ids per iteration, serial walks sixteen, the
+// sort eight pairs, and top-p tries one short prefix before sorting every
+// candidate: the worst case at 262,144 tokens stays near half the budget.
 
 struct Globals {
     vocab_size: u32,
@@ -59,6 +65,8 @@ const POS_INF_KEY: u32 = 0xff800000u;
 // order_key(+0.0): the effective logit of a +inf token.
 const ZERO_KEY: u32 = 0x80000000u;
 const NO_TOKEN: u32 = 0xffffffffu;
+// Ids a thread covers per iteration of a pass over the row (four).
+const PASS_STRIDE: u32 = 4u * WORKGROUP_SIZE;
 
 // Everything one workgroup knows about its row; identical in every thread.
 struct Row {
@@ -123,10 +131,10 @@ fn key_value(key: u32) -> f32 {
     return bitcast<f32>(~key);
 }
 
-// Rank key of a token that is still eligible: (effective logit key, ID_MASK - id),
-// so a larger composite ranks first and equal logits fall to the lower id.
-// Ineligible tokens (NaN, -inf, or finite while the maximum is +inf) get (0, 0),
-// below every eligible token.
+// Rank key of a token: (effective logit key, ID_MASK - id), so a larger
+// composite ranks first and equal logits fall to the lower id. Ineligible
+// tokens (NaN, -inf, or finite while the maximum is +inf) get (0, 0), below
+// every eligible token.
 fn composite(row: Row, id: u32) -> vec2<u32> {
     let key = order_key(load(row, id));
     if row.inf_mode {
@@ -202,6 +210,106 @@ fn reduce_best(lid: u32, hi: u32, lo: u32) -> vec2<u32> {
     return vec2<u32>(best_hi, best_lo);
 }
 
+// --- Per-id steps of the passes (each guards the vocabulary bound) -------
+
+fn copy_logit(row: Row, id: u32) {
+    if id < globals.vocab_size {
+        work[row.base + id] = logits[row.base + id];
+    }
+}
+
+// Folds id into a thread's (best key, best id); ids come in ascending order
+// per thread, so `>` keeps the lowest id among equal maxima.
+fn argmax_step(row: Row, id: u32, best: vec2<u32>) -> vec2<u32> {
+    if id < globals.vocab_size {
+        let key = order_key(load(row, id));
+        if key > best.x {
+            return vec2<u32>(key, id);
+        }
+    }
+    return best;
+}
+
+fn eligible_at(row: Row, id: u32) -> u32 {
+    if id < globals.vocab_size && eligible(composite(row, id)) {
+        return 1u;
+    }
+    return 0u;
+}
+
+fn histogram_step(row: Row, id: u32, within: Cut, cut: Cut, digit: u32, shift: u32) {
+    if id >= globals.vocab_size {
+        return;
+    }
+    let c = composite(row, id);
+    if eligible(c) && keeps(within, c)
+        && (c.x & cut.mask_hi) == cut.hi && (c.y & cut.mask_lo) == cut.lo {
+        var byte: u32;
+        if digit < 4u {
+            byte = (c.x >> shift) & 0xffu;
+        } else {
+            byte = (c.y >> shift) & 0xffu;
+        }
+        atomicAdd(&histogram[byte], 1u);
+    }
+}
+
+fn weight_step(row: Row, id: u32, within: Cut, max_logit: f32, inverse_temperature: f32) {
+    if id >= globals.vocab_size {
+        return;
+    }
+    let c = composite(row, id);
+    var weight = 0.0;
+    if eligible(c) && keeps(within, c) {
+        var x = load(row, id);
+        if row.inf_mode {
+            x = 0.0;
+        }
+        weight = weight_exp(exact(exact(x - max_logit) * inverse_temperature));
+    }
+    work[row.weights + id] = weight;
+}
+
+fn compact_step(row: Row, id: u32, within: Cut, prefix_cut: Cut) {
+    if id >= globals.vocab_size {
+        return;
+    }
+    let c = composite(row, id);
+    if eligible(c) && keeps(within, c) && keeps(prefix_cut, c) {
+        let slot = atomicAdd(&tally, 1u);
+        scratch[row.scratch + slot] = c;
+    }
+}
+
+fn filter_step(row: Row, id: u32, nucleus: Cut, min_p: f32) {
+    if id >= globals.vocab_size {
+        return;
+    }
+    let weight = work[row.weights + id];
+    if weight > 0.0 {
+        let c = composite(row, id);
+        if !keeps(nucleus, c) || !(weight >= min_p) {
+            work[row.weights + id] = 0.0;
+        }
+    }
+}
+
+// --- Blocked sums ---------------------------------------------------------
+
+fn add_weight(row: Row, id: u32, end: u32, sum: f32) -> f32 {
+    if id < end {
+        return exact(sum + work[row.weights + id]);
+    }
+    return sum;
+}
+
+fn add_block(block: u32, blocks: u32, sum: f32) -> f32 {
+    if block < blocks {
+        return exact(sum + block_sums[block]);
+    }
+    return sum;
+}
+
 // Blocked sum of the row's weights (module docs of the CPU sampler): one
 // thread per block of SUM_BLOCK_LEN ids in ascending order, then one thread
 // over the block sums. Leaves the block sums in `block_sums` for the draw.
@@ -213,21 +321,37 @@ fn blocked_total(row: Row, lid: u32) -> f32 {
         let start = block * SUM_BLOCK_LEN;
         let end = min(start + SUM_BLOCK_LEN, vocab);
         var sum = 0.0;
-        for (var id = start; id < end; id++) {
-            sum = exact(sum + work[row.weights + id]);
+        for (var id = start; id < end; id += 8u) {
+            sum = add_weight(row, id, end, sum);
+            sum = add_weight(row, id + 1u, end, sum);
+            sum = add_weight(row, id + 2u, end, sum);
+            sum = add_weight(row, id + 3u, end, sum);
+            sum = add_weight(row, id + 4u, end, sum);
+            sum = add_weight(row, id + 5u, end, sum);
+            sum = add_weight(row, id + 6u, end, sum);
+            sum = add_weight(row, id + 7u, end, sum);
         }
         block_sums[block] = sum;
     }
     workgroupBarrier();
     if lid == 0u {
         var total = 0.0;
-        for (var block = 0u; block < blocks; block++) {
-            total = exact(total + block_sums[block]);
+        for (var block = 0u; block < blocks; block += 8u) {
+            total = add_block(block, blocks, total);
+            total = add_block(block + 1u, blocks, total);
+            total = add_block(block + 2u, blocks, total);
+            total = add_block(block + 3u, blocks, total);
+            total = add_block(block + 4u, blocks, total);
+            total = add_block(block + 5u, blocks, total);
+            total = add_block(block + 6u, blocks, total);
+            total = add_block(block + 7u, blocks, total);
         }
         broadcast_c = bitcast<u32>(total);
     }
     return bitcast<f32>(workgroupUniformLoad(&broadcast_c));
 }
+
+// --- Selection and sorting ------------------------------------------------
 
 // The cut that keeps exactly the first `rank` tokens (1 <= rank <= the
 // number of tokens `within` keeps) in rank order: a radix select over the
@@ -247,34 +371,31 @@ fn select_rank(row: Row, lid: u32, within: Cut, rank: u32) -> Cut {
         } else {
             shift = 16u - 8u * (digit - 4u);
         }
-        for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-            let c = composite(row, id);
-            if eligible(c) && keeps(within, c)
-                && (c.x & cut.mask_hi) == cut.hi && (c.y & cut.mask_lo) == cut.lo {
-                var byte: u32;
-                if digit < 4u {
-                    byte = (c.x >> shift) & 0xffu;
-                } else {
-                    byte = (c.y >> shift) & 0xffu;
-                }
-                atomicAdd(&histogram[byte], 1u);
-            }
+        for (var id = lid; id < vocab; id += PASS_STRIDE) {
+            histogram_step(row, id, within, cut, digit, shift);
+            histogram_step(row, id + WORKGROUP_SIZE, within, cut, digit, shift);
+            histogram_step(row, id + 2u * WORKGROUP_SIZE, within, cut, digit, shift);
+            histogram_step(row, id + 3u * WORKGROUP_SIZE, within, cut, digit, shift);
         }
         workgroupBarrier();
-        if lid == 0u {
-            var above = 0u;
-            var chosen = 0u;
-            var in_bin = 0u;
-            for (var bin = 255i; bin >= 0i; bin--) {
-                let count = atomicLoad(&histogram[u32(bin)]);
-                if above + count >= need {
-                    chosen = u32(bin);
-                    in_bin = count;
-                    break;
-                }
-                above += count;
+        // Suffix sums of the bins (Hillis-Steele): reduce_lo[b] = tokens in
+        // bins >= b. The chosen bin is the one where the count crosses `need`.
+        let in_bin = atomicLoad(&histogram[lid]);
+        reduce_lo[lid] = in_bin;
+        workgroupBarrier();
+        for (var offset = 1u; offset < 256u; offset = offset * 2u) {
+            var add = 0u;
+            if lid + offset < 256u {
+                add = reduce_lo[lid + offset];
             }
-            broadcast_a = chosen;
+            workgroupBarrier();
+            reduce_lo[lid] += add;
+            workgroupBarrier();
+        }
+        let at_or_above = reduce_lo[lid];
+        let above = at_or_above - in_bin;
+        if above < need && need <= at_or_above {
+            broadcast_a = lid;
             broadcast_b = need - above;
             broadcast_c = select(0u, 1u, in_bin == need - above);
         }
@@ -295,21 +416,36 @@ fn select_rank(row: Row, lid: u32, within: Cut, rank: u32) -> Cut {
     return cut;
 }
 
+fn compare_exchange(row: Row, pair: u32, half: u32, stride: u32, size: u32) {
+    if pair >= half {
+        return;
+    }
+    // Insert a 0 bit at `stride`'s position: the lower index of the pair.
+    let i = ((pair & ~(stride - 1u)) << 1u) | (pair & (stride - 1u));
+    let partner = i | stride;
+    let a = scratch[row.scratch + i];
+    let b = scratch[row.scratch + partner];
+    let largest_first = (i & size) == 0u;
+    if largest_first == ranks_before(b, a) {
+        scratch[row.scratch + i] = b;
+        scratch[row.scratch + partner] = a;
+    }
+}
+
 // Sorts scratch[row.scratch .. + len) largest first (len a power of two).
 fn bitonic_sort(row: Row, lid: u32, len: u32) {
+    let half = len / 2u;
     for (var size = 2u; size <= len; size = size * 2u) {
         for (var stride = size / 2u; stride > 0u; stride = stride / 2u) {
-            for (var i = lid; i < len; i += WORKGROUP_SIZE) {
-                let partner = i ^ stride;
-                if partner > i {
-                    let a = scratch[row.scratch + i];
-                    let b = scratch[row.scratch + partner];
-                    let largest_first = (i & size) == 0u;
-                    if largest_first == ranks_before(b, a) {
-                        scratch[row.scratch + i] = b;
-                        scratch[row.scratch + partner] = a;
-                    }
-                }
+            for (var pair = lid; pair < half; pair += 8u * WORKGROUP_SIZE) {
+                compare_exchange(row, pair, half, stride, size);
+                compare_exchange(row, pair + WORKGROUP_SIZE, half, stride, size);
+                compare_exchange(row, pair + 2u * WORKGROUP_SIZE, half, stride, size);
+                compare_exchange(row, pair + 3u * WORKGROUP_SIZE, half, stride, size);
+                compare_exchange(row, pair + 4u * WORKGROUP_SIZE, half, stride, size);
+                compare_exchange(row, pair + 5u * WORKGROUP_SIZE, half, stride, size);
+                compare_exchange(row, pair + 6u * WORKGROUP_SIZE, half, stride, size);
+                compare_exchange(row, pair + 7u * WORKGROUP_SIZE, half, stride, size);
             }
             storageBarrier();
         }
@@ -324,9 +460,29 @@ fn next_power_of_two(n: u32) -> u32 {
     return p;
 }
 
+// One step of the nucleus walk: adds entry i's weight to the running sum
+// and records the first entry whose running sum reaches the threshold.
+fn nucleus_step(
+    row: Row,
+    i: u32,
+    len: u32,
+    threshold: f32,
+    running: ptr<function, f32>,
+    found: ptr<function, u32>,
+) {
+    if *found != NO_TOKEN || i >= len {
+        return;
+    }
+    let id = ID_MASK - scratch[row.scratch + i].y;
+    *running = exact(*running + work[row.weights + id]);
+    if *running >= threshold {
+        *found = i;
+    }
+}
+
 // Step 10: the cut that keeps the nucleus, the shortest rank-order prefix of
-// the candidates whose running weight sum reaches `threshold`. Sorts a
-// growing prefix of the candidates until it holds the nucleus.
+// the candidates whose running weight sum reaches `threshold`. Tries the
+// first TOP_P_FIRST_PREFIX candidates, then sorts them all.
 fn nucleus_cut(row: Row, lid: u32, within: Cut, candidates: u32, threshold: f32) -> Cut {
     let vocab = globals.vocab_size;
     var prefix = min(TOP_P_FIRST_PREFIX, candidates);
@@ -339,12 +495,11 @@ fn nucleus_cut(row: Row, lid: u32, within: Cut, candidates: u32, threshold: f32)
             atomicStore(&tally, 0u);
         }
         workgroupBarrier();
-        for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-            let c = composite(row, id);
-            if eligible(c) && keeps(within, c) && keeps(prefix_cut, c) {
-                let slot = atomicAdd(&tally, 1u);
-                scratch[row.scratch + slot] = c;
-            }
+        for (var id = lid; id < vocab; id += PASS_STRIDE) {
+            compact_step(row, id, within, prefix_cut);
+            compact_step(row, id + WORKGROUP_SIZE, within, prefix_cut);
+            compact_step(row, id + 2u * WORKGROUP_SIZE, within, prefix_cut);
+            compact_step(row, id + 3u * WORKGROUP_SIZE, within, prefix_cut);
         }
         let padded = next_power_of_two(prefix);
         for (var i = prefix + lid; i < padded; i += WORKGROUP_SIZE) {
@@ -355,13 +510,23 @@ fn nucleus_cut(row: Row, lid: u32, within: Cut, candidates: u32, threshold: f32)
         if lid == 0u {
             var running = 0.0;
             var found = NO_TOKEN;
-            for (var i = 0u; i < prefix; i++) {
-                let id = ID_MASK - scratch[row.scratch + i].y;
-                running = exact(running + work[row.weights + id]);
-                if running >= threshold {
-                    found = i;
-                    break;
-                }
+            for (var i = 0u; i < prefix && found == NO_TOKEN; i += 16u) {
+                nucleus_step(row, i + 0u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 1u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 2u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 3u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 4u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 5u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 6u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 7u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 8u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 9u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 10u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 11u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 12u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 13u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 14u, prefix, threshold, &running, &found);
+                nucleus_step(row, i + 15u, prefix, threshold, &running, &found);
             }
             broadcast_a = found;
             if found != NO_TOKEN {
@@ -380,10 +545,12 @@ fn nucleus_cut(row: Row, lid: u32, within: Cut, candidates: u32, threshold: f32)
             // Rounding kept the running sum below the bound: keep them all.
             return within;
         }
-        prefix = min(prefix * TOP_P_PREFIX_GROWTH, candidates);
+        prefix = candidates;
     }
     return within;
 }
+
+// --- Arithmetic shared with the CPU reference -------------------------------
 
 // exp(t) by the CPU reference's recipe (`weight_exp` in src/sampler/mod.rs).
 fn weight_exp(t: f32) -> f32 {
@@ -447,6 +614,8 @@ fn uniform_draw(row: Row) -> f32 {
     return f32(word >> 8u) * UNIT_24_BITS;
 }
 
+// --- The pipeline -----------------------------------------------------------
+
 fn finish(row: Row, lid: u32, token: u32, status: u32) {
     if lid == 0u {
         results[row.index * RESULT_WORDS] = token;
@@ -454,11 +623,23 @@ fn finish(row: Row, lid: u32, token: u32, status: u32) {
     }
 }
 
+fn add_bias(row: Row, entry: u32, len: u32) {
+    if entry < len {
+        let start = param_u32(row, P_BIAS_OFFSET);
+        let token = requests[start + 2u * entry];
+        let bias = bitcast<f32>(requests[start + 2u * entry + 1u]);
+        work[row.base + token] = exact(work[row.base + token] + bias);
+    }
+}
+
 // Steps 2-4: the row's logits with penalties and bias, into `work`.
 fn adjust_logits(row: Row, lid: u32) {
     let vocab = globals.vocab_size;
-    for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-        work[row.base + id] = logits[row.base + id];
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        copy_logit(row, id);
+        copy_logit(row, id + WORKGROUP_SIZE);
+        copy_logit(row, id + 2u * WORKGROUP_SIZE);
+        copy_logit(row, id + 3u * WORKGROUP_SIZE);
     }
     storageBarrier();
     if (row.flags & FLAG_PENALTIES) != 0u {
@@ -489,16 +670,108 @@ fn adjust_logits(row: Row, lid: u32) {
         }
         storageBarrier();
     }
+    // In list order, by one thread: a token listed twice adds both biases
+    // in the CPU's order.
     if lid == 0u {
-        let start = param_u32(row, P_BIAS_OFFSET);
         let len = param_u32(row, P_BIAS_LEN);
-        for (var i = 0u; i < len; i++) {
-            let token = requests[start + 2u * i];
-            let bias = bitcast<f32>(requests[start + 2u * i + 1u]);
-            work[row.base + token] = exact(work[row.base + token] + bias);
+        for (var entry = 0u; entry < len; entry += 8u) {
+            add_bias(row, entry, len);
+            add_bias(row, entry + 1u, len);
+            add_bias(row, entry + 2u, len);
+            add_bias(row, entry + 3u, len);
+            add_bias(row, entry + 4u, len);
+            add_bias(row, entry + 5u, len);
+            add_bias(row, entry + 6u, len);
+            add_bias(row, entry + 7u, len);
         }
     }
     storageBarrier();
+}
+
+// One token of the in-block draw walk.
+fn draw_step(
+    row: Row,
+    id: u32,
+    end: u32,
+    complete: f32,
+    draw_point: f32,
+    running: ptr<function, f32>,
+    token: ptr<function, u32>,
+) {
+    if *token != NO_TOKEN || id >= end {
+        return;
+    }
+    let weight = work[row.weights + id];
+    *running = exact(*running + weight);
+    if weight > 0.0 && exact(complete + *running) > draw_point {
+        *token = id;
+    }
+}
+
+// One block of the draw's walk over the block sums.
+fn draw_block(
+    row: Row,
+    block: u32,
+    blocks: u32,
+    draw_point: f32,
+    complete: ptr<function, f32>,
+    token: ptr<function, u32>,
+) {
+    if *token != NO_TOKEN || block >= blocks {
+        return;
+    }
+    let block_sum = block_sums[block];
+    if exact(*complete + block_sum) > draw_point {
+        let start = block * SUM_BLOCK_LEN;
+        let end = min(start + SUM_BLOCK_LEN, globals.vocab_size);
+        var running = 0.0;
+        for (var id = start; id < end && *token == NO_TOKEN; id += 8u) {
+            draw_step(row, id, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 1u, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 2u, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 3u, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 4u, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 5u, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 6u, end, *complete, draw_point, &running, token);
+            draw_step(row, id + 7u, end, *complete, draw_point, &running, token);
+        }
+    }
+    *complete = exact(*complete + block_sum);
+}
+
+// Steps 12-13 on thread 0, after `blocked_total` filled `block_sums`: the
+// first token in ascending id order whose blocked running sum passes u * Z.
+fn draw(row: Row, total: f32) -> u32 {
+    let vocab = globals.vocab_size;
+    let draw_point = exact(uniform_draw(row) * total);
+    let blocks = (vocab + SUM_BLOCK_LEN - 1u) / SUM_BLOCK_LEN;
+    var complete = 0.0;
+    var token = NO_TOKEN;
+    for (var block = 0u; block < blocks && token == NO_TOKEN; block += 4u) {
+        draw_block(row, block, blocks, draw_point, &complete, &token);
+        draw_block(row, block + 1u, blocks, draw_point, &complete, &token);
+        draw_block(row, block + 2u, blocks, draw_point, &complete, &token);
+        draw_block(row, block + 3u, blocks, draw_point, &complete, &token);
+    }
+    if token == NO_TOKEN {
+        // Rounding left no crossing: the last token with weight, found from
+        // the last block with any.
+        var last_block = NO_TOKEN;
+        for (var block = blocks; block > 0u && last_block == NO_TOKEN; block--) {
+            if block_sums[block - 1u] > 0.0 {
+                last_block = block - 1u;
+            }
+        }
+        if last_block != NO_TOKEN {
+            let start = last_block * SUM_BLOCK_LEN;
+            for (var id = min(start + SUM_BLOCK_LEN, vocab); id > start && token == NO_TOKEN; id--) {
+                if work[row.weights + id - 1u] > 0.0 {
+                    token = id - 1u;
+                }
+            }
+        }
+    }
+    return token;
 }
 
 @compute @workgroup_size(WORKGROUP_SIZE)
@@ -522,16 +795,14 @@ fn sample_rows(
     }
 
     // Step 5, and the maximum for step 6: the best (key, id) in the row.
-    var best_key = NEG_INF_KEY;
-    var best_id = NO_TOKEN;
-    for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-        let key = order_key(load(row, id));
-        if key > best_key {
-            best_key = key;
-            best_id = id;
-        }
+    var best = vec2<u32>(NEG_INF_KEY, NO_TOKEN);
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        best = argmax_step(row, id, best);
+        best = argmax_step(row, id + WORKGROUP_SIZE, best);
+        best = argmax_step(row, id + 2u * WORKGROUP_SIZE, best);
+        best = argmax_step(row, id + 3u * WORKGROUP_SIZE, best);
     }
-    let best = reduce_best(lid, best_key, best_id);
+    best = reduce_best(lid, best.x, best.y);
     if best.x == NEG_INF_KEY {
         finish(row, lid, NO_TOKEN, STATUS_NO_CANDIDATE);
         return;
@@ -548,10 +819,9 @@ fn sample_rows(
         max_logit = 0.0;
     }
     var mine = 0u;
-    for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-        if eligible(composite(row, id)) {
-            mine += 1u;
-        }
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        mine += eligible_at(row, id) + eligible_at(row, id + WORKGROUP_SIZE)
+            + eligible_at(row, id + 2u * WORKGROUP_SIZE) + eligible_at(row, id + 3u * WORKGROUP_SIZE);
     }
     let eligible_count = workgroup_sum(lid, mine);
 
@@ -566,17 +836,11 @@ fn sample_rows(
 
     // Step 9: weights, 0 for every token outside the candidates.
     let inverse_temperature = param_f32(row, P_INVERSE_TEMPERATURE);
-    for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-        let c = composite(row, id);
-        var weight = 0.0;
-        if eligible(c) && keeps(within, c) {
-            var x = load(row, id);
-            if row.inf_mode {
-                x = 0.0;
-            }
-            weight = weight_exp(exact(exact(x - max_logit) * inverse_temperature));
-        }
-        work[row.weights + id] = weight;
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        weight_step(row, id, within, max_logit, inverse_temperature);
+        weight_step(row, id + WORKGROUP_SIZE, within, max_logit, inverse_temperature);
+        weight_step(row, id + 2u * WORKGROUP_SIZE, within, max_logit, inverse_temperature);
+        weight_step(row, id + 3u * WORKGROUP_SIZE, within, max_logit, inverse_temperature);
     }
 
     // Steps 10-11: top-p, then min-p, by zeroing weights.
@@ -588,50 +852,17 @@ fn sample_rows(
         nucleus = nucleus_cut(row, lid, within, candidates, exact(top_p * total));
     }
     storageBarrier();
-    for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
-        let weight = work[row.weights + id];
-        if weight > 0.0 {
-            let c = composite(row, id);
-            if !keeps(nucleus, c) || !(weight >= min_p) {
-                work[row.weights + id] = 0.0;
-            }
-        }
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        filter_step(row, id, nucleus, min_p);
+        filter_step(row, id + WORKGROUP_SIZE, nucleus, min_p);
+        filter_step(row, id + 2u * WORKGROUP_SIZE, nucleus, min_p);
+        filter_step(row, id + 3u * WORKGROUP_SIZE, nucleus, min_p);
     }
 
     // Steps 12-13: renormalise and draw in ascending id order.
     let total = blocked_total(row, lid);
     if lid == 0u {
-        let draw_point = exact(uniform_draw(row) * total);
-        let blocks = (vocab + SUM_BLOCK_LEN - 1u) / SUM_BLOCK_LEN;
-        var complete = 0.0;
-        var token = NO_TOKEN;
-        for (var block = 0u; block < blocks && token == NO_TOKEN; block++) {
-            let block_sum = block_sums[block];
-            if exact(complete + block_sum) > draw_point {
-                let start = block * SUM_BLOCK_LEN;
-                let end = min(start + SUM_BLOCK_LEN, vocab);
-                var running = 0.0;
-                for (var id = start; id < end; id++) {
-                    let weight = work[row.weights + id];
-                    running = exact(running + weight);
-                    if weight > 0.0 && exact(complete + running) > draw_point {
-                        token = id;
-                        break;
-                    }
-                }
-            }
-            complete = exact(complete + block_sum);
-        }
-        if token == NO_TOKEN {
-            // Rounding left no crossing: the last token with weight.
-            for (var id = vocab; id > 0u; id--) {
-                if work[row.weights + id - 1u] > 0.0 {
-                    token = id - 1u;
-                    break;
-                }
-            }
-        }
-        broadcast_a = token;
+        broadcast_a = draw(row, total);
     }
     let token = workgroupUniformLoad(&broadcast_a);
     if token == NO_TOKEN {

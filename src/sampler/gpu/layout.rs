@@ -16,7 +16,7 @@ pub const WORKGROUP_SIZE: u32 = 256;
 const _: () = assert!(WORKGROUP_SIZE == 256);
 
 /// Largest vocabulary the shader's workgroup block-sum array covers.
-pub const MAX_VOCAB: u32 = 1 << 19;
+pub const MAX_VOCAB: u32 = 1 << 18;
 /// Entries of that array.
 const MAX_BLOCKS: u32 = MAX_VOCAB / SUM_BLOCK_LEN;
 /// Token ids fit in 24 bits (checked against `MAX_VOCAB`); a composite rank

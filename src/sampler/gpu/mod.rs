@@ -19,7 +19,7 @@ mod layout;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_executor::block_on;
 
@@ -366,34 +366,37 @@ impl GpuSampler {
         Ok(())
     }
 
+    /// Waits until the upload buffer's mapping, asked for at the end of the
+    /// last step, has landed.
     fn wait_for_upload_mapping(&mut self) -> Result<(), String> {
-        self.upload_state.store(MAP_PENDING, Ordering::Release);
-        let state = Arc::clone(&self.upload_state);
-        self.upload
-            .slice(..)
-            .map_async(wgpu::MapMode::Write, move |r| {
-                state.store(
-                    if r.is_ok() { MAP_DONE } else { MAP_FAILED },
-                    Ordering::Release,
-                )
-            });
-        self.poll(None)?;
-        if self.upload_state.load(Ordering::Acquire) != MAP_DONE {
-            return Err("mapping the upload buffer failed".into());
-        }
+        self.wait_for(&self.upload_state, "mapping the upload buffer")?;
         self.upload_mapped = true;
         Ok(())
     }
 
-    fn poll(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<(), String> {
-        self.context
-            .device
-            .poll(wgpu::PollType::Wait {
-                submission_index: submission,
-                timeout: Some(STEP_TIMEOUT),
-            })
-            .map(|_| ())
-            .map_err(|e| format!("waiting for the device: {e}"))
+    /// Polls until a map callback has reported. Workers share the device,
+    /// so another thread's poll may be running our callback when ours
+    /// returns: poll again until it lands.
+    fn wait_for(&self, state: &AtomicU8, what: &str) -> Result<(), String> {
+        let started = Instant::now();
+        loop {
+            match state.load(Ordering::Acquire) {
+                MAP_DONE => return Ok(()),
+                MAP_FAILED => return Err(format!("{what} failed")),
+                _ => {}
+            }
+            if started.elapsed() > STEP_TIMEOUT {
+                return Err(format!("{what} timed out after {STEP_TIMEOUT:?}"));
+            }
+            self.context
+                .device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: None,
+                    timeout: Some(STEP_TIMEOUT),
+                })
+                .map_err(|e| format!("{what}: waiting for the device: {e}"))?;
+            std::thread::yield_now();
+        }
     }
 
     /// One dispatch over the rows in `self.chunk`.
@@ -487,11 +490,14 @@ impl GpuSampler {
                     Ordering::Release,
                 )
             });
-        self.poll(Some(submission))?;
-        if self.readback_state.load(Ordering::Acquire) != MAP_DONE {
-            return Err("reading the sampler results back failed".into());
-        }
-        self.upload_mapped = self.upload_state.load(Ordering::Acquire) == MAP_DONE;
+        self.context
+            .device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(submission),
+                timeout: Some(STEP_TIMEOUT),
+            })
+            .map_err(|e| format!("waiting for the sampling step: {e}"))?;
+        self.wait_for(&self.readback_state, "reading the results back")?;
         {
             let view = self
                 .readback
