@@ -30,8 +30,11 @@ pub struct ServerNumbers {
     pub grpc_active_streams: u64,
     /// Whether the health service answers SERVING.
     pub health_serving: bool,
-    /// The sampler backend in use, e.g. `cpu`.
+    /// The sampler backend in use: `cpu` or `wgpu`.
     pub sampler_backend: String,
+    /// The wgpu adapter the sampler runs on (name, backend, kind, driver);
+    /// empty on the CPU.
+    pub sampler_adapter: String,
 }
 
 /// The text exposition being written: one HELP and TYPE per family, then
@@ -222,11 +225,14 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     e.family(
         "sampler_backend_info",
         "gauge",
-        "The sampler backend in use (always 1).",
+        "The sampler backend in use and its wgpu adapter (always 1).",
     );
     e.sample(
         "sampler_backend_info",
-        &[("backend", &server.sampler_backend)],
+        &[
+            ("backend", &server.sampler_backend),
+            ("adapter", &server.sampler_adapter),
+        ],
         1,
     );
     e.out
@@ -448,7 +454,8 @@ mod tests {
             ],
             grpc_active_streams: 1,
             health_serving: true,
-            sampler_backend: "cpu".into(),
+            sampler_backend: "wgpu".into(),
+            sampler_adapter: "llvmpipe (Vulkan Cpu)".into(),
         }
     }
 
@@ -634,7 +641,10 @@ mod tests {
         );
         assert_eq!(get("inferd_health_serving", &[]), 1.0);
         assert_eq!(
-            get("inferd_sampler_backend_info", &[("backend", "cpu")]),
+            get(
+                "inferd_sampler_backend_info",
+                &[("backend", "wgpu"), ("adapter", "llvmpipe (Vulkan Cpu)")]
+            ),
             1.0
         );
         assert!(text.contains(r#"method="we\"ird\\name\nx""#), "{text}");

@@ -19,8 +19,9 @@ use thiserror::Error;
 
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::model::{Model, ModelError};
-use crate::sampler::{SamplerError, SamplingParams};
+use crate::sampler::{SamplerChoice, SamplerError, SamplingParams, SelectedSampler};
 use crate::tokenizer::{Tokenizer, TokenizerError};
+use clap::builder::TypedValueParser as _;
 
 /// Where the reference model lands (see `scripts/fetch-model`).
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -75,6 +76,29 @@ pub struct ModelArgs {
     /// (created or truncated, then sized to the cache).
     #[arg(long)]
     pub kv_file: Option<PathBuf>,
+    /// Sampler: `auto` (a hardware GPU through wgpu if there is one, else
+    /// the CPU), `cpu`, or `wgpu` (any Vulkan/Metal adapter, lavapipe
+    /// included; fails if there is none).
+    #[arg(long, env = "INFERD_SAMPLER", default_value = "auto", value_parser = sampler_choice_parser())]
+    pub sampler: SamplerChoice,
+}
+
+/// `auto|cpu|wgpu`, listed in `--help`.
+pub(crate) fn sampler_choice_parser() -> impl clap::builder::TypedValueParser<Value = SamplerChoice>
+{
+    clap::builder::PossibleValuesParser::new(SamplerChoice::NAMES)
+        .try_map(|name| name.parse::<SamplerChoice>())
+}
+
+/// Resolves `--sampler` once and logs what it chose.
+pub(crate) fn resolve_sampler(choice: SamplerChoice) -> Result<SelectedSampler, CliError> {
+    let selected = SelectedSampler::resolve(choice)
+        .map_err(|e| CliError::Usage(format!("--sampler {choice}: {e}")))?;
+    match selected.adapter() {
+        Some(adapter) => tracing::info!(%choice, %adapter, "sampler: wgpu"),
+        None => tracing::info!(%choice, "sampler: cpu"),
+    }
+    Ok(selected)
 }
 
 /// Sampling flags (all off by default: greedy decoding).
@@ -269,6 +293,7 @@ impl ModelArgs {
         if let Some(file) = &self.kv_file {
             cfg.kv_backing = crate::kv::KvBacking::File(file.clone());
         }
+        cfg.sampler = resolve_sampler(self.sampler)?;
         let engine = Engine::new(Arc::new(model), &cfg)?;
         tracing::info!(
             model = %path.display(),

@@ -15,6 +15,7 @@ use signal_hook::iterator::Signals;
 use super::{CliError, DEFAULT_MODEL};
 use crate::model::Model;
 use crate::runtime::{EvictionPolicy, OverflowPolicy, RuntimeConfig};
+use crate::sampler::SamplerChoice;
 use crate::server::{ServeConfig, Server, TlsIdentity};
 
 /// Which idle session makes room when memory or the session limit runs out.
@@ -99,6 +100,11 @@ pub struct ServeArgs {
     /// gRPC completion-queue threads [default: one per four cores].
     #[arg(long, env = "INFERD_COMPLETION_QUEUES")]
     pub completion_queues: Option<usize>,
+    /// Sampler: `auto` (a hardware GPU through wgpu if there is one, else
+    /// the CPU), `cpu`, or `wgpu` (any Vulkan/Metal adapter, lavapipe
+    /// included; start-up fails if there is none) [default: auto].
+    #[arg(long, env = "INFERD_SAMPLER", value_parser = super::sampler_choice_parser())]
+    pub sampler: Option<SamplerChoice>,
     /// Check the configuration and the model file, print the settings, and
     /// exit without serving.
     #[arg(long)]
@@ -127,6 +133,7 @@ struct FileConfig {
     tls_key: Option<PathBuf>,
     drain_timeout: Option<f64>,
     completion_queues: Option<usize>,
+    sampler: Option<SamplerChoice>,
 }
 
 impl FileConfig {
@@ -171,6 +178,7 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     pub drain_timeout: Duration,
     pub completion_queues: Option<usize>,
+    pub sampler: SamplerChoice,
 }
 
 /// KV memory, by size or by page count.
@@ -277,6 +285,7 @@ impl ServeArgs {
                 Some(n) => Some(positive("completion-queues", n)?),
                 None => None,
             },
+            sampler: self.sampler.or(file.sampler).unwrap_or_default(),
         })
     }
 }
@@ -309,6 +318,7 @@ impl Settings {
                 },
                 Overflow::Stop => OverflowPolicy::Stop,
             },
+            sampler: super::resolve_sampler(self.sampler)?,
             ..RuntimeConfig::default()
         };
         let mut cfg = ServeConfig::new(self.listen.clone(), runtime);
@@ -370,7 +380,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     if args.check {
         println!(
             "configuration ok: model {} ({} layers, vocabulary {}), listen {}, {} workers, \
-             KV {} MiB, tls {}, auth token {}",
+             KV {} MiB, tls {}, auth token {}, sampler {}",
             settings.model.display(),
             model.config.n_layers,
             model.config.vocab,
@@ -382,6 +392,10 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 "required"
             } else {
                 "none"
+            },
+            match cfg.runtime.sampler.adapter() {
+                Some(adapter) => format!("wgpu on {adapter}"),
+                None => "cpu".into(),
             },
         );
         return Ok(());

@@ -203,6 +203,7 @@ fn generate(args: SessionGenerateArgs) -> Result<(), CliError> {
                 threads: None,
                 kv_mib: 0,
                 kv_file: None,
+                sampler: crate::sampler::SamplerChoice::Cpu,
             };
             Some(load_tokenizer(&model.path())?)
         }

@@ -12,7 +12,9 @@ use thiserror::Error;
 
 use crate::kv::{KvBacking, KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
 use crate::model::{LogitsWanted, Model, ModelError, Scratch, Sequence};
-use crate::sampler::{Sampler, SamplerError, SamplingParams};
+use crate::sampler::{
+    SampleRequest, SamplerBackend, SamplerError, SamplingParams, SelectedSampler,
+};
 use crate::threads::ThreadPool;
 
 /// Why an engine operation failed. Nothing changed in the session.
@@ -42,6 +44,8 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Where the KV pages live.
     pub kv_backing: KvBacking,
+    /// The sampler, resolved once at start-up (the CPU by default).
+    pub sampler: SelectedSampler,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +56,7 @@ impl Default for EngineConfig {
             page_positions: DEFAULT_PAGE_POSITIONS,
             prefill_chunk: 512,
             kv_backing: KvBacking::Anonymous,
+            sampler: SelectedSampler::Cpu,
         }
     }
 }
@@ -119,7 +124,7 @@ pub struct Engine {
     pool: ThreadPool,
     kv_pool: Arc<KvPool>,
     scratch: Scratch,
-    sampler: Sampler,
+    sampler: SamplerBackend,
     prefill_chunk: usize,
 }
 
@@ -134,12 +139,15 @@ impl Engine {
             backing: cfg.kv_backing.clone(),
             prefault: false,
         })?);
+        let sampler = cfg
+            .sampler
+            .backend(model.config.vocab, model.config.context)?;
         Ok(Self {
             model,
             pool: ThreadPool::new(cfg.threads),
             kv_pool,
             scratch: Scratch::default(),
-            sampler: Sampler::new(),
+            sampler,
             prefill_chunk: cfg.prefill_chunk.max(1),
         })
     }
@@ -245,9 +253,12 @@ impl Engine {
         let mut tokens = Vec::new();
         while tokens.len() < max_tokens {
             let position = session.history.len() as u64;
-            let token =
-                self.sampler
-                    .sample(&session.next_logits, params, &session.history, position)?;
+            let token = self.sampler.sample(SampleRequest {
+                logits: &session.next_logits,
+                params,
+                history: &session.history,
+                position,
+            })?;
             self.append(session, &[token])?;
             tokens.push(token);
             let go_on = on_token(token);

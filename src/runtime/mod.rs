@@ -100,7 +100,7 @@ impl Runtime {
                 cfg.clone(),
                 Arc::clone(&shared),
                 Arc::clone(&gauges),
-            );
+            )?;
             let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
             let thread = std::thread::Builder::new()
                 .name(format!("inferd-worker-{index}"))

@@ -17,7 +17,7 @@ use super::notify::NotifyReceiver;
 
 use super::{RuntimeError, SessionId};
 use crate::kv::DEFAULT_PAGE_POSITIONS;
-use crate::sampler::SamplingParams;
+use crate::sampler::{SamplingParams, SelectedSampler};
 
 /// What to do when a history would outgrow the model's context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +66,9 @@ pub struct RuntimeConfig {
     pub session_queue: usize,
     /// Events buffered per Generate stream (at least 4).
     pub stream_capacity: usize,
+    /// The sampler every worker uses, resolved once at start-up (the CPU
+    /// reference by default; `SelectedSampler::resolve` picks a GPU).
+    pub sampler: SelectedSampler,
 }
 
 impl Default for RuntimeConfig {
@@ -83,6 +86,7 @@ impl Default for RuntimeConfig {
             worker_queue: 1024,
             session_queue: 8,
             stream_capacity: 32,
+            sampler: SelectedSampler::Cpu,
         }
     }
 }

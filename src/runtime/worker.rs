@@ -33,7 +33,7 @@ use super::{
 };
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitsWanted, Model, Scratch, Sequence};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{SampleRequest, SamplerBackend, SamplerError, SamplingParams};
 use crate::threads::ThreadPool;
 
 type Reply<T> = NotifySender<Result<T, RuntimeError>>;
@@ -238,7 +238,11 @@ pub(crate) struct Worker {
     gauges: Arc<WorkerGauges>,
     compute: ThreadPool,
     scratch: Scratch,
-    sampler: Sampler,
+    sampler: SamplerBackend,
+    /// Sessions whose next token this step samples, in one batch.
+    to_sample: Vec<SessionId>,
+    /// The batch's answers, reused across steps.
+    sampled: Vec<Result<u32, SamplerError>>,
     sessions: HashMap<SessionId, Slot>,
     waiting_creates: VecDeque<WaitingCreate>,
     /// The one eviction this worker has asked another for and not seen
@@ -279,8 +283,12 @@ impl Worker {
         cfg: RuntimeConfig,
         shared: Arc<Shared>,
         gauges: Arc<WorkerGauges>,
-    ) -> Self {
-        Worker {
+    ) -> Result<Self, RuntimeError> {
+        let sampler = cfg
+            .sampler
+            .backend(model.config.vocab, model.config.context)
+            .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
+        Ok(Worker {
             index,
             model,
             kv_pool,
@@ -289,12 +297,14 @@ impl Worker {
             gauges,
             compute: ThreadPool::new(1),
             scratch: Scratch::default(),
-            sampler: Sampler::new(),
+            sampler,
+            to_sample: Vec::new(),
+            sampled: Vec::new(),
             sessions: HashMap::new(),
             waiting_creates: VecDeque::new(),
             evict_wait: None,
             last_sweep: Instant::now(),
-        }
+        })
     }
 
     /// The loop: runs until `Shutdown` or until every sender is gone.
@@ -780,7 +790,57 @@ impl Worker {
         for &id in &ids {
             moved |= self.plan(id);
         }
+        self.sample_planned();
         moved | self.run_batch()
+    }
+
+    /// Samples the next token of every session `plan` queued, as one batch
+    /// (one GPU dispatch on the wgpu sampler), and feeds each its token.
+    fn sample_planned(&mut self) {
+        if self.to_sample.is_empty() {
+            return;
+        }
+        let mut requests = Vec::with_capacity(self.to_sample.len());
+        for id in &self.to_sample {
+            let Some(slot) = self.sessions.get(id) else {
+                continue;
+            };
+            let Some(Active {
+                work: Work::Generate(gen),
+                ..
+            }) = slot.active.as_ref()
+            else {
+                continue;
+            };
+            requests.push((
+                *id,
+                SampleRequest {
+                    logits: &slot.next_logits,
+                    params: &gen.params,
+                    history: &slot.history,
+                    position: slot.history.len() as u64,
+                },
+            ));
+        }
+        let rows: Vec<SampleRequest<'_>> = requests.iter().map(|(_, r)| *r).collect();
+        self.sampler.sample_batch(&rows, &mut self.sampled);
+        let ids: Vec<SessionId> = requests.iter().map(|(id, _)| *id).collect();
+        drop(rows);
+        drop(requests);
+        self.to_sample.clear();
+        let sampled = std::mem::take(&mut self.sampled);
+        for (id, result) in ids.into_iter().zip(&sampled) {
+            match result {
+                Ok(token) => {
+                    if let Some(slot) = self.sessions.get_mut(&id) {
+                        slot.feed.push(*token);
+                        slot.feed_logits = LogitsWanted::Last;
+                    }
+                }
+                Err(e) => self.finish_generate(id, Err(e.clone().into())),
+            }
+        }
+        self.sampled = sampled;
     }
 
     /// Starts the session's next queued operation if it is free.
@@ -1083,27 +1143,8 @@ impl Worker {
                 return true;
             }
         }
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return false;
-        };
-        let Some(Active {
-            work: Work::Generate(gen),
-            ..
-        }) = slot.active.as_ref()
-        else {
-            return false;
-        };
-        let position = slot.history.len() as u64;
-        let sampled = self
-            .sampler
-            .sample(&slot.next_logits, &gen.params, &slot.history, position);
-        match sampled {
-            Ok(token) => {
-                slot.feed.push(token);
-                slot.feed_logits = LogitsWanted::Last;
-            }
-            Err(e) => self.finish_generate(id, Err(e.into())),
-        }
+        // The token itself is sampled with the rest of the step's batch.
+        self.to_sample.push(id);
         true
     }
 
@@ -1376,6 +1417,7 @@ mod tests {
             Arc::new(Shared::new(vec![wake])),
             Arc::new(WorkerGauges::default()),
         )
+        .expect("worker")
     }
 
     fn new_session(w: &mut Worker) -> SessionId {

@@ -329,6 +329,7 @@ fn metrics_renderer(shared: &Arc<Shared>, health: &Arc<HealthState>) -> RenderFn
             return String::new();
         };
         let stats = &shared.stats;
+        let sampler = &shared.runtime.config().sampler;
         let mut requests: Vec<RequestCount> = stats
             .calls()
             .into_iter()
@@ -351,7 +352,8 @@ fn metrics_renderer(shared: &Arc<Shared>, health: &Arc<HealthState>) -> RenderFn
             requests,
             grpc_active_streams: stats.active_streams(),
             health_serving: health.status() == ServingStatus::SERVING,
-            sampler_backend: "cpu".into(),
+            sampler_backend: sampler.backend_name().into(),
+            sampler_adapter: sampler.adapter().unwrap_or_default(),
         };
         metrics::render(&shared.runtime.stats(), &numbers)
     })
