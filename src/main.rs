@@ -5,6 +5,13 @@
 fn main() -> std::process::ExitCode {
     use clap::Parser;
 
+    // Mesa's Vulkan device-select layer connects to a Wayland or X display
+    // to rank GPUs and prints errors on a headless host; inferd computes
+    // headless and picks its own adapter. Set while the process has one
+    // thread, and only when the operator has not chosen.
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
     let cli = inferd::cli::Cli::parse();
     inferd::cli::init_logging(cli.command.default_log_level());
     match inferd::cli::run(cli) {
