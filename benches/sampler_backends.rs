@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use inferd::sampler::gpu::{AdapterKind, GpuContext, GpuSampler};
-use inferd::sampler::{SampleRequest, Sampler, SamplerError, SamplingParams};
+use inferd::sampler::{SampleRequest, Sampled, Sampler, SamplerError, SamplingParams};
 
 const VOCABS: [usize; 3] = [32, 49_152, 151_936];
 const BATCHES: [usize; 3] = [1, 8, 32];
@@ -27,7 +27,7 @@ fn logits(vocab: usize, row: usize) -> Vec<f32> {
                 .rotate_left(13)
                 ^ 0x5bd1_e995;
             let unit = (hash >> 8) as f32 / 16_777_216.0;
-            if hash % 997 == 0 {
+            if hash.is_multiple_of(997) {
                 8.0 + 6.0 * unit
             } else {
                 -4.0 + 8.0 * unit
@@ -135,7 +135,7 @@ fn main() {
                     }
                 });
                 let gpu_times = gpu.as_mut().map(|gpu| {
-                    let mut out: Vec<Result<u32, SamplerError>> = Vec::with_capacity(batch);
+                    let mut out: Vec<Result<Sampled, SamplerError>> = Vec::with_capacity(batch);
                     let mut requests = Vec::with_capacity(batch);
                     measure(steps_for(vocab, batch, true), |step| {
                         requests.clear();
@@ -145,6 +145,7 @@ fn main() {
                                 params: &params,
                                 history: &history,
                                 position: step * 64 + r as u64,
+                                top_logprobs: 0,
                             });
                         }
                         gpu.sample_batch(&requests, &mut out);

@@ -807,17 +807,31 @@ fn sample_rows(
         finish(row, lid, NO_TOKEN, STATUS_NO_CANDIDATE);
         return;
     }
-    if (row.flags & FLAG_GREEDY) != 0u {
-        finish(row, lid, best.y, STATUS_OK);
-        return;
-    }
-
-    // Steps 6-7: non-finite values and the candidates.
+    // Step 6: with a +inf maximum only the +inf tokens count, as logit 0.
     row.inf_mode = best.x == POS_INF_KEY;
     var max_logit = key_value(best.x);
     if row.inf_mode {
         max_logit = 0.0;
     }
+    var token = best.y;
+    if (row.flags & FLAG_GREEDY) == 0u {
+        token = draw_token(row, lid, max_logit);
+    }
+    if token == NO_TOKEN {
+        finish(row, lid, NO_TOKEN, STATUS_NO_CANDIDATE);
+        return;
+    }
+    let top_n = param_u32(row, P_TOP_LOGPROBS);
+    if top_n > 0u {
+        report_logprobs(row, lid, max_logit, token, top_n);
+    }
+    finish(row, lid, token, STATUS_OK);
+}
+
+// Steps 7-13 for a non-greedy row: the drawn token, or NO_TOKEN.
+fn draw_token(row: Row, lid: u32, max_logit: f32) -> u32 {
+    let vocab = globals.vocab_size;
+    // Step 7: the candidates.
     var mine = 0u;
     for (var id = lid; id < vocab; id += PASS_STRIDE) {
         mine += eligible_at(row, id) + eligible_at(row, id + WORKGROUP_SIZE)
@@ -864,10 +878,62 @@ fn sample_rows(
     if lid == 0u {
         broadcast_a = draw(row, total);
     }
-    let token = workgroupUniformLoad(&broadcast_a);
-    if token == NO_TOKEN {
-        finish(row, lid, NO_TOKEN, STATUS_NO_CANDIDATE);
-    } else {
-        finish(row, lid, token, STATUS_OK);
+    return workgroupUniformLoad(&broadcast_a);
+}
+
+// The log-probability report (CPU: `token_logprobs`): the chosen token's
+// and the top `top_n` tokens' logits minus the maximum, in rank order, and
+// the normaliser (blocked sum of weight_exp(x - max)) whose log the host
+// subtracts; with +inf logits, their count instead.
+fn report_logprobs(row: Row, lid: u32, max_logit: f32, token: u32, top_n: u32) {
+    let vocab = globals.vocab_size;
+    var mine = 0u;
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        mine += eligible_at(row, id) + eligible_at(row, id + WORKGROUP_SIZE)
+            + eligible_at(row, id + 2u * WORKGROUP_SIZE) + eligible_at(row, id + 3u * WORKGROUP_SIZE);
+    }
+    let count = workgroup_sum(lid, mine);
+    let n = min(top_n, count);
+    var normaliser = 0.0;
+    if !row.inf_mode {
+        for (var id = lid; id < vocab; id += PASS_STRIDE) {
+            weight_step(row, id, no_cut(), max_logit, 1.0);
+            weight_step(row, id + WORKGROUP_SIZE, no_cut(), max_logit, 1.0);
+            weight_step(row, id + 2u * WORKGROUP_SIZE, no_cut(), max_logit, 1.0);
+            weight_step(row, id + 3u * WORKGROUP_SIZE, no_cut(), max_logit, 1.0);
+        }
+        normaliser = blocked_total(row, lid);
+    }
+    var cut = no_cut();
+    if n < count {
+        cut = select_rank(row, lid, no_cut(), n);
+    }
+    if lid == 0u {
+        atomicStore(&tally, 0u);
+    }
+    workgroupBarrier();
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        compact_step(row, id, no_cut(), cut);
+        compact_step(row, id + WORKGROUP_SIZE, no_cut(), cut);
+        compact_step(row, id + 2u * WORKGROUP_SIZE, no_cut(), cut);
+        compact_step(row, id + 3u * WORKGROUP_SIZE, no_cut(), cut);
+    }
+    let padded = next_power_of_two(n);
+    for (var i = n + lid; i < padded; i += WORKGROUP_SIZE) {
+        scratch[row.scratch + i] = vec2<u32>(0u, 0u);
+    }
+    storageBarrier();
+    bitonic_sort(row, lid, padded);
+    if lid == 0u {
+        let base = row.index * RESULT_WORDS;
+        results[base + R_CHOSEN] = bitcast<u32>(exact(load(row, token) - max_logit));
+        results[base + R_NORMALISER] = bitcast<u32>(normaliser);
+        results[base + R_INFINITIES] = select(0u, count, row.inf_mode);
+        results[base + R_TOP_COUNT] = n;
+        for (var i = 0u; i < n; i++) {
+            let id = ID_MASK - scratch[row.scratch + i].y;
+            results[base + R_TOP + 2u * i] = id;
+            results[base + R_TOP + 2u * i + 1u] = bitcast<u32>(exact(load(row, id) - max_logit));
+        }
     }
 }

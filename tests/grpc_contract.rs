@@ -1712,7 +1712,6 @@ fn generate_done_counts_the_re_prefilled_tokens_of_a_truncation() {
 }
 
 #[test]
-#[ignore = "GenerateRequest.top_logprobs (field 23) is not implemented yet: the server refuses it with INVALID_ARGUMENT (see top_logprobs_are_refused_until_implemented)"]
 fn top_logprobs_follow_every_token() {
     let served = Served::tiny(1);
     let id = served.create("logprobs", &[]);
@@ -1721,23 +1720,35 @@ fn top_logprobs_follow_every_token() {
     req.set_top_logprobs(2);
     let outcome = served.generate(req).finish(STREAM_TIMEOUT);
     outcome.done();
-    let logprobs: Vec<_> = outcome
+    // Token, then its report, for every token.
+    let payloads: Vec<_> = outcome
         .messages
         .iter()
-        .filter(|m| m.has_logprobs())
+        .filter(|m| m.has_token_id() || m.has_logprobs())
         .collect();
-    assert_eq!(logprobs.len(), 3);
-    assert_eq!(logprobs[0].get_logprobs().get_top().len(), 2);
+    assert_eq!(payloads.len(), 6);
+    for pair in payloads.chunks(2) {
+        assert!(pair[0].has_token_id() && pair[1].has_logprobs());
+        let report = pair[1].get_logprobs();
+        assert_eq!(report.get_chosen().get_token_id(), pair[0].get_token_id());
+        let top = report.get_top();
+        assert_eq!(top.len(), 2);
+        assert!(top[0].get_logprob() >= top[1].get_logprob());
+        assert!(top.iter().all(|t| t.get_logprob() <= 0.0));
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0].get_token_id(), pair[0].get_token_id());
+        assert_eq!(top[0].get_logprob(), report.get_chosen().get_logprob());
+    }
     served.stop();
 }
 
 #[test]
-fn top_logprobs_are_refused_until_implemented() {
+fn too_many_top_logprobs_are_refused() {
     let served = Served::tiny(1);
     let id = served.create("logprobs-refused", &[]);
     served.append(&id, &[1, 2, 3]).expect("append");
     let mut req = gen_req(&id, 3);
-    req.set_top_logprobs(2);
+    req.set_top_logprobs(21);
     let outcome = served.generate(req).finish(STREAM_TIMEOUT);
     assert!(outcome.messages.is_empty(), "nothing may be generated");
     let status = outcome.failure();

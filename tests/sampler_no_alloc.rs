@@ -127,6 +127,7 @@ fn gpu_step_allocations(
                 params: &params[row % params.len()],
                 history,
                 position: step * 64 + row as u64,
+                top_logprobs: 0,
             });
         }
         let before = allocations();

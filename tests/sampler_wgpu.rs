@@ -9,7 +9,7 @@
 use std::sync::{Arc, OnceLock};
 
 use inferd::sampler::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler};
-use inferd::sampler::{SampleRequest, Sampler, SamplerError, SamplingParams};
+use inferd::sampler::{SampleRequest, Sampled, Sampler, SamplerError, SamplingParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -59,6 +59,7 @@ impl Case {
             params: &self.params,
             history: &self.history,
             position: self.position,
+            top_logprobs: 0,
         }
     }
 }
@@ -165,7 +166,7 @@ fn gpu_answers(gpu: &mut GpuSampler, cases: &[Case]) -> Vec<Result<u32, SamplerE
     for chunk in cases.chunks(ROWS) {
         let requests: Vec<SampleRequest<'_>> = chunk.iter().map(Case::request).collect();
         gpu.sample_batch(&requests, &mut out);
-        all.append(&mut out);
+        all.extend(out.drain(..).map(|r| r.map(|s| s.token)));
     }
     all
 }
@@ -366,30 +367,35 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
             params: &bad_top_p,
             history: &[],
             position: 0,
+            top_logprobs: 0,
         },
         SampleRequest {
             logits: &logits,
             params: &greedy,
             history: &[],
             position: 0,
+            top_logprobs: 0,
         },
         SampleRequest {
             logits: &logits,
             params: &bad_bias,
             history: &[],
             position: 0,
+            top_logprobs: 0,
         },
         SampleRequest {
             logits: &logits,
             params: &penalised,
             history: &out_of_range_history,
             position: 2,
+            top_logprobs: 0,
         },
         SampleRequest {
             logits: &short,
             params: &greedy,
             history: &[],
             position: 0,
+            top_logprobs: 0,
         },
     ];
     let mut out = Vec::new();
@@ -397,9 +403,9 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
     let mut cpu = Sampler::new();
     for (i, row) in rows.iter().take(4).enumerate() {
         let expected = cpu.sample(row.logits, row.params, row.history, row.position);
-        assert_eq!(out[i], expected, "row {i}");
+        assert_eq!(out[i].clone().map(|s| s.token), expected, "row {i}");
     }
-    assert_eq!(out[1], Ok(31));
+    assert_eq!(out[1], Ok(Sampled::token(31)));
     assert_eq!(
         out[4],
         Err(SamplerError::VocabMismatch {
@@ -427,11 +433,12 @@ fn a_penalty_window_longer_than_the_buffers_grows_them_once() {
         params: &params,
         history: &history,
         position: 5000,
+        top_logprobs: 0,
     }];
     let mut out = Vec::new();
     gpu.sample_batch(&rows, &mut out);
     let expected = Sampler::new().sample(&logits, &params, &history, 5000);
-    assert_eq!(out[0], expected);
+    assert_eq!(out[0].clone().map(|s| s.token), expected);
 }
 
 /// The worst cases for the shader's loop budget (Mesa's llvmpipe silently
@@ -474,4 +481,43 @@ fn the_largest_vocabulary_with_a_full_sort_still_matches_the_cpu() {
         })
         .collect();
     assert_eq!(gpu_answers(&mut gpu, &cases), cpu_answers(&cases));
+}
+
+#[test]
+fn top_logprobs_come_back_from_the_gpu_as_the_cpu_computes_them() {
+    for vocab in VOCABS {
+        let Some(mut gpu) = gpu(vocab) else { return };
+        let mut rng = StdRng::seed_from_u64(0x10_9b ^ vocab as u64);
+        let cases: Vec<Case> = (0..ROWS * 2)
+            .map(|i| random_case(&mut rng, vocab, i % 2 == 0))
+            .collect();
+        let asked = [1usize, 5, 20];
+        let requests: Vec<SampleRequest<'_>> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| SampleRequest {
+                top_logprobs: asked[i % asked.len()],
+                ..c.request()
+            })
+            .collect();
+        let mut cpu = Sampler::new();
+        let mut out = Vec::new();
+        for chunk in requests.chunks(ROWS) {
+            gpu.sample_batch(chunk, &mut out);
+            for (row, got) in chunk.iter().zip(&out) {
+                let expected = cpu.sample_with_logprobs(
+                    row.logits,
+                    row.params,
+                    row.history,
+                    row.position,
+                    row.top_logprobs,
+                );
+                assert_eq!(got, &expected, "vocab {vocab}, params {:?}", row.params);
+                if let Ok(sampled) = got {
+                    let report = sampled.logprobs.as_ref().expect("asked for");
+                    assert!(report.top.len() <= row.top_logprobs);
+                }
+            }
+        }
+    }
 }

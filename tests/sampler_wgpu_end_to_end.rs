@@ -18,7 +18,7 @@ use inferd::runtime::{
     SamplingOptions,
 };
 use inferd::sampler::gpu::GpuError;
-use inferd::sampler::{SamplerChoice, SelectedSampler};
+use inferd::sampler::{SamplerChoice, SelectedSampler, TokenLogprobs};
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -46,8 +46,8 @@ fn model() -> Arc<Model> {
 }
 
 /// Starts `sessions` Generates at once on a runtime with `sampler` and
-/// returns each one's tokens.
-fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<Vec<u32>> {
+/// returns each one's tokens and log-probability reports.
+fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<(Vec<u32>, Vec<TokenLogprobs>)> {
     let rt = Runtime::start(
         model(),
         RuntimeConfig {
@@ -89,6 +89,7 @@ fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<Vec<u32>> {
                 repetition_penalty: Some(1.1),
                 presence_penalty: Some(0.3),
                 seed: Some(u64::from(s) * 1000),
+                top_logprobs: s % 4,
                 ..SamplingOptions::default()
             }
         };
@@ -104,15 +105,24 @@ fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<Vec<u32>> {
         .into_iter()
         .map(|stream| {
             let mut tokens = Vec::new();
+            let mut reports = Vec::new();
             for event in stream.collect() {
                 match event {
                     GenerateEvent::Token(t) => tokens.push(t),
+                    GenerateEvent::Logprobs(report) => {
+                        assert_eq!(
+                            Some(&report.token),
+                            tokens.last(),
+                            "a report follows its token"
+                        );
+                        reports.push(report);
+                    }
                     GenerateEvent::Done(_) => {}
                     GenerateEvent::Truncated { .. } => {}
                     GenerateEvent::Error(e) => panic!("generate failed: {e}"),
                 }
             }
-            tokens
+            (tokens, reports)
         })
         .collect()
 }
@@ -123,7 +133,11 @@ fn workers_sampling_batches_on_the_gpu_match_the_cpu_token_for_token() {
     assert_eq!(selected.backend_name(), "wgpu");
     let on_gpu = generate_all(selected, 12);
     let on_cpu = generate_all(SelectedSampler::Cpu, 12);
-    assert!(on_gpu.iter().all(|t| t.len() == 24));
+    for (s, (tokens, reports)) in on_gpu.iter().enumerate() {
+        assert_eq!(tokens.len(), 24);
+        let asked = if s % 2 == 1 { s % 4 } else { 0 };
+        assert_eq!(reports.len(), if asked > 0 { 24 } else { 0 }, "session {s}");
+    }
     assert_eq!(on_gpu, on_cpu);
 }
 

@@ -253,12 +253,16 @@ impl Engine {
         let mut tokens = Vec::new();
         while tokens.len() < max_tokens {
             let position = session.history.len() as u64;
-            let token = self.sampler.sample(SampleRequest {
-                logits: &session.next_logits,
-                params,
-                history: &session.history,
-                position,
-            })?;
+            let token = self
+                .sampler
+                .sample(SampleRequest {
+                    logits: &session.next_logits,
+                    params,
+                    history: &session.history,
+                    position,
+                    top_logprobs: 0,
+                })?
+                .token;
             self.append(session, &[token])?;
             tokens.push(token);
             let go_on = on_token(token);

@@ -17,7 +17,7 @@ use super::notify::NotifyReceiver;
 
 use super::{RuntimeError, SessionId};
 use crate::kv::DEFAULT_PAGE_POSITIONS;
-use crate::sampler::{SamplingParams, SelectedSampler};
+use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs, MAX_TOP_LOGPROBS};
 
 /// What to do when a history would outgrow the model's context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +129,10 @@ pub struct SamplingOptions {
     pub logit_bias: Vec<(u32, f32)>,
     /// Unset: one is drawn from the OS and reported as `seed_used`.
     pub seed: Option<u64>,
+    /// Report with every token its log-probability and those of the
+    /// `top_logprobs` most likely tokens (0: none; at most
+    /// [`MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: u32,
 }
 
 impl SamplingOptions {
@@ -162,6 +166,12 @@ impl SamplingOptions {
             seed,
         };
         params.validate(vocab)?;
+        if self.top_logprobs as usize > MAX_TOP_LOGPROBS {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "top_logprobs {} is too many: at most {MAX_TOP_LOGPROBS}",
+                self.top_logprobs
+            )));
+        }
         Ok((params, seed))
     }
 }
@@ -219,6 +229,9 @@ pub enum GenerateEvent {
     },
     /// A generated token, already committed to the history.
     Token(u32),
+    /// The log-probabilities of the token just sent (only when the request
+    /// asked for `top_logprobs`).
+    Logprobs(TokenLogprobs),
     Done(GenerateDone),
     /// The call failed; tokens emitted before it stay committed.
     Error(RuntimeError),

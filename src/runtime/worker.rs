@@ -33,7 +33,9 @@ use super::{
 };
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitsWanted, Model, Scratch, Sequence};
-use crate::sampler::{SampleRequest, SamplerBackend, SamplerError, SamplingParams};
+use crate::sampler::{
+    SampleRequest, Sampled, SamplerBackend, SamplerError, SamplingParams, TokenLogprobs,
+};
 use crate::threads::ThreadPool;
 
 type Reply<T> = NotifySender<Result<T, RuntimeError>>;
@@ -139,6 +141,10 @@ struct Generating {
     prefill_duration: Duration,
     /// History tokens computed again before the first sampled token.
     prefill_tokens: u64,
+    /// Log-probabilities to report with each token (0: none).
+    top_logprobs: usize,
+    /// The report for the token sampled and not yet emitted.
+    pending_logprobs: Option<TokenLogprobs>,
 }
 
 enum Work {
@@ -242,7 +248,7 @@ pub(crate) struct Worker {
     /// Sessions whose next token this step samples, in one batch.
     to_sample: Vec<SessionId>,
     /// The batch's answers, reused across steps.
-    sampled: Vec<Result<u32, SamplerError>>,
+    sampled: Vec<Result<Sampled, SamplerError>>,
     sessions: HashMap<SessionId, Slot>,
     waiting_creates: VecDeque<WaitingCreate>,
     /// The one eviction this worker has asked another for and not seen
@@ -819,6 +825,7 @@ impl Worker {
                     params: &gen.params,
                     history: &slot.history,
                     position: slot.history.len() as u64,
+                    top_logprobs: gen.top_logprobs,
                 },
             ));
         }
@@ -828,13 +835,20 @@ impl Worker {
         drop(rows);
         drop(requests);
         self.to_sample.clear();
-        let sampled = std::mem::take(&mut self.sampled);
-        for (id, result) in ids.into_iter().zip(&sampled) {
+        let mut sampled = std::mem::take(&mut self.sampled);
+        for (id, result) in ids.into_iter().zip(sampled.iter_mut()) {
             match result {
-                Ok(token) => {
+                Ok(sampled) => {
                     if let Some(slot) = self.sessions.get_mut(&id) {
-                        slot.feed.push(*token);
+                        slot.feed.push(sampled.token);
                         slot.feed_logits = LogitsWanted::Last;
+                        if let Some(Active {
+                            work: Work::Generate(gen),
+                            ..
+                        }) = slot.active.as_mut()
+                        {
+                            gen.pending_logprobs = sampled.logprobs.take();
+                        }
                     }
                 }
                 Err(e) => self.finish_generate(id, Err(e.clone().into())),
@@ -1074,6 +1088,8 @@ impl Worker {
             started,
             prefill_duration: Duration::ZERO,
             prefill_tokens: pending.len() as u64,
+            top_logprobs: req.sampling.top_logprobs as usize,
+            pending_logprobs: None,
         };
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.active = Some(Active {
@@ -1124,12 +1140,13 @@ impl Worker {
             self.finish_generate(id, stop);
             return true;
         }
-        // Room for a token and a terminal event, or the session sits out.
+        // Room for a token (and its log-probabilities) and a terminal
+        // event, or the session sits out.
         let room = gen
             .events
             .capacity()
             .map_or(usize::MAX, |c| c.saturating_sub(gen.events.len()));
-        if room < 2 {
+        if room < 2 + usize::from(gen.top_logprobs > 0) {
             return false;
         }
         // Pages first: a session waiting for another worker's eviction sits
@@ -1343,6 +1360,13 @@ impl Worker {
         if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token))
         {
             return self.finish_generate(id, Ok(StopReason::Cancelled));
+        }
+        if let Some(logprobs) = gen.pending_logprobs.take() {
+            if let Err(TrySendError::Disconnected(_)) =
+                gen.events.try_send(GenerateEvent::Logprobs(logprobs))
+            {
+                return self.finish_generate(id, Ok(StopReason::Cancelled));
+            }
         }
         let stop = if eos_hit {
             Some(StopReason::Eos)

@@ -9,16 +9,19 @@ use std::sync::Arc;
 
 #[cfg(not(loom))]
 use super::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler, DEFAULT_MAX_ROWS};
-use super::{Sampler, SamplerError, SamplingParams};
+use super::{Sampled, Sampler, SamplerError, SamplingParams};
 
-/// One row to sample: its logits, parameters, history (for penalties) and
-/// the absolute position of the token being sampled (the RNG counter).
+/// One row to sample: its logits, parameters, history (for penalties), the
+/// absolute position of the token being sampled (the RNG counter), and how
+/// many top log-probabilities to report with it (0: none; at most
+/// [`super::MAX_TOP_LOGPROBS`]).
 #[derive(Clone, Copy, Debug)]
 pub struct SampleRequest<'a> {
     pub logits: &'a [f32],
     pub params: &'a SamplingParams,
     pub history: &'a [u32],
     pub position: u64,
+    pub top_logprobs: usize,
 }
 
 /// The operator's choice (`--sampler`, `sampler =` in the config file).
@@ -177,7 +180,7 @@ impl SamplerBackend {
     }
 
     /// Samples one row.
-    pub fn sample(&mut self, request: SampleRequest<'_>) -> Result<u32, SamplerError> {
+    pub fn sample(&mut self, request: SampleRequest<'_>) -> Result<Sampled, SamplerError> {
         match self {
             SamplerBackend::Cpu(cpu) => cpu_sample(cpu, &request),
             #[cfg(not(loom))]
@@ -194,7 +197,7 @@ impl SamplerBackend {
     pub fn sample_batch(
         &mut self,
         rows: &[SampleRequest<'_>],
-        out: &mut Vec<Result<u32, SamplerError>>,
+        out: &mut Vec<Result<Sampled, SamplerError>>,
     ) {
         match self {
             SamplerBackend::Cpu(cpu) => {
@@ -226,6 +229,12 @@ impl SamplerBackend {
     }
 }
 
-fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<u32, SamplerError> {
-    cpu.sample(row.logits, row.params, row.history, row.position)
+fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<Sampled, SamplerError> {
+    cpu.sample_with_logprobs(
+        row.logits,
+        row.params,
+        row.history,
+        row.position,
+        row.top_logprobs,
+    )
 }

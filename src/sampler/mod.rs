@@ -96,6 +96,7 @@ pub mod philox;
 use std::cmp::Ordering;
 
 pub use backend::{SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
+
 pub use error::SamplerError;
 pub use params::SamplingParams;
 
@@ -283,6 +284,81 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
+/// The most tokens a request may ask log-probabilities for, per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log-probabilities reported with a sampled token, under the log-softmax
+/// of the logits after penalties and bias (before temperature and the
+/// filters): the chosen token's, and the `n` most likely tokens' in rank
+/// order (as [`top_logprobs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled token.
+    pub token: u32,
+    /// Its log-probability.
+    pub chosen: f32,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A sampled token, with its log-probabilities when they were asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+impl Sampled {
+    /// A token without log-probabilities.
+    pub fn token(token: u32) -> Self {
+        Sampled {
+            token,
+            logprobs: None,
+        }
+    }
+}
+
+/// The log-probability of `token` under the plain softmax of `logits`, by
+/// the same rules as [`top_logprobs`]: -inf for a NaN or -inf token, or a
+/// finite one while some logit is +inf.
+pub fn logprob_of(logits: &[f32], token: u32) -> f32 {
+    let Some(&x) = logits.get(token as usize) else {
+        return f32::NEG_INFINITY;
+    };
+    let positive_infinities = logits.iter().filter(|&&v| v == f32::INFINITY).count();
+    if positive_infinities > 0 {
+        return if x == f32::INFINITY {
+            -(positive_infinities as f32).ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    if x.is_nan() || x == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY;
+    }
+    let max = max_ignoring_nan(logits);
+    let weights: Vec<Candidate> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, &v)| v > f32::NEG_INFINITY)
+        .map(|(i, &v)| Candidate {
+            id: i as u32,
+            logit: v,
+            weight: weight_exp(v - max),
+        })
+        .collect();
+    (x - max) - blocked_weight_sum(&weights).ln()
+}
+
+/// Both log-probability reports for `token` (see [`TokenLogprobs`]).
+pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
+    TokenLogprobs {
+        token,
+        chosen: logprob_of(logits, token),
+        top: top_logprobs(logits, n),
+    }
+}
+
 /// Step 1 for any backend: the parameters, and the history tokens the
 /// penalties will read, checked against the vocabulary size.
 pub(crate) fn check_inputs(
@@ -356,6 +432,38 @@ impl Sampler {
     ) -> Result<u32, SamplerError> {
         let u = philox::uniform(params.seed, position);
         self.sample_with_uniform(logits, params, history, u)
+    }
+
+    /// [`Sampler::sample`], then, when `top_logprobs > 0`, the token's
+    /// log-probabilities (see [`TokenLogprobs`]; at most
+    /// [`MAX_TOP_LOGPROBS`] entries). The report allocates; the token does not.
+    pub fn sample_with_logprobs(
+        &mut self,
+        logits: &[f32],
+        params: &SamplingParams,
+        history: &[u32],
+        position: u64,
+        top_logprobs: usize,
+    ) -> Result<Sampled, SamplerError> {
+        let token = self.sample(logits, params, history, position)?;
+        if top_logprobs == 0 {
+            return Ok(Sampled::token(token));
+        }
+        // After a sample, `work` holds the adjusted logits when there were
+        // adjustments.
+        let source: &[f32] = if params.adjusts_logits() {
+            &self.work
+        } else {
+            logits
+        };
+        Ok(Sampled {
+            token,
+            logprobs: Some(token_logprobs(
+                source,
+                token,
+                top_logprobs.min(MAX_TOP_LOGPROBS),
+            )),
+        })
     }
 
     /// The whole pipeline with the uniform number of step 13 given.

@@ -10,6 +10,7 @@ use crate::runtime::{
     CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError, SamplingOptions,
     SessionId, SessionInfo, StatusKind, StopReason,
 };
+use crate::sampler::TokenLogprobs;
 
 /// The gRPC status a runtime error is reported as (CONTRACT §2.4).
 pub fn status_of(err: &RuntimeError) -> RpcStatus {
@@ -62,11 +63,6 @@ pub fn generate_request(req: &pb::GenerateRequest) -> Result<GenerateRequest, Ru
             )));
         }
     }
-    if req.get_top_logprobs() > 0 {
-        return Err(RuntimeError::InvalidArgument(
-            "top_logprobs is not supported by this server yet".into(),
-        ));
-    }
     let opt_f32 = |has: bool, v: f32| has.then_some(v);
     let sampling = SamplingOptions {
         temperature: opt_f32(req.has_temperature(), req.get_temperature()),
@@ -84,6 +80,8 @@ pub fn generate_request(req: &pb::GenerateRequest) -> Result<GenerateRequest, Ru
             .map(|b| (b.get_token_id(), b.get_bias()))
             .collect(),
         seed: req.has_seed().then_some(req.get_seed()),
+        // Checked against the limit with the other sampling options.
+        top_logprobs: req.get_top_logprobs(),
     };
     Ok(GenerateRequest {
         id,
@@ -125,6 +123,27 @@ pub fn done_message(done: &GenerateDone) -> pb::GenerateResponse {
     response
 }
 
+fn token_logprob(token_id: u32, logprob: f32) -> pb::TokenLogprob {
+    let mut entry = pb::TokenLogprob::new();
+    entry.set_token_id(token_id);
+    entry.set_logprob(logprob);
+    entry
+}
+
+/// The report that follows a token: the token itself, then the top list.
+fn logprobs_message(logprobs: &TokenLogprobs) -> pb::TokenLogprobs {
+    let mut message = pb::TokenLogprobs::new();
+    message.set_chosen(token_logprob(logprobs.token, logprobs.chosen));
+    message.set_top(
+        logprobs
+            .top
+            .iter()
+            .map(|&(id, logprob)| token_logprob(id, logprob))
+            .collect(),
+    );
+    message
+}
+
 /// One stream event as a wire message; `Err` for the error that ends it.
 pub fn event_message(event: &GenerateEvent) -> Result<pb::GenerateResponse, RpcStatus> {
     let mut response = pb::GenerateResponse::new();
@@ -137,6 +156,7 @@ pub fn event_message(event: &GenerateEvent) -> Result<pb::GenerateResponse, RpcS
             truncated.set_dropped_token_count(*dropped_token_count);
             response.set_truncated(truncated);
         }
+        GenerateEvent::Logprobs(logprobs) => response.set_logprobs(logprobs_message(logprobs)),
         GenerateEvent::Done(done) => return Ok(done_message(done)),
         GenerateEvent::Error(err) => return Err(status_of(err)),
     }

@@ -6,8 +6,9 @@ use std::fmt::Write as _;
 
 use crate::sampler::philox::{PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, UNIT_24_BITS};
 use crate::sampler::{
-    penalty_window, SamplingParams, EXP_COEFFICIENTS, EXP_MAX_ARG, EXP_MIN_ARG, LN2_HI, LN2_LO,
-    LOG2_E, ROUND_MAGIC, SUM_BLOCK_LEN, TOP_P_FIRST_PREFIX, TOP_P_PREFIX_GROWTH,
+    penalty_window, SampleRequest, SamplingParams, EXP_COEFFICIENTS, EXP_MAX_ARG, EXP_MIN_ARG,
+    LN2_HI, LN2_LO, LOG2_E, MAX_TOP_LOGPROBS, ROUND_MAGIC, SUM_BLOCK_LEN, TOP_P_FIRST_PREFIX,
+    TOP_P_PREFIX_GROWTH,
 };
 
 /// Threads per workgroup; one workgroup samples one row. The shader's
@@ -26,8 +27,23 @@ const _: () = assert!(MAX_VOCAB <= ID_MASK);
 
 /// Words of one row's parameters at the start of the request buffer.
 pub const PARAM_WORDS: usize = 20;
-/// Words of one row's result: token id, status.
-pub const RESULT_WORDS: usize = 4;
+/// Words of one row's result: token id, status, the log-probability report
+/// (chosen token, normaliser, +inf count, entries) and its top entries as
+/// (id, logit - max) pairs.
+pub const RESULT_WORDS: usize = R_TOP + 2 * MAX_TOP_LOGPROBS;
+
+/// Word indices inside a row's result.
+pub const R_TOKEN: usize = 0;
+pub const R_STATUS: usize = 1;
+/// The chosen token's logit minus the maximum (f32 bits).
+pub const R_CHOSEN: usize = 2;
+/// Blocked sum of weight_exp(x - max) over the finite logits (f32 bits).
+pub const R_NORMALISER: usize = 3;
+/// How many logits are +inf (then they share the mass and the rest is out).
+pub const R_INFINITIES: usize = 4;
+/// Entries of the top list that follow.
+pub const R_TOP_COUNT: usize = 5;
+pub const R_TOP: usize = 8;
 
 /// Flag bits of `P_FLAGS`.
 const FLAG_GREEDY: u32 = 1;
@@ -56,6 +72,7 @@ const P_SEED_LO: usize = 13;
 const P_SEED_HI: usize = 14;
 const P_POSITION_LO: usize = 15;
 const P_POSITION_HI: usize = 16;
+const P_TOP_LOGPROBS: usize = 17;
 
 /// An f32 as an exact WGSL hexadecimal float literal (normal numbers only,
 /// which is all the constants are).
@@ -73,7 +90,7 @@ fn wgsl_f32(value: f32) -> String {
 /// The shader source: the shared constants, then `shaders/sampler.wgsl`.
 pub fn shader_source() -> String {
     let mut header = String::new();
-    let words: [(&str, u32); 31] = [
+    let words = [
         ("WORKGROUP_SIZE", WORKGROUP_SIZE),
         ("SUM_BLOCK_LEN", SUM_BLOCK_LEN),
         ("MAX_BLOCKS", MAX_BLOCKS),
@@ -104,13 +121,18 @@ pub fn shader_source() -> String {
         ("P_SEED_HI", P_SEED_HI as u32),
         ("P_POSITION_LO", P_POSITION_LO as u32),
         ("P_POSITION_HI", P_POSITION_HI as u32),
+        ("P_TOP_LOGPROBS", P_TOP_LOGPROBS as u32),
+        ("R_CHOSEN", R_CHOSEN as u32),
+        ("R_NORMALISER", R_NORMALISER as u32),
+        ("R_INFINITIES", R_INFINITIES as u32),
+        ("R_TOP_COUNT", R_TOP_COUNT as u32),
+        ("R_TOP", R_TOP as u32),
         ("PHILOX_M0", PHILOX_M0),
-    ];
-    for (name, value) in words.into_iter().chain([
         ("PHILOX_M1", PHILOX_M1),
         ("PHILOX_W0", PHILOX_W0),
         ("PHILOX_W1", PHILOX_W1),
-    ]) {
+    ];
+    for (name, value) in words {
         let _ = writeln!(header, "const {name}: u32 = {value}u;");
     }
     let floats = [
@@ -152,14 +174,14 @@ fn penalised_history<'h>(params: &SamplingParams, history: &'h [u32]) -> &'h [u3
 
 /// Writes row `row`'s parameters at `row * PARAM_WORDS` and its history and
 /// bias at `*tail` (advanced past them). `words` must hold them.
-pub fn pack_row(
-    words: &mut [u32],
-    row: usize,
-    tail: &mut usize,
-    params: &SamplingParams,
-    history: &[u32],
-    position: u64,
-) {
+pub fn pack_row(words: &mut [u32], row: usize, tail: &mut usize, request: &SampleRequest<'_>) {
+    let SampleRequest {
+        params,
+        history,
+        position,
+        top_logprobs,
+        ..
+    } = *request;
     let window = penalised_history(params, history);
     let history_offset = *tail;
     words[history_offset..history_offset + window.len()].copy_from_slice(window);
@@ -199,6 +221,7 @@ pub fn pack_row(
     p[P_SEED_HI] = (params.seed >> 32) as u32;
     p[P_POSITION_LO] = position as u32;
     p[P_POSITION_HI] = (position >> 32) as u32;
+    p[P_TOP_LOGPROBS] = top_logprobs.min(MAX_TOP_LOGPROBS) as u32;
 }
 
 #[cfg(test)]
@@ -234,12 +257,21 @@ mod tests {
         assert_eq!(request_words(&params, &history), PARAM_WORDS + 2 + 2);
         let mut words = vec![0u32; 2 * PARAM_WORDS + 8];
         let mut tail = 2 * PARAM_WORDS;
-        pack_row(&mut words, 1, &mut tail, &params, &history, 7);
+        let logits = [0.0f32; 8];
+        let request = SampleRequest {
+            logits: &logits,
+            params: &params,
+            history: &history,
+            position: 7,
+            top_logprobs: 50,
+        };
+        pack_row(&mut words, 1, &mut tail, &request);
         let p = &words[PARAM_WORDS..2 * PARAM_WORDS];
         assert_eq!(p[P_HISTORY_LEN], 2);
         assert_eq!(&words[p[P_HISTORY_OFFSET] as usize..][..2], &[2, 3]);
         assert_eq!(words[p[P_BIAS_OFFSET] as usize], 3);
         assert_eq!(p[P_POSITION_LO], 7);
+        assert_eq!(p[P_TOP_LOGPROBS], MAX_TOP_LOGPROBS as u32);
         assert_eq!(tail, 2 * PARAM_WORDS + 4);
     }
 }

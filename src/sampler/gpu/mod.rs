@@ -26,8 +26,11 @@ use futures_executor::block_on;
 pub use context::{AdapterKind, GpuContext, GpuError, ResourceCounts};
 pub use layout::{MAX_VOCAB, WORKGROUP_SIZE};
 
-use super::{check_inputs, SampleRequest, SamplerError};
-use layout::{pack_row, request_words, PARAM_WORDS, RESULT_WORDS, STATUS_NO_CANDIDATE, STATUS_OK};
+use super::{check_inputs, SampleRequest, Sampled, SamplerError, TokenLogprobs};
+use layout::{
+    pack_row, request_words, PARAM_WORDS, RESULT_WORDS, R_CHOSEN, R_INFINITIES, R_NORMALISER,
+    R_STATUS, R_TOKEN, R_TOP, R_TOP_COUNT, STATUS_NO_CANDIDATE, STATUS_OK,
+};
 
 /// Rows one dispatch samples unless the device's limits ask for fewer.
 pub const DEFAULT_MAX_ROWS: usize = 32;
@@ -280,11 +283,11 @@ impl GpuSampler {
     pub fn sample_batch(
         &mut self,
         rows: &[SampleRequest<'_>],
-        out: &mut Vec<Result<u32, SamplerError>>,
+        out: &mut Vec<Result<Sampled, SamplerError>>,
     ) {
         out.clear();
         for row in rows {
-            out.push(self.check(row).map(|()| 0));
+            out.push(self.check(row).map(|()| Sampled::token(0)));
         }
         let mut next = 0;
         while next < rows.len() {
@@ -404,7 +407,7 @@ impl GpuSampler {
         &mut self,
         rows: &[SampleRequest<'_>],
         words: usize,
-        out: &mut [Result<u32, SamplerError>],
+        out: &mut [Result<Sampled, SamplerError>],
     ) -> Result<(), String> {
         if !self.upload_mapped {
             self.wait_for_upload_mapping()?;
@@ -417,14 +420,7 @@ impl GpuSampler {
         let mut tail = self.max_rows * PARAM_WORDS;
         for (slot, &i) in self.chunk.iter().enumerate() {
             let row = &rows[i];
-            pack_row(
-                &mut self.words,
-                slot,
-                &mut tail,
-                row.params,
-                row.history,
-                row.position,
-            );
+            pack_row(&mut self.words, slot, &mut tail, row);
         }
         {
             let mut view = self
@@ -506,10 +502,14 @@ impl GpuSampler {
             let results: &[u32] = bytemuck::try_cast_slice(&view)
                 .map_err(|e| format!("the readback mapping is misaligned: {e}"))?;
             for (slot, &i) in self.chunk.iter().enumerate() {
-                let token = results[slot * RESULT_WORDS];
-                let status = results[slot * RESULT_WORDS + 1];
+                let result = &results[slot * RESULT_WORDS..(slot + 1) * RESULT_WORDS];
+                let token = result[R_TOKEN];
+                let status = result[R_STATUS];
                 out[i] = match status {
-                    STATUS_OK if (token as usize) < self.vocab_size => Ok(token),
+                    STATUS_OK if (token as usize) < self.vocab_size => Ok(Sampled {
+                        token,
+                        logprobs: (rows[i].top_logprobs > 0).then(|| logprobs_from(result)),
+                    }),
                     STATUS_NO_CANDIDATE => Err(SamplerError::NoCandidate {
                         vocab_size: self.vocab_size,
                     }),
@@ -521,5 +521,30 @@ impl GpuSampler {
         }
         self.readback.unmap();
         Ok(())
+    }
+}
+
+/// Finishes a row's log-probability report as the CPU's `token_logprobs`
+/// does: the shader hands over `logit - max` and the normaliser; the host
+/// subtracts `ln(normaliser)` (or, with +inf logits, gives each -ln(count)).
+fn logprobs_from(result: &[u32]) -> TokenLogprobs {
+    let listed = (result[R_TOP_COUNT] as usize).min((result.len() - R_TOP) / 2);
+    let pairs = result[R_TOP..R_TOP + 2 * listed].chunks_exact(2);
+    let infinities = result[R_INFINITIES];
+    if infinities > 0 {
+        let each = -(infinities as f32).ln();
+        return TokenLogprobs {
+            token: result[R_TOKEN],
+            chosen: each,
+            top: pairs.map(|pair| (pair[0], each)).collect(),
+        };
+    }
+    let log_normaliser = f32::from_bits(result[R_NORMALISER]).ln();
+    TokenLogprobs {
+        token: result[R_TOKEN],
+        chosen: f32::from_bits(result[R_CHOSEN]) - log_normaliser,
+        top: pairs
+            .map(|pair| (pair[0], f32::from_bits(pair[1]) - log_normaliser))
+            .collect(),
     }
 }
