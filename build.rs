@@ -29,6 +29,10 @@ const PACKAGES: &[Package] = &[
         module: "grpc_health_v1",
         files: &["grpc/health/v1/health.proto"],
     },
+    Package {
+        module: "inferd_shard_v1",
+        files: &["inferd/shard/v1/shard_runtime.proto"],
+    },
 ];
 
 fn main() -> Result<(), Box<dyn Error>> {

@@ -21,6 +21,8 @@
 
 #[cfg(not(loom))]
 pub mod cli;
+#[cfg(not(loom))]
+pub mod cluster;
 pub mod engine;
 pub mod gguf;
 pub mod kv;

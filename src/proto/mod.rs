@@ -7,6 +7,9 @@
 //!   `kakeya_v1::runtime_grpc`.
 //! - [`grpc_health_v1`]: the standard health service, `grpc.health.v1.Health`
 //!   (`protos/grpc/health/v1/health.proto`), laid out the same way.
+//! - [`inferd_shard_v1`]: the shard protocol between a coordinator and the
+//!   shards that each run a layer range, `inferd.shard.v1.ShardRuntime`
+//!   (`protos/inferd/shard/v1/shard_runtime.proto`), laid out the same way.
 //!
 //! Messages are rust-protobuf 2 types (`protobuf::Message`); proto3
 //! `optional` fields have `has_*`/`clear_*` accessors and are sent whenever
@@ -42,6 +45,22 @@ pub mod kakeya_v1 {
 )]
 pub mod grpc_health_v1 {
     include!(concat!(env!("OUT_DIR"), "/grpc_health_v1.rs"));
+}
+
+/// `inferd.shard.v1`: the versioned shard protocol (CONTRACT §4).
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    renamed_and_removed_lints,
+    unknown_lints,
+    missing_docs,
+    unused_qualifications,
+    unused_parens,
+    mismatched_lifetime_syntaxes,
+    deprecated
+)]
+pub mod inferd_shard_v1 {
+    include!(concat!(env!("OUT_DIR"), "/inferd_shard_v1.rs"));
 }
 
 #[cfg(test)]
