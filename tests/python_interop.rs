@@ -2,7 +2,9 @@
 //! generated from the published `protos/` with grpcio-tools (in the
 //! virtualenv `scripts/python-env` keeps), driving the session lifecycle,
 //! streaming, every error status a client can provoke, deadlines and
-//! cancellation (`tests/interop/runtime_client.py`).
+//! cancellation (`tests/interop/runtime_client.py`); and the shard
+//! protocol's golden frames decoded by stubs from its schema
+//! (`tests/interop/shard_vectors.py`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -194,4 +196,24 @@ fn stops_gracefully_on_sigterm(mut server: ServerGuard) {
         "inferd serve exited {status} after SIGTERM; its log:\n{}",
         server.log_text()
     );
+}
+
+/// The shard protocol's golden frames decoded by Python stubs generated
+/// from the same schema (`tests/interop/shard_vectors.py`).
+#[test]
+fn python_stubs_from_the_shard_schema_decode_the_golden_frames() {
+    let Some(python) = python_env() else {
+        return;
+    };
+    let out = Command::new(&python)
+        .arg("tests/interop/shard_vectors.py")
+        .output()
+        .expect("run tests/interop/shard_vectors.py");
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("frames checked"));
 }
