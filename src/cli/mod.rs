@@ -10,6 +10,7 @@ mod generate;
 pub mod remote;
 mod serve;
 mod session;
+mod shard;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -47,6 +48,8 @@ pub enum Command {
     /// Drive a session on an inferd server by token ids, for scripts.
     #[command(subcommand)]
     Session(session::SessionCommand),
+    /// Serve one layer range of a model over the shard protocol.
+    Shard(shard::ShardArgs),
 }
 
 impl Command {
@@ -54,7 +57,7 @@ impl Command {
     /// lifecycle, the one-shot commands only warnings.
     pub fn default_log_level(&self) -> &'static str {
         match self {
-            Command::Serve(_) => "info",
+            Command::Serve(_) | Command::Shard(_) => "info",
             _ => "warn",
         }
     }
@@ -252,6 +255,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench(args) => bench(args),
         Command::Serve(args) => serve::run(args),
         Command::Session(command) => session::run(command),
+        Command::Shard(args) => shard::run(args),
     }
 }
 

@@ -11,7 +11,10 @@
 pub mod fingerprint;
 pub mod frame;
 pub mod handshake;
+pub mod link;
 pub mod payload;
+pub mod raw;
+pub mod shard;
 
 pub use fingerprint::Fingerprint;
 pub use frame::{

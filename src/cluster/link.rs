@@ -1,0 +1,341 @@
+//! The coordinator's end of one shard: handshake, then a Session stream on
+//! which it sends hidden states through the shard's layers and reads back
+//! the result. Every frame the shard sends passes the same fail-closed
+//! checks the shard applies ([`super::frame::Inbound`]); a refused frame or
+//! a `ShardError` from the shard fails the call with a typed error naming
+//! the sessions concerned.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use futures_executor::block_on;
+use futures_util::{SinkExt, StreamExt};
+use grpcio::{
+    CallOption, ChannelBuilder, ClientDuplexReceiver, ClientDuplexSender, Environment, WriteFlags,
+};
+
+use super::fingerprint::Fingerprint;
+use super::frame::{
+    Epochs, ErrorKind, FrameError, FrameKind, Inbound, OutboundFrames, WireSessionId,
+};
+use super::handshake::{limits_to_wire, PROTOCOL_VERSION};
+use super::payload::{decode_rows, encode_rows, Encoding};
+use super::raw::SESSION_RAW;
+use crate::proto::inferd_shard_v1::shard_runtime as pb;
+use crate::proto::inferd_shard_v1::shard_runtime_grpc::ShardRuntimeClient;
+
+/// Why a call through a shard failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("shard {addr}: handshake failed: {message}")]
+    Handshake { addr: String, message: String },
+    #[error("shard {addr}: transport failed: {message}")]
+    Transport { addr: String, message: String },
+    /// The shard refused a frame or failed sessions (its `ShardError`).
+    #[error("shard {addr}: {error}")]
+    Refused { addr: String, error: FrameError },
+    /// A frame from the shard failed our checks.
+    #[error("shard {addr} sent a frame we refuse: {error}")]
+    BadReply { addr: String, error: FrameError },
+}
+
+impl LinkError {
+    /// The failure kind, when the protocol named one.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            LinkError::Refused { error, .. } | LinkError::BadReply { error, .. } => {
+                Some(error.kind)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Terms the coordinator asks for.
+#[derive(Clone, Debug)]
+pub struct LinkOptions {
+    pub encoding: Encoding,
+    pub max_frame_bytes: u32,
+    pub credit_window: u32,
+}
+
+impl Default for LinkOptions {
+    fn default() -> Self {
+        LinkOptions {
+            encoding: Encoding::F32,
+            max_frame_bytes: 64 << 20,
+            credit_window: 16,
+        }
+    }
+}
+
+/// One connected shard; see the module docs.
+pub struct ShardLink {
+    addr: String,
+    epochs: Epochs,
+    hidden_size: usize,
+    encoding: Encoding,
+    sender: ClientDuplexSender<Vec<u8>>,
+    receiver: ClientDuplexReceiver<Vec<u8>>,
+    outbound: OutboundFrames,
+    inbound: Inbound,
+    credits: u64,
+    served: Fingerprint,
+    _client: ShardRuntimeClient,
+}
+
+impl ShardLink {
+    /// Connects, handshakes (the shard must serve `expected`), and opens
+    /// the session stream.
+    pub fn connect(
+        addr: &str,
+        expected: &Fingerprint,
+        coordinator_epoch: u64,
+        options: &LinkOptions,
+    ) -> Result<ShardLink, LinkError> {
+        let env = Arc::new(Environment::new(1));
+        let limit = i32::try_from(options.max_frame_bytes.saturating_add(1024)).unwrap_or(i32::MAX);
+        let channel = ChannelBuilder::new(env)
+            .max_receive_message_len(limit)
+            .max_send_message_len(limit)
+            .connect(addr);
+        let client = ShardRuntimeClient::new(channel);
+        let mut request = pb::HandshakeRequest::new();
+        request.set_protocol_version(PROTOCOL_VERSION);
+        request.set_expected(expected.to_wire());
+        request.set_coordinator_epoch(coordinator_epoch);
+        request.set_limits(limits_to_wire(
+            options.max_frame_bytes,
+            options.credit_window,
+            0,
+            &[options.encoding],
+        ));
+        let handshake_error = |message: String| LinkError::Handshake {
+            addr: addr.to_owned(),
+            message,
+        };
+        let response = client
+            .handshake_opt(
+                &request,
+                CallOption::default().timeout(std::time::Duration::from_secs(30)),
+            )
+            .map_err(|e| handshake_error(e.to_string()))?;
+        let served = Fingerprint::from_wire(response.get_served())
+            .ok_or_else(|| handshake_error("the shard named no valid fingerprint".into()))?;
+        if &served != expected {
+            return Err(handshake_error(format!(
+                "the shard serves layers {}..{} of {}, expected {}..{}",
+                served.layer_begin,
+                served.layer_end,
+                served.hash_hex(),
+                expected.layer_begin,
+                expected.layer_end
+            )));
+        }
+        let limits = response.get_limits();
+        let epochs = Epochs {
+            shard: response.get_shard_epoch(),
+            coordinator: coordinator_epoch,
+        };
+        let (sender, receiver) = client
+            .client
+            .duplex_streaming(&SESSION_RAW, CallOption::default())
+            .map_err(|e| LinkError::Transport {
+                addr: addr.to_owned(),
+                message: e.to_string(),
+            })?;
+        let hidden_size = served.hidden_size as usize;
+        Ok(ShardLink {
+            addr: addr.to_owned(),
+            epochs,
+            hidden_size,
+            encoding: options.encoding,
+            sender,
+            receiver,
+            outbound: OutboundFrames::new(epochs),
+            inbound: Inbound::to_coordinator(
+                epochs,
+                limits.get_max_frame_bytes().max(1) as usize,
+                hidden_size,
+                vec![options.encoding],
+            ),
+            credits: u64::from(limits.get_credit_window()),
+            served,
+            _client: client,
+        })
+    }
+
+    /// The agreed epochs.
+    pub fn epochs(&self) -> Epochs {
+        self.epochs
+    }
+
+    /// What the shard serves.
+    pub fn served(&self) -> &Fingerprint {
+        &self.served
+    }
+
+    fn transport(&self, message: String) -> LinkError {
+        LinkError::Transport {
+            addr: self.addr.clone(),
+            message,
+        }
+    }
+
+    /// Sends one already-serialized frame as it is (tests use it to send
+    /// frames the protocol must refuse).
+    pub fn send_raw(&mut self, bytes: Vec<u8>) -> Result<(), LinkError> {
+        block_on(self.sender.send((bytes, WriteFlags::default())))
+            .map_err(|e| self.transport(e.to_string()))
+    }
+
+    /// Seals and sends a frame.
+    fn send(
+        &mut self,
+        frame: pb::Frame,
+        encoding: Option<Encoding>,
+        deadline: u64,
+    ) -> Result<u64, LinkError> {
+        let sequence = self.outbound.next_sequence();
+        let bytes = self
+            .outbound
+            .seal(frame, encoding, deadline)
+            .map_err(|e| self.transport(format!("serializing a frame: {e}")))?;
+        self.send_raw(bytes)?;
+        Ok(sequence)
+    }
+
+    /// Reads the next frame and checks it; credits are counted here.
+    pub fn next_frame(&mut self) -> Result<super::frame::FrameCheck, LinkError> {
+        let bytes = match block_on(self.receiver.next()) {
+            Some(Ok(bytes)) => bytes,
+            Some(Err(e)) => return Err(self.transport(e.to_string())),
+            None => return Err(self.transport("the shard closed the stream".into())),
+        };
+        let checked = self
+            .inbound
+            .check(&bytes, SystemTime::now())
+            .map_err(|error| LinkError::BadReply {
+                addr: self.addr.clone(),
+                error,
+            })?;
+        if checked.kind == FrameKind::Credit {
+            self.credits += u64::from(checked.frame.get_credit().get_frames());
+        }
+        Ok(checked)
+    }
+
+    fn refused(&self, error: &pb::ShardError) -> LinkError {
+        LinkError::Refused {
+            addr: self.addr.clone(),
+            error: FrameError {
+                kind: ErrorKind::from_wire(error.get_kind()).unwrap_or(ErrorKind::Internal),
+                message: error.get_message().to_owned(),
+                sessions: error
+                    .get_session_ids()
+                    .iter()
+                    .filter_map(|id| WireSessionId::try_from(id.as_slice()).ok())
+                    .collect(),
+                sequence: Some(error.get_refused_sequence()),
+            },
+        }
+    }
+
+    /// Runs `hidden` (the rows of `runs`, in order) through the shard's
+    /// layers, replacing it with the result. One run is a prefill fragment;
+    /// several (one row each) are a decode batch.
+    pub fn forward(
+        &mut self,
+        runs: &[(WireSessionId, u64, u32)],
+        hidden: &mut [f32],
+        deadline_unix_nanos: u64,
+    ) -> Result<(), LinkError> {
+        while self.credits == 0 {
+            let checked = self.next_frame()?;
+            if checked.kind == FrameKind::Error {
+                return Err(self.refused(checked.frame.get_error()));
+            }
+        }
+        let mut body = pb::Hidden::new();
+        body.set_runs(
+            runs.iter()
+                .map(|(id, position, count)| {
+                    let mut r = pb::Rows::new();
+                    r.set_session_id(id.to_vec());
+                    r.set_position(*position);
+                    r.set_count(*count);
+                    r
+                })
+                .collect(),
+        );
+        let mut frame = pb::Frame::new();
+        frame.set_payload(
+            encode_rows(self.encoding, self.hidden_size, hidden)
+                .map_err(|e| self.transport(format!("encoding hidden states: {e}")))?,
+        );
+        if runs.len() == 1 {
+            frame.set_prefill(body);
+        } else {
+            frame.set_decode(body);
+        }
+        let sequence = self.send(frame, Some(self.encoding), deadline_unix_nanos)?;
+        self.credits -= 1;
+        loop {
+            let checked = self.next_frame()?;
+            match checked.kind {
+                FrameKind::Credit => continue,
+                FrameKind::Error => return Err(self.refused(checked.frame.get_error())),
+                FrameKind::Output => {
+                    let output = checked.frame.get_output();
+                    if output.get_answers_sequence() != sequence {
+                        continue;
+                    }
+                    let answered: usize = output
+                        .get_runs()
+                        .iter()
+                        .map(|r| r.get_count() as usize)
+                        .sum();
+                    let want: usize = runs.iter().map(|r| r.2 as usize).sum();
+                    if answered != want {
+                        return Err(
+                            self.transport(format!("the shard answered {answered} rows of {want}"))
+                        );
+                    }
+                    let encoding = checked.encoding.unwrap_or(self.encoding);
+                    let values = decode_rows(
+                        encoding,
+                        self.hidden_size,
+                        answered,
+                        checked.frame.get_payload(),
+                    )
+                    .map_err(|e| self.transport(e.to_string()))?;
+                    hidden.copy_from_slice(&values);
+                    return Ok(());
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    /// Frees the sessions' KV on the shard.
+    pub fn release(&mut self, sessions: &[WireSessionId]) -> Result<(), LinkError> {
+        let mut body = pb::Release::new();
+        body.set_session_ids(sessions.iter().map(|s| s.to_vec()).collect());
+        let mut frame = pb::Frame::new();
+        frame.set_release(body);
+        self.send(frame, None, 0).map(|_| ())
+    }
+
+    /// Seals a frame with this link's numbering without sending it (tests
+    /// corrupt it, then `send_raw` it).
+    pub fn seal(
+        &mut self,
+        frame: pb::Frame,
+        encoding: Option<Encoding>,
+        deadline: u64,
+    ) -> Result<Vec<u8>, LinkError> {
+        self.outbound
+            .seal(frame, encoding, deadline)
+            .map_err(|e| self.transport(e.to_string()))
+    }
+}

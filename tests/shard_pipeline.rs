@@ -1,0 +1,269 @@
+//! The reference model split over three `inferd shard` processes on
+//! loopback, driven through `ShardLink`s by a coordinator in the test:
+//! logits bit-identical to the single-process engine through prefill and
+//! greedy decode, and the failures the protocol must contain: a corrupted
+//! frame (DATA_LOSS, the stream goes on), an unknown session (NOT_FOUND),
+//! a coordinator that restarted (its predecessor's stream is stale), and a
+//! shard killed mid-generation (transport failure on that link only).
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::link::{LinkError, LinkOptions, ShardLink};
+use inferd::cluster::payload::encode_rows;
+use inferd::cluster::{Encoding, ErrorKind, WireSessionId};
+use inferd::engine::{Engine, EngineConfig};
+use inferd::model::{Model, Scratch};
+use inferd::proto::inferd_shard_v1::shard_runtime as pb;
+use inferd::threads::ThreadPool;
+
+const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const RANGES: [(usize, usize); 3] = [(0, 10), (10, 20), (20, 30)];
+
+/// A shard process, killed and reaped however the test ends.
+struct ShardProcess {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for ShardProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_shard(layers: (usize, usize)) -> ShardProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "shard",
+            "--model",
+            REFERENCE,
+            "--layers",
+            &format!("{}..{}", layers.0, layers.1),
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-mib",
+            "32",
+            "--threads",
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start inferd shard");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(addr) = line.strip_prefix("listening on ") {
+                let _ = tx.send(addr.to_owned());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the shard prints its address");
+    ShardProcess { child, addr }
+}
+
+struct Coordinator {
+    model: Arc<Model>,
+    links: Vec<ShardLink>,
+    pool: ThreadPool,
+    scratch: Scratch,
+}
+
+fn fingerprint(model: &Model, hash: [u8; 32], layers: (usize, usize)) -> Fingerprint {
+    Fingerprint {
+        gguf_sha256: hash,
+        layer_begin: layers.0 as u32,
+        layer_end: layers.1 as u32,
+        layer_count: model.config.n_layers as u32,
+        hidden_size: model.config.hidden as u32,
+    }
+}
+
+impl Coordinator {
+    fn connect(model: Arc<Model>, shards: &[ShardProcess], epoch: u64) -> Coordinator {
+        let hash = sha256_of_file(Path::new(REFERENCE)).expect("hash");
+        let links = shards
+            .iter()
+            .zip(RANGES)
+            .map(|(shard, range)| {
+                ShardLink::connect(
+                    &shard.addr,
+                    &fingerprint(&model, hash, range),
+                    epoch,
+                    &LinkOptions::default(),
+                )
+                .expect("handshake")
+            })
+            .collect();
+        Coordinator {
+            model,
+            links,
+            pool: ThreadPool::new(1),
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// Feeds `tokens` of `session` starting at `position`; the last row's logits.
+    fn feed(
+        &mut self,
+        session: WireSessionId,
+        position: u64,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, LinkError> {
+        let hidden = self.model.config.hidden;
+        let mut x = vec![0f32; tokens.len() * hidden];
+        self.model.embed(tokens, &mut x).expect("embed");
+        for link in &mut self.links {
+            link.forward(&[(session, position, tokens.len() as u32)], &mut x, 0)?;
+        }
+        let mut logits = Vec::new();
+        let last = &x[(tokens.len() - 1) * hidden..];
+        self.model
+            .logits_from_hidden(&self.pool, last, &mut logits, &mut self.scratch);
+        Ok(logits)
+    }
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    inferd::sampler::argmax(logits).expect("a token")
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn three_shards_match_one_host_and_contain_every_failure() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let model = Arc::new(Model::load(REFERENCE).expect("model"));
+    let mut engine = Engine::new(
+        Arc::clone(&model),
+        &EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
+    let mut shards: Vec<ShardProcess> = RANGES.iter().map(|&r| start_shard(r)).collect();
+    let mut coordinator = Coordinator::connect(Arc::clone(&model), &shards, 0xc0ffee);
+
+    // Prefill in three fragments, then greedy decode: the same logits bits.
+    let prompt: Vec<u32> = vec![
+        1, 504, 3575, 282, 4649, 314, 9, 45, 1095, 30, 216, 3458, 282, 4667, 30,
+    ];
+    let session: WireSessionId = [7; 16];
+    let mut local = engine.new_session();
+    let mut position = 0u64;
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(6) {
+        logits = coordinator
+            .feed(session, position, chunk)
+            .expect("prefill through the shards");
+        position += chunk.len() as u64;
+    }
+    engine.append(&mut local, &prompt).expect("local prefill");
+    assert_eq!(
+        bits(&logits),
+        bits(local.next_logits()),
+        "prefill logits differ"
+    );
+    for step in 0..6 {
+        let token = argmax(&logits);
+        logits = coordinator
+            .feed(session, position, &[token])
+            .expect("decode through the shards");
+        position += 1;
+        engine.append(&mut local, &[token]).expect("local decode");
+        assert_eq!(
+            bits(&logits),
+            bits(local.next_logits()),
+            "decode step {step} differs"
+        );
+    }
+
+    // A corrupted payload: DATA_LOSS, nothing computed, the stream goes on.
+    let hidden = model.config.hidden;
+    let mut frame = pb::Frame::new();
+    let mut body = pb::Hidden::new();
+    let mut run = pb::Rows::new();
+    run.set_session_id(session.to_vec());
+    run.set_position(position);
+    run.set_count(1);
+    body.set_runs(vec![run].into());
+    frame.set_prefill(body);
+    frame.set_payload(encode_rows(Encoding::F32, hidden, &vec![0.5; hidden]).expect("rows"));
+    let link = &mut coordinator.links[0];
+    let mut sealed = link.seal(frame, Some(Encoding::F32), 0).expect("seal");
+    // Flip a bit inside the payload (0.5f32 is 00 00 00 3f), not the header.
+    let at = sealed
+        .windows(4)
+        .position(|w| w == [0, 0, 0, 0x3f])
+        .expect("payload bytes");
+    sealed[at + 3] ^= 0x01;
+    link.send_raw(sealed).expect("send");
+    let refusal = loop {
+        let checked = link.next_frame().expect("a reply");
+        if checked.frame.has_error() {
+            break checked.frame.get_error().clone();
+        }
+    };
+    assert_eq!(
+        ErrorKind::from_wire(refusal.get_kind()),
+        Some(ErrorKind::Checksum)
+    );
+    let token = argmax(&logits);
+    logits = coordinator
+        .feed(session, position, &[token])
+        .expect("the stream goes on");
+    position += 1;
+    engine.append(&mut local, &[token]).expect("local decode");
+    assert_eq!(bits(&logits), bits(local.next_logits()));
+
+    // A session the shard never saw, continuing at position 5: NOT_FOUND.
+    let stranger: WireSessionId = [9; 16];
+    match coordinator.feed(stranger, 5, &[17]) {
+        Err(e) => assert_eq!(e.kind(), Some(ErrorKind::UnknownSession), "{e}"),
+        Ok(_) => panic!("an unknown session was computed"),
+    }
+
+    // A restarted coordinator (new epoch) takes over; the old stream is stale.
+    let mut successor = Coordinator::connect(Arc::clone(&model), &shards, 0xbeef);
+    match coordinator.feed(session, position, &[argmax(&logits)]) {
+        Err(e) => assert_eq!(e.kind(), Some(ErrorKind::StaleEpoch), "{e}"),
+        Ok(_) => panic!("a stale coordinator was served"),
+    }
+    // ... and its predecessor's sessions are gone: the new one starts afresh.
+    let fresh = successor
+        .feed(session, 0, &prompt[..4])
+        .expect("a new session at 0");
+    let mut again = engine.new_session();
+    engine.append(&mut again, &prompt[..4]).expect("local");
+    assert_eq!(bits(&fresh), bits(again.next_logits()));
+
+    // Kill the middle shard: that link fails with a transport error.
+    let killed = shards.remove(1);
+    drop(killed);
+    let err = successor
+        .feed(session, 4, &prompt[4..6])
+        .expect_err("the middle shard is gone");
+    assert!(matches!(err, LinkError::Transport { .. }), "{err}");
+    // The first shard still serves.
+    let mut x = vec![0f32; hidden];
+    model.embed(&[5], &mut x).expect("embed");
+    successor.links[0]
+        .forward(&[([3; 16], 0, 1)], &mut x, 0)
+        .expect("the first shard still answers");
+}
