@@ -4,7 +4,10 @@
 //! greedy decode, and the failures the protocol must contain: a corrupted
 //! frame (DATA_LOSS, the stream goes on), an unknown session (NOT_FOUND),
 //! a coordinator that restarted (its predecessor's stream is stale), and a
-//! shard killed mid-generation (transport failure on that link only).
+//! shard killed mid-generation (transport failure on that link only). The
+//! same again through `inferd relay` processes: the same logits, and the
+//! relays' ingress and egress hashes equal the frames the coordinator sent
+//! and received, frame by frame, both ways.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -39,24 +42,29 @@ impl Drop for ShardProcess {
 }
 
 fn start_shard(layers: (usize, usize)) -> ShardProcess {
+    start_process(&[
+        "shard",
+        "--model",
+        REFERENCE,
+        "--layers",
+        &format!("{}..{}", layers.0, layers.1),
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-mib",
+        "32",
+        "--threads",
+        "1",
+    ])
+}
+
+/// Starts `inferd ARGS` and waits for its `listening on ADDR` line.
+fn start_process(args: &[&str]) -> ShardProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_inferd"))
-        .args([
-            "shard",
-            "--model",
-            REFERENCE,
-            "--layers",
-            &format!("{}..{}", layers.0, layers.1),
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-mib",
-            "32",
-            "--threads",
-            "1",
-        ])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start inferd shard");
+        .expect("start inferd");
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -68,7 +76,7 @@ fn start_shard(layers: (usize, usize)) -> ShardProcess {
     });
     let addr = rx
         .recv_timeout(Duration::from_secs(60))
-        .expect("the shard prints its address");
+        .expect("the process prints its address");
     ShardProcess { child, addr }
 }
 
@@ -91,6 +99,15 @@ fn fingerprint(model: &Model, hash: [u8; 32], layers: (usize, usize)) -> Fingerp
 
 impl Coordinator {
     fn connect(model: Arc<Model>, shards: &[ShardProcess], epoch: u64) -> Coordinator {
+        Self::connect_with(model, shards, epoch, &LinkOptions::default())
+    }
+
+    fn connect_with(
+        model: Arc<Model>,
+        shards: &[ShardProcess],
+        epoch: u64,
+        options: &LinkOptions,
+    ) -> Coordinator {
         let hash = sha256_of_file(Path::new(REFERENCE)).expect("hash");
         let links = shards
             .iter()
@@ -100,7 +117,7 @@ impl Coordinator {
                     &shard.addr,
                     &fingerprint(&model, hash, range),
                     epoch,
-                    &LinkOptions::default(),
+                    options,
                 )
                 .expect("handshake")
             })
@@ -266,4 +283,110 @@ fn three_shards_match_one_host_and_contain_every_failure() {
     successor.links[0]
         .forward(&[([3; 16], 0, 1)], &mut x, 0)
         .expect("the first shard still answers");
+}
+
+#[test]
+fn through_relays_the_answer_and_every_frame_are_the_same() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let model = Arc::new(Model::load(REFERENCE).expect("model"));
+    let mut engine = Engine::new(
+        Arc::clone(&model),
+        &EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
+    let shards: Vec<ShardProcess> = RANGES.iter().map(|&r| start_shard(r)).collect();
+    let records = tempfile::tempdir().expect("tempdir");
+    let relays: Vec<ShardProcess> = shards
+        .iter()
+        .enumerate()
+        .map(|(i, shard)| {
+            let record = records.path().join(format!("relay-{i}.jsonl"));
+            start_process(&[
+                "relay",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                &shard.addr,
+                "--record",
+                record.to_str().expect("utf-8 path"),
+            ])
+        })
+        .collect();
+    let options = LinkOptions {
+        record_hashes: true,
+        ..LinkOptions::default()
+    };
+    let mut coordinator = Coordinator::connect_with(Arc::clone(&model), &relays, 0xfeed, &options);
+    let prompt: Vec<u32> = vec![1, 504, 3575, 282, 4649, 314, 9, 45];
+    let session: WireSessionId = [4; 16];
+    let mut logits = coordinator
+        .feed(session, 0, &prompt)
+        .expect("prefill via relays");
+    let mut local = engine.new_session();
+    engine.append(&mut local, &prompt).expect("local");
+    assert_eq!(bits(&logits), bits(local.next_logits()));
+    for position in prompt.len() as u64..prompt.len() as u64 + 4 {
+        let token = argmax(&logits);
+        logits = coordinator
+            .feed(session, position, &[token])
+            .expect("decode via relays");
+        engine.append(&mut local, &[token]).expect("local");
+        assert_eq!(bits(&logits), bits(local.next_logits()));
+    }
+    for (i, link) in coordinator.links.iter().enumerate() {
+        let (sent, received) = link.frame_hashes().expect("recording");
+        let text = std::fs::read_to_string(records.path().join(format!("relay-{i}.jsonl")))
+            .expect("relay record");
+        let hops: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json line"))
+            .collect();
+        let session_hops = |way: &str| -> Vec<(String, String)> {
+            hops.iter()
+                .filter(|h| h["method"] == "Session" && h["way"] == way)
+                .map(|h| {
+                    (
+                        h["ingress_sha256"].as_str().unwrap_or("").to_owned(),
+                        h["egress_sha256"].as_str().unwrap_or("").to_owned(),
+                    )
+                })
+                .collect()
+        };
+        let up = session_hops("upstream");
+        let down = session_hops("downstream");
+        assert_eq!(up.len(), sent.len(), "relay {i}: frames up");
+        // The shard's last credit may be forwarded and not read yet.
+        assert!(
+            down.len() >= received.len() && down.len() <= received.len() + 1,
+            "relay {i}: {} frames down, the coordinator read {}",
+            down.len(),
+            received.len()
+        );
+        for (k, ((ingress, egress), ours)) in up.iter().zip(sent).enumerate() {
+            assert_eq!(
+                ingress, ours,
+                "relay {i}: upstream frame {k} arrived changed"
+            );
+            assert_eq!(egress, ours, "relay {i}: upstream frame {k} left changed");
+        }
+        for (k, ((ingress, egress), ours)) in down.iter().zip(received).enumerate() {
+            assert_eq!(
+                ingress, egress,
+                "relay {i}: downstream frame {k} changed inside"
+            );
+            assert_eq!(
+                egress, ours,
+                "relay {i}: downstream frame {k} arrived changed"
+            );
+        }
+        assert!(hops.iter().any(|h| h["method"] == "Handshake"));
+    }
+    drop(relays);
+    drop(shards);
 }

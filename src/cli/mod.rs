@@ -7,6 +7,7 @@
 mod chat;
 mod client;
 mod generate;
+mod relay;
 pub mod remote;
 mod serve;
 mod session;
@@ -50,6 +51,8 @@ pub enum Command {
     Session(session::SessionCommand),
     /// Serve one layer range of a model over the shard protocol.
     Shard(shard::ShardArgs),
+    /// Forward shard-protocol calls to a shard without decoding them.
+    Relay(relay::RelayArgs),
 }
 
 impl Command {
@@ -57,7 +60,7 @@ impl Command {
     /// lifecycle, the one-shot commands only warnings.
     pub fn default_log_level(&self) -> &'static str {
         match self {
-            Command::Serve(_) | Command::Shard(_) => "info",
+            Command::Serve(_) | Command::Shard(_) | Command::Relay(_) => "info",
             _ => "warn",
         }
     }
@@ -256,6 +259,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Serve(args) => serve::run(args),
         Command::Session(command) => session::run(command),
         Command::Shard(args) => shard::run(args),
+        Command::Relay(args) => relay::run(args),
     }
 }
 

@@ -57,6 +57,9 @@ pub struct LinkOptions {
     pub encoding: Encoding,
     pub max_frame_bytes: u32,
     pub credit_window: u32,
+    /// Keep the SHA-256 of every frame sent and received (to compare with
+    /// what a relay saw).
+    pub record_hashes: bool,
 }
 
 impl Default for LinkOptions {
@@ -65,6 +68,7 @@ impl Default for LinkOptions {
             encoding: Encoding::F32,
             max_frame_bytes: 64 << 20,
             credit_window: 16,
+            record_hashes: false,
         }
     }
 }
@@ -81,7 +85,17 @@ pub struct ShardLink {
     inbound: Inbound,
     credits: u64,
     served: Fingerprint,
+    /// SHA-256 (hex) of frames sent and received, when recording.
+    hashes: Option<(Vec<String>, Vec<String>)>,
     _client: ShardRuntimeClient,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl ShardLink {
@@ -161,8 +175,17 @@ impl ShardLink {
             ),
             credits: u64::from(limits.get_credit_window()),
             served,
+            hashes: options.record_hashes.then(|| (Vec::new(), Vec::new())),
             _client: client,
         })
+    }
+
+    /// SHA-256 (hex) of every frame sent and received on the stream so
+    /// far, in order, when `record_hashes` was set.
+    pub fn frame_hashes(&self) -> Option<(&[String], &[String])> {
+        self.hashes
+            .as_ref()
+            .map(|(sent, received)| (sent.as_slice(), received.as_slice()))
     }
 
     /// The agreed epochs.
@@ -185,6 +208,9 @@ impl ShardLink {
     /// Sends one already-serialized frame as it is (tests use it to send
     /// frames the protocol must refuse).
     pub fn send_raw(&mut self, bytes: Vec<u8>) -> Result<(), LinkError> {
+        if let Some((sent, _)) = &mut self.hashes {
+            sent.push(sha256_hex(&bytes));
+        }
         block_on(self.sender.send((bytes, WriteFlags::default())))
             .map_err(|e| self.transport(e.to_string()))
     }
@@ -212,6 +238,9 @@ impl ShardLink {
             Some(Err(e)) => return Err(self.transport(e.to_string())),
             None => return Err(self.transport("the shard closed the stream".into())),
         };
+        if let Some((_, received)) = &mut self.hashes {
+            received.push(sha256_hex(&bytes));
+        }
         let checked = self
             .inbound
             .check(&bytes, SystemTime::now())

@@ -14,6 +14,7 @@ pub mod handshake;
 pub mod link;
 pub mod payload;
 pub mod raw;
+pub mod relay;
 pub mod shard;
 
 pub use fingerprint::Fingerprint;

@@ -350,6 +350,15 @@ impl Replies {
         };
         block_on(self.sink.send((bytes, WriteFlags::default()))).is_ok()
     }
+
+    /// Ends the call after the frames sent so far, with a status (dropping
+    /// the sink instead would cancel the call and could lose them).
+    fn end(mut self, status: Option<RpcStatus>) {
+        let _ = match status {
+            Some(status) => block_on(self.sink.fail(status)),
+            None => block_on(self.sink.close()),
+        };
+    }
 }
 
 /// Serves one Session stream until the coordinator closes it or the
@@ -415,20 +424,28 @@ fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: Duple
                 }
             }
         }
+        // A handshake by a newer coordinator retires this stream's epoch.
+        if let Some((_, agreed)) = inbound.as_ref() {
+            if !lock(&shared.agreed).contains_key(&agreed.epochs.coordinator) {
+                let error = FrameError {
+                    kind: ErrorKind::StaleEpoch,
+                    message: "a newer coordinator has taken over this shard".into(),
+                    sessions: Vec::new(),
+                    sequence: None,
+                };
+                if let Some(mut r) = replies.take() {
+                    let _ = r.send(error_frame(&error), None);
+                    r.end(Some(RpcStatus::with_message(
+                        RpcStatusCode::FAILED_PRECONDITION,
+                        error.message,
+                    )));
+                }
+                return;
+            }
+        }
         let (Some((checker, agreed)), Some(replies)) = (inbound.as_mut(), replies.as_mut()) else {
             return;
         };
-        // A handshake by a newer coordinator retires this stream's epoch.
-        if !lock(&shared.agreed).contains_key(&agreed.epochs.coordinator) {
-            let error = FrameError {
-                kind: ErrorKind::StaleEpoch,
-                message: "a newer coordinator has taken over this shard".into(),
-                sessions: Vec::new(),
-                sequence: None,
-            };
-            let _ = replies.send(error_frame(&error), None);
-            return;
-        }
         let checked = match checker.check(&bytes, SystemTime::now()) {
             Ok(checked) => checked,
             Err(error) => {
@@ -450,6 +467,12 @@ fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: Duple
         if !ok {
             return;
         }
+    }
+    // The coordinator closed its side: close ours after what was sent.
+    if let Some(r) = replies.take() {
+        r.end(None);
+    } else if let Some(mut sink) = sink.take() {
+        let _ = block_on(sink.close());
     }
 }
 

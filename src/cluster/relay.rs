@@ -1,0 +1,350 @@
+//! `inferd relay`: forwards shard-protocol calls to an upstream shard for
+//! coordinators that cannot reach it directly, without decoding a single
+//! message. Both methods are registered with raw-bytes marshallers, so the
+//! bytes a client sends are the bytes the upstream receives, and back.
+//!
+//! The relay proves it: it hashes (SHA-256) every message when it arrives
+//! (ingress) and again right before it is written out (egress), and keeps
+//! the pairs per call and direction, in memory and, with `--record`, as
+//! JSON lines in a file.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use futures_util::{SinkExt, StreamExt};
+use grpcio::{
+    CallOption, ChannelBuilder, Client, DuplexSink, Environment, Method, MethodType, RequestStream,
+    RpcContext, RpcStatus, RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder,
+    UnarySink, WriteFlags,
+};
+use sha2::{Digest, Sha256};
+
+use super::raw::SESSION_RAW;
+
+/// `ShardRuntime/Handshake` with opaque messages.
+const HANDSHAKE_RAW: Method<Vec<u8>, Vec<u8>> = Method {
+    ty: MethodType::Unary,
+    name: "/inferd.shard.v1.ShardRuntime/Handshake",
+    req_mar: SESSION_RAW.req_mar,
+    resp_mar: SESSION_RAW.resp_mar,
+};
+
+/// Which way a message travelled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Way {
+    /// From the client (coordinator) to the upstream (shard).
+    Upstream,
+    /// From the upstream back to the client.
+    Downstream,
+}
+
+/// One forwarded message: its hashes at both boundaries.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Hop {
+    /// Calls are numbered from 1 in the order they arrived.
+    pub call: u64,
+    pub method: &'static str,
+    pub way: Way,
+    /// Messages of this call and way, from 1.
+    pub index: u64,
+    pub bytes: usize,
+    pub ingress_sha256: String,
+    pub egress_sha256: String,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Every hop so far, and the optional record file.
+#[derive(Default)]
+struct Record {
+    hops: Vec<Hop>,
+    file: Option<std::fs::File>,
+    calls: u64,
+}
+
+fn lock(record: &Mutex<Record>) -> std::sync::MutexGuard<'_, Record> {
+    record.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Record {
+    fn push(&mut self, hop: Hop) {
+        if let Some(file) = &mut self.file {
+            if let Ok(line) = serde_json::to_string(&hop) {
+                let _ = writeln!(file, "{line}");
+            }
+        }
+        self.hops.push(hop);
+    }
+}
+
+/// Where a relay listens and forwards to.
+#[derive(Clone, Debug)]
+pub struct RelayConfig {
+    pub listen: String,
+    pub upstream: String,
+    /// Append every hop as a JSON line to this file.
+    pub record: Option<PathBuf>,
+    /// Largest message forwarded, in bytes.
+    pub max_message_bytes: u32,
+}
+
+/// A running relay; dropping it stops the server.
+pub struct Relay {
+    server: grpcio::Server,
+    addr: std::net::SocketAddr,
+    record: Arc<Mutex<Record>>,
+}
+
+/// Records a hop: the hash taken when the message arrived, and the hash of
+/// the bytes about to be written out.
+fn finish_hop(
+    record: &Mutex<Record>,
+    call: u64,
+    method: &'static str,
+    way: Way,
+    index: u64,
+    ingress_sha256: String,
+    bytes: &[u8],
+) {
+    let egress_sha256 = sha256_hex(bytes);
+    lock(record).push(Hop {
+        call,
+        method,
+        way,
+        index,
+        bytes: bytes.len(),
+        ingress_sha256,
+        egress_sha256,
+    });
+}
+
+impl Relay {
+    pub fn start(cfg: &RelayConfig) -> Result<Relay, String> {
+        let env = Arc::new(Environment::new(1));
+        let limit = i32::try_from(cfg.max_message_bytes.saturating_add(1024)).unwrap_or(i32::MAX);
+        let channel = ChannelBuilder::new(Arc::clone(&env))
+            .max_receive_message_len(limit)
+            .max_send_message_len(limit)
+            .connect(&cfg.upstream);
+        let client = Arc::new(Client::new(channel));
+        let file = match &cfg.record {
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| format!("record file {}: {e}", path.display()))?,
+            ),
+            None => None,
+        };
+        let record = Arc::new(Mutex::new(Record {
+            file,
+            ..Record::default()
+        }));
+        let (unary_client, unary_record) = (Arc::clone(&client), Arc::clone(&record));
+        let (stream_client, stream_record) = (client, Arc::clone(&record));
+        let service = ServiceBuilder::new()
+            .add_unary_handler(
+                &HANDSHAKE_RAW,
+                move |ctx: RpcContext<'_>, req: Vec<u8>, sink: UnarySink<Vec<u8>>| {
+                    let client = Arc::clone(&unary_client);
+                    let record = Arc::clone(&unary_record);
+                    let call = {
+                        let mut r = lock(&record);
+                        r.calls += 1;
+                        r.calls
+                    };
+                    ctx.spawn(async move {
+                        let method = "Handshake";
+                        let ingress = sha256_hex(&req);
+                        finish_hop(&record, call, method, Way::Upstream, 1, ingress, &req);
+                        let reply = match client.unary_call_async(
+                            &HANDSHAKE_RAW,
+                            &req,
+                            CallOption::default(),
+                        ) {
+                            Ok(receiver) => receiver.await,
+                            Err(e) => Err(e),
+                        };
+                        match reply {
+                            Ok(bytes) => {
+                                let ingress = sha256_hex(&bytes);
+                                finish_hop(
+                                    &record,
+                                    call,
+                                    method,
+                                    Way::Downstream,
+                                    1,
+                                    ingress,
+                                    &bytes,
+                                );
+                                let _ = sink.success(bytes).await;
+                            }
+                            Err(e) => {
+                                let _ = sink.fail(status_of(e)).await;
+                            }
+                        }
+                    });
+                },
+            )
+            .add_duplex_streaming_handler(
+                &SESSION_RAW,
+                move |ctx: RpcContext<'_>,
+                      incoming: RequestStream<Vec<u8>>,
+                      sink: DuplexSink<Vec<u8>>| {
+                    let record = Arc::clone(&stream_record);
+                    let call = {
+                        let mut r = lock(&record);
+                        r.calls += 1;
+                        r.calls
+                    };
+                    let (upstream_tx, upstream_rx) =
+                        match stream_client.duplex_streaming(&SESSION_RAW, CallOption::default()) {
+                            Ok(pair) => pair,
+                            Err(e) => {
+                                let status = status_of(e);
+                                ctx.spawn(async move {
+                                    let _ = sink.fail(status).await;
+                                });
+                                return;
+                            }
+                        };
+                    ctx.spawn(forward_session(
+                        call,
+                        record,
+                        incoming,
+                        sink,
+                        upstream_tx,
+                        upstream_rx,
+                    ));
+                },
+            )
+            .build();
+        let args = ChannelBuilder::new(Arc::clone(&env))
+            .max_receive_message_len(limit)
+            .max_send_message_len(limit)
+            .build_args();
+        let mut server = ServerBuilder::new(env)
+            .channel_args(args)
+            .register_service(service)
+            .build()
+            .map_err(|e| e.to_string())?;
+        let port = server
+            .add_listening_port(&cfg.listen, ServerCredentials::insecure())
+            .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+        server.start();
+        let ip: std::net::IpAddr = cfg
+            .listen
+            .rsplit_once(':')
+            .and_then(|(host, _)| host.trim_matches(['[', ']']).parse().ok())
+            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        let addr = std::net::SocketAddr::new(ip, port);
+        tracing::info!(%addr, upstream = %cfg.upstream, "relay forwarding");
+        Ok(Relay {
+            server,
+            addr,
+            record,
+        })
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Every message forwarded so far.
+    pub fn hops(&self) -> Vec<Hop> {
+        lock(&self.record).hops.clone()
+    }
+
+    pub fn shutdown(mut self) {
+        let done = self.server.shutdown();
+        self.server.cancel_all_calls();
+        let _ = futures_executor::block_on(done);
+    }
+}
+
+fn status_of(e: grpcio::Error) -> RpcStatus {
+    match e {
+        grpcio::Error::RpcFailure(status) => status,
+        other => RpcStatus::with_message(RpcStatusCode::UNAVAILABLE, format!("upstream: {other}")),
+    }
+}
+
+/// Pumps one Session call both ways until either side ends.
+async fn forward_session(
+    call: u64,
+    record: Arc<Mutex<Record>>,
+    mut incoming: RequestStream<Vec<u8>>,
+    mut sink: DuplexSink<Vec<u8>>,
+    mut upstream_tx: grpcio::ClientDuplexSender<Vec<u8>>,
+    mut upstream_rx: grpcio::ClientDuplexReceiver<Vec<u8>>,
+) {
+    let method = "Session";
+    let up_record = Arc::clone(&record);
+    let up = async move {
+        let mut index = 0u64;
+        while let Some(next) = incoming.next().await {
+            let Ok(bytes) = next else {
+                break;
+            };
+            index += 1;
+            let ingress = sha256_hex(&bytes);
+            finish_hop(
+                &up_record,
+                call,
+                method,
+                Way::Upstream,
+                index,
+                ingress,
+                &bytes,
+            );
+            if upstream_tx
+                .send((bytes, WriteFlags::default()))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        let _ = upstream_tx.close().await;
+    };
+    let down = async move {
+        let mut index = 0u64;
+        loop {
+            match upstream_rx.next().await {
+                Some(Ok(bytes)) => {
+                    index += 1;
+                    let ingress = sha256_hex(&bytes);
+                    finish_hop(
+                        &record,
+                        call,
+                        method,
+                        Way::Downstream,
+                        index,
+                        ingress,
+                        &bytes,
+                    );
+                    if sink.send((bytes, WriteFlags::default())).await.is_err() {
+                        return;
+                    }
+                }
+                Some(Err(e)) => {
+                    let _ = sink.fail(status_of(e)).await;
+                    return;
+                }
+                None => {
+                    let _ = sink.close().await;
+                    return;
+                }
+            }
+        }
+    };
+    futures_util::future::join(up, down).await;
+}
