@@ -217,3 +217,117 @@ fn python_stubs_from_the_shard_schema_decode_the_golden_frames() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("frames checked"));
 }
+
+/// The rows `tests/interop/shard_client.py` sends: exactly representable,
+/// so both languages write the same bits.
+fn client_rows(count: usize, first: usize, hidden: usize) -> Vec<f32> {
+    (first * hidden..(first + count) * hidden)
+        .map(|i| ((i * 37) % 101) as f32 / 64.0 - 50.0 / 64.0)
+        .collect()
+}
+
+fn sha256_hex_f32(values: &[f32]) -> String {
+    use sha2::Digest;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A Python client generated from the shard schema drives a real `inferd
+/// shard` (handshake, prefill, a corrupted frame refused with
+/// KIND_CHECKSUM, decode, release); its outputs are the bits this process
+/// computes for the same layers and rows.
+#[test]
+fn python_stubs_from_the_shard_schema_drive_a_real_shard() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let Some(python) = python_env() else {
+        return;
+    };
+    let mut shard = Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "shard",
+            "--model",
+            REFERENCE,
+            "--layers",
+            "0..10",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-mib",
+            "16",
+            "--threads",
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start inferd shard");
+    let stdout = shard.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(addr) = line.strip_prefix("listening on ") {
+                let _ = tx.send(addr.to_owned());
+            }
+        }
+    });
+    let addr = rx.recv_timeout(STARTUP).expect("the shard listens");
+    let guard = ServerGuard {
+        child: shard,
+        log: PathBuf::new(),
+    };
+    let model = inferd::model::Model::load(REFERENCE).expect("model");
+    let (layers, hidden) = (model.config.n_layers, model.config.hidden);
+    let out = Command::new(&python)
+        .args([
+            "tests/interop/shard_client.py",
+            &addr,
+            REFERENCE,
+            "0",
+            "10",
+            &layers.to_string(),
+            &hidden.to_string(),
+        ])
+        .output()
+        .expect("run tests/interop/shard_client.py");
+    drop(guard);
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reply: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("one JSON line from the client");
+
+    // The same layers over the same rows, in this process.
+    use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
+    use inferd::model::{LogitsWanted, Scratch, Sequence};
+    let pool = inferd::threads::ThreadPool::new(1);
+    let mut scratch = Scratch::default();
+    let kv_pool = std::sync::Arc::new(
+        KvPool::new(KvPoolConfig::anonymous(model.kv_layout(10, 16), 8)).expect("kv"),
+    );
+    let mut kv = SessionKv::new(kv_pool);
+    let mut expected = Vec::new();
+    for (first, count) in [(0usize, 3usize), (3, 1)] {
+        let mut x = client_rows(count, first, hidden);
+        kv.reserve(first + count).expect("reserve");
+        let tokens = vec![0u32; count];
+        let mut seqs = [Sequence {
+            kv: &mut kv,
+            tokens: &tokens,
+            logits: LogitsWanted::None,
+        }];
+        model
+            .forward_layers(0..10, &mut seqs, &mut x, &pool, &mut scratch)
+            .expect("forward");
+        kv.commit(first + count).expect("commit");
+        expected.push(sha256_hex_f32(&x));
+    }
+    assert_eq!(reply["outputs"], serde_json::json!(expected));
+}

@@ -351,13 +351,10 @@ impl Replies {
         block_on(self.sink.send((bytes, WriteFlags::default()))).is_ok()
     }
 
-    /// Ends the call after the frames sent so far, with a status (dropping
-    /// the sink instead would cancel the call and could lose them).
-    fn end(mut self, status: Option<RpcStatus>) {
-        let _ = match status {
-            Some(status) => block_on(self.sink.fail(status)),
-            None => block_on(self.sink.close()),
-        };
+    /// Ends the call cleanly after the frames sent so far (dropping the
+    /// sink instead would cancel the call and could lose them).
+    fn end(mut self) {
+        let _ = block_on(self.sink.close());
     }
 }
 
@@ -433,12 +430,11 @@ fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: Duple
                     sessions: Vec::new(),
                     sequence: None,
                 };
+                // The error frame says why; the call then ends cleanly (a
+                // failing status could overtake the frame at the client).
                 if let Some(mut r) = replies.take() {
                     let _ = r.send(error_frame(&error), None);
-                    r.end(Some(RpcStatus::with_message(
-                        RpcStatusCode::FAILED_PRECONDITION,
-                        error.message,
-                    )));
+                    r.end();
                 }
                 return;
             }
@@ -470,7 +466,7 @@ fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: Duple
     }
     // The coordinator closed its side: close ours after what was sent.
     if let Some(r) = replies.take() {
-        r.end(None);
+        r.end();
     } else if let Some(mut sink) = sink.take() {
         let _ = block_on(sink.close());
     }
