@@ -10,9 +10,7 @@ use std::time::SystemTime;
 
 use futures_executor::block_on;
 use futures_util::{SinkExt, StreamExt};
-use grpcio::{
-    CallOption, ChannelBuilder, ClientDuplexReceiver, ClientDuplexSender, Environment, WriteFlags,
-};
+use grpcio::{CallOption, ClientDuplexReceiver, ClientDuplexSender, Environment, WriteFlags};
 
 use super::fingerprint::Fingerprint;
 use super::frame::{
@@ -108,11 +106,7 @@ impl ShardLink {
         options: &LinkOptions,
     ) -> Result<ShardLink, LinkError> {
         let env = Arc::new(Environment::new(1));
-        let limit = i32::try_from(options.max_frame_bytes.saturating_add(1024)).unwrap_or(i32::MAX);
-        let channel = ChannelBuilder::new(env)
-            .max_receive_message_len(limit)
-            .max_send_message_len(limit)
-            .connect(addr);
+        let channel = super::transport::client(env, options.max_frame_bytes).connect(addr);
         let client = ShardRuntimeClient::new(channel);
         let mut request = pb::HandshakeRequest::new();
         request.set_protocol_version(PROTOCOL_VERSION);

@@ -2,11 +2,15 @@
 //! `protos/inferd/shard/v1/shard_runtime.proto`. A coordinator streams
 //! hidden states through shards that each run a layer range.
 //!
-//! Built so far: the protocol layer every side shares, with no transport in
-//! it: the payload encodings and checksums ([`payload`]), frame building and
-//! the fail-closed checks an inbound frame passes, in a fixed order, before
-//! anything acts on it ([`frame`]), the handshake's agreement rules
-//! ([`handshake`]), and the model fingerprint ([`fingerprint`]).
+//! The protocol layer every side shares has no transport in it: payload
+//! encodings and checksums ([`payload`]), frame sealing and the fail-closed
+//! checks an inbound frame passes, in a fixed order, before anything acts on
+//! it ([`frame`]), the handshake's rules ([`handshake`]) and the model
+//! fingerprint ([`fingerprint`]). Over gRPC: the raw-bytes session method
+//! ([`raw`]) and shared channel settings ([`transport`]), the shard server
+//! ([`shard`], `inferd shard`), the coordinator's link to one shard
+//! ([`link`]) and the opaque relay ([`relay`], `inferd relay`). The runtime
+//! as a coordinator (`inferd serve --shards`) is not built yet.
 
 pub mod fingerprint;
 pub mod frame;
@@ -16,6 +20,7 @@ pub mod payload;
 pub mod raw;
 pub mod relay;
 pub mod shard;
+pub mod transport;
 
 pub use fingerprint::Fingerprint;
 pub use frame::{

@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::{SinkExt, StreamExt};
 use grpcio::{
-    CallOption, ChannelBuilder, Client, DuplexSink, Environment, Method, MethodType, RequestStream,
-    RpcContext, RpcStatus, RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder,
-    UnarySink, WriteFlags,
+    CallOption, Client, DuplexSink, Environment, Method, MethodType, RequestStream, RpcContext,
+    RpcStatus, RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink,
+    WriteFlags,
 };
 use sha2::{Digest, Sha256};
 
@@ -128,10 +128,7 @@ fn finish_hop(
 impl Relay {
     pub fn start(cfg: &RelayConfig) -> Result<Relay, String> {
         let env = Arc::new(Environment::new(1));
-        let limit = i32::try_from(cfg.max_message_bytes.saturating_add(1024)).unwrap_or(i32::MAX);
-        let channel = ChannelBuilder::new(Arc::clone(&env))
-            .max_receive_message_len(limit)
-            .max_send_message_len(limit)
+        let channel = super::transport::client(Arc::clone(&env), cfg.max_message_bytes)
             .connect(&cfg.upstream);
         let client = Arc::new(Client::new(channel));
         let file = match &cfg.record {
@@ -227,10 +224,7 @@ impl Relay {
                 },
             )
             .build();
-        let args = ChannelBuilder::new(Arc::clone(&env))
-            .max_receive_message_len(limit)
-            .max_send_message_len(limit)
-            .build_args();
+        let args = super::transport::server(Arc::clone(&env), cfg.max_message_bytes).build_args();
         let mut server = ServerBuilder::new(env)
             .channel_args(args)
             .register_service(service)

@@ -18,8 +18,8 @@ use std::time::SystemTime;
 use futures_executor::block_on;
 use futures_util::{SinkExt, StreamExt};
 use grpcio::{
-    ChannelBuilder, DuplexSink, Environment, RequestStream, RpcContext, RpcStatus, RpcStatusCode,
-    ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
+    DuplexSink, Environment, RequestStream, RpcContext, RpcStatus, RpcStatusCode, ServerBuilder,
+    ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
 };
 use protobuf::Message;
 
@@ -202,12 +202,7 @@ impl ShardServer {
                 },
             )
             .build();
-        let frame_limit =
-            i32::try_from(cfg.max_frame_bytes.saturating_add(1024)).unwrap_or(i32::MAX);
-        let args = ChannelBuilder::new(Arc::clone(&env))
-            .max_receive_message_len(frame_limit)
-            .max_send_message_len(frame_limit)
-            .build_args();
+        let args = super::transport::server(Arc::clone(&env), cfg.max_frame_bytes).build_args();
         let listen_error = |message: String| ShardStartError::Listen {
             addr: cfg.listen.clone(),
             message,

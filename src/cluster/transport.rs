@@ -1,0 +1,42 @@
+//! gRPC channel settings every peer of the shard protocol shares: message
+//! size limits from the agreed frame size, and HTTP/2 keepalive, so a link
+//! that goes silent (a cut cable, a host gone without a reset) fails the
+//! calls on it within seconds instead of hanging them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use grpcio::{ChannelBuilder, Environment};
+
+/// Keepalive ping period on an idle or waiting connection.
+pub const KEEPALIVE_TIME: Duration = Duration::from_secs(1);
+/// How long a ping may go unanswered before the connection is dead.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn limit(max_message_bytes: u32) -> i32 {
+    i32::try_from(max_message_bytes.saturating_add(1024)).unwrap_or(i32::MAX)
+}
+
+/// A client channel builder (coordinator to shard, relay to upstream).
+pub fn client(env: Arc<Environment>, max_message_bytes: u32) -> ChannelBuilder {
+    ChannelBuilder::new(env)
+        .max_receive_message_len(limit(max_message_bytes))
+        .max_send_message_len(limit(max_message_bytes))
+        .keepalive_time(KEEPALIVE_TIME)
+        .keepalive_timeout(KEEPALIVE_TIMEOUT)
+        .keepalive_permit_without_calls(true)
+        .http2_max_pings_without_data(0)
+}
+
+/// Server channel settings (shard, relay; `.build_args()` them): the same
+/// limits, and pings at the clients' keepalive rate accepted rather than
+/// punished.
+pub fn server(env: Arc<Environment>, max_message_bytes: u32) -> ChannelBuilder {
+    ChannelBuilder::new(env)
+        .max_receive_message_len(limit(max_message_bytes))
+        .max_send_message_len(limit(max_message_bytes))
+        .keepalive_time(KEEPALIVE_TIME)
+        .keepalive_timeout(KEEPALIVE_TIMEOUT)
+        .http2_min_recv_ping_interval_without_data(KEEPALIVE_TIME / 2)
+        .http2_max_ping_strikes(0)
+}
