@@ -294,6 +294,18 @@ fn filter_step(row: Row, id: u32, nucleus: Cut, min_p: f32) {
     }
 }
 
+// Tokens still in the running (not NaN or -inf; only +inf ones when the
+// maximum is +inf), counted by the whole workgroup.
+fn count_eligible(row: Row, lid: u32) -> u32 {
+    let vocab = globals.vocab_size;
+    var mine = 0u;
+    for (var id = lid; id < vocab; id += PASS_STRIDE) {
+        mine += eligible_at(row, id) + eligible_at(row, id + WORKGROUP_SIZE)
+            + eligible_at(row, id + 2u * WORKGROUP_SIZE) + eligible_at(row, id + 3u * WORKGROUP_SIZE);
+    }
+    return workgroup_sum(lid, mine);
+}
+
 // --- Blocked sums ---------------------------------------------------------
 
 fn add_weight(row: Row, id: u32, end: u32, sum: f32) -> f32 {
@@ -832,12 +844,7 @@ fn sample_rows(
 fn draw_token(row: Row, lid: u32, max_logit: f32) -> u32 {
     let vocab = globals.vocab_size;
     // Step 7: the candidates.
-    var mine = 0u;
-    for (var id = lid; id < vocab; id += PASS_STRIDE) {
-        mine += eligible_at(row, id) + eligible_at(row, id + WORKGROUP_SIZE)
-            + eligible_at(row, id + 2u * WORKGROUP_SIZE) + eligible_at(row, id + 3u * WORKGROUP_SIZE);
-    }
-    let eligible_count = workgroup_sum(lid, mine);
+    let eligible_count = count_eligible(row, lid);
 
     // Step 8: top-k.
     let top_k = param_u32(row, P_TOP_K);
@@ -887,12 +894,7 @@ fn draw_token(row: Row, lid: u32, max_logit: f32) -> u32 {
 // subtracts; with +inf logits, their count instead.
 fn report_logprobs(row: Row, lid: u32, max_logit: f32, token: u32, top_n: u32) {
     let vocab = globals.vocab_size;
-    var mine = 0u;
-    for (var id = lid; id < vocab; id += PASS_STRIDE) {
-        mine += eligible_at(row, id) + eligible_at(row, id + WORKGROUP_SIZE)
-            + eligible_at(row, id + 2u * WORKGROUP_SIZE) + eligible_at(row, id + 3u * WORKGROUP_SIZE);
-    }
-    let count = workgroup_sum(lid, mine);
+    let count = count_eligible(row, lid);
     let n = min(top_n, count);
     var normaliser = 0.0;
     if !row.inf_mode {

@@ -151,6 +151,18 @@ impl Coordinator {
     }
 }
 
+/// The single-process reference the shards are held to.
+fn one_host(model: &Arc<Model>) -> Engine {
+    Engine::new(
+        Arc::clone(model),
+        &EngineConfig {
+            threads: 1,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine")
+}
+
 fn argmax(logits: &[f32]) -> u32 {
     inferd::sampler::argmax(logits).expect("a token")
 }
@@ -166,14 +178,7 @@ fn three_shards_match_one_host_and_contain_every_failure() {
         return;
     }
     let model = Arc::new(Model::load(REFERENCE).expect("model"));
-    let mut engine = Engine::new(
-        Arc::clone(&model),
-        &EngineConfig {
-            threads: 1,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine");
+    let mut engine = one_host(&model);
     let mut shards: Vec<ShardProcess> = RANGES.iter().map(|&r| start_shard(r)).collect();
     let mut coordinator = Coordinator::connect(Arc::clone(&model), &shards, 0xc0ffee);
 
@@ -292,14 +297,7 @@ fn through_relays_the_answer_and_every_frame_are_the_same() {
         return;
     }
     let model = Arc::new(Model::load(REFERENCE).expect("model"));
-    let mut engine = Engine::new(
-        Arc::clone(&model),
-        &EngineConfig {
-            threads: 1,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine");
+    let mut engine = one_host(&model);
     let shards: Vec<ShardProcess> = RANGES.iter().map(|&r| start_shard(r)).collect();
     let records = tempfile::tempdir().expect("tempdir");
     let relays: Vec<ShardProcess> = shards
