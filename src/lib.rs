@@ -9,14 +9,19 @@
 //! - [`kv`]: the paged KV cache: an mmap-backed slab pool of fixed-size pages
 //!   handed out by a lock-free allocator.
 //! - [`model`]: the llama-family forward pass over a mapped GGUF.
-//! - [`sampler`]: turning logits into a token id (CPU reference sampler).
+//! - [`sampler`]: turning logits into a token id: the CPU reference and the
+//!   WGSL sampler through wgpu.
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
-//! - [`proto`]: the gRPC wire types generated from `protos/` (client API and health).
+//! - [`proto`]: the gRPC wire types generated from `protos/` (client API,
+//!   health, shard protocol).
 //! - [`server`]: the gRPC front end (grpcio): RuntimeService, health, auth, TLS.
 //! - [`metrics`]: Prometheus text rendering of the runtime counters, served over HTTP.
+//! - [`cluster`]: the shard protocol: frame checks, `inferd shard`, the
+//!   coordinator's link to a shard, and `inferd relay`.
+//! - [`listen`]: the socket address a bound listen string names.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
 #[cfg(not(loom))]
@@ -26,6 +31,7 @@ pub mod cluster;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
+pub mod listen;
 #[cfg(not(loom))]
 pub mod metrics;
 pub mod model;

@@ -234,12 +234,7 @@ impl Relay {
             .add_listening_port(&cfg.listen, ServerCredentials::insecure())
             .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
         server.start();
-        let ip: std::net::IpAddr = cfg
-            .listen
-            .rsplit_once(':')
-            .and_then(|(host, _)| host.trim_matches(['[', ']']).parse().ok())
-            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
-        let addr = std::net::SocketAddr::new(ip, port);
+        let addr = crate::listen::bound_address(&cfg.listen, port)?;
         tracing::info!(%addr, upstream = %cfg.upstream, "relay forwarding");
         Ok(Relay {
             server,

@@ -216,12 +216,7 @@ impl ShardServer {
             .add_listening_port(&cfg.listen, ServerCredentials::insecure())
             .map_err(|e| listen_error(e.to_string()))?;
         server.start();
-        let ip: std::net::IpAddr = cfg
-            .listen
-            .rsplit_once(':')
-            .and_then(|(host, _)| host.trim_matches(['[', ']']).parse().ok())
-            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
-        let addr = std::net::SocketAddr::new(ip, port);
+        let addr = crate::listen::bound_address(&cfg.listen, port).map_err(listen_error)?;
         tracing::info!(
             %addr,
             layers = ?cfg.layers,

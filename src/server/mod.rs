@@ -201,7 +201,7 @@ impl Server {
         let port = grpc
             .add_listening_port(cfg.listen.clone(), credentials)
             .map_err(|e| bind_error(e.to_string()))?;
-        let addr = bound_address(&cfg.listen, port).map_err(bind_error)?;
+        let addr = crate::listen::bound_address(&cfg.listen, port).map_err(bind_error)?;
         grpc.start();
 
         warm_up(&shared.runtime, warmup_token).map_err(ServeError::Warmup)?;
@@ -392,20 +392,4 @@ fn warm_up(runtime: &Runtime, token: u32) -> Result<(), RuntimeError> {
     appended?;
     closed?;
     Ok(())
-}
-
-/// The socket address a listen string and the bound port make.
-fn bound_address(listen: &str, port: u16) -> Result<SocketAddr, String> {
-    let host = listen
-        .rsplit_once(':')
-        .map(|(host, _)| host)
-        .ok_or_else(|| format!("{listen:?} has no port"))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let ip = if host == "localhost" {
-        std::net::IpAddr::from([127, 0, 0, 1])
-    } else {
-        host.parse()
-            .map_err(|e| format!("{host:?} is not an IP address: {e}"))?
-    };
-    Ok(SocketAddr::new(ip, port))
 }

@@ -12,41 +12,18 @@ caller to compare with its own computation; exits 1 on any mismatch.
 """
 
 import hashlib
-import importlib
 import json
 import pathlib
 import queue
 import struct
-import subprocess
 import sys
 import tempfile
 
 import grpc
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-PROTOS = REPO / "protos"
+from shard_common import crc32c, stubs
+
 SESSION = bytes([0x11] * 16)
-
-
-def crc32c(data):
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
-
-
-def stubs(out_dir):
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}",
-           f"--python_out={out_dir}", f"--grpc_python_out={out_dir}",
-           "inferd/shard/v1/shard_runtime.proto"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"protoc failed: {done.stderr}")
-    sys.path.insert(0, str(out_dir))
-    return (importlib.import_module("inferd.shard.v1.shard_runtime_pb2"),
-            importlib.import_module("inferd.shard.v1.shard_runtime_pb2_grpc"))
 
 
 def rows(count, first, hidden):

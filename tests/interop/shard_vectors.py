@@ -15,41 +15,13 @@ encoder writes the oneof body after the payload field).
 Usage: shard_vectors.py  (exits 0 when every check passes)
 """
 
-import importlib
 import json
-import pathlib
-import subprocess
 import sys
 import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-PROTOS = REPO / "protos"
+from shard_common import REPO, crc32c, stubs
+
 VECTORS = REPO / "tests/vectors/shard"
-
-
-def crc32c(data):
-    """CRC-32C (Castagnoli), reflected polynomial 0x82F63B78."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
-
-
-def stubs(out_dir):
-    cmd = [
-        sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}",
-        f"--python_out={out_dir}", f"--grpc_python_out={out_dir}",
-        "inferd/shard/v1/shard_runtime.proto",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"protoc failed: {done.stderr}")
-    sys.path.insert(0, str(out_dir))
-    pb = importlib.import_module("inferd.shard.v1.shard_runtime_pb2")
-    importlib.import_module("inferd.shard.v1.shard_runtime_pb2_grpc")
-    return pb
 
 
 def row_bytes(pb, encoding, hidden):
@@ -69,7 +41,7 @@ def main():
     failures = []
     checked = 0
     with tempfile.TemporaryDirectory() as tmp:
-        pb = stubs(tmp)
+        pb, _ = stubs(tmp)
         for case in manifest["cases"]:
             expected_sequence = 1
             for entry in case["frames"]:
