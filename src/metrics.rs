@@ -198,6 +198,9 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         stats.kv_total_pages,
     );
     render_workers(&mut e, stats);
+    if let Some(shards) = &stats.shards {
+        render_shards(&mut e, shards);
+    }
     e.family(
         "grpc_requests_total",
         "counter",
@@ -236,6 +239,65 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         1,
     );
     e.out
+}
+
+/// The coordinator's view of its shards (`serve --shards` only).
+fn render_shards(e: &mut Exposition, stats: &crate::cluster::coordinator::ShardStatsSnapshot) {
+    e.family(
+        "shard_up",
+        "gauge",
+        "1 when the last contact with the shard succeeded, else 0.",
+    );
+    for s in &stats.shards {
+        e.sample("shard_up", &[("shard", &s.shard)], u8::from(s.up));
+    }
+    e.family(
+        "shard_failures_total",
+        "counter",
+        "Steps failed by a shard link, by shard and kind (transport, handshake, or the \
+         protocol's error kind).",
+    );
+    for s in &stats.shards {
+        for (kind, n) in &s.failures {
+            e.sample(
+                "shard_failures_total",
+                &[("shard", &s.shard), ("kind", kind)],
+                n,
+            );
+        }
+    }
+    e.family(
+        "shard_reconnects_total",
+        "counter",
+        "Links to a shard connected again after a failure.",
+    );
+    for s in &stats.shards {
+        e.sample(
+            "shard_reconnects_total",
+            &[("shard", &s.shard)],
+            s.reconnects,
+        );
+    }
+    e.family(
+        "shard_restarts_total",
+        "counter",
+        "Times a shard came back with a new epoch (its sessions were lost).",
+    );
+    for s in &stats.shards {
+        e.sample("shard_restarts_total", &[("shard", &s.shard)], s.restarts);
+    }
+    e.single(
+        "shard_session_rebuilds_total",
+        "counter",
+        "Sessions rebuilt on the shards by feeding their history again.",
+        stats.rebuilds,
+    );
+    e.single(
+        "shard_rebuilt_tokens_total",
+        "counter",
+        "History tokens fed again by those rebuilds.",
+        stats.rebuilt_tokens,
+    );
 }
 
 /// One per-worker metric family: name, type, help, and how to read a worker's value.
@@ -435,6 +497,17 @@ mod tests {
                     ..WorkerStats::default()
                 },
             ],
+            shards: Some(crate::cluster::coordinator::ShardStatsSnapshot {
+                shards: vec![crate::cluster::coordinator::ShardSnapshot {
+                    shard: "10.0.0.2:7000".into(),
+                    failures: vec![("transport", 2), ("checksum", 1)],
+                    reconnects: 1,
+                    restarts: 1,
+                    up: true,
+                }],
+                rebuilds: 3,
+                rebuilt_tokens: 96,
+            }),
         }
     }
 
@@ -647,6 +720,17 @@ mod tests {
             ),
             1.0
         );
+        let shard = ("shard", "10.0.0.2:7000");
+        assert_eq!(get("inferd_shard_up", &[shard]), 1.0);
+        assert_eq!(
+            get(
+                "inferd_shard_failures_total",
+                &[shard, ("kind", "checksum")]
+            ),
+            1.0
+        );
+        assert_eq!(get("inferd_shard_restarts_total", &[shard]), 1.0);
+        assert_eq!(get("inferd_shard_session_rebuilds_total", &[]), 3.0);
         assert!(text.contains(r#"method="we\"ird\\name\nx""#), "{text}");
     }
 

@@ -13,6 +13,9 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use super::{CliError, DEFAULT_MODEL};
+use crate::cluster::coordinator::{ShardPlan, ShardSpec};
+use crate::cluster::fingerprint::sha256_of_file;
+use crate::cluster::payload::Encoding;
 use crate::model::Model;
 use crate::runtime::{EvictionPolicy, OverflowPolicy, RuntimeConfig};
 use crate::sampler::SamplerChoice;
@@ -105,10 +108,41 @@ pub struct ServeArgs {
     /// included; start-up fails if there is none) [default: auto].
     #[arg(long, env = "INFERD_SAMPLER", value_parser = super::sampler_choice_parser())]
     pub sampler: Option<SamplerChoice>,
+    /// Run the layers on these shards (`inferd shard`), in layer order:
+    /// `HOST:PORT,...` splits the layers evenly; `HOST:PORT=A..B,...` names
+    /// each range. This process then embeds, samples and serves clients.
+    #[arg(long, env = "INFERD_SHARDS", value_delimiter = ',', value_parser = ShardSpec::parse)]
+    pub shards: Option<Vec<ShardSpec>>,
+    /// How hidden states travel to the shards: f32 (bit-identical to one
+    /// host), f16 or q8_0 (smaller, approximate) [default: f32].
+    #[arg(long, value_enum, env = "INFERD_SHARD_ENCODING")]
+    pub shard_encoding: Option<ShardEncoding>,
     /// Check the configuration and the model file, print the settings, and
     /// exit without serving.
     #[arg(long)]
     pub check: bool,
+}
+
+/// How hidden states travel between the coordinator and its shards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardEncoding {
+    #[default]
+    F32,
+    F16,
+    #[value(name = "q8_0")]
+    #[serde(rename = "q8_0")]
+    Q8_0,
+}
+
+impl ShardEncoding {
+    fn encoding(self) -> Encoding {
+        match self {
+            ShardEncoding::F32 => Encoding::F32,
+            ShardEncoding::F16 => Encoding::F16,
+            ShardEncoding::Q8_0 => Encoding::Q8_0,
+        }
+    }
 }
 
 /// The TOML file: the same names as the flags, `-` written `_`. Relative
@@ -134,6 +168,8 @@ struct FileConfig {
     drain_timeout: Option<f64>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
+    shards: Option<Vec<String>>,
+    shard_encoding: Option<ShardEncoding>,
 }
 
 impl FileConfig {
@@ -179,6 +215,9 @@ pub struct Settings {
     pub drain_timeout: Duration,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
+    /// Empty: this process runs every layer.
+    pub shards: Vec<ShardSpec>,
+    pub shard_encoding: ShardEncoding,
 }
 
 /// KV memory, by size or by page count.
@@ -286,7 +325,40 @@ impl ServeArgs {
                 None => None,
             },
             sampler: self.sampler.or(file.sampler).unwrap_or_default(),
+            shards: match (&self.shards, file.shards) {
+                (Some(flag), _) => flag.clone(),
+                (None, Some(entries)) => entries
+                    .iter()
+                    .map(|e| ShardSpec::parse(e))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| CliError::Usage(format!("config shards: {e}")))?,
+                (None, None) => Vec::new(),
+            },
+            shard_encoding: self
+                .shard_encoding
+                .or(file.shard_encoding)
+                .unwrap_or_default(),
         })
+    }
+}
+
+impl Settings {
+    /// Where the layers run when shards are listed: every shard must serve
+    /// its range of this very file (checked by SHA-256 at the handshake).
+    fn shard_plan(&self, model: &Model) -> Result<Option<Arc<ShardPlan>>, CliError> {
+        if self.shards.is_empty() {
+            return Ok(None);
+        }
+        let hash = sha256_of_file(&self.model)?;
+        let plan = ShardPlan::new(
+            model.config.n_layers,
+            model.config.hidden,
+            hash,
+            &self.shards,
+            self.shard_encoding.encoding(),
+        )
+        .map_err(|e| CliError::Usage(format!("shards: {e}")))?;
+        Ok(Some(Arc::new(plan)))
     }
 }
 
@@ -319,6 +391,7 @@ impl Settings {
                 Overflow::Stop => OverflowPolicy::Stop,
             },
             sampler: super::resolve_sampler(self.sampler)?,
+            shards: self.shard_plan(model)?,
             ..RuntimeConfig::default()
         };
         let mut cfg = ServeConfig::new(self.listen.clone(), runtime);
@@ -398,6 +471,15 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 None => "cpu".into(),
             },
         );
+        if let Some(plan) = &cfg.runtime.shards {
+            let shards: Vec<String> = plan.shards().iter().map(|s| s.label()).collect();
+            println!(
+                "layers on {} shards ({:?} hidden states): {}",
+                shards.len(),
+                plan.encoding(),
+                shards.join(", ")
+            );
+        }
         return Ok(());
     }
     let server = Server::start(Arc::new(model), cfg).map_err(|e| CliError::Usage(e.to_string()))?;

@@ -11,6 +11,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use super::{CliError, DEFAULT_MODEL};
+use crate::cluster::coordinator::parse_layers;
 use crate::cluster::fingerprint::{sha256_of_file, Fingerprint};
 use crate::cluster::shard::{ShardConfig, ShardServer};
 use crate::model::Model;
@@ -33,25 +34,6 @@ pub struct ShardArgs {
     /// Compute threads [default: one per core].
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
-}
-
-/// `A..B` with A < B.
-pub fn parse_layers(text: &str) -> Result<Range<usize>, String> {
-    let (a, b) = text
-        .split_once("..")
-        .ok_or_else(|| format!("{text:?} is not a range like 0..15"))?;
-    let start: usize = a
-        .trim()
-        .parse()
-        .map_err(|_| format!("{a:?} is not a layer number"))?;
-    let end: usize = b
-        .trim()
-        .parse()
-        .map_err(|_| format!("{b:?} is not a layer number"))?;
-    if start >= end {
-        return Err(format!("{text}: the range is empty (it is half-open)"));
-    }
-    Ok(start..end)
 }
 
 /// Runs `inferd shard`.
@@ -85,19 +67,4 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
     tracing::info!(signal, "shard stopping");
     server.shutdown();
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layer_ranges_are_half_open_and_non_empty() {
-        assert_eq!(parse_layers("0..15"), Ok(0..15));
-        assert_eq!(parse_layers(" 3 .. 4"), Ok(3..4));
-        assert!(parse_layers("5..5").is_err());
-        assert!(parse_layers("7..2").is_err());
-        assert!(parse_layers("a..2").is_err());
-        assert!(parse_layers("12").is_err());
-    }
 }

@@ -58,6 +58,19 @@ pub struct LinkOptions {
     /// Keep the SHA-256 of every frame sent and received (to compare with
     /// what a relay saw).
     pub record_hashes: bool,
+    /// How long the handshake may take (connecting included).
+    pub handshake_timeout: std::time::Duration,
+}
+
+/// What a shard can hold, from its handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardCapacity {
+    /// KV pages for all sessions together.
+    pub kv_pages: u64,
+    /// Positions per page.
+    pub page_positions: u32,
+    /// Sessions at once (the agreed limit).
+    pub max_sessions: u32,
 }
 
 impl Default for LinkOptions {
@@ -67,6 +80,7 @@ impl Default for LinkOptions {
             max_frame_bytes: 64 << 20,
             credit_window: 16,
             record_hashes: false,
+            handshake_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -83,6 +97,7 @@ pub struct ShardLink {
     inbound: Inbound,
     credits: u64,
     served: Fingerprint,
+    capacity: ShardCapacity,
     /// SHA-256 (hex) of frames sent and received, when recording.
     hashes: Option<(Vec<String>, Vec<String>)>,
     _client: ShardRuntimeClient,
@@ -125,9 +140,25 @@ impl ShardLink {
         let response = client
             .handshake_opt(
                 &request,
-                CallOption::default().timeout(std::time::Duration::from_secs(30)),
+                CallOption::default().timeout(options.handshake_timeout),
             )
-            .map_err(|e| handshake_error(e.to_string()))?;
+            .map_err(|e| match &e {
+                // Refused terms are the handshake's; anything else never
+                // reached a shard that could judge them.
+                grpcio::Error::RpcFailure(status)
+                    if matches!(
+                        status.code(),
+                        grpcio::RpcStatusCode::FAILED_PRECONDITION
+                            | grpcio::RpcStatusCode::INVALID_ARGUMENT
+                    ) =>
+                {
+                    handshake_error(e.to_string())
+                }
+                _ => LinkError::Transport {
+                    addr: addr.to_owned(),
+                    message: format!("handshake: {e}"),
+                },
+            })?;
         let served = Fingerprint::from_wire(response.get_served())
             .ok_or_else(|| handshake_error("the shard named no valid fingerprint".into()))?;
         if &served != expected {
@@ -169,6 +200,11 @@ impl ShardLink {
             ),
             credits: u64::from(limits.get_credit_window()),
             served,
+            capacity: ShardCapacity {
+                kv_pages: response.get_kv_pages(),
+                page_positions: response.get_page_positions(),
+                max_sessions: limits.get_max_sessions(),
+            },
             hashes: options.record_hashes.then(|| (Vec::new(), Vec::new())),
             _client: client,
         })
@@ -190,6 +226,16 @@ impl ShardLink {
     /// What the shard serves.
     pub fn served(&self) -> &Fingerprint {
         &self.served
+    }
+
+    /// What the shard can hold.
+    pub fn capacity(&self) -> ShardCapacity {
+        self.capacity
+    }
+
+    /// The shard's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
     }
 
     fn transport(&self, message: String) -> LinkError {
@@ -248,6 +294,22 @@ impl ShardLink {
         Ok(checked)
     }
 
+    /// Whether an error frame is about a frame sent before `current`: that
+    /// frame's call already ended (or it had no answer to wait
+    /// for, like a release), so it is logged rather than failing this one.
+    fn answers_earlier(&self, checked: &super::frame::FrameCheck, current: u64) -> bool {
+        let refused = checked.frame.get_error().get_refused_sequence();
+        let earlier = refused != 0 && refused < current;
+        if earlier {
+            tracing::warn!(
+                shard = %self.addr,
+                error = %self.refused(checked.frame.get_error()),
+                "a shard refused an earlier frame"
+            );
+        }
+        earlier
+    }
+
     fn refused(&self, error: &pb::ShardError) -> LinkError {
         LinkError::Refused {
             addr: self.addr.clone(),
@@ -275,7 +337,8 @@ impl ShardLink {
     ) -> Result<(), LinkError> {
         while self.credits == 0 {
             let checked = self.next_frame()?;
-            if checked.kind == FrameKind::Error {
+            let upcoming = self.outbound.next_sequence();
+            if checked.kind == FrameKind::Error && !self.answers_earlier(&checked, upcoming) {
                 return Err(self.refused(checked.frame.get_error()));
             }
         }
@@ -307,6 +370,7 @@ impl ShardLink {
             let checked = self.next_frame()?;
             match checked.kind {
                 FrameKind::Credit => continue,
+                FrameKind::Error if self.answers_earlier(&checked, sequence) => continue,
                 FrameKind::Error => return Err(self.refused(checked.frame.get_error())),
                 FrameKind::Output => {
                     let output = checked.frame.get_output();
@@ -346,6 +410,16 @@ impl ShardLink {
         body.set_session_ids(sessions.iter().map(|s| s.to_vec()).collect());
         let mut frame = pb::Frame::new();
         frame.set_release(body);
+        self.send(frame, None, 0).map(|_| ())
+    }
+
+    /// Tells the shard the sessions' generations ended (nothing of theirs
+    /// is queued there: frames are answered in order).
+    pub fn cancel(&mut self, sessions: &[WireSessionId]) -> Result<(), LinkError> {
+        let mut body = pb::Cancel::new();
+        body.set_session_ids(sessions.iter().map(|s| s.to_vec()).collect());
+        let mut frame = pb::Frame::new();
+        frame.set_cancel(body);
         self.send(frame, None, 0).map(|_| ())
     }
 

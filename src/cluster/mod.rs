@@ -9,9 +9,11 @@
 //! fingerprint ([`fingerprint`]). Over gRPC: the raw-bytes session method
 //! ([`raw`]) and shared channel settings ([`transport`]), the shard server
 //! ([`shard`], `inferd shard`), the coordinator's link to one shard
-//! ([`link`]) and the opaque relay ([`relay`], `inferd relay`). The runtime
-//! as a coordinator (`inferd serve --shards`) is not built yet.
+//! ([`link`]), the chain of links a runtime worker drives as a coordinator
+//! ([`coordinator`], `inferd serve --shards`), and the opaque relay
+//! ([`relay`], `inferd relay`).
 
+pub mod coordinator;
 pub mod fingerprint;
 pub mod frame;
 pub mod handshake;

@@ -121,7 +121,7 @@ pub struct ShardServer {
     shared: Arc<Shared>,
 }
 
-fn random_epoch() -> u64 {
+pub(crate) fn random_epoch() -> u64 {
     let mut bytes = [0u8; 8];
     // An epoch only has to differ between starts; the clock is the fallback.
     if getrandom::getrandom(&mut bytes).is_err() {
@@ -265,6 +265,11 @@ fn handshake(
             response.set_protocol_version(super::handshake::PROTOCOL_VERSION);
             response.set_served(shared.fingerprint.to_wire());
             response.set_shard_epoch(shared.epoch);
+            {
+                let core = lock(&shared.core);
+                response.set_kv_pages(core.kv_pool.total_pages() as u64);
+                response.set_page_positions(core.kv_pool.layout().page_positions as u32);
+            }
             response.set_limits(limits_to_wire(
                 agreed.max_frame_bytes,
                 agreed.credit_window,

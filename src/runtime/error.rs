@@ -18,6 +18,10 @@ pub enum StatusKind {
     DeadlineExceeded,
     Unavailable,
     Internal,
+    /// A frame between the coordinator and a shard arrived corrupted.
+    DataLoss,
+    /// A shard stream lost its frame order.
+    Aborted,
 }
 
 /// Why a runtime call failed.
@@ -46,6 +50,12 @@ pub enum RuntimeError {
     /// A bug reached the top; the message says where.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A shard of a split model failed this step (`inferd serve --shards`):
+    /// the status says how, the message names the shard. The session is
+    /// kept and rebuilt on the shards on its next call unless the message
+    /// says it was removed.
+    #[error("{message}")]
+    Shard { status: StatusKind, message: String },
 }
 
 impl RuntimeError {
@@ -59,6 +69,7 @@ impl RuntimeError {
             RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
             RuntimeError::Unavailable => StatusKind::Unavailable,
             RuntimeError::Internal(_) => StatusKind::Internal,
+            RuntimeError::Shard { status, .. } => *status,
         }
     }
 

@@ -72,8 +72,31 @@ impl Runtime {
         cfg.prefill_chunk = cfg.prefill_chunk.max(1);
         cfg.stream_capacity = cfg.stream_capacity.max(4);
         cfg.worker_queue = cfg.worker_queue.max(1);
-        let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
-        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
+        let (layout, n_pages) = match &cfg.shards {
+            None => {
+                let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
+                (
+                    layout,
+                    KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1),
+                )
+            }
+            Some(plan) => {
+                // The KV lives on the shards; this pool is a ledger of
+                // positions sized like the smallest shard's, so eviction
+                // makes room here before any shard runs out.
+                let capacity = plan.probe().map_err(RuntimeError::Internal)?;
+                cfg.page_positions = capacity.page_positions as usize;
+                if capacity.max_sessions > 0 {
+                    cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);
+                }
+                let ledger = crate::kv::KvLayout {
+                    n_layers: 1,
+                    kv_dim: 1,
+                    page_positions: cfg.page_positions,
+                };
+                (ledger, capacity.kv_pages.max(1) as usize)
+            }
+        };
         let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
             layout,
             n_pages,
@@ -359,6 +382,7 @@ impl Runtime {
             kv_free_pages: self.kv_pool.free_pages() as u64,
             kv_total_pages: self.kv_pool.total_pages() as u64,
             workers,
+            shards: self.cfg.shards.as_ref().map(|p| p.stats().snapshot()),
         }
     }
 

@@ -151,6 +151,8 @@ pub struct RuntimeStats {
     pub kv_free_pages: u64,
     pub kv_total_pages: u64,
     pub workers: Vec<WorkerStats>,
+    /// The shards' counters when the runtime coordinates a split model.
+    pub shards: Option<crate::cluster::coordinator::ShardStatsSnapshot>,
 }
 
 /// One worker's share of a [`RuntimeStats`] snapshot.

@@ -16,6 +16,7 @@ use futures_core::Stream;
 use super::notify::NotifyReceiver;
 
 use super::{RuntimeError, SessionId};
+use crate::cluster::coordinator::ShardPlan;
 use crate::kv::DEFAULT_PAGE_POSITIONS;
 use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs, MAX_TOP_LOGPROBS};
 
@@ -69,6 +70,9 @@ pub struct RuntimeConfig {
     /// The sampler every worker uses, resolved once at start-up (the CPU
     /// reference by default; `SelectedSampler::resolve` picks a GPU).
     pub sampler: SelectedSampler,
+    /// Shards that run the layers (`serve --shards`); `None`: this process
+    /// runs the whole model.
+    pub shards: Option<Arc<ShardPlan>>,
 }
 
 impl Default for RuntimeConfig {
@@ -87,6 +91,7 @@ impl Default for RuntimeConfig {
             session_queue: 8,
             stream_capacity: 32,
             sampler: SelectedSampler::Cpu,
+            shards: None,
         }
     }
 }

@@ -29,10 +29,12 @@ use super::stats::{Counters, WorkerGauges};
 use super::{
     AppendReply, CloseReply, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent,
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
-    StopReason,
+    StatusKind, StopReason,
 };
+use crate::cluster::coordinator::{ChainError, FailureKind, RemoteFeed, ShardChain};
+use crate::cluster::ErrorKind;
 use crate::kv::{KvError, KvPool, SessionKv};
-use crate::model::{LogitsWanted, Model, Scratch, Sequence};
+use crate::model::{LogitRows, LogitsWanted, Model, Scratch, Sequence};
 use crate::sampler::{
     SampleRequest, Sampled, SamplerBackend, SamplerError, SamplingParams, TokenLogprobs,
 };
@@ -250,6 +252,8 @@ pub(crate) struct Worker {
     /// The batch's answers, reused across steps.
     sampled: Vec<Result<Sampled, SamplerError>>,
     sessions: HashMap<SessionId, Slot>,
+    /// The links to the shards when the layers run elsewhere.
+    remote: Option<ShardChain>,
     waiting_creates: VecDeque<WaitingCreate>,
     /// The one eviction this worker has asked another for and not seen
     /// answered.
@@ -294,6 +298,7 @@ impl Worker {
             .sampler
             .backend(model.config.vocab, model.config.context)
             .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
+        let remote = cfg.shards.clone().map(ShardChain::new);
         Ok(Worker {
             index,
             model,
@@ -307,6 +312,7 @@ impl Worker {
             to_sample: Vec::new(),
             sampled: Vec::new(),
             sessions: HashMap::new(),
+            remote,
             waiting_creates: VecDeque::new(),
             evict_wait: None,
             last_sweep: Instant::now(),
@@ -533,6 +539,9 @@ impl Worker {
         let mut slot = self.sessions.remove(&id)?;
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
+        }
+        if let Some(chain) = self.remote.as_mut() {
+            chain.release(&[id.bytes()]);
         }
         self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
         let c = &self.shared.counters;
@@ -1179,6 +1188,11 @@ impl Worker {
             slot.active = Some(active);
             return;
         };
+        if matches!(end, Ok(StopReason::Cancelled)) {
+            if let Some(chain) = self.remote.as_mut() {
+                chain.cancel(&[id.bytes()]);
+            }
+        }
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
                 stop_reason,
@@ -1212,6 +1226,10 @@ impl Worker {
         if seqs.is_empty() {
             return false;
         }
+        if self.remote.is_some() {
+            drop(seqs);
+            return self.run_remote_batch();
+        }
         let result = self
             .model
             .forward(&mut seqs, &self.compute, &mut self.scratch);
@@ -1234,6 +1252,92 @@ impl Worker {
                 return true;
             }
         };
+        self.commit_batch(ids, &rows);
+        true
+    }
+
+    /// The step of [`Worker::run_batch`] with the layers on the shards.
+    fn run_remote_batch(&mut self) -> bool {
+        let Some(chain) = self.remote.as_mut() else {
+            return false;
+        };
+        let mut ids = Vec::new();
+        let mut feeds = Vec::new();
+        for (id, slot) in self.sessions.iter_mut() {
+            if !slot.feed.is_empty() {
+                ids.push(*id);
+                feeds.push(RemoteFeed {
+                    id: id.bytes(),
+                    history: &slot.history,
+                    kv: &mut slot.kv,
+                    tokens: &slot.feed,
+                    logits: slot.feed_logits,
+                });
+            }
+        }
+        let result = chain.forward(
+            &self.model,
+            &mut feeds,
+            &self.compute,
+            &mut self.scratch,
+            self.cfg.prefill_chunk,
+        );
+        drop(feeds);
+        self.gauges.steps.fetch_add(1, Ordering::Relaxed);
+        self.gauges
+            .last_batch_sequences
+            .store(ids.len() as u64, Ordering::Relaxed);
+        self.gauges
+            .max_batch_sequences
+            .fetch_max(ids.len() as u64, Ordering::Relaxed);
+        match result {
+            Ok(rows) => self.commit_batch(ids, &rows),
+            Err(e) => {
+                let err = shard_error(e);
+                for id in ids {
+                    self.fail_remote_step(id, err.clone());
+                }
+            }
+        }
+        true
+    }
+
+    /// A step through the shards failed for `id`: its call fails with
+    /// `err`. The session stays (the chain rebuilds it on the shards at
+    /// its next step) when the call had committed nothing yet; a call
+    /// halfway through its prompt cannot be undone, so the session goes.
+    fn fail_remote_step(&mut self, id: SessionId, err: RuntimeError) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        slot.feed.clear();
+        let untouched = slot.active.as_ref().is_none_or(|a| {
+            a.fed == 0
+                && match &a.work {
+                    Work::Append { dropped, .. } => *dropped == 0,
+                    Work::Generate(_) => a.pending.is_empty(),
+                }
+        });
+        if !untouched {
+            let removed = match err {
+                RuntimeError::Shard { status, message } => RuntimeError::Shard {
+                    status,
+                    message: format!(
+                        "{message}; the session was removed (its prompt was half fed)"
+                    ),
+                },
+                other => other,
+            };
+            return self.fail_session(id, removed);
+        }
+        slot.last_used = Instant::now();
+        if let Some(active) = slot.active.take() {
+            finish_with_error(active, err);
+        }
+    }
+
+    /// Applies a successful step's results to its sessions.
+    fn commit_batch(&mut self, ids: Vec<SessionId>, rows: &LogitRows) {
         let vocab = self.model.config.vocab;
         for (i, id) in ids.into_iter().enumerate() {
             let Some(slot) = self.sessions.get_mut(&id) else {
@@ -1256,7 +1360,6 @@ impl Worker {
             }
             self.after_feed(id);
         }
-        true
     }
 
     /// INV-1 (cached positions = history length, within the pages held) and
@@ -1386,6 +1489,34 @@ impl Worker {
         if let Some(stop) = stop {
             self.finish_generate(id, Ok(stop));
         }
+    }
+}
+
+/// The client's status for a step the shards failed: retryable
+/// (UNAVAILABLE) unless the protocol names something worse.
+fn shard_error(err: ChainError) -> RuntimeError {
+    let failure = match err {
+        ChainError::Shard(failure) => failure,
+        ChainError::Kv(e) => return e.into(),
+        ChainError::Model(e) => return RuntimeError::Internal(e.to_string()),
+    };
+    let status = match failure.kind {
+        FailureKind::Protocol(ErrorKind::Checksum) => StatusKind::DataLoss,
+        FailureKind::Protocol(ErrorKind::Sequence) => StatusKind::Aborted,
+        FailureKind::Protocol(ErrorKind::Deadline) => StatusKind::DeadlineExceeded,
+        FailureKind::Protocol(ErrorKind::TooLarge | ErrorKind::FlowControl) => {
+            StatusKind::ResourceExhausted
+        }
+        FailureKind::Protocol(ErrorKind::Malformed) => StatusKind::Internal,
+        FailureKind::Transport
+        | FailureKind::Handshake
+        | FailureKind::Protocol(
+            ErrorKind::StaleEpoch | ErrorKind::UnknownSession | ErrorKind::Internal,
+        ) => StatusKind::Unavailable,
+    };
+    RuntimeError::Shard {
+        status,
+        message: format!("{} failure at {failure}", failure.kind.name()),
     }
 }
 

@@ -22,6 +22,8 @@ pub fn status_of(err: &RuntimeError) -> RpcStatus {
         StatusKind::DeadlineExceeded => RpcStatusCode::DEADLINE_EXCEEDED,
         StatusKind::Unavailable => RpcStatusCode::UNAVAILABLE,
         StatusKind::Internal => RpcStatusCode::INTERNAL,
+        StatusKind::DataLoss => RpcStatusCode::DATA_LOSS,
+        StatusKind::Aborted => RpcStatusCode::ABORTED,
     };
     RpcStatus::with_message(code, err.to_string())
 }
