@@ -34,9 +34,12 @@ use crate::threads::ThreadPool;
 const STEP_DEADLINE: Duration = Duration::from_secs(30);
 /// A handshake that takes longer than this counts as a failed connect.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
-/// After a failed connect, steps fail at once for this long before the
-/// next try.
-const RECONNECT_BACKOFF: Duration = Duration::from_secs(1);
+/// After a connect refused at once, steps fail at once for this long
+/// before the next try; after one that hung (an unreachable host), for
+/// [`SLOW_RECONNECT_BACKOFF`], so that steps do not each wait out a
+/// handshake timeout.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(200);
+const SLOW_RECONNECT_BACKOFF: Duration = Duration::from_secs(2);
 
 /// `A..B` with A < B: layers A to B-1.
 pub fn parse_layers(text: &str) -> Result<Range<usize>, String> {
@@ -559,7 +562,13 @@ impl ShardChain {
             let mut link = match connected {
                 Ok(link) => link,
                 Err(e) => {
-                    self.slots[index].next_try = now + RECONNECT_BACKOFF;
+                    let waited = now.elapsed();
+                    self.slots[index].next_try = Instant::now()
+                        + if waited < Duration::from_millis(500) {
+                            RECONNECT_BACKOFF
+                        } else {
+                            SLOW_RECONNECT_BACKOFF
+                        };
                     return Err(self.failure(index, &e));
                 }
             };

@@ -108,6 +108,8 @@ struct Shared {
     /// Agreements by coordinator epoch; a newer coordinator's handshake
     /// drops its predecessors' sessions.
     agreed: Mutex<HashMap<u64, Agreed>>,
+    /// Sessions named by cancel frames so far.
+    cancelled: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -173,6 +175,7 @@ impl ShardServer {
                 &cfg.encodings,
             ),
             agreed: Mutex::new(HashMap::new()),
+            cancelled: std::sync::atomic::AtomicU64::new(0),
         });
         let env = Arc::new(Environment::new(1));
         let handshake_shared = Arc::clone(&shared);
@@ -242,6 +245,13 @@ impl ShardServer {
     /// Sessions held now.
     pub fn sessions(&self) -> usize {
         lock(&self.shared.core).sessions.len()
+    }
+
+    /// Sessions named by cancel frames so far.
+    pub fn cancelled_sessions(&self) -> u64 {
+        self.shared
+            .cancelled
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Stops accepting and cancels open streams.
@@ -482,7 +492,15 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
             }
             true
         }
-        FrameKind::Cancel => true, // Frames are answered in order: nothing is queued.
+        FrameKind::Cancel => {
+            // Frames are answered in order, so nothing of these sessions is
+            // queued here: counting the cancel is all there is to do.
+            shared.cancelled.fetch_add(
+                checked.sessions.len() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            true
+        }
         FrameKind::Prefill | FrameKind::Decode => {
             let body = if checked.kind == FrameKind::Prefill {
                 frame.get_prefill()

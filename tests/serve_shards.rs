@@ -1,0 +1,361 @@
+//! `inferd serve --shards` as a stock gRPC client sees it, every piece a
+//! real process on loopback (or, where the test must look inside a shard,
+//! a real shard listener in this process):
+//!
+//! - the reference model split over 2 and over 3 `inferd shard` processes,
+//!   directly and through `inferd relay` processes, answers exactly what
+//!   one host answers: tokens, log-probability bits and logits digests,
+//!   greedy and seeded, with several sessions decoding in one frame;
+//! - close, idle expiry and cancel reach every shard;
+//! - a shard killed mid-generation fails the call in flight with
+//!   UNAVAILABLE (the tokens already sent stay committed), counts it in the
+//!   metrics, and the coordinator keeps serving; once the shard is back,
+//!   every session, the interrupted one and an idle one, continues exactly
+//!   as on one host (rebuilt by feeding its history again).
+
+mod support;
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use grpcio::RpcStatusCode;
+
+use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::shard::{ShardConfig, ShardServer};
+use inferd::model::Model;
+use support::{greedy, have_reference, sample, scrape, seeded, Client, Generated, Inferd};
+
+/// Three prompts of the reference vocabulary.
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 504, 3575, 282, 4649, 314, 9, 45, 2, 17, 330],
+        vec![
+            1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308,
+        ],
+        vec![1, 18061, 30, 1789, 2, 49152 - 7, 6418],
+    ]
+}
+
+/// What one session went through: digests after each stage, the greedy
+/// tokens with their log-probability bits, and the seeded tokens.
+#[derive(Debug, PartialEq, Eq)]
+struct Transcript {
+    digests: Vec<u64>,
+    greedy: Generated,
+    seeded: Generated,
+}
+
+fn digest(client: &Client, id: &str) -> u64 {
+    client.info(id).expect("info").get_logits_digest()
+}
+
+/// Builds each prompt's history in two appends, then generates greedily and
+/// seeded, all sessions at once (so the shards see decode frames of several
+/// sessions).
+fn transcripts(addr: &str) -> Vec<Transcript> {
+    let client = Client::connect(addr);
+    let workers: Vec<_> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let client = client.clone();
+            thread::spawn(move || {
+                let id = client.create();
+                let half = prompt.len() / 2;
+                client.append(&id, &prompt[..half]).expect("append");
+                client.append(&id, &prompt[half..]).expect("append");
+                let mut digests = vec![digest(&client, &id)];
+                let greedy = client.generate(&greedy(&id, 24, 3));
+                digests.push(digest(&client, &id));
+                let seeded = client.generate(&seeded(&id, 16, 7 + i as u64));
+                digests.push(digest(&client, &id));
+                client.close(&id).expect("close");
+                Transcript {
+                    digests,
+                    greedy,
+                    seeded,
+                }
+            })
+        })
+        .collect();
+    workers
+        .into_iter()
+        .map(|w| w.join().expect("session thread"))
+        .collect()
+}
+
+fn serve(extra: &[&str]) -> Inferd {
+    let mut args = vec![
+        "serve",
+        "--model",
+        support::REFERENCE,
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        "--kv-mib",
+        "32",
+        "--sampler",
+        "cpu",
+    ];
+    args.extend_from_slice(extra);
+    Inferd::start(&args)
+}
+
+#[test]
+fn a_model_split_over_two_or_three_shards_answers_bit_for_bit_like_one_host() {
+    if !have_reference() {
+        return;
+    }
+    let one_host = {
+        let server = serve(&[]);
+        transcripts(&server.addr)
+    };
+    for t in &one_host {
+        assert_eq!(t.greedy.tokens.len(), 24, "{t:?}");
+        assert!(
+            t.greedy.error.is_none() && t.seeded.error.is_none(),
+            "{t:?}"
+        );
+        assert_eq!(t.greedy.logprob_bits.len(), 24 * 4);
+    }
+
+    let two: Vec<Inferd> = ["0..15", "15..30"]
+        .iter()
+        .map(|l| Inferd::shard(l, "127.0.0.1:0"))
+        .collect();
+    let list = format!("{},{}", two[0].addr, two[1].addr);
+    let coordinator = serve(&["--shards", &list]);
+    assert_eq!(transcripts(&coordinator.addr), one_host, "2 shards");
+    drop(coordinator);
+
+    let three: Vec<Inferd> = ["0..10", "10..20", "20..30"]
+        .iter()
+        .map(|l| Inferd::shard(l, "127.0.0.1:0"))
+        .collect();
+    let named = format!(
+        "{}=0..10,{}=10..20,{}=20..30",
+        three[0].addr, three[1].addr, three[2].addr
+    );
+    let coordinator = serve(&["--shards", &named]);
+    assert_eq!(transcripts(&coordinator.addr), one_host, "3 shards");
+    // The coordinator holds one shard set at a time: the next one takes
+    // over these shards only after this one stopped.
+    drop(coordinator);
+
+    let relays: Vec<Inferd> = three
+        .iter()
+        .map(|s| Inferd::start(&["relay", "--listen", "127.0.0.1:0", "--upstream", &s.addr]))
+        .collect();
+    let via = format!("{},{},{}", relays[0].addr, relays[1].addr, relays[2].addr);
+    let coordinator = serve(&["--shards", &via]);
+    assert_eq!(
+        transcripts(&coordinator.addr),
+        one_host,
+        "3 shards through relays"
+    );
+}
+
+/// Shards in this process, so the test can see what they hold.
+fn local_shards(model: &Arc<Model>, ranges: &[(usize, usize)]) -> Vec<ShardServer> {
+    let hash = sha256_of_file(std::path::Path::new(support::REFERENCE)).expect("hash");
+    ranges
+        .iter()
+        .map(|&(a, b)| {
+            let fingerprint = Fingerprint {
+                gguf_sha256: hash,
+                layer_begin: a as u32,
+                layer_end: b as u32,
+                layer_count: model.config.n_layers as u32,
+                hidden_size: model.config.hidden as u32,
+            };
+            let mut cfg = ShardConfig::new(a..b, "127.0.0.1:0");
+            cfg.kv_bytes = 16 << 20;
+            cfg.threads = 1;
+            ShardServer::start(Arc::clone(model), fingerprint, &cfg).expect("shard starts")
+        })
+        .collect()
+}
+
+/// Polls `what` until it holds, for at most five seconds.
+fn eventually(what: &str, mut holds: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !holds() {
+        assert!(t0.elapsed() < Duration::from_secs(5), "never: {what}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn close_idle_expiry_and_cancel_reach_every_shard() {
+    if !have_reference() {
+        return;
+    }
+    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
+    let shards = local_shards(&model, &[(0, 12), (12, 30)]);
+    let list = format!("{}=0..12,{}=12..30", shards[0].addr(), shards[1].addr());
+    let coordinator = serve(&["--shards", &list, "--idle-ttl", "3"]);
+    let client = Client::connect(&coordinator.addr);
+    let held = |n: usize| shards.iter().all(|s| s.sessions() == n);
+
+    let ids: Vec<String> = (0..3).map(|_| client.create()).collect();
+    for (id, prompt) in ids.iter().zip(prompts()) {
+        client.append(id, &prompt).expect("append");
+    }
+    eventually("both shards hold the 3 sessions", || held(3));
+
+    client.close(&ids[0]).expect("close");
+    eventually("a closed session is released on both shards", || held(2));
+
+    let before: Vec<u64> = shards.iter().map(|s| s.cancelled_sessions()).collect();
+    let cut = client.generate_watching(&greedy(&ids[1], 400, 0), Some(3), |_| {});
+    assert_eq!(cut.tokens.len(), 3);
+    eventually("a cancelled Generate is cancelled on both shards", || {
+        shards
+            .iter()
+            .zip(&before)
+            .all(|(s, &b)| s.cancelled_sessions() == b + 1)
+    });
+    eventually("the cancelled session is still held", || held(2));
+
+    // Both left idle: the idle TTL (3 s) releases them everywhere.
+    let t0 = Instant::now();
+    while !held(0) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "idle sessions were never released on the shards"
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    drop(coordinator);
+    for s in shards {
+        s.shutdown();
+    }
+}
+
+/// Repeats `call` while it fails with UNAVAILABLE, for at most ten seconds.
+fn retry_unavailable(mut call: impl FnMut() -> Generated) -> Generated {
+    let t0 = Instant::now();
+    loop {
+        let got = call();
+        match &got.error {
+            Some((code, _))
+                if *code == i32::from(RpcStatusCode::UNAVAILABLE)
+                    && got.tokens.is_empty()
+                    && t0.elapsed() < Duration::from_secs(10) =>
+            {
+                thread::sleep(Duration::from_millis(100));
+            }
+            _ => return got,
+        }
+    }
+}
+
+#[test]
+fn a_killed_shard_fails_the_call_in_flight_and_its_sessions_come_back_with_it() {
+    if !have_reference() {
+        return;
+    }
+    let reference = serve(&[]);
+    let one_host = Client::connect(&reference.addr);
+    let first = Inferd::shard("0..15", "127.0.0.1:0");
+    let mut second = Inferd::shard("15..30", "127.0.0.1:0");
+    let second_listen = second.addr.clone();
+    let list = format!("{},{}", first.addr, second.addr);
+    let coordinator = serve(&["--shards", &list, "--metrics-listen", "127.0.0.1:0"]);
+    let metrics = coordinator.metrics.clone().expect("metrics address");
+    let client = Client::connect(&coordinator.addr);
+    let second_label = format!("shard=\"{second_listen}\"");
+
+    let prompts = prompts();
+    let busy = client.create();
+    let idle = client.create();
+    client.append(&busy, &prompts[0]).expect("append");
+    client.append(&idle, &prompts[1]).expect("append");
+    let warm = client.generate(&greedy(&busy, 4, 0));
+    assert_eq!(warm.tokens.len(), 4);
+
+    // Kill the second shard after a few tokens of a long Generate.
+    let mut killer = Some(&mut second);
+    let cut = client.generate_watching(&greedy(&busy, 400, 0), None, |n| {
+        if n == 5 {
+            if let Some(shard) = killer.take() {
+                shard.kill();
+            }
+        }
+    });
+    let (code, message) = cut.error.clone().expect("the call fails");
+    assert_eq!(code, i32::from(RpcStatusCode::UNAVAILABLE), "{message}");
+    assert!(
+        message.contains(&second_listen),
+        "names the shard: {message}"
+    );
+    assert!(cut.done.is_none());
+    assert!(cut.tokens.len() >= 5, "{cut:?}");
+    let committed = client.info(&busy).expect("info").get_history_length();
+    assert_eq!(
+        committed as usize,
+        prompts[0].len() + 4 + cut.tokens.len(),
+        "the tokens sent stay committed"
+    );
+
+    // While the shard is down calls fail fast and typed; nothing else breaks.
+    let down = client.generate(&greedy(&idle, 4, 0));
+    assert_eq!(
+        down.error.as_ref().map(|e| e.0),
+        Some(i32::from(RpcStatusCode::UNAVAILABLE)),
+        "{down:?}"
+    );
+    let text = scrape(&metrics);
+    assert_eq!(
+        sample(&text, &format!("inferd_shard_up{{{second_label}}}")),
+        Some(0.0)
+    );
+    let transport = sample(
+        &text,
+        &format!("inferd_shard_failures_total{{{second_label},kind=\"transport\"}}"),
+    )
+    .unwrap_or(0.0);
+    assert!(transport >= 2.0, "{text}");
+    assert_eq!(
+        client.info(&idle).expect("idle kept").get_history_length() as usize,
+        prompts[1].len()
+    );
+
+    // The shard comes back (a new process: a new epoch, no sessions).
+    let _second = Inferd::shard("15..30", &second_listen);
+    let mut history: Vec<u32> = prompts[0].clone();
+    history.extend(&warm.tokens);
+    history.extend(&cut.tokens);
+    for (id, history) in [(&busy, history), (&idle, prompts[1].clone())] {
+        let twin = one_host.create();
+        one_host.append(&twin, &history).expect("append");
+        let expected = one_host.generate(&greedy(&twin, 12, 2));
+        // Calls fail (UNAVAILABLE, nothing changed) until the coordinator's
+        // next connect finds the shard; a client retries them.
+        let got = retry_unavailable(|| client.generate(&greedy(id, 12, 2)));
+        assert_eq!(got, expected, "continues as one host would");
+        assert_eq!(digest(&client, id), digest(&one_host, &twin));
+    }
+    let text = scrape(&metrics);
+    assert!(
+        sample(&text, "inferd_shard_session_rebuilds_total").unwrap_or(0.0) >= 2.0,
+        "{text}"
+    );
+    assert!(
+        sample(
+            &text,
+            &format!("inferd_shard_restarts_total{{{second_label}}}")
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{text}"
+    );
+    // A new session works as well.
+    let fresh = client.create();
+    client
+        .append(&fresh, &prompts[2])
+        .expect("append after the restart");
+    assert_eq!(client.generate(&greedy(&fresh, 3, 0)).tokens.len(), 3);
+}

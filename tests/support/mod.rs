@@ -1,0 +1,320 @@
+//! What the tests of a split model share: `inferd` processes that say where
+//! they listen, a stock grpcio client of `kakeya.v1.RuntimeService`, and a
+//! Prometheus scrape. Every wait is bounded.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use grpcio::{CallOption, ChannelBuilder, EnvBuilder, Environment, RpcStatusCode};
+
+use inferd::proto::kakeya_v1::runtime as pb;
+use inferd::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
+
+pub const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Upper bound of any unary call.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Upper bound of any Generate stream.
+pub const STREAM_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Whether the reference model is here; says so loudly when it is not.
+pub fn have_reference() -> bool {
+    let here = std::path::Path::new(REFERENCE).exists();
+    if !here {
+        eprintln!("\n!!! SKIPPED: {REFERENCE} is missing (scripts/fetch-model)\n");
+    }
+    here
+}
+
+/// An `inferd` process, killed and reaped however the test ends.
+pub struct Inferd {
+    child: Option<Child>,
+    /// What it printed after `listening on `.
+    pub addr: String,
+    /// What it printed after `metrics on `, if anything.
+    pub metrics: Option<String>,
+}
+
+impl Inferd {
+    /// Starts `inferd ARGS` (under `prefix`, e.g. `ip netns exec NS`, when
+    /// given) and waits for its `listening on` line (and its `metrics on`
+    /// line when `--metrics-listen` is among the arguments).
+    pub fn start_with(prefix: &[&str], args: &[&str]) -> Inferd {
+        let bin = env!("CARGO_BIN_EXE_inferd");
+        let mut command = match prefix.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let mut child = command
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start inferd");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let wants_metrics = args.contains(&"--metrics-listen");
+        let mut process = Inferd {
+            child: Some(child),
+            addr: String::new(),
+            metrics: None,
+        };
+        while process.addr.is_empty() || (wants_metrics && process.metrics.is_none()) {
+            let line = rx
+                .recv_timeout(Duration::from_secs(90))
+                .unwrap_or_else(|_| panic!("inferd {args:?} never said where it listens"));
+            if let Some(addr) = line.strip_prefix("listening on ") {
+                process.addr = addr.to_owned();
+            } else if let Some(addr) = line.strip_prefix("metrics on ") {
+                process.metrics = Some(addr.to_owned());
+            }
+        }
+        process
+    }
+
+    pub fn start(args: &[&str]) -> Inferd {
+        Inferd::start_with(&[], args)
+    }
+
+    /// `inferd shard` for `layers` of the reference model.
+    pub fn shard(layers: &str, listen: &str) -> Inferd {
+        Inferd::start(&shard_args(layers, listen))
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.addr
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("ADDR:PORT")
+    }
+
+    /// SIGKILL: no goodbye to anyone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Inferd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The arguments of `inferd shard` for `layers` of the reference model.
+pub fn shard_args(layers: &str, listen: &str) -> Vec<&'static str> {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    vec![
+        "shard",
+        "--model",
+        REFERENCE,
+        "--layers",
+        leak(layers.to_owned()),
+        "--listen",
+        leak(listen.to_owned()),
+        "--kv-mib",
+        "32",
+        "--threads",
+        "1",
+    ]
+}
+
+/// The body of `GET /metrics` at `addr`.
+pub fn scrape(addr: &str) -> String {
+    let mut stream = TcpStream::connect(addr).expect("metrics endpoint");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").expect("request");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).expect("response");
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
+}
+
+/// The value of the sample whose line starts with `prefix` (a name and
+/// labels, written as rendered).
+pub fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// How a call failed.
+pub type Status = (RpcStatusCode, String);
+
+fn status_of(err: grpcio::Error) -> Status {
+    match err {
+        grpcio::Error::RpcFailure(s) => (s.code(), s.message().to_owned()),
+        other => (RpcStatusCode::UNKNOWN, other.to_string()),
+    }
+}
+
+/// Everything a Generate sent, and how it ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    /// Bits of every log-probability reported, in order.
+    pub logprob_bits: Vec<(u32, u32)>,
+    pub done: Option<(i32, u64)>,
+    pub error: Option<(i32, String)>,
+}
+
+/// A stock client of `kakeya.v1.RuntimeService`.
+#[derive(Clone)]
+pub struct Client {
+    pub rpc: RuntimeServiceClient,
+    _env: Arc<Environment>,
+}
+
+impl Client {
+    pub fn connect(addr: &str) -> Client {
+        let env = Arc::new(EnvBuilder::new().cq_count(1).build());
+        let channel = ChannelBuilder::new(Arc::clone(&env)).connect(addr);
+        Client {
+            rpc: RuntimeServiceClient::new(channel),
+            _env: env,
+        }
+    }
+
+    fn opt() -> CallOption {
+        CallOption::default().timeout(CALL_TIMEOUT)
+    }
+
+    pub fn create(&self) -> String {
+        let mut req = pb::CreateSessionRequest::new();
+        req.set_client_label("split-model test".into());
+        self.rpc
+            .create_session_opt(&req, Self::opt())
+            .expect("session created")
+            .take_session_id()
+    }
+
+    pub fn append(&self, id: &str, tokens: &[u32]) -> Result<u64, Status> {
+        let mut req = pb::AppendTokensRequest::new();
+        req.set_session_id(id.into());
+        req.set_token_ids(tokens.to_vec());
+        self.rpc
+            .append_tokens_opt(&req, Self::opt())
+            .map(|r| r.get_history_length())
+            .map_err(status_of)
+    }
+
+    pub fn info(&self, id: &str) -> Result<pb::GetSessionInfoResponse, Status> {
+        let mut req = pb::GetSessionInfoRequest::new();
+        req.set_session_id(id.into());
+        self.rpc
+            .get_session_info_opt(&req, Self::opt())
+            .map_err(status_of)
+    }
+
+    pub fn close(&self, id: &str) -> Result<u64, Status> {
+        let mut req = pb::CloseSessionRequest::new();
+        req.set_session_id(id.into());
+        self.rpc
+            .close_session_opt(&req, Self::opt())
+            .map(|r| r.get_final_history_length())
+            .map_err(status_of)
+    }
+
+    /// Runs a Generate to its end; `stop_after` drops the stream (a client
+    /// cancel) after that many tokens, and `on_token` sees each token as it
+    /// arrives.
+    pub fn generate_watching(
+        &self,
+        req: &pb::GenerateRequest,
+        stop_after: Option<usize>,
+        mut on_token: impl FnMut(usize),
+    ) -> Generated {
+        let mut out = Generated::default();
+        let mut stream = match self
+            .rpc
+            .generate_opt(req, CallOption::default().timeout(STREAM_TIMEOUT))
+        {
+            Ok(stream) => stream,
+            Err(e) => {
+                let (code, message) = status_of(e);
+                out.error = Some((code.into(), message));
+                return out;
+            }
+        };
+        while let Some(item) = futures_executor::block_on(stream.next()) {
+            match item {
+                Ok(mut msg) => {
+                    if msg.has_logprobs() {
+                        let l = msg.take_logprobs();
+                        let chosen = l.get_chosen();
+                        out.logprob_bits
+                            .push((chosen.get_token_id(), chosen.get_logprob().to_bits()));
+                        for t in l.get_top() {
+                            out.logprob_bits
+                                .push((t.get_token_id(), t.get_logprob().to_bits()));
+                        }
+                    } else if msg.has_done() {
+                        let d = msg.get_done();
+                        out.done = Some((d.get_stop_reason() as i32, d.get_history_length()));
+                    } else if !msg.has_truncated() {
+                        out.tokens.push(msg.get_token_id());
+                        on_token(out.tokens.len());
+                        if stop_after == Some(out.tokens.len()) {
+                            return out;
+                        }
+                    }
+                }
+                Err(e) => {
+                    let (code, message) = status_of(e);
+                    out.error = Some((code.into(), message));
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    pub fn generate(&self, req: &pb::GenerateRequest) -> Generated {
+        self.generate_watching(req, None, |_| {})
+    }
+}
+
+/// A greedy Generate of `n` tokens reporting `top` log-probabilities.
+pub fn greedy(id: &str, n: u32, top: u32) -> pb::GenerateRequest {
+    let mut req = pb::GenerateRequest::new();
+    req.set_session_id(id.into());
+    req.set_max_tokens(n);
+    req.set_top_logprobs(top);
+    req
+}
+
+/// A seeded Generate through the whole sampling chain.
+pub fn seeded(id: &str, n: u32, seed: u64) -> pb::GenerateRequest {
+    let mut req = greedy(id, n, 0);
+    req.set_seed(seed);
+    req.set_temperature(0.8);
+    req.set_top_p(0.9);
+    req.set_top_k(40);
+    req.set_repetition_penalty(1.1);
+    req
+}
