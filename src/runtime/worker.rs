@@ -1726,4 +1726,48 @@ mod tests {
         assert_ne!(digest(&[1.0, 2.0]), digest(&[2.0, 1.0]));
         assert_eq!(digest(&[1.5]), digest(&[1.5]));
     }
+
+    #[test]
+    fn a_failed_shard_step_reaches_the_client_as_its_kind_says() {
+        use crate::cluster::coordinator::ShardFailure;
+        let status = |kind: FailureKind| {
+            let err = shard_error(ChainError::Shard(ShardFailure {
+                shard: "10.0.0.2:7000 (layers 0..15)".into(),
+                kind,
+                message: "why".into(),
+            }));
+            assert!(err.to_string().contains("10.0.0.2:7000"), "{err}");
+            err.code()
+        };
+        use StatusKind as S;
+        for (kind, want) in [
+            (FailureKind::Transport, S::Unavailable),
+            (FailureKind::Handshake, S::Unavailable),
+            (FailureKind::Protocol(ErrorKind::Checksum), S::DataLoss),
+            (FailureKind::Protocol(ErrorKind::StaleEpoch), S::Unavailable),
+            (FailureKind::Protocol(ErrorKind::Sequence), S::Aborted),
+            (
+                FailureKind::Protocol(ErrorKind::TooLarge),
+                S::ResourceExhausted,
+            ),
+            (
+                FailureKind::Protocol(ErrorKind::FlowControl),
+                S::ResourceExhausted,
+            ),
+            (FailureKind::Protocol(ErrorKind::Malformed), S::Internal),
+            (
+                FailureKind::Protocol(ErrorKind::UnknownSession),
+                S::Unavailable,
+            ),
+            (
+                FailureKind::Protocol(ErrorKind::Deadline),
+                S::DeadlineExceeded,
+            ),
+            (FailureKind::Protocol(ErrorKind::Internal), S::Unavailable),
+        ] {
+            assert_eq!(status(kind), want, "{kind:?}");
+        }
+        let kv = shard_error(ChainError::Kv(KvError::Exhausted { wanted: 3, free: 1 }));
+        assert_eq!(kv.code(), S::ResourceExhausted);
+    }
 }

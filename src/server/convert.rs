@@ -273,6 +273,20 @@ mod tests {
             ),
             (RuntimeError::Unavailable, RpcStatusCode::UNAVAILABLE),
             (
+                RuntimeError::Shard {
+                    status: StatusKind::DataLoss,
+                    message: "checksum failure at shard 10.0.0.2:7000".into(),
+                },
+                RpcStatusCode::DATA_LOSS,
+            ),
+            (
+                RuntimeError::Shard {
+                    status: StatusKind::Aborted,
+                    message: "sequence failure at shard 10.0.0.2:7000".into(),
+                },
+                RpcStatusCode::ABORTED,
+            ),
+            (
                 RuntimeError::ResourceExhausted {
                     what: "KV pages".into(),
                     asked: 3,
