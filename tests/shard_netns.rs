@@ -202,6 +202,7 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
             "32",
             "--threads",
             "1",
+            "--allow-unauthenticated",
         ],
     );
     let _shard2 = start_in(
@@ -218,6 +219,7 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
             "32",
             "--threads",
             "1",
+            "--allow-unauthenticated",
         ],
     );
     let _relay = start_in(
@@ -228,6 +230,7 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
             &net.address(3),
             "--upstream",
             &net.address(2),
+            "--allow-unauthenticated",
         ],
     );
 
@@ -420,6 +423,7 @@ fn across_namespaces_the_coordinator_fails_only_the_calls_in_flight_and_recovers
             "32".into(),
             "--threads".into(),
             "1".into(),
+            "--allow-unauthenticated".into(),
         ])
         .collect()
     };
@@ -439,6 +443,7 @@ fn across_namespaces_the_coordinator_fails_only_the_calls_in_flight_and_recovers
             &net.address(4),
             "--upstream",
             &net.address(3),
+            "--allow-unauthenticated",
         ]
         .map(String::from),
     );

@@ -432,7 +432,7 @@ fn warn_if_readable_by_others(path: &Path) {
 #[cfg(not(unix))]
 fn warn_if_readable_by_others(_: &Path) {}
 
-fn notify_systemd(state: &[sd_notify::NotifyState]) {
+pub(super) fn notify_systemd(state: &[sd_notify::NotifyState]) {
     if let Err(e) = sd_notify::notify(false, state) {
         tracing::warn!(error = %e, "could not notify systemd");
     }

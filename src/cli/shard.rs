@@ -23,22 +23,41 @@ pub struct ShardArgs {
     #[arg(long, short = 'm', env = "INFERD_MODEL", default_value = DEFAULT_MODEL)]
     pub model: PathBuf,
     /// Layers to run, half-open: `10..20` runs layers 10 to 19.
-    #[arg(long, value_parser = parse_layers)]
+    #[arg(long, env = "INFERD_SHARD_LAYERS", value_parser = parse_layers)]
     pub layers: Range<usize>,
     /// Address to listen on, IP:PORT (port 0: any free port).
-    #[arg(long, default_value = "127.0.0.1:50061")]
+    #[arg(long, env = "INFERD_SHARD_LISTEN", default_value = "127.0.0.1:50061")]
     pub listen: String,
     /// KV cache memory for this shard's layers, in MiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, env = "INFERD_SHARD_KV_MIB", default_value_t = 256)]
     pub kv_mib: u64,
     /// Compute threads [default: one per core].
-    #[arg(long, short = 't')]
+    #[arg(long, short = 't', env = "INFERD_SHARD_THREADS")]
     pub threads: Option<usize>,
+    /// Listen on a non-loopback address. The shard protocol carries no
+    /// credentials: only do this on a network that admits nothing but the
+    /// coordinator (and relays).
+    #[arg(long, env = "INFERD_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+}
+
+/// The shard protocol has no authentication: an address other machines can
+/// reach must be asked for explicitly.
+pub(super) fn check_open_listen(listen: &str, allowed: bool) -> Result<(), CliError> {
+    if allowed || crate::server::is_loopback(listen) {
+        return Ok(());
+    }
+    Err(CliError::Usage(format!(
+        "refusing to listen on {listen}: it is not a loopback address and the shard protocol \
+         carries no credentials; give --allow-unauthenticated on a network that admits only \
+         the coordinator"
+    )))
 }
 
 /// Runs `inferd shard`.
 pub fn run(args: ShardArgs) -> Result<(), CliError> {
     let mut signals = Signals::new([SIGTERM, SIGINT])?;
+    check_open_listen(&args.listen, args.allow_unauthenticated)?;
     let model = Model::load(&args.model).map_err(|source| CliError::ModelLoad {
         path: args.model.display().to_string(),
         source,
@@ -63,8 +82,18 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
         writeln!(out, "listening on {}", server.addr())?;
         out.flush()?;
     }
+    super::serve::notify_systemd(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!(
+            "layers {}..{} on {}",
+            args.layers.start,
+            args.layers.end,
+            server.addr()
+        )),
+    ]);
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     tracing::info!(signal, "shard stopping");
+    super::serve::notify_systemd(&[sd_notify::NotifyState::Stopping]);
     server.shutdown();
     Ok(())
 }
