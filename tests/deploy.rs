@@ -3,7 +3,11 @@
 //! INI reading of its own), the launchd plist parses, and the command line
 //! each of them runs, pointed at temporary copies of its config, passes
 //! `inferd serve --check` through the real binary. Broken configs must fail
-//! with a message that names the problem.
+//! with a message that names the problem. The shard and relay services of a
+//! split model: their units verify and score like the server's, and a
+//! split model runs from the shipped environment files and config.
+
+mod support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -15,6 +19,12 @@ const UNIT: &str = "deploy/systemd/inferd.service";
 const UNIT_CONFIG: &str = "deploy/systemd/inferd.toml";
 const PLIST: &str = "deploy/launchd/dev.inferd.plist";
 const PLIST_CONFIG: &str = "deploy/launchd/inferd.toml";
+const SHARD_UNIT: &str = "deploy/systemd/inferd-shard.service";
+const SHARD_ENV: &str = "deploy/systemd/inferd-shard.env";
+const RELAY_UNIT: &str = "deploy/systemd/inferd-relay.service";
+const RELAY_ENV: &str = "deploy/systemd/inferd-relay.env";
+const SHARD_PLIST: &str = "deploy/launchd/dev.inferd.shard.plist";
+const RELAY_PLIST: &str = "deploy/launchd/dev.inferd.relay.plist";
 
 /// Where deploy/README.md tells the operator to put each file.
 const INSTALLED_BINARY: &str = "/usr/local/bin/inferd";
@@ -223,10 +233,14 @@ fn check_args(words: &[String], installed_config: &str, config: &Path) -> Vec<St
 }
 
 fn plist_dict() -> plist::Dictionary {
-    plist::Value::from_file(PLIST)
-        .unwrap_or_else(|e| panic!("{PLIST}: {e}"))
+    plist_dict_of(PLIST)
+}
+
+fn plist_dict_of(path: &str) -> plist::Dictionary {
+    plist::Value::from_file(path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
         .into_dictionary()
-        .unwrap_or_else(|| panic!("{PLIST}: the top level is not a dict"))
+        .unwrap_or_else(|| panic!("{path}: the top level is not a dict"))
 }
 
 fn plist_program_arguments(dict: &plist::Dictionary) -> Vec<String> {
@@ -321,12 +335,24 @@ fn systemd_analyze_verifies_the_unit() {
         );
         return;
     }
+    for unit in [UNIT, SHARD_UNIT, RELAY_UNIT] {
+        if !analyze(unit) {
+            return;
+        }
+    }
+}
+
+/// `systemd-analyze verify` and `security` of one unit; false when this
+/// systemd cannot score a unit offline (said loudly).
+fn analyze(unit: &str) -> bool {
     // `verify` insists the ExecStart binary exists and is executable: point
     // a copy of the unit at the binary under test.
     let dir = tempfile::tempdir().expect("tempdir");
-    let text = read(UNIT);
+    let text = read(unit);
     assert!(text.contains(&format!("ExecStart={INSTALLED_BINARY} ")));
-    let copy = dir.path().join("inferd.service");
+    let copy = dir
+        .path()
+        .join(Path::new(unit).file_name().expect("unit file name"));
     std::fs::write(
         &copy,
         text.replace(
@@ -345,7 +371,7 @@ fn systemd_analyze_verifies_the_unit() {
     // so any output at all is a failure.
     assert!(
         verify.status.success() && verify.stderr.is_empty() && verify.stdout.is_empty(),
-        "systemd-analyze verify {UNIT} (exit {:?}):\n{}{}",
+        "systemd-analyze verify {unit} (exit {:?}):\n{}{}",
         verify.status.code(),
         String::from_utf8_lossy(&verify.stdout),
         stderr(&verify)
@@ -364,13 +390,14 @@ fn systemd_analyze_verifies_the_unit() {
             "SKIPPED (LOUDLY): this systemd-analyze cannot score a unit offline: {}",
             stderr(&security).trim()
         );
-        return;
+        return false;
     }
     assert!(
         security.status.success(),
-        "the unit's exposure score is above 2.0:\n{}",
+        "{unit}: the exposure score is above 2.0:\n{}",
         report.lines().next_back().unwrap_or_default()
     );
+    true
 }
 
 #[test]
@@ -537,4 +564,189 @@ fn unit_time_spans_read_as_seconds() {
     assert_eq!(unit_seconds("45"), 45);
     assert_eq!(unit_seconds("2s"), 2);
     assert_eq!(unit_seconds("1min 30s"), 90);
+}
+
+/// `VARIABLE=value` lines of a shipped environment file, commented-out
+/// ones included, as (variable, value, commented).
+fn env_file(path: &str) -> Vec<(String, String, bool)> {
+    read(path)
+        .lines()
+        .filter_map(|line| {
+            let (commented, body) = match line.strip_prefix('#') {
+                Some(rest) => (true, rest),
+                None => (false, line),
+            };
+            let (key, value) = body.split_once('=')?;
+            let plain = key.starts_with("INFERD_")
+                && key.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+            plain.then(|| (key.to_owned(), value.to_owned(), commented))
+        })
+        .collect()
+}
+
+/// The variables an environment file sets, with `edits` applied.
+fn env_with(path: &str, edits: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut vars: Vec<(String, String)> = env_file(path)
+        .into_iter()
+        .filter(|(_, _, commented)| !commented)
+        .map(|(k, v, _)| (k, v))
+        .collect();
+    for (key, value) in edits {
+        let slot = vars
+            .iter_mut()
+            .find(|(k, _)| k == key)
+            .unwrap_or_else(|| panic!("{path} sets no {key}"));
+        slot.1 = (*value).to_owned();
+    }
+    vars
+}
+
+#[test]
+fn the_shard_and_relay_units_are_sandboxed_notify_services_reading_their_env_files() {
+    for (unit, env, installed_env, subcommand) in [
+        (
+            SHARD_UNIT,
+            SHARD_ENV,
+            "/etc/inferd/inferd-shard.env",
+            "shard",
+        ),
+        (
+            RELAY_UNIT,
+            RELAY_ENV,
+            "/etc/inferd/inferd-relay.env",
+            "relay",
+        ),
+    ] {
+        let entries = parse_unit(&read(unit));
+        for (key, want) in [
+            ("Type", "notify"),
+            ("Restart", "on-failure"),
+            ("DynamicUser", "yes"),
+            ("NoNewPrivileges", "yes"),
+            ("CapabilityBoundingSet", ""),
+            ("ProtectSystem", "strict"),
+            ("PrivateDevices", "yes"),
+            ("MemoryDenyWriteExecute", "yes"),
+            ("EnvironmentFile", installed_env),
+        ] {
+            assert_eq!(service_value(&entries, key), want, "{unit}: {key}=");
+        }
+        assert_eq!(
+            exec_start_words(&entries),
+            [INSTALLED_BINARY, subcommand],
+            "{unit}: every setting comes from {installed_env}"
+        );
+        // Every variable the file documents is one the subcommand reads.
+        let help = run_inferd(&[subcommand.to_owned(), "--help".to_owned()]);
+        let help = String::from_utf8_lossy(&help.stdout);
+        let documented = env_file(env);
+        assert!(documented.len() >= 3, "{env}: {documented:?}");
+        for (key, _, _) in documented {
+            assert!(
+                help.contains(&format!("env: {key}=")),
+                "{env} documents {key}, which `inferd {subcommand}` does not read"
+            );
+        }
+    }
+    for (plist, label, subcommand) in [
+        (SHARD_PLIST, "dev.inferd.shard", "shard"),
+        (RELAY_PLIST, "dev.inferd.relay", "relay"),
+    ] {
+        let dict = plist_dict_of(plist);
+        assert_eq!(
+            dict.get("Label").and_then(plist::Value::as_string),
+            Some(label)
+        );
+        let args = plist_program_arguments(&dict);
+        assert_eq!(
+            args.get(..2),
+            Some(&[INSTALLED_BINARY.to_owned(), subcommand.to_owned()][..]),
+            "{plist}"
+        );
+        assert_ne!(
+            dict.get("UserName").and_then(plist::Value::as_string),
+            Some("root"),
+            "{plist}"
+        );
+    }
+}
+
+#[test]
+fn a_split_model_runs_from_the_shipped_service_files() {
+    if !have_model() {
+        return;
+    }
+    let model = reference_model().display().to_string();
+    // The shard unit's environment, twice (two hosts' halves), the relay's
+    // in front of the second, as the files ship apart from addresses and
+    // the model's place.
+    let shard_env = |layers: &str| {
+        env_with(
+            SHARD_ENV,
+            &[
+                ("INFERD_MODEL", &model),
+                ("INFERD_SHARD_LAYERS", layers),
+                ("INFERD_SHARD_LISTEN", "127.0.0.1:0"),
+                ("INFERD_SHARD_KV_MIB", "32"),
+            ],
+        )
+    };
+    let first = support::Inferd::start_full(&[], &["shard"], &shard_env("0..15"));
+    let second = support::Inferd::start_full(&[], &["shard"], &shard_env("15..30"));
+    let relay = support::Inferd::start_full(
+        &[],
+        &["relay"],
+        &env_with(
+            RELAY_ENV,
+            &[
+                ("INFERD_RELAY_LISTEN", "127.0.0.1:0"),
+                ("INFERD_RELAY_UPSTREAM", &second.addr),
+            ],
+        ),
+    );
+    // The plists run the same commands: the shard plist's arguments, with
+    // its model and address swapped, make a shard that listens too.
+    let mut plist_args = plist_program_arguments(&plist_dict_of(SHARD_PLIST));
+    for (flag, value) in [
+        ("--model", model.as_str()),
+        ("--listen", "127.0.0.1:0"),
+        ("--kv-mib", "32"),
+    ] {
+        let at = plist_args
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("{SHARD_PLIST} passes no {flag}"));
+        plist_args[at + 1] = value.to_owned();
+    }
+    let plist_args: Vec<&str> = plist_args[1..].iter().map(String::as_str).collect();
+    let from_plist = support::Inferd::start(&plist_args);
+    drop(from_plist);
+
+    // The coordinator from the shipped config, its commented `shards` line
+    // filled in.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shards = format!(
+        "shards = [\"{}=0..15\", \"{}=15..30\"]",
+        first.addr, relay.addr
+    );
+    let config = config_copy(dir.path(), UNIT_CONFIG, |text| {
+        assert!(
+            text.contains("#shards = ["),
+            "{UNIT_CONFIG} documents no shards"
+        );
+        text.replace("listen = \"127.0.0.1:50051\"", "listen = \"127.0.0.1:0\"")
+            .replace("kv_mib = 256", "kv_mib = 32")
+            + &shards
+            + "\n"
+    });
+    let config = config.display().to_string();
+    let coordinator = support::Inferd::start(&["serve", "--config", &config, "--workers", "1"]);
+    let client = support::Client::connect(&coordinator.addr);
+    let id = client.create();
+    client
+        .append(&id, &[1, 504, 3575, 282, 4649, 314])
+        .expect("append across the shards");
+    let generated = client.generate(&support::greedy(&id, 6, 0));
+    assert_eq!(generated.tokens.len(), 6, "{generated:?}");
+    assert!(generated.done.is_some(), "{generated:?}");
 }

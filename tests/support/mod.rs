@@ -46,6 +46,12 @@ impl Inferd {
     /// given) and waits for its `listening on` line (and its `metrics on`
     /// line when `--metrics-listen` is among the arguments).
     pub fn start_with(prefix: &[&str], args: &[&str]) -> Inferd {
+        Inferd::start_full(prefix, args, &[])
+    }
+
+    /// As [`Inferd::start_with`], with these environment variables set and
+    /// every other `INFERD_*` variable of the test's environment removed.
+    pub fn start_full(prefix: &[&str], args: &[&str], envs: &[(String, String)]) -> Inferd {
         let bin = env!("CARGO_BIN_EXE_inferd");
         let mut command = match prefix.split_first() {
             Some((program, rest)) => {
@@ -55,8 +61,14 @@ impl Inferd {
             }
             None => Command::new(bin),
         };
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("INFERD_") {
+                command.env_remove(key);
+            }
+        }
         let mut child = command
             .args(args)
+            .envs(envs.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
