@@ -388,3 +388,52 @@ fn through_relays_the_answer_and_every_frame_are_the_same() {
     drop(relays);
     drop(shards);
 }
+
+#[test]
+fn a_shard_refuses_streams_beyond_its_limit_and_takes_one_when_another_ends() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let model = Arc::new(Model::load(REFERENCE).expect("model"));
+    let hash = sha256_of_file(Path::new(REFERENCE)).expect("hash");
+    let served = fingerprint(&model, hash, (0, 30));
+    let mut cfg = inferd::cluster::shard::ShardConfig::new(0..30, "127.0.0.1:0");
+    cfg.threads = 1;
+    cfg.kv_bytes = 8 << 20;
+    cfg.max_streams = 1;
+    let shard =
+        inferd::cluster::shard::ShardServer::start(Arc::clone(&model), served.clone(), &cfg)
+            .expect("shard");
+    let addr = shard.addr().to_string();
+    let hidden = model.config.hidden;
+    let step = |link: &mut ShardLink, session: WireSessionId| {
+        let mut x = vec![0f32; hidden];
+        model.embed(&[1], &mut x).expect("embed");
+        link.forward(&[(session, 0, 1)], &mut x, 0)
+    };
+    let options = LinkOptions::default();
+    let mut first = ShardLink::connect(&addr, &served, 0x51, &options).expect("first");
+    step(&mut first, [1; 16]).expect("the first stream is served");
+    let mut second = ShardLink::connect(&addr, &served, 0x51, &options).expect("handshake");
+    let err = step(&mut second, [2; 16]).expect_err("a second stream is over the limit");
+    assert!(
+        matches!(&err, LinkError::Transport { message, .. } if message.contains("at most 1 streams")),
+        "{err}"
+    );
+    drop(first);
+    // The first stream's thread ends once its call is gone.
+    let t0 = std::time::Instant::now();
+    loop {
+        let mut third = ShardLink::connect(&addr, &served, 0x51, &options).expect("handshake");
+        match step(&mut third, [3; 16]) {
+            Ok(()) => break,
+            Err(e) => assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the freed stream slot was never reused: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    shard.shutdown();
+}

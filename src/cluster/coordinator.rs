@@ -21,6 +21,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use grpcio::Environment;
+
 use super::fingerprint::Fingerprint;
 use super::frame::{unix_nanos, ErrorKind, WireSessionId};
 use super::link::{LinkError, LinkOptions, ShardCapacity, ShardLink};
@@ -134,13 +136,24 @@ impl PlannedShard {
 }
 
 /// Which shard runs which layers, the terms every link asks for, the
-/// coordinator's epoch and the counters every worker adds to.
-#[derive(Debug)]
+/// coordinator's epoch, the counters every worker adds to, and the gRPC
+/// completion queues every link shares.
 pub struct ShardPlan {
     shards: Vec<PlannedShard>,
     options: LinkOptions,
     coordinator_epoch: u64,
     stats: Arc<ShardStats>,
+    env: Arc<Environment>,
+}
+
+impl std::fmt::Debug for ShardPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardPlan")
+            .field("shards", &self.shards)
+            .field("options", &self.options)
+            .field("coordinator_epoch", &self.coordinator_epoch)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ShardPlan {
@@ -215,6 +228,9 @@ impl ShardPlan {
             },
             coordinator_epoch: super::shard::random_epoch(),
             stats,
+            // The workers block on their links; these threads only move
+            // bytes.
+            env: Arc::new(Environment::new(2)),
         })
     }
 
@@ -240,7 +256,8 @@ impl ShardPlan {
     pub fn probe(&self) -> Result<ShardCapacity, String> {
         let mut least: Option<ShardCapacity> = None;
         for shard in &self.shards {
-            let link = ShardLink::connect(
+            let link = ShardLink::connect_in(
+                &self.env,
                 &shard.addr,
                 &shard.fingerprint,
                 self.coordinator_epoch,
@@ -553,7 +570,8 @@ impl ShardChain {
                     ),
                 });
             }
-            let connected = ShardLink::connect(
+            let connected = ShardLink::connect_in(
+                &self.plan.env,
                 &shard.addr,
                 &shard.fingerprint,
                 self.plan.coordinator_epoch,

@@ -5,8 +5,10 @@
 //! a `ShardError` from the shard fails the call with a typed error naming
 //! the sessions concerned.
 
+use std::future::Future;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_executor::block_on;
 use futures_util::{SinkExt, StreamExt};
@@ -103,6 +105,47 @@ pub struct ShardLink {
     _client: ShardRuntimeClient,
 }
 
+/// How long past a frame's deadline the coordinator still waits for its
+/// answer before it gives the link up: a shard that is connected (its
+/// transport answers keepalive pings) but never answers must not hold a
+/// worker forever.
+const ANSWER_GRACE: Duration = Duration::from_secs(2);
+
+/// How long a frame may wait to be written (the shard reads nothing, so
+/// flow control holds it) before the link is given up.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Wakes a parked thread.
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Polls `future` on this thread until it is ready (`Some`) or `deadline`
+/// passes (`None`); without a deadline it waits as long as it takes.
+fn block_on_until<F: Future>(future: F, deadline: Option<Instant>) -> Option<F::Output> {
+    let Some(deadline) = deadline else {
+        return Some(block_on(future));
+    };
+    let mut future = std::pin::pin!(future);
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(value) = future.as_mut().poll(&mut cx) {
+            return Some(value);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        // A spurious unpark only polls again.
+        std::thread::park_timeout(deadline - now);
+    }
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(bytes)
@@ -121,7 +164,20 @@ impl ShardLink {
         options: &LinkOptions,
     ) -> Result<ShardLink, LinkError> {
         let env = Arc::new(Environment::new(1));
-        let channel = super::transport::client(env, options.max_frame_bytes).connect(addr);
+        ShardLink::connect_in(&env, addr, expected, coordinator_epoch, options)
+    }
+
+    /// As [`ShardLink::connect`], on the completion queues of `env` (many
+    /// links can share one).
+    pub fn connect_in(
+        env: &Arc<Environment>,
+        addr: &str,
+        expected: &Fingerprint,
+        coordinator_epoch: u64,
+        options: &LinkOptions,
+    ) -> Result<ShardLink, LinkError> {
+        let channel =
+            super::transport::client(Arc::clone(env), options.max_frame_bytes).connect(addr);
         let client = ShardRuntimeClient::new(channel);
         let mut request = pb::HandshakeRequest::new();
         request.set_protocol_version(PROTOCOL_VERSION);
@@ -251,8 +307,17 @@ impl ShardLink {
         if let Some((sent, _)) = &mut self.hashes {
             sent.push(sha256_hex(&bytes));
         }
-        block_on(self.sender.send((bytes, WriteFlags::default())))
-            .map_err(|e| self.transport(e.to_string()))
+        let sent = block_on_until(
+            self.sender.send((bytes, WriteFlags::default())),
+            Some(Instant::now() + SEND_TIMEOUT),
+        );
+        match sent {
+            Some(result) => result.map_err(|e| self.transport(e.to_string())),
+            None => Err(self.transport(format!(
+                "the shard took no frame for {} s",
+                SEND_TIMEOUT.as_secs()
+            ))),
+        }
     }
 
     /// Seals and sends a frame.
@@ -273,10 +338,25 @@ impl ShardLink {
 
     /// Reads the next frame and checks it; credits are counted here.
     pub fn next_frame(&mut self) -> Result<super::frame::FrameCheck, LinkError> {
-        let bytes = match block_on(self.receiver.next()) {
-            Some(Ok(bytes)) => bytes,
-            Some(Err(e)) => return Err(self.transport(e.to_string())),
-            None => return Err(self.transport("the shard closed the stream".into())),
+        self.next_frame_until(None)
+    }
+
+    /// As [`ShardLink::next_frame`], giving up at `deadline` (a transport
+    /// failure: the stream can no longer be trusted to be in step).
+    fn next_frame_until(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<super::frame::FrameCheck, LinkError> {
+        let bytes = match block_on_until(self.receiver.next(), deadline) {
+            Some(Some(Ok(bytes))) => bytes,
+            Some(Some(Err(e))) => return Err(self.transport(e.to_string())),
+            Some(None) => return Err(self.transport("the shard closed the stream".into())),
+            None => {
+                return Err(self.transport(format!(
+                    "no answer within {} s past the frame's deadline",
+                    ANSWER_GRACE.as_secs()
+                )))
+            }
         };
         if let Some((_, received)) = &mut self.hashes {
             received.push(sha256_hex(&bytes));
@@ -335,8 +415,15 @@ impl ShardLink {
         hidden: &mut [f32],
         deadline_unix_nanos: u64,
     ) -> Result<(), LinkError> {
+        // Answers are awaited until the frame's deadline (plus a grace);
+        // 0 means none.
+        let answer_by = (deadline_unix_nanos != 0).then(|| {
+            let left =
+                deadline_unix_nanos.saturating_sub(super::frame::unix_nanos(SystemTime::now()));
+            Instant::now() + Duration::from_nanos(left) + ANSWER_GRACE
+        });
         while self.credits == 0 {
-            let checked = self.next_frame()?;
+            let checked = self.next_frame_until(answer_by)?;
             let upcoming = self.outbound.next_sequence();
             if checked.kind == FrameKind::Error && !self.answers_earlier(&checked, upcoming) {
                 return Err(self.refused(checked.frame.get_error()));
@@ -367,7 +454,7 @@ impl ShardLink {
         let sequence = self.send(frame, Some(self.encoding), deadline_unix_nanos)?;
         self.credits -= 1;
         loop {
-            let checked = self.next_frame()?;
+            let checked = self.next_frame_until(answer_by)?;
             match checked.kind {
                 FrameKind::Credit => continue,
                 FrameKind::Error if self.answers_earlier(&checked, sequence) => continue,
@@ -434,5 +521,41 @@ impl ShardLink {
         self.outbound
             .seal(frame, encoding, deadline)
             .map_err(|e| self.transport(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waiting_for_an_answer_ends_at_the_deadline() {
+        let t0 = Instant::now();
+        let never = futures_util::future::pending::<()>();
+        assert_eq!(
+            block_on_until(never, Some(t0 + Duration::from_millis(50))),
+            None
+        );
+        assert!(t0.elapsed() >= Duration::from_millis(50));
+        let ready = futures_util::future::ready(7);
+        assert_eq!(block_on_until(ready, Some(t0)), Some(7));
+        assert_eq!(
+            block_on_until(futures_util::future::ready(8), None),
+            Some(8)
+        );
+    }
+
+    #[test]
+    fn a_wake_from_another_thread_ends_the_wait_early() {
+        let (tx, rx) = futures_channel::oneshot::channel::<u8>();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            let _ = tx.send(3);
+        });
+        let t0 = Instant::now();
+        let got = block_on_until(rx, Some(t0 + Duration::from_secs(10)));
+        assert_eq!(got, Some(Ok(3)));
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        sender.join().expect("sender");
     }
 }

@@ -51,6 +51,9 @@ pub struct ShardConfig {
     pub max_frame_bytes: u32,
     pub credit_window: u32,
     pub max_sessions: u32,
+    /// Session streams open at once (each has a thread); more are refused
+    /// with RESOURCE_EXHAUSTED. A coordinator opens one per worker.
+    pub max_streams: usize,
     pub encodings: Vec<Encoding>,
 }
 
@@ -65,6 +68,7 @@ impl ShardConfig {
             max_frame_bytes: 64 << 20,
             credit_window: 16,
             max_sessions: 1024,
+            max_streams: 256,
             encodings: vec![Encoding::F32, Encoding::F16, Encoding::Q8_0],
         }
     }
@@ -110,6 +114,9 @@ struct Shared {
     agreed: Mutex<HashMap<u64, Agreed>>,
     /// Sessions named by cancel frames so far.
     cancelled: std::sync::atomic::AtomicU64,
+    /// Session streams open now, and the most allowed.
+    streams: std::sync::atomic::AtomicUsize,
+    max_streams: usize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -176,6 +183,8 @@ impl ShardServer {
             ),
             agreed: Mutex::new(HashMap::new()),
             cancelled: std::sync::atomic::AtomicU64::new(0),
+            streams: std::sync::atomic::AtomicUsize::new(0),
+            max_streams: cfg.max_streams.max(1),
         });
         let env = Arc::new(Environment::new(1));
         let handshake_shared = Arc::clone(&shared);
@@ -191,16 +200,50 @@ impl ShardServer {
             )
             .add_duplex_streaming_handler(
                 &SESSION_RAW,
-                move |_ctx: RpcContext<'_>,
+                move |ctx: RpcContext<'_>,
                       stream: RequestStream<Vec<u8>>,
                       sink: DuplexSink<Vec<u8>>| {
+                    use std::sync::atomic::Ordering::AcqRel;
                     let shared = Arc::clone(&session_shared);
-                    // Compute blocks; the completion queue must not.
+                    let refuse = |sink: DuplexSink<Vec<u8>>, message: String| {
+                        tracing::warn!(%message, "session stream refused");
+                        let status =
+                            RpcStatus::with_message(RpcStatusCode::RESOURCE_EXHAUSTED, message);
+                        ctx.spawn(async move {
+                            let _ = sink.fail(status).await;
+                        });
+                    };
+                    let open = shared.streams.fetch_add(1, AcqRel);
+                    if open >= shared.max_streams {
+                        shared.streams.fetch_sub(1, AcqRel);
+                        return refuse(
+                            sink,
+                            format!(
+                                "the shard serves at most {} streams at once",
+                                shared.max_streams
+                            ),
+                        );
+                    }
+                    // Compute blocks; the completion queue must not. The
+                    // sink is handed over only once the thread exists.
+                    let (hand, take) = std::sync::mpsc::sync_channel(1);
+                    let thread_shared = Arc::clone(&shared);
                     let spawned = std::thread::Builder::new()
                         .name("inferd-shard-stream".into())
-                        .spawn(move || serve_stream(&shared, stream, sink));
-                    if let Err(e) = spawned {
-                        tracing::error!(error = %e, "cannot start a stream thread");
+                        .spawn(move || {
+                            if let Ok((stream, sink)) = take.recv() {
+                                serve_stream(&thread_shared, stream, sink);
+                            }
+                            thread_shared.streams.fetch_sub(1, AcqRel);
+                        });
+                    match spawned {
+                        Ok(_) => {
+                            let _ = hand.send((stream, sink));
+                        }
+                        Err(e) => {
+                            shared.streams.fetch_sub(1, AcqRel);
+                            refuse(sink, format!("cannot start a stream thread: {e}"));
+                        }
                     }
                 },
             )
