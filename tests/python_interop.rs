@@ -2,9 +2,12 @@
 //! generated from the published `protos/` with grpcio-tools (in the
 //! virtualenv `scripts/python-env` keeps), driving the session lifecycle,
 //! streaming, every error status a client can provoke, deadlines and
-//! cancellation (`tests/interop/runtime_client.py`); and the shard
+//! cancellation (`tests/interop/runtime_client.py`), also against a
+//! coordinator of two `inferd shard` processes; and the shard
 //! protocol's golden frames decoded by stubs from its schema
 //! (`tests/interop/shard_vectors.py`).
+
+mod support;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -80,7 +83,7 @@ fn python_env() -> Option<PathBuf> {
 
 /// Starts `inferd serve` on a free loopback port and returns it with the
 /// address from its `listening on ADDR` line.
-fn start_server(log_dir: &Path) -> (ServerGuard, String) {
+fn start_server(log_dir: &Path, extra: &[&str]) -> (ServerGuard, String) {
     let log = log_dir.join("server.log");
     let log_file = std::fs::File::create(&log).expect("create server log");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_inferd"));
@@ -97,6 +100,7 @@ fn start_server(log_dir: &Path) -> (ServerGuard, String) {
         "--eviction",
         EVICTION,
     ])
+    .args(extra)
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::from(log_file));
@@ -135,6 +139,24 @@ fn start_server(log_dir: &Path) -> (ServerGuard, String) {
 
 #[test]
 fn a_stock_python_client_drives_the_server_through_every_status() {
+    drive_with_python(&[]);
+}
+
+#[test]
+fn a_stock_python_client_drives_a_coordinator_of_two_shards_through_every_status() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let first = support::Inferd::shard("0..15", "127.0.0.1:0");
+    let second = support::Inferd::shard("15..30", "127.0.0.1:0");
+    let shards = format!("{},{}", first.addr, second.addr);
+    drive_with_python(&["--shards", &shards]);
+}
+
+/// Runs the Python client against `inferd serve EXTRA...`, then stops the
+/// server with SIGTERM.
+fn drive_with_python(extra: &[&str]) {
     if !Path::new(REFERENCE).exists() {
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
         return;
@@ -143,7 +165,7 @@ fn a_stock_python_client_drives_the_server_through_every_status() {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
-    let (server, addr) = start_server(dir.path());
+    let (server, addr) = start_server(dir.path(), extra);
 
     let out = Command::new(&python)
         .args([
