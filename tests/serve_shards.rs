@@ -42,6 +42,9 @@ fn prompts() -> Vec<Vec<u32>> {
 #[derive(Debug, PartialEq, Eq)]
 struct Transcript {
     digests: Vec<u64>,
+    /// KV bytes the history holds and one page's bytes, over all layers
+    /// (on a coordinator: what the shards hold together).
+    kv: (u64, u64),
     greedy: Generated,
     seeded: Generated,
 }
@@ -65,6 +68,8 @@ fn transcripts(addr: &str) -> Vec<Transcript> {
                 let half = prompt.len() / 2;
                 client.append(&id, &prompt[..half]).expect("append");
                 client.append(&id, &prompt[half..]).expect("append");
+                let info = client.info(&id).expect("info");
+                let kv = (info.get_kv_live_bytes(), info.get_kv_page_bytes());
                 let mut digests = vec![digest(&client, &id)];
                 let greedy = client.generate(&greedy(&id, 24, 3));
                 digests.push(digest(&client, &id));
@@ -73,6 +78,7 @@ fn transcripts(addr: &str) -> Vec<Transcript> {
                 client.close(&id).expect("close");
                 Transcript {
                     digests,
+                    kv,
                     greedy,
                     seeded,
                 }

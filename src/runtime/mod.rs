@@ -56,6 +56,7 @@ struct WorkerHandle {
 /// The running server core. Dropping it stops and joins the workers.
 pub struct Runtime {
     workers: Vec<WorkerHandle>,
+    kv_bytes_per_position: u64,
     kv_pool: Arc<KvPool>,
     shared: Arc<Shared>,
     next_worker: AtomicUsize,
@@ -142,7 +143,11 @@ impl Runtime {
                 thread: Some(thread),
             });
         }
+        let kv_bytes_per_position = model
+            .kv_layout(model.config.n_layers, cfg.page_positions)
+            .bytes_per_position() as u64;
         Ok(Runtime {
+            kv_bytes_per_position,
             workers,
             kv_pool,
             shared,
@@ -150,6 +155,16 @@ impl Runtime {
             draining: AtomicBool::new(false),
             cfg,
         })
+    }
+
+    /// Bytes of K and V one KV page holds over every layer. Split over
+    /// shards, the pages live there (the runtime's own pool is a ledger of
+    /// positions), and this is what one page costs them all together.
+    pub fn kv_page_bytes(&self) -> u64 {
+        match &self.cfg.shards {
+            None => self.kv_pool.page_bytes() as u64,
+            Some(_) => self.kv_bytes_per_position * self.kv_pool.layout().page_positions as u64,
+        }
     }
 
     /// Number of worker threads.

@@ -254,6 +254,9 @@ pub(crate) struct Worker {
     sessions: HashMap<SessionId, Slot>,
     /// The links to the shards when the layers run elsewhere.
     remote: Option<ShardChain>,
+    /// K and V bytes of one position over every layer: what a session's
+    /// positions hold, here or (split) on the shards together.
+    kv_bytes_per_position: u64,
     waiting_creates: VecDeque<WaitingCreate>,
     /// The one eviction this worker has asked another for and not seen
     /// answered.
@@ -299,6 +302,9 @@ impl Worker {
             .backend(model.config.vocab, model.config.context)
             .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
         let remote = cfg.shards.clone().map(ShardChain::new);
+        let kv_bytes_per_position = model
+            .kv_layout(model.config.n_layers, cfg.page_positions)
+            .bytes_per_position() as u64;
         Ok(Worker {
             index,
             model,
@@ -313,6 +319,7 @@ impl Worker {
             sampled: Vec::new(),
             sessions: HashMap::new(),
             remote,
+            kv_bytes_per_position,
             waiting_creates: VecDeque::new(),
             evict_wait: None,
             last_sweep: Instant::now(),
@@ -513,7 +520,7 @@ impl Worker {
         let busy = !slot.idle();
         Ok(SessionInfo {
             history_length: slot.history.len() as u64,
-            kv_live_bytes: slot.kv.live_bytes(),
+            kv_live_bytes: slot.kv.len() as u64 * self.kv_bytes_per_position,
             inv1_violations: slot.inv1,
             inv2_violations: slot.inv2,
             idle_seconds: if busy {
@@ -643,7 +650,7 @@ impl Worker {
         let mut queued = self.waiting_creates.len() as u64;
         let mut oldest: Option<Instant> = None;
         for slot in self.sessions.values() {
-            kv_bytes += slot.kv.live_bytes();
+            kv_bytes += slot.kv.len() as u64 * self.kv_bytes_per_position;
             history += slot.history.len() as u64;
             queued += slot.queue.len() as u64;
             if slot.idle() && oldest.is_none_or(|t| slot.last_used < t) {

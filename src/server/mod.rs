@@ -160,7 +160,7 @@ impl Server {
         let context = model.config.context as u64;
         let warmup_token = warmup_token(&model);
         let runtime = Runtime::start(model, cfg.runtime.clone())?;
-        let page_bytes = runtime.kv_pool().page_bytes() as u64;
+        let page_bytes = runtime.kv_page_bytes();
         let stats = Arc::new(ServerStats::default());
         let health = HealthState::new();
         let shared = Arc::new(Shared {
