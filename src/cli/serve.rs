@@ -342,6 +342,10 @@ impl ServeArgs {
     }
 }
 
+fn read_file(what: &str, path: &Path) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|e| CliError::Usage(format!("{what} {}: {e}", path.display())))
+}
+
 impl Settings {
     /// Where the layers run when shards are listed: every shard must serve
     /// its range of this very file (checked by SHA-256 at the handshake).
@@ -360,13 +364,7 @@ impl Settings {
         .map_err(|e| CliError::Usage(format!("shards: {e}")))?;
         Ok(Some(Arc::new(plan)))
     }
-}
 
-fn read_file(what: &str, path: &Path) -> Result<Vec<u8>, CliError> {
-    std::fs::read(path).map_err(|e| CliError::Usage(format!("{what} {}: {e}", path.display())))
-}
-
-impl Settings {
     /// Opens the files the settings name and builds the server's
     /// configuration for `model`.
     fn serve_config(&self, model: &Model) -> Result<ServeConfig, CliError> {
