@@ -451,13 +451,17 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     if args.check {
         println!(
             "configuration ok: model {} ({} layers, vocabulary {}), listen {}, {} workers, \
-             KV {} MiB, tls {}, auth token {}, sampler {}",
+             KV {}, tls {}, auth token {}, sampler {}",
             settings.model.display(),
             model.config.n_layers,
             model.config.vocab,
             settings.listen,
             settings.workers,
-            cfg.runtime.kv_bytes >> 20,
+            if cfg.runtime.shards.is_some() {
+                "on the shards".to_owned()
+            } else {
+                format!("{} MiB", cfg.runtime.kv_bytes >> 20)
+            },
             if cfg.tls.is_some() { "on" } else { "off" },
             if cfg.auth_token.is_some() {
                 "required"
