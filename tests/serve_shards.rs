@@ -365,3 +365,44 @@ fn a_killed_shard_fails_the_call_in_flight_and_its_sessions_come_back_with_it() 
         .expect("append after the restart");
     assert_eq!(client.generate(&greedy(&fresh, 3, 0)).tokens.len(), 3);
 }
+
+#[test]
+fn a_coordinator_waits_for_a_late_shard_and_refuses_a_mismatched_one() {
+    if !have_reference() {
+        return;
+    }
+    // A port nothing listens on yet.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let late = format!("127.0.0.1:{port}");
+    let shards = late.clone();
+    let coordinator = thread::spawn(move || serve(&["--shards", &shards]));
+    thread::sleep(Duration::from_secs(2));
+    let shard = Inferd::shard("0..30", &late);
+    let coordinator = coordinator.join().expect("the coordinator started");
+    let client = Client::connect(&coordinator.addr);
+    let id = client.create();
+    client.append(&id, &prompts()[0]).expect("append");
+    assert_eq!(client.generate(&greedy(&id, 3, 0)).tokens.len(), 3);
+    drop(coordinator);
+
+    // A shard serving other layers than the list says: refused at once.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "serve",
+            "--model",
+            support::REFERENCE,
+            "--listen",
+            "127.0.0.1:0",
+            "--shards",
+            &format!("{}=0..12,127.0.0.1:1=12..30", shard.addr),
+        ])
+        .output()
+        .expect("run inferd serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("fingerprint mismatch"), "{stderr}");
+    assert!(stderr.contains("layers 0..12"), "{stderr}");
+}

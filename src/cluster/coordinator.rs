@@ -252,18 +252,34 @@ impl ShardPlan {
 
     /// Handshakes with every shard once (each must serve its fingerprint)
     /// and returns what all of them can hold: the fewest pages and
-    /// sessions. Shards must agree on positions per page.
-    pub fn probe(&self) -> Result<ShardCapacity, String> {
+    /// sessions. Shards must agree on positions per page. A shard that
+    /// cannot be reached yet (hosts start in any order) is tried again for
+    /// up to `wait`; a shard that refuses the handshake fails at once.
+    pub fn probe(&self, wait: Duration) -> Result<ShardCapacity, String> {
+        let give_up = Instant::now() + wait;
         let mut least: Option<ShardCapacity> = None;
         for shard in &self.shards {
-            let link = ShardLink::connect_in(
-                &self.env,
-                &shard.addr,
-                &shard.fingerprint,
-                self.coordinator_epoch,
-                &self.options,
-            )
-            .map_err(|e| e.to_string())?;
+            let mut next_warning = Instant::now();
+            let link = loop {
+                let connected = ShardLink::connect_in(
+                    &self.env,
+                    &shard.addr,
+                    &shard.fingerprint,
+                    self.coordinator_epoch,
+                    &self.options,
+                );
+                match connected {
+                    Ok(link) => break link,
+                    Err(e @ LinkError::Transport { .. }) if Instant::now() < give_up => {
+                        if Instant::now() >= next_warning {
+                            tracing::warn!(shard = %shard.label(), error = %e, "waiting for the shard");
+                            next_warning = Instant::now() + Duration::from_secs(5);
+                        }
+                        std::thread::sleep(Duration::from_millis(250));
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+            };
             let c = link.capacity();
             if c.kv_pages == 0 || c.page_positions == 0 {
                 return Err(format!(

@@ -47,6 +47,10 @@ use crate::kv::{KvBacking, KvPool, KvPoolConfig};
 use crate::model::Model;
 use worker::{Command, Op, Shared, Worker};
 
+/// How long a coordinator waits at start-up for a shard it cannot reach
+/// yet (hosts start in any order; a unit's start timeout is 120 s).
+const SHARD_START_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 struct WorkerHandle {
     commands: Sender<Command>,
     gauges: Arc<WorkerGauges>,
@@ -85,7 +89,9 @@ impl Runtime {
                 // The KV lives on the shards; this pool is a ledger of
                 // positions sized like the smallest shard's, so eviction
                 // makes room here before any shard runs out.
-                let capacity = plan.probe().map_err(RuntimeError::Internal)?;
+                let capacity = plan
+                    .probe(SHARD_START_WAIT)
+                    .map_err(RuntimeError::Internal)?;
                 cfg.page_positions = capacity.page_positions as usize;
                 if capacity.max_sessions > 0 {
                     cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);
