@@ -154,13 +154,7 @@ fn main() {
             let shards: Vec<ShardServer> = split
                 .iter()
                 .map(|&(a, b)| {
-                    let fingerprint = Fingerprint {
-                        gguf_sha256: hash,
-                        layer_begin: a as u32,
-                        layer_end: b as u32,
-                        layer_count: n as u32,
-                        hidden_size: model.config.hidden as u32,
-                    };
+                    let fingerprint = Fingerprint::of_layers(hash, &model.config, a..b);
                     let mut cfg = ShardConfig::new(a..b, "127.0.0.1:0");
                     cfg.threads = 1;
                     cfg.kv_bytes = 64 << 20;

@@ -150,13 +150,7 @@ fn main() {
         let servers: Vec<ShardServer> = split
             .iter()
             .map(|&(a, b)| {
-                let fingerprint = Fingerprint {
-                    gguf_sha256: hash,
-                    layer_begin: a as u32,
-                    layer_end: b as u32,
-                    layer_count: n_layers as u32,
-                    hidden_size: hidden as u32,
-                };
+                let fingerprint = Fingerprint::of_layers(hash, &model.config, a..b);
                 let mut cfg = ShardConfig::new(a..b, "127.0.0.1:0");
                 cfg.threads = 1;
                 cfg.kv_bytes = 64 << 20;
@@ -165,13 +159,7 @@ fn main() {
             .collect();
         let fingerprints: Vec<Fingerprint> = split
             .iter()
-            .map(|&(a, b)| Fingerprint {
-                gguf_sha256: hash,
-                layer_begin: a as u32,
-                layer_end: b as u32,
-                layer_count: n_layers as u32,
-                hidden_size: hidden as u32,
-            })
+            .map(|&(a, b)| Fingerprint::of_layers(hash, &model.config, a..b))
             .collect();
         for encoding in [Encoding::F32, Encoding::F16, Encoding::Q8_0] {
             let options = LinkOptions {

@@ -24,7 +24,9 @@ use grpcio::RpcStatusCode;
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
 use inferd::cluster::shard::{ShardConfig, ShardServer};
 use inferd::model::Model;
-use support::{greedy, have_reference, sample, scrape, seeded, Client, Generated, Inferd};
+use support::{
+    greedy, have_reference, retry_unavailable, sample, scrape, seeded, Client, Generated, Inferd,
+};
 
 /// Three prompts of the reference vocabulary.
 fn prompts() -> Vec<Vec<u32>> {
@@ -169,13 +171,7 @@ fn local_shards(model: &Arc<Model>, ranges: &[(usize, usize)]) -> Vec<ShardServe
     ranges
         .iter()
         .map(|&(a, b)| {
-            let fingerprint = Fingerprint {
-                gguf_sha256: hash,
-                layer_begin: a as u32,
-                layer_end: b as u32,
-                layer_count: model.config.n_layers as u32,
-                hidden_size: model.config.hidden as u32,
-            };
+            let fingerprint = Fingerprint::of_layers(hash, &model.config, a..b);
             let mut cfg = ShardConfig::new(a..b, "127.0.0.1:0");
             cfg.kv_bytes = 16 << 20;
             cfg.threads = 1;
@@ -237,24 +233,6 @@ fn close_idle_expiry_and_cancel_reach_every_shard() {
     drop(coordinator);
     for s in shards {
         s.shutdown();
-    }
-}
-
-/// Repeats `call` while it fails with UNAVAILABLE, for at most ten seconds.
-fn retry_unavailable(mut call: impl FnMut() -> Generated) -> Generated {
-    let t0 = Instant::now();
-    loop {
-        let got = call();
-        match &got.error {
-            Some((code, _))
-                if *code == i32::from(RpcStatusCode::UNAVAILABLE)
-                    && got.tokens.is_empty()
-                    && t0.elapsed() < Duration::from_secs(10) =>
-            {
-                thread::sleep(Duration::from_millis(100));
-            }
-            _ => return got,
-        }
     }
 }
 
@@ -340,7 +318,9 @@ fn a_killed_shard_fails_the_call_in_flight_and_its_sessions_come_back_with_it() 
         let expected = one_host.generate(&greedy(&twin, 12, 2));
         // Calls fail (UNAVAILABLE, nothing changed) until the coordinator's
         // next connect finds the shard; a client retries them.
-        let got = retry_unavailable(|| client.generate(&greedy(id, 12, 2)));
+        let got = retry_unavailable(Duration::from_secs(10), || {
+            client.generate(&greedy(id, 12, 2))
+        });
         assert_eq!(got, expected, "continues as one host would");
         assert_eq!(digest(&client, id), digest(&one_host, &twin));
     }

@@ -28,7 +28,7 @@ use inferd::cluster::WireSessionId;
 use inferd::engine::{Engine, EngineConfig};
 use inferd::model::{Model, Scratch};
 use inferd::threads::ThreadPool;
-use support::{greedy, sample, scrape, Client, Generated, Inferd};
+use support::{greedy, retry_unavailable, sample, scrape, Client, Generated, Inferd};
 
 const REFERENCE: &str = support::REFERENCE;
 /// How long a cut link may take to fail its calls (keepalive is 1 s + 2 s).
@@ -236,13 +236,7 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
 
     let model = Arc::new(Model::load(REFERENCE).expect("model"));
     let hash = sha256_of_file(Path::new(REFERENCE)).expect("hash");
-    let fingerprint = |a: u32, b: u32| Fingerprint {
-        gguf_sha256: hash,
-        layer_begin: a,
-        layer_end: b,
-        layer_count: model.config.n_layers as u32,
-        hidden_size: model.config.hidden as u32,
-    };
+    let fingerprint = |a: usize, b: usize| Fingerprint::of_layers(hash, &model.config, a..b);
     let options = LinkOptions::default();
     let mut first = ShardLink::connect(&net.address(1), &fingerprint(0, 15), 0xa11, &options)
         .expect("shard 1, directly");
@@ -334,25 +328,6 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
         .forward(&[([6; 16], 1, 1)], &mut x, 0)
         .expect_err("shard 1 is gone");
     assert!(matches!(err, LinkError::Transport { .. }), "{err}");
-}
-
-/// Repeats `call` while it fails with UNAVAILABLE before any token, for at
-/// most `within`: what a client does while a host is coming back.
-fn retry_unavailable(within: Duration, mut call: impl FnMut() -> Generated) -> Generated {
-    let t0 = Instant::now();
-    loop {
-        let got = call();
-        match &got.error {
-            Some((code, _))
-                if *code == i32::from(RpcStatusCode::UNAVAILABLE)
-                    && got.tokens.is_empty()
-                    && t0.elapsed() < within =>
-            {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            _ => return got,
-        }
-    }
 }
 
 /// A long greedy Generate on `id`, with `act` run once after its third

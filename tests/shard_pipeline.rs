@@ -9,10 +9,9 @@
 //! relays' ingress and egress hashes equal the frames the coordinator sent
 //! and received, frame by frame, both ways.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,60 +23,13 @@ use inferd::engine::{Engine, EngineConfig};
 use inferd::model::{Model, Scratch};
 use inferd::proto::inferd_shard_v1::shard_runtime as pb;
 use inferd::threads::ThreadPool;
+use support::Inferd;
 
-const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const REFERENCE: &str = support::REFERENCE;
 const RANGES: [(usize, usize); 3] = [(0, 10), (10, 20), (20, 30)];
 
-/// A shard process, killed and reaped however the test ends.
-struct ShardProcess {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for ShardProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_shard(layers: (usize, usize)) -> ShardProcess {
-    start_process(&[
-        "shard",
-        "--model",
-        REFERENCE,
-        "--layers",
-        &format!("{}..{}", layers.0, layers.1),
-        "--listen",
-        "127.0.0.1:0",
-        "--kv-mib",
-        "32",
-        "--threads",
-        "1",
-    ])
-}
-
-/// Starts `inferd ARGS` and waits for its `listening on ADDR` line.
-fn start_process(args: &[&str]) -> ShardProcess {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_inferd"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start inferd");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(addr) = line.strip_prefix("listening on ") {
-                let _ = tx.send(addr.to_owned());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the process prints its address");
-    ShardProcess { child, addr }
+fn start_shard(layers: (usize, usize)) -> Inferd {
+    Inferd::shard(&format!("{}..{}", layers.0, layers.1), "127.0.0.1:0")
 }
 
 struct Coordinator {
@@ -88,23 +40,17 @@ struct Coordinator {
 }
 
 fn fingerprint(model: &Model, hash: [u8; 32], layers: (usize, usize)) -> Fingerprint {
-    Fingerprint {
-        gguf_sha256: hash,
-        layer_begin: layers.0 as u32,
-        layer_end: layers.1 as u32,
-        layer_count: model.config.n_layers as u32,
-        hidden_size: model.config.hidden as u32,
-    }
+    Fingerprint::of_layers(hash, &model.config, layers.0..layers.1)
 }
 
 impl Coordinator {
-    fn connect(model: Arc<Model>, shards: &[ShardProcess], epoch: u64) -> Coordinator {
+    fn connect(model: Arc<Model>, shards: &[Inferd], epoch: u64) -> Coordinator {
         Self::connect_with(model, shards, epoch, &LinkOptions::default())
     }
 
     fn connect_with(
         model: Arc<Model>,
-        shards: &[ShardProcess],
+        shards: &[Inferd],
         epoch: u64,
         options: &LinkOptions,
     ) -> Coordinator {
@@ -179,7 +125,7 @@ fn three_shards_match_one_host_and_contain_every_failure() {
     }
     let model = Arc::new(Model::load(REFERENCE).expect("model"));
     let mut engine = one_host(&model);
-    let mut shards: Vec<ShardProcess> = RANGES.iter().map(|&r| start_shard(r)).collect();
+    let mut shards: Vec<Inferd> = RANGES.iter().map(|&r| start_shard(r)).collect();
     let mut coordinator = Coordinator::connect(Arc::clone(&model), &shards, 0xc0ffee);
 
     // Prefill in three fragments, then greedy decode: the same logits bits.
@@ -298,14 +244,14 @@ fn through_relays_the_answer_and_every_frame_are_the_same() {
     }
     let model = Arc::new(Model::load(REFERENCE).expect("model"));
     let mut engine = one_host(&model);
-    let shards: Vec<ShardProcess> = RANGES.iter().map(|&r| start_shard(r)).collect();
+    let shards: Vec<Inferd> = RANGES.iter().map(|&r| start_shard(r)).collect();
     let records = tempfile::tempdir().expect("tempdir");
-    let relays: Vec<ShardProcess> = shards
+    let relays: Vec<Inferd> = shards
         .iter()
         .enumerate()
         .map(|(i, shard)| {
             let record = records.path().join(format!("relay-{i}.jsonl"));
-            start_process(&[
+            Inferd::start(&[
                 "relay",
                 "--listen",
                 "127.0.0.1:0",

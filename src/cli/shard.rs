@@ -63,13 +63,7 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
         source,
     })?;
     let hash = sha256_of_file(&args.model)?;
-    let fingerprint = Fingerprint {
-        gguf_sha256: hash,
-        layer_begin: args.layers.start as u32,
-        layer_end: args.layers.end as u32,
-        layer_count: model.config.n_layers as u32,
-        hidden_size: model.config.hidden as u32,
-    };
+    let fingerprint = Fingerprint::of_layers(hash, &model.config, args.layers.clone());
     let mut cfg = ShardConfig::new(args.layers.clone(), args.listen.clone());
     cfg.kv_bytes = args.kv_mib.max(1) << 20;
     if let Some(threads) = args.threads {

@@ -773,17 +773,12 @@ impl ShardChain {
                 result = self.try_forward(model, feeds, pool, scratch, prefill_chunk);
             }
         }
-        match &result {
-            Ok(_) => {
-                for f in feeds.iter() {
-                    self.held.insert(f.id, Held::InStep(self.lineage));
-                }
-            }
-            Err(_) => {
-                for f in feeds.iter() {
-                    self.held.insert(f.id, Held::Doubtful);
-                }
-            }
+        let held = match &result {
+            Ok(_) => Held::InStep(self.lineage),
+            Err(_) => Held::Doubtful,
+        };
+        for f in feeds.iter() {
+            self.held.insert(f.id, held);
         }
         result
     }

@@ -18,6 +18,24 @@ pub struct Fingerprint {
     pub hidden_size: u32,
 }
 
+impl Fingerprint {
+    /// The fingerprint of `layers` of the model `config` describes, whose
+    /// GGUF hashes to `gguf_sha256`.
+    pub fn of_layers(
+        gguf_sha256: [u8; 32],
+        config: &crate::model::ModelConfig,
+        layers: std::ops::Range<usize>,
+    ) -> Fingerprint {
+        Fingerprint {
+            gguf_sha256,
+            layer_begin: layers.start as u32,
+            layer_end: layers.end as u32,
+            layer_count: config.n_layers as u32,
+            hidden_size: config.hidden as u32,
+        }
+    }
+}
+
 /// SHA-256 of a file, read in 1 MiB pieces.
 pub fn sha256_of_file(path: &Path) -> std::io::Result<[u8; 32]> {
     let mut file = std::fs::File::open(path)?;

@@ -279,6 +279,9 @@ async fn forward_session(
     let up_record = Arc::clone(&record);
     let up = async move {
         let mut index = 0u64;
+        // After a failed send the upstream call is over; grpcio must not be
+        // asked to close it (it panics on a finished call).
+        let mut upstream_gone = false;
         while let Some(next) = incoming.next().await {
             let Ok(bytes) = next else {
                 break;
@@ -299,10 +302,13 @@ async fn forward_session(
                 .await
                 .is_err()
             {
+                upstream_gone = true;
                 break;
             }
         }
-        let _ = upstream_tx.close().await;
+        if !upstream_gone {
+            let _ = upstream_tx.close().await;
+        }
     };
     let down = async move {
         let mut index = 0u64;

@@ -119,6 +119,17 @@ struct Shared {
     max_streams: usize,
 }
 
+/// One open session stream, counted in `Shared::streams` while it lives.
+struct StreamSlot(Arc<Shared>);
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0
+            .streams
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -231,10 +242,11 @@ impl ShardServer {
                     let spawned = std::thread::Builder::new()
                         .name("inferd-shard-stream".into())
                         .spawn(move || {
+                            // Frees the slot however the thread ends.
+                            let _slot = StreamSlot(Arc::clone(&thread_shared));
                             if let Ok((stream, sink)) = take.recv() {
                                 serve_stream(&thread_shared, stream, sink);
                             }
-                            thread_shared.streams.fetch_sub(1, AcqRel);
                         });
                     match spawned {
                         Ok(_) => {
@@ -389,19 +401,38 @@ fn credit_frame(frames: u32) -> pb::Frame {
 struct Replies {
     sink: DuplexSink<Vec<u8>>,
     outbound: OutboundFrames,
+    /// A send failed: the call is over, and grpcio's sink must not be
+    /// polled again (it panics on a finished call).
+    gone: bool,
 }
 
 impl Replies {
+    fn new(sink: DuplexSink<Vec<u8>>, epochs: Epochs) -> Replies {
+        Replies {
+            sink,
+            outbound: OutboundFrames::new(epochs),
+            gone: false,
+        }
+    }
+
     fn send(&mut self, frame: pb::Frame, encoding: Option<Encoding>) -> bool {
+        if self.gone {
+            return false;
+        }
         let Ok(bytes) = self.outbound.seal(frame, encoding, 0) else {
             return false;
         };
-        block_on(self.sink.send((bytes, WriteFlags::default()))).is_ok()
+        let sent = block_on(self.sink.send((bytes, WriteFlags::default()))).is_ok();
+        self.gone = !sent;
+        sent
     }
 
     /// Ends the call cleanly after the frames sent so far (dropping the
     /// sink instead would cancel the call and could lose them).
     fn end(mut self) {
+        if self.gone {
+            return;
+        }
         let _ = block_on(self.sink.close());
     }
 }
@@ -433,10 +464,7 @@ fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: Duple
             );
             if replies.is_none() {
                 if let Some(sink) = sink.take() {
-                    replies = Some(Replies {
-                        sink,
-                        outbound: OutboundFrames::new(epochs),
-                    });
+                    replies = Some(Replies::new(sink, epochs));
                 }
             }
             match agreed {
@@ -502,7 +530,7 @@ fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: Duple
         };
         let hidden = checked.kind.carries_hidden();
         let ok = answer(shared, agreed, checked, replies);
-        if hidden {
+        if hidden && ok {
             checker.grant(1);
             if !replies.send(credit_frame(1), None) {
                 return;

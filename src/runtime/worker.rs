@@ -1241,13 +1241,7 @@ impl Worker {
             .model
             .forward(&mut seqs, &self.compute, &mut self.scratch);
         drop(seqs);
-        self.gauges.steps.fetch_add(1, Ordering::Relaxed);
-        self.gauges
-            .last_batch_sequences
-            .store(ids.len() as u64, Ordering::Relaxed);
-        self.gauges
-            .max_batch_sequences
-            .fetch_max(ids.len() as u64, Ordering::Relaxed);
+        self.count_step(ids.len());
         let rows = match result {
             Ok(rows) => rows,
             Err(e) => {
@@ -1261,6 +1255,16 @@ impl Worker {
         };
         self.commit_batch(ids, &rows);
         true
+    }
+
+    /// The step gauges, after a batch of `sequences` went through.
+    fn count_step(&self, sequences: usize) {
+        let g = &self.gauges;
+        g.steps.fetch_add(1, Ordering::Relaxed);
+        g.last_batch_sequences
+            .store(sequences as u64, Ordering::Relaxed);
+        g.max_batch_sequences
+            .fetch_max(sequences as u64, Ordering::Relaxed);
     }
 
     /// The step of [`Worker::run_batch`] with the layers on the shards.
@@ -1290,13 +1294,7 @@ impl Worker {
             self.cfg.prefill_chunk,
         );
         drop(feeds);
-        self.gauges.steps.fetch_add(1, Ordering::Relaxed);
-        self.gauges
-            .last_batch_sequences
-            .store(ids.len() as u64, Ordering::Relaxed);
-        self.gauges
-            .max_batch_sequences
-            .fetch_max(ids.len() as u64, Ordering::Relaxed);
+        self.count_step(ids.len());
         match result {
             Ok(rows) => self.commit_batch(ids, &rows),
             Err(e) => {

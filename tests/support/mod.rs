@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use grpcio::{CallOption, ChannelBuilder, EnvBuilder, Environment, RpcStatusCode};
@@ -329,4 +329,23 @@ pub fn seeded(id: &str, n: u32, seed: u64) -> pb::GenerateRequest {
     req.set_top_k(40);
     req.set_repetition_penalty(1.1);
     req
+}
+
+/// Repeats `call` while it fails with UNAVAILABLE before any token, for at
+/// most `within`: what a client does while a host is coming back.
+pub fn retry_unavailable(within: Duration, mut call: impl FnMut() -> Generated) -> Generated {
+    let t0 = Instant::now();
+    loop {
+        let got = call();
+        match &got.error {
+            Some((code, _))
+                if *code == i32::from(RpcStatusCode::UNAVAILABLE)
+                    && got.tokens.is_empty()
+                    && t0.elapsed() < within =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            _ => return got,
+        }
+    }
 }
