@@ -252,6 +252,13 @@ fn a_killed_shard_fails_the_call_in_flight_and_its_sessions_come_back_with_it() 
     let client = Client::connect(&coordinator.addr);
     let second_label = format!("shard=\"{second_listen}\"");
 
+    assert_eq!(
+        sample(
+            &scrape(&metrics),
+            &format!("inferd_shard_up{{{second_label}}}")
+        ),
+        Some(1.0)
+    );
     let prompts = prompts();
     let busy = client.create();
     let idle = client.create();

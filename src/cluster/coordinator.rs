@@ -258,7 +258,7 @@ impl ShardPlan {
     pub fn probe(&self, wait: Duration) -> Result<ShardCapacity, String> {
         let give_up = Instant::now() + wait;
         let mut least: Option<ShardCapacity> = None;
-        for shard in &self.shards {
+        for (shard, counters) in self.shards.iter().zip(&self.stats.shards) {
             let mut next_warning = Instant::now();
             let link = loop {
                 let connected = ShardLink::connect_in(
@@ -280,6 +280,7 @@ impl ShardPlan {
                     Err(e) => return Err(e.to_string()),
                 }
             };
+            counters.up.store(true, Ordering::Relaxed);
             let c = link.capacity();
             if c.kv_pages == 0 || c.page_positions == 0 {
                 return Err(format!(
