@@ -152,6 +152,7 @@ pub struct RuntimeStats {
     pub kv_total_pages: u64,
     pub workers: Vec<WorkerStats>,
     /// The shards' counters when the runtime coordinates a split model.
+    #[cfg(not(loom))]
     pub shards: Option<crate::cluster::coordinator::ShardStatsSnapshot>,
 }
 

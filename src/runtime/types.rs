@@ -16,6 +16,7 @@ use futures_core::Stream;
 use super::notify::NotifyReceiver;
 
 use super::{RuntimeError, SessionId};
+#[cfg(not(loom))]
 use crate::cluster::coordinator::ShardPlan;
 use crate::kv::DEFAULT_PAGE_POSITIONS;
 use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs, MAX_TOP_LOGPROBS};
@@ -72,6 +73,7 @@ pub struct RuntimeConfig {
     pub sampler: SelectedSampler,
     /// Shards that run the layers (`serve --shards`); `None`: this process
     /// runs the whole model.
+    #[cfg(not(loom))]
     pub shards: Option<Arc<ShardPlan>>,
 }
 
@@ -91,6 +93,7 @@ impl Default for RuntimeConfig {
             session_queue: 8,
             stream_capacity: 32,
             sampler: SelectedSampler::Cpu,
+            #[cfg(not(loom))]
             shards: None,
         }
     }

@@ -124,6 +124,9 @@ impl SelectedSampler {
         vocab_size: usize,
         history_hint: usize,
     ) -> Result<SamplerBackend, SamplerError> {
+        // Only the GPU backend sizes anything (and loom builds none).
+        #[cfg(loom)]
+        let _ = (vocab_size, history_hint);
         match self {
             SelectedSampler::Cpu => Ok(SamplerBackend::Cpu(Sampler::new())),
             #[cfg(not(loom))]

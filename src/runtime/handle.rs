@@ -1,0 +1,413 @@
+//! The [`Runtime`] handle: maps the KV pool, starts the pinned workers,
+//! and routes each call to the worker that owns its session.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{bounded, Sender, TrySendError};
+
+use super::worker::{Command, Op, Shared, Worker};
+use super::{
+    notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateRequest,
+    GenerateStream, Pending, RuntimeConfig, RuntimeError, RuntimeStats, SessionId, SessionInfo,
+    WorkerGauges, WorkerStats,
+};
+use crate::kv::{KvBacking, KvPool, KvPoolConfig};
+use crate::model::Model;
+
+/// How long a coordinator waits at start-up for a shard it cannot reach
+/// yet (hosts start in any order; a unit's start timeout is 120 s).
+const SHARD_START_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+struct WorkerHandle {
+    commands: Sender<Command>,
+    gauges: Arc<WorkerGauges>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The running server core. Dropping it stops and joins the workers.
+pub struct Runtime {
+    workers: Vec<WorkerHandle>,
+    kv_bytes_per_position: u64,
+    kv_pool: Arc<KvPool>,
+    shared: Arc<Shared>,
+    next_worker: AtomicUsize,
+    draining: AtomicBool,
+    cfg: RuntimeConfig,
+}
+
+impl Runtime {
+    /// Maps the KV pool and spawns `cfg.workers` worker threads, pinned one
+    /// per core when asked (a failed pin is logged, not fatal).
+    pub fn start(model: Arc<Model>, cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+        let mut cfg = cfg;
+        cfg.workers = cfg.workers.max(1);
+        cfg.prefill_chunk = cfg.prefill_chunk.max(1);
+        cfg.stream_capacity = cfg.stream_capacity.max(4);
+        cfg.worker_queue = cfg.worker_queue.max(1);
+        let (layout, n_pages) = match &cfg.shards {
+            None => {
+                let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
+                (
+                    layout,
+                    KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1),
+                )
+            }
+            Some(plan) => {
+                // The KV lives on the shards; this pool is a ledger of
+                // positions sized like the smallest shard's, so eviction
+                // makes room here before any shard runs out.
+                let capacity = plan
+                    .probe(SHARD_START_WAIT)
+                    .map_err(RuntimeError::Internal)?;
+                cfg.page_positions = capacity.page_positions as usize;
+                if capacity.max_sessions > 0 {
+                    cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);
+                }
+                let ledger = crate::kv::KvLayout {
+                    n_layers: 1,
+                    kv_dim: 1,
+                    page_positions: cfg.page_positions,
+                };
+                (ledger, capacity.kv_pages.max(1) as usize)
+            }
+        };
+        let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
+            layout,
+            n_pages,
+            backing: KvBacking::Anonymous,
+            prefault: false,
+        })?);
+        // Asked before any thread is pinned: a pinned thread sees only its core.
+        let cores = if cfg.pin_cores {
+            core_affinity::get_core_ids().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let (wakers, wake_receivers): (Vec<_>, Vec<_>) =
+            (0..cfg.workers).map(|_| bounded::<()>(1)).unzip();
+        let shared = Arc::new(Shared::new(wakers));
+        let mut workers = Vec::with_capacity(cfg.workers);
+        for (index, wake) in wake_receivers.into_iter().enumerate() {
+            let (tx, rx) = bounded(cfg.worker_queue);
+            let gauges = Arc::new(WorkerGauges::default());
+            let worker = Worker::new(
+                index,
+                Arc::clone(&model),
+                Arc::clone(&kv_pool),
+                cfg.clone(),
+                Arc::clone(&shared),
+                Arc::clone(&gauges),
+            )?;
+            let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
+            let thread = std::thread::Builder::new()
+                .name(format!("inferd-worker-{index}"))
+                .spawn(move || {
+                    if let Some(core) = core {
+                        if !core_affinity::set_for_current(core) {
+                            tracing::warn!(worker = index, core = core.id, "could not pin worker");
+                        }
+                    }
+                    worker.run(rx, wake);
+                })
+                .map_err(|e| RuntimeError::Internal(format!("cannot spawn worker {index}: {e}")))?;
+            workers.push(WorkerHandle {
+                commands: tx,
+                gauges,
+                thread: Some(thread),
+            });
+        }
+        let kv_bytes_per_position = model
+            .kv_layout(model.config.n_layers, cfg.page_positions)
+            .bytes_per_position() as u64;
+        Ok(Runtime {
+            kv_bytes_per_position,
+            workers,
+            kv_pool,
+            shared,
+            next_worker: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            cfg,
+        })
+    }
+
+    /// Bytes of K and V one KV page holds over every layer. Split over
+    /// shards, the pages live there (the runtime's own pool is a ledger of
+    /// positions), and this is what one page costs them all together.
+    pub fn kv_page_bytes(&self) -> u64 {
+        match &self.cfg.shards {
+            None => self.kv_pool.page_bytes() as u64,
+            Some(_) => self.kv_bytes_per_position * self.kv_pool.layout().page_positions as u64,
+        }
+    }
+
+    /// Number of worker threads.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The KV page pool shared by the workers.
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv_pool
+    }
+
+    /// The configuration in force (after clamping).
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.cfg
+    }
+
+    fn send(&self, worker: usize, cmd: Command) -> Result<(), RuntimeError> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(RuntimeError::Unavailable);
+        }
+        let handle = &self.workers[worker];
+        handle.commands.try_send(cmd).map_err(|e| match e {
+            TrySendError::Full(_) => RuntimeError::ResourceExhausted {
+                what: format!("worker {worker} queue"),
+                asked: 1,
+                free: 0,
+            },
+            TrySendError::Disconnected(_) => RuntimeError::Unavailable,
+        })
+    }
+
+    fn pick_worker(&self) -> usize {
+        let n = self.workers.len();
+        if self.shared.live_sessions.load(Ordering::Acquire) >= self.cfg.max_sessions {
+            // At the limit, the worker holding the oldest idle session can
+            // evict it without asking another; failing that, the fullest
+            // shard is the likeliest to have one idle by then.
+            if self.cfg.eviction == EvictionPolicy::Lru {
+                if let Some((worker, _)) = self.shared.board.best_victim(usize::MAX) {
+                    return worker;
+                }
+            }
+            return (0..n)
+                .max_by_key(|&i| self.workers[i].gauges.sessions.load(Ordering::Relaxed))
+                .unwrap_or(0);
+        }
+        let start = self.next_worker.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .min_by_key(|&i| self.workers[i].gauges.sessions.load(Ordering::Relaxed))
+            .unwrap_or(0)
+    }
+
+    /// CreateSession: a fresh, empty session on the least-loaded worker. A
+    /// request still waiting when `deadline` passes creates nothing.
+    pub fn create_session(
+        &self,
+        req: CreateSession,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<SessionId>, RuntimeError> {
+        let worker = self.pick_worker();
+        let n = self.workers.len();
+        let id = loop {
+            let id = SessionId::random()?;
+            if id.shard(n) == worker {
+                break id;
+            }
+        };
+        let (tx, rx) = notify::channel(1);
+        self.send(
+            worker,
+            Command::Create {
+                id,
+                req,
+                reply: tx,
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// AppendTokens: runs after any operation already queued on the session.
+    pub fn append_tokens(
+        &self,
+        req: AppendTokens,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<AppendReply>, RuntimeError> {
+        let (tx, rx) = notify::channel(1);
+        let worker = req.id.shard(self.workers.len());
+        self.send(
+            worker,
+            Command::Enqueue {
+                id: req.id,
+                op: Op::Append {
+                    tokens: req.tokens,
+                    reply: tx,
+                },
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// Generate: the tokens stream back as [`GenerateEvent`]s.
+    pub fn generate(
+        &self,
+        req: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<GenerateStream, RuntimeError> {
+        let (tx, rx) = notify::channel(self.cfg.stream_capacity);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let worker = req.id.shard(self.workers.len());
+        self.send(
+            worker,
+            Command::Enqueue {
+                id: req.id,
+                op: Op::Generate {
+                    req: Box::new(req),
+                    events: tx,
+                    cancel: Arc::clone(&cancel),
+                },
+                deadline,
+            },
+        )?;
+        Ok(GenerateStream {
+            events: rx,
+            finished: false,
+            cancel,
+        })
+    }
+
+    /// CloseSession: runs after what is already queued, then frees the KV.
+    pub fn close_session(
+        &self,
+        id: SessionId,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<CloseReply>, RuntimeError> {
+        let (tx, rx) = notify::channel(1);
+        self.send(
+            id.shard(self.workers.len()),
+            Command::Enqueue {
+                id,
+                op: Op::Close { reply: tx },
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// GetSessionInfo: answered at once, even while the session is busy.
+    pub fn session_info(
+        &self,
+        id: SessionId,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<SessionInfo>, RuntimeError> {
+        let (tx, rx) = notify::channel(1);
+        self.send(
+            id.shard(self.workers.len()),
+            Command::Info { id, reply: tx },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// Stops taking new requests: every later call is `Unavailable`.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    /// A snapshot of the counters and gauges (lock-free reads; the
+    /// per-worker gauges are as of each worker's last turn).
+    pub fn stats(&self) -> RuntimeStats {
+        let c = &self.shared.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let now = self.shared.epoch.elapsed().as_secs();
+        let workers: Vec<WorkerStats> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let g = &w.gauges;
+                let queued_commands = w.commands.len() as u64;
+                let queued_ops = load(&g.queued_ops);
+                WorkerStats {
+                    sessions: load(&g.sessions),
+                    queued_commands,
+                    queued_ops,
+                    queue_depth: queued_commands + queued_ops,
+                    last_batch_sequences: load(&g.last_batch_sequences),
+                    max_batch_sequences: load(&g.max_batch_sequences),
+                    steps: load(&g.steps),
+                    tokens_generated: load(&g.tokens_generated),
+                    decode_tokens_per_second: g.decode_rate.per_second(now),
+                }
+            })
+            .collect();
+        RuntimeStats {
+            sessions_active: self.shared.live_sessions.load(Ordering::Relaxed) as u64,
+            sessions_created: load(&c.sessions_created),
+            sessions_failed: load(&c.sessions_failed),
+            evicted_ttl: load(&c.evicted_ttl),
+            evicted_lru: load(&c.evicted_lru),
+            evicted_close: load(&c.evicted_close),
+            inv1_violations: load(&c.inv1_violations),
+            inv2_violations: load(&c.inv2_violations),
+            tokens_generated: load(&c.tokens_generated),
+            prefill_tokens: load(&c.prefill_tokens),
+            prefill_duration: c.prefill_duration.snapshot(),
+            kv_live_bytes: self
+                .workers
+                .iter()
+                .map(|w| load(&w.gauges.kv_live_bytes))
+                .sum(),
+            history_tokens: self
+                .workers
+                .iter()
+                .map(|w| load(&w.gauges.history_tokens))
+                .sum(),
+            kv_free_pages: self.kv_pool.free_pages() as u64,
+            kv_total_pages: self.kv_pool.total_pages() as u64,
+            workers,
+            shards: self.cfg.shards.as_ref().map(|p| p.stats().snapshot()),
+        }
+    }
+
+    /// Stops the workers: queued and running calls end with `Unavailable`.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.drain();
+        for w in &self.workers {
+            // A full queue still sees the disconnect once the sender drops.
+            let _ = w.commands.try_send(Command::Shutdown);
+        }
+        let handles: Vec<_> = self
+            .workers
+            .iter_mut()
+            .filter_map(|w| w.thread.take())
+            .collect();
+        // Dropping the senders wakes a worker whose queue was full.
+        self.workers.iter_mut().for_each(|w| {
+            let (dead, _) = bounded(0);
+            w.commands = dead;
+        });
+        for h in handles {
+            if h.join().is_err() {
+                tracing::error!("a runtime worker panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
