@@ -11,7 +11,10 @@
 //!   UNAVAILABLE (the tokens already sent stay committed), counts it in the
 //!   metrics, and the coordinator keeps serving; once the shard is back,
 //!   every session, the interrupted one and an idle one, continues exactly
-//!   as on one host (rebuilt by feeding its history again).
+//!   as on one host (rebuilt by feeding its history again);
+//! - an output frame corrupted on its way back from a shard fails that call
+//!   with DATA_LOSS (a flipped payload bit) or ABORTED (an answer to a
+//!   frame never sent), and the session continues as on one host.
 
 mod support;
 
@@ -22,8 +25,10 @@ use std::time::{Duration, Instant};
 use grpcio::RpcStatusCode;
 
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::raw::SESSION_RAW;
 use inferd::cluster::shard::{ShardConfig, ShardServer};
 use inferd::model::Model;
+use inferd::proto::inferd_shard_v1::shard_runtime::Frame as ShardFrame;
 use support::{
     greedy, have_reference, retry_unavailable, sample, scrape, seeded, Client, Generated, Inferd,
 };
@@ -392,4 +397,205 @@ fn a_coordinator_waits_for_a_late_shard_and_refuses_a_mismatched_one() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("fingerprint mismatch"), "{stderr}");
     assert!(stderr.contains("layers 0..12"), "{stderr}");
+}
+
+/// A forwarder in front of one shard that, once armed, tampers with the
+/// next output frame on its way to the coordinator: a link that corrupts
+/// data. It forwards both methods as opaque bytes otherwise, like
+/// `inferd relay`.
+struct Corrupter {
+    server: grpcio::Server,
+    addr: String,
+    armed: Arc<std::sync::atomic::AtomicU8>,
+}
+
+const OFF: u8 = 0;
+/// Flip a bit of the next output's payload (its CRC32C no longer matches).
+const FLIP_PAYLOAD: u8 = 1;
+/// Make the next output claim to answer a frame not sent yet.
+const FLIP_ANSWERS_SEQUENCE: u8 = 2;
+
+/// The frame tampered with as `mode` says; `None` when it is not an output
+/// frame (the trigger waits for one) or `mode` is off.
+fn tamper(bytes: &[u8], mode: u8) -> Option<Vec<u8>> {
+    use protobuf::Message;
+    if mode == OFF {
+        return None;
+    }
+    let mut frame = ShardFrame::parse_from_bytes(bytes).ok()?;
+    if !frame.has_output() {
+        return None;
+    }
+    if mode == FLIP_PAYLOAD {
+        let mut payload = frame.take_payload();
+        let middle = payload.len() / 2;
+        *payload.get_mut(middle)? ^= 0x10;
+        frame.set_payload(payload);
+    } else {
+        let output = frame.mut_output();
+        output.set_answers_sequence(output.get_answers_sequence() + 16);
+    }
+    frame.write_to_bytes().ok()
+}
+
+const HANDSHAKE_RAW: grpcio::Method<Vec<u8>, Vec<u8>> = grpcio::Method {
+    ty: grpcio::MethodType::Unary,
+    name: "/inferd.shard.v1.ShardRuntime/Handshake",
+    req_mar: SESSION_RAW.req_mar,
+    resp_mar: SESSION_RAW.resp_mar,
+};
+
+impl Corrupter {
+    fn start(upstream: &str) -> Corrupter {
+        use futures_util::{SinkExt, StreamExt};
+        use grpcio::{
+            CallOption, ChannelBuilder, DuplexSink, Environment, RequestStream, RpcContext,
+            ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
+        };
+        let env = Arc::new(Environment::new(1));
+        let client = Arc::new(grpcio::Client::new(
+            ChannelBuilder::new(Arc::clone(&env)).connect(upstream),
+        ));
+        let armed = Arc::new(std::sync::atomic::AtomicU8::new(OFF));
+        let unary_client = Arc::clone(&client);
+        let trigger = Arc::clone(&armed);
+        let service = ServiceBuilder::new()
+            .add_unary_handler(
+                &HANDSHAKE_RAW,
+                move |ctx: RpcContext<'_>, req: Vec<u8>, sink: UnarySink<Vec<u8>>| {
+                    let reply =
+                        unary_client.unary_call_async(&HANDSHAKE_RAW, &req, CallOption::default());
+                    ctx.spawn(async move {
+                        let reply = match reply {
+                            Ok(receiver) => receiver.await,
+                            Err(e) => Err(e),
+                        };
+                        let _ = match reply {
+                            Ok(bytes) => sink.success(bytes).await,
+                            Err(grpcio::Error::RpcFailure(s)) => sink.fail(s).await,
+                            Err(e) => {
+                                sink.fail(grpcio::RpcStatus::with_message(
+                                    RpcStatusCode::UNAVAILABLE,
+                                    e.to_string(),
+                                ))
+                                .await
+                            }
+                        };
+                    });
+                },
+            )
+            .add_duplex_streaming_handler(
+                &SESSION_RAW,
+                move |ctx: RpcContext<'_>,
+                      mut incoming: RequestStream<Vec<u8>>,
+                      mut sink: DuplexSink<Vec<u8>>| {
+                    let (mut up_tx, mut up_rx) = client
+                        .duplex_streaming(&SESSION_RAW, CallOption::default())
+                        .expect("upstream call");
+                    let trigger = Arc::clone(&trigger);
+                    ctx.spawn(async move {
+                        let up = async move {
+                            while let Some(Ok(bytes)) = incoming.next().await {
+                                if up_tx.send((bytes, WriteFlags::default())).await.is_err() {
+                                    return;
+                                }
+                            }
+                            let _ = up_tx.close().await;
+                        };
+                        let down = async move {
+                            while let Some(Ok(mut bytes)) = up_rx.next().await {
+                                let mode = trigger.load(std::sync::atomic::Ordering::Acquire);
+                                if let Some(tampered) = tamper(&bytes, mode) {
+                                    trigger.store(OFF, std::sync::atomic::Ordering::Release);
+                                    bytes = tampered;
+                                }
+                                if sink.send((bytes, WriteFlags::default())).await.is_err() {
+                                    return;
+                                }
+                            }
+                            let _ = sink.close().await;
+                        };
+                        futures_util::future::join(up, down).await;
+                    });
+                },
+            )
+            .build();
+        let args = inferd::cluster::transport::server(Arc::clone(&env), 64 << 20).build_args();
+        let mut server = ServerBuilder::new(env)
+            .channel_args(args)
+            .register_service(service)
+            .build()
+            .expect("server");
+        let port = server
+            .add_listening_port("127.0.0.1:0", ServerCredentials::insecure())
+            .expect("listen");
+        server.start();
+        Corrupter {
+            server,
+            addr: format!("127.0.0.1:{port}"),
+            armed,
+        }
+    }
+}
+
+#[test]
+fn a_corrupted_frame_fails_its_call_typed_and_the_session_goes_on() {
+    if !have_reference() {
+        return;
+    }
+    let reference = serve(&[]);
+    let one_host = Client::connect(&reference.addr);
+    let first = Inferd::shard("0..15", "127.0.0.1:0");
+    let second = Inferd::shard("15..30", "127.0.0.1:0");
+    let corrupter = Corrupter::start(&second.addr);
+    let list = format!("{},{}", first.addr, corrupter.addr);
+    let coordinator = serve(&["--shards", &list, "--metrics-listen", "127.0.0.1:0"]);
+    let client = Client::connect(&coordinator.addr);
+    let prompt = prompts().remove(1);
+    let id = client.create();
+    client.append(&id, &prompt).expect("append");
+    let mut history = prompt.clone();
+    let before = client.generate(&greedy(&id, 3, 0));
+    history.extend(&before.tokens);
+
+    for (mode, code, kind) in [
+        (FLIP_PAYLOAD, RpcStatusCode::DATA_LOSS, "checksum"),
+        (FLIP_ANSWERS_SEQUENCE, RpcStatusCode::ABORTED, "sequence"),
+    ] {
+        corrupter
+            .armed
+            .store(mode, std::sync::atomic::Ordering::Release);
+        let hit = client.generate(&greedy(&id, 5, 0));
+        let (got, message) = hit.error.clone().expect("the tampered step fails");
+        assert_eq!(got, i32::from(code), "{message}");
+        assert!(message.contains(kind), "{message}");
+        assert!(hit.tokens.is_empty(), "{hit:?}");
+        assert_eq!(
+            client.info(&id).expect("kept").get_history_length() as usize,
+            history.len()
+        );
+    }
+    let metrics = scrape(coordinator.metrics.as_deref().expect("metrics"));
+    assert_eq!(
+        sample(
+            &metrics,
+            &format!(
+                "inferd_shard_failures_total{{shard=\"{}\",kind=\"checksum\"}}",
+                corrupter.addr
+            )
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+
+    // The session was rebuilt and continues as one host would.
+    let twin = one_host.create();
+    one_host.append(&twin, &history).expect("append");
+    assert_eq!(
+        client.generate(&greedy(&id, 6, 2)),
+        one_host.generate(&greedy(&twin, 6, 2))
+    );
+    drop(coordinator);
+    let mut corrupter = corrupter;
+    let _ = futures_executor::block_on(corrupter.server.shutdown());
 }

@@ -461,20 +461,39 @@ impl ShardLink {
                 FrameKind::Error => return Err(self.refused(checked.frame.get_error())),
                 FrameKind::Output => {
                     let output = checked.frame.get_output();
-                    if output.get_answers_sequence() != sequence {
+                    let answers = output.get_answers_sequence();
+                    if answers < sequence {
+                        // The rest of a frame whose call already ended on
+                        // the shard's error frame.
                         continue;
                     }
-                    let answered: usize = output
-                        .get_runs()
-                        .iter()
-                        .map(|r| r.get_count() as usize)
-                        .sum();
-                    let want: usize = runs.iter().map(|r| r.2 as usize).sum();
-                    if answered != want {
-                        return Err(
-                            self.transport(format!("the shard answered {answered} rows of {want}"))
-                        );
+                    let same_rows = output.get_runs().len() == runs.len()
+                        && output.get_runs().iter().zip(runs).all(|(got, sent)| {
+                            got.get_session_id() == sent.0
+                                && got.get_position() == sent.1
+                                && got.get_count() == sent.2
+                        });
+                    if answers > sequence || !same_rows {
+                        return Err(LinkError::BadReply {
+                            addr: self.addr.clone(),
+                            error: FrameError {
+                                kind: if answers > sequence {
+                                    ErrorKind::Sequence
+                                } else {
+                                    ErrorKind::Malformed
+                                },
+                                message: format!(
+                                    "an output for frame {answers} with {} runs, while frame \
+                                     {sequence} with {} runs awaits its answer",
+                                    output.get_runs().len(),
+                                    runs.len()
+                                ),
+                                sessions: runs.iter().map(|r| r.0).collect(),
+                                sequence: Some(checked.sequence),
+                            },
+                        });
                     }
+                    let answered: usize = runs.iter().map(|r| r.2 as usize).sum();
                     let encoding = checked.encoding.unwrap_or(self.encoding);
                     let values = decode_rows(
                         encoding,
