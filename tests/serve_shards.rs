@@ -172,17 +172,19 @@ fn a_model_split_over_two_or_three_shards_answers_bit_for_bit_like_one_host() {
 
 /// Shards in this process, so the test can see what they hold.
 fn local_shards(model: &Arc<Model>, ranges: &[(usize, usize)]) -> Vec<ShardServer> {
-    let hash = sha256_of_file(std::path::Path::new(support::REFERENCE)).expect("hash");
     ranges
         .iter()
-        .map(|&(a, b)| {
-            let fingerprint = Fingerprint::of_layers(hash, &model.config, a..b);
-            let mut cfg = ShardConfig::new(a..b, "127.0.0.1:0");
-            cfg.kv_bytes = 16 << 20;
-            cfg.threads = 1;
-            ShardServer::start(Arc::clone(model), fingerprint, &cfg).expect("shard starts")
-        })
+        .map(|&range| local_shard(model, range, "127.0.0.1:0"))
         .collect()
+}
+
+fn local_shard(model: &Arc<Model>, (a, b): (usize, usize), listen: &str) -> ShardServer {
+    let hash = sha256_of_file(std::path::Path::new(support::REFERENCE)).expect("hash");
+    let fingerprint = Fingerprint::of_layers(hash, &model.config, a..b);
+    let mut cfg = ShardConfig::new(a..b, listen);
+    cfg.kv_bytes = 16 << 20;
+    cfg.threads = 1;
+    ShardServer::start(Arc::clone(model), fingerprint, &cfg).expect("shard starts")
 }
 
 /// Polls `what` until it holds, for at most five seconds.
@@ -598,4 +600,90 @@ fn a_corrupted_frame_fails_its_call_typed_and_the_session_goes_on() {
     drop(coordinator);
     let mut corrupter = corrupter;
     let _ = futures_executor::block_on(corrupter.server.shutdown());
+}
+
+#[test]
+fn a_release_owed_to_a_shard_behind_a_broken_link_is_sent_when_the_link_is_back() {
+    if !have_reference() {
+        return;
+    }
+    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
+    let mut shards = local_shards(&model, &[(0, 12), (12, 30)]);
+    let second_addr = shards[1].addr().to_string();
+    let relay_args =
+        |listen: &str| ["relay", "--listen", listen, "--upstream", &second_addr].map(String::from);
+    let start_relay = |listen: &str| {
+        let args = relay_args(listen);
+        Inferd::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let mut relay = start_relay("127.0.0.1:0");
+    let relay_addr = relay.addr.clone();
+    let list = format!("{}=0..12,{relay_addr}=12..30", shards[0].addr());
+    let coordinator = Inferd::start(&[
+        "serve",
+        "--model",
+        support::REFERENCE,
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+        "--sampler",
+        "cpu",
+        "--shards",
+        &list,
+    ]);
+    let client = Client::connect(&coordinator.addr);
+    let held = |shards: &[ShardServer], i: usize| shards[i].sessions();
+    let closed = client.create();
+    let kept = client.create();
+    let closed_later = client.create();
+    client.append(&closed, &prompts()[0]).expect("append");
+    client.append(&kept, &prompts()[1]).expect("append");
+    client.append(&closed_later, &prompts()[2]).expect("append");
+    eventually("both shards hold the 3 sessions", || {
+        held(&shards, 0) == 3 && held(&shards, 1) == 3
+    });
+
+    // The link to the second shard breaks (its relay dies); a close then
+    // reaches the first shard only, and the second is owed the release.
+    relay.kill();
+    client.close(&closed).expect("close while a link is down");
+    eventually("the reachable shard released it", || held(&shards, 0) == 2);
+    assert_eq!(held(&shards, 1), 3, "the unreachable shard still holds it");
+
+    // Meanwhile the first shard restarts (a new epoch: it lost everything,
+    // which does not cancel what the second is owed).
+    let first = shards.remove(0);
+    let first_addr = first.addr().to_string();
+    first.shutdown();
+    shards.insert(0, local_shard(&model, (0, 12), &first_addr));
+    // Another close finds the first link broken too: both shards are owed.
+    client
+        .close(&closed_later)
+        .expect("close while both links are down");
+    // A call now reconnects the restarted shard (a new epoch) and finds the
+    // second still away.
+    let away = client.generate(&greedy(&kept, 2, 0));
+    assert_eq!(
+        away.error.as_ref().map(|e| e.0),
+        Some(i32::from(RpcStatusCode::UNAVAILABLE)),
+        "{away:?}"
+    );
+
+    // The link comes back (same shard, same epoch): the next step pays the
+    // release before anything else, and rebuilds the kept session on the
+    // restarted shard.
+    let _relay = start_relay(&relay_addr);
+    let resumed = support::retry_unavailable(Duration::from_secs(10), || {
+        client.generate(&greedy(&kept, 2, 0))
+    });
+    assert_eq!(resumed.tokens.len(), 2, "{resumed:?}");
+    eventually("the owed release reached the second shard", || {
+        held(&shards, 1) == 1
+    });
+    assert_eq!(held(&shards, 0), 1);
+    drop(coordinator);
+    for s in shards {
+        s.shutdown();
+    }
 }

@@ -616,17 +616,18 @@ impl ShardChain {
                     counters.reconnects.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(shard = %shard.label(), "the shard restarted: its sessions will be rebuilt");
                     self.lineage += 1;
-                    for s in &mut self.slots {
-                        s.owed_release.clear();
-                    }
+                    // Only this shard lost everything; the others still
+                    // hold what they are owed releases for.
+                    slot.owed_release.clear();
                 }
                 Some(_) => {
                     counters.reconnects.fetch_add(1, Ordering::Relaxed);
-                    let owed: Vec<WireSessionId> = slot.owed_release.drain().collect();
+                    let owed: Vec<WireSessionId> = slot.owed_release.iter().copied().collect();
                     if !owed.is_empty() {
                         if let Err(e) = link.release(&owed) {
                             return Err(self.failure(index, &e));
                         }
+                        slot.owed_release.clear();
                     }
                 }
                 None => {}
