@@ -113,6 +113,11 @@ impl Model {
         }
     }
 
+    /// Bytes of K and V one position holds over every layer.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        self.kv_layout(self.config.n_layers, 1).bytes_per_position()
+    }
+
     /// Bytes of weights a decode step reads (every matrix once).
     pub fn weight_bytes(&self) -> usize {
         let w = &self.weights;

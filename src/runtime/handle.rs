@@ -119,9 +119,7 @@ impl Runtime {
                 thread: Some(thread),
             });
         }
-        let kv_bytes_per_position = model
-            .kv_layout(model.config.n_layers, cfg.page_positions)
-            .bytes_per_position() as u64;
+        let kv_bytes_per_position = model.kv_bytes_per_position() as u64;
         Ok(Runtime {
             kv_bytes_per_position,
             workers,

@@ -302,9 +302,7 @@ impl Worker {
             .backend(model.config.vocab, model.config.context)
             .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
         let remote = cfg.shards.clone().map(ShardChain::new);
-        let kv_bytes_per_position = model
-            .kv_layout(model.config.n_layers, cfg.page_positions)
-            .bytes_per_position() as u64;
+        let kv_bytes_per_position = model.kv_bytes_per_position() as u64;
         Ok(Worker {
             index,
             model,
