@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::frame::hidden_body;
 use inferd::cluster::link::{LinkOptions, ShardLink};
 use inferd::cluster::payload::encode_rows;
 use inferd::cluster::relay::{Relay, RelayConfig};
@@ -98,14 +99,8 @@ fn through(model: &Arc<Model>, links: &mut [ShardLink], session: [u8; 16]) -> Du
 
 /// Bytes of one sealed decode frame (one session, one row) in `encoding`.
 fn decode_frame_bytes(hidden: usize, encoding: Encoding) -> usize {
-    let mut body = pb::Hidden::new();
-    let mut run = pb::Rows::new();
-    run.set_session_id(vec![1; 16]);
-    run.set_position(1000);
-    run.set_count(1);
-    body.set_runs(vec![run].into());
     let mut frame = pb::Frame::new();
-    frame.set_decode(body);
+    frame.set_decode(hidden_body(&[([1; 16], 1000, 1)]));
     frame.set_payload(encode_rows(encoding, hidden, &vec![0.25; hidden]).expect("rows"));
     let mut out = OutboundFrames::new(Epochs {
         shard: u64::MAX,

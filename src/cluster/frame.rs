@@ -216,6 +216,24 @@ pub struct Epochs {
     pub coordinator: u64,
 }
 
+/// A hidden-state body for `runs`: each a session, the position of its
+/// first row and how many rows, in payload order.
+pub fn hidden_body(runs: &[(WireSessionId, u64, u32)]) -> pb::Hidden {
+    let mut body = pb::Hidden::new();
+    body.set_runs(
+        runs.iter()
+            .map(|(id, position, count)| {
+                let mut r = pb::Rows::new();
+                r.set_session_id(id.to_vec());
+                r.set_position(*position);
+                r.set_count(*count);
+                r
+            })
+            .collect(),
+    );
+    body
+}
+
 /// Nanoseconds since the Unix epoch (0 before it).
 pub fn unix_nanos(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)

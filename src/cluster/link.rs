@@ -429,18 +429,7 @@ impl ShardLink {
                 return Err(self.refused(checked.frame.get_error()));
             }
         }
-        let mut body = pb::Hidden::new();
-        body.set_runs(
-            runs.iter()
-                .map(|(id, position, count)| {
-                    let mut r = pb::Rows::new();
-                    r.set_session_id(id.to_vec());
-                    r.set_position(*position);
-                    r.set_count(*count);
-                    r
-                })
-                .collect(),
-        );
+        let body = super::frame::hidden_body(runs);
         let mut frame = pb::Frame::new();
         frame.set_payload(
             encode_rows(self.encoding, self.hidden_size, hidden)

@@ -614,21 +614,8 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
                 }
             }
             if !outcome.runs.is_empty() {
-                let mut output = pb::Hidden::new();
+                let mut output = super::frame::hidden_body(&outcome.runs);
                 output.set_answers_sequence(checked.sequence);
-                output.set_runs(
-                    outcome
-                        .runs
-                        .iter()
-                        .map(|(id, position, count)| {
-                            let mut r = pb::Rows::new();
-                            r.set_session_id(id.to_vec());
-                            r.set_position(*position);
-                            r.set_count(*count);
-                            r
-                        })
-                        .collect(),
-                );
                 let mut reply = pb::Frame::new();
                 reply.set_output(output);
                 match encode_rows(encoding, hidden_size, &outcome.values) {
