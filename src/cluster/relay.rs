@@ -207,8 +207,11 @@ impl Relay {
                             Ok(pair) => pair,
                             Err(e) => {
                                 let status = status_of(e);
+                                // Dropping `incoming` first would cancel the
+                                // call before the status is sent.
                                 ctx.spawn(async move {
                                     let _ = sink.fail(status).await;
+                                    drop(incoming);
                                 });
                                 return;
                             }

@@ -216,18 +216,25 @@ impl ShardServer {
                       sink: DuplexSink<Vec<u8>>| {
                     use std::sync::atomic::Ordering::AcqRel;
                     let shared = Arc::clone(&session_shared);
-                    let refuse = |sink: DuplexSink<Vec<u8>>, message: String| {
+                    // The request stream lives until the status is sent:
+                    // dropping it first would cancel the call, and the
+                    // coordinator would read CANCELLED instead of why.
+                    let refuse = |stream: RequestStream<Vec<u8>>,
+                                  sink: DuplexSink<Vec<u8>>,
+                                  message: String| {
                         tracing::warn!(%message, "session stream refused");
                         let status =
                             RpcStatus::with_message(RpcStatusCode::RESOURCE_EXHAUSTED, message);
                         ctx.spawn(async move {
                             let _ = sink.fail(status).await;
+                            drop(stream);
                         });
                     };
                     let open = shared.streams.fetch_add(1, AcqRel);
                     if open >= shared.max_streams {
                         shared.streams.fetch_sub(1, AcqRel);
                         return refuse(
+                            stream,
                             sink,
                             format!(
                                 "the shard serves at most {} streams at once",
@@ -254,7 +261,7 @@ impl ShardServer {
                         }
                         Err(e) => {
                             shared.streams.fetch_sub(1, AcqRel);
-                            refuse(sink, format!("cannot start a stream thread: {e}"));
+                            refuse(stream, sink, format!("cannot start a stream thread: {e}"));
                         }
                     }
                 },
