@@ -186,6 +186,21 @@ impl SessionKv {
         self.blocks(Half::V, layer, positions)
     }
 
+    /// Undo positions computed by a call that failed: forget every position
+    /// from `len` on and give back the pages no longer needed. The one
+    /// deliberate decrease of the committed length; callers reset their
+    /// INV-2 high-water mark with it. Every page past the kept ones is
+    /// returned even if one fails; the first failure is reported.
+    pub fn roll_back_to(&mut self, len: usize) -> Result<(), KvError> {
+        if len >= self.len {
+            return Ok(());
+        }
+        self.len = len;
+        let keep = len.div_ceil(self.page_positions);
+        let surplus = self.pages.split_off(keep.min(self.pages.len()));
+        self.pool.allocator().free_many(&surplus)
+    }
+
     /// Give every page back to the pool and forget everything committed. The
     /// session stays usable (empty). Every page is returned even if one
     /// fails; the first failure is reported.
@@ -350,6 +365,24 @@ mod tests {
     /// A distinct, exactly representable value for every (half, layer, pos, i).
     fn value(half: usize, layer: usize, pos: usize, i: usize) -> f32 {
         (half * 1000 + layer * 100 + pos * 4 + i) as f32 * 0.5
+    }
+
+    #[test]
+    fn rolling_back_keeps_the_prefix_and_returns_the_surplus_pages() {
+        let pool = pool(4);
+        let mut s = SessionKv::new(Arc::clone(&pool));
+        s.reserve(14).unwrap();
+        fill(&mut s, 0..14);
+        s.commit(14).unwrap();
+        assert_eq!(pool.free_pages(), 0);
+        s.roll_back_to(5).unwrap();
+        assert_eq!((s.len(), s.pages_held(), pool.free_pages()), (5, 2, 2));
+        assert_eq!(s.k(2, 4).unwrap()[3].to_f32(), value(0, 2, 4, 3));
+        // Never a way to grow: a longer length changes nothing.
+        s.roll_back_to(9).unwrap();
+        assert_eq!(s.len(), 5);
+        s.roll_back_to(0).unwrap();
+        assert_eq!((s.pages_held(), pool.free_pages()), (0, 4));
     }
 
     fn fill(session: &mut SessionKv, positions: Range<usize>) {
