@@ -1261,19 +1261,26 @@ fn kv_pressure_evicts_the_lru_idle_session() {
 }
 
 #[test]
-fn overflow_truncates_and_says_so_before_any_token() {
+fn overflow_truncates_when_the_context_fills_and_says_so_there() {
     let served = Served::tiny(1);
     let id = served.create("long", &[]);
     served.append(&id, &prompt(250, 5)).expect("append");
     let outcome = served.generate(gen_req(&id, 20)).finish(STREAM_TIMEOUT);
     let done = outcome.done();
+    // Six tokens fill the context of 256; only then is room made, and only
+    // as much as the other 14 need.
     assert!(
-        outcome.messages[0].has_truncated(),
+        outcome.messages[..6].iter().all(|m| m.has_token_id()),
         "{:?}",
-        outcome.messages[0]
+        outcome.messages
+    );
+    assert!(
+        outcome.messages[6].has_truncated(),
+        "{:?}",
+        outcome.messages[6]
     );
     assert_eq!(
-        outcome.messages[0]
+        outcome.messages[6]
             .get_truncated()
             .get_dropped_token_count(),
         14
@@ -1706,8 +1713,9 @@ fn generate_done_counts_the_re_prefilled_tokens_of_a_truncation() {
     let id = served.create("long", &[]);
     served.append(&id, &prompt(250, 5)).expect("append");
     let (_, done) = served.run(gen_req(&id, 20));
-    // 4 sink tokens and the 232 most recent were computed again.
-    assert_eq!(done.get_prefill_token_count(), 236);
+    // When the context filled after 6 tokens, the 4 sink tokens and the
+    // 238 most recent were computed again.
+    assert_eq!(done.get_prefill_token_count(), 242);
     served.stop();
 }
 

@@ -616,7 +616,7 @@ fn the_session_limit_evicts_the_least_recently_used_idle_session() {
 }
 
 #[test]
-fn kv_exhaustion_evicts_idle_sessions_then_reports_numbers() {
+fn kv_exhaustion_evicts_idle_sessions_only_when_that_makes_room() {
     // Tiny model: 2 layers x (K, V) x 32 values x 2 bytes = 256 bytes per
     // position, 4096 per 16-position page; 4 pages = 64 positions.
     let rt = start(RuntimeConfig {
@@ -628,18 +628,21 @@ fn kv_exhaustion_evicts_idle_sessions_then_reports_numbers() {
     append(&rt, a, &prompt(40, 1)).expect("3 pages");
     let b = create(&rt, &[]);
     let err = append(&rt, b, &prompt(100, 2)).expect_err("too big");
-    assert_eq!(err.to_string(), "KV pages exhausted: 7 asked, 4 free");
+    assert_eq!(err.to_string(), "KV pages exhausted: 7 asked, 1 free");
     assert_eq!(info(&rt, b).expect("b").history_length, 0);
-    assert_eq!(rt.stats().evicted_lru, 1, "a was evicted trying");
+    // Evicting `a` would not have made it fit: nothing was evicted.
+    assert_eq!(info(&rt, a).expect("a stays").history_length, 40);
+    assert_eq!(rt.stats().evicted_lru, 0);
     let b2 = create(&rt, &[]);
-    append(&rt, b2, &prompt(40, 3)).expect("3 pages");
+    append(&rt, b2, &prompt(40, 3)).expect("3 pages, a evicted");
+    assert_eq!(info(&rt, a).expect_err("evicted"), RuntimeError::NotFound);
     append(&rt, b, &prompt(30, 4)).expect("evicts b2");
     assert_eq!(info(&rt, b2).expect_err("evicted"), RuntimeError::NotFound);
     assert_eq!(rt.stats().evicted_lru, 2);
 }
 
 #[test]
-fn overflow_truncates_to_sink_plus_recent_and_reports_it_first() {
+fn overflow_truncates_to_sink_plus_recent_once_the_context_fills() {
     let rt = start(RuntimeConfig {
         overflow: OverflowPolicy::Truncate { sink: 4 },
         ..config(1)
@@ -651,8 +654,13 @@ fn overflow_truncates_to_sink_plus_recent_and_reports_it_first() {
         .generate(request(id, 20, SamplingOptions::default()), None)
         .expect("q")
         .collect();
+    // Six tokens fill the context; then the 14 still wanted are made room
+    // for, and said so, between tokens.
+    assert!(events[..6]
+        .iter()
+        .all(|e| matches!(e, GenerateEvent::Token(_))));
     assert_eq!(
-        events[0],
+        events[6],
         GenerateEvent::Truncated {
             dropped_token_count: 14
         }
@@ -661,13 +669,15 @@ fn overflow_truncates_to_sink_plus_recent_and_reports_it_first() {
     assert_eq!(tokens.len(), 20);
     assert_eq!(info(&rt, id).expect("info").history_length, CONTEXT as u64);
     // Same tokens as a session that was given the kept tokens directly.
-    let mut kept = history[..4].to_vec();
-    kept.extend_from_slice(&history[250 - 232..]);
+    let mut full = history.clone();
+    full.extend_from_slice(&tokens[..6]);
+    let mut kept = full[..4].to_vec();
+    kept.extend_from_slice(&full[256 - 238..]);
     let direct = create(&rt, &[]);
     append(&rt, direct, &kept).expect("append");
     assert_eq!(
-        generate(&rt, direct, 20, SamplingOptions::default()).0,
-        tokens
+        generate(&rt, direct, 14, SamplingOptions::default()).0,
+        tokens[6..]
     );
     // An append past the context truncates too and says how much.
     let r = rt
@@ -812,13 +822,14 @@ fn a_truncating_generate_under_pressure_reuses_the_sessions_own_pages() {
     let id = create(&rt, &[]);
     append(&rt, id, &prompt(250, 5)).expect("16 pages");
     assert_eq!(rt.stats().kv_free_pages, 0);
-    // The kept window (15 pages) fits only in the session's own pages.
+    // When the context fills (after 6 tokens) the kept window (16 pages)
+    // fits only in the session's own pages.
     let events = rt
         .generate(request(id, 20, SamplingOptions::default()), None)
         .expect("q")
         .collect();
     assert_eq!(
-        events[0],
+        events[6],
         GenerateEvent::Truncated {
             dropped_token_count: 14
         }

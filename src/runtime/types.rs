@@ -55,6 +55,11 @@ pub struct RuntimeConfig {
     pub page_positions: usize,
     /// Most prompt tokens one session feeds per worker step.
     pub prefill_chunk: usize,
+    /// About how long one worker step may take: a long prompt, or one deep
+    /// in a long history (where attention dominates), is fed in chunks
+    /// small enough that the worker gets back to its other sessions' calls
+    /// (and checks deadlines) this often. Never below one token a step.
+    pub prefill_step_budget: Duration,
     /// Most live sessions over all workers.
     pub max_sessions: usize,
     /// A session idle this long is evicted.
@@ -85,6 +90,7 @@ impl Default for RuntimeConfig {
             kv_bytes: 256 << 20,
             page_positions: DEFAULT_PAGE_POSITIONS,
             prefill_chunk: 64,
+            prefill_step_budget: Duration::from_millis(200),
             max_sessions: 1024,
             idle_ttl: Duration::from_secs(1800),
             overflow: OverflowPolicy::Truncate { sink: 4 },

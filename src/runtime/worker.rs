@@ -17,7 +17,7 @@
 //! answered, then tries again.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,10 @@ pub(crate) struct Shared {
     /// Live sessions over all workers (the session limit).
     pub(crate) live_sessions: AtomicUsize,
     pub(crate) board: EvictionBoard,
+    /// KV pages held by each worker's idle sessions, as it last published:
+    /// what evicting could free, so nothing is evicted for a request that
+    /// would fail anyway.
+    pub(crate) idle_pages: Vec<AtomicU64>,
     /// Wakes worker `i` from its wait for commands (a full channel means a
     /// wake is already pending).
     pub(crate) wakers: Vec<Sender<()>>,
@@ -109,6 +113,7 @@ impl Shared {
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
             board: EvictionBoard::new(wakers.len()),
+            idle_pages: wakers.iter().map(|_| AtomicU64::new(0)).collect(),
             wakers,
             epoch: Instant::now(),
         }
@@ -147,14 +152,24 @@ struct Generating {
     top_logprobs: usize,
     /// The report for the token sampled and not yet emitted.
     pending_logprobs: Option<TokenLogprobs>,
+    /// A window shift in progress: the tokens it dropped, reported as
+    /// `Truncated` once the kept window is in (never if the call stops
+    /// first and the shift is undone).
+    shift_dropped: Option<u64>,
 }
 
 enum Work {
     Append {
         reply: Reply<AppendReply>,
         dropped: u64,
+        /// Checked before every chunk: past it the append is undone.
+        deadline: Option<Instant>,
     },
     Generate(Box<Generating>),
+    /// A failed call's truncation gave the session's pages back: its old
+    /// history is fed again (bit-identical by INV-3) before anything else
+    /// runs on it. Nobody waits for it and nothing cuts it short.
+    Restore,
 }
 
 /// The operation a session is running: prompt tokens still to feed (after
@@ -164,6 +179,37 @@ struct Active {
     pending: Vec<u32>,
     fed: usize,
     prefill_started: Instant,
+    /// How to put the session back if the call stops before `pending` is
+    /// all in; dropped once it is.
+    undo: Option<Undo>,
+}
+
+/// The session as it was before a call began to change it, so that a call
+/// that fails, expires or is cancelled halfway leaves nothing half-done
+/// (the history is append-only to clients, so cutting the KV back is safe).
+struct Undo {
+    kind: UndoKind,
+    next_logits: Vec<f32>,
+    truncated: u64,
+}
+
+enum UndoKind {
+    /// Tokens were only added: cut the history and KV back to this length.
+    Shorten(usize),
+    /// A truncation re-prefills into fresh pages; the session's own pages
+    /// and history wait here until it is done.
+    SwapBack { kv: SessionKv, history: Vec<u32> },
+    /// A truncation re-prefills into the session's own pages (nothing else
+    /// could be had): the old history has to be computed again.
+    Recompute { history: Vec<u32> },
+}
+
+/// What restarting a session's KV did.
+enum Restarted {
+    /// Emptied, with the pages for the kept window reserved.
+    Now(Undo),
+    /// Waiting for another worker's eviction; nothing changed.
+    Later,
 }
 
 /// How an append starts.
@@ -171,7 +217,11 @@ enum Begin {
     /// Nothing to append.
     Empty,
     /// Reserved (and truncated, if it had to be): feed these tokens.
-    Prefill { pending: Vec<u32>, dropped: u64 },
+    Prefill {
+        pending: Vec<u32>,
+        dropped: u64,
+        undo: Undo,
+    },
     /// Waiting for another worker to evict; nothing changed.
     Later,
 }
@@ -262,6 +312,10 @@ pub(crate) struct Worker {
     /// answered.
     evict_wait: Option<EvictionTicket>,
     last_sweep: Instant,
+    /// Nanoseconds one step spends per depth-weighted token (see
+    /// [`depth_weight`]), averaged over recent steps: sizes prefill chunks
+    /// to the step budget.
+    ns_per_weighted_token: Option<f64>,
 }
 
 /// How long an idle worker waits for a command before sweeping for TTL.
@@ -321,6 +375,7 @@ impl Worker {
             waiting_creates: VecDeque::new(),
             evict_wait: None,
             last_sweep: Instant::now(),
+            ns_per_weighted_token: None,
         })
     }
 
@@ -586,6 +641,29 @@ impl Worker {
         }
     }
 
+    /// The KV pages evicting could free for `keep`: those of this worker's
+    /// idle sessions (counted now) and of the others' (as last published).
+    fn evictable_pages(&self, keep: SessionId) -> usize {
+        if self.cfg.eviction == EvictionPolicy::None {
+            return 0;
+        }
+        let local: usize = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| s.idle() && **id != keep)
+            .map(|(_, s)| s.kv.pages_held())
+            .sum();
+        let others: u64 = self
+            .shared
+            .idle_pages
+            .iter()
+            .enumerate()
+            .filter(|(worker, _)| *worker != self.index)
+            .map(|(_, pages)| pages.load(Ordering::Relaxed))
+            .sum();
+        local.saturating_add(usize::try_from(others).unwrap_or(usize::MAX))
+    }
+
     /// Frees room by evicting the least recently used idle session of any
     /// worker (never `keep`), as the eviction policy allows.
     fn make_room(&mut self, keep: Option<SessionId>) -> Room {
@@ -647,13 +725,20 @@ impl Worker {
         let mut history = 0;
         let mut queued = self.waiting_creates.len() as u64;
         let mut oldest: Option<Instant> = None;
+        let mut idle_pages = 0;
         for slot in self.sessions.values() {
             kv_bytes += slot.kv.len() as u64 * self.kv_bytes_per_position;
             history += slot.history.len() as u64;
             queued += slot.queue.len() as u64;
-            if slot.idle() && oldest.is_none_or(|t| slot.last_used < t) {
-                oldest = Some(slot.last_used);
+            if slot.idle() {
+                idle_pages += slot.kv.pages_held() as u64;
+                if oldest.is_none_or(|t| slot.last_used < t) {
+                    oldest = Some(slot.last_used);
+                }
             }
+        }
+        if let Some(published) = self.shared.idle_pages.get(self.index) {
+            published.store(idle_pages, Ordering::Relaxed);
         }
         let g = &self.gauges;
         g.sessions
@@ -696,14 +781,22 @@ impl Worker {
                     slot.short_since = None;
                     return Ok(Got::Now);
                 }
-                Err(KvError::Exhausted { wanted, free }) => match self.make_room(Some(id)) {
-                    Room::Retry => {}
-                    Room::Later if self.still_patient(id) => return Ok(Got::Later),
-                    Room::Later | Room::Nothing => {
+                Err(KvError::Exhausted { wanted, free }) => {
+                    // Decide from the numbers first: evict nothing for a
+                    // request that would fail anyway.
+                    if free.saturating_add(self.evictable_pages(id)) < wanted {
                         self.clear_short(id);
                         return Err(kv_exhausted(wanted, free));
                     }
-                },
+                    match self.make_room(Some(id)) {
+                        Room::Retry => {}
+                        Room::Later if self.still_patient(id) => return Ok(Got::Later),
+                        Room::Later | Room::Nothing => {
+                            self.clear_short(id);
+                            return Err(kv_exhausted(wanted, free));
+                        }
+                    }
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -711,39 +804,65 @@ impl Worker {
 
     /// Empties the session into KV with `positions` reserved, for a
     /// truncated history to be re-prefilled (RoPE bakes positions into K, so
-    /// the kept window must be recomputed).
+    /// the kept window must be recomputed). The [`Undo`] puts the session
+    /// back if the call stops before the window is in.
     ///
     /// Validate, reserve, then mutate: fresh pages are reserved NEXT to the
     /// session's own (evicting idle sessions as needed) and swapped in only
-    /// once had. Only when nothing idle is left anywhere and the session's
-    /// own pages plus the free ones would do, are its pages given back and
-    /// reserved again; with one worker nothing can take them in between, and
-    /// if another worker does, the session is removed (counted as failed)
-    /// rather than left silently empty. `Err` otherwise means nothing
-    /// changed; `Later` means another worker was asked to evict.
-    fn restart_kv(&mut self, id: SessionId, positions: usize) -> Result<Got, RuntimeError> {
+    /// once had; the old ones are kept until the window is in. Only when
+    /// that cannot be had even by evicting everything idle, but the
+    /// session's own pages plus the free ones would do, are its pages given
+    /// back and reserved again; with one worker nothing can take them in
+    /// between, and if another worker does, the session is removed (counted
+    /// as failed) rather than left silently empty. `Err` otherwise means
+    /// nothing changed (and nothing was evicted for it); `Later` means
+    /// another worker was asked to evict.
+    fn restart_kv(&mut self, id: SessionId, positions: usize) -> Result<Restarted, RuntimeError> {
         loop {
             let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
             match fresh.reserve(positions) {
                 Ok(()) => {
                     let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-                    let mut old = std::mem::replace(&mut slot.kv, fresh);
-                    slot.history.clear();
-                    slot.next_logits.clear();
+                    let kv = std::mem::replace(&mut slot.kv, fresh);
+                    let undo = Undo {
+                        kind: UndoKind::SwapBack {
+                            kv,
+                            history: std::mem::take(&mut slot.history),
+                        },
+                        next_logits: std::mem::take(&mut slot.next_logits),
+                        truncated: slot.truncated,
+                    };
                     slot.logits_digest.set(None);
                     slot.high_water = 0;
                     slot.short_since = None;
-                    old.release()?;
-                    return Ok(Got::Now);
+                    return Ok(Restarted::Now(undo));
                 }
-                Err(KvError::Exhausted { wanted, free }) => match self.make_room(Some(id)) {
-                    Room::Retry => {}
-                    Room::Later if self.still_patient(id) => return Ok(Got::Later),
-                    Room::Later | Room::Nothing => {
+                Err(KvError::Exhausted { wanted, free }) => {
+                    let own = self
+                        .sessions
+                        .get(&id)
+                        .ok_or(RuntimeError::NotFound)?
+                        .kv
+                        .pages_held();
+                    let evictable = self.evictable_pages(id);
+                    let fresh_can_fit = free.saturating_add(evictable) >= wanted;
+                    if !fresh_can_fit && free + own >= wanted {
                         self.clear_short(id);
                         return self.restart_in_place(id, positions, wanted, free);
                     }
-                },
+                    if !fresh_can_fit && (free + own).saturating_add(evictable) < wanted {
+                        self.clear_short(id);
+                        return Err(kv_exhausted(wanted, free));
+                    }
+                    match self.make_room(Some(id)) {
+                        Room::Retry => {}
+                        Room::Later if self.still_patient(id) => return Ok(Restarted::Later),
+                        Room::Later | Room::Nothing => {
+                            self.clear_short(id);
+                            return self.restart_in_place(id, positions, wanted, free);
+                        }
+                    }
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -757,18 +876,23 @@ impl Worker {
         positions: usize,
         wanted: usize,
         free: usize,
-    ) -> Result<Got, RuntimeError> {
+    ) -> Result<Restarted, RuntimeError> {
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if wanted > free + slot.kv.pages_held() {
             return Err(kv_exhausted(wanted, free));
         }
         slot.kv.release()?;
-        slot.history.clear();
-        slot.next_logits.clear();
+        let undo = Undo {
+            kind: UndoKind::Recompute {
+                history: std::mem::take(&mut slot.history),
+            },
+            next_logits: std::mem::take(&mut slot.next_logits),
+            truncated: slot.truncated,
+        };
         slot.logits_digest.set(None);
         slot.high_water = 0;
         match slot.kv.reserve(positions) {
-            Ok(()) => Ok(Got::Now),
+            Ok(()) => Ok(Restarted::Now(undo)),
             Err(e) => {
                 let err = match e {
                     KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
@@ -778,6 +902,89 @@ impl Worker {
                 self.fail_session(id, err.clone());
                 Err(err)
             }
+        }
+    }
+
+    /// Puts a session back as `undo` says, after its call stopped halfway.
+    /// When its pages were given back for an in-place truncation, the old
+    /// history is queued to be fed again as the session's next work.
+    fn apply_undo(&mut self, id: SessionId, undo: Undo) -> Result<(), RuntimeError> {
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        slot.feed.clear();
+        slot.truncated = undo.truncated;
+        slot.logits_digest.set(None);
+        match undo.kind {
+            UndoKind::Shorten(len) => {
+                slot.history.truncate(len);
+                slot.kv.roll_back_to(len)?;
+                slot.next_logits = undo.next_logits;
+            }
+            UndoKind::SwapBack { kv, history } => {
+                let mut partial = std::mem::replace(&mut slot.kv, kv);
+                slot.history = history;
+                slot.next_logits = undo.next_logits;
+                partial.release()?;
+            }
+            UndoKind::Recompute { history } => {
+                slot.kv.release()?;
+                slot.history.clear();
+                slot.next_logits.clear();
+                slot.kv.reserve(history.len()).map_err(|e| match e {
+                    KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
+                    e => e.into(),
+                })?;
+                slot.active = Some(Active {
+                    work: Work::Restore,
+                    pending: history,
+                    fed: 0,
+                    prefill_started: Instant::now(),
+                    undo: None,
+                });
+            }
+        }
+        // The one deliberate decrease of the committed length (INV-2).
+        slot.high_water = slot.kv.len();
+        // What the shards hold no longer matches: rebuilt at the next step.
+        if let Some(chain) = self.remote.as_mut() {
+            chain.release(&[id.bytes()]);
+        }
+        Ok(())
+    }
+
+    /// Stops the session's call before its prompt is all in (deadline,
+    /// cancel): undoes what it computed, then answers it.
+    fn abandon(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        slot.last_used = Instant::now();
+        let Some(mut active) = slot.active.take() else {
+            return;
+        };
+        let undone = match active.undo.take() {
+            Some(undo) => self.apply_undo(id, undo),
+            None => Ok(()),
+        };
+        // A session being restored will hold its old history again.
+        let history_length = self.sessions.get(&id).map_or(0, |s| match &s.active {
+            Some(Active {
+                work: Work::Restore,
+                pending,
+                ..
+            }) => pending.len(),
+            _ => s.history.len(),
+        }) as u64;
+        match active.work {
+            Work::Append { reply, .. } => {
+                let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
+                let _ = reply.send(Err(err));
+            }
+            Work::Generate(gen) => self.end_generate(id, gen, end, history_length),
+            Work::Restore => {}
+        }
+        if let Err(e) = undone {
+            tracing::error!(session = %id, "undoing a stopped call: {e}");
+            self.fail_session(id, e);
         }
     }
 
@@ -941,13 +1148,22 @@ impl Worker {
                     }));
                     None
                 }
-                Ok(Begin::Prefill { pending, dropped }) => {
+                Ok(Begin::Prefill {
+                    pending,
+                    dropped,
+                    undo,
+                }) => {
                     if let Some(slot) = self.sessions.get_mut(&id) {
                         slot.active = Some(Active {
-                            work: Work::Append { reply, dropped },
+                            work: Work::Append {
+                                reply,
+                                dropped,
+                                deadline,
+                            },
                             pending,
                             fed: 0,
                             prefill_started: Instant::now(),
+                            undo: Some(undo),
                         });
                     }
                     None
@@ -962,15 +1178,7 @@ impl Worker {
                 events,
                 cancel,
             } => match self.start_generate(id, &req, &events, &cancel, deadline) {
-                Ok(Got::Now) => None,
-                Ok(Got::Later) => Some(Queued {
-                    op: Op::Generate {
-                        req,
-                        events,
-                        cancel,
-                    },
-                    deadline,
-                }),
+                Ok(()) => None,
                 Err(e) => {
                     let _ = events.try_send(GenerateEvent::Error(e));
                     None
@@ -999,12 +1207,18 @@ impl Worker {
             .history
             .len();
         if len + tokens.len() <= context {
-            return Ok(match self.reserve(id, len + tokens.len())? {
-                Got::Now => Begin::Prefill {
-                    pending: tokens.to_vec(),
-                    dropped: 0,
+            if self.reserve(id, len + tokens.len())? == Got::Later {
+                return Ok(Begin::Later);
+            }
+            let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+            return Ok(Begin::Prefill {
+                pending: tokens.to_vec(),
+                dropped: 0,
+                undo: Undo {
+                    kind: UndoKind::Shorten(len),
+                    next_logits: slot.next_logits.clone(),
+                    truncated: slot.truncated,
                 },
-                Got::Later => Begin::Later,
             });
         }
         let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
@@ -1019,21 +1233,23 @@ impl Worker {
         let kept = keep_window(&all, sink, context);
         let dropped = (all.len() - kept.len()) as u64;
         Ok(match self.restart_kv(id, kept.len())? {
-            Got::Now => {
+            Restarted::Now(undo) => {
                 if let Some(slot) = self.sessions.get_mut(&id) {
                     slot.truncated += dropped;
                 }
                 Begin::Prefill {
                     pending: kept,
                     dropped,
+                    undo,
                 }
             }
-            Got::Later => Begin::Later,
+            Restarted::Later => Begin::Later,
         })
     }
 
-    /// Validates a Generate and makes it the session's active work
-    /// (truncating first if the policy says so). `Later`: nothing changed.
+    /// Validates a Generate and makes it the session's active work. The
+    /// context is only made room in once it is full (`plan`): `max_tokens`
+    /// is a cap, never a reservation.
     fn start_generate(
         &mut self,
         id: SessionId,
@@ -1041,9 +1257,8 @@ impl Worker {
         events: &NotifySender<GenerateEvent>,
         cancel: &Arc<AtomicBool>,
         deadline: Option<Instant>,
-    ) -> Result<Got, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         let vocab = self.model.config.vocab;
-        let context = self.model.config.context;
         if req.max_tokens == 0 {
             return Err(RuntimeError::invalid("max_tokens must be at least 1"));
         }
@@ -1061,35 +1276,13 @@ impl Worker {
             return Err(RuntimeError::invalid("stop sequences must not be empty"));
         }
         let (params, seed_used) = req.sampling.resolve(vocab)?;
-        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if slot.history.is_empty() || slot.next_logits.is_empty() {
             return Err(RuntimeError::invalid(
                 "cannot generate from an empty history: append tokens first",
             ));
         }
         let started = Instant::now();
-        let mut pending = Vec::new();
-        let len = slot.history.len();
-        if let OverflowPolicy::Truncate { sink } = self.cfg.overflow {
-            let room = (req.max_tokens as usize)
-                .min(context.saturating_sub(sink + 1))
-                .max(1);
-            if len + room > context {
-                let history = slot.history.clone();
-                let kept = keep_window(&history, sink, context - room);
-                let dropped = (history.len() - kept.len()) as u64;
-                if self.restart_kv(id, kept.len())? == Got::Later {
-                    return Ok(Got::Later);
-                }
-                let _ = events.try_send(GenerateEvent::Truncated {
-                    dropped_token_count: dropped,
-                });
-                if let Some(slot) = self.sessions.get_mut(&id) {
-                    slot.truncated += dropped;
-                }
-                pending = kept;
-            }
-        }
         let gen = Generating {
             params,
             seed_used,
@@ -1101,25 +1294,29 @@ impl Worker {
             deadline,
             started,
             prefill_duration: Duration::ZERO,
-            prefill_tokens: pending.len() as u64,
+            prefill_tokens: 0,
             top_logprobs: req.sampling.top_logprobs as usize,
             pending_logprobs: None,
+            shift_dropped: None,
         };
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.active = Some(Active {
             work: Work::Generate(Box::new(gen)),
-            pending,
+            pending: Vec::new(),
             fed: 0,
             prefill_started: started,
+            undo: None,
         });
-        Ok(Got::Now)
+        Ok(())
     }
 
     /// Decides what the session feeds this step (a prefill chunk or one
     /// sampled token), or ends its Generate. Returns whether it moved.
     fn plan(&mut self, id: SessionId) -> bool {
-        let chunk = self.cfg.prefill_chunk;
         let context = self.model.config.context;
+        let Some(slot) = self.sessions.get(&id) else {
+            return false;
+        };
+        let chunk = self.chunk_at(slot.history.len());
         let Some(slot) = self.sessions.get_mut(&id) else {
             return false;
         };
@@ -1128,6 +1325,11 @@ impl Worker {
             return false;
         };
         if active.fed < active.pending.len() {
+            // Checked before every chunk, so a call stops within one step.
+            if let Some(end) = active.stopped() {
+                self.abandon(id, end);
+                return true;
+            }
             let end = (active.fed + chunk).min(active.pending.len());
             slot.feed
                 .extend_from_slice(&active.pending[active.fed..end]);
@@ -1141,11 +1343,12 @@ impl Worker {
         let Work::Generate(gen) = &mut active.work else {
             return false;
         };
+        let full = slot.history.len() >= context;
         let stop = if gen.cancel.load(Ordering::Acquire) {
             Some(Ok(StopReason::Cancelled))
         } else if gen.deadline.is_some_and(|d| d <= Instant::now()) {
             Some(Err(RuntimeError::DeadlineExceeded))
-        } else if slot.history.len() >= context {
+        } else if full && self.cfg.overflow == OverflowPolicy::Stop {
             Some(Ok(StopReason::Truncated))
         } else {
             None
@@ -1154,14 +1357,17 @@ impl Worker {
             self.finish_generate(id, stop);
             return true;
         }
-        // Room for a token (and its log-probabilities) and a terminal
-        // event, or the session sits out.
+        // Room for a token (and its log-probabilities), a `Truncated` when
+        // the window shifts, and a terminal event, or the session sits out.
         let room = gen
             .events
             .capacity()
             .map_or(usize::MAX, |c| c.saturating_sub(gen.events.len()));
-        if room < 2 + usize::from(gen.top_logprobs > 0) {
+        if room < 2 + usize::from(full) + usize::from(gen.top_logprobs > 0) {
             return false;
+        }
+        if full {
+            return self.shift_window(id);
         }
         // Pages first: a session waiting for another worker's eviction sits
         // out the step and samples the same token next time.
@@ -1179,6 +1385,87 @@ impl Worker {
         true
     }
 
+    /// The context is full in the middle of a Generate: drop the oldest
+    /// tokens after the sink, no more than the rest of the Generate needs
+    /// and at most half the window, and re-prefill the kept window before
+    /// the next token. `Truncated` is emitted once it is in. Returns
+    /// whether the session moved.
+    fn shift_window(&mut self, id: SessionId) -> bool {
+        let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
+            return false;
+        };
+        let context = self.model.config.context;
+        let Some(slot) = self.sessions.get(&id) else {
+            return false;
+        };
+        let Some(Active {
+            work: Work::Generate(gen),
+            ..
+        }) = slot.active.as_ref()
+        else {
+            return false;
+        };
+        let still_wanted = (gen.max_tokens as usize).saturating_sub(gen.generated.len());
+        let half_window = (context.saturating_sub(sink) / 2).max(1);
+        let shift = still_wanted.clamp(1, half_window);
+        let kept = keep_window(&slot.history, sink, context.saturating_sub(shift));
+        let dropped = (slot.history.len() - kept.len()) as u64;
+        let undo = match self.restart_kv(id, kept.len()) {
+            Ok(Restarted::Now(undo)) => undo,
+            Ok(Restarted::Later) => return false,
+            Err(e) => {
+                self.finish_generate(id, Err(e));
+                return true;
+            }
+        };
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return true;
+        };
+        slot.truncated += dropped;
+        if let Some(active) = slot.active.as_mut() {
+            if let Work::Generate(gen) = &mut active.work {
+                gen.shift_dropped = Some(dropped);
+                gen.prefill_tokens += kept.len() as u64;
+            }
+            active.pending = kept;
+            active.fed = 0;
+            active.prefill_started = Instant::now();
+            active.undo = Some(undo);
+        }
+        true
+    }
+
+    /// How many prompt tokens a session at `depth` feeds this step: as many
+    /// as fit the step budget by the recent cost per token (attention makes
+    /// a token deeper in the history dearer), at most `prefill_chunk`.
+    fn chunk_at(&self, depth: usize) -> usize {
+        let most = self.cfg.prefill_chunk.max(1);
+        let Some(ns) = self.ns_per_weighted_token else {
+            return most;
+        };
+        let budget = self.cfg.prefill_step_budget.as_nanos() as f64;
+        let fits = budget / (ns * depth_weight(depth)).max(1.0);
+        (fits as usize).clamp(1, most)
+    }
+
+    /// Learns the cost per depth-weighted token from a step that took
+    /// `elapsed` to feed `feeds` (tokens, depth before them).
+    fn learn_step_cost(&mut self, elapsed: Duration, feeds: &[(usize, usize)]) {
+        let weighted: f64 = feeds
+            .iter()
+            .map(|&(tokens, depth)| tokens as f64 * depth_weight(depth + tokens / 2))
+            .sum();
+        if weighted <= 0.0 {
+            return;
+        }
+        let sample = elapsed.as_nanos() as f64 / weighted;
+        self.ns_per_weighted_token = Some(match self.ns_per_weighted_token {
+            // Recent steps count most; one odd step moves it only so far.
+            Some(ns) => 0.7 * ns + 0.3 * sample,
+            None => sample,
+        });
+    }
+
     /// Ends the session's Generate with a stop reason or an error.
     fn finish_generate(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
         let Some(slot) = self.sessions.get_mut(&id) else {
@@ -1193,6 +1480,17 @@ impl Worker {
             slot.active = Some(active);
             return;
         };
+        self.end_generate(id, gen, end, history_length);
+    }
+
+    /// Sends a Generate's terminal event.
+    fn end_generate(
+        &mut self,
+        id: SessionId,
+        gen: Box<Generating>,
+        end: Result<StopReason, RuntimeError>,
+        history_length: u64,
+    ) {
         if matches!(end, Ok(StopReason::Cancelled)) {
             if let Some(chain) = self.remote.as_mut() {
                 chain.cancel(&[id.bytes()]);
@@ -1218,9 +1516,11 @@ impl Worker {
     fn run_batch(&mut self) -> bool {
         let mut ids = Vec::new();
         let mut seqs = Vec::new();
+        let mut fed = Vec::new();
         for (id, slot) in self.sessions.iter_mut() {
             if !slot.feed.is_empty() {
                 ids.push(*id);
+                fed.push((slot.feed.len(), slot.history.len()));
                 seqs.push(Sequence {
                     kv: &mut slot.kv,
                     tokens: &slot.feed,
@@ -1231,14 +1531,18 @@ impl Worker {
         if seqs.is_empty() {
             return false;
         }
+        let started = Instant::now();
         if self.remote.is_some() {
             drop(seqs);
-            return self.run_remote_batch();
+            let moved = self.run_remote_batch();
+            self.learn_step_cost(started.elapsed(), &fed);
+            return moved;
         }
         let result = self
             .model
             .forward(&mut seqs, &self.compute, &mut self.scratch);
         drop(seqs);
+        self.learn_step_cost(started.elapsed(), &fed);
         self.count_step(ids.len());
         let rows = match result {
             Ok(rows) => rows,
@@ -1306,37 +1610,38 @@ impl Worker {
     }
 
     /// A step through the shards failed for `id`: its call fails with
-    /// `err`. The session stays (the chain rebuilds it on the shards at
-    /// its next step) when the call had committed nothing yet; a call
-    /// halfway through its prompt cannot be undone, so the session goes.
+    /// `err`, and whatever the call had fed is undone (the chain rebuilds
+    /// the session on the shards at its next step). Only a restore of a
+    /// history whose pages were given back cannot be undone: that session
+    /// goes.
     fn fail_remote_step(&mut self, id: SessionId, err: RuntimeError) {
         let Some(slot) = self.sessions.get_mut(&id) else {
             return;
         };
         slot.feed.clear();
-        let untouched = slot.active.as_ref().is_none_or(|a| {
-            a.fed == 0
-                && match &a.work {
-                    Work::Append { dropped, .. } => *dropped == 0,
-                    Work::Generate(_) => a.pending.is_empty(),
-                }
-        });
-        if !untouched {
+        slot.last_used = Instant::now();
+        let Some(mut active) = slot.active.take() else {
+            return;
+        };
+        if matches!(active.work, Work::Restore) {
             let removed = match err {
                 RuntimeError::Shard { status, message } => RuntimeError::Shard {
                     status,
                     message: format!(
-                        "{message}; the session was removed (its prompt was half fed)"
+                        "{message}; the session was removed (its history was being fed again)"
                     ),
                 },
                 other => other,
             };
             return self.fail_session(id, removed);
         }
-        slot.last_used = Instant::now();
-        if let Some(active) = slot.active.take() {
-            finish_with_error(active, err);
+        if let Some(undo) = active.undo.take() {
+            if let Err(e) = self.apply_undo(id, undo) {
+                finish_with_error(active, err);
+                return self.fail_session(id, e);
+            }
         }
+        finish_with_error(active, err);
     }
 
     /// Applies a successful step's results to its sessions.
@@ -1430,15 +1735,15 @@ impl Worker {
             }
             active.pending = Vec::new();
             active.fed = 0;
-            counters
-                .prefill_duration
-                .observe(active.prefill_started.elapsed());
+            // All in: from here on the call's effect stands.
+            active.undo = None;
+            let took = active.prefill_started.elapsed();
+            counters.prefill_duration.observe(took);
             match &mut active.work {
-                Work::Append { dropped, .. } => {
-                    let dropped = *dropped;
+                Work::Append { .. } | Work::Restore => {
                     slot.last_used = Instant::now();
                     if let Some(Active {
-                        work: Work::Append { reply, .. },
+                        work: Work::Append { reply, dropped, .. },
                         ..
                     }) = slot.active.take()
                     {
@@ -1448,7 +1753,15 @@ impl Worker {
                         }));
                     }
                 }
-                Work::Generate(gen) => gen.prefill_duration = gen.started.elapsed(),
+                Work::Generate(gen) => {
+                    gen.prefill_duration += took;
+                    if let Some(dropped) = gen.shift_dropped.take() {
+                        // Room for it was checked when the shift began.
+                        let _ = gen.events.try_send(GenerateEvent::Truncated {
+                            dropped_token_count: dropped,
+                        });
+                    }
+                }
             }
             return;
         }
@@ -1527,7 +1840,40 @@ fn finish_with_error(active: Active, err: RuntimeError) {
     match active.work {
         Work::Append { reply, .. } => drop(reply.send(Err(err))),
         Work::Generate(gen) => drop(gen.events.try_send(GenerateEvent::Error(err))),
+        Work::Restore => {}
     }
+}
+
+impl Active {
+    /// Why the call must stop before its next prompt chunk, if it must: a
+    /// cancelled Generate, or a deadline that passed. A restore never stops.
+    fn stopped(&self) -> Option<Result<StopReason, RuntimeError>> {
+        let now = Instant::now();
+        match &self.work {
+            Work::Append { deadline, .. } => deadline
+                .is_some_and(|d| d <= now)
+                .then_some(Err(RuntimeError::DeadlineExceeded)),
+            Work::Generate(gen) => {
+                if gen.cancel.load(Ordering::Acquire) {
+                    Some(Ok(StopReason::Cancelled))
+                } else if gen.deadline.is_some_and(|d| d <= now) {
+                    Some(Err(RuntimeError::DeadlineExceeded))
+                } else {
+                    None
+                }
+            }
+            Work::Restore => None,
+        }
+    }
+}
+
+/// How much dearer a prompt token at `depth` is than one at the start of
+/// the history, roughly: attention over the positions before it grows with
+/// the depth while the weights' share stays fixed. Only sizes chunks, so
+/// it need not be exact.
+fn depth_weight(depth: usize) -> f64 {
+    const DEPTH_OF_EQUAL_COST: f64 = 2048.0;
+    1.0 + depth as f64 / DEPTH_OF_EQUAL_COST
 }
 
 /// The first `sink` tokens plus the most recent ones, `keep` in all.
@@ -1562,10 +1908,14 @@ mod tests {
     use crate::kv::KvPoolConfig;
 
     fn worker() -> Worker {
+        worker_with_pages(8)
+    }
+
+    fn worker_with_pages(pages: usize) -> Worker {
         let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("parses");
         let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
         let layout = model.kv_layout(model.config.n_layers, 16);
-        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 8)).expect("pool"));
+        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, pages)).expect("pool"));
         let (wake, _) = crossbeam_channel::bounded(1);
         Worker::new(
             0,
@@ -1630,6 +1980,158 @@ mod tests {
         }
         assert_eq!(lengths, vec![4, 8, 10]);
         assert_eq!(rx.recv().expect("reply").expect("ok").history_length, 10);
+    }
+
+    /// History, logits digest and pages of a session: what an undone call
+    /// must leave as it found it.
+    fn snapshot(w: &Worker, id: SessionId) -> (Vec<u32>, u64, usize, usize) {
+        let slot = &w.sessions[&id];
+        (
+            slot.history.clone(),
+            digest(&slot.next_logits),
+            slot.kv.len(),
+            slot.kv.pages_held(),
+        )
+    }
+
+    #[test]
+    fn an_append_past_its_deadline_is_undone_before_the_next_chunk() {
+        let mut w = worker();
+        w.cfg.prefill_chunk = 4;
+        let id = new_session(&mut w);
+        append(&mut w, id, &[1, 2, 3]).expect("append");
+        let before = snapshot(&w, id);
+        let free = w.kv_pool.free_pages();
+        let (tx, rx) = notify::channel(1);
+        w.handle(Command::Enqueue {
+            id,
+            op: Op::Append {
+                tokens: (10..40).collect(),
+                reply: tx,
+            },
+            deadline: Some(Instant::now() + Duration::from_millis(50)),
+        });
+        w.step();
+        w.step();
+        assert_eq!(w.sessions[&id].history.len(), 11, "two chunks in");
+        std::thread::sleep(Duration::from_millis(60));
+        w.step();
+        assert_eq!(
+            rx.try_recv().expect("answered"),
+            Err(RuntimeError::DeadlineExceeded)
+        );
+        assert_eq!(snapshot(&w, id), before);
+        assert_eq!(w.kv_pool.free_pages(), free, "the reserved pages are back");
+        assert!(w.sessions[&id].idle());
+        // The session goes on exactly as one that never saw the call.
+        append(&mut w, id, &[4]).expect("append");
+        let twin = new_session(&mut w);
+        append(&mut w, twin, &[1, 2, 3, 4]).expect("append");
+        assert_eq!(snapshot(&w, id).1, snapshot(&w, twin).1);
+    }
+
+    /// Runs a Generate of `max_tokens` until its window shift is halfway
+    /// through the kept window, then cancels it.
+    fn cancel_in_the_middle_of_a_shift(w: &mut Worker, id: SessionId) -> Vec<GenerateEvent> {
+        let (events, rx) = notify::channel(64);
+        let cancel = Arc::new(AtomicBool::new(false));
+        w.handle(Command::Enqueue {
+            id,
+            op: Op::Generate {
+                req: Box::new(GenerateRequest {
+                    id,
+                    max_tokens: 40,
+                    sampling: Default::default(),
+                    stop_sequences: Vec::new(),
+                }),
+                events,
+                cancel: Arc::clone(&cancel),
+            },
+            deadline: None,
+        });
+        for _ in 0..200 {
+            w.step();
+            let shifting = w.sessions[&id]
+                .active
+                .as_ref()
+                .is_some_and(|a| a.fed > 0 && a.fed < a.pending.len());
+            if shifting {
+                break;
+            }
+        }
+        cancel.store(true, Ordering::Release);
+        w.step();
+        let mut got = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            got.push(e);
+        }
+        got
+    }
+
+    #[test]
+    fn a_generate_cancelled_while_its_window_shifts_keeps_the_old_window() {
+        let mut w = worker_with_pages(40);
+        w.cfg.prefill_chunk = 8;
+        let context = w.model.config.context;
+        let id = new_session(&mut w);
+        let history: Vec<u32> = (0..context as u32 - 2).map(|i| i % 50 + 1).collect();
+        append(&mut w, id, &history).expect("append");
+        let events = cancel_in_the_middle_of_a_shift(&mut w, id);
+        // Two tokens filled the context; the shift never finished, so it
+        // was never reported, and the full history is back.
+        let tokens: Vec<u32> = events
+            .iter()
+            .filter_map(|e| match e {
+                GenerateEvent::Token(t) => Some(*t),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tokens.len(), 2, "{events:?}");
+        assert!(matches!(
+            events.last(),
+            Some(GenerateEvent::Done(GenerateDone {
+                stop_reason: StopReason::Cancelled,
+                ..
+            }))
+        ));
+        assert!(!events
+            .iter()
+            .any(|e| matches!(e, GenerateEvent::Truncated { .. })));
+        let slot = &w.sessions[&id];
+        assert_eq!(slot.history.len(), context);
+        assert_eq!(slot.history[..context - 2], history[..]);
+        assert_eq!(slot.kv.len(), context);
+        assert_eq!(slot.truncated, 0);
+        assert!(slot.idle());
+    }
+
+    #[test]
+    fn a_cancelled_shift_in_the_sessions_own_pages_feeds_the_old_history_again() {
+        let mut w = worker_with_pages(40);
+        w.cfg.prefill_chunk = 8;
+        let context = w.model.config.context;
+        let id = new_session(&mut w);
+        let history: Vec<u32> = (0..context as u32 - 2).map(|i| i % 50 + 1).collect();
+        append(&mut w, id, &history).expect("append");
+        // Take every free page, so the shift has to reuse the session's own.
+        let mut hog = SessionKv::new(Arc::clone(&w.kv_pool));
+        let free = w.kv_pool.free_pages();
+        hog.reserve(free * 16).expect("the rest of the pool");
+        cancel_in_the_middle_of_a_shift(&mut w, id);
+        // Its old history (with the two tokens) is being fed again.
+        for _ in 0..200 {
+            if w.sessions[&id].idle() {
+                break;
+            }
+            w.step();
+        }
+        let restored = snapshot(&w, id);
+        assert_eq!(restored.0.len(), context);
+        let twin_history = restored.0.clone();
+        drop(hog);
+        let twin = new_session(&mut w);
+        append(&mut w, twin, &twin_history).expect("append");
+        assert_eq!(restored.1, snapshot(&w, twin).1, "bit-identical logits");
     }
 
     #[test]
