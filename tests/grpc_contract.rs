@@ -597,19 +597,36 @@ fn appends_add_up_and_an_id_outside_the_vocabulary_changes_nothing() {
 
 // ---------------------------------------------------------------- §2.4 --
 
+/// A well-formed id no session has.
+const UNKNOWN_ID: &str = "00112233445566778899aabbccddeeff";
+
 #[test]
 fn unknown_closed_and_twice_closed_ids_are_not_found() {
     let served = Served::tiny(2);
-    let unknown = "00112233445566778899aabbccddeeff";
-    assert_code(served.info(unknown), RpcStatusCode::NOT_FOUND, "info");
-    assert_code(
-        served.append(unknown, &[1]),
-        RpcStatusCode::NOT_FOUND,
-        "append",
-    );
-    assert_code(served.close(unknown), RpcStatusCode::NOT_FOUND, "close");
-    let outcome = served.generate(gen_req(unknown, 3)).finish(STREAM_TIMEOUT);
-    assert_eq!(outcome.failure().code, RpcStatusCode::NOT_FOUND);
+    // Any id the server does not hold is NOT_FOUND on every RPC, whatever
+    // its form: the published SDKs' own tests send `sess-does-not-exist`.
+    for unknown in [
+        UNKNOWN_ID,
+        "sess-does-not-exist",
+        "",
+        "xyz",
+        "00112233445566778899AABBCCDDEEFF",
+        "00112233445566778899aabbccddeef",
+        "00112233445566778899aabbccddeeff0",
+        "0011223344556677-899aabbccddeeff",
+        "é0112233445566778899aabbccddeef",
+    ] {
+        let what = format!("id {unknown:?}");
+        assert_code(served.info(unknown), RpcStatusCode::NOT_FOUND, &what);
+        assert_code(
+            served.append(unknown, &[1]),
+            RpcStatusCode::NOT_FOUND,
+            &what,
+        );
+        assert_code(served.close(unknown), RpcStatusCode::NOT_FOUND, &what);
+        let outcome = served.generate(gen_req(unknown, 3)).finish(STREAM_TIMEOUT);
+        assert_eq!(outcome.failure().code, RpcStatusCode::NOT_FOUND, "{what}");
+    }
 
     let id = served.create("closing", &[]);
     served.append(&id, &[1, 2, 3]).expect("append");
@@ -649,30 +666,6 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
     served.append(&id, &[1, 2, 3]).expect("append");
     let digest = served.digest(&id);
 
-    for bad_id in [
-        "",
-        "xyz",
-        "00112233445566778899AABBCCDDEEFF",
-        "00112233445566778899aabbccddeef",
-        "00112233445566778899aabbccddeeff0",
-        "0011223344556677-899aabbccddeeff",
-    ] {
-        let what = format!("id {bad_id:?}");
-        assert_code(served.info(bad_id), RpcStatusCode::INVALID_ARGUMENT, &what);
-        assert_code(
-            served.append(bad_id, &[1]),
-            RpcStatusCode::INVALID_ARGUMENT,
-            &what,
-        );
-        assert_code(served.close(bad_id), RpcStatusCode::INVALID_ARGUMENT, &what);
-        let outcome = served.generate(gen_req(bad_id, 2)).finish(STREAM_TIMEOUT);
-        assert_eq!(
-            outcome.failure().code,
-            RpcStatusCode::INVALID_ARGUMENT,
-            "{what}"
-        );
-    }
-
     type Spoil = fn(&mut pb::GenerateRequest);
     let bad: [(&str, Spoil); 6] = [
         ("max_tokens 0", |r| r.set_max_tokens(0)),
@@ -687,15 +680,26 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
             r.mut_logit_bias().push(bias);
         }),
     ];
+    // A bad argument is INVALID_ARGUMENT whatever the id: the arguments are
+    // checked before the session is looked up, for ids of every form alike.
     for (what, set) in &bad {
-        let mut req = gen_req(&id, 4);
-        set(&mut req);
-        let outcome = served.generate(req).finish(STREAM_TIMEOUT);
-        assert!(outcome.tokens().is_empty(), "{what}");
-        assert_eq!(
-            outcome.failure().code,
+        for target in [id.as_str(), UNKNOWN_ID, "sess-does-not-exist", ""] {
+            let mut req = gen_req(target, 4);
+            set(&mut req);
+            let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+            assert!(outcome.tokens().is_empty(), "{what}");
+            assert_eq!(
+                outcome.failure().code,
+                RpcStatusCode::INVALID_ARGUMENT,
+                "{what}, id {target:?}"
+            );
+        }
+    }
+    for target in [UNKNOWN_ID, "sess-does-not-exist", ""] {
+        assert_code(
+            served.append(target, &[1, TINY_VOCAB]),
             RpcStatusCode::INVALID_ARGUMENT,
-            "{what}"
+            &format!("token outside the vocabulary, id {target:?}"),
         );
     }
     let info = served.info(&id).expect("info");

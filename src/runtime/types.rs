@@ -115,6 +115,20 @@ pub struct AppendTokens {
     pub tokens: Vec<u32>,
 }
 
+impl AppendTokens {
+    /// Checks the token ids of an append against a vocabulary of `vocab`
+    /// tokens. Needs no session: a transport runs it before it looks the
+    /// session up.
+    pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<(), RuntimeError> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RuntimeError::invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What an append did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AppendReply {
@@ -144,22 +158,13 @@ pub struct SamplingOptions {
 }
 
 impl SamplingOptions {
-    /// The sampler parameters these options mean, and the seed used.
-    /// Greedy when the temperature is 0, or unset with no other knob set;
-    /// an unset temperature with other knobs set means 1.
-    pub fn resolve(&self, vocab: usize) -> Result<(SamplingParams, u64), RuntimeError> {
-        let seed = match self.seed {
-            Some(seed) => seed,
-            None => {
-                let mut bytes = [0u8; 8];
-                getrandom::getrandom(&mut bytes)
-                    .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
-                u64::from_le_bytes(bytes)
-            }
-        };
+    /// The sampler parameters these options mean with `seed`. Greedy when
+    /// the temperature is 0, or unset with no other knob set; an unset
+    /// temperature with other knobs set means 1.
+    fn params(&self, seed: u64) -> SamplingParams {
         let other_knobs = self.top_p.is_some() || self.top_k.is_some() || self.min_p.is_some();
         let greedy = SamplingParams::greedy();
-        let params = SamplingParams {
+        SamplingParams {
             temperature: self
                 .temperature
                 .unwrap_or(if other_knobs { 1.0 } else { 0.0 }),
@@ -172,15 +177,39 @@ impl SamplingOptions {
             penalty_last_n: self.penalty_last_n.unwrap_or(0) as usize,
             logit_bias: self.logit_bias.clone(),
             seed,
-        };
-        params.validate(vocab)?;
+        }
+    }
+
+    /// Checks every knob against its documented range (the sampler's
+    /// checks, plus the number of log-probabilities), against a vocabulary
+    /// of `vocab` tokens. Needs no session: a transport runs it before it
+    /// looks the session up.
+    pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
+        self.params(0).validate(vocab)?;
         if self.top_logprobs as usize > MAX_TOP_LOGPROBS {
             return Err(RuntimeError::InvalidArgument(format!(
                 "top_logprobs {} is too many: at most {MAX_TOP_LOGPROBS}",
                 self.top_logprobs
             )));
         }
-        Ok((params, seed))
+        Ok(())
+    }
+
+    /// The sampler parameters these options mean (see
+    /// [`SamplingOptions::validate`] for the checks), and the seed used: the
+    /// request's, or one drawn from the OS.
+    pub fn resolve(&self, vocab: usize) -> Result<(SamplingParams, u64), RuntimeError> {
+        self.validate(vocab)?;
+        let seed = match self.seed {
+            Some(seed) => seed,
+            None => {
+                let mut bytes = [0u8; 8];
+                getrandom::getrandom(&mut bytes)
+                    .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
+                u64::from_le_bytes(bytes)
+            }
+        };
+        Ok((self.params(seed), seed))
     }
 }
 
@@ -193,6 +222,48 @@ pub struct GenerateRequest {
     /// Token sequences that end the generation once the generated tokens
     /// end with one (the sequence is emitted and committed first).
     pub stop_sequences: Vec<Vec<u32>>,
+}
+
+impl GenerateRequest {
+    /// Checks every argument of a Generate that needs no session state
+    /// against a vocabulary of `vocab` tokens: `max_tokens`, the sampling
+    /// knobs and the stop sequences. A transport runs it before it looks
+    /// the session up, so a bad argument is `InvalidArgument` whatever the
+    /// id (and an id the server does not hold, of any form, is `NotFound`
+    /// only for an otherwise valid request, as from the worker).
+    pub fn check_arguments(
+        max_tokens: u32,
+        sampling: &SamplingOptions,
+        stop_sequences: &[Vec<u32>],
+        vocab: usize,
+    ) -> Result<(), RuntimeError> {
+        if max_tokens == 0 {
+            return Err(RuntimeError::invalid("max_tokens must be at least 1"));
+        }
+        if let Some(bad) = stop_sequences
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(RuntimeError::invalid(format!(
+                "stop sequence token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if stop_sequences.iter().any(|s| s.is_empty()) {
+            return Err(RuntimeError::invalid("stop sequences must not be empty"));
+        }
+        sampling.validate(vocab)
+    }
+
+    /// [`GenerateRequest::check_arguments`] of this request.
+    pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
+        Self::check_arguments(
+            self.max_tokens,
+            &self.sampling,
+            &self.stop_sequences,
+            vocab,
+        )
+    }
 }
 
 /// Why a generation ended.

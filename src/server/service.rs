@@ -19,7 +19,7 @@ use super::deadline::call_deadline;
 use super::stats::{Method, ServerStats};
 use crate::proto::kakeya_v1::runtime as pb;
 use crate::proto::kakeya_v1::runtime_grpc::RuntimeService;
-use crate::runtime::{AppendTokens, GenerateEvent, Pending, Runtime, RuntimeError};
+use crate::runtime::{GenerateEvent, Pending, Runtime, RuntimeError};
 
 /// What every handler shares: the runtime and the numbers it reports.
 pub(crate) struct Shared {
@@ -117,12 +117,8 @@ impl RuntimeService for RuntimeServiceImpl {
         sink: UnarySink<pb::AppendTokensResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = convert::session_id(req.get_session_id()).and_then(|id| {
-            let tokens = req.take_token_ids();
-            self.shared
-                .runtime
-                .append_tokens(AppendTokens { id, tokens }, deadline)
-        });
+        let started = convert::append_request(&mut req, self.shared.vocab as usize)
+            .and_then(|request| self.shared.runtime.append_tokens(request, deadline));
         self.reply(&ctx, sink, Method::AppendTokens, started, |reply| {
             let mut msg = pb::AppendTokensResponse::new();
             msg.set_history_length(reply.history_length);
@@ -138,7 +134,7 @@ impl RuntimeService for RuntimeServiceImpl {
         sink: ServerStreamingSink<pb::GenerateResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = convert::generate_request(&req)
+        let started = convert::generate_request(&req, self.shared.vocab as usize)
             .and_then(|request| self.shared.runtime.generate(request, deadline));
         let stats = Arc::clone(&self.shared.stats);
         ctx.spawn(stream_generate(started, sink, stats));

@@ -280,12 +280,21 @@ def check_invalid_arguments(c):
     )
     print("ok   rejected AppendTokens left the history as it was")
 
-    for bad in ["", "not-a-session-id", sid.upper() + "00", "z" * len(sid)]:
-        expect_status(code, f"GetSessionInfo id {bad!r}", lambda bad=bad: c.info(bad))
-        expect_status(code, f"AppendTokens id {bad!r}", lambda bad=bad: c.append(bad, [1]))
-        expect_status(code, f"CloseSession id {bad!r}", lambda bad=bad: c.close(bad))
+    # An id the server does not hold is NOT_FOUND whatever its form: the
+    # published SDKs' own integration tests send `sess-does-not-exist`.
+    missing = grpc.StatusCode.NOT_FOUND
+    for bad in ["sess-does-not-exist", "", sid.upper(), sid + "00", "z" * len(sid)]:
+        expect_status(missing, f"GetSessionInfo id {bad!r}", lambda bad=bad: c.info(bad))
+        expect_status(missing, f"AppendTokens id {bad!r}", lambda bad=bad: c.append(bad, [1]))
+        expect_status(missing, f"CloseSession id {bad!r}", lambda bad=bad: c.close(bad))
         expect_status(
-            code, f"Generate id {bad!r}", lambda bad=bad: c.generate(bad, max_tokens=1)
+            missing, f"Generate id {bad!r}", lambda bad=bad: c.generate(bad, max_tokens=1)
+        )
+        # A bad argument is INVALID_ARGUMENT whatever the id.
+        expect_status(
+            code,
+            f"Generate max_tokens 0, id {bad!r}",
+            lambda bad=bad: c.generate(bad, max_tokens=0),
         )
 
     expect_status(code, "max_tokens 0", lambda: c.generate(sid, max_tokens=0))
