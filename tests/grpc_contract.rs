@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use futures_util::future::{select, Either};
 use futures_util::StreamExt;
 use grpcio::{
-    CallOption, ChannelBuilder, ChannelCredentialsBuilder, EnvBuilder, Environment,
-    MetadataBuilder, RpcStatusCode,
+    CallOption, ChannelBuilder, ChannelCredentialsBuilder, EnvBuilder, Environment, GrpcSlice,
+    Marshaller, MessageReader, MetadataBuilder, Method, MethodType, RpcStatusCode,
 };
+use protobuf::Message;
 use rand::{Rng, SeedableRng};
 
 use inferd::gguf::synthetic::SyntheticLlama;
@@ -132,6 +133,8 @@ fn status_of(err: grpcio::Error) -> Status {
 struct Served {
     server: Option<Server>,
     client: RuntimeServiceClient,
+    /// The same channel for calls whose request bytes a test writes itself.
+    raw: grpcio::Client,
     health: HealthClient,
     token: Option<String>,
     _env: Arc<Environment>,
@@ -149,6 +152,7 @@ impl Served {
         let channel = ChannelBuilder::new(Arc::clone(&env)).connect(&server.addr().to_string());
         Served {
             client: RuntimeServiceClient::new(channel.clone()),
+            raw: grpcio::Client::new(channel.clone()),
             health: HealthClient::new(channel),
             server: Some(server),
             token,
@@ -275,6 +279,34 @@ impl Served {
         }
     }
 
+    /// Sends `body` as the request of RuntimeService method `method` and
+    /// reads every response message (as bytes) or the failure.
+    fn raw_call(&self, method: &'static str, ty: MethodType, body: &[u8]) -> Result<Vec<Vec<u8>>, Status> {
+        let method = Method {
+            ty,
+            name: method,
+            req_mar: Marshaller { ser: raw_ser, de: raw_de },
+            resp_mar: Marshaller { ser: raw_ser, de: raw_de },
+        };
+        let body = body.to_vec();
+        if matches!(ty, MethodType::Unary) {
+            return self
+                .raw
+                .unary_call(&method, &body, self.opt())
+                .map(|reply| vec![reply])
+                .map_err(status_of);
+        }
+        let mut stream = self
+            .raw
+            .server_streaming(&method, &body, self.opt())
+            .map_err(status_of)?;
+        let mut replies = Vec::new();
+        while let Some(item) = futures_executor::block_on(stream.next()) {
+            replies.push(item.map_err(status_of)?);
+        }
+        Ok(replies)
+    }
+
     fn stop(mut self) {
         if let Some(server) = self.server.take() {
             let report = server.shutdown(Duration::from_secs(10));
@@ -282,6 +314,48 @@ impl Served {
         }
     }
 }
+
+fn raw_ser(bytes: &Vec<u8>, buf: &mut GrpcSlice) -> grpcio::Result<()> {
+    *buf = GrpcSlice::from(bytes.as_slice());
+    Ok(())
+}
+
+fn raw_de(mut reader: MessageReader) -> grpcio::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    reader
+        .read_to_end(&mut bytes)
+        .map_err(|e| grpcio::Error::Codec(Box::new(e)))?;
+    Ok(bytes)
+}
+
+/// Every RuntimeService method: its path, kind and request type.
+const RUNTIME_METHODS: [(&str, MethodType, &str); 5] = [
+    (
+        "/kakeya.v1.RuntimeService/CreateSession",
+        MethodType::Unary,
+        "kakeya.v1.CreateSessionRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/AppendTokens",
+        MethodType::Unary,
+        "kakeya.v1.AppendTokensRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/Generate",
+        MethodType::ServerStreaming,
+        "kakeya.v1.GenerateRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/CloseSession",
+        MethodType::Unary,
+        "kakeya.v1.CloseSessionRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/GetSessionInfo",
+        MethodType::Unary,
+        "kakeya.v1.GetSessionInfoRequest",
+    ),
+];
 
 fn bearer(token: &str) -> grpcio::Metadata {
     let mut meta = MetadataBuilder::new();
@@ -667,10 +741,15 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
     let digest = served.digest(&id);
 
     type Spoil = fn(&mut pb::GenerateRequest);
-    let bad: [(&str, Spoil); 6] = [
+    let bad: [(&str, Spoil); 8] = [
         ("max_tokens 0", |r| r.set_max_tokens(0)),
         ("temperature -1", |r| r.set_temperature(-1.0)),
         ("temperature NaN", |r| r.set_temperature(f32::NAN)),
+        // So small that 1/T overflows: refused, never INTERNAL.
+        ("temperature 1e-45", |r| r.set_temperature(1e-45)),
+        ("temperature below the bound", |r| {
+            r.set_temperature(inferd::sampler::MIN_TEMPERATURE / 2.0)
+        }),
         ("top_p 0", |r| r.set_top_p(0.0)),
         ("top_p 1.5", |r| r.set_top_p(1.5)),
         ("logit_bias token out of range", |r| {
@@ -706,6 +785,62 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
     assert_eq!(info.get_history_length(), 3, "nothing changed");
     assert_eq!(info.get_logits_digest(), digest);
     assert!(!info.get_busy());
+    served.stop();
+}
+
+#[test]
+fn a_temperature_below_the_bound_names_it_and_the_bound_itself_samples() {
+    let served = Served::tiny(1);
+    let id = served.create("tiny-temperature", &[]);
+    served.append(&id, &[1, 2, 3]).expect("append");
+    let mut req = gen_req(&id, 2);
+    req.set_temperature(1e-45);
+    let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+    let status = outcome.failure();
+    assert_eq!(status.code, RpcStatusCode::INVALID_ARGUMENT, "{status:?}");
+    assert!(status.message.contains("0.00001"), "{status:?}");
+    // At the bound it samples (from the argmax or its ties), never failing.
+    let mut req = seeded_req(&id, 8, Some(7));
+    req.set_temperature(inferd::sampler::MIN_TEMPERATURE);
+    let (tokens, _) = served.run(req);
+    assert_eq!(tokens.len(), 8);
+    served.stop();
+}
+
+#[test]
+fn a_request_body_that_does_not_parse_is_invalid_argument_on_every_method() {
+    let served = Served::tiny(1);
+    let runaway_varint = [&b"\x10"[..], &[0xff; 11], b"\x01"].concat();
+    let bodies: [(&str, &[u8]); 5] = [
+        ("garbage (field number 0)", b"\x00\x01\x02\x03"),
+        ("a varint of 12 bytes", &runaway_varint),
+        ("a truncated varint", b"\x10\x80"),
+        ("field 1 as a fixed32", b"\x0d\x00\x00\x00\x00"),
+        ("field 1 not UTF-8", b"\x0a\x02\xff\xfe"),
+    ];
+    for (method, ty, request_type) in RUNTIME_METHODS {
+        for (what, body) in bodies {
+            let status = served
+                .raw_call(method, ty, body)
+                .expect_err("a body that does not parse");
+            assert_eq!(
+                status.code,
+                RpcStatusCode::INVALID_ARGUMENT,
+                "{method} with {what}: {status:?}"
+            );
+            assert!(status.message.contains(request_type), "{status:?}");
+        }
+    }
+    // Nothing was created, and well-formed bytes on the same path work.
+    let stats = served.server().runtime_stats();
+    assert_eq!(stats.sessions_created, 1, "only the warm-up: {stats:?}");
+    let replies = served
+        .raw_call(RUNTIME_METHODS[0].0, MethodType::Unary, b"")
+        .expect("an empty body is a default request");
+    let created =
+        pb::CreateSessionResponse::parse_from_bytes(&replies[0]).expect("a response message");
+    assert_eq!(created.get_session_id().len(), 32);
+    assert!(served.info(created.get_session_id()).is_ok());
     served.stop();
 }
 
@@ -1486,6 +1621,7 @@ fn tls_serves_a_whole_session_and_refuses_plaintext() {
         .connect(&addr);
     let secure = Served {
         client: RuntimeServiceClient::new(channel.clone()),
+        raw: grpcio::Client::new(channel.clone()),
         health: HealthClient::new(channel),
         server: Some(server),
         token: None,

@@ -14,6 +14,7 @@ mod deadline;
 mod health;
 mod service;
 mod stats;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,7 +30,6 @@ use crate::metrics::{self, MetricsEndpoint, RenderFn, RequestCount, ServerNumber
 use crate::model::Model;
 use crate::proto::grpc_health_v1::health::HealthCheckResponse_ServingStatus as ServingStatus;
 use crate::proto::grpc_health_v1::health_grpc::create_health;
-use crate::proto::kakeya_v1::runtime_grpc::create_runtime_service;
 use crate::runtime::{
     AppendTokens, CreateSession, Runtime, RuntimeConfig, RuntimeError, RuntimeStats,
 };
@@ -178,7 +178,7 @@ impl Server {
                 .build(),
         );
         let mut builder = grpcio::ServerBuilder::new(env)
-            .register_service(create_runtime_service(RuntimeServiceImpl {
+            .register_service(service::runtime_service(RuntimeServiceImpl {
                 shared: Arc::clone(&shared),
             }))
             .register_service(create_health(health::HealthService {

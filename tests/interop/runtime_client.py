@@ -309,6 +309,36 @@ def check_invalid_arguments(c):
     c.close(sid)
 
 
+def check_unparsable_bodies(channel):
+    """Request bytes that are not a valid message, sent by the stock client
+    as they are (no serializer): INVALID_ARGUMENT on every method, never
+    INTERNAL, and the server goes on."""
+    bodies = {
+        "garbage (field number 0)": b"\x00\x01\x02\x03",
+        "a truncated varint": b"\x10\x80",
+        "field 1 as a fixed32": b"\x0d\x00\x00\x00\x00",
+        "field 1 not UTF-8": b"\x0a\x02\xff\xfe",
+    }
+    methods = [
+        ("CreateSession", False),
+        ("AppendTokens", False),
+        ("Generate", True),
+        ("CloseSession", False),
+        ("GetSessionInfo", False),
+    ]
+    for method, streaming in methods:
+        path = f"/kakeya.v1.RuntimeService/{method}"
+        call = channel.unary_stream(path) if streaming else channel.unary_unary(path)
+        for what, body in bodies.items():
+
+            def send(call=call, body=body, streaming=streaming):
+                reply = call(body, timeout=CALL_TIMEOUT)
+                if streaming:
+                    list(reply)
+
+            expect_status(grpc.StatusCode.INVALID_ARGUMENT, f"{method} with {what}", send)
+
+
 def expect_exhausted(c, what):
     message = expect_status(
         grpc.StatusCode.RESOURCE_EXHAUSTED, what, lambda: c.create(label="one-too-many")
@@ -478,6 +508,7 @@ def main():
             greedy = check_lifecycle(c)
             check_eos(c, greedy)
             check_invalid_arguments(c)
+            check_unparsable_bodies(channel)
             check_resource_exhausted(c, args.max_sessions, args.eviction)
             check_deadline(c)
             check_cancellation(c)
