@@ -844,6 +844,117 @@ fn a_request_body_that_does_not_parse_is_invalid_argument_on_every_method() {
     served.stop();
 }
 
+/// Checks that `got` is INVALID_ARGUMENT and its message names `numbers`.
+fn assert_refused<T: std::fmt::Debug>(got: Result<T, Status>, numbers: &[&str], what: &str) {
+    match got {
+        Err(s) => {
+            assert_eq!(s.code, RpcStatusCode::INVALID_ARGUMENT, "{what}: {s:?}");
+            for n in numbers {
+                assert!(s.message.contains(n), "{what}: {n} missing from {s:?}");
+            }
+        }
+        Ok(v) => panic!("{what}: expected INVALID_ARGUMENT, got {v:?}"),
+    }
+}
+
+#[test]
+fn fields_over_their_bounds_are_invalid_argument_and_keep_nothing() {
+    use inferd::runtime::limits;
+    let served = Served::tiny(1);
+    let created_before = served.server().runtime_stats().sessions_created;
+    // What a session keeps for its life: the label and the EOS ids.
+    let long_label = "x".repeat(limits::MAX_CLIENT_LABEL_BYTES + 1);
+    assert_refused(served.try_create(&long_label, &[]), &["257", "256"], "label");
+    let huge_label = "x".repeat(3_900_000);
+    assert_refused(served.try_create(&huge_label, &[]), &["256"], "3.9 MB label");
+    let many_eos: Vec<u32> = (0..limits::MAX_EOS_TOKEN_IDS as u32 + 1).collect();
+    assert_refused(served.try_create("eos", &many_eos), &["65", "64"], "EOS ids");
+    let huge_eos = vec![1u32; 900_000];
+    assert_refused(served.try_create("eos", &huge_eos), &["900000", "64"], "EOS ids");
+    assert_eq!(
+        served.server().runtime_stats().sessions_created,
+        created_before,
+        "no session was created"
+    );
+    // At the bounds, it is kept verbatim.
+    let label = "é".repeat(limits::MAX_CLIENT_LABEL_BYTES / 2);
+    let eos: Vec<u32> = (0..limits::MAX_EOS_TOKEN_IDS as u32).collect();
+    let id = served.create(&label, &eos);
+    let info = served.info(&id).expect("info");
+    assert_eq!(info.get_client_label(), label);
+    assert_eq!(info.get_eos_token_ids(), &eos[..]);
+    served.close(&id).expect("closed");
+
+    // One append carries at most MAX_APPEND_TOKENS ids.
+    let id = served.create("bounds", &[]);
+    let too_many = prompt(limits::MAX_APPEND_TOKENS + 1, 3);
+    assert_refused(served.append(&id, &too_many), &["65537", "65536"], "append");
+    assert_eq!(served.history(&id), 0, "nothing appended");
+    served.append(&id, &[1, 2, 3]).expect("append");
+    let digest = served.digest(&id);
+
+    // Generate: stop sequences, logit bias, the penalty window.
+    type Spoil = fn(&mut pb::GenerateRequest);
+    let over: [(&str, &[&str], Spoil); 4] = [
+        ("17 stop sequences", &["17", "16"], |r| {
+            for _ in 0..=limits::MAX_STOP_SEQUENCES {
+                let mut stop = pb::StopSequence::new();
+                stop.set_token_ids(vec![7]);
+                r.mut_stop_sequences().push(stop);
+            }
+        }),
+        ("a stop sequence of 65 ids", &["65", "64"], |r| {
+            let mut stop = pb::StopSequence::new();
+            stop.set_token_ids(vec![7; limits::MAX_STOP_SEQUENCE_TOKENS + 1]);
+            r.mut_stop_sequences().push(stop);
+        }),
+        ("1025 logit_bias entries", &["1025", "1024"], |r| {
+            for _ in 0..=limits::MAX_LOGIT_BIAS_ENTRIES {
+                let mut bias = pb::LogitBias::new();
+                bias.set_token_id(5);
+                bias.set_bias(0.5);
+                r.mut_logit_bias().push(bias);
+            }
+        }),
+        ("penalty_last_n 65537", &["65537", "65536"], |r| {
+            r.set_repetition_penalty(1.1);
+            r.set_penalty_last_n(limits::MAX_PENALTY_LAST_N + 1);
+        }),
+    ];
+    for (what, numbers, spoil) in over {
+        let mut req = gen_req(&id, 4);
+        spoil(&mut req);
+        let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+        assert!(outcome.tokens().is_empty(), "{what}");
+        let status = outcome.failure().clone();
+        assert_refused::<()>(Err(status), numbers, what);
+    }
+    let info = served.info(&id).expect("info");
+    assert_eq!(info.get_history_length(), 3, "nothing changed");
+    assert_eq!(info.get_logits_digest(), digest);
+
+    // Every bound itself is accepted.
+    let mut req = gen_req(&id, 2);
+    for _ in 0..limits::MAX_STOP_SEQUENCES {
+        let mut stop = pb::StopSequence::new();
+        stop.set_token_ids(vec![7; limits::MAX_STOP_SEQUENCE_TOKENS]);
+        req.mut_stop_sequences().push(stop);
+    }
+    for _ in 0..limits::MAX_LOGIT_BIAS_ENTRIES {
+        let mut bias = pb::LogitBias::new();
+        bias.set_token_id(5);
+        bias.set_bias(0.001);
+        req.mut_logit_bias().push(bias);
+    }
+    req.set_repetition_penalty(1.1);
+    req.set_penalty_last_n(limits::MAX_PENALTY_LAST_N);
+    let (tokens, _) = served.run(req);
+    assert_eq!(tokens.len(), 2);
+    let at_bound = prompt(limits::MAX_APPEND_TOKENS, 5);
+    assert!(served.append(&id, &at_bound).is_ok(), "65536 ids in one append");
+    served.stop();
+}
+
 #[test]
 fn kv_exhaustion_is_resource_exhausted_with_the_numbers_and_changes_nothing() {
     // Tiny model: 256 bytes per position, 4096 per 16-position page.

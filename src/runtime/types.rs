@@ -15,11 +15,15 @@ use futures_core::Stream;
 
 use super::notify::NotifyReceiver;
 
+use super::limits::{
+    self, at_most, MAX_APPEND_TOKENS, MAX_CLIENT_LABEL_BYTES, MAX_EOS_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY_LAST_N, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_TOKENS,
+};
 use super::{RuntimeError, SessionId};
 #[cfg(not(loom))]
 use crate::cluster::coordinator::ShardPlan;
 use crate::kv::DEFAULT_PAGE_POSITIONS;
-use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs, MAX_TOP_LOGPROBS};
+use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs};
 
 /// What to do when a history would outgrow the model's context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,10 +106,30 @@ impl Default for RuntimeConfig {
 /// CreateSession.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CreateSession {
-    /// Kept verbatim for diagnostics.
+    /// Kept verbatim for diagnostics (at most
+    /// [`limits::MAX_CLIENT_LABEL_BYTES`] bytes).
     pub client_label: String,
-    /// Emitting one of these ends a Generate with [`StopReason::Eos`].
+    /// Emitting one of these ends a Generate with [`StopReason::Eos`] (at
+    /// most [`limits::MAX_EOS_TOKEN_IDS`]).
     pub eos_token_ids: Vec<u32>,
+}
+
+impl CreateSession {
+    /// Checks what the session would keep for its life against its bounds.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        at_most(
+            "client_label",
+            "bytes",
+            self.client_label.len(),
+            MAX_CLIENT_LABEL_BYTES,
+        )?;
+        at_most(
+            "eos_token_ids",
+            "ids",
+            self.eos_token_ids.len(),
+            MAX_EOS_TOKEN_IDS,
+        )
+    }
 }
 
 /// AppendTokens: raw token ids to add to the history.
@@ -116,10 +140,12 @@ pub struct AppendTokens {
 }
 
 impl AppendTokens {
-    /// Checks the token ids of an append against a vocabulary of `vocab`
+    /// Checks the token ids of an append: at most
+    /// [`limits::MAX_APPEND_TOKENS`], each inside a vocabulary of `vocab`
     /// tokens. Needs no session: a transport runs it before it looks the
     /// session up.
     pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<(), RuntimeError> {
+        at_most("token_ids", "ids", tokens.len(), MAX_APPEND_TOKENS)?;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(RuntimeError::invalid(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
@@ -153,7 +179,7 @@ pub struct SamplingOptions {
     pub seed: Option<u64>,
     /// Report with every token its log-probability and those of the
     /// `top_logprobs` most likely tokens (0: none; at most
-    /// [`MAX_TOP_LOGPROBS`]).
+    /// [`limits::MAX_TOP_LOGPROBS`]).
     pub top_logprobs: u32,
 }
 
@@ -181,17 +207,29 @@ impl SamplingOptions {
     }
 
     /// Checks every knob against its documented range (the sampler's
-    /// checks, plus the number of log-probabilities), against a vocabulary
-    /// of `vocab` tokens. Needs no session: a transport runs it before it
+    /// checks, plus the bounds of [`limits`]), against a vocabulary of
+    /// `vocab` tokens. Needs no session: a transport runs it before it
     /// looks the session up.
     pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
-        self.params(0).validate(vocab)?;
-        if self.top_logprobs as usize > MAX_TOP_LOGPROBS {
+        at_most(
+            "logit_bias",
+            "entries",
+            self.logit_bias.len(),
+            MAX_LOGIT_BIAS_ENTRIES,
+        )?;
+        if let Some(n) = self.penalty_last_n.filter(|&n| n > MAX_PENALTY_LAST_N) {
             return Err(RuntimeError::InvalidArgument(format!(
-                "top_logprobs {} is too many: at most {MAX_TOP_LOGPROBS}",
-                self.top_logprobs
+                "penalty_last_n {n} is too long: at most {MAX_PENALTY_LAST_N} (0: the whole history)"
             )));
         }
+        if self.top_logprobs as usize > limits::MAX_TOP_LOGPROBS {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "top_logprobs {} is too many: at most {}",
+                self.top_logprobs,
+                limits::MAX_TOP_LOGPROBS
+            )));
+        }
+        self.params(0).validate(vocab)?;
         Ok(())
     }
 
@@ -239,6 +277,24 @@ impl GenerateRequest {
     ) -> Result<(), RuntimeError> {
         if max_tokens == 0 {
             return Err(RuntimeError::invalid("max_tokens must be at least 1"));
+        }
+        at_most(
+            "stop_sequences",
+            "sequences",
+            stop_sequences.len(),
+            MAX_STOP_SEQUENCES,
+        )?;
+        if let Some(longest) = stop_sequences
+            .iter()
+            .map(Vec::len)
+            .find(|&n| n > MAX_STOP_SEQUENCE_TOKENS)
+        {
+            at_most(
+                "a stop sequence",
+                "token ids",
+                longest,
+                MAX_STOP_SEQUENCE_TOKENS,
+            )?;
         }
         if let Some(bad) = stop_sequences
             .iter()

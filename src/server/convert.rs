@@ -35,11 +35,15 @@ pub fn session_id(text: &str) -> Result<SessionId, RuntimeError> {
     SessionId::parse(text)
 }
 
-pub fn create_request(req: &pb::CreateSessionRequest) -> CreateSession {
-    CreateSession {
-        client_label: req.get_client_label().to_owned(),
-        eos_token_ids: req.get_eos_token_ids().to_vec(),
-    }
+/// A CreateSession request, checked against the bounds of what a session
+/// keeps for its life (`runtime::limits`).
+pub fn create_request(req: &mut pb::CreateSessionRequest) -> Result<CreateSession, RuntimeError> {
+    let request = CreateSession {
+        client_label: req.take_client_label(),
+        eos_token_ids: req.take_eos_token_ids(),
+    };
+    request.validate()?;
+    Ok(request)
 }
 
 /// An AppendTokens request: its token ids are checked against the

@@ -127,11 +127,10 @@ impl RuntimeServiceImpl {
     ) {
         let shared = &self.shared;
         let deadline = call_deadline(ctx.deadline());
-        let started = req.message().and_then(|req| {
-            shared
-                .runtime
-                .create_session(convert::create_request(&req), deadline)
-        });
+        let started = req
+            .message()
+            .and_then(|mut req| convert::create_request(&mut req))
+            .and_then(|request| shared.runtime.create_session(request, deadline));
         let (vocab, context, workers) = (shared.vocab, shared.context, shared.runtime.workers());
         self.reply(&ctx, sink, Method::CreateSession, started, move |id| {
             let worker = id.shard(workers) as u32;

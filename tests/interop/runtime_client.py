@@ -339,6 +339,36 @@ def check_unparsable_bodies(channel):
             expect_status(grpc.StatusCode.INVALID_ARGUMENT, f"{method} with {what}", send)
 
 
+def check_bounds(c):
+    """Fields over their documented bounds: INVALID_ARGUMENT, nothing kept."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    expect_status(code, "a client_label of 257 bytes", lambda: c.create(label="x" * 257))
+    expect_status(code, "65 eos_token_ids", lambda: c.create(eos=range(65)))
+    sid = c.create(label="y" * 256, eos=range(64)).session_id
+    expect_status(
+        code, "65537 token ids in one AppendTokens", lambda: c.append(sid, [1] * 65537)
+    )
+    c.append(sid, PROMPT)
+    one = c.pb.StopSequence(token_ids=[1])
+    expect_status(
+        code,
+        "17 stop sequences",
+        lambda: c.generate(sid, max_tokens=1, stop_sequences=[one] * 17),
+    )
+    bias = c.pb.LogitBias(token_id=1, bias=0.5)
+    expect_status(
+        code,
+        "1025 logit_bias entries",
+        lambda: c.generate(sid, max_tokens=1, logit_bias=[bias] * 1025),
+    )
+    expect_status(
+        code, "temperature 1e-45", lambda: c.generate(sid, max_tokens=1, temperature=1e-45)
+    )
+    length = c.info(sid).history_length
+    check(length == len(PROMPT), f"a refused call changed the history: {length}")
+    c.close(sid)
+
+
 def expect_exhausted(c, what):
     message = expect_status(
         grpc.StatusCode.RESOURCE_EXHAUSTED, what, lambda: c.create(label="one-too-many")
@@ -509,6 +539,7 @@ def main():
             check_eos(c, greedy)
             check_invalid_arguments(c)
             check_unparsable_bodies(channel)
+            check_bounds(c)
             check_resource_exhausted(c, args.max_sessions, args.eviction)
             check_deadline(c)
             check_cancellation(c)
