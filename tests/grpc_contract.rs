@@ -1710,6 +1710,29 @@ fn an_open_listen_address_needs_a_token_or_an_explicit_opt_out() {
 }
 
 #[test]
+fn an_open_metrics_address_needs_a_token_or_an_explicit_opt_out() {
+    let mut open = loopback(runtime_config(1));
+    open.metrics_listen = Some("0.0.0.0:0".into());
+    assert!(matches!(
+        open.check_security(),
+        Err(ServeError::OpenMetricsListen(ref addr)) if addr == "0.0.0.0:0"
+    ));
+    assert!(matches!(
+        Server::start(tiny_model(), open.clone()),
+        Err(ServeError::OpenMetricsListen(_))
+    ));
+    let mut with_token = open.clone();
+    with_token.auth_token = Some("t".into());
+    assert!(with_token.check_security().is_ok());
+    let mut opted_out = open;
+    opted_out.allow_unauthenticated = true;
+    assert!(opted_out.check_security().is_ok());
+    let mut local = loopback(runtime_config(1));
+    local.metrics_listen = Some("127.0.0.1:0".into());
+    assert!(local.check_security().is_ok());
+}
+
+#[test]
 fn tls_serves_a_whole_session_and_refuses_plaintext() {
     let certified =
         rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
