@@ -281,12 +281,23 @@ impl Served {
 
     /// Sends `body` as the request of RuntimeService method `method` and
     /// reads every response message (as bytes) or the failure.
-    fn raw_call(&self, method: &'static str, ty: MethodType, body: &[u8]) -> Result<Vec<Vec<u8>>, Status> {
+    fn raw_call(
+        &self,
+        method: &'static str,
+        ty: MethodType,
+        body: &[u8],
+    ) -> Result<Vec<Vec<u8>>, Status> {
         let method = Method {
             ty,
             name: method,
-            req_mar: Marshaller { ser: raw_ser, de: raw_de },
-            resp_mar: Marshaller { ser: raw_ser, de: raw_de },
+            req_mar: Marshaller {
+                ser: raw_ser,
+                de: raw_de,
+            },
+            resp_mar: Marshaller {
+                ser: raw_ser,
+                de: raw_de,
+            },
         };
         let body = body.to_vec();
         if matches!(ty, MethodType::Unary) {
@@ -864,13 +875,29 @@ fn fields_over_their_bounds_are_invalid_argument_and_keep_nothing() {
     let created_before = served.server().runtime_stats().sessions_created;
     // What a session keeps for its life: the label and the EOS ids.
     let long_label = "x".repeat(limits::MAX_CLIENT_LABEL_BYTES + 1);
-    assert_refused(served.try_create(&long_label, &[]), &["257", "256"], "label");
+    assert_refused(
+        served.try_create(&long_label, &[]),
+        &["257", "256"],
+        "label",
+    );
     let huge_label = "x".repeat(3_900_000);
-    assert_refused(served.try_create(&huge_label, &[]), &["256"], "3.9 MB label");
+    assert_refused(
+        served.try_create(&huge_label, &[]),
+        &["256"],
+        "3.9 MB label",
+    );
     let many_eos: Vec<u32> = (0..limits::MAX_EOS_TOKEN_IDS as u32 + 1).collect();
-    assert_refused(served.try_create("eos", &many_eos), &["65", "64"], "EOS ids");
+    assert_refused(
+        served.try_create("eos", &many_eos),
+        &["65", "64"],
+        "EOS ids",
+    );
     let huge_eos = vec![1u32; 900_000];
-    assert_refused(served.try_create("eos", &huge_eos), &["900000", "64"], "EOS ids");
+    assert_refused(
+        served.try_create("eos", &huge_eos),
+        &["900000", "64"],
+        "EOS ids",
+    );
     assert_eq!(
         served.server().runtime_stats().sessions_created,
         created_before,
@@ -951,7 +978,10 @@ fn fields_over_their_bounds_are_invalid_argument_and_keep_nothing() {
     let (tokens, _) = served.run(req);
     assert_eq!(tokens.len(), 2);
     let at_bound = prompt(limits::MAX_APPEND_TOKENS, 5);
-    assert!(served.append(&id, &at_bound).is_ok(), "65536 ids in one append");
+    assert!(
+        served.append(&id, &at_bound).is_ok(),
+        "65536 ids in one append"
+    );
     served.stop();
 }
 

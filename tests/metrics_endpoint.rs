@@ -148,7 +148,10 @@ fn with_a_token_every_scrape_must_carry_it() {
     ] {
         let reply = get(addr, headers);
         assert!(reply.starts_with("HTTP/1.1 401"), "{what}: {reply}");
-        assert!(reply.contains("WWW-Authenticate: Bearer"), "{what}: {reply}");
+        assert!(
+            reply.contains("WWW-Authenticate: Bearer"),
+            "{what}: {reply}"
+        );
         assert!(!reply.contains("inferd_session_active"), "{what}: {reply}");
     }
     let reply = get(addr, "Authorization: Bearer s3cret-token\r\n");

@@ -67,9 +67,8 @@ impl MetricsEndpoint {
         render: RenderFn,
         authorize: Option<Authorize>,
     ) -> Result<MetricsEndpoint, io::Error> {
-        let cannot = |e: io::Error| {
-            io::Error::new(e.kind(), format!("cannot serve metrics on {addr}: {e}"))
-        };
+        let cannot =
+            |e: io::Error| io::Error::new(e.kind(), format!("cannot serve metrics on {addr}: {e}"));
         let listener = TcpListener::bind(addr).map_err(cannot)?;
         listener.set_nonblocking(true).map_err(cannot)?;
         let bound = listener.local_addr().map_err(cannot)?;
@@ -342,7 +341,10 @@ fn read_head(stream: &mut TcpStream, head: &mut Vec<u8>) -> Result<Option<usize>
 /// The length of the head through its terminating blank line (`\r\n\r\n`,
 /// or a bare `\n\n` from a lenient client), if it is all there.
 fn head_end(bytes: &[u8]) -> Option<usize> {
-    let crlf = bytes.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let crlf = bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
     let lf = bytes.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
     match (crlf, lf) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -470,7 +472,8 @@ mod tests {
 
     #[test]
     fn with_a_check_only_accepted_credentials_are_answered() {
-        let check: Authorize = Arc::new(|value: Option<&[u8]>| value == Some(&b"Bearer s3cret"[..]));
+        let check: Authorize =
+            Arc::new(|value: Option<&[u8]>| value == Some(&b"Bearer s3cret"[..]));
         let e = endpoint(Some(check));
         for request in [
             &b"GET /metrics HTTP/1.1\r\n\r\n"[..],

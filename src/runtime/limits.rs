@@ -27,12 +27,7 @@ pub const MAX_TOP_LOGPROBS: usize = crate::sampler::MAX_TOP_LOGPROBS;
 
 /// `InvalidArgument` unless `got <= max`; the message names the field, the
 /// count and the bound, e.g. "client_label has 300 bytes: at most 256".
-pub(crate) fn at_most(
-    field: &str,
-    unit: &str,
-    got: usize,
-    max: usize,
-) -> Result<(), RuntimeError> {
+pub(crate) fn at_most(field: &str, unit: &str, got: usize, max: usize) -> Result<(), RuntimeError> {
     if got <= max {
         return Ok(());
     }
@@ -47,7 +42,10 @@ mod tests {
 
     #[test]
     fn the_bound_itself_passes_and_one_more_names_the_numbers() {
-        assert_eq!(at_most("eos_token_ids", "ids", 64, MAX_EOS_TOKEN_IDS), Ok(()));
+        assert_eq!(
+            at_most("eos_token_ids", "ids", 64, MAX_EOS_TOKEN_IDS),
+            Ok(())
+        );
         let err = at_most("eos_token_ids", "ids", 65, MAX_EOS_TOKEN_IDS).expect_err("65");
         assert_eq!(
             err.to_string(),

@@ -313,12 +313,7 @@ impl GenerateRequest {
 
     /// [`GenerateRequest::check_arguments`] of this request.
     pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
-        Self::check_arguments(
-            self.max_tokens,
-            &self.sampling,
-            &self.stop_sequences,
-            vocab,
-        )
+        Self::check_arguments(self.max_tokens, &self.sampling, &self.stop_sequences, vocab)
     }
 }
 

@@ -7,8 +7,8 @@ use grpcio::{RpcStatus, RpcStatusCode};
 
 use crate::proto::kakeya_v1::runtime as pb;
 use crate::runtime::{
-    AppendTokens, CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError, SamplingOptions,
-    SessionId, SessionInfo, StatusKind, StopReason,
+    AppendTokens, CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError,
+    SamplingOptions, SessionId, SessionInfo, StatusKind, StopReason,
 };
 use crate::sampler::TokenLogprobs;
 
@@ -228,7 +228,11 @@ mod tests {
             },
         ];
         for (i, f) in bad.iter().enumerate() {
-            for id in ["0123456789abcdef0123456789abcdef", "sess-does-not-exist", ""] {
+            for id in [
+                "0123456789abcdef0123456789abcdef",
+                "sess-does-not-exist",
+                "",
+            ] {
                 let got = generate(|r| {
                     f(r);
                     r.set_session_id(id.into());
@@ -244,7 +248,11 @@ mod tests {
 
     #[test]
     fn a_valid_generate_with_an_id_of_any_other_form_is_not_found() {
-        for id in ["sess-does-not-exist", "", "0123456789ABCDEF0123456789abcdef"] {
+        for id in [
+            "sess-does-not-exist",
+            "",
+            "0123456789ABCDEF0123456789abcdef",
+        ] {
             let got = generate(|r| r.set_session_id(id.into()));
             assert_eq!(code(&got), Some(StatusKind::NotFound), "{id:?}: {got:?}");
         }

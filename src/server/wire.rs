@@ -124,13 +124,14 @@ mod tests {
     #[test]
     fn a_body_that_does_not_parse_is_invalid_argument_naming_the_type() {
         for bytes in [
-            &b"\xff\xff\xff"[..],      // garbage: field 0 / a runaway varint
-            b"\x12\x03\x80",           // token_ids, truncated
-            b"\x0a\x02\xff\xfe",       // session_id, not UTF-8
-            b"\x0d\x00\x00\x00\x00",   // session_id sent as a fixed32
-            b"\x0a\x05ab", // a length past the end
+            &b"\xff\xff\xff"[..],    // garbage: field 0 / a runaway varint
+            b"\x12\x03\x80",         // token_ids, truncated
+            b"\x0a\x02\xff\xfe",     // session_id, not UTF-8
+            b"\x0d\x00\x00\x00\x00", // session_id sent as a fixed32
+            b"\x0a\x05ab",           // a length past the end
         ] {
-            let err = parse_bytes::<pb::AppendTokensRequest>(bytes).expect_err(&format!("{bytes:x?}"));
+            let err =
+                parse_bytes::<pb::AppendTokensRequest>(bytes).expect_err(&format!("{bytes:x?}"));
             assert!(matches!(err, RuntimeError::InvalidArgument(_)), "{err:?}");
             assert!(
                 err.to_string().contains("kakeya.v1.AppendTokensRequest"),
