@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use futures_util::future::{select, Either};
 use futures_util::StreamExt;
 use grpcio::{
-    CallOption, ChannelBuilder, ChannelCredentialsBuilder, EnvBuilder, Environment,
-    MetadataBuilder, RpcStatusCode,
+    CallOption, ChannelBuilder, ChannelCredentialsBuilder, EnvBuilder, Environment, GrpcSlice,
+    Marshaller, MessageReader, MetadataBuilder, Method, MethodType, RpcStatusCode,
 };
+use protobuf::Message;
 use rand::{Rng, SeedableRng};
 
 use inferd::gguf::synthetic::SyntheticLlama;
@@ -132,6 +133,8 @@ fn status_of(err: grpcio::Error) -> Status {
 struct Served {
     server: Option<Server>,
     client: RuntimeServiceClient,
+    /// The same channel for calls whose request bytes a test writes itself.
+    raw: grpcio::Client,
     health: HealthClient,
     token: Option<String>,
     _env: Arc<Environment>,
@@ -149,6 +152,7 @@ impl Served {
         let channel = ChannelBuilder::new(Arc::clone(&env)).connect(&server.addr().to_string());
         Served {
             client: RuntimeServiceClient::new(channel.clone()),
+            raw: grpcio::Client::new(channel.clone()),
             health: HealthClient::new(channel),
             server: Some(server),
             token,
@@ -275,6 +279,45 @@ impl Served {
         }
     }
 
+    /// Sends `body` as the request of RuntimeService method `method` and
+    /// reads every response message (as bytes) or the failure.
+    fn raw_call(
+        &self,
+        method: &'static str,
+        ty: MethodType,
+        body: &[u8],
+    ) -> Result<Vec<Vec<u8>>, Status> {
+        let method = Method {
+            ty,
+            name: method,
+            req_mar: Marshaller {
+                ser: raw_ser,
+                de: raw_de,
+            },
+            resp_mar: Marshaller {
+                ser: raw_ser,
+                de: raw_de,
+            },
+        };
+        let body = body.to_vec();
+        if matches!(ty, MethodType::Unary) {
+            return self
+                .raw
+                .unary_call(&method, &body, self.opt())
+                .map(|reply| vec![reply])
+                .map_err(status_of);
+        }
+        let mut stream = self
+            .raw
+            .server_streaming(&method, &body, self.opt())
+            .map_err(status_of)?;
+        let mut replies = Vec::new();
+        while let Some(item) = futures_executor::block_on(stream.next()) {
+            replies.push(item.map_err(status_of)?);
+        }
+        Ok(replies)
+    }
+
     fn stop(mut self) {
         if let Some(server) = self.server.take() {
             let report = server.shutdown(Duration::from_secs(10));
@@ -282,6 +325,48 @@ impl Served {
         }
     }
 }
+
+fn raw_ser(bytes: &Vec<u8>, buf: &mut GrpcSlice) -> grpcio::Result<()> {
+    *buf = GrpcSlice::from(bytes.as_slice());
+    Ok(())
+}
+
+fn raw_de(mut reader: MessageReader) -> grpcio::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    reader
+        .read_to_end(&mut bytes)
+        .map_err(|e| grpcio::Error::Codec(Box::new(e)))?;
+    Ok(bytes)
+}
+
+/// Every RuntimeService method: its path, kind and request type.
+const RUNTIME_METHODS: [(&str, MethodType, &str); 5] = [
+    (
+        "/kakeya.v1.RuntimeService/CreateSession",
+        MethodType::Unary,
+        "kakeya.v1.CreateSessionRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/AppendTokens",
+        MethodType::Unary,
+        "kakeya.v1.AppendTokensRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/Generate",
+        MethodType::ServerStreaming,
+        "kakeya.v1.GenerateRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/CloseSession",
+        MethodType::Unary,
+        "kakeya.v1.CloseSessionRequest",
+    ),
+    (
+        "/kakeya.v1.RuntimeService/GetSessionInfo",
+        MethodType::Unary,
+        "kakeya.v1.GetSessionInfoRequest",
+    ),
+];
 
 fn bearer(token: &str) -> grpcio::Metadata {
     let mut meta = MetadataBuilder::new();
@@ -597,19 +682,36 @@ fn appends_add_up_and_an_id_outside_the_vocabulary_changes_nothing() {
 
 // ---------------------------------------------------------------- §2.4 --
 
+/// A well-formed id no session has.
+const UNKNOWN_ID: &str = "00112233445566778899aabbccddeeff";
+
 #[test]
 fn unknown_closed_and_twice_closed_ids_are_not_found() {
     let served = Served::tiny(2);
-    let unknown = "00112233445566778899aabbccddeeff";
-    assert_code(served.info(unknown), RpcStatusCode::NOT_FOUND, "info");
-    assert_code(
-        served.append(unknown, &[1]),
-        RpcStatusCode::NOT_FOUND,
-        "append",
-    );
-    assert_code(served.close(unknown), RpcStatusCode::NOT_FOUND, "close");
-    let outcome = served.generate(gen_req(unknown, 3)).finish(STREAM_TIMEOUT);
-    assert_eq!(outcome.failure().code, RpcStatusCode::NOT_FOUND);
+    // Any id the server does not hold is NOT_FOUND on every RPC, whatever
+    // its form: the published SDKs' own tests send `sess-does-not-exist`.
+    for unknown in [
+        UNKNOWN_ID,
+        "sess-does-not-exist",
+        "",
+        "xyz",
+        "00112233445566778899AABBCCDDEEFF",
+        "00112233445566778899aabbccddeef",
+        "00112233445566778899aabbccddeeff0",
+        "0011223344556677-899aabbccddeeff",
+        "é0112233445566778899aabbccddeef",
+    ] {
+        let what = format!("id {unknown:?}");
+        assert_code(served.info(unknown), RpcStatusCode::NOT_FOUND, &what);
+        assert_code(
+            served.append(unknown, &[1]),
+            RpcStatusCode::NOT_FOUND,
+            &what,
+        );
+        assert_code(served.close(unknown), RpcStatusCode::NOT_FOUND, &what);
+        let outcome = served.generate(gen_req(unknown, 3)).finish(STREAM_TIMEOUT);
+        assert_eq!(outcome.failure().code, RpcStatusCode::NOT_FOUND, "{what}");
+    }
 
     let id = served.create("closing", &[]);
     served.append(&id, &[1, 2, 3]).expect("append");
@@ -649,35 +751,16 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
     served.append(&id, &[1, 2, 3]).expect("append");
     let digest = served.digest(&id);
 
-    for bad_id in [
-        "",
-        "xyz",
-        "00112233445566778899AABBCCDDEEFF",
-        "00112233445566778899aabbccddeef",
-        "00112233445566778899aabbccddeeff0",
-        "0011223344556677-899aabbccddeeff",
-    ] {
-        let what = format!("id {bad_id:?}");
-        assert_code(served.info(bad_id), RpcStatusCode::INVALID_ARGUMENT, &what);
-        assert_code(
-            served.append(bad_id, &[1]),
-            RpcStatusCode::INVALID_ARGUMENT,
-            &what,
-        );
-        assert_code(served.close(bad_id), RpcStatusCode::INVALID_ARGUMENT, &what);
-        let outcome = served.generate(gen_req(bad_id, 2)).finish(STREAM_TIMEOUT);
-        assert_eq!(
-            outcome.failure().code,
-            RpcStatusCode::INVALID_ARGUMENT,
-            "{what}"
-        );
-    }
-
     type Spoil = fn(&mut pb::GenerateRequest);
-    let bad: [(&str, Spoil); 6] = [
+    let bad: [(&str, Spoil); 8] = [
         ("max_tokens 0", |r| r.set_max_tokens(0)),
         ("temperature -1", |r| r.set_temperature(-1.0)),
         ("temperature NaN", |r| r.set_temperature(f32::NAN)),
+        // So small that 1/T overflows: refused, never INTERNAL.
+        ("temperature 1e-45", |r| r.set_temperature(1e-45)),
+        ("temperature below the bound", |r| {
+            r.set_temperature(inferd::sampler::MIN_TEMPERATURE / 2.0)
+        }),
         ("top_p 0", |r| r.set_top_p(0.0)),
         ("top_p 1.5", |r| r.set_top_p(1.5)),
         ("logit_bias token out of range", |r| {
@@ -687,21 +770,218 @@ fn every_bad_argument_is_invalid_argument_and_changes_nothing() {
             r.mut_logit_bias().push(bias);
         }),
     ];
+    // A bad argument is INVALID_ARGUMENT whatever the id: the arguments are
+    // checked before the session is looked up, for ids of every form alike.
     for (what, set) in &bad {
-        let mut req = gen_req(&id, 4);
-        set(&mut req);
-        let outcome = served.generate(req).finish(STREAM_TIMEOUT);
-        assert!(outcome.tokens().is_empty(), "{what}");
-        assert_eq!(
-            outcome.failure().code,
+        for target in [id.as_str(), UNKNOWN_ID, "sess-does-not-exist", ""] {
+            let mut req = gen_req(target, 4);
+            set(&mut req);
+            let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+            assert!(outcome.tokens().is_empty(), "{what}");
+            assert_eq!(
+                outcome.failure().code,
+                RpcStatusCode::INVALID_ARGUMENT,
+                "{what}, id {target:?}"
+            );
+        }
+    }
+    for target in [UNKNOWN_ID, "sess-does-not-exist", ""] {
+        assert_code(
+            served.append(target, &[1, TINY_VOCAB]),
             RpcStatusCode::INVALID_ARGUMENT,
-            "{what}"
+            &format!("token outside the vocabulary, id {target:?}"),
         );
     }
     let info = served.info(&id).expect("info");
     assert_eq!(info.get_history_length(), 3, "nothing changed");
     assert_eq!(info.get_logits_digest(), digest);
     assert!(!info.get_busy());
+    served.stop();
+}
+
+#[test]
+fn a_temperature_below_the_bound_names_it_and_the_bound_itself_samples() {
+    let served = Served::tiny(1);
+    let id = served.create("tiny-temperature", &[]);
+    served.append(&id, &[1, 2, 3]).expect("append");
+    let mut req = gen_req(&id, 2);
+    req.set_temperature(1e-45);
+    let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+    let status = outcome.failure();
+    assert_eq!(status.code, RpcStatusCode::INVALID_ARGUMENT, "{status:?}");
+    assert!(status.message.contains("0.00001"), "{status:?}");
+    // At the bound it samples (from the argmax or its ties), never failing.
+    let mut req = seeded_req(&id, 8, Some(7));
+    req.set_temperature(inferd::sampler::MIN_TEMPERATURE);
+    let (tokens, _) = served.run(req);
+    assert_eq!(tokens.len(), 8);
+    served.stop();
+}
+
+#[test]
+fn a_request_body_that_does_not_parse_is_invalid_argument_on_every_method() {
+    let served = Served::tiny(1);
+    let runaway_varint = [&b"\x10"[..], &[0xff; 11], b"\x01"].concat();
+    let bodies: [(&str, &[u8]); 5] = [
+        ("garbage (field number 0)", b"\x00\x01\x02\x03"),
+        ("a varint of 12 bytes", &runaway_varint),
+        ("a truncated varint", b"\x10\x80"),
+        ("field 1 as a fixed32", b"\x0d\x00\x00\x00\x00"),
+        ("field 1 not UTF-8", b"\x0a\x02\xff\xfe"),
+    ];
+    for (method, ty, request_type) in RUNTIME_METHODS {
+        for (what, body) in bodies {
+            let status = served
+                .raw_call(method, ty, body)
+                .expect_err("a body that does not parse");
+            assert_eq!(
+                status.code,
+                RpcStatusCode::INVALID_ARGUMENT,
+                "{method} with {what}: {status:?}"
+            );
+            assert!(status.message.contains(request_type), "{status:?}");
+        }
+    }
+    // Nothing was created, and well-formed bytes on the same path work.
+    let stats = served.server().runtime_stats();
+    assert_eq!(stats.sessions_created, 1, "only the warm-up: {stats:?}");
+    let replies = served
+        .raw_call(RUNTIME_METHODS[0].0, MethodType::Unary, b"")
+        .expect("an empty body is a default request");
+    let created =
+        pb::CreateSessionResponse::parse_from_bytes(&replies[0]).expect("a response message");
+    assert_eq!(created.get_session_id().len(), 32);
+    assert!(served.info(created.get_session_id()).is_ok());
+    served.stop();
+}
+
+/// Checks that `got` is INVALID_ARGUMENT and its message names `numbers`.
+fn assert_refused<T: std::fmt::Debug>(got: Result<T, Status>, numbers: &[&str], what: &str) {
+    match got {
+        Err(s) => {
+            assert_eq!(s.code, RpcStatusCode::INVALID_ARGUMENT, "{what}: {s:?}");
+            for n in numbers {
+                assert!(s.message.contains(n), "{what}: {n} missing from {s:?}");
+            }
+        }
+        Ok(v) => panic!("{what}: expected INVALID_ARGUMENT, got {v:?}"),
+    }
+}
+
+#[test]
+fn fields_over_their_bounds_are_invalid_argument_and_keep_nothing() {
+    use inferd::runtime::limits;
+    let served = Served::tiny(1);
+    let created_before = served.server().runtime_stats().sessions_created;
+    // What a session keeps for its life: the label and the EOS ids.
+    let long_label = "x".repeat(limits::MAX_CLIENT_LABEL_BYTES + 1);
+    assert_refused(
+        served.try_create(&long_label, &[]),
+        &["257", "256"],
+        "label",
+    );
+    let huge_label = "x".repeat(3_900_000);
+    assert_refused(
+        served.try_create(&huge_label, &[]),
+        &["256"],
+        "3.9 MB label",
+    );
+    let many_eos: Vec<u32> = (0..limits::MAX_EOS_TOKEN_IDS as u32 + 1).collect();
+    assert_refused(
+        served.try_create("eos", &many_eos),
+        &["65", "64"],
+        "EOS ids",
+    );
+    let huge_eos = vec![1u32; 900_000];
+    assert_refused(
+        served.try_create("eos", &huge_eos),
+        &["900000", "64"],
+        "EOS ids",
+    );
+    assert_eq!(
+        served.server().runtime_stats().sessions_created,
+        created_before,
+        "no session was created"
+    );
+    // At the bounds, it is kept verbatim.
+    let label = "é".repeat(limits::MAX_CLIENT_LABEL_BYTES / 2);
+    let eos: Vec<u32> = (0..limits::MAX_EOS_TOKEN_IDS as u32).collect();
+    let id = served.create(&label, &eos);
+    let info = served.info(&id).expect("info");
+    assert_eq!(info.get_client_label(), label);
+    assert_eq!(info.get_eos_token_ids(), &eos[..]);
+    served.close(&id).expect("closed");
+
+    // One append carries at most MAX_APPEND_TOKENS ids.
+    let id = served.create("bounds", &[]);
+    let too_many = prompt(limits::MAX_APPEND_TOKENS + 1, 3);
+    assert_refused(served.append(&id, &too_many), &["65537", "65536"], "append");
+    assert_eq!(served.history(&id), 0, "nothing appended");
+    served.append(&id, &[1, 2, 3]).expect("append");
+    let digest = served.digest(&id);
+
+    // Generate: stop sequences, logit bias, the penalty window.
+    type Spoil = fn(&mut pb::GenerateRequest);
+    let over: [(&str, &[&str], Spoil); 4] = [
+        ("17 stop sequences", &["17", "16"], |r| {
+            for _ in 0..=limits::MAX_STOP_SEQUENCES {
+                let mut stop = pb::StopSequence::new();
+                stop.set_token_ids(vec![7]);
+                r.mut_stop_sequences().push(stop);
+            }
+        }),
+        ("a stop sequence of 65 ids", &["65", "64"], |r| {
+            let mut stop = pb::StopSequence::new();
+            stop.set_token_ids(vec![7; limits::MAX_STOP_SEQUENCE_TOKENS + 1]);
+            r.mut_stop_sequences().push(stop);
+        }),
+        ("1025 logit_bias entries", &["1025", "1024"], |r| {
+            for _ in 0..=limits::MAX_LOGIT_BIAS_ENTRIES {
+                let mut bias = pb::LogitBias::new();
+                bias.set_token_id(5);
+                bias.set_bias(0.5);
+                r.mut_logit_bias().push(bias);
+            }
+        }),
+        ("penalty_last_n 65537", &["65537", "65536"], |r| {
+            r.set_repetition_penalty(1.1);
+            r.set_penalty_last_n(limits::MAX_PENALTY_LAST_N + 1);
+        }),
+    ];
+    for (what, numbers, spoil) in over {
+        let mut req = gen_req(&id, 4);
+        spoil(&mut req);
+        let outcome = served.generate(req).finish(STREAM_TIMEOUT);
+        assert!(outcome.tokens().is_empty(), "{what}");
+        let status = outcome.failure().clone();
+        assert_refused::<()>(Err(status), numbers, what);
+    }
+    let info = served.info(&id).expect("info");
+    assert_eq!(info.get_history_length(), 3, "nothing changed");
+    assert_eq!(info.get_logits_digest(), digest);
+
+    // Every bound itself is accepted.
+    let mut req = gen_req(&id, 2);
+    for _ in 0..limits::MAX_STOP_SEQUENCES {
+        let mut stop = pb::StopSequence::new();
+        stop.set_token_ids(vec![7; limits::MAX_STOP_SEQUENCE_TOKENS]);
+        req.mut_stop_sequences().push(stop);
+    }
+    for _ in 0..limits::MAX_LOGIT_BIAS_ENTRIES {
+        let mut bias = pb::LogitBias::new();
+        bias.set_token_id(5);
+        bias.set_bias(0.001);
+        req.mut_logit_bias().push(bias);
+    }
+    req.set_repetition_penalty(1.1);
+    req.set_penalty_last_n(limits::MAX_PENALTY_LAST_N);
+    let (tokens, _) = served.run(req);
+    assert_eq!(tokens.len(), 2);
+    let at_bound = prompt(limits::MAX_APPEND_TOKENS, 5);
+    assert!(
+        served.append(&id, &at_bound).is_ok(),
+        "65536 ids in one append"
+    );
     served.stop();
 }
 
@@ -1467,6 +1747,29 @@ fn an_open_listen_address_needs_a_token_or_an_explicit_opt_out() {
 }
 
 #[test]
+fn an_open_metrics_address_needs_a_token_or_an_explicit_opt_out() {
+    let mut open = loopback(runtime_config(1));
+    open.metrics_listen = Some("0.0.0.0:0".into());
+    assert!(matches!(
+        open.check_security(),
+        Err(ServeError::OpenMetricsListen(ref addr)) if addr == "0.0.0.0:0"
+    ));
+    assert!(matches!(
+        Server::start(tiny_model(), open.clone()),
+        Err(ServeError::OpenMetricsListen(_))
+    ));
+    let mut with_token = open.clone();
+    with_token.auth_token = Some("t".into());
+    assert!(with_token.check_security().is_ok());
+    let mut opted_out = open;
+    opted_out.allow_unauthenticated = true;
+    assert!(opted_out.check_security().is_ok());
+    let mut local = loopback(runtime_config(1));
+    local.metrics_listen = Some("127.0.0.1:0".into());
+    assert!(local.check_security().is_ok());
+}
+
+#[test]
 fn tls_serves_a_whole_session_and_refuses_plaintext() {
     let certified =
         rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
@@ -1489,6 +1792,7 @@ fn tls_serves_a_whole_session_and_refuses_plaintext() {
         .connect(&addr);
     let secure = Served {
         client: RuntimeServiceClient::new(channel.clone()),
+        raw: grpcio::Client::new(channel.clone()),
         health: HealthClient::new(channel),
         server: Some(server),
         token: None,

@@ -1021,7 +1021,7 @@ fn metrics_move_with_real_traffic_and_are_served_over_http() {
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     generate(&rt, id, 4, SamplingOptions::default());
-    let endpoint = MetricsEndpoint::bind("127.0.0.1:0", Arc::new(scrape)).expect("binds");
+    let endpoint = MetricsEndpoint::bind("127.0.0.1:0", Arc::new(scrape), None).expect("binds");
     let body = {
         use std::io::{Read, Write};
         let mut stream = std::net::TcpStream::connect(endpoint.addr()).expect("connects");

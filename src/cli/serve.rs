@@ -80,14 +80,17 @@ pub struct ServeArgs {
     /// Tokens kept at the start of the history when truncating [default: 4].
     #[arg(long, env = "INFERD_OVERFLOW_SINK")]
     pub overflow_sink: Option<usize>,
-    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    /// Serve Prometheus metrics at http://ADDR/metrics [default: off]. Off
+    /// loopback it needs --auth-token-file or --allow-unauthenticated, as
+    /// --listen does.
     #[arg(long, env = "INFERD_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
-    /// File holding the access token every call must carry as
-    /// `authorization: Bearer <token>`.
+    /// File holding the access token every call (and every metrics scrape)
+    /// must carry as `authorization: Bearer <token>`.
     #[arg(long, env = "INFERD_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
-    /// Accept a non-loopback --listen without an access token.
+    /// Accept a non-loopback --listen or --metrics-listen without an access
+    /// token.
     #[arg(long, env = "INFERD_ALLOW_UNAUTHENTICATED")]
     pub allow_unauthenticated: bool,
     /// PEM certificate chain: serve TLS (needs --tls-key).

@@ -1,5 +1,10 @@
 //! Session ids: 128 random bits from the operating system, written as 32
 //! lowercase hex digits. The server draws them; clients only echo them.
+//!
+//! Text that is not 32 lowercase hex digits is not a malformed request but
+//! an id the server never issued, so it is `NotFound` like any other id the
+//! server does not hold (CONTRACT §2.4: the published SDKs' own tests send
+//! `sess-does-not-exist` and expect NOT_FOUND).
 
 use std::fmt;
 
@@ -18,26 +23,20 @@ impl SessionId {
         Ok(SessionId(bytes))
     }
 
-    /// Parses exactly 32 lowercase hex digits; anything else is an
-    /// `InvalidArgument`.
+    /// Parses exactly 32 lowercase hex digits. Anything else (empty, the
+    /// wrong length, upper case, other characters) names no session the
+    /// server ever issued: `NotFound`, indistinguishable from an unknown,
+    /// closed or evicted id.
     pub fn parse(text: &str) -> Result<Self, RuntimeError> {
         let digits = text.as_bytes();
         if digits.len() != 32 {
-            return Err(RuntimeError::invalid(format!(
-                "session id must be 32 lowercase hex digits, got {} characters",
-                digits.len()
-            )));
+            return Err(RuntimeError::NotFound);
         }
         let mut bytes = [0u8; 16];
-        for (i, pair) in digits.chunks_exact(2).enumerate() {
-            let (hi, lo) = (hex_value(pair[0]), hex_value(pair[1]));
-            match (hi, lo) {
-                (Some(hi), Some(lo)) => bytes[i] = hi << 4 | lo,
-                _ => {
-                    return Err(RuntimeError::invalid(
-                        "session id must be 32 lowercase hex digits",
-                    ))
-                }
+        for (byte, pair) in bytes.iter_mut().zip(digits.chunks_exact(2)) {
+            match (hex_value(pair[0]), hex_value(pair[1])) {
+                (Some(hi), Some(lo)) => *byte = hi << 4 | lo,
+                _ => return Err(RuntimeError::NotFound),
             }
         }
         Ok(SessionId(bytes))
@@ -107,7 +106,7 @@ mod tests {
     }
 
     #[test]
-    fn malformed_ids_are_rejected() {
+    fn malformed_ids_are_ids_the_server_does_not_hold() {
         let good = "0123456789abcdef0123456789abcdef";
         assert!(SessionId::parse(good).is_ok());
         for bad in [
@@ -118,13 +117,10 @@ mod tests {
             "0123456789abcdeg0123456789abcdef",
             "0123456789abcdef0123456789abcd-f",
             "é123456789abcdef0123456789abcde",
+            "sess-does-not-exist",
         ] {
             let err = SessionId::parse(bad).expect_err(bad);
-            assert_eq!(
-                err.code(),
-                super::super::StatusKind::InvalidArgument,
-                "{bad}"
-            );
+            assert_eq!(err, RuntimeError::NotFound, "{bad}");
         }
     }
 

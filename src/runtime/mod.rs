@@ -12,6 +12,7 @@
 mod board;
 mod error;
 mod id;
+pub mod limits;
 #[cfg(loom)]
 pub mod notify;
 #[cfg(not(loom))]

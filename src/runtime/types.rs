@@ -15,11 +15,15 @@ use futures_core::Stream;
 
 use super::notify::NotifyReceiver;
 
+use super::limits::{
+    self, at_most, MAX_APPEND_TOKENS, MAX_CLIENT_LABEL_BYTES, MAX_EOS_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY_LAST_N, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_TOKENS,
+};
 use super::{RuntimeError, SessionId};
 #[cfg(not(loom))]
 use crate::cluster::coordinator::ShardPlan;
 use crate::kv::DEFAULT_PAGE_POSITIONS;
-use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs, MAX_TOP_LOGPROBS};
+use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs};
 
 /// What to do when a history would outgrow the model's context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,10 +112,30 @@ impl Default for RuntimeConfig {
 /// CreateSession.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CreateSession {
-    /// Kept verbatim for diagnostics.
+    /// Kept verbatim for diagnostics (at most
+    /// [`limits::MAX_CLIENT_LABEL_BYTES`] bytes).
     pub client_label: String,
-    /// Emitting one of these ends a Generate with [`StopReason::Eos`].
+    /// Emitting one of these ends a Generate with [`StopReason::Eos`] (at
+    /// most [`limits::MAX_EOS_TOKEN_IDS`]).
     pub eos_token_ids: Vec<u32>,
+}
+
+impl CreateSession {
+    /// Checks what the session would keep for its life against its bounds.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        at_most(
+            "client_label",
+            "bytes",
+            self.client_label.len(),
+            MAX_CLIENT_LABEL_BYTES,
+        )?;
+        at_most(
+            "eos_token_ids",
+            "ids",
+            self.eos_token_ids.len(),
+            MAX_EOS_TOKEN_IDS,
+        )
+    }
 }
 
 /// AppendTokens: raw token ids to add to the history.
@@ -119,6 +143,22 @@ pub struct CreateSession {
 pub struct AppendTokens {
     pub id: SessionId,
     pub tokens: Vec<u32>,
+}
+
+impl AppendTokens {
+    /// Checks the token ids of an append: at most
+    /// [`limits::MAX_APPEND_TOKENS`], each inside a vocabulary of `vocab`
+    /// tokens. Needs no session: a transport runs it before it looks the
+    /// session up.
+    pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<(), RuntimeError> {
+        at_most("token_ids", "ids", tokens.len(), MAX_APPEND_TOKENS)?;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RuntimeError::invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// What an append did.
@@ -145,27 +185,18 @@ pub struct SamplingOptions {
     pub seed: Option<u64>,
     /// Report with every token its log-probability and those of the
     /// `top_logprobs` most likely tokens (0: none; at most
-    /// [`MAX_TOP_LOGPROBS`]).
+    /// [`limits::MAX_TOP_LOGPROBS`]).
     pub top_logprobs: u32,
 }
 
 impl SamplingOptions {
-    /// The sampler parameters these options mean, and the seed used.
-    /// Greedy when the temperature is 0, or unset with no other knob set;
-    /// an unset temperature with other knobs set means 1.
-    pub fn resolve(&self, vocab: usize) -> Result<(SamplingParams, u64), RuntimeError> {
-        let seed = match self.seed {
-            Some(seed) => seed,
-            None => {
-                let mut bytes = [0u8; 8];
-                getrandom::getrandom(&mut bytes)
-                    .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
-                u64::from_le_bytes(bytes)
-            }
-        };
+    /// The sampler parameters these options mean with `seed`. Greedy when
+    /// the temperature is 0, or unset with no other knob set; an unset
+    /// temperature with other knobs set means 1.
+    fn params(&self, seed: u64) -> SamplingParams {
         let other_knobs = self.top_p.is_some() || self.top_k.is_some() || self.min_p.is_some();
         let greedy = SamplingParams::greedy();
-        let params = SamplingParams {
+        SamplingParams {
             temperature: self
                 .temperature
                 .unwrap_or(if other_knobs { 1.0 } else { 0.0 }),
@@ -178,15 +209,51 @@ impl SamplingOptions {
             penalty_last_n: self.penalty_last_n.unwrap_or(0) as usize,
             logit_bias: self.logit_bias.clone(),
             seed,
-        };
-        params.validate(vocab)?;
-        if self.top_logprobs as usize > MAX_TOP_LOGPROBS {
+        }
+    }
+
+    /// Checks every knob against its documented range (the sampler's
+    /// checks, plus the bounds of [`limits`]), against a vocabulary of
+    /// `vocab` tokens. Needs no session: a transport runs it before it
+    /// looks the session up.
+    pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
+        at_most(
+            "logit_bias",
+            "entries",
+            self.logit_bias.len(),
+            MAX_LOGIT_BIAS_ENTRIES,
+        )?;
+        if let Some(n) = self.penalty_last_n.filter(|&n| n > MAX_PENALTY_LAST_N) {
             return Err(RuntimeError::InvalidArgument(format!(
-                "top_logprobs {} is too many: at most {MAX_TOP_LOGPROBS}",
-                self.top_logprobs
+                "penalty_last_n {n} is too long: at most {MAX_PENALTY_LAST_N} (0: the whole history)"
             )));
         }
-        Ok((params, seed))
+        if self.top_logprobs as usize > limits::MAX_TOP_LOGPROBS {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "top_logprobs {} is too many: at most {}",
+                self.top_logprobs,
+                limits::MAX_TOP_LOGPROBS
+            )));
+        }
+        self.params(0).validate(vocab)?;
+        Ok(())
+    }
+
+    /// The sampler parameters these options mean (see
+    /// [`SamplingOptions::validate`] for the checks), and the seed used: the
+    /// request's, or one drawn from the OS.
+    pub fn resolve(&self, vocab: usize) -> Result<(SamplingParams, u64), RuntimeError> {
+        self.validate(vocab)?;
+        let seed = match self.seed {
+            Some(seed) => seed,
+            None => {
+                let mut bytes = [0u8; 8];
+                getrandom::getrandom(&mut bytes)
+                    .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
+                u64::from_le_bytes(bytes)
+            }
+        };
+        Ok((self.params(seed), seed))
     }
 }
 
@@ -199,6 +266,61 @@ pub struct GenerateRequest {
     /// Token sequences that end the generation once the generated tokens
     /// end with one (the sequence is emitted and committed first).
     pub stop_sequences: Vec<Vec<u32>>,
+}
+
+impl GenerateRequest {
+    /// Checks every argument of a Generate that needs no session state
+    /// against a vocabulary of `vocab` tokens: `max_tokens`, the sampling
+    /// knobs and the stop sequences. A transport runs it before it looks
+    /// the session up, so a bad argument is `InvalidArgument` whatever the
+    /// id (and an id the server does not hold, of any form, is `NotFound`
+    /// only for an otherwise valid request, as from the worker).
+    pub fn check_arguments(
+        max_tokens: u32,
+        sampling: &SamplingOptions,
+        stop_sequences: &[Vec<u32>],
+        vocab: usize,
+    ) -> Result<(), RuntimeError> {
+        if max_tokens == 0 {
+            return Err(RuntimeError::invalid("max_tokens must be at least 1"));
+        }
+        at_most(
+            "stop_sequences",
+            "sequences",
+            stop_sequences.len(),
+            MAX_STOP_SEQUENCES,
+        )?;
+        if let Some(longest) = stop_sequences
+            .iter()
+            .map(Vec::len)
+            .find(|&n| n > MAX_STOP_SEQUENCE_TOKENS)
+        {
+            at_most(
+                "a stop sequence",
+                "token ids",
+                longest,
+                MAX_STOP_SEQUENCE_TOKENS,
+            )?;
+        }
+        if let Some(bad) = stop_sequences
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(RuntimeError::invalid(format!(
+                "stop sequence token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if stop_sequences.iter().any(|s| s.is_empty()) {
+            return Err(RuntimeError::invalid("stop sequences must not be empty"));
+        }
+        sampling.validate(vocab)
+    }
+
+    /// [`GenerateRequest::check_arguments`] of this request.
+    pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
+        Self::check_arguments(self.max_tokens, &self.sampling, &self.stop_sequences, vocab)
+    }
 }
 
 /// Why a generation ended.

@@ -4,6 +4,8 @@
 
 use thiserror::Error;
 
+use super::params::MIN_TEMPERATURE;
+
 /// Why a token could not be sampled.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum SamplerError {
@@ -13,8 +15,12 @@ pub enum SamplerError {
     /// The vocabulary has more entries than a `u32` token id can name.
     #[error("vocabulary of {vocab_size} entries is too large: token ids are u32")]
     VocabTooLarge { vocab_size: usize },
-    /// Temperature is negative, NaN or infinite (0 means greedy).
-    #[error("temperature {value} is invalid: it must be finite and >= 0 (0 means greedy)")]
+    /// Temperature is negative, NaN, infinite, or above 0 but below
+    /// [`MIN_TEMPERATURE`] (0 means greedy).
+    #[error(
+        "temperature {value} is invalid: it must be 0 (greedy) or finite and at least {min}",
+        min = MIN_TEMPERATURE
+    )]
     InvalidTemperature { value: f32 },
     /// `top_p` is outside (0, 1] (1 turns the filter off).
     #[error("top_p {value} is invalid: it must lie in (0, 1] (1 turns it off)")]

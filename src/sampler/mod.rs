@@ -98,7 +98,7 @@ use std::cmp::Ordering;
 pub use backend::{SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
 
 pub use error::SamplerError;
-pub use params::SamplingParams;
+pub use params::{SamplingParams, MIN_TEMPERATURE};
 
 /// Ids per block in the blocked sums (softmax normaliser, top-p total, draw).
 /// A GPU sampler uses the same constant as its per-thread chunk length.

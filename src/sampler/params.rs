@@ -3,11 +3,20 @@
 
 use super::SamplerError;
 
+/// The smallest temperature other than 0 (greedy). Below it `1 / T` leaves
+/// the useful range of f32: at `1e-45` it is +inf and the top token's
+/// weight `(x - m) * (1 / T)` is `0 * inf` = NaN, so nothing could be
+/// chosen. Any temperature this small samples the argmax (or ties) anyway,
+/// so a client wanting that asks for 0; both samplers (CPU and WGSL) only
+/// ever see `1 / T <= 1e5`.
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
 /// How to turn logits into a token. Every knob has an "off" value (given in
 /// its doc); [`SamplingParams::greedy`] has them all off.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; `0` means greedy (argmax). Must be finite, `>= 0`.
+    /// Softmax temperature; `0` means greedy (argmax). Otherwise finite and
+    /// at least [`MIN_TEMPERATURE`].
     pub temperature: f32,
     /// Keep only the `top_k` highest logits; `0` = off.
     pub top_k: u32,
@@ -85,7 +94,8 @@ impl SamplingParams {
             return Err(SamplerError::VocabTooLarge { vocab_size });
         }
         // Written as negated comparisons so NaN fails each check.
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+        let t = self.temperature;
+        if !(t == 0.0 || (t >= MIN_TEMPERATURE && t.is_finite())) {
             return Err(SamplerError::InvalidTemperature {
                 value: self.temperature,
             });
@@ -165,6 +175,29 @@ mod tests {
     }
 
     #[test]
+    fn the_smallest_temperature_samples_without_overflow() {
+        let params = with(|p| p.temperature = MIN_TEMPERATURE);
+        assert_eq!(params.validate(4), Ok(()));
+        assert!(params.inverse_temperature().is_finite());
+        assert_eq!(with(|p| p.temperature = -0.0).validate(4), Ok(()));
+        // Logit gaps from tiny to huge: the top token still wins, no NaN.
+        let logits = [3.0e4, -1.0e30, 3.0e4 - 1.0e-3, 1.0];
+        let mut sampler = super::super::Sampler::new();
+        for position in 0..16 {
+            let token = sampler
+                .sample(&logits, &params, &[], position)
+                .expect("a token");
+            assert!(token == 0 || token == 2, "{token}");
+        }
+    }
+
+    #[test]
+    fn a_too_small_temperature_names_the_bound() {
+        let message = SamplerError::InvalidTemperature { value: 1e-45 }.to_string();
+        assert!(message.contains("0.00001"), "{message}");
+    }
+
+    #[test]
     fn bad_vocab_sizes_are_rejected() {
         assert_eq!(
             SamplingParams::greedy().validate(0),
@@ -183,6 +216,16 @@ mod tests {
                 with(|p| p.temperature = f32::INFINITY),
                 SamplerError::InvalidTemperature {
                     value: f32::INFINITY,
+                },
+            ),
+            (
+                with(|p| p.temperature = 1e-45),
+                SamplerError::InvalidTemperature { value: 1e-45 },
+            ),
+            (
+                with(|p| p.temperature = MIN_TEMPERATURE * 0.99),
+                SamplerError::InvalidTemperature {
+                    value: MIN_TEMPERATURE * 0.99,
                 },
             ),
             (

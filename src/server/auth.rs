@@ -1,6 +1,7 @@
 //! Who may call: the listen-address policy (loopback unless the operator
-//! configured a token or said out loud that the server is open) and the
-//! bearer-token check run on every call before its handler.
+//! configured a token or said out loud that the server is open), the
+//! bearer-token check run on every call before its handler, and the same
+//! check for the metrics endpoint's scrapes.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -73,6 +74,13 @@ impl ServerChecker for BearerAuth {
     }
 }
 
+/// The metrics endpoint's check of a scrape's `Authorization` header: the
+/// same token, compared the same way, as on every gRPC call.
+pub fn http_bearer_check(token: &str) -> crate::metrics::Authorize {
+    let expected: Arc<[u8]> = format!("Bearer {token}").into_bytes().into();
+    Arc::new(move |value: Option<&[u8]>| value.is_some_and(|v| constant_time_eq(v, &expected)))
+}
+
 /// Compares without an early exit, so the time taken says nothing about how
 /// much of a guessed token was right.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -105,6 +113,15 @@ mod tests {
         ] {
             assert!(!is_loopback(addr), "{addr}");
         }
+    }
+
+    #[test]
+    fn the_http_check_wants_the_whole_bearer_header() {
+        let check = http_bearer_check("abc");
+        assert!(check(Some(b"Bearer abc")));
+        assert!(!check(Some(b"Bearer abd")));
+        assert!(!check(Some(b"abc")));
+        assert!(!check(None));
     }
 
     #[test]

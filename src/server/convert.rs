@@ -7,8 +7,8 @@ use grpcio::{RpcStatus, RpcStatusCode};
 
 use crate::proto::kakeya_v1::runtime as pb;
 use crate::runtime::{
-    CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError, SamplingOptions,
-    SessionId, SessionInfo, StatusKind, StopReason,
+    AppendTokens, CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError,
+    SamplingOptions, SessionId, SessionInfo, StatusKind, StopReason,
 };
 use crate::sampler::TokenLogprobs;
 
@@ -28,43 +28,48 @@ pub fn status_of(err: &RuntimeError) -> RpcStatus {
     RpcStatus::with_message(code, err.to_string())
 }
 
-/// A session id from the wire: 32 lowercase hex digits, else INVALID_ARGUMENT.
+/// A session id from the wire. Text that is not 32 lowercase hex digits
+/// (the empty string included) is an id the server never issued:
+/// NOT_FOUND, like an unknown, closed or evicted one (CONTRACT §2.4).
 pub fn session_id(text: &str) -> Result<SessionId, RuntimeError> {
     SessionId::parse(text)
 }
 
-pub fn create_request(req: &pb::CreateSessionRequest) -> CreateSession {
-    CreateSession {
-        client_label: req.get_client_label().to_owned(),
-        eos_token_ids: req.get_eos_token_ids().to_vec(),
-    }
+/// A CreateSession request, checked against the bounds of what a session
+/// keeps for its life (`runtime::limits`).
+pub fn create_request(req: &mut pb::CreateSessionRequest) -> Result<CreateSession, RuntimeError> {
+    let request = CreateSession {
+        client_label: req.take_client_label(),
+        eos_token_ids: req.take_eos_token_ids(),
+    };
+    request.validate()?;
+    Ok(request)
 }
 
-/// Checks the arguments of a Generate that need no session state (the
-/// runtime checks the rest, such as an empty history or the vocabulary).
-pub fn generate_request(req: &pb::GenerateRequest) -> Result<GenerateRequest, RuntimeError> {
+/// An AppendTokens request: its token ids are checked against the
+/// vocabulary first (a bad one is INVALID_ARGUMENT whatever the id), then
+/// the id (NOT_FOUND for any form the server does not hold).
+pub fn append_request(
+    req: &mut pb::AppendTokensRequest,
+    vocab: usize,
+) -> Result<AppendTokens, RuntimeError> {
+    AppendTokens::check_tokens(req.get_token_ids(), vocab)?;
     let id = session_id(req.get_session_id())?;
-    if req.get_max_tokens() == 0 {
-        return Err(RuntimeError::InvalidArgument(
-            "max_tokens must be at least 1".into(),
-        ));
-    }
-    if req.has_temperature() {
-        let t = req.get_temperature();
-        if t.is_nan() || t < 0.0 || t.is_infinite() {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "temperature must be a finite number >= 0, got {t}"
-            )));
-        }
-    }
-    if req.has_top_p() {
-        let p = req.get_top_p();
-        if p.is_nan() || p <= 0.0 || p > 1.0 {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "top_p must be in (0, 1], got {p}"
-            )));
-        }
-    }
+    Ok(AppendTokens {
+        id,
+        tokens: req.take_token_ids(),
+    })
+}
+
+/// A Generate request. Every argument that needs no session state is
+/// checked first, against a vocabulary of `vocab` tokens (a bad one is
+/// INVALID_ARGUMENT whatever the id, and nothing changes), then the id
+/// (NOT_FOUND for any form the server does not hold); the worker checks
+/// the rest, such as an empty history.
+pub fn generate_request(
+    req: &pb::GenerateRequest,
+    vocab: usize,
+) -> Result<GenerateRequest, RuntimeError> {
     let opt_f32 = |has: bool, v: f32| has.then_some(v);
     let sampling = SamplingOptions {
         temperature: opt_f32(req.has_temperature(), req.get_temperature()),
@@ -82,18 +87,19 @@ pub fn generate_request(req: &pb::GenerateRequest) -> Result<GenerateRequest, Ru
             .map(|b| (b.get_token_id(), b.get_bias()))
             .collect(),
         seed: req.has_seed().then_some(req.get_seed()),
-        // Checked against the limit with the other sampling options.
         top_logprobs: req.get_top_logprobs(),
     };
+    let stop_sequences: Vec<Vec<u32>> = req
+        .get_stop_sequences()
+        .iter()
+        .map(|s| s.get_token_ids().to_vec())
+        .collect();
+    GenerateRequest::check_arguments(req.get_max_tokens(), &sampling, &stop_sequences, vocab)?;
     Ok(GenerateRequest {
-        id,
+        id: session_id(req.get_session_id())?,
         max_tokens: req.get_max_tokens(),
         sampling,
-        stop_sequences: req
-            .get_stop_sequences()
-            .iter()
-            .map(|s| s.get_token_ids().to_vec())
-            .collect(),
+        stop_sequences,
     })
 }
 
@@ -198,28 +204,73 @@ mod tests {
         req.set_session_id("0123456789abcdef0123456789abcdef".into());
         req.set_max_tokens(4);
         f(&mut req);
-        generate_request(&req)
+        generate_request(&req, 320)
+    }
+
+    fn code(got: &Result<GenerateRequest, RuntimeError>) -> Option<StatusKind> {
+        got.as_ref().map_err(RuntimeError::code).err()
     }
 
     #[test]
-    fn every_bad_generate_argument_is_invalid_argument() {
-        let bad: [fn(&mut pb::GenerateRequest); 7] = [
+    fn every_bad_generate_argument_is_invalid_argument_whatever_the_id() {
+        let bad: [fn(&mut pb::GenerateRequest); 8] = [
             |r| r.set_max_tokens(0),
             |r| r.set_temperature(-0.5),
             |r| r.set_temperature(f32::NAN),
             |r| r.set_top_p(0.0),
             |r| r.set_top_p(1.5),
-            |r| r.set_session_id("not-an-id".into()),
-            |r| r.set_session_id(String::new()),
+            |r| r.set_top_logprobs(21),
+            |r| r.mut_stop_sequences().push(pb::StopSequence::new()),
+            |r| {
+                let mut bias = pb::LogitBias::new();
+                bias.set_token_id(320);
+                r.mut_logit_bias().push(bias);
+            },
         ];
         for (i, f) in bad.iter().enumerate() {
-            let got = generate(f);
-            assert_eq!(
-                got.as_ref().map_err(RuntimeError::code).err(),
-                Some(StatusKind::InvalidArgument),
-                "case {i}: {got:?}"
-            );
+            for id in [
+                "0123456789abcdef0123456789abcdef",
+                "sess-does-not-exist",
+                "",
+            ] {
+                let got = generate(|r| {
+                    f(r);
+                    r.set_session_id(id.into());
+                });
+                assert_eq!(
+                    code(&got),
+                    Some(StatusKind::InvalidArgument),
+                    "case {i}, id {id:?}: {got:?}"
+                );
+            }
         }
+    }
+
+    #[test]
+    fn a_valid_generate_with_an_id_of_any_other_form_is_not_found() {
+        for id in [
+            "sess-does-not-exist",
+            "",
+            "0123456789ABCDEF0123456789abcdef",
+        ] {
+            let got = generate(|r| r.set_session_id(id.into()));
+            assert_eq!(code(&got), Some(StatusKind::NotFound), "{id:?}: {got:?}");
+        }
+    }
+
+    #[test]
+    fn append_checks_its_tokens_before_its_id() {
+        let mut req = pb::AppendTokensRequest::new();
+        req.set_session_id("sess-does-not-exist".into());
+        req.set_token_ids(vec![1, 320]);
+        let got = append_request(&mut req, 320).map_err(|e| e.code());
+        assert_eq!(got.err(), Some(StatusKind::InvalidArgument));
+        req.set_token_ids(vec![1, 319]);
+        let got = append_request(&mut req, 320).map_err(|e| e.code());
+        assert_eq!(got.err(), Some(StatusKind::NotFound));
+        req.set_session_id("0123456789abcdef0123456789abcdef".into());
+        let got = append_request(&mut req, 320).expect("valid");
+        assert_eq!(got.tokens, vec![1, 319]);
     }
 
     #[test]

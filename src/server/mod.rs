@@ -14,6 +14,7 @@ mod deadline;
 mod health;
 mod service;
 mod stats;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,7 +30,6 @@ use crate::metrics::{self, MetricsEndpoint, RenderFn, RequestCount, ServerNumber
 use crate::model::Model;
 use crate::proto::grpc_health_v1::health::HealthCheckResponse_ServingStatus as ServingStatus;
 use crate::proto::grpc_health_v1::health_grpc::create_health;
-use crate::proto::kakeya_v1::runtime_grpc::create_runtime_service;
 use crate::runtime::{
     AppendTokens, CreateSession, Runtime, RuntimeConfig, RuntimeError, RuntimeStats,
 };
@@ -66,7 +66,10 @@ pub struct ServeConfig {
     pub tls: Option<TlsIdentity>,
     /// gRPC completion-queue threads (decode and hand over only).
     pub completion_queues: usize,
-    /// Serve Prometheus metrics at `http://ADDR/metrics` (port 0: any free port).
+    /// Serve Prometheus metrics at `http://ADDR/metrics` (port 0: any free
+    /// port). Off loopback it needs `auth_token` (then every scrape must send
+    /// it as `Authorization: Bearer <token>`) or `allow_unauthenticated`,
+    /// exactly as `listen` does.
     pub metrics_listen: Option<String>,
 }
 
@@ -84,15 +87,22 @@ impl ServeConfig {
         }
     }
 
-    /// Refuses an open non-loopback server and an empty token.
+    /// Refuses an open non-loopback server or metrics endpoint, and an
+    /// empty token.
     pub fn check_security(&self) -> Result<(), ServeError> {
         if let Some(token) = &self.auth_token {
             if token.trim().is_empty() {
                 return Err(ServeError::EmptyToken);
             }
         }
-        if self.auth_token.is_none() && !self.allow_unauthenticated && !is_loopback(&self.listen) {
+        let open = self.auth_token.is_none() && !self.allow_unauthenticated;
+        if open && !is_loopback(&self.listen) {
             return Err(ServeError::OpenListen(self.listen.clone()));
+        }
+        if let Some(metrics) = &self.metrics_listen {
+            if open && !is_loopback(metrics) {
+                return Err(ServeError::OpenMetricsListen(metrics.clone()));
+            }
         }
         Ok(())
     }
@@ -113,6 +123,14 @@ pub enum ServeError {
          give --auth-token-file, or --allow-unauthenticated to accept an open server"
     )]
     OpenListen(String),
+    /// A non-loopback metrics address without a token or the explicit
+    /// opt-out.
+    #[error(
+        "refusing to serve metrics on {0} without an access token: it is not a loopback \
+         address; give --auth-token-file (every scrape then sends `Authorization: Bearer \
+         <token>`), or --allow-unauthenticated to accept open metrics"
+    )]
+    OpenMetricsListen(String),
     /// The token file held nothing but whitespace.
     #[error("the access token is empty")]
     EmptyToken,
@@ -178,7 +196,7 @@ impl Server {
                 .build(),
         );
         let mut builder = grpcio::ServerBuilder::new(env)
-            .register_service(create_runtime_service(RuntimeServiceImpl {
+            .register_service(service::runtime_service(RuntimeServiceImpl {
                 shared: Arc::clone(&shared),
             }))
             .register_service(create_health(health::HealthService {
@@ -207,8 +225,14 @@ impl Server {
         warm_up(&shared.runtime, warmup_token).map_err(ServeError::Warmup)?;
         let metrics = match &cfg.metrics_listen {
             Some(listen) => Some(
-                MetricsEndpoint::bind(listen, metrics_renderer(&shared, &health))
-                    .map_err(ServeError::Metrics)?,
+                MetricsEndpoint::bind(
+                    listen,
+                    metrics_renderer(&shared, &health),
+                    cfg.auth_token
+                        .as_deref()
+                        .map(|token| auth::http_bearer_check(token.trim())),
+                )
+                .map_err(ServeError::Metrics)?,
             ),
             None => None,
         };

@@ -1,5 +1,6 @@
 //! `kakeya.v1.RuntimeService` on grpcio: each handler decodes and validates
-//! on the completion-queue thread, hands the work to the owning worker
+//! on the completion-queue thread (a body that does not parse is
+//! INVALID_ARGUMENT, see `wire`), hands the work to the owning worker
 //! through the runtime's bounded channels, and spawns a small future that
 //! forwards the reply. No handler ever blocks a completion-queue thread: the
 //! futures are woken by the worker's send (see `runtime::notify`).
@@ -17,9 +18,9 @@ use grpcio::{RpcContext, ServerStreamingSink, UnarySink, WriteFlags};
 use super::convert::{self, status_of};
 use super::deadline::call_deadline;
 use super::stats::{Method, ServerStats};
+use super::wire::{self, Incoming};
 use crate::proto::kakeya_v1::runtime as pb;
-use crate::proto::kakeya_v1::runtime_grpc::RuntimeService;
-use crate::runtime::{AppendTokens, GenerateEvent, Pending, Runtime, RuntimeError};
+use crate::runtime::{GenerateEvent, Pending, Runtime, RuntimeError};
 
 /// What every handler shares: the runtime and the numbers it reports.
 pub(crate) struct Shared {
@@ -87,17 +88,49 @@ fn log_failure(method: Method, err: &RuntimeError) {
     }
 }
 
-impl RuntimeService for RuntimeServiceImpl {
+/// The grpcio service: every RuntimeService method with its handler, each
+/// decoding leniently (`wire`), so a body that does not parse reaches the
+/// handler and is answered INVALID_ARGUMENT.
+pub(crate) fn runtime_service(service: RuntimeServiceImpl) -> grpcio::Service {
+    let (mut create, mut append, mut generate, mut close, mut info) = (
+        service.clone(),
+        service.clone(),
+        service.clone(),
+        service.clone(),
+        service,
+    );
+    grpcio::ServiceBuilder::new()
+        .add_unary_handler(&wire::CREATE_SESSION, move |ctx, req, sink| {
+            create.create_session(ctx, req, sink)
+        })
+        .add_unary_handler(&wire::APPEND_TOKENS, move |ctx, req, sink| {
+            append.append_tokens(ctx, req, sink)
+        })
+        .add_server_streaming_handler(&wire::GENERATE, move |ctx, req, sink| {
+            generate.generate(ctx, req, sink)
+        })
+        .add_unary_handler(&wire::CLOSE_SESSION, move |ctx, req, sink| {
+            close.close_session(ctx, req, sink)
+        })
+        .add_unary_handler(&wire::GET_SESSION_INFO, move |ctx, req, sink| {
+            info.get_session_info(ctx, req, sink)
+        })
+        .build()
+}
+
+impl RuntimeServiceImpl {
     fn create_session(
         &mut self,
         ctx: RpcContext,
-        req: pb::CreateSessionRequest,
+        req: Incoming<pb::CreateSessionRequest>,
         sink: UnarySink<pb::CreateSessionResponse>,
     ) {
         let shared = &self.shared;
-        let started = shared
-            .runtime
-            .create_session(convert::create_request(&req), call_deadline(ctx.deadline()));
+        let deadline = call_deadline(ctx.deadline());
+        let started = req
+            .message()
+            .and_then(|mut req| convert::create_request(&mut req))
+            .and_then(|request| shared.runtime.create_session(request, deadline));
         let (vocab, context, workers) = (shared.vocab, shared.context, shared.runtime.workers());
         self.reply(&ctx, sink, Method::CreateSession, started, move |id| {
             let worker = id.shard(workers) as u32;
@@ -113,16 +146,14 @@ impl RuntimeService for RuntimeServiceImpl {
     fn append_tokens(
         &mut self,
         ctx: RpcContext,
-        mut req: pb::AppendTokensRequest,
+        req: Incoming<pb::AppendTokensRequest>,
         sink: UnarySink<pb::AppendTokensResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = convert::session_id(req.get_session_id()).and_then(|id| {
-            let tokens = req.take_token_ids();
-            self.shared
-                .runtime
-                .append_tokens(AppendTokens { id, tokens }, deadline)
-        });
+        let started = req
+            .message()
+            .and_then(|mut req| convert::append_request(&mut req, self.shared.vocab as usize))
+            .and_then(|request| self.shared.runtime.append_tokens(request, deadline));
         self.reply(&ctx, sink, Method::AppendTokens, started, |reply| {
             let mut msg = pb::AppendTokensResponse::new();
             msg.set_history_length(reply.history_length);
@@ -134,11 +165,13 @@ impl RuntimeService for RuntimeServiceImpl {
     fn generate(
         &mut self,
         ctx: RpcContext,
-        req: pb::GenerateRequest,
+        req: Incoming<pb::GenerateRequest>,
         sink: ServerStreamingSink<pb::GenerateResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = convert::generate_request(&req)
+        let started = req
+            .message()
+            .and_then(|req| convert::generate_request(&req, self.shared.vocab as usize))
             .and_then(|request| self.shared.runtime.generate(request, deadline));
         let stats = Arc::clone(&self.shared.stats);
         ctx.spawn(stream_generate(started, sink, stats));
@@ -147,12 +180,14 @@ impl RuntimeService for RuntimeServiceImpl {
     fn close_session(
         &mut self,
         ctx: RpcContext,
-        req: pb::CloseSessionRequest,
+        req: Incoming<pb::CloseSessionRequest>,
         sink: UnarySink<pb::CloseSessionResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let id = convert::session_id(req.get_session_id());
-        let started = id.and_then(|id| self.shared.runtime.close_session(id, deadline));
+        let started = req
+            .message()
+            .and_then(|req| convert::session_id(req.get_session_id()))
+            .and_then(|id| self.shared.runtime.close_session(id, deadline));
         self.reply(&ctx, sink, Method::CloseSession, started, move |reply| {
             let mut msg = pb::CloseSessionResponse::new();
             msg.set_final_history_length(reply.final_history_length);
@@ -163,19 +198,21 @@ impl RuntimeService for RuntimeServiceImpl {
     fn get_session_info(
         &mut self,
         ctx: RpcContext,
-        req: pb::GetSessionInfoRequest,
+        req: Incoming<pb::GetSessionInfoRequest>,
         sink: UnarySink<pb::GetSessionInfoResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let id = convert::session_id(req.get_session_id());
         let workers = self.shared.runtime.workers();
         let page_bytes = self.shared.page_bytes;
-        let started = id.and_then(|id| {
-            self.shared
-                .runtime
-                .session_info(id, deadline)
-                .map(|pending| (id, pending))
-        });
+        let started = req
+            .message()
+            .and_then(|req| convert::session_id(req.get_session_id()))
+            .and_then(|id| {
+                self.shared
+                    .runtime
+                    .session_info(id, deadline)
+                    .map(|pending| (id, pending))
+            });
         let (worker, started) = match started {
             Ok((id, pending)) => (id.shard(workers) as u32, Ok(pending)),
             Err(e) => (0, Err(e)),

@@ -280,12 +280,21 @@ def check_invalid_arguments(c):
     )
     print("ok   rejected AppendTokens left the history as it was")
 
-    for bad in ["", "not-a-session-id", sid.upper() + "00", "z" * len(sid)]:
-        expect_status(code, f"GetSessionInfo id {bad!r}", lambda bad=bad: c.info(bad))
-        expect_status(code, f"AppendTokens id {bad!r}", lambda bad=bad: c.append(bad, [1]))
-        expect_status(code, f"CloseSession id {bad!r}", lambda bad=bad: c.close(bad))
+    # An id the server does not hold is NOT_FOUND whatever its form: the
+    # published SDKs' own integration tests send `sess-does-not-exist`.
+    missing = grpc.StatusCode.NOT_FOUND
+    for bad in ["sess-does-not-exist", "", sid.upper(), sid + "00", "z" * len(sid)]:
+        expect_status(missing, f"GetSessionInfo id {bad!r}", lambda bad=bad: c.info(bad))
+        expect_status(missing, f"AppendTokens id {bad!r}", lambda bad=bad: c.append(bad, [1]))
+        expect_status(missing, f"CloseSession id {bad!r}", lambda bad=bad: c.close(bad))
         expect_status(
-            code, f"Generate id {bad!r}", lambda bad=bad: c.generate(bad, max_tokens=1)
+            missing, f"Generate id {bad!r}", lambda bad=bad: c.generate(bad, max_tokens=1)
+        )
+        # A bad argument is INVALID_ARGUMENT whatever the id.
+        expect_status(
+            code,
+            f"Generate max_tokens 0, id {bad!r}",
+            lambda bad=bad: c.generate(bad, max_tokens=0),
         )
 
     expect_status(code, "max_tokens 0", lambda: c.generate(sid, max_tokens=0))
@@ -297,6 +306,66 @@ def check_invalid_arguments(c):
     expect_status(code, "top_p 1.5", lambda: c.generate(sid, max_tokens=1, top_p=1.5))
     length = c.info(sid).history_length
     check(length == len(PROMPT), f"a rejected Generate changed the history: {length}")
+    c.close(sid)
+
+
+def check_unparsable_bodies(channel):
+    """Request bytes that are not a valid message, sent by the stock client
+    as they are (no serializer): INVALID_ARGUMENT on every method, never
+    INTERNAL, and the server goes on."""
+    bodies = {
+        "garbage (field number 0)": b"\x00\x01\x02\x03",
+        "a truncated varint": b"\x10\x80",
+        "field 1 as a fixed32": b"\x0d\x00\x00\x00\x00",
+        "field 1 not UTF-8": b"\x0a\x02\xff\xfe",
+    }
+    methods = [
+        ("CreateSession", False),
+        ("AppendTokens", False),
+        ("Generate", True),
+        ("CloseSession", False),
+        ("GetSessionInfo", False),
+    ]
+    for method, streaming in methods:
+        path = f"/kakeya.v1.RuntimeService/{method}"
+        call = channel.unary_stream(path) if streaming else channel.unary_unary(path)
+        for what, body in bodies.items():
+
+            def send(call=call, body=body, streaming=streaming):
+                reply = call(body, timeout=CALL_TIMEOUT)
+                if streaming:
+                    list(reply)
+
+            expect_status(grpc.StatusCode.INVALID_ARGUMENT, f"{method} with {what}", send)
+
+
+def check_bounds(c):
+    """Fields over their documented bounds: INVALID_ARGUMENT, nothing kept."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    expect_status(code, "a client_label of 257 bytes", lambda: c.create(label="x" * 257))
+    expect_status(code, "65 eos_token_ids", lambda: c.create(eos=range(65)))
+    sid = c.create(label="y" * 256, eos=range(64)).session_id
+    expect_status(
+        code, "65537 token ids in one AppendTokens", lambda: c.append(sid, [1] * 65537)
+    )
+    c.append(sid, PROMPT)
+    one = c.pb.StopSequence(token_ids=[1])
+    expect_status(
+        code,
+        "17 stop sequences",
+        lambda: c.generate(sid, max_tokens=1, stop_sequences=[one] * 17),
+    )
+    bias = c.pb.LogitBias(token_id=1, bias=0.5)
+    expect_status(
+        code,
+        "1025 logit_bias entries",
+        lambda: c.generate(sid, max_tokens=1, logit_bias=[bias] * 1025),
+    )
+    expect_status(
+        code, "temperature 1e-45", lambda: c.generate(sid, max_tokens=1, temperature=1e-45)
+    )
+    length = c.info(sid).history_length
+    check(length == len(PROMPT), f"a refused call changed the history: {length}")
     c.close(sid)
 
 
@@ -469,6 +538,8 @@ def main():
             greedy = check_lifecycle(c)
             check_eos(c, greedy)
             check_invalid_arguments(c)
+            check_unparsable_bodies(channel)
+            check_bounds(c)
             check_resource_exhausted(c, args.max_sessions, args.eviction)
             check_deadline(c)
             check_cancellation(c)

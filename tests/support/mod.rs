@@ -118,6 +118,11 @@ impl Inferd {
             .expect("ADDR:PORT")
     }
 
+    /// The process id (0 once killed).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     /// SIGKILL: no goodbye to anyone.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -1,14 +1,18 @@
 //! Prometheus metrics: renders a [`RuntimeStats`] snapshot plus a few
 //! server-level numbers in the Prometheus text exposition format (version
 //! 0.0.4), every name prefixed `inferd_` (CONTRACT §2.9), and serves it as
-//! `GET /metrics` on its own HTTP thread.
+//! `GET /metrics` ([`http`]: one thread, a bounded number of connections,
+//! a deadline on each, and the server's bearer token when it has one).
+
+mod http;
 
 use std::fmt::{Display, Write as _};
-use std::io;
-use std::net::SocketAddr;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::thread::JoinHandle;
+
+pub use http::{
+    Authorize, MetricsEndpoint, LINGER, MAX_CONNECTIONS, MAX_HEAD_BYTES, REQUEST_TIMEOUT,
+    RESPONSE_TIMEOUT,
+};
 
 use crate::runtime::RuntimeStats;
 
@@ -365,98 +369,13 @@ fn render_workers(e: &mut Exposition, stats: &RuntimeStats) {
 /// What the endpoint calls for each scrape.
 pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
 
-/// `GET /metrics` over HTTP on its own thread; stopped and joined on drop.
-pub struct MetricsEndpoint {
-    server: Arc<tiny_http::Server>,
-    addr: SocketAddr,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl MetricsEndpoint {
-    /// Binds `addr` (port 0 picks a free one) and starts serving.
-    pub fn bind(addr: &str, render: RenderFn) -> Result<MetricsEndpoint, io::Error> {
-        let server = tiny_http::Server::http(addr).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::AddrNotAvailable,
-                format!("cannot serve metrics on {addr}: {e}"),
-            )
-        })?;
-        let addr = server.server_addr().to_ip().ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("metrics address {addr} is not an IP address"),
-            )
-        })?;
-        let server = Arc::new(server);
-        let serving = Arc::clone(&server);
-        let thread = std::thread::Builder::new()
-            .name("inferd-metrics".into())
-            .spawn(move || serve(&serving, &render))?;
-        Ok(MetricsEndpoint {
-            server,
-            addr,
-            thread: Some(thread),
-        })
-    }
-
-    /// The bound address (with the real port).
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsEndpoint {
-    fn drop(&mut self) {
-        // Queued behind any request already accepted, so the thread's
-        // `recv` returns it even if it was not yet waiting.
-        self.server.unblock();
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                tracing::error!("the metrics thread panicked");
-            }
-        }
-    }
-}
-
-fn serve(server: &tiny_http::Server, render: &RenderFn) {
-    // `recv` fails only when unblocked by the drop.
-    while let Ok(request) = server.recv() {
-        let path = request.url().split('?').next().unwrap_or_default();
-        let response = if path != "/metrics" {
-            tiny_http::Response::from_string("not found\n").with_status_code(404)
-        } else if *request.method() != tiny_http::Method::Get {
-            tiny_http::Response::from_string("only GET\n").with_status_code(405)
-        } else {
-            match std::panic::catch_unwind(AssertUnwindSafe(|| render())) {
-                Ok(body) => {
-                    let response = tiny_http::Response::from_string(body);
-                    match tiny_http::Header::from_bytes(
-                        &b"Content-Type"[..],
-                        &b"text/plain; version=0.0.4; charset=utf-8"[..],
-                    ) {
-                        Ok(header) => response.with_header(header),
-                        Err(()) => response,
-                    }
-                }
-                Err(_) => {
-                    tracing::error!("rendering metrics panicked");
-                    tiny_http::Response::from_string("internal error\n").with_status_code(500)
-                }
-            }
-        };
-        if let Err(e) = request.respond(response) {
-            tracing::debug!("metrics client went away: {e}");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::runtime::{HistogramSnapshot, WorkerStats, PREFILL_BUCKETS};
     use std::collections::{HashMap, HashSet};
     use std::io::{Read, Write};
-    use std::net::TcpStream;
+    use std::net::{SocketAddr, TcpStream};
 
     fn stats() -> RuntimeStats {
         let mut counts = vec![0; PREFILL_BUCKETS.len() + 1];
@@ -762,8 +681,8 @@ mod tests {
     fn the_endpoint_serves_metrics_over_http_and_404_elsewhere() {
         let text = render(&stats(), &server());
         let expected = text.clone();
-        let endpoint =
-            MetricsEndpoint::bind("127.0.0.1:0", Arc::new(move || text.clone())).expect("binds");
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0", Arc::new(move || text.clone()), None)
+            .expect("binds");
         assert_ne!(endpoint.addr().port(), 0);
         let (head, body) = get(endpoint.addr(), "/metrics");
         assert!(
@@ -780,7 +699,7 @@ mod tests {
         assert!(head.contains(" 404"), "{head}");
         let addr = endpoint.addr();
         drop(endpoint);
-        // The listener closes once tiny_http's accept thread has seen the drop.
+        // The drop joins the serving thread, which closes the listener.
         let closed = (0..200).any(|_| {
             std::thread::sleep(std::time::Duration::from_millis(10));
             TcpStream::connect(addr).is_err()
@@ -790,9 +709,10 @@ mod tests {
 
     #[test]
     fn a_taken_address_is_an_io_error() {
-        let first = MetricsEndpoint::bind("127.0.0.1:0", Arc::new(String::new)).expect("binds");
+        let first =
+            MetricsEndpoint::bind("127.0.0.1:0", Arc::new(String::new), None).expect("binds");
         let taken = first.addr().to_string();
-        let err = MetricsEndpoint::bind(&taken, Arc::new(String::new)).err();
+        let err = MetricsEndpoint::bind(&taken, Arc::new(String::new), None).err();
         assert!(err.is_some_and(|e| e.to_string().contains(&taken)));
     }
 }
