@@ -260,6 +260,12 @@ impl OutboundFrames {
         self.next_sequence
     }
 
+    /// Names `epochs` in the frames sealed from now on (a shard learns
+    /// them from a stream's first valid frame); the numbering goes on.
+    pub fn set_epochs(&mut self, epochs: Epochs) {
+        self.epochs = epochs;
+    }
+
     /// Fills in the header (epochs, the next sequence number, deadline,
     /// encoding, payload checksum) and serializes the frame.
     pub fn seal(

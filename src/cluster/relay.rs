@@ -14,21 +14,12 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::{SinkExt, StreamExt};
 use grpcio::{
-    CallOption, Client, DuplexSink, Environment, Method, MethodType, RequestStream, RpcContext,
-    RpcStatus, RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink,
-    WriteFlags,
+    CallOption, Client, DuplexSink, Environment, RequestStream, RpcContext, RpcStatus,
+    RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
 };
 use sha2::{Digest, Sha256};
 
-use super::raw::SESSION_RAW;
-
-/// `ShardRuntime/Handshake` with opaque messages.
-const HANDSHAKE_RAW: Method<Vec<u8>, Vec<u8>> = Method {
-    ty: MethodType::Unary,
-    name: "/inferd.shard.v1.ShardRuntime/Handshake",
-    req_mar: SESSION_RAW.req_mar,
-    resp_mar: SESSION_RAW.resp_mar,
-};
+use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
 
 /// Which way a message travelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

@@ -9,9 +9,17 @@
 //! coordinator that restarts (new epoch) sees none of its predecessor's
 //! sessions, and a shard that restarts has a new epoch, so frames meant for
 //! its predecessor are refused as stale.
+//!
+//! Each stream has two threads. A reader takes frames off the wire as they
+//! arrive and checks them at once (flow control included: a frame beyond
+//! the credit window is refused even while the shard is busy computing),
+//! handing the rest to the stream's compute thread through a bounded queue.
+//! The compute thread answers in arrival order.
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
@@ -30,12 +38,16 @@ use super::frame::{
 };
 use super::handshake::{agree, limits_to_wire, Agreed};
 use super::payload::{decode_rows, encode_rows, Encoding};
-use super::raw::SESSION_RAW;
+use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
 use crate::kv::{KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
 use crate::model::{LogitsWanted, Model, Scratch, Sequence};
 use crate::proto::inferd_shard_v1::shard_runtime as pb;
-use crate::proto::inferd_shard_v1::shard_runtime_grpc::METHOD_SHARD_RUNTIME_HANDSHAKE;
 use crate::threads::ThreadPool;
+
+/// Frames (beyond the credit window) a stream's reader may queue ahead of
+/// its compute: refusals and control frames. A full queue stops the reader,
+/// and HTTP/2 flow control then stops the peer.
+const QUEUE_SLACK: usize = 64;
 
 /// How a shard is sized and where it listens.
 #[derive(Clone, Debug)]
@@ -202,11 +214,9 @@ impl ShardServer {
         let session_shared = Arc::clone(&shared);
         let service = ServiceBuilder::new()
             .add_unary_handler(
-                &METHOD_SHARD_RUNTIME_HANDSHAKE,
-                move |ctx: RpcContext<'_>,
-                      req: pb::HandshakeRequest,
-                      sink: UnarySink<pb::HandshakeResponse>| {
-                    handshake(&handshake_shared, ctx, req, sink)
+                &HANDSHAKE_RAW,
+                move |ctx: RpcContext<'_>, req: Vec<u8>, sink: UnarySink<Vec<u8>>| {
+                    handshake(&handshake_shared, ctx, &req, sink)
                 },
             )
             .add_duplex_streaming_handler(
@@ -244,7 +254,7 @@ impl ShardServer {
                     }
                     // Compute blocks; the completion queue must not. The
                     // sink is handed over only once the thread exists.
-                    let (hand, take) = std::sync::mpsc::sync_channel(1);
+                    let (hand, take) = sync_channel(1);
                     let thread_shared = Arc::clone(&shared);
                     let spawned = std::thread::Builder::new()
                         .name("inferd-shard-stream".into())
@@ -252,7 +262,7 @@ impl ShardServer {
                             // Frees the slot however the thread ends.
                             let _slot = StreamSlot(Arc::clone(&thread_shared));
                             if let Ok((stream, sink)) = take.recv() {
-                                serve_stream(&thread_shared, stream, sink);
+                                serve_stream(thread_shared, stream, sink);
                             }
                         });
                     match spawned {
@@ -324,12 +334,31 @@ impl ShardServer {
     }
 }
 
-fn handshake(
-    shared: &Shared,
-    ctx: RpcContext<'_>,
-    req: pb::HandshakeRequest,
-    sink: UnarySink<pb::HandshakeResponse>,
-) {
+/// Answers a `Handshake` whose body is read here, so that a body that does
+/// not parse is the caller's error (INVALID_ARGUMENT), not grpcio's
+/// INTERNAL.
+fn handshake(shared: &Shared, ctx: RpcContext<'_>, body: &[u8], sink: UnarySink<Vec<u8>>) {
+    let fail = |ctx: RpcContext<'_>, sink: UnarySink<Vec<u8>>, code, message: String| {
+        tracing::warn!(%message, "handshake refused");
+        let status = RpcStatus::with_message(code, message);
+        ctx.spawn(async move {
+            let _ = sink.fail(status).await;
+        });
+    };
+    let req = match pb::HandshakeRequest::parse_from_bytes(body) {
+        Ok(req) => req,
+        Err(e) => {
+            return fail(
+                ctx,
+                sink,
+                RpcStatusCode::INVALID_ARGUMENT,
+                format!(
+                    "the request ({} bytes) is not a HandshakeRequest: {e}",
+                    body.len()
+                ),
+            )
+        }
+    };
     let result = agree(&req, &shared.fingerprint, &shared.limits, shared.epoch);
     match result {
         Ok(agreed) => {
@@ -348,6 +377,17 @@ fn handshake(
                 agreed.max_sessions,
                 &agreed.encodings,
             ));
+            let bytes = match response.write_to_bytes() {
+                Ok(bytes) => bytes,
+                Err(e) => {
+                    return fail(
+                        ctx,
+                        sink,
+                        RpcStatusCode::INTERNAL,
+                        format!("serializing the handshake response: {e}"),
+                    )
+                }
+            };
             let coordinator = agreed.epochs.coordinator;
             {
                 let mut all = lock(&shared.agreed);
@@ -367,27 +407,44 @@ fn handshake(
                 "handshake agreed"
             );
             ctx.spawn(async move {
-                let _ = sink.success(response).await;
+                let _ = sink.success(bytes).await;
             });
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "handshake refused");
-            let status = RpcStatus::with_message(RpcStatusCode::FAILED_PRECONDITION, e.to_string());
-            ctx.spawn(async move {
-                let _ = sink.fail(status).await;
-            });
-        }
+        Err(e) => fail(ctx, sink, RpcStatusCode::FAILED_PRECONDITION, e.to_string()),
     }
 }
 
-/// The epochs a stream's first frame names, read without trusting it.
-fn claimed_epochs(bytes: &[u8]) -> Option<Epochs> {
-    let frame = pb::Frame::parse_from_bytes(bytes).ok()?;
-    let header = frame.get_header();
-    Some(Epochs {
-        shard: header.get_shard_epoch(),
-        coordinator: header.get_coordinator_epoch(),
-    })
+/// The handshake a stream's first frame names. A frame too large or that
+/// does not parse is refused as such (`TooLarge`, `Malformed`); one naming
+/// no live handshake is stale, with the coordinator epoch it claimed.
+fn bind(shared: &Shared, bytes: &[u8]) -> Result<Agreed, (FrameError, u64)> {
+    let unbound = |kind, message: String| FrameError {
+        kind,
+        message,
+        sessions: Vec::new(),
+        sequence: None,
+    };
+    let max = shared.limits.get_max_frame_bytes() as usize;
+    if bytes.len() > max {
+        let message = format!("frame of {} bytes, limit {max}", bytes.len());
+        return Err((unbound(ErrorKind::TooLarge, message), 0));
+    }
+    let frame = pb::Frame::parse_from_bytes(bytes).map_err(|e| {
+        let message = format!("the stream's first frame is not a Frame: {e}");
+        (unbound(ErrorKind::Malformed, message), 0)
+    })?;
+    if !frame.has_header() {
+        let message = "the stream's first frame has no header".to_owned();
+        return Err((unbound(ErrorKind::Malformed, message), 0));
+    }
+    let coordinator = frame.get_header().get_coordinator_epoch();
+    lock(&shared.agreed)
+        .get(&coordinator)
+        .cloned()
+        .ok_or_else(|| {
+            let message = "no handshake with this coordinator epoch on this shard epoch".to_owned();
+            (unbound(ErrorKind::StaleEpoch, message), coordinator)
+        })
 }
 
 fn error_frame(error: &FrameError) -> pb::Frame {
@@ -444,114 +501,203 @@ impl Replies {
     }
 }
 
-/// Serves one Session stream until the coordinator closes it or the
-/// transport fails.
-fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: DuplexSink<Vec<u8>>) {
-    let mut replies: Option<Replies> = None;
-    let mut inbound: Option<(Inbound, Agreed)> = None;
-    let mut sink = Some(sink);
-    while let Some(next) = block_on(stream.next()) {
-        let bytes = match next {
-            Ok(bytes) => bytes,
-            Err(e) => {
+/// What a stream's reader hands its compute thread, in arrival order.
+enum Inbox {
+    /// The stream's first valid frame named this handshake.
+    Bound(Agreed),
+    /// A frame that passed every check.
+    Frame(Box<FrameCheck>),
+    /// A frame the checks refused; `claimed` is the coordinator epoch to
+    /// name in the answer while the stream is bound to no handshake.
+    Refused { error: FrameError, claimed: u64 },
+    /// No more frames. `lost`: the call was cancelled or broke (nothing can
+    /// be answered); otherwise the coordinator half-closed, or `retired`
+    /// says why the shard ends the stream, and the frames before are
+    /// answered first. The request stream rides along so that it lives
+    /// until the call's status is sent.
+    End {
+        stream: RequestStream<Vec<u8>>,
+        lost: bool,
+        retired: Option<FrameError>,
+    },
+}
+
+/// What both threads of a stream share.
+#[derive(Default)]
+struct StreamState {
+    /// The call was cancelled or broke: computing for it stops.
+    lost: AtomicBool,
+    /// Credits the compute thread granted that the reader has not yet
+    /// added to its checks.
+    granted: AtomicU32,
+}
+
+/// The reader: takes frames off the wire as they arrive and checks them,
+/// until the call ends or the compute thread is gone.
+fn read_frames(
+    shared: &Shared,
+    state: &StreamState,
+    mut stream: RequestStream<Vec<u8>>,
+    inbox: &SyncSender<Inbox>,
+) {
+    let mut bound: Option<(Inbound, u64)> = None;
+    loop {
+        let bytes = match block_on(stream.next()) {
+            Some(Ok(bytes)) => bytes,
+            Some(Err(e)) => {
                 tracing::warn!(error = %e, "session stream lost");
+                state.lost.store(true, Ordering::Release);
+                let end = Inbox::End {
+                    stream,
+                    lost: true,
+                    retired: None,
+                };
+                let _ = inbox.send(end);
+                return;
+            }
+            None => {
+                let end = Inbox::End {
+                    stream,
+                    lost: false,
+                    retired: None,
+                };
+                let _ = inbox.send(end);
                 return;
             }
         };
-        if inbound.is_none() {
-            // Bind the stream to the handshake its first frame names.
-            let claimed = claimed_epochs(&bytes);
-            let agreed = claimed.and_then(|c| lock(&shared.agreed).get(&c.coordinator).cloned());
-            let epochs = agreed.as_ref().map_or(
-                Epochs {
-                    shard: shared.epoch,
-                    coordinator: claimed.map_or(0, |c| c.coordinator),
-                },
-                |a| a.epochs,
-            );
-            if replies.is_none() {
-                if let Some(sink) = sink.take() {
-                    replies = Some(Replies::new(sink, epochs));
+        if bound.is_none() {
+            match bind(shared, &bytes) {
+                Ok(agreed) => {
+                    let checker = Inbound::to_shard(
+                        agreed.epochs,
+                        agreed.max_frame_bytes as usize,
+                        agreed.fingerprint.hidden_size as usize,
+                        agreed.encodings.clone(),
+                        agreed.credit_window,
+                    );
+                    bound = Some((checker, agreed.epochs.coordinator));
+                    if inbox.send(Inbox::Bound(agreed)).is_err() {
+                        return;
+                    }
                 }
-            }
-            match agreed {
-                Some(agreed) => {
-                    inbound = Some((
-                        Inbound::to_shard(
-                            agreed.epochs,
-                            agreed.max_frame_bytes as usize,
-                            agreed.fingerprint.hidden_size as usize,
-                            agreed.encodings.clone(),
-                            agreed.credit_window,
-                        ),
-                        agreed,
-                    ));
-                }
-                None => {
-                    let error = FrameError {
-                        kind: ErrorKind::StaleEpoch,
-                        message: "no handshake with this coordinator epoch on this shard epoch"
-                            .into(),
-                        sessions: Vec::new(),
-                        sequence: None,
-                    };
-                    if let Some(r) = replies.as_mut() {
-                        if !r.send(error_frame(&error), None) {
-                            return;
-                        }
+                Err((error, claimed)) => {
+                    if inbox.send(Inbox::Refused { error, claimed }).is_err() {
+                        return;
                     }
                     continue;
                 }
             }
         }
-        // A handshake by a newer coordinator retires this stream's epoch.
-        if let Some((_, agreed)) = inbound.as_ref() {
-            if !lock(&shared.agreed).contains_key(&agreed.epochs.coordinator) {
-                let error = FrameError {
-                    kind: ErrorKind::StaleEpoch,
-                    message: "a newer coordinator has taken over this shard".into(),
-                    sessions: Vec::new(),
-                    sequence: None,
-                };
-                // The error frame says why; the call then ends cleanly (a
-                // failing status could overtake the frame at the client).
-                if let Some(mut r) = replies.take() {
-                    let _ = r.send(error_frame(&error), None);
-                    r.end();
-                }
-                return;
-            }
-        }
-        let (Some((checker, agreed)), Some(replies)) = (inbound.as_mut(), replies.as_mut()) else {
-            return;
+        let Some((checker, coordinator)) = bound.as_mut() else {
+            continue;
         };
-        let checked = match checker.check(&bytes, SystemTime::now()) {
-            Ok(checked) => checked,
+        // A handshake by a newer coordinator retires this stream's epoch.
+        if !lock(&shared.agreed).contains_key(coordinator) {
+            let error = FrameError {
+                kind: ErrorKind::StaleEpoch,
+                message: "a newer coordinator has taken over this shard".into(),
+                sessions: Vec::new(),
+                sequence: None,
+            };
+            let end = Inbox::End {
+                stream,
+                lost: false,
+                retired: Some(error),
+            };
+            let _ = inbox.send(end);
+            return;
+        }
+        checker.grant(state.granted.swap(0, Ordering::AcqRel));
+        let item = match checker.check(&bytes, SystemTime::now()) {
+            Ok(checked) => Inbox::Frame(Box::new(checked)),
             Err(error) => {
                 tracing::debug!(%error, "frame refused");
-                if !replies.send(error_frame(&error), None) {
-                    return;
+                Inbox::Refused {
+                    error,
+                    claimed: *coordinator,
                 }
-                continue;
             }
         };
-        let hidden = checked.kind.carries_hidden();
-        let ok = answer(shared, agreed, checked, replies);
-        if hidden && ok {
-            checker.grant(1);
-            if !replies.send(credit_frame(1), None) {
-                return;
-            }
-        }
-        if !ok {
+        if inbox.send(item).is_err() {
             return;
         }
     }
-    // The coordinator closed its side: close ours after what was sent.
-    if let Some(r) = replies.take() {
-        r.end();
-    } else if let Some(mut sink) = sink.take() {
-        let _ = block_on(sink.close());
+}
+
+/// Serves one Session stream until the coordinator closes it, the call
+/// breaks, or the shard stops: a reader thread checks frames as they
+/// arrive, this thread answers them in order.
+fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: DuplexSink<Vec<u8>>) {
+    let state = Arc::new(StreamState::default());
+    let capacity = shared.limits.get_credit_window() as usize + QUEUE_SLACK;
+    let (inbox, items) = sync_channel(capacity);
+    let (reader_shared, reader_state) = (Arc::clone(&shared), Arc::clone(&state));
+    let spawned = std::thread::Builder::new()
+        .name("inferd-shard-read".into())
+        .spawn(move || read_frames(&reader_shared, &reader_state, stream, &inbox));
+    if let Err(e) = spawned {
+        // The stream went with the closure; the call is cancelled.
+        tracing::warn!(error = %e, "cannot start a stream reader");
+        return;
+    }
+    let mut replies = Replies::new(
+        sink,
+        Epochs {
+            shard: shared.epoch,
+            coordinator: 0,
+        },
+    );
+    let mut agreed: Option<Agreed> = None;
+    while let Ok(item) = items.recv() {
+        match item {
+            Inbox::Bound(a) => {
+                replies.outbound.set_epochs(a.epochs);
+                agreed = Some(a);
+            }
+            Inbox::Refused { error, claimed } => {
+                if agreed.is_none() {
+                    replies.outbound.set_epochs(Epochs {
+                        shard: shared.epoch,
+                        coordinator: claimed,
+                    });
+                }
+                if !replies.send(error_frame(&error), None) {
+                    return;
+                }
+            }
+            Inbox::Frame(checked) => {
+                let Some(agreed) = agreed.as_ref() else {
+                    continue;
+                };
+                let hidden = checked.kind.carries_hidden();
+                if !answer(&shared, agreed, *checked, &mut replies) {
+                    return;
+                }
+                if hidden {
+                    state.granted.fetch_add(1, Ordering::AcqRel);
+                    if !replies.send(credit_frame(1), None) {
+                        return;
+                    }
+                }
+            }
+            Inbox::End {
+                stream,
+                lost,
+                retired,
+            } => {
+                if lost {
+                    return;
+                }
+                // The error frame says why; the call then ends cleanly (a
+                // failing status could overtake the frame at the client).
+                if let Some(error) = retired {
+                    let _ = replies.send(error_frame(&error), None);
+                }
+                replies.end();
+                drop(stream);
+                return;
+            }
+        }
     }
 }
 
@@ -571,8 +717,9 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
             true
         }
         FrameKind::Cancel => {
-            // Frames are answered in order, so nothing of these sessions is
-            // queued here: counting the cancel is all there is to do.
+            // Frames are answered in order, so nothing of these sessions
+            // sent before the cancel is still waiting: counting the cancel
+            // is all there is to do.
             shared.cancelled.fetch_add(
                 checked.sessions.len() as u64,
                 std::sync::atomic::Ordering::Relaxed,
