@@ -171,6 +171,7 @@ fn frames_beyond_the_credit_window_are_refused() {
         ..LinkOptions::default()
     };
     let mut link = ShardLink::connect(&shard.addr, &fingerprint, 0xf10, &options).expect("link");
+    assert_eq!(link.capacity().max_frame_rows, 2048, "advertised");
     // The first frame keeps the shard busy (512 rows through 30 layers on
     // one thread) while the other 39 arrive.
     let mut frames = vec![prefill([0; 16], 512, hidden)];

@@ -14,17 +14,26 @@
 //! arrive and checks them at once (flow control included: a frame beyond
 //! the credit window is refused even while the shard is busy computing),
 //! handing the rest to the stream's compute thread through a bounded queue.
-//! The compute thread answers in arrival order.
+//! The compute thread answers in arrival order. Work is bounded: a frame
+//! may carry at most the agreed rows and no position past the model's
+//! context (refused before anything is computed), and a prefill fragment
+//! runs in steps of [`PREFILL_STEP_ROWS`]; before each step the shard checks
+//! the frame's deadline, whether the stream was cancelled or broke, and
+//! whether the shard is shutting down. A fragment stopped midway releases
+//! its session here (nothing half-written stays), and the coordinator
+//! rebuilds the session before its next step.
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::SystemTime;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, SystemTime};
 
 use futures_executor::block_on;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{Sink, SinkExt, StreamExt};
 use grpcio::{
     DuplexSink, Environment, RequestStream, RpcContext, RpcStatus, RpcStatusCode, ServerBuilder,
     ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
@@ -44,10 +53,21 @@ use crate::model::{LogitsWanted, Model, Scratch, Sequence};
 use crate::proto::inferd_shard_v1::shard_runtime as pb;
 use crate::threads::ThreadPool;
 
+/// Rows a hidden-state frame may carry unless configured otherwise
+/// (advertised in the handshake's `Limits.max_frame_rows`).
+pub const DEFAULT_MAX_FRAME_ROWS: u32 = 2048;
+
+/// Rows of a prefill fragment computed in one uninterrupted step; between
+/// steps the shard checks the deadline, the stream and its own shutdown.
+pub const PREFILL_STEP_ROWS: usize = 64;
+
 /// Frames (beyond the credit window) a stream's reader may queue ahead of
 /// its compute: refusals and control frames. A full queue stops the reader,
 /// and HTTP/2 flow control then stops the peer.
 const QUEUE_SLACK: usize = 64;
+
+/// How long `shutdown` waits for the calls to end before it returns anyway.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// How a shard is sized and where it listens.
 #[derive(Clone, Debug)]
@@ -63,6 +83,8 @@ pub struct ShardConfig {
     pub max_frame_bytes: u32,
     pub credit_window: u32,
     pub max_sessions: u32,
+    /// Rows one hidden-state frame may carry (0: [`DEFAULT_MAX_FRAME_ROWS`]).
+    pub max_frame_rows: u32,
     /// Session streams open at once (each has a thread); more are refused
     /// with RESOURCE_EXHAUSTED. A coordinator opens one per worker.
     pub max_streams: usize,
@@ -80,6 +102,7 @@ impl ShardConfig {
             max_frame_bytes: 64 << 20,
             credit_window: 16,
             max_sessions: 1024,
+            max_frame_rows: DEFAULT_MAX_FRAME_ROWS,
             max_streams: 256,
             encodings: vec![Encoding::F32, Encoding::F16, Encoding::Q8_0],
         }
@@ -129,6 +152,13 @@ struct Shared {
     /// Session streams open now, and the most allowed.
     streams: std::sync::atomic::AtomicUsize,
     max_streams: usize,
+    /// The model's context: no frame may name a position at or past it.
+    context: u64,
+    /// Set by `shutdown`: computations stop at their next step.
+    stopping: AtomicBool,
+    /// KV pages of the pool, and positions per page.
+    kv_pages: u64,
+    page_positions: u32,
 }
 
 /// One open session stream, counted in `Shared::streams` while it lives.
@@ -178,6 +208,7 @@ impl ShardServer {
                 n_layers,
             });
         }
+        let context = model.config.context as u64;
         let layout = model.kv_layout(cfg.layers.len(), DEFAULT_PAGE_POSITIONS);
         let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
         let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
@@ -186,6 +217,8 @@ impl ShardServer {
             backing: crate::kv::KvBacking::Anonymous,
             prefault: false,
         })?);
+        let kv_pages = kv_pool.total_pages() as u64;
+        let page_positions = kv_pool.layout().page_positions as u32;
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 model,
@@ -198,16 +231,27 @@ impl ShardServer {
             }),
             fingerprint,
             epoch: random_epoch(),
-            limits: limits_to_wire(
-                cfg.max_frame_bytes,
-                cfg.credit_window,
-                cfg.max_sessions,
-                &cfg.encodings,
-            ),
+            limits: {
+                let mut limits = limits_to_wire(
+                    cfg.max_frame_bytes,
+                    cfg.credit_window,
+                    cfg.max_sessions,
+                    &cfg.encodings,
+                );
+                limits.set_max_frame_rows(match cfg.max_frame_rows {
+                    0 => DEFAULT_MAX_FRAME_ROWS,
+                    n => n,
+                });
+                limits
+            },
             agreed: Mutex::new(HashMap::new()),
             cancelled: std::sync::atomic::AtomicU64::new(0),
             streams: std::sync::atomic::AtomicUsize::new(0),
             max_streams: cfg.max_streams.max(1),
+            context,
+            stopping: AtomicBool::new(false),
+            kv_pages,
+            page_positions,
         });
         let env = Arc::new(Environment::new(1));
         let handshake_shared = Arc::clone(&shared);
@@ -326,11 +370,26 @@ impl ShardServer {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Stops accepting and cancels open streams.
+    /// Stops accepting, cancels open streams and stops computations at
+    /// their next step; waits for the calls to end for at most a few
+    /// seconds.
     pub fn shutdown(mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
         let done = self.server.shutdown();
         self.server.cancel_all_calls();
-        let _ = block_on(done);
+        let (tx, rx) = sync_channel(1);
+        let waiter = std::thread::Builder::new()
+            .name("inferd-shard-stop".into())
+            .spawn(move || {
+                let _ = block_on(done);
+                let _ = tx.send(());
+            });
+        if waiter.is_ok() && rx.recv_timeout(SHUTDOWN_WAIT).is_err() {
+            tracing::warn!(
+                seconds = SHUTDOWN_WAIT.as_secs(),
+                "calls still open at shutdown; stopping anyway"
+            );
+        }
     }
 }
 
@@ -366,17 +425,17 @@ fn handshake(shared: &Shared, ctx: RpcContext<'_>, body: &[u8], sink: UnarySink<
             response.set_protocol_version(super::handshake::PROTOCOL_VERSION);
             response.set_served(shared.fingerprint.to_wire());
             response.set_shard_epoch(shared.epoch);
-            {
-                let core = lock(&shared.core);
-                response.set_kv_pages(core.kv_pool.total_pages() as u64);
-                response.set_page_positions(core.kv_pool.layout().page_positions as u32);
-            }
-            response.set_limits(limits_to_wire(
+            // Read without the core's lock, which a computation holds.
+            response.set_kv_pages(shared.kv_pages);
+            response.set_page_positions(shared.page_positions);
+            let mut limits = limits_to_wire(
                 agreed.max_frame_bytes,
                 agreed.credit_window,
                 agreed.max_sessions,
                 &agreed.encodings,
-            ));
+            );
+            limits.set_max_frame_rows(agreed.max_frame_rows);
+            response.set_limits(limits);
             let bytes = match response.write_to_bytes() {
                 Ok(bytes) => bytes,
                 Err(e) => {
@@ -491,6 +550,20 @@ impl Replies {
         sent
     }
 
+    /// Whether the call is over on the coordinator's side (cancelled,
+    /// broken, past its deadline); never waits.
+    fn call_gone(&mut self) -> bool {
+        if !self.gone {
+            let mut cx = Context::from_waker(Waker::noop());
+            // `poll_ready` looks at the call's completion first and reports
+            // a finished call as an error; after that the sink is left alone.
+            if let Poll::Ready(Err(_)) = Pin::new(&mut self.sink).poll_ready(&mut cx) {
+                self.gone = true;
+            }
+        }
+        self.gone
+    }
+
     /// Ends the call cleanly after the frames sent so far (dropping the
     /// sink instead would cancel the call and could lose them).
     fn end(mut self) {
@@ -574,7 +647,8 @@ fn read_frames(
                         agreed.fingerprint.hidden_size as usize,
                         agreed.encodings.clone(),
                         agreed.credit_window,
-                    );
+                    )
+                    .with_row_bounds(agreed.max_frame_rows as usize, shared.context);
                     bound = Some((checker, agreed.epochs.coordinator));
                     if inbox.send(Inbox::Bound(agreed)).is_err() {
                         return;
@@ -670,7 +744,7 @@ fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: Duple
                     continue;
                 };
                 let hidden = checked.kind.carries_hidden();
-                if !answer(&shared, agreed, *checked, &mut replies) {
+                if !answer(&shared, agreed, *checked, &mut replies, &state) {
                     return;
                 }
                 if hidden {
@@ -702,7 +776,13 @@ fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: Duple
 }
 
 /// Acts on a checked frame; false once the stream is gone.
-fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut Replies) -> bool {
+fn answer(
+    shared: &Shared,
+    agreed: &Agreed,
+    checked: FrameCheck,
+    replies: &mut Replies,
+    state: &StreamState,
+) -> bool {
     let coordinator = agreed.epochs.coordinator;
     let hidden_size = agreed.fingerprint.hidden_size as usize;
     let frame = &checked.frame;
@@ -735,6 +815,17 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
             let Some(encoding) = checked.encoding else {
                 return true;
             };
+            // The frame may have waited in the queue: its deadline again.
+            let deadline = frame.get_header().get_deadline_unix_nanos();
+            if let Some(late) = past_deadline(deadline) {
+                let error = FrameError {
+                    kind: ErrorKind::Deadline,
+                    message: format!("{late}, before the frame was computed"),
+                    sessions: checked.sessions.clone(),
+                    sequence: Some(checked.sequence),
+                };
+                return replies.send(error_frame(&error), None);
+            }
             let values = match decode_rows(encoding, hidden_size, checked.rows, frame.get_payload())
             {
                 Ok(v) => v,
@@ -754,7 +845,18 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
                 .zip(&checked.sessions)
                 .map(|(r, id)| (*id, r.get_position(), r.get_count()))
                 .collect();
-            let outcome = lock(&shared.core).compute(coordinator, &runs, values, hidden_size);
+            // Checked before every step of the computation.
+            let mut interrupt = || {
+                if shared.stopping.load(Ordering::Acquire) {
+                    return Some((ErrorKind::Internal, "the shard is shutting down".to_owned()));
+                }
+                if state.lost.load(Ordering::Acquire) || replies.call_gone() {
+                    return Some((ErrorKind::Internal, "the stream ended".to_owned()));
+                }
+                past_deadline(deadline).map(|late| (ErrorKind::Deadline, late))
+            };
+            let outcome =
+                lock(&shared.core).compute(coordinator, &runs, values, hidden_size, &mut interrupt);
             let mut alive = true;
             if !outcome.failed.is_empty() {
                 for (kind, message, sessions) in outcome.failed {
@@ -785,6 +887,16 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
     }
 }
 
+/// How long ago `deadline` (Unix nanoseconds, 0: none) passed, if it has.
+fn past_deadline(deadline: u64) -> Option<String> {
+    let now = unix_nanos(SystemTime::now());
+    (deadline != 0 && now > deadline)
+        .then(|| format!("the deadline passed {} µs ago", (now - deadline) / 1000))
+}
+
+/// Why a computation stops before its next step, if it must.
+type Interrupt<'a> = &'a mut dyn FnMut() -> Option<(ErrorKind, String)>;
+
 /// What one hidden-state frame produced: the rows computed and the sessions
 /// that failed, by kind.
 struct Computed {
@@ -795,13 +907,18 @@ struct Computed {
 
 impl Core {
     /// Runs the shard's layers over every run whose session continues at
-    /// its position (a new session starts at position 0).
+    /// its position (a new session starts at position 0). A prefill
+    /// fragment (one run) is computed in steps of [`PREFILL_STEP_ROWS`] rows,
+    /// each committed to the KV; `interrupt` is asked before every step, and
+    /// when it stops the frame, the frame's sessions are released here, so
+    /// no half-computed fragment stays behind.
     fn compute(
         &mut self,
         coordinator: u64,
         runs: &[(WireSessionId, u64, u32)],
         values: Vec<f32>,
         hidden_size: usize,
+        interrupt: Interrupt<'_>,
     ) -> Computed {
         let mut failed = Vec::new();
         let mut accepted = Vec::new();
@@ -862,7 +979,8 @@ impl Core {
             };
         }
         // forward_layers reads only how many tokens each sequence feeds.
-        let placeholder = vec![0u32; accepted.iter().map(|r| r.2 as usize).max().unwrap_or(0)];
+        let longest = accepted.iter().map(|r| r.2 as usize).max().unwrap_or(0);
+        let placeholder = vec![0u32; longest.min(PREFILL_STEP_ROWS.max(1)).max(1)];
         let Core {
             model,
             layers,
@@ -875,29 +993,72 @@ impl Core {
             .iter()
             .filter_map(|(id, _, _)| sessions.remove_entry(&(coordinator, *id)))
             .collect();
-        let result = {
-            let mut seqs: Vec<Sequence<'_>> = kvs
-                .iter_mut()
-                .zip(&accepted)
-                .map(|((_, kv), (_, _, count))| Sequence {
-                    kv,
-                    tokens: &placeholder[..*count as usize],
-                    logits: LogitsWanted::None,
-                })
-                .collect();
-            model.forward_layers(layers.clone(), &mut seqs, &mut x, pool, scratch)
+        // A prefill fragment goes in steps; a decode batch (one row per
+        // session, at most the agreed rows) in one.
+        let total_rows = x.len() / hidden_size.max(1);
+        let step_rows = if accepted.len() == 1 {
+            PREFILL_STEP_ROWS.max(1)
+        } else {
+            total_rows.max(1)
         };
-        match result {
-            Ok(()) => {
-                for ((key, mut kv), (_, position, count)) in kvs.into_iter().zip(&accepted) {
-                    match kv.commit(*position as usize + *count as usize) {
-                        Ok(()) => {
-                            sessions.insert(key, kv);
+        let mut done = 0usize;
+        let mut stopped: Option<(ErrorKind, String)> = None;
+        while done < total_rows {
+            if let Some(why) = interrupt() {
+                stopped = Some(why);
+                break;
+            }
+            let n = step_rows.min(total_rows - done);
+            let result = {
+                let mut seqs: Vec<Sequence<'_>> = kvs
+                    .iter_mut()
+                    .zip(&accepted)
+                    .map(|((_, kv), (_, _, count))| {
+                        let fed = if accepted.len() == 1 {
+                            n
+                        } else {
+                            *count as usize
+                        };
+                        Sequence {
+                            kv,
+                            tokens: &placeholder[..fed.min(placeholder.len())],
+                            logits: LogitsWanted::None,
                         }
-                        Err(e) => {
-                            failed.push((ErrorKind::Internal, format!("KV: {e}"), vec![key.1]))
-                        }
-                    }
+                    })
+                    .collect();
+                model.forward_layers(
+                    layers.clone(),
+                    &mut seqs,
+                    &mut x[done * hidden_size..(done + n) * hidden_size],
+                    pool,
+                    scratch,
+                )
+            };
+            if let Err(e) = result {
+                stopped = Some((ErrorKind::Internal, format!("forward: {e}")));
+                break;
+            }
+            let committed =
+                kvs.iter_mut()
+                    .zip(&accepted)
+                    .try_for_each(|((_, kv), (_, position, count))| {
+                        let step_end = if accepted.len() == 1 {
+                            done + n
+                        } else {
+                            *count as usize
+                        };
+                        kv.commit(*position as usize + step_end)
+                    });
+            if let Err(e) = committed {
+                stopped = Some((ErrorKind::Internal, format!("KV: {e}")));
+                break;
+            }
+            done += n;
+        }
+        match stopped {
+            None => {
+                for (key, kv) in kvs {
+                    sessions.insert(key, kv);
                 }
                 Computed {
                     runs: accepted,
@@ -905,10 +1066,21 @@ impl Core {
                     failed,
                 }
             }
-            Err(e) => {
-                // The sessions' KV may be half written: they are dropped.
+            Some((kind, why)) => {
+                // Nothing of a stopped frame stays: its sessions' KV is
+                // freed, and the coordinator rebuilds them from history.
                 let ids: Vec<WireSessionId> = kvs.iter().map(|(k, _)| k.1).collect();
-                failed.push((ErrorKind::Internal, format!("forward: {e}"), ids));
+                for (_, mut kv) in kvs {
+                    let _ = kv.release();
+                }
+                failed.push((
+                    kind,
+                    format!(
+                        "{why}: stopped after {done} of {total_rows} rows; the session's KV on \
+                         this shard was released"
+                    ),
+                    ids,
+                ));
                 Computed {
                     runs: Vec::new(),
                     values: Vec::new(),
