@@ -1,6 +1,7 @@
 //! `inferd shard`: serves one layer range of a model over the shard
-//! protocol until SIGTERM or SIGINT, which stops accepting, cancels the
-//! open streams and stops computations at their next step (exit 0).
+//! protocol until SIGTERM or SIGINT. The first signal stops accepting,
+//! cancels the open streams and stops computations at their next step
+//! (exit 0); a second one ends the process at once (128 + its number).
 
 use std::io::Write as _;
 use std::ops::Range;
@@ -98,6 +99,7 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
     ]);
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     tracing::info!(signal, "shard stopping");
+    super::serve::exit_on_second_signal(signals, "the shard");
     super::serve::notify_systemd(&[sd_notify::NotifyState::Stopping]);
     server.shutdown();
     Ok(())
