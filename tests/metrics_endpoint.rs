@@ -177,12 +177,12 @@ fn idle_connections_cost_no_threads_and_a_scrape_still_answers() {
     let server = Inferd::start(&serve_args(&model, &["--metrics-listen", "127.0.0.1:0"]));
     let addr = metrics_addr(&server);
     scrape_quickly(addr, "before");
-    let before = threads(server.pid());
+    let before = threads(server.pid().expect("inferd runs"));
     let idle: Vec<TcpStream> = (0..300)
         .map(|_| TcpStream::connect(addr).expect("connects"))
         .collect();
     std::thread::sleep(Duration::from_millis(500));
-    let during = threads(server.pid());
+    let during = threads(server.pid().expect("inferd runs"));
     assert!(
         during <= before,
         "300 idle connections: {before} -> {during} threads"
@@ -198,7 +198,7 @@ fn idle_connections_cost_no_threads_and_a_scrape_still_answers() {
         })
         .collect();
     scrape_quickly(addr, "with 100 half-sent requests");
-    assert!(threads(server.pid()) <= before);
+    assert!(threads(server.pid().expect("inferd runs")) <= before);
     drop((idle, slow));
 }
 

@@ -1,5 +1,7 @@
 //! `inferd relay`: forwards shard-protocol calls to one upstream shard
-//! without decoding them, until SIGTERM or SIGINT.
+//! without decoding them, until SIGTERM or SIGINT. The first signal cancels
+//! the calls it carries and exits 0; a second one, should that hang, ends
+//! the process at once (128 + its number).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -52,6 +54,7 @@ pub fn run(args: RelayArgs) -> Result<(), CliError> {
     super::serve::notify_systemd(&[sd_notify::NotifyState::Ready]);
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     tracing::info!(signal, "relay stopping");
+    super::serve::exit_on_second_signal(signals, "the relay");
     super::serve::notify_systemd(&[sd_notify::NotifyState::Stopping]);
     relay.shutdown();
     Ok(())

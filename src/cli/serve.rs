@@ -1,6 +1,8 @@
 //! `inferd serve`: settings from flags, environment and a TOML file (in
 //! that order of precedence), then the gRPC server until SIGTERM or SIGINT,
-//! then a graceful drain. Tells systemd when it is ready and when it stops.
+//! then a graceful drain; a second SIGTERM or SIGINT during the drain
+//! stops the process at once (exit status 128 + the signal's number). Tells
+//! systemd when it is ready and when it stops.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -433,6 +435,33 @@ fn warn_if_readable_by_others(path: &Path) {
 #[cfg(not(unix))]
 fn warn_if_readable_by_others(_: &Path) {}
 
+/// The exit status after a second SIGTERM or SIGINT cut a shutdown short:
+/// 128 plus the signal's number (143 for SIGTERM, 130 for SIGINT), what a
+/// shell reports for a process the signal ended.
+fn forced_exit_status(signal: i32) -> i32 {
+    128 + signal
+}
+
+/// Once the first signal has started a shutdown, a second one ends the
+/// process at once (`forced_exit_status`), as operators expect from Ctrl-C
+/// twice: whatever was still draining is cut off. The process exits
+/// without running destructors or at-exit hooks, so no thread still
+/// serving a call can be caught half-torn-down.
+pub(super) fn exit_on_second_signal(mut signals: Signals, what: &'static str) {
+    let watcher = std::thread::Builder::new()
+        .name("inferd-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                let status = forced_exit_status(signal);
+                tracing::warn!(signal, status, "second signal: {what} stops at once");
+                signal_hook::low_level::exit(status);
+            }
+        });
+    if let Err(e) = watcher {
+        tracing::warn!(error = %e, "cannot watch for a second signal");
+    }
+}
+
 pub(super) fn notify_systemd(state: &[sd_notify::NotifyState]) {
     if let Err(e) = sd_notify::notify(false, state) {
         tracing::warn!(error = %e, "could not notify systemd");
@@ -507,6 +536,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     ]);
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     tracing::info!(signal, "draining");
+    exit_on_second_signal(signals, "the drain");
     notify_systemd(&[sd_notify::NotifyState::Stopping]);
     let report = server.shutdown(settings.drain_timeout);
     if !report.drained {

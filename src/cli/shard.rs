@@ -1,5 +1,7 @@
 //! `inferd shard`: serves one layer range of a model over the shard
-//! protocol until SIGTERM or SIGINT.
+//! protocol until SIGTERM or SIGINT. The first signal stops accepting,
+//! cancels the open streams and stops computations at their next step
+//! (exit 0); a second one ends the process at once (128 + its number).
 
 use std::io::Write as _;
 use std::ops::Range;
@@ -13,7 +15,7 @@ use signal_hook::iterator::Signals;
 use super::{CliError, DEFAULT_MODEL};
 use crate::cluster::coordinator::parse_layers;
 use crate::cluster::fingerprint::{sha256_of_file, Fingerprint};
-use crate::cluster::shard::{ShardConfig, ShardServer};
+use crate::cluster::shard::{ShardConfig, ShardServer, DEFAULT_MAX_FRAME_ROWS};
 use crate::model::Model;
 
 /// Flags of `inferd shard`.
@@ -34,6 +36,15 @@ pub struct ShardArgs {
     /// Compute threads [default: one per core].
     #[arg(long, short = 't', env = "INFERD_SHARD_THREADS")]
     pub threads: Option<usize>,
+    /// Rows (positions) one hidden-state frame may carry; larger frames are
+    /// refused before any compute. Advertised in the handshake.
+    #[arg(
+        long,
+        env = "INFERD_SHARD_MAX_FRAME_ROWS",
+        default_value_t = DEFAULT_MAX_FRAME_ROWS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_frame_rows: u32,
     /// Listen on a non-loopback address. The shard protocol carries no
     /// credentials: only do this on a network that admits nothing but the
     /// coordinator (and relays).
@@ -69,6 +80,7 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
     if let Some(threads) = args.threads {
         cfg.threads = threads.max(1);
     }
+    cfg.max_frame_rows = args.max_frame_rows;
     let server = ShardServer::start(Arc::new(model), fingerprint, &cfg)
         .map_err(|e| CliError::Usage(e.to_string()))?;
     {
@@ -87,6 +99,7 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
     ]);
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     tracing::info!(signal, "shard stopping");
+    super::serve::exit_on_second_signal(signals, "the shard");
     super::serve::notify_systemd(&[sd_notify::NotifyState::Stopping]);
     server.shutdown();
     Ok(())

@@ -305,6 +305,10 @@ impl ShardPlan {
                         (0, m) | (m, 0) => m,
                         (a, b) => a.min(b),
                     },
+                    max_frame_rows: match (l.max_frame_rows, c.max_frame_rows) {
+                        (0, m) | (m, 0) => m,
+                        (a, b) => a.min(b),
+                    },
                 },
             });
         }
@@ -678,23 +682,38 @@ impl ShardChain {
         }
     }
 
-    /// Runs `rows` hidden states (`runs` in order) through every shard.
+    /// Runs `rows` hidden states (`runs` in order) through every shard, in
+    /// frames of at most the rows every connected shard accepts.
     fn through_shards(
         &mut self,
         runs: &[(WireSessionId, u64, u32)],
         deadline: u64,
         hidden: &mut [f32],
     ) -> Result<(), ShardFailure> {
-        for index in 0..self.slots.len() {
-            let Some(link) = self.slots[index].link.as_mut() else {
-                return Err(ShardFailure {
-                    shard: self.plan.shards[index].label(),
-                    kind: FailureKind::Transport,
-                    message: "the link is down".into(),
-                });
-            };
-            if let Err(e) = link.forward(runs, hidden, deadline) {
-                return Err(self.failure(index, &e));
+        let max_rows = self
+            .slots
+            .iter()
+            .filter_map(|s| s.link.as_ref())
+            .map(|l| match l.capacity().max_frame_rows {
+                0 => usize::MAX,
+                n => n as usize,
+            })
+            .min()
+            .unwrap_or(usize::MAX);
+        let h = hidden.len() / runs.iter().map(|r| r.2 as usize).sum::<usize>().max(1);
+        for (piece, rows) in frame_pieces(runs, max_rows) {
+            let hidden = &mut hidden[rows.start * h..rows.end * h];
+            for index in 0..self.slots.len() {
+                let Some(link) = self.slots[index].link.as_mut() else {
+                    return Err(ShardFailure {
+                        shard: self.plan.shards[index].label(),
+                        kind: FailureKind::Transport,
+                        message: "the link is down".into(),
+                    });
+                };
+                if let Err(e) = link.forward(&piece, hidden, deadline) {
+                    return Err(self.failure(index, &e));
+                }
             }
         }
         Ok(())
@@ -902,9 +921,66 @@ impl ShardChain {
     }
 }
 
+/// The runs of one frame, and the rows of the step's hidden states they cover.
+type FramePiece = (Vec<(WireSessionId, u64, u32)>, Range<usize>);
+
+/// Splits `runs` (rows in order) into frames of at most `max_rows` rows:
+/// a long run into consecutive pieces, a decode batch into smaller
+/// batches. Each piece comes with the rows it covers.
+fn frame_pieces(runs: &[(WireSessionId, u64, u32)], max_rows: usize) -> Vec<FramePiece> {
+    let max_rows = max_rows.clamp(1, u32::MAX as usize);
+    let mut pieces = Vec::new();
+    let mut current: Vec<(WireSessionId, u64, u32)> = Vec::new();
+    let (mut start, mut at) = (0usize, 0usize);
+    for &(id, position, count) in runs {
+        let mut done = 0usize;
+        while done < count as usize {
+            let filled = at - start;
+            if filled == max_rows {
+                pieces.push((std::mem::take(&mut current), start..at));
+                start = at;
+            }
+            let n = (count as usize - done).min(max_rows - (at - start));
+            current.push((id, position + done as u64, n as u32));
+            done += n;
+            at += n;
+        }
+    }
+    if !current.is_empty() {
+        pieces.push((current, start..at));
+    }
+    pieces
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frames_keep_to_the_agreed_rows() {
+        let (a, b, c) = ([1u8; 16], [2u8; 16], [3u8; 16]);
+        // A long prefill run becomes consecutive pieces.
+        let pieces = frame_pieces(&[(a, 10, 5)], 2);
+        assert_eq!(
+            pieces,
+            vec![
+                (vec![(a, 10, 2)], 0..2),
+                (vec![(a, 12, 2)], 2..4),
+                (vec![(a, 14, 1)], 4..5)
+            ]
+        );
+        // A decode batch becomes smaller batches.
+        let pieces = frame_pieces(&[(a, 3, 1), (b, 7, 1), (c, 0, 1)], 2);
+        assert_eq!(
+            pieces,
+            vec![(vec![(a, 3, 1), (b, 7, 1)], 0..2), (vec![(c, 0, 1)], 2..3)]
+        );
+        // Within the bound nothing changes.
+        assert_eq!(
+            frame_pieces(&[(a, 0, 64)], usize::MAX),
+            vec![(vec![(a, 0, 64)], 0..64)]
+        );
+    }
 
     #[test]
     fn shard_entries_name_an_address_and_maybe_a_range() {

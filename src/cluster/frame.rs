@@ -20,9 +20,13 @@
 //!    per session for a decode batch), the encoding is one both sides
 //!    accepted and the payload length is exactly the rows it describes
 //!    (`Malformed`).
-//! 7. **Deadline**: not already past (`Deadline`); nothing is computed for
+//! 7. **Bounds** (to a shard, when set with [`Inbound::with_row_bounds`]):
+//!    at most the agreed rows per frame, and no position at or past the
+//!    model's context (`TooLarge`), so an over-large frame is refused
+//!    before anything is computed or allocated for it.
+//! 8. **Deadline**: not already past (`Deadline`); nothing is computed for
 //!    an expired frame.
-//! 8. **Flow control**: a hidden-state frame to a shard needs a credit the
+//! 9. **Flow control**: a hidden-state frame to a shard needs a credit the
 //!    shard granted (`FlowControl`).
 //!
 //! Unknown sessions are refused by whoever holds the sessions, with
@@ -260,6 +264,12 @@ impl OutboundFrames {
         self.next_sequence
     }
 
+    /// Names `epochs` in the frames sealed from now on (a shard learns
+    /// them from a stream's first valid frame); the numbering goes on.
+    pub fn set_epochs(&mut self, epochs: Epochs) {
+        self.epochs = epochs;
+    }
+
     /// Fills in the header (epochs, the next sequence number, deadline,
     /// encoding, payload checksum) and serializes the frame.
     pub fn seal(
@@ -307,6 +317,9 @@ pub struct Inbound {
     encodings: Vec<Encoding>,
     /// Hidden-state frames the peer may still send (shard side only).
     credits: Option<u64>,
+    /// Rows one hidden-state frame may carry, and the first position past
+    /// the model's context (shard side, when set).
+    row_bounds: Option<(usize, u64)>,
 }
 
 impl Inbound {
@@ -327,7 +340,15 @@ impl Inbound {
             hidden_size,
             encodings,
             credits: Some(u64::from(credits)),
+            row_bounds: None,
         }
+    }
+
+    /// Refuses (`TooLarge`, step 7) a hidden-state frame of more than
+    /// `max_rows` rows, or one whose positions reach `context`.
+    pub fn with_row_bounds(mut self, max_rows: usize, context: u64) -> Self {
+        self.row_bounds = Some((max_rows, context));
+        self
     }
 
     /// A coordinator's inbound side: frames from a shard.
@@ -345,6 +366,7 @@ impl Inbound {
             hidden_size,
             encodings,
             credits: None,
+            row_bounds: None,
         }
     }
 
@@ -443,7 +465,38 @@ impl Inbound {
             .shape(&frame, kind)
             .map_err(|message| refuse(ErrorKind::Malformed, message, vec![]))?;
         let (encoding, rows, sessions) = shape;
-        // 7. Deadline.
+        // 7. Bounds.
+        if let (Some((max_rows, context)), true) = (self.row_bounds, kind.carries_hidden()) {
+            if rows > max_rows {
+                return Err(refuse(
+                    ErrorKind::TooLarge,
+                    format!("a frame of {rows} rows, at most {max_rows} per frame"),
+                    sessions,
+                ));
+            }
+            let runs = match kind {
+                FrameKind::Prefill => frame.get_prefill().get_runs(),
+                FrameKind::Decode => frame.get_decode().get_runs(),
+                _ => frame.get_output().get_runs(),
+            };
+            let past = runs.iter().find(|r| {
+                r.get_position()
+                    .checked_add(u64::from(r.get_count()))
+                    .is_none_or(|end| end > context)
+            });
+            if let Some(r) = past {
+                return Err(refuse(
+                    ErrorKind::TooLarge,
+                    format!(
+                        "positions {}..{} run past the model's context of {context}",
+                        r.get_position(),
+                        r.get_position().saturating_add(u64::from(r.get_count()))
+                    ),
+                    sessions,
+                ));
+            }
+        }
+        // 8. Deadline.
         let deadline = header.get_deadline_unix_nanos();
         if deadline != 0 && unix_nanos(now) > deadline {
             return Err(refuse(
@@ -455,7 +508,7 @@ impl Inbound {
                 sessions,
             ));
         }
-        // 8. Flow control.
+        // 9. Flow control.
         if kind.carries_hidden() {
             if let Some(credits) = &mut self.credits {
                 if *credits == 0 {
@@ -575,5 +628,45 @@ impl Inbound {
             ));
         }
         Ok((Some(encoding), rows, sessions))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EPOCHS: Epochs = Epochs {
+        shard: 5,
+        coordinator: 6,
+    };
+
+    fn prefill(sealer: &mut OutboundFrames, position: u64, rows: u32, hidden: usize) -> Vec<u8> {
+        let mut frame = pb::Frame::new();
+        frame.set_prefill(hidden_body(&[([1; 16], position, rows)]));
+        frame.set_payload(vec![0; rows as usize * hidden * 4]);
+        sealer
+            .seal(frame, Some(Encoding::F32), 0)
+            .expect("serializable")
+    }
+
+    #[test]
+    fn frames_over_the_rows_or_past_the_context_are_too_large() {
+        let hidden = 8;
+        let mut inbound = Inbound::to_shard(EPOCHS, 1 << 20, hidden, vec![Encoding::F32], 16)
+            .with_row_bounds(4, 100);
+        let mut sealer = OutboundFrames::new(EPOCHS);
+        let now = SystemTime::now();
+        let ok = prefill(&mut sealer, 0, 4, hidden);
+        assert_eq!(inbound.check(&ok, now).map(|c| c.rows), Ok(4));
+        let many = prefill(&mut sealer, 4, 5, hidden);
+        let refused = inbound.check(&many, now).expect_err("5 rows > 4");
+        assert_eq!(refused.kind, ErrorKind::TooLarge);
+        assert_eq!(refused.sessions, vec![[1; 16]]);
+        let past = prefill(&mut sealer, 98, 3, hidden);
+        let refused = inbound.check(&past, now).expect_err("98..101 > 100");
+        assert_eq!(refused.kind, ErrorKind::TooLarge);
+        let last = prefill(&mut sealer, 96, 4, hidden);
+        assert!(inbound.check(&last, now).is_ok(), "96..100 fits");
+        assert_eq!(inbound.credits(), Some(14), "refused frames take no credit");
     }
 }

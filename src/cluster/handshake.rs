@@ -39,6 +39,8 @@ pub struct Agreed {
     pub max_frame_bytes: u32,
     pub credit_window: u32,
     pub max_sessions: u32,
+    /// Rows one hidden-state frame may carry; 0: neither side set a bound.
+    pub max_frame_rows: u32,
     pub encodings: Vec<Encoding>,
 }
 
@@ -101,6 +103,10 @@ pub fn agree(
     );
     let credit_window = min_positive(theirs.get_credit_window(), shard_limits.get_credit_window());
     let max_sessions = min_positive(theirs.get_max_sessions(), shard_limits.get_max_sessions());
+    let max_frame_rows = min_positive(
+        theirs.get_max_frame_rows(),
+        shard_limits.get_max_frame_rows(),
+    );
     if max_frame_bytes == 0 || credit_window == 0 {
         return Err(HandshakeError::Limits {
             max_frame_bytes,
@@ -130,6 +136,7 @@ pub fn agree(
         max_frame_bytes,
         credit_window,
         max_sessions,
+        max_frame_rows,
         encodings,
     })
 }
@@ -163,7 +170,9 @@ mod tests {
     }
 
     fn shard_limits() -> pb::Limits {
-        limits_to_wire(4 << 20, 4, 64, &[Encoding::F32, Encoding::Q8_0])
+        let mut limits = limits_to_wire(4 << 20, 4, 64, &[Encoding::F32, Encoding::Q8_0]);
+        limits.set_max_frame_rows(2048);
+        limits
     }
 
     #[test]
@@ -179,7 +188,15 @@ mod tests {
         assert_eq!(agreed.max_frame_bytes, 1 << 20);
         assert_eq!(agreed.credit_window, 4);
         assert_eq!(agreed.max_sessions, 64);
+        assert_eq!(
+            agreed.max_frame_rows, 2048,
+            "a side without a bound takes the other's"
+        );
         assert_eq!(agreed.encodings, vec![Encoding::F32]);
+        let mut fewer_rows = request();
+        fewer_rows.mut_limits().set_max_frame_rows(100);
+        let agreed = agree(&fewer_rows, &served(), &shard_limits(), 7).unwrap();
+        assert_eq!(agreed.max_frame_rows, 100);
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub struct ShardCapacity {
     pub page_positions: u32,
     /// Sessions at once (the agreed limit).
     pub max_sessions: u32,
+    /// Rows one hidden-state frame may carry (the agreed limit; 0: none).
+    pub max_frame_rows: u32,
 }
 
 impl Default for LinkOptions {
@@ -260,6 +262,7 @@ impl ShardLink {
                 kv_pages: response.get_kv_pages(),
                 page_positions: response.get_page_positions(),
                 max_sessions: limits.get_max_sessions(),
+                max_frame_rows: limits.get_max_frame_rows(),
             },
             hashes: options.record_hashes.then(|| (Vec::new(), Vec::new())),
             _client: client,

@@ -5,30 +5,23 @@
 //!
 //! The relay proves it: it hashes (SHA-256) every message when it arrives
 //! (ingress) and again right before it is written out (egress), and keeps
-//! the pairs per call and direction, in memory and, with `--record`, as
-//! JSON lines in a file.
+//! the pairs per call and direction: the most recent [`RECENT_HOPS`] in
+//! memory (a relay's memory stays flat however many frames it forwards)
+//! and, with `--record`, every one as JSON lines in a file.
 
+use std::collections::VecDeque;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures_util::{SinkExt, StreamExt};
 use grpcio::{
-    CallOption, Client, DuplexSink, Environment, Method, MethodType, RequestStream, RpcContext,
-    RpcStatus, RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink,
-    WriteFlags,
+    CallOption, Client, DuplexSink, Environment, RequestStream, RpcContext, RpcStatus,
+    RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
 };
 use sha2::{Digest, Sha256};
 
-use super::raw::SESSION_RAW;
-
-/// `ShardRuntime/Handshake` with opaque messages.
-const HANDSHAKE_RAW: Method<Vec<u8>, Vec<u8>> = Method {
-    ty: MethodType::Unary,
-    name: "/inferd.shard.v1.ShardRuntime/Handshake",
-    req_mar: SESSION_RAW.req_mar,
-    resp_mar: SESSION_RAW.resp_mar,
-};
+use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
 
 /// Which way a message travelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -61,10 +54,13 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// Every hop so far, and the optional record file.
+/// Hops kept in memory (the `--record` file keeps them all).
+pub const RECENT_HOPS: usize = 1024;
+
+/// The most recent hops, and the optional record file.
 #[derive(Default)]
 struct Record {
-    hops: Vec<Hop>,
+    hops: VecDeque<Hop>,
     file: Option<std::fs::File>,
     calls: u64,
 }
@@ -80,7 +76,10 @@ impl Record {
                 let _ = writeln!(file, "{line}");
             }
         }
-        self.hops.push(hop);
+        if self.hops.len() == RECENT_HOPS {
+            self.hops.pop_front();
+        }
+        self.hops.push_back(hop);
     }
 }
 
@@ -250,15 +249,27 @@ impl Relay {
         self.addr
     }
 
-    /// Every message forwarded so far.
+    /// The most recent messages forwarded (at most [`RECENT_HOPS`]),
+    /// oldest first.
     pub fn hops(&self) -> Vec<Hop> {
-        lock(&self.record).hops.clone()
+        lock(&self.record).hops.iter().cloned().collect()
     }
 
+    /// Stops accepting and cancels the calls it carries; waits for them to
+    /// end for at most a few seconds.
     pub fn shutdown(mut self) {
         let done = self.server.shutdown();
         self.server.cancel_all_calls();
-        let _ = futures_executor::block_on(done);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let waiter = std::thread::Builder::new()
+            .name("inferd-relay-stop".into())
+            .spawn(move || {
+                let _ = futures_executor::block_on(done);
+                let _ = tx.send(());
+            });
+        if waiter.is_ok() && rx.recv_timeout(std::time::Duration::from_secs(5)).is_err() {
+            tracing::warn!("calls still open at shutdown; stopping anyway");
+        }
     }
 }
 

@@ -9,14 +9,31 @@
 //! coordinator that restarts (new epoch) sees none of its predecessor's
 //! sessions, and a shard that restarts has a new epoch, so frames meant for
 //! its predecessor are refused as stale.
+//!
+//! Each stream has two threads. A reader takes frames off the wire as they
+//! arrive and checks them at once (flow control included: a frame beyond
+//! the credit window is refused even while the shard is busy computing),
+//! handing the rest to the stream's compute thread through a bounded queue.
+//! The compute thread answers in arrival order. Work is bounded: a frame
+//! may carry at most the agreed rows and no position past the model's
+//! context (refused before anything is computed), and a prefill fragment
+//! runs in steps of [`PREFILL_STEP_ROWS`]; before each step the shard checks
+//! the frame's deadline, whether the stream was cancelled or broke, and
+//! whether the shard is shutting down. A fragment stopped midway releases
+//! its session here (nothing half-written stays), and the coordinator
+//! rebuilds the session before its next step.
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::SystemTime;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, SystemTime};
 
 use futures_executor::block_on;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{Sink, SinkExt, StreamExt};
 use grpcio::{
     DuplexSink, Environment, RequestStream, RpcContext, RpcStatus, RpcStatusCode, ServerBuilder,
     ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
@@ -30,12 +47,27 @@ use super::frame::{
 };
 use super::handshake::{agree, limits_to_wire, Agreed};
 use super::payload::{decode_rows, encode_rows, Encoding};
-use super::raw::SESSION_RAW;
+use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
 use crate::kv::{KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
 use crate::model::{LogitsWanted, Model, Scratch, Sequence};
 use crate::proto::inferd_shard_v1::shard_runtime as pb;
-use crate::proto::inferd_shard_v1::shard_runtime_grpc::METHOD_SHARD_RUNTIME_HANDSHAKE;
 use crate::threads::ThreadPool;
+
+/// Rows a hidden-state frame may carry unless configured otherwise
+/// (advertised in the handshake's `Limits.max_frame_rows`).
+pub const DEFAULT_MAX_FRAME_ROWS: u32 = 2048;
+
+/// Rows of a prefill fragment computed in one uninterrupted step; between
+/// steps the shard checks the deadline, the stream and its own shutdown.
+pub const PREFILL_STEP_ROWS: usize = 64;
+
+/// Frames (beyond the credit window) a stream's reader may queue ahead of
+/// its compute: refusals and control frames. A full queue stops the reader,
+/// and HTTP/2 flow control then stops the peer.
+const QUEUE_SLACK: usize = 64;
+
+/// How long `shutdown` waits for the calls to end before it returns anyway.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// How a shard is sized and where it listens.
 #[derive(Clone, Debug)]
@@ -51,6 +83,8 @@ pub struct ShardConfig {
     pub max_frame_bytes: u32,
     pub credit_window: u32,
     pub max_sessions: u32,
+    /// Rows one hidden-state frame may carry (0: [`DEFAULT_MAX_FRAME_ROWS`]).
+    pub max_frame_rows: u32,
     /// Session streams open at once (each has a thread); more are refused
     /// with RESOURCE_EXHAUSTED. A coordinator opens one per worker.
     pub max_streams: usize,
@@ -68,6 +102,7 @@ impl ShardConfig {
             max_frame_bytes: 64 << 20,
             credit_window: 16,
             max_sessions: 1024,
+            max_frame_rows: DEFAULT_MAX_FRAME_ROWS,
             max_streams: 256,
             encodings: vec![Encoding::F32, Encoding::F16, Encoding::Q8_0],
         }
@@ -117,6 +152,13 @@ struct Shared {
     /// Session streams open now, and the most allowed.
     streams: std::sync::atomic::AtomicUsize,
     max_streams: usize,
+    /// The model's context: no frame may name a position at or past it.
+    context: u64,
+    /// Set by `shutdown`: computations stop at their next step.
+    stopping: AtomicBool,
+    /// KV pages of the pool, and positions per page.
+    kv_pages: u64,
+    page_positions: u32,
 }
 
 /// One open session stream, counted in `Shared::streams` while it lives.
@@ -166,6 +208,7 @@ impl ShardServer {
                 n_layers,
             });
         }
+        let context = model.config.context as u64;
         let layout = model.kv_layout(cfg.layers.len(), DEFAULT_PAGE_POSITIONS);
         let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
         let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
@@ -174,6 +217,8 @@ impl ShardServer {
             backing: crate::kv::KvBacking::Anonymous,
             prefault: false,
         })?);
+        let kv_pages = kv_pool.total_pages() as u64;
+        let page_positions = kv_pool.layout().page_positions as u32;
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 model,
@@ -186,27 +231,36 @@ impl ShardServer {
             }),
             fingerprint,
             epoch: random_epoch(),
-            limits: limits_to_wire(
-                cfg.max_frame_bytes,
-                cfg.credit_window,
-                cfg.max_sessions,
-                &cfg.encodings,
-            ),
+            limits: {
+                let mut limits = limits_to_wire(
+                    cfg.max_frame_bytes,
+                    cfg.credit_window,
+                    cfg.max_sessions,
+                    &cfg.encodings,
+                );
+                limits.set_max_frame_rows(match cfg.max_frame_rows {
+                    0 => DEFAULT_MAX_FRAME_ROWS,
+                    n => n,
+                });
+                limits
+            },
             agreed: Mutex::new(HashMap::new()),
             cancelled: std::sync::atomic::AtomicU64::new(0),
             streams: std::sync::atomic::AtomicUsize::new(0),
             max_streams: cfg.max_streams.max(1),
+            context,
+            stopping: AtomicBool::new(false),
+            kv_pages,
+            page_positions,
         });
         let env = Arc::new(Environment::new(1));
         let handshake_shared = Arc::clone(&shared);
         let session_shared = Arc::clone(&shared);
         let service = ServiceBuilder::new()
             .add_unary_handler(
-                &METHOD_SHARD_RUNTIME_HANDSHAKE,
-                move |ctx: RpcContext<'_>,
-                      req: pb::HandshakeRequest,
-                      sink: UnarySink<pb::HandshakeResponse>| {
-                    handshake(&handshake_shared, ctx, req, sink)
+                &HANDSHAKE_RAW,
+                move |ctx: RpcContext<'_>, req: Vec<u8>, sink: UnarySink<Vec<u8>>| {
+                    handshake(&handshake_shared, ctx, &req, sink)
                 },
             )
             .add_duplex_streaming_handler(
@@ -244,7 +298,7 @@ impl ShardServer {
                     }
                     // Compute blocks; the completion queue must not. The
                     // sink is handed over only once the thread exists.
-                    let (hand, take) = std::sync::mpsc::sync_channel(1);
+                    let (hand, take) = sync_channel(1);
                     let thread_shared = Arc::clone(&shared);
                     let spawned = std::thread::Builder::new()
                         .name("inferd-shard-stream".into())
@@ -252,7 +306,7 @@ impl ShardServer {
                             // Frees the slot however the thread ends.
                             let _slot = StreamSlot(Arc::clone(&thread_shared));
                             if let Ok((stream, sink)) = take.recv() {
-                                serve_stream(&thread_shared, stream, sink);
+                                serve_stream(thread_shared, stream, sink);
                             }
                         });
                     match spawned {
@@ -316,20 +370,54 @@ impl ShardServer {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Stops accepting and cancels open streams.
+    /// Stops accepting, cancels open streams and stops computations at
+    /// their next step; waits for the calls to end for at most a few
+    /// seconds.
     pub fn shutdown(mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
         let done = self.server.shutdown();
         self.server.cancel_all_calls();
-        let _ = block_on(done);
+        let (tx, rx) = sync_channel(1);
+        let waiter = std::thread::Builder::new()
+            .name("inferd-shard-stop".into())
+            .spawn(move || {
+                let _ = block_on(done);
+                let _ = tx.send(());
+            });
+        if waiter.is_ok() && rx.recv_timeout(SHUTDOWN_WAIT).is_err() {
+            tracing::warn!(
+                seconds = SHUTDOWN_WAIT.as_secs(),
+                "calls still open at shutdown; stopping anyway"
+            );
+        }
     }
 }
 
-fn handshake(
-    shared: &Shared,
-    ctx: RpcContext<'_>,
-    req: pb::HandshakeRequest,
-    sink: UnarySink<pb::HandshakeResponse>,
-) {
+/// Answers a `Handshake` whose body is read here, so that a body that does
+/// not parse is the caller's error (INVALID_ARGUMENT), not grpcio's
+/// INTERNAL.
+fn handshake(shared: &Shared, ctx: RpcContext<'_>, body: &[u8], sink: UnarySink<Vec<u8>>) {
+    let fail = |ctx: RpcContext<'_>, sink: UnarySink<Vec<u8>>, code, message: String| {
+        tracing::warn!(%message, "handshake refused");
+        let status = RpcStatus::with_message(code, message);
+        ctx.spawn(async move {
+            let _ = sink.fail(status).await;
+        });
+    };
+    let req = match pb::HandshakeRequest::parse_from_bytes(body) {
+        Ok(req) => req,
+        Err(e) => {
+            return fail(
+                ctx,
+                sink,
+                RpcStatusCode::INVALID_ARGUMENT,
+                format!(
+                    "the request ({} bytes) is not a HandshakeRequest: {e}",
+                    body.len()
+                ),
+            )
+        }
+    };
     let result = agree(&req, &shared.fingerprint, &shared.limits, shared.epoch);
     match result {
         Ok(agreed) => {
@@ -337,17 +425,28 @@ fn handshake(
             response.set_protocol_version(super::handshake::PROTOCOL_VERSION);
             response.set_served(shared.fingerprint.to_wire());
             response.set_shard_epoch(shared.epoch);
-            {
-                let core = lock(&shared.core);
-                response.set_kv_pages(core.kv_pool.total_pages() as u64);
-                response.set_page_positions(core.kv_pool.layout().page_positions as u32);
-            }
-            response.set_limits(limits_to_wire(
+            // Read without the core's lock, which a computation holds.
+            response.set_kv_pages(shared.kv_pages);
+            response.set_page_positions(shared.page_positions);
+            let mut limits = limits_to_wire(
                 agreed.max_frame_bytes,
                 agreed.credit_window,
                 agreed.max_sessions,
                 &agreed.encodings,
-            ));
+            );
+            limits.set_max_frame_rows(agreed.max_frame_rows);
+            response.set_limits(limits);
+            let bytes = match response.write_to_bytes() {
+                Ok(bytes) => bytes,
+                Err(e) => {
+                    return fail(
+                        ctx,
+                        sink,
+                        RpcStatusCode::INTERNAL,
+                        format!("serializing the handshake response: {e}"),
+                    )
+                }
+            };
             let coordinator = agreed.epochs.coordinator;
             {
                 let mut all = lock(&shared.agreed);
@@ -367,27 +466,44 @@ fn handshake(
                 "handshake agreed"
             );
             ctx.spawn(async move {
-                let _ = sink.success(response).await;
+                let _ = sink.success(bytes).await;
             });
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "handshake refused");
-            let status = RpcStatus::with_message(RpcStatusCode::FAILED_PRECONDITION, e.to_string());
-            ctx.spawn(async move {
-                let _ = sink.fail(status).await;
-            });
-        }
+        Err(e) => fail(ctx, sink, RpcStatusCode::FAILED_PRECONDITION, e.to_string()),
     }
 }
 
-/// The epochs a stream's first frame names, read without trusting it.
-fn claimed_epochs(bytes: &[u8]) -> Option<Epochs> {
-    let frame = pb::Frame::parse_from_bytes(bytes).ok()?;
-    let header = frame.get_header();
-    Some(Epochs {
-        shard: header.get_shard_epoch(),
-        coordinator: header.get_coordinator_epoch(),
-    })
+/// The handshake a stream's first frame names. A frame too large or that
+/// does not parse is refused as such (`TooLarge`, `Malformed`); one naming
+/// no live handshake is stale, with the coordinator epoch it claimed.
+fn bind(shared: &Shared, bytes: &[u8]) -> Result<Agreed, (FrameError, u64)> {
+    let unbound = |kind, message: String| FrameError {
+        kind,
+        message,
+        sessions: Vec::new(),
+        sequence: None,
+    };
+    let max = shared.limits.get_max_frame_bytes() as usize;
+    if bytes.len() > max {
+        let message = format!("frame of {} bytes, limit {max}", bytes.len());
+        return Err((unbound(ErrorKind::TooLarge, message), 0));
+    }
+    let frame = pb::Frame::parse_from_bytes(bytes).map_err(|e| {
+        let message = format!("the stream's first frame is not a Frame: {e}");
+        (unbound(ErrorKind::Malformed, message), 0)
+    })?;
+    if !frame.has_header() {
+        let message = "the stream's first frame has no header".to_owned();
+        return Err((unbound(ErrorKind::Malformed, message), 0));
+    }
+    let coordinator = frame.get_header().get_coordinator_epoch();
+    lock(&shared.agreed)
+        .get(&coordinator)
+        .cloned()
+        .ok_or_else(|| {
+            let message = "no handshake with this coordinator epoch on this shard epoch".to_owned();
+            (unbound(ErrorKind::StaleEpoch, message), coordinator)
+        })
 }
 
 fn error_frame(error: &FrameError) -> pb::Frame {
@@ -434,6 +550,20 @@ impl Replies {
         sent
     }
 
+    /// Whether the call is over on the coordinator's side (cancelled,
+    /// broken, past its deadline); never waits.
+    fn call_gone(&mut self) -> bool {
+        if !self.gone {
+            let mut cx = Context::from_waker(Waker::noop());
+            // `poll_ready` looks at the call's completion first and reports
+            // a finished call as an error; after that the sink is left alone.
+            if let Poll::Ready(Err(_)) = Pin::new(&mut self.sink).poll_ready(&mut cx) {
+                self.gone = true;
+            }
+        }
+        self.gone
+    }
+
     /// Ends the call cleanly after the frames sent so far (dropping the
     /// sink instead would cancel the call and could lose them).
     fn end(mut self) {
@@ -444,119 +574,215 @@ impl Replies {
     }
 }
 
-/// Serves one Session stream until the coordinator closes it or the
-/// transport fails.
-fn serve_stream(shared: &Shared, mut stream: RequestStream<Vec<u8>>, sink: DuplexSink<Vec<u8>>) {
-    let mut replies: Option<Replies> = None;
-    let mut inbound: Option<(Inbound, Agreed)> = None;
-    let mut sink = Some(sink);
-    while let Some(next) = block_on(stream.next()) {
-        let bytes = match next {
-            Ok(bytes) => bytes,
-            Err(e) => {
+/// What a stream's reader hands its compute thread, in arrival order.
+enum Inbox {
+    /// The stream's first valid frame named this handshake.
+    Bound(Agreed),
+    /// A frame that passed every check.
+    Frame(Box<FrameCheck>),
+    /// A frame the checks refused; `claimed` is the coordinator epoch to
+    /// name in the answer while the stream is bound to no handshake.
+    Refused { error: FrameError, claimed: u64 },
+    /// No more frames. `lost`: the call was cancelled or broke (nothing can
+    /// be answered); otherwise the coordinator half-closed, or `retired`
+    /// says why the shard ends the stream, and the frames before are
+    /// answered first. The request stream rides along so that it lives
+    /// until the call's status is sent.
+    End {
+        stream: RequestStream<Vec<u8>>,
+        lost: bool,
+        retired: Option<FrameError>,
+    },
+}
+
+/// What both threads of a stream share.
+#[derive(Default)]
+struct StreamState {
+    /// The call was cancelled or broke: computing for it stops.
+    lost: AtomicBool,
+    /// Credits the compute thread granted that the reader has not yet
+    /// added to its checks.
+    granted: AtomicU32,
+}
+
+/// The reader: takes frames off the wire as they arrive and checks them,
+/// until the call ends or the compute thread is gone.
+fn read_frames(
+    shared: &Shared,
+    state: &StreamState,
+    mut stream: RequestStream<Vec<u8>>,
+    inbox: &SyncSender<Inbox>,
+) {
+    let mut bound: Option<(Inbound, u64)> = None;
+    loop {
+        let bytes = match block_on(stream.next()) {
+            Some(Ok(bytes)) => bytes,
+            Some(Err(e)) => {
                 tracing::warn!(error = %e, "session stream lost");
+                state.lost.store(true, Ordering::Release);
+                let end = Inbox::End {
+                    stream,
+                    lost: true,
+                    retired: None,
+                };
+                let _ = inbox.send(end);
+                return;
+            }
+            None => {
+                let end = Inbox::End {
+                    stream,
+                    lost: false,
+                    retired: None,
+                };
+                let _ = inbox.send(end);
                 return;
             }
         };
-        if inbound.is_none() {
-            // Bind the stream to the handshake its first frame names.
-            let claimed = claimed_epochs(&bytes);
-            let agreed = claimed.and_then(|c| lock(&shared.agreed).get(&c.coordinator).cloned());
-            let epochs = agreed.as_ref().map_or(
-                Epochs {
-                    shard: shared.epoch,
-                    coordinator: claimed.map_or(0, |c| c.coordinator),
-                },
-                |a| a.epochs,
-            );
-            if replies.is_none() {
-                if let Some(sink) = sink.take() {
-                    replies = Some(Replies::new(sink, epochs));
+        if bound.is_none() {
+            match bind(shared, &bytes) {
+                Ok(agreed) => {
+                    let checker = Inbound::to_shard(
+                        agreed.epochs,
+                        agreed.max_frame_bytes as usize,
+                        agreed.fingerprint.hidden_size as usize,
+                        agreed.encodings.clone(),
+                        agreed.credit_window,
+                    )
+                    .with_row_bounds(agreed.max_frame_rows as usize, shared.context);
+                    bound = Some((checker, agreed.epochs.coordinator));
+                    if inbox.send(Inbox::Bound(agreed)).is_err() {
+                        return;
+                    }
                 }
-            }
-            match agreed {
-                Some(agreed) => {
-                    inbound = Some((
-                        Inbound::to_shard(
-                            agreed.epochs,
-                            agreed.max_frame_bytes as usize,
-                            agreed.fingerprint.hidden_size as usize,
-                            agreed.encodings.clone(),
-                            agreed.credit_window,
-                        ),
-                        agreed,
-                    ));
-                }
-                None => {
-                    let error = FrameError {
-                        kind: ErrorKind::StaleEpoch,
-                        message: "no handshake with this coordinator epoch on this shard epoch"
-                            .into(),
-                        sessions: Vec::new(),
-                        sequence: None,
-                    };
-                    if let Some(r) = replies.as_mut() {
-                        if !r.send(error_frame(&error), None) {
-                            return;
-                        }
+                Err((error, claimed)) => {
+                    if inbox.send(Inbox::Refused { error, claimed }).is_err() {
+                        return;
                     }
                     continue;
                 }
             }
         }
-        // A handshake by a newer coordinator retires this stream's epoch.
-        if let Some((_, agreed)) = inbound.as_ref() {
-            if !lock(&shared.agreed).contains_key(&agreed.epochs.coordinator) {
-                let error = FrameError {
-                    kind: ErrorKind::StaleEpoch,
-                    message: "a newer coordinator has taken over this shard".into(),
-                    sessions: Vec::new(),
-                    sequence: None,
-                };
-                // The error frame says why; the call then ends cleanly (a
-                // failing status could overtake the frame at the client).
-                if let Some(mut r) = replies.take() {
-                    let _ = r.send(error_frame(&error), None);
-                    r.end();
-                }
-                return;
-            }
-        }
-        let (Some((checker, agreed)), Some(replies)) = (inbound.as_mut(), replies.as_mut()) else {
-            return;
+        let Some((checker, coordinator)) = bound.as_mut() else {
+            continue;
         };
-        let checked = match checker.check(&bytes, SystemTime::now()) {
-            Ok(checked) => checked,
+        // A handshake by a newer coordinator retires this stream's epoch.
+        if !lock(&shared.agreed).contains_key(coordinator) {
+            let error = FrameError {
+                kind: ErrorKind::StaleEpoch,
+                message: "a newer coordinator has taken over this shard".into(),
+                sessions: Vec::new(),
+                sequence: None,
+            };
+            let end = Inbox::End {
+                stream,
+                lost: false,
+                retired: Some(error),
+            };
+            let _ = inbox.send(end);
+            return;
+        }
+        checker.grant(state.granted.swap(0, Ordering::AcqRel));
+        let item = match checker.check(&bytes, SystemTime::now()) {
+            Ok(checked) => Inbox::Frame(Box::new(checked)),
             Err(error) => {
                 tracing::debug!(%error, "frame refused");
-                if !replies.send(error_frame(&error), None) {
-                    return;
+                Inbox::Refused {
+                    error,
+                    claimed: *coordinator,
                 }
-                continue;
             }
         };
-        let hidden = checked.kind.carries_hidden();
-        let ok = answer(shared, agreed, checked, replies);
-        if hidden && ok {
-            checker.grant(1);
-            if !replies.send(credit_frame(1), None) {
-                return;
-            }
-        }
-        if !ok {
+        if inbox.send(item).is_err() {
             return;
         }
     }
-    // The coordinator closed its side: close ours after what was sent.
-    if let Some(r) = replies.take() {
-        r.end();
-    } else if let Some(mut sink) = sink.take() {
-        let _ = block_on(sink.close());
+}
+
+/// Serves one Session stream until the coordinator closes it, the call
+/// breaks, or the shard stops: a reader thread checks frames as they
+/// arrive, this thread answers them in order.
+fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: DuplexSink<Vec<u8>>) {
+    let state = Arc::new(StreamState::default());
+    let capacity = shared.limits.get_credit_window() as usize + QUEUE_SLACK;
+    let (inbox, items) = sync_channel(capacity);
+    let (reader_shared, reader_state) = (Arc::clone(&shared), Arc::clone(&state));
+    let spawned = std::thread::Builder::new()
+        .name("inferd-shard-read".into())
+        .spawn(move || read_frames(&reader_shared, &reader_state, stream, &inbox));
+    if let Err(e) = spawned {
+        // The stream went with the closure; the call is cancelled.
+        tracing::warn!(error = %e, "cannot start a stream reader");
+        return;
+    }
+    let mut replies = Replies::new(
+        sink,
+        Epochs {
+            shard: shared.epoch,
+            coordinator: 0,
+        },
+    );
+    let mut agreed: Option<Agreed> = None;
+    while let Ok(item) = items.recv() {
+        match item {
+            Inbox::Bound(a) => {
+                replies.outbound.set_epochs(a.epochs);
+                agreed = Some(a);
+            }
+            Inbox::Refused { error, claimed } => {
+                if agreed.is_none() {
+                    replies.outbound.set_epochs(Epochs {
+                        shard: shared.epoch,
+                        coordinator: claimed,
+                    });
+                }
+                if !replies.send(error_frame(&error), None) {
+                    return;
+                }
+            }
+            Inbox::Frame(checked) => {
+                let Some(agreed) = agreed.as_ref() else {
+                    continue;
+                };
+                let hidden = checked.kind.carries_hidden();
+                if !answer(&shared, agreed, *checked, &mut replies, &state) {
+                    return;
+                }
+                if hidden {
+                    state.granted.fetch_add(1, Ordering::AcqRel);
+                    if !replies.send(credit_frame(1), None) {
+                        return;
+                    }
+                }
+            }
+            Inbox::End {
+                stream,
+                lost,
+                retired,
+            } => {
+                if lost {
+                    return;
+                }
+                // The error frame says why; the call then ends cleanly (a
+                // failing status could overtake the frame at the client).
+                if let Some(error) = retired {
+                    let _ = replies.send(error_frame(&error), None);
+                }
+                replies.end();
+                drop(stream);
+                return;
+            }
+        }
     }
 }
 
 /// Acts on a checked frame; false once the stream is gone.
-fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut Replies) -> bool {
+fn answer(
+    shared: &Shared,
+    agreed: &Agreed,
+    checked: FrameCheck,
+    replies: &mut Replies,
+    state: &StreamState,
+) -> bool {
     let coordinator = agreed.epochs.coordinator;
     let hidden_size = agreed.fingerprint.hidden_size as usize;
     let frame = &checked.frame;
@@ -571,8 +797,9 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
             true
         }
         FrameKind::Cancel => {
-            // Frames are answered in order, so nothing of these sessions is
-            // queued here: counting the cancel is all there is to do.
+            // Frames are answered in order, so nothing of these sessions
+            // sent before the cancel is still waiting: counting the cancel
+            // is all there is to do.
             shared.cancelled.fetch_add(
                 checked.sessions.len() as u64,
                 std::sync::atomic::Ordering::Relaxed,
@@ -588,6 +815,17 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
             let Some(encoding) = checked.encoding else {
                 return true;
             };
+            // The frame may have waited in the queue: its deadline again.
+            let deadline = frame.get_header().get_deadline_unix_nanos();
+            if let Some(late) = past_deadline(deadline) {
+                let error = FrameError {
+                    kind: ErrorKind::Deadline,
+                    message: format!("{late}, before the frame was computed"),
+                    sessions: checked.sessions.clone(),
+                    sequence: Some(checked.sequence),
+                };
+                return replies.send(error_frame(&error), None);
+            }
             let values = match decode_rows(encoding, hidden_size, checked.rows, frame.get_payload())
             {
                 Ok(v) => v,
@@ -607,7 +845,18 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
                 .zip(&checked.sessions)
                 .map(|(r, id)| (*id, r.get_position(), r.get_count()))
                 .collect();
-            let outcome = lock(&shared.core).compute(coordinator, &runs, values, hidden_size);
+            // Checked before every step of the computation.
+            let mut interrupt = || {
+                if shared.stopping.load(Ordering::Acquire) {
+                    return Some((ErrorKind::Internal, "the shard is shutting down".to_owned()));
+                }
+                if state.lost.load(Ordering::Acquire) || replies.call_gone() {
+                    return Some((ErrorKind::Internal, "the stream ended".to_owned()));
+                }
+                past_deadline(deadline).map(|late| (ErrorKind::Deadline, late))
+            };
+            let outcome =
+                lock(&shared.core).compute(coordinator, &runs, values, hidden_size, &mut interrupt);
             let mut alive = true;
             if !outcome.failed.is_empty() {
                 for (kind, message, sessions) in outcome.failed {
@@ -638,6 +887,16 @@ fn answer(shared: &Shared, agreed: &Agreed, checked: FrameCheck, replies: &mut R
     }
 }
 
+/// How long ago `deadline` (Unix nanoseconds, 0: none) passed, if it has.
+fn past_deadline(deadline: u64) -> Option<String> {
+    let now = unix_nanos(SystemTime::now());
+    (deadline != 0 && now > deadline)
+        .then(|| format!("the deadline passed {} µs ago", (now - deadline) / 1000))
+}
+
+/// Why a computation stops before its next step, if it must.
+type Interrupt<'a> = &'a mut dyn FnMut() -> Option<(ErrorKind, String)>;
+
 /// What one hidden-state frame produced: the rows computed and the sessions
 /// that failed, by kind.
 struct Computed {
@@ -648,13 +907,18 @@ struct Computed {
 
 impl Core {
     /// Runs the shard's layers over every run whose session continues at
-    /// its position (a new session starts at position 0).
+    /// its position (a new session starts at position 0). A prefill
+    /// fragment (one run) is computed in steps of [`PREFILL_STEP_ROWS`] rows,
+    /// each committed to the KV; `interrupt` is asked before every step, and
+    /// when it stops the frame, the frame's sessions are released here, so
+    /// no half-computed fragment stays behind.
     fn compute(
         &mut self,
         coordinator: u64,
         runs: &[(WireSessionId, u64, u32)],
         values: Vec<f32>,
         hidden_size: usize,
+        interrupt: Interrupt<'_>,
     ) -> Computed {
         let mut failed = Vec::new();
         let mut accepted = Vec::new();
@@ -715,7 +979,8 @@ impl Core {
             };
         }
         // forward_layers reads only how many tokens each sequence feeds.
-        let placeholder = vec![0u32; accepted.iter().map(|r| r.2 as usize).max().unwrap_or(0)];
+        let longest = accepted.iter().map(|r| r.2 as usize).max().unwrap_or(0);
+        let placeholder = vec![0u32; longest.min(PREFILL_STEP_ROWS.max(1)).max(1)];
         let Core {
             model,
             layers,
@@ -728,29 +993,72 @@ impl Core {
             .iter()
             .filter_map(|(id, _, _)| sessions.remove_entry(&(coordinator, *id)))
             .collect();
-        let result = {
-            let mut seqs: Vec<Sequence<'_>> = kvs
-                .iter_mut()
-                .zip(&accepted)
-                .map(|((_, kv), (_, _, count))| Sequence {
-                    kv,
-                    tokens: &placeholder[..*count as usize],
-                    logits: LogitsWanted::None,
-                })
-                .collect();
-            model.forward_layers(layers.clone(), &mut seqs, &mut x, pool, scratch)
+        // A prefill fragment goes in steps; a decode batch (one row per
+        // session, at most the agreed rows) in one.
+        let total_rows = x.len() / hidden_size.max(1);
+        let step_rows = if accepted.len() == 1 {
+            PREFILL_STEP_ROWS.max(1)
+        } else {
+            total_rows.max(1)
         };
-        match result {
-            Ok(()) => {
-                for ((key, mut kv), (_, position, count)) in kvs.into_iter().zip(&accepted) {
-                    match kv.commit(*position as usize + *count as usize) {
-                        Ok(()) => {
-                            sessions.insert(key, kv);
+        let mut done = 0usize;
+        let mut stopped: Option<(ErrorKind, String)> = None;
+        while done < total_rows {
+            if let Some(why) = interrupt() {
+                stopped = Some(why);
+                break;
+            }
+            let n = step_rows.min(total_rows - done);
+            let result = {
+                let mut seqs: Vec<Sequence<'_>> = kvs
+                    .iter_mut()
+                    .zip(&accepted)
+                    .map(|((_, kv), (_, _, count))| {
+                        let fed = if accepted.len() == 1 {
+                            n
+                        } else {
+                            *count as usize
+                        };
+                        Sequence {
+                            kv,
+                            tokens: &placeholder[..fed.min(placeholder.len())],
+                            logits: LogitsWanted::None,
                         }
-                        Err(e) => {
-                            failed.push((ErrorKind::Internal, format!("KV: {e}"), vec![key.1]))
-                        }
-                    }
+                    })
+                    .collect();
+                model.forward_layers(
+                    layers.clone(),
+                    &mut seqs,
+                    &mut x[done * hidden_size..(done + n) * hidden_size],
+                    pool,
+                    scratch,
+                )
+            };
+            if let Err(e) = result {
+                stopped = Some((ErrorKind::Internal, format!("forward: {e}")));
+                break;
+            }
+            let committed =
+                kvs.iter_mut()
+                    .zip(&accepted)
+                    .try_for_each(|((_, kv), (_, position, count))| {
+                        let step_end = if accepted.len() == 1 {
+                            done + n
+                        } else {
+                            *count as usize
+                        };
+                        kv.commit(*position as usize + step_end)
+                    });
+            if let Err(e) = committed {
+                stopped = Some((ErrorKind::Internal, format!("KV: {e}")));
+                break;
+            }
+            done += n;
+        }
+        match stopped {
+            None => {
+                for (key, kv) in kvs {
+                    sessions.insert(key, kv);
                 }
                 Computed {
                     runs: accepted,
@@ -758,10 +1066,21 @@ impl Core {
                     failed,
                 }
             }
-            Err(e) => {
-                // The sessions' KV may be half written: they are dropped.
+            Some((kind, why)) => {
+                // Nothing of a stopped frame stays: its sessions' KV is
+                // freed, and the coordinator rebuilds them from history.
                 let ids: Vec<WireSessionId> = kvs.iter().map(|(k, _)| k.1).collect();
-                failed.push((ErrorKind::Internal, format!("forward: {e}"), ids));
+                for (_, mut kv) in kvs {
+                    let _ = kv.release();
+                }
+                failed.push((
+                    kind,
+                    format!(
+                        "{why}: stopped after {done} of {total_rows} rows; the session's KV on \
+                         this shard was released"
+                    ),
+                    ids,
+                ));
                 Computed {
                     runs: Vec::new(),
                     values: Vec::new(),

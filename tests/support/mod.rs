@@ -118,9 +118,36 @@ impl Inferd {
             .expect("ADDR:PORT")
     }
 
-    /// The process id (0 once killed).
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` (a name for `kill -s`, e.g. `TERM`) to the process.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the process runs");
+        let sent = Command::new("kill")
+            .args(["-s", signal, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -s {signal} {pid} failed");
+    }
+
+    /// Waits up to `within` for the process to exit; its exit code (`None`
+    /// if a signal ended it), or `Err` if it still runs.
+    pub fn wait_exit(&mut self, within: Duration) -> Result<Option<i32>, ()> {
+        let end = Instant::now() + within;
+        let child = self.child.as_mut().expect("the process runs");
+        loop {
+            if let Some(status) = child.try_wait().expect("wait for inferd") {
+                self.child = None;
+                return Ok(status.code());
+            }
+            if Instant::now() >= end {
+                return Err(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// SIGKILL: no goodbye to anyone.
