@@ -359,7 +359,9 @@ pub struct GenerateDone {
 /// or one `Error`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GenerateEvent {
-    /// The history was truncated before any token of this call.
+    /// The context was full, so the oldest tokens after the sink were
+    /// dropped and the kept window computed again; sent once that is done,
+    /// before the next token.
     Truncated {
         dropped_token_count: u64,
     },
