@@ -244,6 +244,16 @@ enum Room {
     Nothing,
 }
 
+/// What a session short of pages does after one round of making room.
+enum Wait {
+    /// Something was freed: try again now.
+    Retry,
+    /// Another worker was asked to evict: try again on a later turn.
+    Later,
+    /// Nothing more can be freed for it, or it waited long enough.
+    GiveUp,
+}
+
 /// Why a session left its worker; each reason has a counter.
 #[derive(Clone, Copy, Debug)]
 enum Removal {
@@ -765,6 +775,18 @@ impl Worker {
         false
     }
 
+    /// One round of making room for session `id`, within its patience.
+    fn room_for(&mut self, id: SessionId) -> Wait {
+        match self.make_room(Some(id)) {
+            Room::Retry => Wait::Retry,
+            Room::Later if self.still_patient(id) => Wait::Later,
+            Room::Later | Room::Nothing => {
+                self.clear_short(id);
+                Wait::GiveUp
+            }
+        }
+    }
+
     fn clear_short(&mut self, id: SessionId) {
         if let Some(slot) = self.sessions.get_mut(&id) {
             slot.short_since = None;
@@ -788,13 +810,10 @@ impl Worker {
                         self.clear_short(id);
                         return Err(kv_exhausted(wanted, free));
                     }
-                    match self.make_room(Some(id)) {
-                        Room::Retry => {}
-                        Room::Later if self.still_patient(id) => return Ok(Got::Later),
-                        Room::Later | Room::Nothing => {
-                            self.clear_short(id);
-                            return Err(kv_exhausted(wanted, free));
-                        }
+                    match self.room_for(id) {
+                        Wait::Retry => {}
+                        Wait::Later => return Ok(Got::Later),
+                        Wait::GiveUp => return Err(kv_exhausted(wanted, free)),
                     }
                 }
                 Err(e) => return Err(e.into()),
@@ -854,13 +873,10 @@ impl Worker {
                         self.clear_short(id);
                         return Err(kv_exhausted(wanted, free));
                     }
-                    match self.make_room(Some(id)) {
-                        Room::Retry => {}
-                        Room::Later if self.still_patient(id) => return Ok(Restarted::Later),
-                        Room::Later | Room::Nothing => {
-                            self.clear_short(id);
-                            return self.restart_in_place(id, positions, wanted, free);
-                        }
+                    match self.room_for(id) {
+                        Wait::Retry => {}
+                        Wait::Later => return Ok(Restarted::Later),
+                        Wait::GiveUp => return self.restart_in_place(id, positions, wanted, free),
                     }
                 }
                 Err(e) => return Err(e.into()),
