@@ -141,3 +141,136 @@ fn chat_answers_each_line_of_stdin() {
     assert!(text.contains("Paris"), "{text}");
     assert!(text.contains("Berlin"), "{text}");
 }
+
+/// Where `scripts/fetch-vocabs` puts llama.cpp's vocabulary-only files.
+fn vocab_dir() -> std::path::PathBuf {
+    match std::env::var_os("INFERD_VOCAB_DIR") {
+        Some(dir) => dir.into(),
+        None => {
+            Path::new(&std::env::var_os("HOME").unwrap_or_default()).join(".cache/inferd/vocabs")
+        }
+    }
+}
+
+/// The vocabulary-only GGUF `ggml-vocab-NAME.gguf` and its test cases
+/// (text, expected ids), or `None` (said loudly) when it has not been
+/// fetched; a missing file fails instead under `CI` or
+/// `INFERD_REQUIRE_VOCABS`.
+fn vocab(name: &str) -> Option<(String, Vec<(String, String)>)> {
+    let gguf = vocab_dir().join(format!("ggml-vocab-{name}.gguf"));
+    let (inp, out) = (
+        gguf.with_extension("gguf.inp"),
+        gguf.with_extension("gguf.out"),
+    );
+    if !(gguf.exists() && inp.exists() && out.exists()) {
+        let required = ["CI", "INFERD_REQUIRE_VOCABS"]
+            .iter()
+            .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty() && v != "0"));
+        assert!(
+            !required,
+            "{} is missing (scripts/fetch-vocabs)",
+            gguf.display()
+        );
+        eprintln!(
+            "SKIPPED: {} is absent; run scripts/fetch-vocabs",
+            gguf.display()
+        );
+        return None;
+    }
+    let inp = std::fs::read_to_string(inp).expect("read .inp");
+    let out = std::fs::read_to_string(out).expect("read .out");
+    let texts = inp
+        .strip_suffix("\n__ggml_vocab_test__\n")
+        .unwrap_or(&inp)
+        .split("\n__ggml_vocab_test__\n");
+    let cases = texts
+        .zip(out.lines())
+        .map(|(t, ids)| (t.to_owned(), ids.trim().to_owned()))
+        .collect();
+    Some((gguf.display().to_string(), cases))
+}
+
+#[test]
+fn tokenize_works_on_vocabulary_only_files() {
+    for name in ["llama-bpe", "llama-spm", "qwen2", "deepseek-llm", "gpt-2"] {
+        let Some((gguf, cases)) = vocab(name) else {
+            continue;
+        };
+        // The longest case mixes scripts, emoji, code, digits and spaces.
+        let (text, want) = cases.iter().max_by_key(|(t, _)| t.len()).expect("cases");
+        let out = inferd(&["tokenize", "-m", &gguf, "--no-special", "--text", text]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("{want}\n"),
+            "{name}"
+        );
+
+        let ids = want.replace(' ', ",");
+        let out = inferd(&["tokenize", "-m", &gguf, "--no-special", "--ids", &ids]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        assert_eq!(&String::from_utf8_lossy(&out.stdout), text, "{name}");
+    }
+}
+
+#[test]
+fn tokenize_adds_and_shows_special_tokens_unless_told_not_to() {
+    let Some((gguf, _)) = vocab("llama-bpe") else {
+        return;
+    };
+    let run = |args: &[&str]| {
+        let out = inferd(&[&["tokenize", "-m", &gguf][..], args].concat());
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        String::from_utf8(out.stdout).expect("UTF-8")
+    };
+    // Llama 3 adds <|begin_of_text|> (128000); <|eot_id|> is 128009.
+    assert_eq!(run(&["--text", "Hello world"]), "128000 9906 1917\n");
+    assert_eq!(
+        run(&["--no-special", "--text", "Hello world"]),
+        "9906 1917\n"
+    );
+    assert_eq!(run(&["--text", "Hello<|eot_id|>"]), "128000 9906 128009\n");
+    let plain = run(&["--no-special", "--text", "<|eot_id|>"]);
+    assert!(
+        !plain.split_whitespace().any(|id| id == "128009"),
+        "{plain}"
+    );
+    assert_eq!(
+        run(&["--ids", "128000 9906 1917 128009"]),
+        "<|begin_of_text|>Hello world<|eot_id|>"
+    );
+    assert_eq!(
+        run(&["--no-special", "--ids", "128000,9906,1917,128009"]),
+        "Hello world"
+    );
+}
+
+#[test]
+fn tokenize_refuses_bad_input_with_a_message() {
+    let missing = inferd(&["tokenize", "-m", "no/such/file.gguf", "--text", "x"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        stderr(&missing).contains("no/such/file.gguf"),
+        "{}",
+        stderr(&missing)
+    );
+
+    let neither = inferd(&["tokenize", "-m", "no/such/file.gguf"]);
+    assert_eq!(neither.status.code(), Some(2), "clap usage error");
+    let both = inferd(&["tokenize", "--text", "a", "--ids", "1"]);
+    assert_eq!(both.status.code(), Some(2), "clap usage error");
+
+    let Some((gguf, _)) = vocab("gpt-2") else {
+        return;
+    };
+    let out = inferd(&["tokenize", "-m", &gguf, "--ids", "1,99999999"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("outside the vocabulary"),
+        "{}",
+        stderr(&out)
+    );
+    let out = inferd(&["tokenize", "-m", &gguf, "--ids", "1,two"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("\"two\""), "{}", stderr(&out));
+}

@@ -1,6 +1,6 @@
 //! The command-line front end: `inferd generate`, `inferd chat`,
-//! `inferd bench`, `inferd serve`, and `inferd session` (a client of
-//! `inferd serve`).
+//! `inferd bench`, `inferd serve`, `inferd session` (a client of
+//! `inferd serve`), and `inferd tokenize` (the vocabulary alone).
 //! Flags become plain values here; the work is done by the engine, the
 //! tokenizer and the sampler, or by a server reached over gRPC.
 
@@ -12,6 +12,7 @@ pub mod remote;
 mod serve;
 mod session;
 mod shard;
+mod tokenize;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -53,6 +54,9 @@ pub enum Command {
     Shard(shard::ShardArgs),
     /// Forward shard-protocol calls to a shard without decoding them.
     Relay(relay::RelayArgs),
+    /// Turn text into token ids or ids into text with a model's vocabulary
+    /// (vocabulary-only GGUF files work too).
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 impl Command {
@@ -260,6 +264,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Session(command) => session::run(command),
         Command::Shard(args) => shard::run(args),
         Command::Relay(args) => relay::run(args),
+        Command::Tokenize(args) => tokenize::run(args),
     }
 }
 

@@ -1,13 +1,17 @@
 //! Text <-> token ids, from the vocabulary stored in a GGUF file.
 //!
 //! Implemented: GPT-2 style byte-level BPE (`tokenizer.ggml.model = "gpt2"`)
-//! with the GPT-2 and SmolLM/StarCoder pre-tokenizers, and SentencePiece
-//! style BPE for `llama` vocabularies (scores, `▁` for spaces, `<0xXX>` byte
-//! fallback). Other tokenizer families are refused with
-//! [`TokenizerError::UnsupportedModel`].
+//! with the GPT-2, SmolLM/StarCoder, Llama 3 (`llama-bpe`), Qwen2 and
+//! DeepSeek LLM pre-tokenizers ([`PreTokenizer`]), and SentencePiece style
+//! BPE for `llama` vocabularies (Llama 2, Mistral, Phi-3: scores, `▁` for
+//! spaces, `<0xXX>` byte fallback). Other tokenizer families are refused
+//! with [`TokenizerError::UnsupportedModel`], other pre-tokenizers with
+//! [`TokenizerError::UnsupportedPreTokenizer`].
 //!
 //! Encoding follows llama.cpp's `llama_tokenize` so that token ids match it
-//! exactly (checked against golden vectors in `tests/vectors/`):
+//! exactly (checked against golden vectors in `tests/vectors/`, and against
+//! llama.cpp's own test cases for each vocabulary in
+//! `tests/tokenizer_vocabs.rs`):
 //!
 //! 1. Special-token text is cut out first. Every control, user-defined and
 //!    unknown token is searched for, longest text first. User-defined tokens
@@ -15,7 +19,9 @@
 //!    `parse_special`.
 //! 2. Byte-level BPE: each remaining stretch of text is split into words by
 //!    the pre-tokenizer ([`PreTokenizer`]), and each word's bytes become
-//!    byte-level tokens that are merged by rank.
+//!    byte-level tokens that are merged by rank. Llama 3 vocabularies first
+//!    look the whole word up and take it as one token if it is one
+//!    (llama.cpp's "ignore merges").
 //! 3. SentencePiece: each stretch that follows a special token (or starts
 //!    the text) gets a leading space if the model asks for one
 //!    (`tokenizer.ggml.add_space_prefix`), spaces become `▁`, and
@@ -179,6 +185,9 @@ enum Kind {
     ByteLevel {
         merges: MergeTable,
         pre: PreTokenizer,
+        /// A word that is a token as a whole becomes that token without
+        /// merging (Llama 3).
+        ignore_merges: bool,
     },
     /// SentencePiece style BPE over characters, by token score.
     SentencePiece {
@@ -281,9 +290,16 @@ impl Tokenizer {
         let eos = special_id("tokenizer.ggml.eos_token_id")?.or(default_id(2));
         let eot = special_id("tokenizer.ggml.eot_token_id")?;
         let eom = special_id("tokenizer.ggml.eom_token_id")?;
+        // Only byte-level BPE vocabularies have a pre-tokenizer.
+        let pre_name = match sentencepiece {
+            true => "default",
+            false => file.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default"),
+        };
+        let llama3 = !sentencepiece && PreTokenizer::is_llama3_name(pre_name);
+        // llama.cpp adds BOS by default for SentencePiece and Llama 3.
         let add_bos = file
             .get_bool_opt("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(sentencepiece);
+            .unwrap_or(sentencepiece || llama3);
         let add_eos = file
             .get_bool_opt("tokenizer.ggml.add_eos_token")?
             .unwrap_or(false);
@@ -367,7 +383,6 @@ impl Tokenizer {
                 add_space_prefix,
             }
         } else {
-            let pre_name = file.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
             let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
                 TokenizerError::UnsupportedPreTokenizer {
                     pre: pre_name.to_owned(),
@@ -385,7 +400,11 @@ impl Tokenizer {
                     }
                 },
             };
-            Kind::ByteLevel { merges, pre }
+            Kind::ByteLevel {
+                merges,
+                pre,
+                ignore_merges: llama3,
+            }
         };
 
         let model_name = file
@@ -640,11 +659,27 @@ impl Tokenizer {
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizerError> {
         match &self.kind {
-            Kind::ByteLevel { merges, pre } => {
+            Kind::ByteLevel {
+                merges,
+                pre,
+                ignore_merges,
+            } => {
                 scratch.words.clear();
                 pre.split(text, &mut scratch.words);
                 let bytes = text.as_bytes();
                 for &(start, end) in &scratch.words {
+                    if *ignore_merges {
+                        scratch.word_text.clear();
+                        scratch.word_text.extend(
+                            bytes[start..end]
+                                .iter()
+                                .map(|&b| byte_level::byte_to_char(b)),
+                        );
+                        if let Some(id) = self.texts.id_of(&scratch.word_text) {
+                            out.push(id);
+                            continue;
+                        }
+                    }
                     scratch.ids.clear();
                     for &b in &bytes[start..end] {
                         let id = self.byte_ids[usize::from(b)]
@@ -679,6 +714,8 @@ impl Tokenizer {
 #[derive(Default)]
 struct EncodeScratch {
     words: Vec<(usize, usize)>,
+    /// A word in the byte-level alphabet, to look it up whole.
+    word_text: String,
     ids: Vec<u32>,
     bpe: BpeScratch,
     spm: SpmScratch,
@@ -954,12 +991,12 @@ mod tests {
 
         let file = gguf(&[
             ("tokenizer.ggml.model", Value::Str("gpt2")),
-            ("tokenizer.ggml.pre", Value::Str("qwen2")),
+            ("tokenizer.ggml.pre", Value::Str("gpt-4o")),
             ("tokenizer.ggml.tokens", Value::Strings(texts.clone())),
         ]);
         assert!(matches!(
             Tokenizer::from_gguf(&file),
-            Err(TokenizerError::UnsupportedPreTokenizer { pre }) if pre == "qwen2"
+            Err(TokenizerError::UnsupportedPreTokenizer { pre }) if pre == "gpt-4o"
         ));
 
         types.pop();
@@ -985,6 +1022,46 @@ mod tests {
             Tokenizer::from_gguf(&file),
             Err(TokenizerError::SpecialIdOutOfRange { id: 100_000, .. })
         ));
+    }
+
+    /// A byte-level vocabulary with a whole-word token "hello" that the
+    /// merges never build, under the given pre-tokenizer name.
+    fn whole_word_vocab(pre: &'static str) -> Tokenizer {
+        let (mut texts, mut types) = vocab_entries();
+        texts.push("hello".to_owned());
+        types.push(1);
+        texts.push("<|begin_of_text|>".to_owned());
+        types.push(3);
+        let bos = (texts.len() - 1) as u32;
+        let file = gguf(&[
+            ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str(pre)),
+            ("tokenizer.ggml.tokens", Value::Strings(texts)),
+            ("tokenizer.ggml.token_type", Value::I32s(types)),
+            (
+                "tokenizer.ggml.merges",
+                Value::Strings(MERGES.iter().map(|s| s.to_string()).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::U32(bos)),
+        ]);
+        Tokenizer::from_gguf(&file).expect("vocabulary loads")
+    }
+
+    #[test]
+    fn llama3_takes_whole_words_and_adds_bos_by_default() {
+        let llama3 = whole_word_vocab("llama-bpe");
+        let hello = id(&llama3, "hello");
+        let bos = id(&llama3, "<|begin_of_text|>");
+        assert!(llama3.adds_bos());
+        assert_eq!(llama3.encode("hello", false, false).unwrap(), [hello]);
+        assert_eq!(llama3.encode("hello", true, false).unwrap(), [bos, hello]);
+        // Other vocabularies merge by rank, and add no BOS unless told to.
+        let qwen2 = whole_word_vocab("qwen2");
+        assert!(!qwen2.adds_bos());
+        assert_eq!(
+            qwen2.encode("hello", false, false).unwrap(),
+            [id(&qwen2, "he"), id(&qwen2, "ll"), u32::from(b'o')]
+        );
     }
 
     #[test]
