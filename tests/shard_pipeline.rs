@@ -200,6 +200,30 @@ fn three_shards_match_one_host_and_contain_every_failure() {
     engine.append(&mut local, &[token]).expect("local decode");
     assert_eq!(bits(&logits), bits(local.next_logits()));
 
+    // Refused frames cost the link no credit: many more than the credit
+    // window (16), each refused at once for its passed deadline, and the
+    // stream still goes on at full speed.
+    for attempt in 0..40 {
+        let mut x = vec![0.5f32; hidden];
+        let t0 = std::time::Instant::now();
+        match coordinator.links[0].forward(&[(session, position, 1)], &mut x, 1) {
+            Err(e) => assert_eq!(e.kind(), Some(ErrorKind::Deadline), "{attempt}: {e}"),
+            Ok(()) => panic!("a frame past its deadline was computed"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "refusal {attempt} waited {:?} for a credit",
+            t0.elapsed()
+        );
+    }
+    let token = argmax(&logits);
+    logits = coordinator
+        .feed(session, position, &[token])
+        .expect("the stream goes on after the refusals");
+    position += 1;
+    engine.append(&mut local, &[token]).expect("local decode");
+    assert_eq!(bits(&logits), bits(local.next_logits()));
+
     // A session the shard never saw, continuing at position 5: NOT_FOUND.
     let stranger: WireSessionId = [9; 16];
     match coordinator.feed(stranger, 5, &[17]) {

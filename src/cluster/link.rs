@@ -450,7 +450,13 @@ impl ShardLink {
             match checked.kind {
                 FrameKind::Credit => continue,
                 FrameKind::Error if self.answers_earlier(&checked, sequence) => continue,
-                FrameKind::Error => return Err(self.refused(checked.frame.get_error())),
+                FrameKind::Error => {
+                    // A refused frame's credit comes back with the refusal:
+                    // the shard grants no credit frame for it (see
+                    // `Answered` in shard.rs), so none is lost to refusals.
+                    self.credits += 1;
+                    return Err(self.refused(checked.frame.get_error()));
+                }
                 FrameKind::Output => {
                     let output = checked.frame.get_output();
                     let answers = output.get_answers_sequence();

@@ -744,12 +744,16 @@ fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: Duple
                     continue;
                 };
                 let hidden = checked.kind.carries_hidden();
-                if !answer(&shared, agreed, *checked, &mut replies, &state) {
+                let answered = answer(&shared, agreed, *checked, &mut replies, &state);
+                if answered == Answered::Gone {
                     return;
                 }
                 if hidden {
+                    // The frame's credit is back for the reader's checks; the
+                    // coordinator's link takes a refusal as its credit, so a
+                    // credit frame goes only with an answer it computed.
                     state.granted.fetch_add(1, Ordering::AcqRel);
-                    if !replies.send(credit_frame(1), None) {
+                    if answered == Answered::Computed && !replies.send(credit_frame(1), None) {
                         return;
                     }
                 }
@@ -775,14 +779,36 @@ fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: Duple
     }
 }
 
-/// Acts on a checked frame; false once the stream is gone.
+/// How a checked frame was answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answered {
+    /// Acted on, or computed for every session it carried.
+    Computed,
+    /// Refused, in whole or for some of its sessions: an error frame says
+    /// why (and stands for the frame's credit at the coordinator).
+    Refused,
+    /// The stream is gone.
+    Gone,
+}
+
+impl Answered {
+    fn from_sent(sent: bool, refused: bool) -> Answered {
+        match (sent, refused) {
+            (false, _) => Answered::Gone,
+            (true, true) => Answered::Refused,
+            (true, false) => Answered::Computed,
+        }
+    }
+}
+
+/// Acts on a checked frame.
 fn answer(
     shared: &Shared,
     agreed: &Agreed,
     checked: FrameCheck,
     replies: &mut Replies,
     state: &StreamState,
-) -> bool {
+) -> Answered {
     let coordinator = agreed.epochs.coordinator;
     let hidden_size = agreed.fingerprint.hidden_size as usize;
     let frame = &checked.frame;
@@ -794,7 +820,7 @@ fn answer(
                     let _ = kv.release();
                 }
             }
-            true
+            Answered::Computed
         }
         FrameKind::Cancel => {
             // Frames are answered in order, so nothing of these sessions
@@ -804,7 +830,7 @@ fn answer(
                 checked.sessions.len() as u64,
                 std::sync::atomic::Ordering::Relaxed,
             );
-            true
+            Answered::Computed
         }
         FrameKind::Prefill | FrameKind::Decode => {
             let body = if checked.kind == FrameKind::Prefill {
@@ -813,7 +839,7 @@ fn answer(
                 frame.get_decode()
             };
             let Some(encoding) = checked.encoding else {
-                return true;
+                return Answered::Computed;
             };
             // The frame may have waited in the queue: its deadline again.
             let deadline = frame.get_header().get_deadline_unix_nanos();
@@ -824,7 +850,7 @@ fn answer(
                     sessions: checked.sessions.clone(),
                     sequence: Some(checked.sequence),
                 };
-                return replies.send(error_frame(&error), None);
+                return Answered::from_sent(replies.send(error_frame(&error), None), true);
             }
             let values = match decode_rows(encoding, hidden_size, checked.rows, frame.get_payload())
             {
@@ -836,7 +862,7 @@ fn answer(
                         sessions: checked.sessions.clone(),
                         sequence: Some(checked.sequence),
                     };
-                    return replies.send(error_frame(&error), None);
+                    return Answered::from_sent(replies.send(error_frame(&error), None), true);
                 }
             };
             let runs: Vec<(WireSessionId, u64, u32)> = body
@@ -858,7 +884,8 @@ fn answer(
             let outcome =
                 lock(&shared.core).compute(coordinator, &runs, values, hidden_size, &mut interrupt);
             let mut alive = true;
-            if !outcome.failed.is_empty() {
+            let refused = !outcome.failed.is_empty();
+            if refused {
                 for (kind, message, sessions) in outcome.failed {
                     let error = FrameError {
                         kind,
@@ -876,14 +903,14 @@ fn answer(
                 reply.set_output(output);
                 match encode_rows(encoding, hidden_size, &outcome.values) {
                     Ok(payload) => reply.set_payload(payload),
-                    Err(_) => return false,
+                    Err(_) => return Answered::Gone,
                 }
                 alive &= replies.send(reply, Some(encoding));
             }
-            alive
+            Answered::from_sent(alive, refused)
         }
         // Checked frames of the other kinds cannot travel to a shard.
-        FrameKind::Output | FrameKind::Credit | FrameKind::Error => true,
+        FrameKind::Output | FrameKind::Credit | FrameKind::Error => Answered::Computed,
     }
 }
 
