@@ -61,17 +61,24 @@ pub struct TurnTokens {
 
 impl<'t> Conversation<'t> {
     /// Starts a conversation with the tokenizer's own chat template (or
-    /// ChatML when the GGUF carries none). A template that cannot render
-    /// the start of this conversation (it does not parse, uses what
-    /// `chat_template` lacks, or refuses the system prompt) is an error
-    /// here, before anything is typed.
+    /// ChatML when the GGUF carries none).
     pub fn new(tokenizer: &'t Tokenizer, system: Option<&str>) -> Result<Self, CliError> {
+        let source = tokenizer.chat_template().unwrap_or(CHATML);
+        Self::with_template(tokenizer, source, system)
+    }
+
+    /// Starts a conversation rendered with the template `source`. A
+    /// template that cannot render the start of this conversation (it does
+    /// not parse, uses what `chat_template` lacks, or refuses the system
+    /// prompt) is an error here, before anything is typed.
+    pub fn with_template(
+        tokenizer: &'t Tokenizer,
+        source: &str,
+        system: Option<&str>,
+    ) -> Result<Self, CliError> {
         let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("");
-        let template = ChatTemplate::new(
-            tokenizer.chat_template().unwrap_or(CHATML),
-            text_of(tokenizer.bos()),
-            text_of(tokenizer.eos()),
-        )?;
+        let template =
+            ChatTemplate::new(source, text_of(tokenizer.bos()), text_of(tokenizer.eos()))?;
         let messages: Vec<Message> = system
             .map(|s| vec![Message::new("system", s)])
             .unwrap_or_default();
@@ -354,6 +361,7 @@ fn run_remote(args: ChatArgs) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat_template::TemplateError;
     use crate::gguf::synthetic::{SyntheticLlama, EOS_TOKEN_ID};
     use crate::gguf::GgufFile;
 
@@ -421,6 +429,30 @@ mod tests {
             tok.decode(&second.tokens).expect("decode"),
             chat.template.render(&chat.messages, true).expect("render")
         );
+    }
+
+    #[test]
+    fn a_template_that_cannot_render_the_conversation_is_an_error_at_the_start() {
+        let tok = tokenizer();
+        let refuses_system = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}";
+        let err = Conversation::with_template(&tok, refuses_system, Some("Be brief."))
+            .err()
+            .expect("a refused system prompt is an error");
+        assert!(
+            matches!(err, CliError::Template(TemplateError::Raised { .. })),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("System role not supported"),
+            "{err}"
+        );
+        // Without a system prompt the same template is fine.
+        Conversation::with_template(&tok, refuses_system, None).expect("no system prompt");
+        // A filter minijinja lacks fails before any turn, naming it.
+        let err = Conversation::with_template(&tok, "{{ messages | unknown_filter }}", None)
+            .err()
+            .expect("an unknown filter is an error");
+        assert!(err.to_string().contains("unknown_filter"), "{err}");
     }
 
     #[test]
