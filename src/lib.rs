@@ -22,8 +22,12 @@
 //! - [`cluster`]: the shard protocol: frame checks, `inferd shard`, the
 //!   coordinator's link to a shard, and `inferd relay`.
 //! - [`listen`]: the socket address a bound listen string names.
+//! - [`chat_template`]: a conversation -> prompt text through the model's own
+//!   Jinja chat template, rendered as transformers renders it.
 //! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
 
+#[cfg(not(loom))]
+pub mod chat_template;
 #[cfg(not(loom))]
 pub mod cli;
 #[cfg(not(loom))]

@@ -7,11 +7,11 @@
 use std::io::{BufRead, Write};
 
 use clap::Args;
-use minijinja::{context, Environment};
 
 use super::client::{generate_request, RemoteClient};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
+use crate::chat_template::{ChatTemplate, Message};
 use crate::engine::{Engine, Session};
 use crate::sampler::SamplingParams;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -34,47 +34,6 @@ pub struct ChatArgs {
     pub connect: ConnectArgs,
 }
 
-/// Renders a conversation with a GGUF chat template.
-pub struct ChatTemplate {
-    env: Environment<'static>,
-    bos: String,
-    eos: String,
-}
-
-impl ChatTemplate {
-    /// Compiles `source`; `bos`/`eos` are the texts of the model's special tokens.
-    pub fn new(source: &str, bos: String, eos: String) -> Result<Self, CliError> {
-        let mut env = Environment::new();
-        env.add_template_owned("chat", source.to_owned())
-            .map_err(|e| CliError::Template(e.to_string()))?;
-        Ok(Self { env, bos, eos })
-    }
-
-    /// Renders `messages` as (role, content) pairs, optionally opening an
-    /// assistant turn at the end.
-    pub fn render(
-        &self,
-        messages: &[(String, String)],
-        add_generation_prompt: bool,
-    ) -> Result<String, CliError> {
-        let messages: Vec<_> = messages
-            .iter()
-            .map(|(role, content)| context! { role => role, content => content })
-            .collect();
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| CliError::Template(e.to_string()))?;
-        tmpl.render(context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos,
-            eos_token => self.eos,
-        })
-        .map_err(|e| CliError::Template(e.to_string()))
-    }
-}
-
 /// A minimal ChatML template for models whose GGUF carries none.
 const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
@@ -84,7 +43,7 @@ const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 pub struct Conversation<'t> {
     tokenizer: &'t Tokenizer,
     template: ChatTemplate,
-    messages: Vec<(String, String)>,
+    messages: Vec<Message>,
     /// The rendered text the session's history holds, ending where the
     /// last reply ended.
     rendered: String,
@@ -104,19 +63,28 @@ impl<'t> Conversation<'t> {
     /// Starts a conversation with the tokenizer's own chat template (or
     /// ChatML when the GGUF carries none).
     pub fn new(tokenizer: &'t Tokenizer, system: Option<&str>) -> Result<Self, CliError> {
-        let text_of = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.token_text(i))
-                .unwrap_or("")
-                .to_owned()
-        };
-        let template = ChatTemplate::new(
-            tokenizer.chat_template().unwrap_or(CHATML),
-            text_of(tokenizer.bos()),
-            text_of(tokenizer.eos()),
-        )?;
-        let messages = system
-            .map(|s| vec![("system".to_owned(), s.to_owned())])
+        let source = tokenizer.chat_template().unwrap_or(CHATML);
+        Self::with_template(tokenizer, source, system)
+    }
+
+    /// Starts a conversation rendered with the template `source`. A
+    /// template that cannot render the start of this conversation (it does
+    /// not parse, uses what `chat_template` lacks, or refuses the system
+    /// prompt) is an error here, before anything is typed.
+    pub fn with_template(
+        tokenizer: &'t Tokenizer,
+        source: &str,
+        system: Option<&str>,
+    ) -> Result<Self, CliError> {
+        let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("");
+        let template =
+            ChatTemplate::new(source, text_of(tokenizer.bos()), text_of(tokenizer.eos()))?;
+        let messages: Vec<Message> = system
+            .map(|s| vec![Message::new("system", s)])
             .unwrap_or_default();
+        let mut probe = messages.clone();
+        probe.push(Message::new("user", "Hello"));
+        template.render(&probe, true)?;
         Ok(Self {
             tokenizer,
             template,
@@ -129,7 +97,7 @@ impl<'t> Conversation<'t> {
     /// rendered text past what it already holds, up to the opening of the
     /// assistant's turn.
     pub fn user_turn(&mut self, text: &str) -> Result<TurnTokens, CliError> {
-        self.messages.push(("user".into(), text.to_owned()));
+        self.messages.push(Message::new("user", text));
         let full = self.template.render(&self.messages, true)?;
         let (fresh_session, new_text) = match full.strip_prefix(self.rendered.as_str()) {
             Some(suffix) => (false, suffix),
@@ -150,7 +118,7 @@ impl<'t> Conversation<'t> {
     pub fn assistant_replied(&mut self, text: String, generated: &[u32]) -> Result<(), CliError> {
         let tail = self.tokenizer.decode(generated)?;
         self.rendered.push_str(&tail);
-        self.messages.push(("assistant".into(), text));
+        self.messages.push(Message::new("assistant", text));
         Ok(())
     }
 }
@@ -393,6 +361,7 @@ fn run_remote(args: ChatArgs) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat_template::TemplateError;
     use crate::gguf::synthetic::{SyntheticLlama, EOS_TOKEN_ID};
     use crate::gguf::GgufFile;
 
@@ -460,6 +429,30 @@ mod tests {
             tok.decode(&second.tokens).expect("decode"),
             chat.template.render(&chat.messages, true).expect("render")
         );
+    }
+
+    #[test]
+    fn a_template_that_cannot_render_the_conversation_is_an_error_at_the_start() {
+        let tok = tokenizer();
+        let refuses_system = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}";
+        let err = Conversation::with_template(&tok, refuses_system, Some("Be brief."))
+            .err()
+            .expect("a refused system prompt is an error");
+        assert!(
+            matches!(err, CliError::Template(TemplateError::Raised { .. })),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("System role not supported"),
+            "{err}"
+        );
+        // Without a system prompt the same template is fine.
+        Conversation::with_template(&tok, refuses_system, None).expect("no system prompt");
+        // A filter minijinja lacks fails before any turn, naming it.
+        let err = Conversation::with_template(&tok, "{{ messages | unknown_filter }}", None)
+            .err()
+            .expect("an unknown filter is an error");
+        assert!(err.to_string().contains("unknown_filter"), "{err}");
     }
 
     #[test]

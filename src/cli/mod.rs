@@ -226,8 +226,9 @@ pub enum CliError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Sampler(#[from] SamplerError),
-    #[error("chat template: {0}")]
-    Template(String),
+    /// The model's chat template cannot render the conversation.
+    #[error(transparent)]
+    Template(#[from] crate::chat_template::TemplateError),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
     /// A call to an inferd server failed.
