@@ -1371,7 +1371,9 @@ fn an_append_whose_deadline_passed_in_the_queue_is_never_applied() {
     let served = Served::slow(1);
     let id = served.create("late append", &[]);
     served.append(&id, &[1, 2, 3]).expect("append");
-    let mut long = served.generate(gen_req(&id, 300));
+    // Long enough to outlive the append's deadline on a quiet fast machine
+    // too (300 tokens of this model once took under 150 ms).
+    let mut long = served.generate(gen_req(&id, 3000));
     long.first_token(STREAM_TIMEOUT);
     let late = served.append_with(
         &id,
@@ -1384,9 +1386,9 @@ fn an_append_whose_deadline_passed_in_the_queue_is_never_applied() {
         "the generate outlived the append's deadline"
     );
     let done = long.finish(STREAM_TIMEOUT).done();
-    assert_eq!(done.get_history_length(), 3 + 300);
+    assert_eq!(done.get_history_length(), 3 + 3000);
     thread::sleep(Duration::from_millis(100));
-    assert_eq!(served.history(&id), 3 + 300, "the late append never ran");
+    assert_eq!(served.history(&id), 3 + 3000, "the late append never ran");
     served.stop();
 }
 
