@@ -574,7 +574,7 @@ fn json_key(key: &Value) -> Result<String, Error> {
 /// A JSON string as Python's encoder writes it: `"`, `\` and control
 /// characters escaped (`\n`, `\u001b`), and with `ensure_ascii` everything
 /// outside printable ASCII as `\uXXXX` (surrogate pairs above U+FFFF).
-fn json_string(out: &mut String, s: &str, ensure_ascii: bool) {
+pub(crate) fn json_string(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
     for c in s.chars() {
         match c {

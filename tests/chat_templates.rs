@@ -25,6 +25,8 @@
 //! skipped loudly otherwise; so is a missing Python environment
 //! (`scripts/python-env`, which pins jinja2).
 
+mod support;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -115,23 +117,9 @@ const CLAIMED: &[Claimed] = &[
 const REFERENCE_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const GGUF_TEMPLATES: &[&str] = &["qwen2", "qwen35", "phi-3"];
 
-fn vocab_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("INFERD_VOCAB_DIR") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache/inferd/vocabs")
-}
-
-fn required() -> bool {
-    ["CI", "INFERD_REQUIRE_VOCABS"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty() && v != "0"))
-}
-
 /// A missing input: a failure when required, else a loud skip.
 fn missing(what: &str) {
-    assert!(!required(), "{what}");
+    assert!(!support::vocabs_required(), "{what}");
     eprintln!("\n*** SKIPPED: {what} ***\n");
 }
 
@@ -414,7 +402,7 @@ fn gguf_template(path: &PathBuf) -> (String, String, String) {
 
 #[test]
 fn claimed_templates_render_as_jinja2_renders_them() {
-    let dir = vocab_dir().join("templates");
+    let dir = support::vocab_dir().join("templates");
     let present: Vec<&Claimed> = CLAIMED
         .iter()
         .filter(|c| {
@@ -464,7 +452,7 @@ fn claimed_templates_render_as_jinja2_renders_them() {
 fn templates_carried_by_gguf_files_render_as_jinja2_renders_them() {
     let mut files = vec![(REFERENCE_MODEL.to_owned(), PathBuf::from(REFERENCE_MODEL))];
     for name in GGUF_TEMPLATES {
-        let path = vocab_dir().join(format!("ggml-vocab-{name}.gguf"));
+        let path = support::vocab_dir().join(format!("ggml-vocab-{name}.gguf"));
         files.push((format!("ggml-vocab-{name}"), path));
     }
     let mut failures = Vec::new();

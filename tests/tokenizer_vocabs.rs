@@ -15,7 +15,7 @@
 //! or `INFERD_REQUIRE_VOCABS` is set (scripts/test sets the latter) and is
 //! skipped loudly otherwise.
 
-use std::path::PathBuf;
+mod support;
 
 use inferd::gguf::GgufFile;
 use inferd::tokenizer::{TokenType, Tokenizer};
@@ -23,20 +23,6 @@ use inferd::tokenizer::{TokenType, Tokenizer};
 /// The separator between cases in a `.inp` file, as llama.cpp's
 /// `tests/test-tokenizer-0.cpp` splits them.
 const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
-
-fn vocab_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("INFERD_VOCAB_DIR") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache/inferd/vocabs")
-}
-
-fn required() -> bool {
-    ["CI", "INFERD_REQUIRE_VOCABS"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty() && v != "0"))
-}
 
 /// One case: the input text and the ids llama.cpp expects.
 struct Case {
@@ -48,7 +34,7 @@ struct Case {
 /// each separator (a final separator ends the last case), one output line
 /// of space-separated ids per case.
 fn read_cases(name: &str) -> Option<(Tokenizer, Vec<Case>)> {
-    let dir = vocab_dir();
+    let dir = support::vocab_dir();
     let gguf = dir.join(format!("ggml-vocab-{name}.gguf"));
     let inp = dir.join(format!("ggml-vocab-{name}.gguf.inp"));
     let out = dir.join(format!("ggml-vocab-{name}.gguf.out"));
@@ -57,7 +43,7 @@ fn read_cases(name: &str) -> Option<(Tokenizer, Vec<Case>)> {
             "vocabulary {name} not found in {} (run scripts/fetch-vocabs)",
             dir.display()
         );
-        assert!(!required(), "{msg}");
+        assert!(!support::vocabs_required(), "{msg}");
         eprintln!("\n*** SKIPPED: {msg} ***\n");
         return None;
     }

@@ -139,22 +139,11 @@ pub fn parse_token_list(text: &str) -> Result<Vec<u32>, String> {
         .collect()
 }
 
-/// Quotes `s` as a JSON string.
+/// Quotes `s` as a JSON string (as Python's `json.dumps` does, non-ASCII
+/// kept as it is).
 pub fn json_string(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+    crate::chat_template::json_string(&mut out, s, false);
     out
 }
 

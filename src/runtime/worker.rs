@@ -2084,14 +2084,22 @@ mod tests {
         got
     }
 
-    #[test]
-    fn a_generate_cancelled_while_its_window_shifts_keeps_the_old_window() {
+    /// A worker with room for two windows and a session two tokens short of
+    /// the context, fed in chunks of 8.
+    fn two_tokens_short_of_the_context() -> (Worker, SessionId, Vec<u32>) {
         let mut w = worker_with_pages(40);
         w.cfg.prefill_chunk = 8;
         let context = w.model.config.context;
         let id = new_session(&mut w);
         let history: Vec<u32> = (0..context as u32 - 2).map(|i| i % 50 + 1).collect();
         append(&mut w, id, &history).expect("append");
+        (w, id, history)
+    }
+
+    #[test]
+    fn a_generate_cancelled_while_its_window_shifts_keeps_the_old_window() {
+        let (mut w, id, history) = two_tokens_short_of_the_context();
+        let context = w.model.config.context;
         let events = cancel_in_the_middle_of_a_shift(&mut w, id);
         // Two tokens filled the context; the shift never finished, so it
         // was never reported, and the full history is back.
@@ -2123,12 +2131,8 @@ mod tests {
 
     #[test]
     fn a_cancelled_shift_in_the_sessions_own_pages_feeds_the_old_history_again() {
-        let mut w = worker_with_pages(40);
-        w.cfg.prefill_chunk = 8;
+        let (mut w, id, _) = two_tokens_short_of_the_context();
         let context = w.model.config.context;
-        let id = new_session(&mut w);
-        let history: Vec<u32> = (0..context as u32 - 2).map(|i| i % 50 + 1).collect();
-        append(&mut w, id, &history).expect("append");
         // Take every free page, so the shift has to reuse the session's own.
         let mut hog = SessionKv::new(Arc::clone(&w.kv_pool));
         let free = w.kv_pool.free_pages();

@@ -250,11 +250,7 @@ fn split_gpt2(t: &CharTable, start: usize, end: usize, words: &mut Vec<(usize, u
         let c = t.chars[pos];
 
         if c == '\'' {
-            let contraction_len = match (char_at(pos + 1), char_at(pos + 2)) {
-                (Some('s' | 't' | 'm' | 'd'), _) => 2,
-                (Some('r'), Some('e')) | (Some('v'), Some('e')) | (Some('l'), Some('l')) => 3,
-                _ => 0,
-            };
+            let contraction_len = contraction(char_at(pos + 1), char_at(pos + 2));
             if contraction_len > 0 {
                 emit(pos, pos + contraction_len);
                 pos += contraction_len;
@@ -331,11 +327,7 @@ fn split_llama3(
         // (?i:'s|'t|'re|'ve|'m|'ll|'d)
         if c == '\'' {
             let lower = |i: usize| char_at(i).map(|c| c.to_ascii_lowercase());
-            let contraction_len = match (lower(pos + 1), lower(pos + 2)) {
-                (Some('s' | 't' | 'm' | 'd'), _) => 2,
-                (Some('r'), Some('e')) | (Some('v'), Some('e')) | (Some('l'), Some('l')) => 3,
-                _ => 0,
-            };
+            let contraction_len = contraction(lower(pos + 1), lower(pos + 2));
             if contraction_len > 0 {
                 emit(pos, pos + contraction_len);
                 pos += contraction_len;
@@ -682,6 +674,16 @@ fn find(t: &CharTable, pattern: Pattern, from: usize, end: usize) -> Option<(usi
         }
         // Handled by the caller: it is not a single leftmost match.
         Pattern::Gpt2 => None,
+    }
+}
+
+/// The length of an English contraction (`'s`, `'t`, `'m`, `'d`, `'re`,
+/// `'ve`, `'ll`) whose apostrophe is followed by `next` and `after`, or 0.
+fn contraction(next: Option<char>, after: Option<char>) -> usize {
+    match (next, after) {
+        (Some('s' | 't' | 'm' | 'd'), _) => 2,
+        (Some('r'), Some('e')) | (Some('v'), Some('e')) | (Some('l'), Some('l')) => 3,
+        _ => 0,
     }
 }
 

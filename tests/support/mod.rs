@@ -381,3 +381,21 @@ pub fn retry_unavailable(within: Duration, mut call: impl FnMut() -> Generated) 
         }
     }
 }
+
+/// Where scripts/fetch-vocabs puts llama.cpp's vocabulary files and chat
+/// templates.
+pub fn vocab_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("INFERD_VOCAB_DIR") {
+        return std::path::PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| ".".into(), std::path::PathBuf::from);
+    home.join(".cache/inferd/vocabs")
+}
+
+/// Whether missing vocabulary files fail a test (CI, scripts/test) rather
+/// than skip it loudly.
+pub fn vocabs_required() -> bool {
+    ["CI", "INFERD_REQUIRE_VOCABS"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty() && v != "0"))
+}
