@@ -17,7 +17,7 @@
 //! answered, then tries again.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -99,7 +99,7 @@ pub(crate) struct Shared {
     /// KV pages held by each worker's idle sessions, as it last published:
     /// what evicting could free, so nothing is evicted for a request that
     /// would fail anyway.
-    pub(crate) idle_pages: Vec<AtomicU64>,
+    pub(crate) idle_pages: Vec<AtomicUsize>,
     /// Wakes worker `i` from its wait for commands (a full channel means a
     /// wake is already pending).
     pub(crate) wakers: Vec<Sender<()>>,
@@ -113,7 +113,7 @@ impl Shared {
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
             board: EvictionBoard::new(wakers.len()),
-            idle_pages: wakers.iter().map(|_| AtomicU64::new(0)).collect(),
+            idle_pages: wakers.iter().map(|_| AtomicUsize::new(0)).collect(),
             wakers,
             epoch: Instant::now(),
         }
@@ -663,7 +663,7 @@ impl Worker {
             .filter(|(id, s)| s.idle() && **id != keep)
             .map(|(_, s)| s.kv.pages_held())
             .sum();
-        let others: u64 = self
+        let others: usize = self
             .shared
             .idle_pages
             .iter()
@@ -671,7 +671,7 @@ impl Worker {
             .filter(|(worker, _)| *worker != self.index)
             .map(|(_, pages)| pages.load(Ordering::Relaxed))
             .sum();
-        local.saturating_add(usize::try_from(others).unwrap_or(usize::MAX))
+        local.saturating_add(others)
     }
 
     /// Frees room by evicting the least recently used idle session of any
@@ -741,7 +741,7 @@ impl Worker {
             history += slot.history.len() as u64;
             queued += slot.queue.len() as u64;
             if slot.idle() {
-                idle_pages += slot.kv.pages_held() as u64;
+                idle_pages += slot.kv.pages_held();
                 if oldest.is_none_or(|t| slot.last_used < t) {
                     oldest = Some(slot.last_used);
                 }
@@ -967,8 +967,8 @@ impl Worker {
         Ok(())
     }
 
-    /// Stops the session's call before its prompt is all in (deadline,
-    /// cancel): undoes what it computed, then answers it.
+    /// Stops the session's call (deadline, cancel): undoes a prompt it had
+    /// not finished feeding, then answers it.
     fn abandon(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
         let Some(slot) = self.sessions.get_mut(&id) else {
             return;
@@ -1340,12 +1340,13 @@ impl Worker {
         let Some(active) = slot.active.as_mut() else {
             return false;
         };
+        // Checked before every prompt chunk and every decode step, so a call
+        // stops within one step (undoing a prompt it had not finished).
+        if let Some(end) = active.stopped() {
+            self.abandon(id, end);
+            return true;
+        }
         if active.fed < active.pending.len() {
-            // Checked before every chunk, so a call stops within one step.
-            if let Some(end) = active.stopped() {
-                self.abandon(id, end);
-                return true;
-            }
             let end = (active.fed + chunk).min(active.pending.len());
             slot.feed
                 .extend_from_slice(&active.pending[active.fed..end]);
@@ -1360,17 +1361,8 @@ impl Worker {
             return false;
         };
         let full = slot.history.len() >= context;
-        let stop = if gen.cancel.load(Ordering::Acquire) {
-            Some(Ok(StopReason::Cancelled))
-        } else if gen.deadline.is_some_and(|d| d <= Instant::now()) {
-            Some(Err(RuntimeError::DeadlineExceeded))
-        } else if full && self.cfg.overflow == OverflowPolicy::Stop {
-            Some(Ok(StopReason::Truncated))
-        } else {
-            None
-        };
-        if let Some(stop) = stop {
-            self.finish_generate(id, stop);
+        if full && self.cfg.overflow == OverflowPolicy::Stop {
+            self.finish_generate(id, Ok(StopReason::Truncated));
             return true;
         }
         // Room for a token (and its log-probabilities), a `Truncated` when
@@ -1861,8 +1853,8 @@ fn finish_with_error(active: Active, err: RuntimeError) {
 }
 
 impl Active {
-    /// Why the call must stop before its next prompt chunk, if it must: a
-    /// cancelled Generate, or a deadline that passed. A restore never stops.
+    /// Why the call must stop before its next step, if it must: a cancelled
+    /// Generate, or a deadline that passed. A restore never stops.
     fn stopped(&self) -> Option<Result<StopReason, RuntimeError>> {
         let now = Instant::now();
         match &self.work {
