@@ -357,6 +357,17 @@ impl GgufFile {
         }
     }
 
+    /// An optional array of bools; `None` when absent or when the key holds
+    /// a single value instead (callers read that form separately), an
+    /// error for an array of anything else.
+    pub fn get_bool_array_opt(&self, key: &str) -> Result<Option<Vec<bool>>, GgufError> {
+        match self.get(key) {
+            Some(MetaValue::Array(MetaArray::Bool(flags))) => Ok(Some(flags.clone())),
+            Some(v @ MetaValue::Array(_)) => Err(self.wrong_type(key, v, "array of bool")),
+            _ => Ok(None),
+        }
+    }
+
     /// A required string.
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
         match self.require(key)? {

@@ -1,46 +1,12 @@
 //! The hyper-parameters of a llama-family model, read from GGUF metadata and
-//! checked for consistency before any tensor is touched.
+//! checked for consistency before any tensor is touched. Which keys an
+//! architecture has comes from the table in `arch.rs`.
 
 use crate::gguf::GgufFile;
 
 use super::ModelError;
 
-/// How RoPE pairs up the dimensions of a head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopeLayout {
-    /// Adjacent pairs `(x[2i], x[2i+1])` (GGUF `llama` checkpoints, whose
-    /// Q/K rows were permuted by the converter to this layout).
-    Normal,
-    /// Split halves `(x[i], x[i + d/2])` (GPT-NeoX style; `qwen2`).
-    Neox,
-}
-
-/// The architectures the forward pass implements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Architecture {
-    /// `llama`: SmolLM2, TinyLlama, Llama 2/3.
-    Llama,
-    /// `qwen2`: llama with biases on the Q, K and V projections, NeoX RoPE.
-    Qwen2,
-}
-
-impl Architecture {
-    fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "llama" => Some(Self::Llama),
-            "qwen2" => Some(Self::Qwen2),
-            _ => None,
-        }
-    }
-
-    /// The GGUF metadata key prefix.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Llama => "llama",
-            Self::Qwen2 => "qwen2",
-        }
-    }
-}
+use super::arch::{ArchSpec, Architecture, RopeLayout};
 
 /// Model shape and numerical constants.
 #[derive(Clone, Debug, PartialEq)]
@@ -51,6 +17,9 @@ pub struct ModelConfig {
     pub hidden: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
+    /// Width of one attention head (`attention.key_length`, else
+    /// width / heads); Q is `n_heads * head_dim` wide, which need not be
+    /// the residual width.
     pub head_dim: usize,
     /// Inner width of the SwiGLU feed-forward block.
     pub ffn: usize,
@@ -64,6 +33,27 @@ pub struct ModelConfig {
     /// Dimensions of each head that RoPE rotates (the rest pass through).
     pub rope_dims: usize,
     pub rope_layout: RopeLayout,
+    /// Sliding-window layers attend to the last `window` positions only
+    /// (the query's own included) and rotate with `rope_base_sliding`.
+    pub sliding_window: Option<SlidingWindow>,
+    /// Embeddings are multiplied by this (Gemma: sqrt(width)).
+    pub embedding_scale: Option<f32>,
+    /// Queries are multiplied by this after RoPE and the attention score is
+    /// left unscaled (Gemma); `None`: the score is scaled by 1/sqrt(head_dim).
+    pub query_scale: Option<f32>,
+    /// Logits become `cap * tanh(logits / cap)`.
+    pub logit_softcap: Option<f32>,
+}
+
+/// The sliding-window layers of a model and their attention span.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a sliding layer's query sees, its own included.
+    pub window: usize,
+    /// `layers[i]`: layer `i` is a sliding-window layer (else global).
+    pub layers: Vec<bool>,
+    /// RoPE base of the sliding layers.
+    pub rope_base: f32,
 }
 
 /// Caps that keep a hostile header from asking for absurd buffers.
@@ -75,9 +65,13 @@ impl ModelConfig {
     /// Reads and validates the configuration of `file`.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let arch_name = file.get_str("general.architecture")?;
-        let architecture = Architecture::from_name(arch_name)
-            .ok_or_else(|| ModelError::UnsupportedArchitecture(arch_name.to_owned()))?;
-        let p = architecture.name();
+        let architecture = Architecture::from_name(arch_name).ok_or_else(|| {
+            ModelError::UnsupportedArchitecture {
+                name: arch_name.to_owned(),
+            }
+        })?;
+        let spec = architecture.spec();
+        let p = spec.name;
         let key = |k: &str| format!("{p}.{k}");
         let get = |k: &str, cap: u64| -> Result<usize, ModelError> {
             let name = key(k);
@@ -118,12 +112,22 @@ impl ModelConfig {
             )));
         }
 
-        if hidden % n_heads != 0 {
-            return Err(ModelError::BadConfig(format!(
-                "embedding length {hidden} is not a multiple of the head count {n_heads}"
-            )));
+        let head_dim = match file.get_u64_opt(&key("attention.key_length"))? {
+            Some(_) => get("attention.key_length", MAX_WIDTH)?,
+            None if hidden % n_heads != 0 => {
+                return Err(ModelError::BadConfig(format!(
+                    "embedding length {hidden} is not a multiple of the head count {n_heads}"
+                )))
+            }
+            None => hidden / n_heads,
+        };
+        if let Some(v) = file.get_u64_opt(&key("attention.value_length"))? {
+            if v as usize != head_dim {
+                return Err(ModelError::BadConfig(format!(
+                    "value head width {v} differs from the key head width {head_dim}"
+                )));
+            }
         }
-        let head_dim = hidden / n_heads;
         if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
             return Err(ModelError::BadConfig(format!(
                 "{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads"
@@ -149,6 +153,24 @@ impl ModelConfig {
                 "rms epsilon {rms_eps} or rope base {rope_base} is not a usable number"
             )));
         }
+        let sliding_window = if spec.sliding_window {
+            sliding_window(file, p, n_layers, spec.sliding_pattern)?
+        } else {
+            None
+        };
+        let logit_softcap = match spec.logit_softcap {
+            false => None,
+            true => match file.get_f32_opt(&key("final_logit_softcapping"))? {
+                None => None,
+                Some(0.0) => None,
+                Some(c) if c.is_finite() && c > 0.0 => Some(c),
+                Some(c) => {
+                    return Err(ModelError::BadConfig(format!(
+                        "final_logit_softcapping {c} is not a positive number"
+                    )))
+                }
+            },
+        };
         Ok(Self {
             architecture,
             n_layers,
@@ -163,11 +185,42 @@ impl ModelConfig {
             rope_base,
             rope_freq_scale,
             rope_dims,
-            rope_layout: match architecture {
-                Architecture::Llama => RopeLayout::Normal,
-                Architecture::Qwen2 => RopeLayout::Neox,
-            },
+            rope_layout: spec.rope_layout,
+            sliding_window,
+            embedding_scale: spec.scale_embeddings.then(|| (hidden as f32).sqrt()),
+            // Gemma's 27B (62 layers) scales by the width per head rather
+            // than the head dimension, as its reference implementation does.
+            query_scale: spec.scale_queries.then(|| {
+                let per_head = if n_layers == 62 {
+                    hidden / n_heads
+                } else {
+                    head_dim
+                };
+                1.0 / (per_head as f32).sqrt()
+            }),
+            logit_softcap,
         })
+    }
+
+    /// The architecture's row of the table in `arch.rs`.
+    pub fn spec(&self) -> &'static ArchSpec {
+        self.architecture.spec()
+    }
+
+    /// Width of the Q projection (and of the attention output).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// The attention span of layer `layer`: `Some(window)` for a
+    /// sliding-window layer, `None` for a global one.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let s = self.sliding_window.as_ref()?;
+        s.layers
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+            .then_some(s.window)
     }
 
     /// Width of the K (and V) projection: KV heads times head dimension.
@@ -198,4 +251,56 @@ fn rope_scale(file: &GgufFile, p: &str) -> Result<f32, ModelError> {
             "RoPE scaling factor {f} is not a positive number"
         ))),
     }
+}
+
+/// The sliding-window layout from `{arch}.attention.sliding_window` and
+/// `{arch}.attention.sliding_window_pattern` (a per-layer array of flags,
+/// or `n`: every `n`-th layer global, `default_pattern` when absent), as
+/// llama.cpp reads them. No window (or 0) means every layer is global.
+fn sliding_window(
+    file: &GgufFile,
+    p: &str,
+    n_layers: usize,
+    default_pattern: usize,
+) -> Result<Option<SlidingWindow>, ModelError> {
+    let window = match file.get_u64_opt(&format!("{p}.attention.sliding_window"))? {
+        None | Some(0) => return Ok(None),
+        Some(w) if w > 1 << 24 => {
+            return Err(ModelError::BadConfig(format!(
+                "sliding window {w} is out of range"
+            )))
+        }
+        Some(w) => w as usize,
+    };
+    let pattern_key = format!("{p}.attention.sliding_window_pattern");
+    let layers = match file.get_bool_array_opt(&pattern_key)? {
+        Some(flags) if flags.len() == n_layers => flags,
+        Some(flags) => {
+            return Err(ModelError::BadConfig(format!(
+                "{pattern_key} has {} entries for {n_layers} layers",
+                flags.len()
+            )))
+        }
+        None => {
+            let n = match file.get_u64_opt(&pattern_key)? {
+                Some(n) => n as usize,
+                None => default_pattern,
+            };
+            // Layer i is global when it ends a group of n (llama.cpp's rule).
+            (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect()
+        }
+    };
+    let rope_base = file
+        .get_f32_opt(&format!("{p}.rope.freq_base_swa"))?
+        .unwrap_or(10_000.0);
+    if !(rope_base.is_finite() && rope_base > 0.0) {
+        return Err(ModelError::BadConfig(format!(
+            "sliding-window RoPE base {rope_base} is not a usable number"
+        )));
+    }
+    Ok(Some(SlidingWindow {
+        window,
+        layers,
+        rope_base,
+    }))
 }

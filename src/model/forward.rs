@@ -39,7 +39,7 @@ use crate::kv::SessionKv;
 use crate::quant;
 use crate::threads::ThreadPool;
 
-use super::config::RopeLayout;
+use super::arch::{FfnActivation, RopeLayout};
 use super::weights::Matrix;
 use super::{Model, ModelError};
 
@@ -86,6 +86,10 @@ pub struct Scratch {
     by_row: Vec<f32>,
     /// RoPE `(cos, sin)` per token and rotated pair, `[tokens][rope_dims]`.
     rope: Vec<f32>,
+    /// The same for sliding-window layers (their own RoPE base).
+    rope_sliding: Vec<f32>,
+    /// Per-head normed Q or K, before it replaces the projection.
+    head_normed: Vec<f32>,
     /// Per token: (sequence index, absolute position).
     token_seq: Vec<(usize, usize)>,
     /// Logits, `[wanted rows][vocab]`.
@@ -195,6 +199,9 @@ impl Model {
                 name: m.name.clone(),
                 why: e.to_string(),
             })?;
+            if let Some(scale) = self.config.embedding_scale {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
         }
         Ok(())
     }
@@ -223,15 +230,16 @@ impl Model {
         }
         self.prepare_positions(seqs, scratch);
         let n = scratch.token_seq.len();
-        let (h, kvd) = (cfg.hidden, cfg.kv_dim());
-        self.rope_table(scratch);
+        let (h, kvd, qd) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim());
+        self.rope_tables(scratch);
         for l in layers.clone() {
             let w = &self.weights.layers[l];
-            // Attention block: x += Wo · attention(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x)).
+            let window = cfg.layer_window(l);
+            // Attention block: x += post(Wo · attention(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x))).
             rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
             self.quantize_acts(pool, &w.wq, &scratch.xn, n, &mut scratch.acts);
             let acts = std::mem::take(&mut scratch.acts);
-            resize(&mut scratch.q, n * h);
+            resize(&mut scratch.q, n * qd);
             resize(&mut scratch.k, n * kvd);
             resize(&mut scratch.v, n * kvd);
             self.matmul(pool, &w.wq, &acts, n, &mut scratch.q, &mut scratch.by_row);
@@ -241,8 +249,35 @@ impl Model {
             add_bias(&mut scratch.q, w.bq.as_deref());
             add_bias(&mut scratch.k, w.bk.as_deref());
             add_bias(&mut scratch.v, w.bv.as_deref());
-            self.apply_rope(&mut scratch.q, cfg.n_heads, &scratch.rope);
-            self.apply_rope(&mut scratch.k, cfg.n_kv_heads, &scratch.rope);
+            if let Some(norm) = &w.q_norm {
+                rms_norm(
+                    pool,
+                    &scratch.q,
+                    norm,
+                    cfg.rms_eps,
+                    &mut scratch.head_normed,
+                );
+                std::mem::swap(&mut scratch.q, &mut scratch.head_normed);
+            }
+            if let Some(norm) = &w.k_norm {
+                rms_norm(
+                    pool,
+                    &scratch.k,
+                    norm,
+                    cfg.rms_eps,
+                    &mut scratch.head_normed,
+                );
+                std::mem::swap(&mut scratch.k, &mut scratch.head_normed);
+            }
+            let rope = match window {
+                Some(_) => &scratch.rope_sliding,
+                None => &scratch.rope,
+            };
+            self.apply_rope(&mut scratch.q, cfg.n_heads, rope);
+            self.apply_rope(&mut scratch.k, cfg.n_kv_heads, rope);
+            if let Some(scale) = cfg.query_scale {
+                scratch.q.iter_mut().for_each(|v| *v *= scale);
+            }
             let kv_layer = l - layers.start;
             for (t, &(s, pos)) in scratch.token_seq.iter().enumerate() {
                 seqs[s].kv.write(
@@ -252,8 +287,8 @@ impl Model {
                     &scratch.v[t * kvd..][..kvd],
                 )?;
             }
-            resize(&mut scratch.att, n * h);
-            self.attention(pool, seqs, kv_layer, scratch)?;
+            resize(&mut scratch.att, n * qd);
+            self.attention(pool, seqs, kv_layer, window, scratch)?;
             self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
             resize(&mut scratch.proj, n * h);
             self.matmul(
@@ -264,9 +299,16 @@ impl Model {
                 &mut scratch.proj,
                 &mut scratch.by_row,
             );
-            add_in_place(x, &scratch.proj);
+            add_block_output(
+                pool,
+                x,
+                &scratch.proj,
+                w.attn_post_norm.as_deref(),
+                cfg.rms_eps,
+                &mut scratch.xn,
+            );
 
-            // Feed-forward block: x += W_down · (silu(W_gate·n(x)) ⊙ W_up·n(x)).
+            // Feed-forward block: x += post(W_down · (act(W_gate·n(x)) ⊙ W_up·n(x))).
             rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
             self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
             resize(&mut scratch.gate, n * cfg.ffn);
@@ -290,7 +332,13 @@ impl Model {
                 &mut scratch.up,
                 &mut scratch.by_row,
             );
-            swiglu(pool, &mut scratch.gate, &scratch.up, cfg.ffn);
+            gated_activation(
+                pool,
+                cfg.spec().ffn_activation,
+                &mut scratch.gate,
+                &scratch.up,
+                cfg.ffn,
+            );
             self.quantize_acts(pool, &w.w_down, &scratch.gate, n, &mut scratch.acts);
             self.matmul(
                 pool,
@@ -300,7 +348,14 @@ impl Model {
                 &mut scratch.proj,
                 &mut scratch.by_row,
             );
-            add_in_place(x, &scratch.proj);
+            add_block_output(
+                pool,
+                x,
+                &scratch.proj,
+                w.ffn_post_norm.as_deref(),
+                cfg.rms_eps,
+                &mut scratch.xn,
+            );
         }
         Ok(())
     }
@@ -376,6 +431,11 @@ impl Model {
         self.quantize_acts(pool, m, &normed, n, &mut scratch.acts);
         self.matmul(pool, m, &scratch.acts, n, out, &mut scratch.by_row);
         scratch.att = normed;
+        if let Some(cap) = self.config.logit_softcap {
+            // As ggml: scale by the reciprocal, tanh, scale back.
+            let inv = 1.0 / cap;
+            out.iter_mut().for_each(|v| *v = (*v * inv).tanh() * cap);
+        }
     }
 
     /// Quantizes `n` rows of `x` into `m`'s activation format.
@@ -436,19 +496,45 @@ impl Model {
         });
     }
 
-    /// Fills `scratch.rope` with `(cos, sin)` per token and rotated pair.
-    fn rope_table(&self, scratch: &mut Scratch) {
+    /// Fills `scratch.rope` (and `scratch.rope_sliding` for a model with
+    /// sliding-window layers) with `(cos, sin)` per token and rotated pair.
+    fn rope_tables(&self, scratch: &mut Scratch) {
+        let cfg = &self.config;
+        let mut table = std::mem::take(&mut scratch.rope);
+        self.rope_table(
+            cfg.rope_base,
+            cfg.rope_freq_scale,
+            &scratch.token_seq,
+            &mut table,
+        );
+        scratch.rope = table;
+        if let Some(sliding) = &cfg.sliding_window {
+            let mut table = std::mem::take(&mut scratch.rope_sliding);
+            // Sliding layers rotate at their own base and are never scaled
+            // (llama.cpp's `rope_freq_scale_train_swa`).
+            self.rope_table(sliding.rope_base, 1.0, &scratch.token_seq, &mut table);
+            scratch.rope_sliding = table;
+        }
+    }
+
+    fn rope_table(
+        &self,
+        base: f32,
+        freq_scale: f32,
+        token_seq: &[(usize, usize)],
+        out: &mut Vec<f32>,
+    ) {
         let cfg = &self.config;
         let half_dims = cfg.rope_dims / 2;
-        resize(&mut scratch.rope, scratch.token_seq.len() * cfg.rope_dims);
-        let theta_scale = cfg.rope_base.powf(-2.0 / cfg.rope_dims as f32);
+        resize(out, token_seq.len() * cfg.rope_dims);
+        let theta_scale = base.powf(-2.0 / cfg.rope_dims as f32);
         let freqs = self.weights.rope_freqs.as_deref();
-        for (t, &(_, pos)) in scratch.token_seq.iter().enumerate() {
-            let row = &mut scratch.rope[t * cfg.rope_dims..][..cfg.rope_dims];
+        for (t, &(_, pos)) in token_seq.iter().enumerate() {
+            let row = &mut out[t * cfg.rope_dims..][..cfg.rope_dims];
             let mut theta = pos as f32;
             for i in 0..half_dims {
                 let divisor = freqs.map_or(1.0, |f| f[i]);
-                let angle = cfg.rope_freq_scale * (theta / divisor);
+                let angle = freq_scale * (theta / divisor);
                 row[2 * i] = angle.cos();
                 row[2 * i + 1] = angle.sin();
                 theta *= theta_scale;
@@ -478,12 +564,16 @@ impl Model {
     }
 
     /// Causal grouped-query attention of every new token over its own
-    /// sequence's cached positions `0..=pos`, into `scratch.att`.
+    /// sequence's cached positions `0..=pos` (the last `window` of them on a
+    /// sliding-window layer), into `scratch.att`. Lanes and partial sums
+    /// follow absolute positions, so a window's result does not depend on
+    /// where it starts relative to a call.
     fn attention(
         &self,
         pool: &ThreadPool,
         seqs: &[Sequence<'_>],
         kv_layer: usize,
+        window: Option<usize>,
         scratch: &mut Scratch,
     ) -> Result<(), ModelError> {
         let cfg = &self.config;
@@ -498,13 +588,17 @@ impl Model {
             }
         };
         let group = cfg.n_heads / cfg.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = match cfg.query_scale {
+            Some(_) => 1.0,
+            None => 1.0 / (hd as f32).sqrt(),
+        };
         let token_seq = &scratch.token_seq;
         let q_all = &scratch.q;
         let kvs: Vec<&SessionKv> = seqs.iter().map(|s| &*s.kv).collect();
         pool.for_each_chunk_mut(&mut scratch.att, hd, &|task, out| {
             let (t, head) = (task / cfg.n_heads, task % cfg.n_heads);
             let (s, pos) = token_seq[t];
+            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let kv = kvs[s];
             let kv_head = head / group;
             let mut q16 = [f16::ZERO; MAX_HEAD_DIM];
@@ -518,7 +612,7 @@ impl Model {
             SCORES.with_borrow_mut(|scores| {
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
-                match kv.k_blocks(kv_layer, 0..pos + 1) {
+                match kv.k_blocks(kv_layer, first..pos + 1) {
                     Err(e) => fail(e),
                     Ok(blocks) => {
                         for block in blocks {
@@ -535,22 +629,27 @@ impl Model {
                 }
                 quant::exp_ggml(scores);
                 let mut sum = 0f64;
-                for chunk in scores.chunks(LANES) {
+                let mut rest = &scores[..];
+                let mut lane = first % LANES;
+                while !rest.is_empty() {
+                    let take = (LANES - lane).min(rest.len());
                     let mut lanes = [0f32; LANES];
-                    lanes[..chunk.len()].copy_from_slice(chunk);
+                    lanes[lane..lane + take].copy_from_slice(&rest[..take]);
                     sum += quant::reduce16(&lanes) as f64;
+                    rest = &rest[take..];
+                    lane = 0;
                 }
                 let inv = (1.0 / sum) as f32;
                 V_LANES.with_borrow_mut(|acc| {
                     acc.clear();
                     acc.resize(LANES * hd, 0.0);
-                    match kv.v_blocks(kv_layer, 0..pos + 1) {
+                    match kv.v_blocks(kv_layer, first..pos + 1) {
                         Err(e) => fail(e),
                         Ok(blocks) => {
                             let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
                             for (p, (v, &s)) in rows.zip(scores.iter()).enumerate() {
                                 let w = f16::from_f32(s * inv).to_f32();
-                                let lane = &mut acc[(p % LANES) * hd..][..hd];
+                                let lane = &mut acc[((first + p) % LANES) * hd..][..hd];
                                 quant::axpy_f16(w, &v[kv_head * hd..][..hd], lane);
                             }
                         }
@@ -598,11 +697,41 @@ fn rms_norm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut Ve
     });
 }
 
-/// `gate = silu(gate) * up`, element-wise, on ggml's `expf`.
-fn swiglu(pool: &ThreadPool, gate: &mut [f32], up: &[f32], ffn: usize) {
+/// `gate = act(gate) * up`, element-wise, with ggml's arithmetic for each
+/// activation (`expf` for SiLU, the f16 table for GELU).
+fn gated_activation(
+    pool: &ThreadPool,
+    activation: FfnActivation,
+    gate: &mut [f32],
+    up: &[f32],
+    ffn: usize,
+) {
     pool.for_each_chunk_mut(gate, ffn * 4, &|chunk, g| {
-        quant::swiglu_ggml(g, &up[chunk * ffn * 4..][..g.len()]);
+        let up = &up[chunk * ffn * 4..][..g.len()];
+        match activation {
+            FfnActivation::Silu => quant::swiglu_ggml(g, up),
+            FfnActivation::Gelu => quant::geglu_ggml(g, up),
+        }
     });
+}
+
+/// `x += block_output`, through the block's output RMSNorm when the
+/// architecture has one (`scratch` holds the normed output).
+fn add_block_output(
+    pool: &ThreadPool,
+    x: &mut [f32],
+    block_output: &[f32],
+    post_norm: Option<&[f32]>,
+    eps: f32,
+    scratch: &mut Vec<f32>,
+) {
+    match post_norm {
+        None => add_in_place(x, block_output),
+        Some(weight) => {
+            rms_norm(pool, block_output, weight, eps, scratch);
+            add_in_place(x, scratch);
+        }
+    }
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

@@ -4,6 +4,7 @@
 //! constants), [`Weights`] (immutable, views into the map), and the per-call
 //! [`Scratch`] buffers. The forward pass itself is in `forward.rs`.
 
+mod arch;
 mod config;
 mod forward;
 mod weights;
@@ -16,7 +17,8 @@ use thiserror::Error;
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv::{KvError, KvLayout};
 
-pub use config::{Architecture, ModelConfig, RopeLayout};
+pub use arch::{ArchSpec, Architecture, FfnActivation, RopeLayout, ARCHITECTURES};
+pub use config::{ModelConfig, SlidingWindow};
 pub use forward::{LogitRows, LogitsWanted, Scratch, Sequence, MAX_HEAD_DIM};
 pub use weights::{LayerWeights, Matrix, Weights};
 
@@ -27,8 +29,11 @@ pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     /// `general.architecture` names a network this forward pass does not implement.
-    #[error("architecture '{0}' is not supported (supported: llama, qwen2)")]
-    UnsupportedArchitecture(String),
+    #[error(
+        "architecture '{name}' is not supported (supported: {})",
+        Architecture::supported_list()
+    )]
+    UnsupportedArchitecture { name: String },
     /// The hyper-parameters are inconsistent or out of range.
     #[error("bad model configuration: {0}")]
     BadConfig(String),

@@ -5,7 +5,7 @@
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{activation_type, GgmlType};
 
-use super::config::{Architecture, ModelConfig};
+use super::config::ModelConfig;
 use super::ModelError;
 
 /// A matrix of `rows` rows of `cols` elements stored in the map.
@@ -37,8 +37,15 @@ pub struct LayerWeights {
     pub bq: Option<Vector>,
     pub bk: Option<Vector>,
     pub bv: Option<Vector>,
+    /// Per-head RMSNorm weights of Q and K, `[head_dim]` (qwen3, gemma3).
+    pub q_norm: Option<Vector>,
+    pub k_norm: Option<Vector>,
     pub wo: Matrix,
+    /// RMSNorm of the attention output before the residual add (gemma3).
+    pub attn_post_norm: Option<Vector>,
     pub ffn_norm: Vector,
+    /// RMSNorm of the feed-forward output before the residual add (gemma3).
+    pub ffn_post_norm: Option<Vector>,
     pub w_gate: Matrix,
     pub w_up: Matrix,
     pub w_down: Matrix,
@@ -72,29 +79,39 @@ impl Weights {
             Some(_) => Some(vector(file, "rope_freqs.weight", cfg.rope_dims / 2)?),
             None => None,
         };
-        let biased = cfg.architecture == Architecture::Qwen2;
+        let spec = cfg.spec();
+        let (q_dim, hd) = (cfg.q_dim(), cfg.head_dim);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let bias = |s: &str, len| -> Result<Option<Vector>, ModelError> {
-                match (biased, file.tensor(&n(s))) {
-                    (_, Some(_)) => vector(file, &n(s), len).map(Some),
-                    (true, None) => {
-                        Err(crate::gguf::GgufError::MissingTensor { name: n(s) }.into())
-                    }
-                    (false, None) => Ok(None),
+            // A tensor the architecture requires must be there; a norm it
+            // does not have is not read even when a file carries one.
+            let optional = |required: bool, s: &str, len| -> Result<Option<Vector>, ModelError> {
+                if required {
+                    vector(file, &n(s), len).map(Some)
+                } else {
+                    Ok(None)
                 }
+            };
+            // Q/K/V biases are used wherever a file has them (as llama.cpp
+            // does for every architecture here); qwen2 requires them.
+            let bias = |s: &str, len| -> Result<Option<Vector>, ModelError> {
+                optional(spec.qkv_bias || file.tensor(&n(s)).is_some(), s, len)
             };
             layers.push(LayerWeights {
                 attn_norm: vector(file, &n("attn_norm.weight"), h)?,
-                wq: matrix(file, &n("attn_q.weight"), h, h)?,
+                wq: matrix(file, &n("attn_q.weight"), q_dim, h)?,
                 wk: matrix(file, &n("attn_k.weight"), kv, h)?,
                 wv: matrix(file, &n("attn_v.weight"), kv, h)?,
-                bq: bias("attn_q.bias", h)?,
+                bq: bias("attn_q.bias", q_dim)?,
                 bk: bias("attn_k.bias", kv)?,
                 bv: bias("attn_v.bias", kv)?,
-                wo: matrix(file, &n("attn_output.weight"), h, h)?,
+                q_norm: optional(spec.qk_norm, "attn_q_norm.weight", hd)?,
+                k_norm: optional(spec.qk_norm, "attn_k_norm.weight", hd)?,
+                wo: matrix(file, &n("attn_output.weight"), h, q_dim)?,
+                attn_post_norm: optional(spec.post_norms, "post_attention_norm.weight", h)?,
                 ffn_norm: vector(file, &n("ffn_norm.weight"), h)?,
+                ffn_post_norm: optional(spec.post_norms, "post_ffw_norm.weight", h)?,
                 w_gate: matrix(file, &n("ffn_gate.weight"), cfg.ffn, h)?,
                 w_up: matrix(file, &n("ffn_up.weight"), cfg.ffn, h)?,
                 w_down: matrix(file, &n("ffn_down.weight"), h, cfg.ffn)?,

@@ -12,6 +12,7 @@
 
 mod blocks;
 mod dispatch;
+mod gelu;
 mod scalar;
 mod types;
 
@@ -28,6 +29,7 @@ pub use blocks::{
     BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 pub use dispatch::{supported_levels, SimdLevel};
+pub use gelu::geglu_ggml;
 pub use types::{GgmlType, QK_K};
 
 use dispatch::{DotKernel, Kernels, TILE};
