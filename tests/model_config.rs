@@ -133,7 +133,7 @@ fn inconsistent_shapes_and_unknown_architectures_are_errors() {
     );
     let err = load(mamba).expect_err("unknown architecture");
     assert!(
-        matches!(err, ModelError::UnsupportedArchitecture(_)),
+        matches!(err, ModelError::UnsupportedArchitecture { .. }),
         "{err:?}"
     );
 }
@@ -182,13 +182,47 @@ fn qwen2_loads_with_biases_and_neox_rope_and_prefill_stays_exact() {
         .iter()
         .all(|l| l.bq.is_some() && l.bk.is_some() && l.bv.is_some()));
 
+    assert_prefill_is_chunking_invariant(&model);
+}
+
+/// All-at-once logits of a 60-token prompt (every position).
+fn prompt_logits(model: &Model, tokens: &[u32]) -> Vec<u32> {
+    let layout = model.kv_layout(model.config.n_layers, 16);
+    let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 64)).expect("kv pool"));
+    let mut kv = SessionKv::new(pool);
+    let mut scratch = Scratch::default();
+    model
+        .forward(
+            &mut [Sequence {
+                kv: &mut kv,
+                tokens,
+                logits: LogitsWanted::All,
+            }],
+            &ThreadPool::new(2),
+            &mut scratch,
+        )
+        .expect("forward");
+    let vocab = model.config.vocab;
+    scratch.logits[..tokens.len() * vocab]
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+fn prompt(model: &Model) -> Vec<u32> {
+    (0..60)
+        .map(|i| (i * 37 + 5) % model.config.vocab as u32)
+        .collect()
+}
+
+/// The byte-exact prefill promise: one chunk and token by token give the
+/// same logit bits at every position.
+fn assert_prefill_is_chunking_invariant(model: &Model) {
     let layout = model.kv_layout(model.config.n_layers, 16);
     let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 64)).expect("kv pool"));
     let threads = ThreadPool::new(2);
     let mut scratch = Scratch::default();
-    let tokens: Vec<u32> = (0..60)
-        .map(|i| (i * 37 + 5) % model.config.vocab as u32)
-        .collect();
+    let tokens = prompt(model);
     let vocab = model.config.vocab;
 
     let mut whole = SessionKv::new(Arc::clone(&pool));
@@ -230,4 +264,113 @@ fn qwen2_loads_with_biases_and_neox_rope_and_prefill_stays_exact() {
         got == reference,
         "token-by-token logits differ from one chunk"
     );
+}
+
+/// Per-head RMSNorm weights for Q and K of every layer (`[head_dim]`).
+fn qk_norms(tiny: &SyntheticLlama) -> Vec<(String, Vec<u64>, Vec<f32>)> {
+    let hd = tiny.head_dim();
+    let mut out = Vec::new();
+    for layer in 0..tiny.n_layers {
+        for name in ["attn_q_norm", "attn_k_norm"] {
+            let values = (0..hd)
+                .map(|i| 0.5 + ((i * 5 + layer) % 7) as f32 * 0.1)
+                .collect();
+            out.push((
+                format!("blk.{layer}.{name}.weight"),
+                vec![hd as u64],
+                values,
+            ));
+        }
+    }
+    out
+}
+
+/// `base` with its architecture renamed (metadata keys follow).
+fn renamed(arch: &'static str) -> impl Fn(&str, &MetaValue) -> Option<(String, MetaValue)> {
+    move |k, v| match k {
+        "general.architecture" => Some((k.to_owned(), MetaValue::String(arch.into()))),
+        _ => Some((k.replacen("llama.", &format!("{arch}."), 1), v.clone())),
+    }
+}
+
+#[test]
+fn qwen3_needs_its_qk_norms_and_keeps_prefill_exact() {
+    let base = synthetic();
+    let tiny = SyntheticLlama::tiny();
+    let mut norms = qk_norms(&tiny);
+    let model =
+        load(rewrite(&base, renamed("qwen3"), vec![], norms.clone(), &[])).expect("qwen3 loads");
+    assert_eq!(model.config.rope_layout, RopeLayout::Neox);
+    assert!(model
+        .weights()
+        .layers
+        .iter()
+        .all(|l| l.q_norm.is_some() && l.k_norm.is_some()));
+    assert_prefill_is_chunking_invariant(&model);
+
+    norms.retain(|(name, _, _)| name != "blk.1.attn_k_norm.weight");
+    let err = load(rewrite(&base, renamed("qwen3"), vec![], norms, &[])).expect_err("missing norm");
+    assert!(
+        err.to_string().contains("blk.1.attn_k_norm.weight"),
+        "{err}"
+    );
+}
+
+/// A `gemma3` model over the tiny llama: Q/K norms, post-block norms, a
+/// sliding window of `window` positions on layer 0 (pattern 2: every
+/// second layer global), or no window at all.
+fn gemma3(window: Option<u32>) -> Model {
+    let base = synthetic();
+    let tiny = SyntheticLlama::tiny();
+    let mut tensors = qk_norms(&tiny);
+    for layer in 0..tiny.n_layers {
+        for name in ["post_attention_norm", "post_ffw_norm"] {
+            let values = (0..tiny.hidden)
+                .map(|i| 0.8 + ((i + layer) % 5) as f32 * 0.1)
+                .collect();
+            tensors.push((
+                format!("blk.{layer}.{name}.weight"),
+                vec![tiny.hidden as u64],
+                values,
+            ));
+        }
+    }
+    let mut meta = vec![("gemma3.attention.sliding_window_pattern", MetaValue::U32(2))];
+    if let Some(w) = window {
+        meta.push(("gemma3.attention.sliding_window", MetaValue::U32(w)));
+    }
+    load(rewrite(&base, renamed("gemma3"), meta, tensors, &[])).expect("gemma3 loads")
+}
+
+#[test]
+fn gemma3_sliding_layers_see_only_their_window_and_prefill_stays_exact() {
+    let windowed = gemma3(Some(8));
+    let cfg = &windowed.config;
+    assert_eq!(cfg.layer_window(0), Some(8));
+    assert_eq!(cfg.layer_window(1), None, "every second layer is global");
+    assert_eq!(cfg.embedding_scale, Some(8.0), "sqrt of the width 64");
+    assert_prefill_is_chunking_invariant(&windowed);
+
+    // Until a query has more than 8 positions behind it the window hides
+    // nothing; from then on it must change the result.
+    let unbounded = gemma3(None);
+    assert_eq!(unbounded.config.layer_window(0), None);
+    let tokens = prompt(&windowed);
+    let (a, b) = (
+        prompt_logits(&windowed, &tokens),
+        prompt_logits(&unbounded, &tokens),
+    );
+    let vocab = cfg.vocab;
+    assert_eq!(
+        a[..8 * vocab],
+        b[..8 * vocab],
+        "positions 0..8 fit the window"
+    );
+    for pos in 8..tokens.len() {
+        assert_ne!(
+            a[pos * vocab..][..vocab],
+            b[pos * vocab..][..vocab],
+            "position {pos}"
+        );
+    }
 }
