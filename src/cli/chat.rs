@@ -37,6 +37,30 @@ pub struct ChatArgs {
 /// A minimal ChatML template for models whose GGUF carries none.
 const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
+/// Gemma's turn format, for Gemma vocabularies whose GGUF carries no
+/// template (the base models): no system role, so a system prompt opens
+/// the first user turn, as Gemma 3's own template does.
+const GEMMA: &str = "{{ bos_token }}\
+{%- if messages and messages[0].role == 'system' -%}\
+{%- set system = messages[0].content + '\\n\\n' -%}{%- set turns = messages[1:] -%}\
+{%- else -%}{%- set system = '' -%}{%- set turns = messages -%}{%- endif -%}\
+{%- for m in turns -%}\
+{{ '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role) + '\\n' }}\
+{{- (system if loop.first else '') + (m.content | trim) + '<end_of_turn>\\n' }}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}";
+
+/// The template for a GGUF without one: Gemma's format for a vocabulary
+/// built around `<start_of_turn>`, else ChatML.
+fn fallback_template(tokenizer: &Tokenizer) -> &'static str {
+    let has = |text| tokenizer.token_id(text).is_some();
+    if has("<start_of_turn>") && has("<end_of_turn>") {
+        GEMMA
+    } else {
+        CHATML
+    }
+}
+
 /// The conversation as messages, and the text the session's history
 /// already stands for, so each turn feeds only what is new. Shared by the
 /// local and the `--server` chat so both send exactly the same tokens.
@@ -61,9 +85,11 @@ pub struct TurnTokens {
 
 impl<'t> Conversation<'t> {
     /// Starts a conversation with the tokenizer's own chat template (or
-    /// ChatML when the GGUF carries none).
+    /// [`fallback_template`] when the GGUF carries none).
     pub fn new(tokenizer: &'t Tokenizer, system: Option<&str>) -> Result<Self, CliError> {
-        let source = tokenizer.chat_template().unwrap_or(CHATML);
+        let source = tokenizer
+            .chat_template()
+            .unwrap_or_else(|| fallback_template(tokenizer));
         Self::with_template(tokenizer, source, system)
     }
 
@@ -368,6 +394,29 @@ mod tests {
     fn tokenizer() -> Tokenizer {
         let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("synthetic gguf");
         Tokenizer::from_gguf(&file).expect("synthetic tokenizer")
+    }
+
+    #[test]
+    fn the_gemma_fallback_folds_the_system_prompt_into_the_first_turn() {
+        let template = ChatTemplate::new(GEMMA, "<bos>", "<eos>").expect("parses");
+        let messages = [
+            Message::new("system", "Be brief."),
+            Message::new("user", " Hi "),
+            Message::new("assistant", "Hello."),
+            Message::new("user", "Bye"),
+        ];
+        assert_eq!(
+            template.render(&messages, true).expect("renders"),
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            template.render(&messages[1..2], false).expect("renders"),
+            "<bos><start_of_turn>user\nHi<end_of_turn>\n"
+        );
+        // The synthetic vocabulary has no Gemma turn tokens.
+        assert_eq!(fallback_template(&tokenizer()), CHATML);
     }
 
     #[test]
