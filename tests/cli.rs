@@ -274,3 +274,26 @@ fn tokenize_refuses_bad_input_with_a_message() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("\"two\""), "{}", stderr(&out));
 }
+
+#[test]
+fn a_kv_cache_larger_than_the_machine_is_refused_up_front_with_numbers() {
+    if !have_model() {
+        return;
+    }
+    // 64 TiB: more than any machine the tests run on.
+    let huge = (64u64 << 20).to_string();
+    for args in [
+        vec!["serve", "--model", REFERENCE, "--kv-mib", &huge, "--check"],
+        vec![
+            "generate", "--model", REFERENCE, "--kv-mib", &huge, "-p", "hi", "-n", "1",
+        ],
+    ] {
+        let out = inferd(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = stderr(&out);
+        assert!(
+            err.contains("a KV cache of 67108864 MiB") && err.contains("lower --kv-mib"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -7,6 +7,7 @@
 mod chat;
 mod client;
 mod generate;
+mod memory;
 mod relay;
 pub mod remote;
 mod serve;
@@ -304,8 +305,9 @@ impl ModelArgs {
             cfg.threads = t;
         }
         cfg.kv_bytes = self.kv_mib.max(1) << 20;
-        if let Some(file) = &self.kv_file {
-            cfg.kv_backing = crate::kv::KvBacking::File(file.clone());
+        match &self.kv_file {
+            Some(file) => cfg.kv_backing = crate::kv::KvBacking::File(file.clone()),
+            None => memory::check_kv_fits(cfg.kv_bytes, file_len(&path), memory::limits())?,
         }
         cfg.sampler = resolve_sampler(self.sampler)?;
         let engine = Engine::new(Arc::new(model), &cfg)?;
@@ -318,6 +320,12 @@ impl ModelArgs {
         );
         Ok(engine)
     }
+}
+
+/// The size of the file at `path` (0 if it cannot be read: the model
+/// loaded from it already, so this only feeds a memory estimate).
+fn file_len(path: &std::path::Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
 }
 
 fn bench(args: BenchArgs) -> Result<(), CliError> {

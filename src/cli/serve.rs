@@ -378,6 +378,14 @@ impl Settings {
             KvSize::Mib(mib) => mib.saturating_mul(1 << 20),
             KvSize::Pages(pages) => pages.saturating_mul(layout.page_stride() as u64),
         };
+        let shards = self.shard_plan(model)?;
+        if shards.is_none() {
+            super::memory::check_kv_fits(
+                kv_bytes,
+                super::file_len(&self.model),
+                super::memory::limits(),
+            )?;
+        }
         let runtime = RuntimeConfig {
             workers: self.workers,
             kv_bytes,
@@ -394,7 +402,7 @@ impl Settings {
                 Overflow::Stop => OverflowPolicy::Stop,
             },
             sampler: super::resolve_sampler(self.sampler)?,
-            shards: self.shard_plan(model)?,
+            shards,
             ..RuntimeConfig::default()
         };
         let mut cfg = ServeConfig::new(self.listen.clone(), runtime);

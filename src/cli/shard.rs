@@ -77,6 +77,11 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
     let fingerprint = Fingerprint::of_layers(hash, &model.config, args.layers.clone());
     let mut cfg = ShardConfig::new(args.layers.clone(), args.listen.clone());
     cfg.kv_bytes = args.kv_mib.max(1) << 20;
+    super::memory::check_kv_fits(
+        cfg.kv_bytes,
+        super::file_len(&args.model),
+        super::memory::limits(),
+    )?;
     if let Some(threads) = args.threads {
         cfg.threads = threads.max(1);
     }
