@@ -469,6 +469,63 @@ fn forced_level_names_are_recognised() {
     assert!(["scalar", "avx2", "avx512", "neon"].contains(&simd_level()));
 }
 
+/// The type llama.cpp names `name`.
+fn type_named(name: &str) -> GgmlType {
+    (0..64)
+        .filter_map(GgmlType::from_id)
+        .find(|t| t.name() == name)
+        .unwrap_or_else(|| panic!("no type named {name}"))
+}
+
+fn from_hex(s: &str) -> Vec<u8> {
+    assert!(s.len().is_multiple_of(2), "odd hex length");
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+#[test]
+fn dequantize_matches_gguf_py_vectors() {
+    // Blocks and values from llama.cpp's gguf-py (an independent numpy
+    // decoder), written by tests/interop/gguf_dequant_vectors.py; its doc
+    // has the command that regenerates the file.
+    let text = include_str!("../../tests/vectors/gguf_dequant.txt");
+    let mut seen = std::collections::BTreeMap::<&str, usize>::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let mut fields = line.split_whitespace();
+        let (name, block, want) = match (fields.next(), fields.next(), fields.next()) {
+            (Some(n), Some(b), Some(w)) => (n, from_hex(b), w),
+            _ => panic!("malformed vector line: {line}"),
+        };
+        let ty = type_named(name);
+        assert_eq!(block.len(), ty.block_bytes(), "{name} block size");
+        let mut got = vec![0.0f32; ty.block_len()];
+        dequantize_row(ty, &block, &mut got).expect("dequantize");
+        let want: Vec<u32> = (0..want.len())
+            .step_by(8)
+            .map(|i| u32::from_str_radix(&want[i..i + 8], 16).expect("hex"))
+            .collect();
+        assert_eq!(want.len(), ty.block_len(), "{name} value count");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                *w,
+                "{name} element {i}: {g} vs gguf-py {}",
+                f32::from_bits(*w)
+            );
+        }
+        *seen.entry(name).or_default() += 1;
+    }
+    for ty in WEIGHT_TYPES.iter().filter(|t| t.block_len() > 1) {
+        assert_eq!(
+            seen.get(ty.name()),
+            Some(&3),
+            "{ty} has three vector blocks"
+        );
+    }
+}
+
 #[test]
 fn scalar_dots_equal_the_dot_of_the_dequantized_rows() {
     // The dot kernels and the dequantizers read the same bytes through
