@@ -527,15 +527,26 @@ pub fn scales_mins_k4(scales: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
 /// nibble) and its top two bits in byte `8 + j % 4` at bit `2 (j / 4)`.
 #[inline(always)]
 pub fn scales_q3k(scales: &[u8; 12]) -> [i8; 16] {
+    // Four scales per 32-bit word, so the kernels unpack without a loop
+    // over single scales: group `g` (scales 4g..4g+4) takes its nibbles
+    // from word `g % 2` (shifted by 4 for g >= 2) and its top bits from
+    // word 2 at shift 2g.
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            scales[4 * i],
+            scales[4 * i + 1],
+            scales[4 * i + 2],
+            scales[4 * i + 3],
+        ])
+    };
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let lows = [w0, w1, w0 >> 4, w1 >> 4];
     let mut out = [0i8; 16];
-    for (j, o) in out.iter_mut().enumerate() {
-        let low = if j < 8 {
-            scales[j] & 0x0F
-        } else {
-            scales[j - 8] >> 4
-        };
-        let high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
-        *o = (low | (high << 4)) as i8 - 32;
+    for (g, low) in lows.into_iter().enumerate() {
+        let packed = (low & 0x0F0F_0F0F) | (((w2 >> (2 * g)) & 0x0303_0303) << 4);
+        for (o, b) in out[4 * g..4 * g + 4].iter_mut().zip(packed.to_le_bytes()) {
+            *o = b as i8 - 32;
+        }
     }
     out
 }
