@@ -564,3 +564,89 @@ fn scalar_dots_equal_the_dot_of_the_dequantized_rows() {
         }
     }
 }
+
+/// Parses a string of 8-hex-digit f32 bit patterns.
+fn f32_bits_from_hex(s: &str) -> Vec<u32> {
+    assert!(s.len().is_multiple_of(8), "f32 hex length");
+    (0..s.len())
+        .step_by(8)
+        .map(|i| u32::from_str_radix(&s[i..i + 8], 16).expect("hex"))
+        .collect()
+}
+
+#[test]
+fn matmul_matches_llamacpp_kernel_vectors() {
+    // llama.cpp's own kernels (ggml-cpu of the reference build, through
+    // scripts/llamacpp/kernels.c) on fixed rows: written by
+    // scripts/golden-kernels, which documents how to regenerate them.
+    let text = include_str!("../../tests/vectors/kernels_llamacpp.txt");
+    let mut checked = 0;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f.len(), 9, "malformed vector line");
+        let ty = type_named(f[0]);
+        let (n, rows, tokens): (usize, usize, usize) = (
+            f[1].parse().expect("n"),
+            f[2].parse().expect("rows"),
+            f[3].parse().expect("tokens"),
+        );
+        let w = from_hex(f[4]);
+        let x: Vec<f32> = from_hex(f[5])
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let want_q = from_hex(f[6]);
+        let want_vec_dot = f32_bits_from_hex(f[7]);
+        let want_batched = f32_bits_from_hex(f[8]);
+        let act_ty = activation_type(ty).expect("supported");
+        let act_row = act_ty.row_bytes(n).expect("whole");
+        assert_eq!(x.len(), n * tokens);
+        for level in supported_levels() {
+            let k = table(level);
+            let mut q = vec![0u8; act_row * tokens];
+            for (xs, qs) in x.chunks_exact(n).zip(q.chunks_exact_mut(act_row)) {
+                quantize_row_with(k, act_ty, xs, qs).expect("quantize");
+            }
+            assert_eq!(q, want_q, "{} {ty}: activation bytes", level.name());
+            let mut out = vec![0.0f32; rows * tokens];
+            matmul_with(k, ty, n, &w, &q, tokens, &mut out);
+            for (i, (got, (&batched, &one))) in out
+                .iter()
+                .zip(want_batched.iter().zip(&want_vec_dot))
+                .enumerate()
+            {
+                let (batched, one) = (f32::from_bits(batched), f32::from_bits(one));
+                match ty {
+                    // Q4_0's reference sums its blocks in another order, and
+                    // the older K-quant kernels apply one scalar float step
+                    // per super-block where llama.cpp keeps 8 lanes: both
+                    // agree to rounding only.
+                    GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                        let (r, t) = (i / tokens, i % tokens);
+                        let wb = ty.row_bytes(n).expect("whole");
+                        let mag = magnitude(
+                            ty,
+                            n,
+                            &w[r * wb..(r + 1) * wb],
+                            &q[t * act_row..(t + 1) * act_row],
+                        );
+                        assert!(
+                            (got - batched).abs() <= 1e-6 * mag,
+                            "{} {ty} output {i}: {got} vs llama.cpp {batched}",
+                            level.name()
+                        );
+                    }
+                    _ => assert_eq!(
+                        got.to_bits(),
+                        batched.to_bits(),
+                        "{} {ty} output {i}: {got} vs llama.cpp's batched {batched} \
+                         (its one-token kernel: {one})",
+                        level.name()
+                    ),
+                }
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 12, "one vector line per quantized weight format");
+}
