@@ -1,5 +1,7 @@
 //! Bytes-per-second benchmarks of the quant kernels on the shapes of the
-//! reference model (hidden 576, FFN 1536, vocabulary 49152), single thread.
+//! reference model (hidden 576, FFN 1536, vocabulary 49152), single thread;
+//! the Q5_0/Q5_1/IQ4_NL shapes are Qwen2.5-0.5B's FFN (896 x 4864), whose
+//! rows are what K-quant files store in those formats.
 //! Throughput counts weight bytes for matrix kernels and input f32 bytes for
 //! activation quantization. `INFERD_SIMD=scalar|avx2|avx512` picks a level.
 //!
@@ -29,7 +31,9 @@ fn weights(ty: GgmlType, rows: usize, n: usize) -> Vec<u8> {
     for b in w.chunks_exact_mut(bb) {
         let at: &[usize] = match ty {
             GgmlType::Q6_K => &[208],
-            GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q3_K => &[108],
+            GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
             _ => &[0],
         };
         for &o in at {
@@ -59,9 +63,15 @@ const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
     (GgmlType::Q8_0, 49152, 576, "q8_0 49152x576"),
     (GgmlType::Q8_0, 1536, 576, "q8_0 1536x576"),
     (GgmlType::Q4_0, 1536, 576, "q4_0 1536x576"),
+    (GgmlType::Q5_0, 4864, 896, "q5_0 4864x896"),
+    (GgmlType::Q5_1, 4864, 896, "q5_1 4864x896"),
+    (GgmlType::IQ4_NL, 4864, 896, "iq4_nl 4864x896"),
+    (GgmlType::Q2_K, 576, 1536, "q2_k 576x1536"),
+    (GgmlType::Q3_K, 576, 1536, "q3_k 576x1536"),
     (GgmlType::Q4_K, 576, 1536, "q4_k 576x1536"),
     (GgmlType::Q5_K, 576, 1536, "q5_k 576x1536"),
     (GgmlType::Q6_K, 576, 1536, "q6_k 576x1536"),
+    (GgmlType::IQ4_XS, 576, 1536, "iq4_xs 576x1536"),
 ];
 
 /// Prints the fastest of many runs per kernel: on a shared machine the

@@ -1,6 +1,6 @@
-//! AVX2 + FMA + F16C kernels (x86_64). Also the K-quant kernels and the
-//! activation quantizers of the AVX-512 level, whose 512-bit versions would
-//! gain little.
+//! AVX2 + FMA + F16C kernels (x86_64). Also the K-quant kernels (except
+//! IQ4_XS) and the activation quantizers of the AVX-512 level, whose 512-bit
+//! versions would gain little.
 //!
 //! Every dot kernel is generic over `NT`, the number of activation rows it
 //! multiplies one weight row with. Each weight block is unpacked once and
@@ -10,8 +10,9 @@
 //!
 //! The K-quant kernels reduce each super-block in exact integer arithmetic
 //! and then apply the float steps of the scalar reference, so they agree with
-//! it bit for bit. The activation quantizers also reproduce the scalar
-//! reference exactly.
+//! it bit for bit; so do the 32-element kernels whose 8 float lanes follow
+//! the reference (Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL). The activation quantizers
+//! also reproduce the scalar reference exactly.
 
 #![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
 
@@ -21,8 +22,9 @@ use std::ptr::{addr_of, read_unaligned};
 use half::f16;
 
 use super::blocks::{
-    scales_mins_k4, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0,
-    BlockQ8_1, QK32,
+    scales_mins_k4, scales_q3k, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0,
+    BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    KVALUES_IQ4NL, QK32,
 };
 use super::scalar;
 use super::types::QK_K;
@@ -101,6 +103,170 @@ pub(crate) unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+/// The 32 bits of a Q5 block's `qh` as 32 bytes: 0xFF where bit `i` is
+/// set, 0 elsewhere (byte `i` for element `i`).
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn bits_to_bytes(qh: [u8; 4]) -> __m256i {
+    // Byte `i` takes byte `i / 8` of the word, then tests bit `i % 8`.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(i32::from_le_bytes(qh)),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(i64::from_le_bytes([1, 2, 4, 8, 16, 32, 64, 128]));
+    _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit)
+}
+
+/// The 32 quants (0..32) of a Q5_0 / Q5_1 block in element order.
+///
+/// # Safety
+/// AVX2 must be available; `qs` readable for 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q5_quants(qs: *const u8, qh: [u8; 4]) -> __m256i {
+    let high = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+    _mm256_or_si256(unpack_nibbles(qs), high)
+}
+
+/// 16 packed IQ4 indices as their 32 grid values (i8) in element order.
+///
+/// # Safety
+/// AVX2 must be available; `qs` readable for 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn iq4_values(qs: *const u8) -> __m256i {
+    let table = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i);
+    let q = _mm_loadu_si128(qs as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
+    let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    _mm256_set_m128i(hi, lo)
+}
+
+/// One block step of the signed 8-lane kernels (Q8_0, Q5_0, IQ4_NL):
+/// `acc + (wd * ad) * lanes(wq · aq)`, with the sign of `wq` moved onto
+/// the activations so the byte products go through `maddubs`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `ab` readable for one block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn signed_block_step(
+    acc: __m256,
+    wq: __m256i,
+    wabs: __m256i,
+    wd: __m128,
+    ab: *const BlockQ8_0,
+) -> __m256 {
+    let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+    let sumi = dot_u8_i8(wabs, _mm256_sign_epi8(aq, wq));
+    let scale = _mm_mul_ps(wd, f16_one((*ab).d));
+    _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), _mm256_cvtepi32_ps(sumi), acc)
+}
+
+/// Q5_0 × Q8_0 tile (the scalar reference's lane order).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ5_0;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = &*w.add(b);
+        let wq = _mm256_sub_epi8(q5_quants(wb.qs.as_ptr(), wb.qh), _mm256_set1_epi8(16));
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let wd = f16_one(wb.d);
+        for t in 0..NT {
+            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// Q5_1 × Q8_1 tile (the scalar reference's order, as Q4_1).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_1_q8_1<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ5_1;
+    let a = a.map(|p| p as *const BlockQ8_1);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    // Lane 1 accumulates m * s; lane 0 carries unused d * d products.
+    let mut acc_min = [_mm_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = q5_quants(addr_of!((*wb).qs) as *const u8, (*wb).qh);
+        let wdm = f16_pair(wb as *const u8);
+        for t in 0..NT {
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let adm = f16_pair(ab as *const u8);
+            let prod = _mm_mul_ps(wdm, adm);
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(prod),
+                _mm256_cvtepi32_ps(dot_u8_i8(wq, aq)),
+                acc[t],
+            );
+            acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
+    }
+    out
+}
+
+/// IQ4_NL × Q8_0 tile (the scalar reference's lane order).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq4_nl_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockIQ4NL;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = &*w.add(b);
+        let wq = iq4_values(wb.qs.as_ptr());
+        let wabs = _mm256_sign_epi8(wq, wq);
+        let wd = f16_one(wb.d);
+        for t in 0..NT {
+            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
 }
 
 /// Q4_1 × Q8_1 tile.
@@ -383,6 +549,181 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
         }
     }
     sumf
+}
+
+/// Two sub-block scales as the multiplier of one 32-element run's 16-bit
+/// pair sums: the low 128 bits (elements 0..16) take `lo`, the high ones
+/// `hi`.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_pair(lo: i16, hi: i16) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+}
+
+/// The 2-bit fields of a K-quant super-block (Q2_K, Q3_K low bits) as 8
+/// runs of 32 bytes in element order.
+///
+/// # Safety
+/// AVX2 must be available; `qs` readable for 64 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn two_bit_runs(qs: *const u8) -> [__m256i; 8] {
+    let mask = _mm256_set1_epi8(3);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for h in 0..2 {
+        let bits = _mm256_loadu_si256(qs.add(32 * h) as *const __m256i);
+        q[4 * h] = _mm256_and_si256(bits, mask);
+        q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 2), mask);
+        q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
+        q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(bits, 6), mask);
+    }
+    q
+}
+
+/// Q2_K × Q8_K tile (bit-identical to the scalar reference: the 8 integer
+/// lanes are exact, the float steps the same fused multiply-adds).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q2_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ2K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let q = two_bit_runs(x.qs.as_ptr());
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for (c, s) in sc.iter_mut().enumerate() {
+            *s = scale_pair(
+                (x.scales[2 * c] & 0x0F) as i16,
+                (x.scales[2 * c + 1] & 0x0F) as i16,
+            );
+        }
+        let packed = _mm_loadu_si128(x.scales.as_ptr() as *const __m128i);
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(
+            _mm_srli_epi16(packed, 4),
+            _mm_set1_epi8(0x0F),
+        ));
+        let (xd, xdmin) = (x.d(), x.dmin());
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+            let min_lanes = _mm256_madd_epi16(mins, bsums);
+            let dmin = -(y.d() * xdmin);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(min_lanes), acc[t]);
+            let mut sumi = _mm256_setzero_si256();
+            for c in 0..8 {
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
+                let p = _mm256_maddubs_epi16(q[c], yq);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc[c]));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// Q3_K × Q8_K tile (bit-identical to the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q3_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ3K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let low = two_bit_runs(x.qs.as_ptr());
+        let hmask = _mm256_loadu_si256(x.hmask.as_ptr() as *const __m256i);
+        // Quants in -4..4: the low bits, minus 4 where the high bit is clear.
+        let scales = scales_q3k(&x.scales);
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut qabs = [_mm256_setzero_si256(); 8];
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for c in 0..8 {
+            let bit = _mm256_set1_epi8((1u8 << c) as i8);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+            let plus4 = _mm256_and_si256(set, _mm256_set1_epi8(4));
+            q[c] = _mm256_sub_epi8(_mm256_or_si256(low[c], plus4), _mm256_set1_epi8(4));
+            qabs[c] = _mm256_sign_epi8(q[c], q[c]);
+            sc[c] = scale_pair(scales[2 * c] as i16, scales[2 * c + 1] as i16);
+        }
+        let xd = x.d();
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let mut sumi = _mm256_setzero_si256();
+            for c in 0..8 {
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * c) as *const __m256i);
+                let p = _mm256_maddubs_epi16(qabs[c], _mm256_sign_epi8(yq, q[c]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc[c]));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// IQ4_XS × Q8_K tile (bit-identical to the scalar reference).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq4_xs_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockIQ4XS;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let mut v = [_mm256_setzero_si256(); 8];
+        let mut vabs = [_mm256_setzero_si256(); 8];
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for j in 0..8 {
+            v[j] = iq4_values(x.qs.as_ptr().add(16 * j));
+            vabs[j] = _mm256_sign_epi8(v[j], v[j]);
+            sc[j] = _mm256_set1_epi16(x.scale(j) as i16);
+        }
+        let xd = x.d();
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let mut sumi = _mm256_setzero_si256();
+            for j in 0..8 {
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * j) as *const __m256i);
+                let p = _mm256_maddubs_epi16(vabs[j], _mm256_sign_epi8(yq, v[j]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc[j]));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(xd * y.d()), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
 }
 
 /// f16 × f16 over `n` elements at byte pointers.

@@ -1,8 +1,10 @@
 //! AVX-512 (F, BW, DQ, VL, VNNI) kernels for the 32-element block formats, the
-//! ones decode time is spent in. Each 512-bit step covers two blocks and
-//! uses `vpdpbusd` for the byte dot products. Like the AVX2 kernels they are
-//! generic over the token count `NT` and give every token the operation
-//! sequence of the single-token kernel.
+//! ones decode time is spent in, and for IQ4_XS. They use `vpdpbusd` for the
+//! byte dot products. Q4_0 covers two blocks per 512-bit step; the formats
+//! whose 8 float lanes follow the scalar reference (Q4_1, Q5_0, Q5_1, Q8_0,
+//! IQ4_NL, IQ4_XS) take one block per 256-bit step so the lanes stay in that
+//! order. Like the AVX2 kernels they are generic over the token count `NT`
+//! and give every token the operation sequence of the single-token kernel.
 
 #![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
 
@@ -13,7 +15,10 @@ use bytemuck::Zeroable;
 use half::f16;
 
 use super::avx2;
-use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use super::blocks::{
+    BlockIQ4NL, BlockIQ4XS, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8K, BlockQ8_0,
+    BlockQ8_1,
+};
 
 // Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
 // BW, DQ, VL and VNNI plus AVX2, FMA and F16C, and each pointer must be valid for
@@ -228,6 +233,175 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
                 _mm256_cvtepi32_ps(sumi),
                 acc[t],
             );
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = avx2::hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// One block step of the signed 8-lane kernels (Q5_0, IQ4_NL): as
+/// `avx2::signed_block_step`, with `vpdpbusd` for the byte products.
+///
+/// # Safety
+/// See the file header; `ab` readable for one block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn signed_block_step(
+    acc: __m256,
+    wq: __m256i,
+    wabs: __m256i,
+    wd: __m128,
+    ab: *const BlockQ8_0,
+) -> __m256 {
+    let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+    let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(aq, wq));
+    let scale = _mm_mul_ps(wd, avx2::f16_one((*ab).d));
+    _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), _mm256_cvtepi32_ps(sumi), acc)
+}
+
+/// Q5_0 × Q8_0 tile: one block per 256-bit step, in the lane order of the
+/// scalar reference.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_0_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ5_0;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = &*w.add(b);
+        let wq = _mm256_sub_epi8(avx2::q5_quants(wb.qs.as_ptr(), wb.qh), _mm256_set1_epi8(16));
+        let wabs = _mm256_abs_epi8(wq);
+        let wd = avx2::f16_one(wb.d);
+        for t in 0..NT {
+            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = avx2::hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// Q5_1 × Q8_1 tile: one block per 256-bit step, in the order of the
+/// scalar reference (as Q4_1).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_1_q8_1<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ5_1;
+    let a = a.map(|p| p as *const BlockQ8_1);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    // Lane 1 accumulates m * s with fused multiply-adds.
+    let mut acc_min = [_mm_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = w.add(b);
+        let wq = avx2::q5_quants(addr_of!((*wb).qs) as *const u8, (*wb).qh);
+        let wdm = avx2::f16_pair(wb as *const u8);
+        for t in 0..NT {
+            let ab = a[t].add(b);
+            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+            let adm = avx2::f16_pair(ab as *const u8);
+            let prod = _mm_mul_ps(wdm, adm);
+            let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq);
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(prod),
+                _mm256_cvtepi32_ps(sumi),
+                acc[t],
+            );
+            acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = avx2::hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
+    }
+    out
+}
+
+/// IQ4_NL × Q8_0 tile: one block per 256-bit step, in the lane order of
+/// the scalar reference.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq4_nl_q8_0<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockIQ4NL;
+    let a = a.map(|p| p as *const BlockQ8_0);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let wb = &*w.add(b);
+        let wq = avx2::iq4_values(wb.qs.as_ptr());
+        let wabs = _mm256_abs_epi8(wq);
+        let wd = avx2::f16_one(wb.d);
+        for t in 0..NT {
+            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = avx2::hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// IQ4_XS × Q8_K tile: `vpdpbusd` gives each sub-block's 8 lanes of
+/// 4-element sums, which are scaled and added exactly; the float step per
+/// super-block is the scalar reference's.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq4_xs_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockIQ4XS;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let mut v = [_mm256_setzero_si256(); 8];
+        let mut vabs = [_mm256_setzero_si256(); 8];
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for j in 0..8 {
+            v[j] = avx2::iq4_values(x.qs.as_ptr().add(16 * j));
+            vabs[j] = _mm256_abs_epi8(v[j]);
+            sc[j] = _mm256_set1_epi32(x.scale(j));
+        }
+        let xd = x.d();
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let mut sumi = _mm256_setzero_si256();
+            for j in 0..8 {
+                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * j) as *const __m256i);
+                let dot = _mm256_dpbusd_epi32(
+                    _mm256_setzero_si256(),
+                    vabs[j],
+                    _mm256_sign_epi8(yq, v[j]),
+                );
+                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(dot, sc[j]));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(xd * y.d()), _mm256_cvtepi32_ps(sumi), acc[t]);
         }
     }
     let mut out = [0.0f32; NT];

@@ -8,7 +8,8 @@ use std::sync::OnceLock;
 use half::{bf16, f16};
 
 use super::blocks::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 use super::scalar;
 
@@ -88,10 +89,16 @@ pub(crate) struct Kernels {
     pub level: SimdLevel,
     pub q4_0: DotKernel,
     pub q4_1: DotKernel,
+    pub q5_0: DotKernel,
+    pub q5_1: DotKernel,
     pub q8_0: DotKernel,
+    pub iq4_nl: DotKernel,
+    pub q2_k: DotKernel,
+    pub q3_k: DotKernel,
     pub q4_k: DotKernel,
     pub q5_k: DotKernel,
     pub q6_k: DotKernel,
+    pub iq4_xs: DotKernel,
     pub f16: DotKernel,
     pub bf16: DotKernel,
     pub f32: DotKernel,
@@ -147,10 +154,21 @@ macro_rules! scalar_tile {
 
 scalar_tile!(scalar_q4_0, BlockQ4_0, BlockQ8_0, scalar::dot_q4_0_q8_0);
 scalar_tile!(scalar_q4_1, BlockQ4_1, BlockQ8_1, scalar::dot_q4_1_q8_1);
+scalar_tile!(scalar_q5_0, BlockQ5_0, BlockQ8_0, scalar::dot_q5_0_q8_0);
+scalar_tile!(scalar_q5_1, BlockQ5_1, BlockQ8_1, scalar::dot_q5_1_q8_1);
 scalar_tile!(scalar_q8_0, BlockQ8_0, BlockQ8_0, scalar::dot_q8_0_q8_0);
+scalar_tile!(
+    scalar_iq4_nl,
+    BlockIQ4NL,
+    BlockQ8_0,
+    scalar::dot_iq4_nl_q8_0
+);
+scalar_tile!(scalar_q2_k, BlockQ2K, BlockQ8K, scalar::dot_q2_k_q8_k);
+scalar_tile!(scalar_q3_k, BlockQ3K, BlockQ8K, scalar::dot_q3_k_q8_k);
 scalar_tile!(scalar_q4_k, BlockQ4K, BlockQ8K, scalar::dot_q4_k_q8_k);
 scalar_tile!(scalar_q5_k, BlockQ5K, BlockQ8K, scalar::dot_q5_k_q8_k);
 scalar_tile!(scalar_q6_k, BlockQ6K, BlockQ8K, scalar::dot_q6_k_q8_k);
+scalar_tile!(scalar_iq4_xs, BlockIQ4XS, BlockQ8K, scalar::dot_iq4_xs_q8_k);
 
 /// Adapts a two-pointer float dot (`n` elements) to the tile signature.
 macro_rules! float_tile {
@@ -262,10 +280,16 @@ const SCALAR_TABLE: Kernels = Kernels {
     level: SimdLevel::Scalar,
     q4_0: dot_kernel!(scalar_q4_0),
     q4_1: dot_kernel!(scalar_q4_1),
+    q5_0: dot_kernel!(scalar_q5_0),
+    q5_1: dot_kernel!(scalar_q5_1),
     q8_0: dot_kernel!(scalar_q8_0),
+    iq4_nl: dot_kernel!(scalar_iq4_nl),
+    q2_k: dot_kernel!(scalar_q2_k),
+    q3_k: dot_kernel!(scalar_q3_k),
     q4_k: dot_kernel!(scalar_q4_k),
     q5_k: dot_kernel!(scalar_q5_k),
     q6_k: dot_kernel!(scalar_q6_k),
+    iq4_xs: dot_kernel!(scalar_iq4_xs),
     f16: dot_kernel!(scalar_f16),
     bf16: dot_kernel!(scalar_bf16),
     f32: dot_kernel!(scalar_f32),
@@ -294,10 +318,16 @@ mod x86_tables {
         level: SimdLevel::Avx2,
         q4_0: dot_kernel!(avx2::dot_q4_0_q8_0),
         q4_1: dot_kernel!(avx2::dot_q4_1_q8_1),
+        q5_0: dot_kernel!(avx2::dot_q5_0_q8_0),
+        q5_1: dot_kernel!(avx2::dot_q5_1_q8_1),
         q8_0: dot_kernel!(avx2::dot_q8_0_q8_0),
+        iq4_nl: dot_kernel!(avx2::dot_iq4_nl_q8_0),
+        q2_k: dot_kernel!(avx2::dot_q2_k_q8_k),
+        q3_k: dot_kernel!(avx2::dot_q3_k_q8_k),
         q4_k: dot_kernel!(avx2::dot_q4_k_q8_k),
         q5_k: dot_kernel!(avx2::dot_q5_k_q8_k),
         q6_k: dot_kernel!(avx2::dot_q6_k_q8_k),
+        iq4_xs: dot_kernel!(avx2::dot_iq4_xs_q8_k),
         f16: dot_kernel!(avx2_f16),
         bf16: dot_kernel!(avx2_bf16),
         f32: dot_kernel!(avx2_f32),
@@ -314,10 +344,16 @@ mod x86_tables {
         level: SimdLevel::Avx512,
         q4_0: dot_kernel!(avx512::dot_q4_0_q8_0),
         q4_1: dot_kernel!(avx512::dot_q4_1_q8_1),
+        q5_0: dot_kernel!(avx512::dot_q5_0_q8_0),
+        q5_1: dot_kernel!(avx512::dot_q5_1_q8_1),
         q8_0: dot_kernel!(avx512::dot_q8_0_q8_0),
+        iq4_nl: dot_kernel!(avx512::dot_iq4_nl_q8_0),
+        q2_k: dot_kernel!(avx2::dot_q2_k_q8_k),
+        q3_k: dot_kernel!(avx2::dot_q3_k_q8_k),
         q4_k: dot_kernel!(avx2::dot_q4_k_q8_k),
         q5_k: dot_kernel!(avx2::dot_q5_k_q8_k),
         q6_k: dot_kernel!(avx2::dot_q6_k_q8_k),
+        iq4_xs: dot_kernel!(avx512::dot_iq4_xs_q8_k),
         f16: dot_kernel!(avx512_f16),
         bf16: dot_kernel!(avx2_bf16),
         f32: dot_kernel!(avx2_f32),

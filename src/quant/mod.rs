@@ -26,7 +26,8 @@ mod neon;
 use thiserror::Error;
 
 pub use blocks::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
 };
 pub use dispatch::{supported_levels, SimdLevel};
 pub use gelu::geglu_ggml;
@@ -38,14 +39,11 @@ use dispatch::{DotKernel, Kernels, TILE};
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum QuantError {
     /// No dot-product kernel exists for this weight format.
-    #[error("no dot-product kernel for weight type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    #[error("no dot-product kernel for weight type {ty} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)")]
     UnsupportedWeight { ty: GgmlType },
     /// The type is not one activations can be quantized to.
     #[error("{ty} is not an activation format (expected F32, F16, BF16, Q8_0, Q8_1 or Q8_K)")]
     NotActivation { ty: GgmlType },
-    /// Dequantization is not implemented for this format.
-    #[error("cannot dequantize {ty}")]
-    UnsupportedDequantize { ty: GgmlType },
     /// The element count is not a whole number of blocks.
     #[error("{n} elements is not a whole number of {ty} blocks of {block_len}")]
     PartialBlock {
@@ -69,9 +67,14 @@ pub fn activation_type(weight: GgmlType) -> Result<GgmlType, QuantError> {
         GgmlType::F32 => GgmlType::F32,
         GgmlType::F16 => GgmlType::F16,
         GgmlType::BF16 => GgmlType::BF16,
-        GgmlType::Q4_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
-        GgmlType::Q4_1 => GgmlType::Q8_1,
-        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => GgmlType::Q8_0,
+        GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
+        GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::Q4_K
+        | GgmlType::Q5_K
+        | GgmlType::Q6_K
+        | GgmlType::IQ4_XS => GgmlType::Q8_K,
         ty => return Err(QuantError::UnsupportedWeight { ty }),
     })
 }
@@ -184,13 +187,18 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Q
         }
         GgmlType::Q4_0 => scalar::dequantize_q4_0(bytemuck::cast_slice(src), dst),
         GgmlType::Q4_1 => scalar::dequantize_q4_1(bytemuck::cast_slice(src), dst),
+        GgmlType::Q5_0 => scalar::dequantize_q5_0(bytemuck::cast_slice(src), dst),
+        GgmlType::Q5_1 => scalar::dequantize_q5_1(bytemuck::cast_slice(src), dst),
         GgmlType::Q8_0 => scalar::dequantize_q8_0(bytemuck::cast_slice(src), dst),
         GgmlType::Q8_1 => scalar::dequantize_q8_1(bytemuck::cast_slice(src), dst),
+        GgmlType::IQ4_NL => scalar::dequantize_iq4_nl(bytemuck::cast_slice(src), dst),
+        GgmlType::Q2_K => scalar::dequantize_q2_k(bytemuck::cast_slice(src), dst),
+        GgmlType::Q3_K => scalar::dequantize_q3_k(bytemuck::cast_slice(src), dst),
         GgmlType::Q4_K => scalar::dequantize_q4_k(bytemuck::cast_slice(src), dst),
         GgmlType::Q5_K => scalar::dequantize_q5_k(bytemuck::cast_slice(src), dst),
         GgmlType::Q6_K => scalar::dequantize_q6_k(bytemuck::cast_slice(src), dst),
         GgmlType::Q8_K => scalar::dequantize_q8_k(bytemuck::cast_slice(src), dst),
-        ty => return Err(QuantError::UnsupportedDequantize { ty }),
+        GgmlType::IQ4_XS => scalar::dequantize_iq4_xs(bytemuck::cast_slice(src), dst),
     }
     Ok(())
 }
@@ -200,10 +208,16 @@ fn dot_kernel(k: &Kernels, w_ty: GgmlType) -> Option<DotKernel> {
     Some(match w_ty {
         GgmlType::Q4_0 => k.q4_0,
         GgmlType::Q4_1 => k.q4_1,
+        GgmlType::Q5_0 => k.q5_0,
+        GgmlType::Q5_1 => k.q5_1,
         GgmlType::Q8_0 => k.q8_0,
+        GgmlType::IQ4_NL => k.iq4_nl,
+        GgmlType::Q2_K => k.q2_k,
+        GgmlType::Q3_K => k.q3_k,
         GgmlType::Q4_K => k.q4_k,
         GgmlType::Q5_K => k.q5_k,
         GgmlType::Q6_K => k.q6_k,
+        GgmlType::IQ4_XS => k.iq4_xs,
         GgmlType::F16 => k.f16,
         GgmlType::BF16 => k.bf16,
         GgmlType::F32 => k.f32,

@@ -1,5 +1,6 @@
-//! NEON kernels (aarch64) for the 32-element block formats. NEON is part of
-//! the aarch64 baseline, so no run-time detection is needed. The byte dot
+//! NEON kernels (aarch64) for the Q4_0, Q4_1 and Q8_0 block formats; every
+//! other format runs the scalar reference on aarch64. NEON is part of the
+//! aarch64 baseline, so no run-time detection is needed. The byte dot
 //! products use widening multiplies (no `dotprod` extension) and the float
 //! steps are those of the scalar reference, one block at a time, so these
 //! kernels agree with it bit for bit.

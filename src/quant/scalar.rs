@@ -12,19 +12,27 @@
 //! `127 / amax` and round half to even; Q8_K rounds half to even
 //! (`nearest_int`) with the scale chosen from the signed maximum.
 //!
-//! The Q4_1 and Q8_0 dots and the f16 dot fix the float summation order of
-//! llama.cpp's x86 kernels: 8 lanes, lane `j` holding the integer sum of
-//! elements `4j..4j+4` of each block, accumulated across blocks with fused
-//! multiply-adds and reduced as `hsum8` does (the f16 dot: 16 lanes by
-//! element index, fused multiply-adds, reduced as `reduce16` does). The
-//! exponential is ggml's vectorised `expf` approximation, element by element.
+//! The Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL dots and the f16 dot fix the float
+//! summation order of llama.cpp's x86 kernels (its batched path where the
+//! one-token and batched kernels differ): 8 lanes, lane `j` holding the
+//! integer sum of elements `4j..4j+4` of each block, accumulated across
+//! blocks with fused multiply-adds and reduced as `hsum8` does (the f16
+//! dot: 16 lanes by element index, fused multiply-adds, reduced as
+//! `reduce16` does). The Q2_K, Q3_K and IQ4_XS dots keep the same 8 lanes
+//! across super-blocks, as llama.cpp's AVX2 kernels for them do: lane `m`
+//! sums elements `4m..4m+4` of every 32-element run, each scaled by its
+//! sub-block scale, and one fused multiply-add per super-block adds it to
+//! the lane's float accumulator (Q2_K first adds its minimum term the same
+//! way). The Q4_K, Q5_K and Q6_K dots predate that and apply one scalar
+//! float step per super-block instead. The exponential is ggml's vectorised
+//! `expf` approximation, element by element.
 
 use bytemuck::Zeroable;
 use half::{bf16, f16};
 
 use super::blocks::{
-    scales_mins_k4, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ6K, BlockQ8K, BlockQ8_0,
-    BlockQ8_1, QK32,
+    scales_mins_k4, scales_q3k, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0,
+    BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, QK32,
 };
 use super::types::QK_K;
 
@@ -139,6 +147,36 @@ pub fn dequantize_q4_1(src: &[BlockQ4_1], dst: &mut [f32]) {
     }
 }
 
+/// Q5_0 to f32.
+pub fn dequantize_q5_0(src: &[BlockQ5_0], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let d = b.d();
+        for (i, v) in y.iter_mut().enumerate() {
+            *v = (b.q(i) as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+/// Q5_1 to f32 (multiply, then add: ggml's dequantizer is not fused).
+pub fn dequantize_q5_1(src: &[BlockQ5_1], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let (d, m) = (b.d(), b.m());
+        for (i, v) in y.iter_mut().enumerate() {
+            *v = b.q(i) as f32 * d + m;
+        }
+    }
+}
+
+/// IQ4_NL to f32.
+pub fn dequantize_iq4_nl(src: &[BlockIQ4NL], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
+        let d = b.d();
+        for (i, v) in y.iter_mut().enumerate() {
+            *v = d * b.value(i) as f32;
+        }
+    }
+}
+
 /// Q8_0 to f32.
 pub fn dequantize_q8_0(src: &[BlockQ8_0], dst: &mut [f32]) {
     for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK32)) {
@@ -155,6 +193,47 @@ pub fn dequantize_q8_1(src: &[BlockQ8_1], dst: &mut [f32]) {
         let d = b.d();
         for (j, v) in y.iter_mut().enumerate() {
             *v = b.q(j) as f32 * d;
+        }
+    }
+}
+
+/// Q2_K to f32: per sub-block `d * sc` and `dmin * m` first, as ggml does.
+pub fn dequantize_q2_k(src: &[BlockQ2K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (b.d(), b.dmin());
+        for (j, ys) in y.chunks_exact_mut(16).enumerate() {
+            let dl = d * (b.scales[j] & 0x0F) as f32;
+            let ml = dmin * (b.scales[j] >> 4) as f32;
+            for (l, v) in ys.iter_mut().enumerate() {
+                *v = dl * b.q(16 * j + l) as f32 - ml;
+            }
+        }
+    }
+}
+
+/// Q3_K to f32.
+pub fn dequantize_q3_k(src: &[BlockQ3K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = b.d();
+        let sc = scales_q3k(&b.scales);
+        for (j, ys) in y.chunks_exact_mut(16).enumerate() {
+            let dl = d * sc[j] as f32;
+            for (l, v) in ys.iter_mut().enumerate() {
+                *v = dl * b.q(16 * j + l) as f32;
+            }
+        }
+    }
+}
+
+/// IQ4_XS to f32.
+pub fn dequantize_iq4_xs(src: &[BlockIQ4XS], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = b.d();
+        for (j, ys) in y.chunks_exact_mut(32).enumerate() {
+            let dl = d * b.scale(j) as f32;
+            for (l, v) in ys.iter_mut().enumerate() {
+                *v = dl * b.value(32 * j + l) as f32;
+            }
         }
     }
 }
@@ -314,6 +393,52 @@ pub fn dot_q8_0_q8_0(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
     hsum8(&acc)
 }
 
+/// `acc[j] = fma(dd, xy[j], acc[j])`: one block's step in the 8-lane order.
+#[inline(always)]
+fn accumulate_lanes(acc: &mut [f32; 8], dd: f32, xy: [f32; 8]) {
+    for (acc, xy) in acc.iter_mut().zip(xy) {
+        *acc = dd.mul_add(xy, *acc);
+    }
+}
+
+/// Q5_0 weights × Q8_0 activations, in the lane order of Q8_0 (llama.cpp's
+/// x86 kernels and its batched tinyBLAS path sum Q5_0 that way too).
+pub fn dot_q5_0_q8_0(w: &[BlockQ5_0], a: &[BlockQ8_0]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let xy = lane_sums(|k| x.q(k) as i32 - 16, |k| y.q(k));
+        accumulate_lanes(&mut acc, x.d() * y.d(), xy);
+    }
+    hsum8(&acc)
+}
+
+/// Q5_1 weights × Q8_1 activations, in the order of Q4_1: the lanes plus
+/// the fused sum of `m * s` over the blocks.
+pub fn dot_q5_1_q8_1(w: &[BlockQ5_1], a: &[BlockQ8_1]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut mins = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let xy = lane_sums(|k| x.q(k) as i32, |k| y.q(k));
+        accumulate_lanes(&mut acc, x.d() * y.d(), xy);
+        mins = x.m().mul_add(y.s(), mins);
+    }
+    hsum8(&acc) + mins
+}
+
+/// IQ4_NL weights × Q8_0 activations, in the lane order of Q8_0: the order
+/// of llama.cpp's batched (tinyBLAS) path. Its one-token `vec_dot` splits
+/// even and odd blocks over two accumulators instead; a batch-invariant
+/// kernel can follow only one, and the batched path is the one inferd
+/// matches elsewhere.
+pub fn dot_iq4_nl_q8_0(w: &[BlockIQ4NL], a: &[BlockQ8_0]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let xy = lane_sums(|k| x.value(k), |k| y.q(k));
+        accumulate_lanes(&mut acc, x.d() * y.d(), xy);
+    }
+    hsum8(&acc)
+}
+
 /// Adds one K-quant super-block's contribution: the float steps shared by
 /// every implementation of the Q4_K and Q5_K dots.
 #[inline(always)]
@@ -393,6 +518,76 @@ pub fn dot_q6_k_q8_k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
         sumf = k6_accumulate(sumf, y.d(), x.d(), sumi);
     }
     sumf
+}
+
+/// The 8 integer lanes of one super-block product in the order llama.cpp's
+/// AVX2 K-quant kernels build them: lane `m` sums, over the 8 runs of 32
+/// elements, elements `4m..4m+4` of each run, each product already times
+/// its sub-block scale (`term(e)` for element `e`).
+#[inline(always)]
+pub(crate) fn k_lanes(term: impl Fn(usize) -> i32) -> [i32; 8] {
+    let mut out = [0i32; 8];
+    for e in 0..QK_K {
+        out[(e % 32) / 4] += term(e);
+    }
+    out
+}
+
+/// `acc[m] = fma(d, lanes[m], acc[m])`: one super-block's float step in
+/// the 8-lane order shared by the Q2_K, Q3_K and IQ4_XS dots.
+#[inline(always)]
+pub(crate) fn k_lanes_accumulate(acc: &mut [f32; 8], d: f32, lanes: [i32; 8]) {
+    for (acc, l) in acc.iter_mut().zip(lanes) {
+        *acc = d.mul_add(l as f32, *acc);
+    }
+}
+
+/// Lane `m` of a Q2_K super-block's minimum term: the minimums of
+/// sub-blocks `2m` and `2m + 1` times their activation sums.
+#[inline(always)]
+pub(crate) fn q2k_min_lanes(x: &BlockQ2K, y: &BlockQ8K) -> [i32; 8] {
+    std::array::from_fn(|m| {
+        (x.scales[2 * m] >> 4) as i32 * y.bsum(2 * m)
+            + (x.scales[2 * m + 1] >> 4) as i32 * y.bsum(2 * m + 1)
+    })
+}
+
+/// Q2_K weights × Q8_K activations, in the float order of llama.cpp's AVX2
+/// kernel: per super-block, the minimum lanes are fused into the
+/// accumulator with `-(da * dmin)`, then the quant lanes with `da * d`;
+/// the 8 lanes are reduced by [`hsum8`] at the end.
+pub fn dot_q2_k_q8_k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let sumi = k_lanes(|e| (x.scales[e / 16] & 0x0F) as i32 * x.q(e) as i32 * y.q(e));
+        k_lanes_accumulate(&mut acc, -(y.d() * x.dmin()), q2k_min_lanes(x, y));
+        k_lanes_accumulate(&mut acc, y.d() * x.d(), sumi);
+    }
+    hsum8(&acc)
+}
+
+/// Q3_K weights × Q8_K activations, in the float order of llama.cpp's AVX2
+/// kernel (one fused step of the 8 lanes per super-block, then [`hsum8`]).
+pub fn dot_q3_k_q8_k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let sc = scales_q3k(&x.scales);
+        let sumi = k_lanes(|e| sc[e / 16] as i32 * x.q(e) * y.q(e));
+        k_lanes_accumulate(&mut acc, y.d() * x.d(), sumi);
+    }
+    hsum8(&acc)
+}
+
+/// IQ4_XS weights × Q8_K activations, in the float order of llama.cpp's
+/// AVX2 kernel (one fused step of the 8 lanes per super-block, then
+/// [`hsum8`]).
+pub fn dot_iq4_xs_q8_k(w: &[BlockIQ4XS], a: &[BlockQ8K]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let sumi = k_lanes(|e| x.scale(e / 32) * x.value(e) * y.q(e));
+        k_lanes_accumulate(&mut acc, x.d() * y.d(), sumi);
+    }
+    hsum8(&acc)
 }
 
 // The table runs the byte-pointer twin of this in `dispatch.rs`; this
@@ -702,6 +897,133 @@ mod tests {
         a.qs[32] = 2;
         fill_q8k_bsums(&mut a);
         assert_eq!(dot_q6_k_q8_k(&[b], &[a]), 2.0 * (y[0] + 2.0 * y[32]));
+    }
+
+    #[test]
+    fn q5_0_and_q5_1_take_the_fifth_bit_from_qh() {
+        let mut b = BlockQ5_0::zeroed();
+        b.d = h(0.5);
+        b.qs[0] = 0x3A; // element 0: nibble 10; element 16: nibble 3
+        b.qh = (1u32 | 1 << 16).to_le_bytes(); // fifth bit of elements 0 and 16
+        let mut y = [0.0f32; 32];
+        dequantize_q5_0(&[b], &mut y);
+        // (26 - 16) * 0.5, (19 - 16) * 0.5, (0 - 16) * 0.5
+        assert_eq!((y[0], y[16], y[1]), (5.0, 1.5, -8.0));
+        let mut a = BlockQ8_0::zeroed();
+        a.d = h(2.0);
+        a.qs[0] = 3;
+        a.qs[16] = 1;
+        a.qs[31] = (-1i8) as u8; // element 31: q 0, so -16
+                                 // (10 * 3 + 3 * 1 - 16 * -1) * 0.5 * 2
+        assert_eq!(dot_q5_0_q8_0(&[b], &[a]), 49.0);
+
+        let mut b1 = BlockQ5_1::zeroed();
+        b1.d = h(2.0);
+        b1.m = h(-1.0);
+        b1.qs[2] = 0xF1; // element 2: 1; element 18: 15
+        b1.qh = (1u32 << 18).to_le_bytes(); // element 18: 15 + 16
+        dequantize_q5_1(&[b1], &mut y);
+        assert_eq!((y[2], y[18], y[0]), (1.0, 61.0, -1.0));
+        let mut x = [0.0f32; 32];
+        x[0] = 127.0;
+        x[18] = 2.0;
+        // Every weight is 2q - 1: 127 * -1 + 2 * 61.
+        let mut a1 = [BlockQ8_1::zeroed()];
+        quantize_q8_1(&x, &mut a1);
+        assert_eq!(dot_q5_1_q8_1(&[b1], &a1), -5.0);
+    }
+
+    #[test]
+    fn iq4_nl_indexes_the_non_linear_grid() {
+        let mut b = BlockIQ4NL::zeroed();
+        b.d = h(0.5);
+        b.qs[0] = 0x0F; // element 0: index 15 (113); element 16: index 0 (-127)
+        b.qs[1] = 0x78; // element 1: index 8 (1); element 17: index 7 (-10)
+        let mut y = [0.0f32; 32];
+        dequantize_iq4_nl(&[b], &mut y);
+        assert_eq!((y[0], y[16], y[1], y[17]), (56.5, -63.5, 0.5, -5.0));
+        assert_eq!(y[2], -63.5);
+        let mut a = BlockQ8_0::zeroed();
+        a.d = h(1.0);
+        a.qs[0] = 1;
+        a.qs[16] = 2;
+        a.qs[17] = (-3i8) as u8;
+        // (113 - 254 + 30) * 0.5
+        assert_eq!(dot_iq4_nl_q8_0(&[b], &[a]), -55.5);
+    }
+
+    #[test]
+    fn q2_k_dequantize_and_dot_hand_values() {
+        let mut b = BlockQ2K::zeroed();
+        b.d = h(0.5);
+        b.dmin = h(0.25);
+        b.scales[0] = 0x31; // sub-block 0: scale 1, min 3
+        b.scales[3] = 0x02; // sub-block 3 (elements 48..64): scale 2, min 0
+        b.qs[0] = 0b11; // element 0: q 3
+        b.qs[16] = 0b10 << 2; // element 48 (run 1, l = 16): q 2
+        b.qs[32] = 0b01 << 6; // element 128 + 96: q 1, sub-block 14 (scale 0)
+        let mut y = [0.0f32; 256];
+        dequantize_q2_k(&[b], &mut y);
+        assert_eq!(y[0], 0.5 * 3.0 - 0.25 * 3.0);
+        assert_eq!(y[1], -0.75);
+        assert_eq!(y[48], 2.0);
+        assert_eq!((y[16], y[224]), (0.0, 0.0));
+        let mut a = BlockQ8K::zeroed();
+        a.d = 1.0f32.to_le_bytes();
+        a.qs[0] = 10;
+        a.qs[5] = 2; // meets the minimum of sub-block 0 only
+        a.qs[48] = 1;
+        fill_q8k_bsums(&mut a);
+        assert_eq!(dot_q2_k_q8_k(&[b], &[a]), 10.0 * 0.75 + 2.0 * -0.75 + 2.0);
+    }
+
+    #[test]
+    fn q3_k_dequantize_and_dot_hand_values() {
+        let mut b = BlockQ3K::zeroed();
+        b.d = h(0.5);
+        // All scales 0 - 32, except scale 0 = 33 (+1) and scale 5 = 63 (+31).
+        b.scales[0] = 0x01;
+        b.scales[8] = 0x02;
+        b.scales[5] = 0x0F;
+        b.scales[9] = 0x0C;
+        b.qs[0] = 0b11; // element 0: low bits 3
+        b.hmask[0] = 0b1; // ... and its high bit: q 3
+        b.qs[16] = 0b01 << 4; // element 80 (run 2, l = 16): low 1, no high bit: -3
+        let mut y = [0.0f32; 256];
+        dequantize_q3_k(&[b], &mut y);
+        assert_eq!(y[0], 1.5);
+        assert_eq!(y[1], 0.5 * 1.0 * -4.0); // same sub-block, no high bit
+        assert_eq!(y[16], 0.5 * -32.0 * -4.0); // sub-block 1
+        assert_eq!(y[80], 0.5 * 31.0 * -3.0);
+        let mut a = BlockQ8K::zeroed();
+        a.d = 0.5f32.to_le_bytes();
+        a.qs[0] = 2;
+        a.qs[80] = (-1i8) as u8;
+        fill_q8k_bsums(&mut a);
+        assert_eq!(dot_q3_k_q8_k(&[b], &[a]), 0.5 * (2.0 * 1.5 + 46.5));
+    }
+
+    #[test]
+    fn iq4_xs_dequantize_and_dot_hand_values() {
+        let mut b = BlockIQ4XS::zeroed();
+        b.d = h(0.25);
+        // Sub-block 0: low nibble 1, high bits 2 -> 33 - 32 = 1; sub-block 3:
+        // 0xF and 3 -> 63 - 32 = 31; the rest 0 - 32.
+        b.scales_l = [0x01, 0xF0, 0, 0];
+        b.scales_h = (2u16 | 3 << 6).to_le_bytes();
+        b.qs[0] = 0x08; // element 0: index 8 (1); element 16: index 0 (-127)
+        b.qs[48 + 5] = 0x0F; // element 101: index 15 (113)
+        let mut y = [0.0f32; 256];
+        dequantize_iq4_xs(&[b], &mut y);
+        assert_eq!((y[0], y[16]), (0.25, -31.75));
+        assert_eq!(y[101], 0.25 * 31.0 * 113.0);
+        assert_eq!(y[32], 0.25 * -32.0 * -127.0);
+        let mut a = BlockQ8K::zeroed();
+        a.d = 1.0f32.to_le_bytes();
+        a.qs[0] = 4;
+        a.qs[101] = (-2i8) as u8;
+        fill_q8k_bsums(&mut a);
+        assert_eq!(dot_iq4_xs_q8_k(&[b], &[a]), 4.0 * 0.25 - 2.0 * 875.75);
     }
 
     #[test]

@@ -8,13 +8,19 @@ use rand::{Rng, SeedableRng};
 use super::dispatch::{kernels_for, supported_levels, Kernels, SimdLevel};
 use super::*;
 
-const WEIGHT_TYPES: [GgmlType; 9] = [
+const WEIGHT_TYPES: [GgmlType; 15] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::IQ4_NL,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::IQ4_XS,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::F32,
@@ -38,7 +44,9 @@ fn random_scale(rng: &mut StdRng, scale_mag: f32) -> f32 {
     }
 }
 
-/// A random weight row of `n` elements: random quants, sane random scales.
+/// A random weight row of `n` elements: random quants and sub-block scales
+/// (every bit pattern of those is a valid block), sane random f16 scales
+/// (random bytes there could be NaN, infinite or huge).
 fn random_weights(rng: &mut StdRng, ty: GgmlType, n: usize, scale_mag: f32) -> Vec<u8> {
     let bytes = ty.row_bytes(n).expect("whole blocks");
     let mut row: Vec<u8> = (0..bytes).map(|_| rng.gen()).collect();
@@ -62,12 +70,19 @@ fn random_weights(rng: &mut StdRng, ty: GgmlType, n: usize, scale_mag: f32) -> V
         _ => {
             for b in row.chunks_exact_mut(bb) {
                 let d = f16_bytes(random_scale(rng, scale_mag));
+                let m = f16_bytes(random_scale(rng, scale_mag));
                 match ty {
                     GgmlType::Q6_K => b[208..210].copy_from_slice(&d),
-                    GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
-                        b[0..2].copy_from_slice(&d);
-                        b[2..4].copy_from_slice(&f16_bytes(random_scale(rng, scale_mag)));
+                    GgmlType::Q3_K => b[108..110].copy_from_slice(&d),
+                    GgmlType::Q2_K => {
+                        b[80..82].copy_from_slice(&d);
+                        b[82..84].copy_from_slice(&m);
                     }
+                    GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                        b[0..2].copy_from_slice(&d);
+                        b[2..4].copy_from_slice(&m);
+                    }
+                    // Q4_0, Q5_0, Q8_0, IQ4_NL, IQ4_XS: `d` first.
                     _ => b[0..2].copy_from_slice(&d),
                 }
             }
@@ -128,8 +143,18 @@ fn every_simd_dot_matches_the_scalar_reference() {
                         level.name()
                     );
                     // The K-quants, and the formats whose sum order follows
-                    // llama.cpp's (Q4_1, Q8_0), are exact on every level.
-                    if ty.block_len() == QK_K || matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) {
+                    // llama.cpp's (Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), are exact
+                    // on every level.
+                    if ty.block_len() == QK_K
+                        || matches!(
+                            ty,
+                            GgmlType::Q4_1
+                                | GgmlType::Q5_0
+                                | GgmlType::Q5_1
+                                | GgmlType::Q8_0
+                                | GgmlType::IQ4_NL
+                        )
+                    {
                         assert_eq!(
                             got.to_bits(),
                             want.to_bits(),
@@ -385,9 +410,16 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn argument_errors_carry_the_numbers() {
     assert_eq!(activation_type(GgmlType::Q4_1), Ok(GgmlType::Q8_1));
     assert_eq!(activation_type(GgmlType::Q6_K), Ok(GgmlType::Q8_K));
+    assert_eq!(activation_type(GgmlType::Q5_0), Ok(GgmlType::Q8_0));
+    assert_eq!(activation_type(GgmlType::Q5_1), Ok(GgmlType::Q8_1));
+    assert_eq!(activation_type(GgmlType::IQ4_NL), Ok(GgmlType::Q8_0));
+    assert_eq!(activation_type(GgmlType::IQ4_XS), Ok(GgmlType::Q8_K));
+    assert_eq!(activation_type(GgmlType::Q2_K), Ok(GgmlType::Q8_K));
+    assert_eq!(activation_type(GgmlType::Q3_K), Ok(GgmlType::Q8_K));
+    // Activation-only formats have no weight kernel.
     assert_eq!(
-        activation_type(GgmlType::Q5_0),
-        Err(QuantError::UnsupportedWeight { ty: GgmlType::Q5_0 })
+        activation_type(GgmlType::Q8_K),
+        Err(QuantError::UnsupportedWeight { ty: GgmlType::Q8_K })
     );
     let mut out = vec![0u8; 10];
     assert_eq!(
@@ -412,8 +444,12 @@ fn argument_errors_carry_the_numbers() {
     );
     let mut dst = [0.0f32; 32];
     assert!(matches!(
-        dequantize_row(GgmlType::Q5_0, &[0u8; 22], &mut dst),
-        Err(QuantError::UnsupportedDequantize { .. })
+        dequantize_row(GgmlType::Q5_0, &[0u8; 21], &mut dst),
+        Err(QuantError::WrongLength {
+            got: 21,
+            expected: 22,
+            ..
+        })
     ));
     assert_eq!(check_matmul(GgmlType::Q4_1, 64, 120, 72, 1, 3), Ok(3));
     assert!(check_matmul(GgmlType::Q4_1, 64, 121, 72, 1, 3).is_err());
@@ -431,4 +467,186 @@ fn argument_errors_carry_the_numbers() {
 fn forced_level_names_are_recognised() {
     assert!(SimdLevel::Scalar.is_supported());
     assert!(["scalar", "avx2", "avx512", "neon"].contains(&simd_level()));
+}
+
+/// The type llama.cpp names `name`.
+fn type_named(name: &str) -> GgmlType {
+    (0..64)
+        .filter_map(GgmlType::from_id)
+        .find(|t| t.name() == name)
+        .unwrap_or_else(|| panic!("no type named {name}"))
+}
+
+fn from_hex(s: &str) -> Vec<u8> {
+    assert!(s.len().is_multiple_of(2), "odd hex length");
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+#[test]
+fn dequantize_matches_gguf_py_vectors() {
+    // Blocks and values from llama.cpp's gguf-py (an independent numpy
+    // decoder), written by tests/interop/gguf_dequant_vectors.py; its doc
+    // has the command that regenerates the file.
+    let text = include_str!("../../tests/vectors/gguf_dequant.txt");
+    let mut seen = std::collections::BTreeMap::<&str, usize>::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let mut fields = line.split_whitespace();
+        let (name, block, want) = match (fields.next(), fields.next(), fields.next()) {
+            (Some(n), Some(b), Some(w)) => (n, from_hex(b), w),
+            _ => panic!("malformed vector line: {line}"),
+        };
+        let ty = type_named(name);
+        assert_eq!(block.len(), ty.block_bytes(), "{name} block size");
+        let mut got = vec![0.0f32; ty.block_len()];
+        dequantize_row(ty, &block, &mut got).expect("dequantize");
+        let want: Vec<u32> = (0..want.len())
+            .step_by(8)
+            .map(|i| u32::from_str_radix(&want[i..i + 8], 16).expect("hex"))
+            .collect();
+        assert_eq!(want.len(), ty.block_len(), "{name} value count");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                *w,
+                "{name} element {i}: {g} vs gguf-py {}",
+                f32::from_bits(*w)
+            );
+        }
+        *seen.entry(name).or_default() += 1;
+    }
+    for ty in WEIGHT_TYPES.iter().filter(|t| t.block_len() > 1) {
+        assert_eq!(
+            seen.get(ty.name()),
+            Some(&3),
+            "{ty} has three vector blocks"
+        );
+    }
+}
+
+#[test]
+fn scalar_dots_equal_the_dot_of_the_dequantized_rows() {
+    // The dot kernels and the dequantizers read the same bytes through
+    // separate code; dequantization is checked against gguf-py above, so
+    // agreement here ties each dot's block layout to llama.cpp's too.
+    let mut rng = StdRng::seed_from_u64(19);
+    let scalar = table(SimdLevel::Scalar);
+    for ty in WEIGHT_TYPES {
+        for &n in lengths_for(ty) {
+            let w = random_weights(&mut rng, ty, n, 1.0);
+            let x = random_floats(&mut rng, n, 3.0);
+            let a = quantized_acts(scalar, ty, &x);
+            let act_ty = activation_type(ty).expect("supported");
+            let mut wf = vec![0.0f32; n];
+            let mut af = vec![0.0f32; n];
+            dequantize_row(ty, &w, &mut wf).expect("weights");
+            dequantize_row(act_ty, &a, &mut af).expect("activations");
+            let want: f64 = wf.iter().zip(&af).map(|(p, q)| *p as f64 * *q as f64).sum();
+            let got = vec_dot_with(scalar, ty, n, &w, &a) as f64;
+            // Float rounding of the sums, plus, for Q8_1 activations, the
+            // kernels' use of the block sum `s`, stored as f16 of the sum
+            // times the unrounded scale: up to 2^-10 of `m * s` per block.
+            let mut tol = 1e-5 * magnitude(ty, n, &w, &a) as f64 + 1e-30;
+            if act_ty == GgmlType::Q8_1 {
+                let wb = ty.block_bytes();
+                let acts: &[BlockQ8_1] = bytemuck::cast_slice(&a);
+                for (wblock, ablock) in w.chunks_exact(wb).zip(acts) {
+                    let m = half::f16::from_le_bytes([wblock[2], wblock[3]]).to_f32();
+                    tol += (m * ablock.s()).abs() as f64 / 1024.0;
+                }
+            }
+            assert!(
+                (got - want).abs() <= tol,
+                "{ty} n={n}: kernel {got}, dequantized {want}, tol {tol}"
+            );
+        }
+    }
+}
+
+/// Parses a string of 8-hex-digit f32 bit patterns.
+fn f32_bits_from_hex(s: &str) -> Vec<u32> {
+    assert!(s.len().is_multiple_of(8), "f32 hex length");
+    (0..s.len())
+        .step_by(8)
+        .map(|i| u32::from_str_radix(&s[i..i + 8], 16).expect("hex"))
+        .collect()
+}
+
+#[test]
+fn matmul_matches_llamacpp_kernel_vectors() {
+    // llama.cpp's own kernels (ggml-cpu of the reference build, through
+    // scripts/llamacpp/kernels.c) on fixed rows: written by
+    // scripts/golden-kernels, which documents how to regenerate them.
+    let text = include_str!("../../tests/vectors/kernels_llamacpp.txt");
+    let mut checked = 0;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f.len(), 9, "malformed vector line");
+        let ty = type_named(f[0]);
+        let (n, rows, tokens): (usize, usize, usize) = (
+            f[1].parse().expect("n"),
+            f[2].parse().expect("rows"),
+            f[3].parse().expect("tokens"),
+        );
+        let w = from_hex(f[4]);
+        let x: Vec<f32> = from_hex(f[5])
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let want_q = from_hex(f[6]);
+        let want_vec_dot = f32_bits_from_hex(f[7]);
+        let want_batched = f32_bits_from_hex(f[8]);
+        let act_ty = activation_type(ty).expect("supported");
+        let act_row = act_ty.row_bytes(n).expect("whole");
+        assert_eq!(x.len(), n * tokens);
+        for level in supported_levels() {
+            let k = table(level);
+            let mut q = vec![0u8; act_row * tokens];
+            for (xs, qs) in x.chunks_exact(n).zip(q.chunks_exact_mut(act_row)) {
+                quantize_row_with(k, act_ty, xs, qs).expect("quantize");
+            }
+            assert_eq!(q, want_q, "{} {ty}: activation bytes", level.name());
+            let mut out = vec![0.0f32; rows * tokens];
+            matmul_with(k, ty, n, &w, &q, tokens, &mut out);
+            for (i, (got, (&batched, &one))) in out
+                .iter()
+                .zip(want_batched.iter().zip(&want_vec_dot))
+                .enumerate()
+            {
+                let (batched, one) = (f32::from_bits(batched), f32::from_bits(one));
+                match ty {
+                    // Q4_0's reference sums its blocks in another order, and
+                    // the older K-quant kernels apply one scalar float step
+                    // per super-block where llama.cpp keeps 8 lanes: both
+                    // agree to rounding only.
+                    GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                        let (r, t) = (i / tokens, i % tokens);
+                        let wb = ty.row_bytes(n).expect("whole");
+                        let mag = magnitude(
+                            ty,
+                            n,
+                            &w[r * wb..(r + 1) * wb],
+                            &q[t * act_row..(t + 1) * act_row],
+                        );
+                        assert!(
+                            (got - batched).abs() <= 1e-6 * mag,
+                            "{} {ty} output {i}: {got} vs llama.cpp {batched}",
+                            level.name()
+                        );
+                    }
+                    _ => assert_eq!(
+                        got.to_bits(),
+                        batched.to_bits(),
+                        "{} {ty} output {i}: {got} vs llama.cpp's batched {batched} \
+                         (its one-token kernel: {one})",
+                        level.name()
+                    ),
+                }
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 12, "one vector line per quantized weight format");
 }

@@ -23,6 +23,8 @@ pub enum GgmlType {
     Q5_K,
     Q6_K,
     Q8_K,
+    IQ4_NL,
+    IQ4_XS,
     BF16,
 }
 
@@ -47,6 +49,8 @@ impl GgmlType {
             13 => Self::Q5_K,
             14 => Self::Q6_K,
             15 => Self::Q8_K,
+            20 => Self::IQ4_NL,
+            23 => Self::IQ4_XS,
             30 => Self::BF16,
             _ => return None,
         })
@@ -69,6 +73,8 @@ impl GgmlType {
             Self::Q5_K => 13,
             Self::Q6_K => 14,
             Self::Q8_K => 15,
+            Self::IQ4_NL => 20,
+            Self::IQ4_XS => 23,
             Self::BF16 => 30,
         }
     }
@@ -90,6 +96,8 @@ impl GgmlType {
             Self::Q5_K => "Q5_K",
             Self::Q6_K => "Q6_K",
             Self::Q8_K => "Q8_K",
+            Self::IQ4_NL => "IQ4_NL",
+            Self::IQ4_XS => "IQ4_XS",
             Self::BF16 => "BF16",
         }
     }
@@ -98,8 +106,20 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 => 32,
-            Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K | Self::Q8_K => QK_K,
+            Self::Q4_0
+            | Self::Q4_1
+            | Self::Q5_0
+            | Self::Q5_1
+            | Self::Q8_0
+            | Self::Q8_1
+            | Self::IQ4_NL => 32,
+            Self::Q2_K
+            | Self::Q3_K
+            | Self::Q4_K
+            | Self::Q5_K
+            | Self::Q6_K
+            | Self::Q8_K
+            | Self::IQ4_XS => QK_K,
         }
     }
 
@@ -120,6 +140,8 @@ impl GgmlType {
             Self::Q5_K => 176,
             Self::Q6_K => 210,
             Self::Q8_K => 292,
+            Self::IQ4_NL => 18,
+            Self::IQ4_XS => 136,
         }
     }
 
@@ -155,5 +177,14 @@ mod tests {
         assert_eq!(GgmlType::Q4_K.row_bytes(512), Some(2 * 144));
         assert_eq!(GgmlType::Q4_K.row_bytes(576), None);
         assert!(GgmlType::from_id(4).is_none());
+        // The fallbacks llama-quantize picks for rows of 896 (Qwen2.5-0.5B).
+        assert_eq!(GgmlType::Q5_0.row_bytes(896), Some(28 * 22));
+        assert_eq!(GgmlType::Q5_1.row_bytes(896), Some(28 * 24));
+        assert_eq!(GgmlType::IQ4_NL.row_bytes(896), Some(28 * 18));
+        assert_eq!(GgmlType::from_id(20), Some(GgmlType::IQ4_NL));
+        assert_eq!(GgmlType::from_id(23), Some(GgmlType::IQ4_XS));
+        assert_eq!(GgmlType::IQ4_XS.row_bytes(512), Some(2 * 136));
+        assert_eq!(GgmlType::Q2_K.row_bytes(256), Some(84));
+        assert_eq!(GgmlType::Q3_K.row_bytes(256), Some(110));
     }
 }
