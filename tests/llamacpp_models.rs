@@ -13,9 +13,15 @@
 //! - at the last prompt position, the log-probabilities of llama.cpp's
 //!   top-10 tokens agree within 0.05;
 //! - the greedy continuation (32 tokens) equals llama.cpp's batched path
-//!   token for token (and its incremental decode up to where llama.cpp's
+//!   token for token (so its incremental decode too, up to where llama.cpp's
 //!   own two paths part; tests/llamacpp_agreement.rs says why), and at every
 //!   step the log-probabilities of llama.cpp's top-10 agree within 0.05.
+//!   The one exception is a near-tie: at a step where llama.cpp's top-1
+//!   leads its top-2 by less than twice that tolerance, an engine within the
+//!   tolerance may pick either, so the continuation is compared up to that
+//!   step only. The random-weight models are built so that this never
+//!   happens (their smallest margin is far larger); a real model such as
+//!   Gemma has such steps.
 //!
 //! Without the model files the tests say so loudly and pass, unless
 //! INFERD_REQUIRE_MODELS is set (scripts/test sets it, after making them).
@@ -35,6 +41,9 @@ use serde_json::Value;
 use support::golden::{common_prefix, ids, models_dir, models_required, worst_logprob_diff};
 
 const LOGPROB_TOLERANCE: f64 = 0.05;
+/// Below this top-1 minus top-2 margin, llama.cpp's greedy choice is within
+/// the tolerance of the runner-up.
+const DECISIVE_MARGIN: f64 = 2.0 * LOGPROB_TOLERANCE;
 
 fn manifest_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -166,26 +175,31 @@ fn check(stem: &str) {
                 worst_step.0, worst_step.1
             ));
         }
-        if ours != llama_prefill {
-            failures.push(format!(
-                "{name}: greedy parts from llama.cpp at step {}: ours {ours:?}, llama.cpp {llama_prefill:?}",
-                common_prefix(&ours, &llama_prefill)
-            ));
-        }
-        let llama_consistent = common_prefix(&llama_decode, &llama_prefill);
-        if common_prefix(&ours, &llama_decode) < llama_consistent {
-            failures.push(format!(
-                "{name}: greedy leaves llama.cpp's incremental decode before step {llama_consistent}"
-            ));
+        // Ours must be llama.cpp's at every step, except that at a
+        // near-tie the two may part (and are compared no further).
+        let margins = case["margins_by_prefill"]
+            .as_array()
+            .expect("margins_by_prefill");
+        let agreed = common_prefix(&ours, &llama_prefill);
+        if agreed < llama_prefill.len() {
+            let margin = margins[agreed].as_f64().expect("margin");
+            if margin >= DECISIVE_MARGIN {
+                failures.push(format!(
+                    "{name}: greedy parts from llama.cpp at step {agreed}, where llama.cpp's top-1 \
+                     leads by {margin:.3}: ours {ours:?}, llama.cpp {llama_prefill:?}"
+                ));
+            }
         }
         eprintln!(
             "{stem} {name}: {} prompt tokens, top-10 logprob difference {at_prompt:.1e} at the prompt, \
-             {:.1e} at worst along the continuation (step {}), greedy {}/{} equal",
+             {:.1e} at worst along the continuation (step {}), greedy {agreed}/{} equal to llama.cpp's \
+             batched path, {}/{} to its incremental decode",
             prompt.len(),
             worst_step.0,
             worst_step.1,
-            common_prefix(&ours, &llama_prefill),
-            llama_prefill.len()
+            llama_prefill.len(),
+            common_prefix(&ours, &llama_decode),
+            llama_decode.len()
         );
     }
     assert!(
