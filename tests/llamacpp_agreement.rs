@@ -12,6 +12,8 @@
 //!   batched path; it must equal `generated_by_prefill` everywhere and
 //!   `generated` up to the step where llama.cpp's two paths part.
 
+mod support;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -19,25 +21,11 @@ use inferd::engine::{Engine, EngineConfig};
 use inferd::model::Model;
 use inferd::sampler::SamplingParams;
 use serde_json::Value;
+use support::golden::{common_prefix, ids, worst_logprob_diff};
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const VECTORS: &str = "tests/vectors/greedy_smollm2.json";
 const LOGPROB_TOLERANCE: f64 = 0.05;
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array of ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-/// log-softmax of `logits` at `id`, computed in f64.
-fn logprob(logits: &[f32], id: u32) -> f64 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
-    logits[id as usize] as f64 - max - sum.ln()
-}
 
 /// What inferd produced for one golden prompt, beside llama.cpp's answers.
 struct Outcome {
@@ -75,12 +63,7 @@ fn run_golden_prompts() -> Option<Vec<Outcome>> {
         );
         let mut session = engine.new_session();
         engine.append(&mut session, &prompt).expect("prefill");
-        let mut worst = 0f64;
-        for pair in case["top_logprobs"].as_array().expect("top_logprobs") {
-            let id = pair[0].as_u64().expect("id") as u32;
-            let want = pair[1].as_f64().expect("logprob");
-            worst = worst.max((logprob(session.next_logits(), id) - want).abs());
-        }
+        let worst = worst_logprob_diff(session.next_logits(), &case["top_logprobs"]);
         let llama_decode = ids(&case["generated"]);
         let llama_prefill = ids(&case["generated_by_prefill"]);
         let ours = engine
@@ -111,10 +94,6 @@ fn run_golden_prompts() -> Option<Vec<Outcome>> {
         });
     }
     Some(out)
-}
-
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 #[test]

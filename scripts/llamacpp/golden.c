@@ -1,7 +1,8 @@
 /*
  * inferd-golden: dumps reference values from llama.cpp (through llama.h) for
  * inferd's golden-vector tests. Built by scripts/build-llamacpp against the
- * libllama it builds; driven by scripts/golden-llamacpp.
+ * libllama it builds; driven by scripts/golden-llamacpp, scripts/golden-models
+ * and (to quantize) scripts/make-models.
  *
  *   inferd-golden tokenize MODEL
  *     stdin, one request a line: "<parse_special 0|1> <text as hex bytes>"
@@ -16,9 +17,22 @@
  *     stdout, one JSON object a line: the TOP_K (id, logprob) pairs at the
  *     last prompt position (log-softmax of the raw logits, in double), then
  *     N_PREDICT greedy tokens (argmax of the raw logits, lowest id on ties,
- *     never stopping at end-of-generation) with each one's logprob.
+ *     never stopping at end-of-generation) with each one's logprob, then
+ *     the same continuation with every step computed by a fresh prefill of
+ *     the whole sequence. For both paths, each step's margin: the largest
+ *     logit minus the second largest (how decisive the greedy choice was);
+ *     and, at each step where both paths have seen the same tokens, the
+ *     largest absolute difference between their logits (llama.cpp's own
+ *     arithmetic noise from one summation order to another), else null;
+ *     and the batched path's TOP_K (id, logprob) pairs at every step.
  *     Every prompt gets a fresh context: flash attention off, f16 KV cache,
  *     one batch for the whole prompt.
+ *
+ *   inferd-golden quantize IN OUT TYPE THREADS
+ *     llama_model_quantize(IN, OUT) to TYPE (Q4_K_M, Q5_K_M, Q6_K, Q8_0,
+ *     Q4_0, IQ4_XS, IQ4_NL) with llama.cpp's default parameters: what
+ *     `llama-quantize IN OUT TYPE THREADS` does (it is a command line around
+ *     this one call), without building llama.cpp's common library.
  */
 #include "llama.h"
 
@@ -122,6 +136,29 @@ static int argmax(const float *logits, int n_vocab) {
     return best;
 }
 
+/* The largest logit minus the second largest. */
+static double margin(const float *logits, int n_vocab) {
+    int best = argmax(logits, n_vocab);
+    double second = -INFINITY;
+    for (int i = 0; i < n_vocab; i++)
+        if (i != best && logits[i] > second) second = logits[i];
+    return (double)logits[best] - second;
+}
+
+/* The top_k (id, logprob) pairs of a logit row as a JSON array, largest first. */
+static void print_top(const float *logits, int n_vocab, int top_k, double lz, int *taken) {
+    printf("[");
+    memset(taken, 0, sizeof(int) * (size_t)n_vocab);
+    for (int k = 0; k < top_k; k++) {
+        int best = -1;
+        for (int i = 0; i < n_vocab; i++)
+            if (!taken[i] && (best < 0 || logits[i] > logits[best])) best = i;
+        taken[best] = 1;
+        printf("%s[%d,%.9g]", k ? "," : "", best, (double)logits[best] - lz);
+    }
+    printf("]");
+}
+
 static int run_greedy(const char *model_path, int threads, int n_predict, int top_k) {
     struct llama_model *model = load(model_path, 0);
     const struct llama_vocab *vocab = llama_model_get_vocab(model);
@@ -162,22 +199,22 @@ static int run_greedy(const char *model_path, int threads, int n_predict, int to
         const float *logits = llama_get_logits_ith(ctx, -1);
         double lz = log_partition(logits, n_vocab);
 
-        printf("{\"top\":[");
-        memset(taken, 0, sizeof(int) * (size_t)n_vocab);
-        for (int k = 0; k < top_k; k++) {
-            int best = -1;
-            for (int i = 0; i < n_vocab; i++)
-                if (!taken[i] && (best < 0 || logits[i] > logits[best])) best = i;
-            taken[best] = 1;
-            printf("%s[%d,%.9g]", k ? "," : "", best, (double)logits[best] - lz);
-        }
-        printf("],\"generated\":[");
+        printf("{\"top\":");
+        print_top(logits, n_vocab, top_k, lz, taken);
+        printf(",\"generated\":[");
 
-        double lps[4096];
+        double lps[4096], margins[4096];
         if (n_predict > 4096) return 1;
+        /* Each step's logits, to compare with the batched path's below. */
+        float *step_logits = malloc(sizeof(float) * (size_t)n_vocab * (size_t)n_predict);
+        llama_token *decoded = malloc(sizeof(llama_token) * (size_t)n_predict);
+        if (!step_logits || !decoded) return 1;
         for (int step = 0; step < n_predict; step++) {
             llama_token next = argmax(logits, n_vocab);
             lps[step] = (double)logits[next] - lz;
+            margins[step] = margin(logits, n_vocab);
+            memcpy(step_logits + (size_t)step * (size_t)n_vocab, logits, sizeof(float) * (size_t)n_vocab);
+            decoded[step] = next;
             printf("%s%d", step ? "," : "", next);
             if (step + 1 == n_predict) break;
             if (llama_decode(ctx, llama_batch_get_one(&next, 1)) != 0) {
@@ -189,6 +226,8 @@ static int run_greedy(const char *model_path, int threads, int n_predict, int to
         }
         printf("],\"generated_logprobs\":[");
         for (int step = 0; step < n_predict; step++) printf("%s%.9g", step ? "," : "", lps[step]);
+        printf("],\"margins\":[");
+        for (int step = 0; step < n_predict; step++) printf("%s%.9g", step ? "," : "", margins[step]);
         llama_free(ctx);
 
         /* The same greedy continuation with every step computed by a fresh
@@ -200,6 +239,10 @@ static int run_greedy(const char *model_path, int threads, int n_predict, int to
         llama_token *seq = malloc(sizeof(llama_token) * (size_t)(n_prompt + n_predict));
         if (!seq) return 1;
         memcpy(seq, prompt, sizeof(llama_token) * (size_t)n_prompt);
+        double prefill_margins[4096], path_diff[4096];
+        float *prefill_logits = malloc(sizeof(float) * (size_t)n_vocab * (size_t)n_predict);
+        if (!prefill_logits) return 1;
+        int same_tokens = 1; /* both paths have seen the same tokens so far */
         for (int step = 0; step < n_predict; step++) {
             const int n = n_prompt + step;
             struct llama_context_params fp = cp;
@@ -211,16 +254,66 @@ static int run_greedy(const char *model_path, int threads, int n_predict, int to
                 fprintf(stderr, "inferd-golden: prefill failed at step %d\n", step);
                 return 1;
             }
-            seq[n] = argmax(llama_get_logits_ith(fctx, -1), n_vocab);
+            const float *fl = llama_get_logits_ith(fctx, -1);
+            seq[n] = argmax(fl, n_vocab);
+            memcpy(prefill_logits + (size_t)step * (size_t)n_vocab, fl, sizeof(float) * (size_t)n_vocab);
+            prefill_margins[step] = margin(fl, n_vocab);
+            path_diff[step] = -1.0;
+            if (same_tokens) {
+                const float *il = step_logits + (size_t)step * (size_t)n_vocab;
+                double worst = 0.0;
+                for (int i = 0; i < n_vocab; i++) {
+                    double d = fabs((double)fl[i] - (double)il[i]);
+                    if (d > worst) worst = d;
+                }
+                path_diff[step] = worst;
+                same_tokens = seq[n] == decoded[step];
+            }
             printf("%s%d", step ? "," : "", seq[n]);
             llama_free(fctx);
         }
+        printf("],\"margins_by_prefill\":[");
+        for (int step = 0; step < n_predict; step++) printf("%s%.9g", step ? "," : "", prefill_margins[step]);
+        printf("],\"path_logit_diff\":[");
+        for (int step = 0; step < n_predict; step++) {
+            if (path_diff[step] < 0) printf("%snull", step ? "," : "");
+            else printf("%s%.9g", step ? "," : "", path_diff[step]);
+        }
+        printf("],\"top_by_prefill\":[");
+        for (int step = 0; step < n_predict; step++) {
+            const float *fl = prefill_logits + (size_t)step * (size_t)n_vocab;
+            if (step) printf(",");
+            print_top(fl, n_vocab, top_k, log_partition(fl, n_vocab), taken);
+        }
         free(seq);
+        free(prefill_logits);
+        free(step_logits);
+        free(decoded);
         printf("]}\n");
         fflush(stdout);
     }
     free(line); free(prompt); free(taken);
     llama_model_free(model);
+    return 0;
+}
+
+static int run_quantize(const char *in, const char *out, const char *type, int threads) {
+    static const struct { const char *name; enum llama_ftype ftype; } types[] = {
+        {"Q4_0", LLAMA_FTYPE_MOSTLY_Q4_0},     {"Q8_0", LLAMA_FTYPE_MOSTLY_Q8_0},
+        {"Q4_K_M", LLAMA_FTYPE_MOSTLY_Q4_K_M}, {"Q5_K_M", LLAMA_FTYPE_MOSTLY_Q5_K_M},
+        {"Q6_K", LLAMA_FTYPE_MOSTLY_Q6_K},     {"IQ4_NL", LLAMA_FTYPE_MOSTLY_IQ4_NL},
+        {"IQ4_XS", LLAMA_FTYPE_MOSTLY_IQ4_XS},
+    };
+    struct llama_model_quantize_params params = llama_model_quantize_default_params();
+    int found = 0;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
+        if (strcmp(types[i].name, type) == 0) { params.ftype = types[i].ftype; found = 1; }
+    if (!found) { fprintf(stderr, "inferd-golden: unknown quantization type %s\n", type); return 2; }
+    params.nthread = threads;
+    if (llama_model_quantize(in, out, &params) != 0) {
+        fprintf(stderr, "inferd-golden: quantizing %s failed\n", in);
+        return 1;
+    }
     return 0;
 }
 
@@ -234,11 +327,14 @@ int main(int argc, char **argv) {
         rc = run_vocab(argv[2]);
     } else if (argc == 6 && strcmp(argv[1], "greedy") == 0) {
         rc = run_greedy(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]));
+    } else if (argc == 6 && strcmp(argv[1], "quantize") == 0) {
+        rc = run_quantize(argv[2], argv[3], argv[4], atoi(argv[5]));
     } else if (argc == 2 && strcmp(argv[1], "info") == 0) {
         printf("%s\n", llama_print_system_info());
         rc = 0;
     } else {
-        fprintf(stderr, "usage: inferd-golden tokenize MODEL | vocab MODEL | greedy MODEL THREADS N_PREDICT TOP_K | info\n");
+        fprintf(stderr, "usage: inferd-golden tokenize MODEL | vocab MODEL | greedy MODEL THREADS N_PREDICT TOP_K |\n"
+                        "       quantize IN OUT TYPE THREADS | info\n");
         rc = 2;
     }
     llama_backend_free();

@@ -1,8 +1,11 @@
 //! What the tests of a split model share: `inferd` processes that say where
 //! they listen, a stock grpcio client of `kakeya.v1.RuntimeService`, and a
-//! Prometheus scrape. Every wait is bounded.
+//! Prometheus scrape. Every wait is bounded. `golden`: what the tests
+//! against llama.cpp's golden vectors share.
 
 #![allow(dead_code)]
+
+pub mod golden;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
