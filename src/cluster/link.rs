@@ -117,6 +117,11 @@ const ANSWER_GRACE: Duration = Duration::from_secs(2);
 /// flow control holds it) before the link is given up.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a failed send waits for the error frame that says why the
+/// shard ended the call (it was sent before the end, so it is already
+/// there or never comes).
+const END_REASON_WAIT: Duration = Duration::from_secs(1);
+
 /// Wakes a parked thread.
 struct Unpark(std::thread::Thread);
 
@@ -335,8 +340,25 @@ impl ShardLink {
             .outbound
             .seal(frame, encoding, deadline)
             .map_err(|e| self.transport(format!("serializing a frame: {e}")))?;
-        self.send_raw(bytes)?;
+        if let Err(closed) = self.send_raw(bytes) {
+            // A shard that ends the call first sends an error frame saying
+            // why (a newer coordinator took over): report that reason, not
+            // the closed stream it left behind.
+            return Err(self.reason_for_end().unwrap_or(closed));
+        }
         Ok(sequence)
+    }
+
+    /// The shard's error frame among what it sent before ending the call,
+    /// if it sent one.
+    fn reason_for_end(&mut self) -> Option<LinkError> {
+        let give_up = Instant::now() + END_REASON_WAIT;
+        loop {
+            let checked = self.next_frame_until(Some(give_up)).ok()?;
+            if checked.kind == FrameKind::Error {
+                return Some(self.refused(checked.frame.get_error()));
+            }
+        }
     }
 
     /// Reads the next frame and checks it; credits are counted here.
