@@ -175,7 +175,7 @@ fn qwen2() -> Model {
 #[test]
 fn qwen2_loads_with_biases_and_neox_rope_and_prefill_stays_exact() {
     let model = qwen2();
-    assert_eq!(model.config.rope_layout, RopeLayout::Neox);
+    assert_eq!(model.config.rope_layout(), RopeLayout::Neox);
     assert!(model
         .weights()
         .layers
@@ -300,7 +300,7 @@ fn qwen3_needs_its_qk_norms_and_keeps_prefill_exact() {
     let mut norms = qk_norms(&tiny);
     let model =
         load(rewrite(&base, renamed("qwen3"), vec![], norms.clone(), &[])).expect("qwen3 loads");
-    assert_eq!(model.config.rope_layout, RopeLayout::Neox);
+    assert_eq!(model.config.rope_layout(), RopeLayout::Neox);
     assert!(model
         .weights()
         .layers

@@ -128,10 +128,12 @@ impl Architecture {
 
     /// The table row of this architecture.
     pub fn spec(self) -> &'static ArchSpec {
-        ARCHITECTURES
-            .iter()
-            .find(|a| a.architecture == self)
-            .unwrap_or(&ARCHITECTURES[0])
+        &ARCHITECTURES[match self {
+            Self::Llama => 0,
+            Self::Qwen2 => 1,
+            Self::Qwen3 => 2,
+            Self::Gemma3 => 3,
+        }]
     }
 
     /// The GGUF metadata key prefix.

@@ -32,9 +32,8 @@ pub struct ModelConfig {
     pub rope_freq_scale: f32,
     /// Dimensions of each head that RoPE rotates (the rest pass through).
     pub rope_dims: usize,
-    pub rope_layout: RopeLayout,
     /// Sliding-window layers attend to the last `window` positions only
-    /// (the query's own included) and rotate with `rope_base_sliding`.
+    /// (the query's own included) and rotate with their own RoPE base.
     pub sliding_window: Option<SlidingWindow>,
     /// Embeddings are multiplied by this (Gemma: sqrt(width)).
     pub embedding_scale: Option<f32>,
@@ -185,7 +184,6 @@ impl ModelConfig {
             rope_base,
             rope_freq_scale,
             rope_dims,
-            rope_layout: spec.rope_layout,
             sliding_window,
             embedding_scale: spec.scale_embeddings.then(|| (hidden as f32).sqrt()),
             // Gemma's 27B (62 layers) scales by the width per head rather
@@ -205,6 +203,11 @@ impl ModelConfig {
     /// The architecture's row of the table in `arch.rs`.
     pub fn spec(&self) -> &'static ArchSpec {
         self.architecture.spec()
+    }
+
+    /// How RoPE pairs the dimensions of a head.
+    pub fn rope_layout(&self) -> RopeLayout {
+        self.spec().rope_layout
     }
 
     /// Width of the Q projection (and of the attention output).

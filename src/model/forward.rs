@@ -550,7 +550,7 @@ impl Model {
             let cs = &rope[t * rd..][..rd];
             for head in row.chunks_exact_mut(hd) {
                 for i in 0..rd / 2 {
-                    let (a, b) = match cfg.rope_layout {
+                    let (a, b) = match cfg.rope_layout() {
                         RopeLayout::Normal => (2 * i, 2 * i + 1),
                         RopeLayout::Neox => (i, i + rd / 2),
                     };
