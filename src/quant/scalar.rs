@@ -12,9 +12,9 @@
 //! `127 / amax` and round half to even; Q8_K rounds half to even
 //! (`nearest_int`) with the scale chosen from the signed maximum.
 //!
-//! The Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL dots and the f16 dot fix the float
-//! summation order of llama.cpp's x86 kernels (its batched path where the
-//! one-token and batched kernels differ): 8 lanes, lane `j` holding the
+//! The Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL dots and the f16 dot fix the
+//! float summation order of llama.cpp's x86 kernels (its batched path where
+//! the one-token and batched kernels differ): 8 lanes, lane `j` holding the
 //! integer sum of elements `4j..4j+4` of each block, accumulated across
 //! blocks with fused multiply-adds and reduced as `hsum8` does (the f16
 //! dot: 16 lanes by element index, fused multiply-adds, reduced as
@@ -318,18 +318,18 @@ pub fn dequantize_q8_k(src: &[BlockQ8K], dst: &mut [f32]) {
 // Dot products
 // ---------------------------------------------------------------------------
 
-/// Q4_0 weights × Q8_0 activations.
+/// Q4_0 weights × Q8_0 activations, in the lane order of Q8_0 (llama.cpp's
+/// x86 `vec_dot` and its batched tinyBLAS path both sum Q4_0 that way).
 pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    let mut sumf = 0.0f32;
+    let mut acc = [0.0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let mut sumi = 0i32;
-        for j in 0..16 {
-            sumi += ((x.qs[j] & 0x0F) as i32 - 8) * y.q(j);
-            sumi += ((x.qs[j] >> 4) as i32 - 8) * y.q(j + 16);
-        }
-        sumf += sumi as f32 * (x.d() * y.d());
+        let q = |k: usize| {
+            let b = x.qs[k % 16];
+            (if k < 16 { b & 0x0F } else { b >> 4 }) as i32 - 8
+        };
+        accumulate_lanes(&mut acc, x.d() * y.d(), lane_sums(q, |k| y.q(k)));
     }
-    sumf
+    hsum8(&acc)
 }
 
 /// Horizontal sum of 8 lanes: `(l0+l4)+(l2+l6)` plus `(l1+l5)+(l3+l7)`,
