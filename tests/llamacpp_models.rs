@@ -240,10 +240,15 @@ const KNOWN_GAPS: &[(&str, &str)] = &[
     ),
     (
         "gemma-3-270m-q4_k_m",
-        "Gemma amplifies rounding: inferd's Q4_K and Q6_K dot products sum in \
-         another order than llama.cpp's (0.2 nats apart; llama.cpp's own \
-         repacked and plain paths are 0.18 apart on this model). With Q8_0, \
-         Q5_0, Q5_1 or IQ4_NL matrices it agrees bit for bit",
+        "Gemma amplifies rounding: inferd's Q4_K and Q6_K dots give the bits of \
+         llama.cpp's plain vec_dot kernels (and this model with Q8_0 plus Q4_K \
+         or Q6_K matrices agrees bit for bit with llama.cpp run without weight \
+         repacking and with GGML_CPU_TILED_MM=0), but these vectors come from \
+         llama.cpp's default path, which repacks the Q4_K weights and multiplies \
+         K-quants by 8 or more tokens with its tiled kernel, each in another \
+         order (0.2 nats apart; llama.cpp's own repacked and plain paths are \
+         0.18 apart on this model). With Q8_0, Q5_0, Q5_1 or IQ4_NL matrices it \
+         agrees bit for bit",
     ),
 ];
 

@@ -8,11 +8,12 @@
 //! exactly the operation sequence of the `NT = 1` kernel, so a tile gives the
 //! same bits as single dots.
 //!
-//! The K-quant kernels reduce each super-block in exact integer arithmetic
-//! and then apply the float steps of the scalar reference, so they agree with
-//! it bit for bit; so do the 32-element kernels whose 8 float lanes follow
-//! the reference (Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL). The activation quantizers
-//! also reproduce the scalar reference exactly.
+//! Every quantized dot keeps the 8 float lanes of the scalar reference
+//! (llama.cpp's lanes): the integer lane sums are exact, and the float steps
+//! on them (the scale products, the fused multiply-adds, the final
+//! horizontal sums) are the reference's, so each kernel agrees with it bit
+//! for bit. The activation quantizers also reproduce the scalar reference
+//! exactly.
 
 #![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
 
@@ -386,7 +387,82 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
     out
 }
 
-/// Q4_K × Q8_K tile (bit-identical to the scalar reference).
+/// Horizontal sum of 4 lanes: `(v0 + v2) + (v1 + v3)` ([`scalar::hsum4`]).
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum4_ps(v: __m128) -> f32 {
+    let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// Horizontal sum of 4 i32 lanes (exact).
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum4_epi32(v: __m128i) -> i32 {
+    let s = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01)))
+}
+
+/// The 8 integer lanes of a K-quant super-block product
+/// ([`scalar::k_lanes`]): `q[r]` holds run `r` (elements `32r..32r+32`) as
+/// unsigned bytes, `sc[r]` the 16-bit multipliers of its pair sums (its
+/// sub-block scales), `yq` the 256 activation quants.
+///
+/// # Safety
+/// AVX2 must be available; `yq` readable for 256 bytes; every pair sum
+/// `q * y` must stay in i16 range.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_run_lanes(q: &[__m256i; 8], sc: &[__m256i; 8], yq: *const i8) -> __m256i {
+    let mut sumi = _mm256_setzero_si256();
+    for r in 0..8 {
+        let y = _mm256_loadu_si256(yq.add(32 * r) as *const __m256i);
+        let p = _mm256_maddubs_epi16(q[r], y);
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc[r]));
+    }
+    sumi
+}
+
+/// The 4 minimum lanes of a Q4_K / Q5_K super-block
+/// ([`scalar::k4_min_lanes`]): the 16 activation sums added in pairs to the
+/// 8 sub-block sums, times the mins (`mins`: 8 i16), as llama.cpp's
+/// `hadd` + `madd` form them.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_min_lanes(mins: __m128i, y: &BlockQ8K) -> __m128i {
+    let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+    let sums = _mm_hadd_epi16(
+        _mm256_castsi256_si128(bsums),
+        _mm256_extracti128_si256(bsums, 1),
+    );
+    _mm_madd_epi16(mins, sums)
+}
+
+/// A Q4_K / Q5_K super-block's 8 sub-block scales as run multipliers, and
+/// its 8 mins as i16 lanes.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_scales_mins(scales: &[u8; 12]) -> ([__m256i; 8], __m128i) {
+    let (sc, mn) = scales_mins_k4(scales);
+    let runs = sc.map(|s| _mm256_set1_epi16(s as i16));
+    let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
+    (runs, mins)
+}
+
+/// Q4_K × Q8_K tile (the scalar reference's order: 8 quant lanes and 4
+/// minimum lanes, each fused per super-block).
 ///
 /// # Safety
 /// See the file header.
@@ -399,42 +475,35 @@ pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
     let w = w as *const BlockQ4K;
     let a = a.map(|p| p as *const BlockQ8K);
     let mask = _mm256_set1_epi8(0x0F);
-    let mut sumf = [0.0f32; NT];
+    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut acc_min = [_mm_setzero_ps(); NT];
     for b in 0..nb {
         let x = &*w.add(b);
-        let (sc, mn) = scales_mins_k4(&x.scales);
-        let mut lo = [_mm256_setzero_si256(); 4];
-        let mut hi = [_mm256_setzero_si256(); 4];
+        let (sc, mins) = k4_scales_mins(&x.scales);
+        let mut q = [_mm256_setzero_si256(); 8];
         for c in 0..4 {
-            let q = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
-            lo[c] = _mm256_and_si256(q, mask);
-            hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+            let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+            q[2 * c] = _mm256_and_si256(bits, mask);
+            q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
         }
+        let (xd, xdmin) = (x.d(), x.dmin());
         for t in 0..NT {
             let y = &*a[t].add(b);
-            let mut acc = _mm256_setzero_si256();
-            for c in 0..4 {
-                let ylo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c) as *const __m256i);
-                let yhi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32) as *const __m256i);
-                let plo = _mm256_maddubs_epi16(lo[c], ylo);
-                let phi = _mm256_maddubs_epi16(hi[c], yhi);
-                acc = _mm256_add_epi32(
-                    acc,
-                    _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * c] as i16)),
-                );
-                acc = _mm256_add_epi32(
-                    acc,
-                    _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * c + 1] as i16)),
-                );
-            }
-            let summ = scalar::k4_min_sum(&mn, y);
-            sumf[t] = scalar::k4_accumulate(sumf[t], y.d(), x.d(), x.dmin(), hsum_epi32(acc), summ);
+            let m = _mm_cvtepi32_ps(k4_min_lanes(mins, y));
+            acc_min[t] = _mm_fmadd_ps(_mm_set1_ps(-y.d() * xdmin), m, acc_min[t]);
+            let sumi = k_run_lanes(&q, &sc, y.qs.as_ptr() as *const i8);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
         }
     }
-    sumf
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]) + hsum4_ps(acc_min[t]);
+    }
+    out
 }
 
-/// Q5_K × Q8_K tile (bit-identical to the scalar reference).
+/// Q5_K × Q8_K tile (the scalar reference's order: 8 quant lanes fused per
+/// super-block, the exact minimum sum fused into one scalar).
 ///
 /// # Safety
 /// See the file header.
@@ -448,15 +517,15 @@ pub(crate) unsafe fn dot_q5_k_q8_k<const NT: usize>(
     let a = a.map(|p| p as *const BlockQ8K);
     let mask = _mm256_set1_epi8(0x0F);
     let sixteen = _mm256_set1_epi8(16);
-    let mut sumf = [0.0f32; NT];
+    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut acc_min = [0.0f32; NT];
     for b in 0..nb {
         let x = &*w.add(b);
-        let (sc, mn) = scales_mins_k4(&x.scales);
+        let (sc, mins) = k4_scales_mins(&x.scales);
         let hbits = _mm256_loadu_si256(x.qh.as_ptr() as *const __m256i);
-        let mut lo = [_mm256_setzero_si256(); 4];
-        let mut hi = [_mm256_setzero_si256(); 4];
+        let mut q = [_mm256_setzero_si256(); 8];
         for c in 0..4 {
-            let q = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+            let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
             let bit_lo = _mm256_set1_epi8((1u8 << (2 * c)) as i8);
             let bit_hi = _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8);
             let h_lo = _mm256_and_si256(
@@ -467,34 +536,29 @@ pub(crate) unsafe fn dot_q5_k_q8_k<const NT: usize>(
                 _mm256_cmpeq_epi8(_mm256_and_si256(hbits, bit_hi), bit_hi),
                 sixteen,
             );
-            lo[c] = _mm256_or_si256(_mm256_and_si256(q, mask), h_lo);
-            hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), h_hi);
+            q[2 * c] = _mm256_or_si256(_mm256_and_si256(bits, mask), h_lo);
+            q[2 * c + 1] =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), mask), h_hi);
         }
+        let (xd, xdmin) = (x.d(), x.dmin());
         for t in 0..NT {
             let y = &*a[t].add(b);
-            let mut acc = _mm256_setzero_si256();
-            for c in 0..4 {
-                let ylo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c) as *const __m256i);
-                let yhi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32) as *const __m256i);
-                let plo = _mm256_maddubs_epi16(lo[c], ylo);
-                let phi = _mm256_maddubs_epi16(hi[c], yhi);
-                acc = _mm256_add_epi32(
-                    acc,
-                    _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * c] as i16)),
-                );
-                acc = _mm256_add_epi32(
-                    acc,
-                    _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * c + 1] as i16)),
-                );
-            }
-            let summ = scalar::k4_min_sum(&mn, y);
-            sumf[t] = scalar::k4_accumulate(sumf[t], y.d(), x.d(), x.dmin(), hsum_epi32(acc), summ);
+            let summ = hsum4_epi32(k4_min_lanes(mins, y));
+            acc_min[t] = (-y.d() * xdmin).mul_add(summ as f32, acc_min[t]);
+            let sumi = k_run_lanes(&q, &sc, y.qs.as_ptr() as *const i8);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
         }
     }
-    sumf
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]) + acc_min[t];
+    }
+    out
 }
 
-/// Q6_K × Q8_K tile (bit-identical to the scalar reference).
+/// Q6_K × Q8_K tile (the scalar reference's lanes, [`scalar::q6k_lanes`]:
+/// unsigned quants, the `-32` offset subtracted per lane from the scaled
+/// 16-element activation sums).
 ///
 /// # Safety
 /// See the file header.
@@ -508,7 +572,7 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
     let a = a.map(|p| p as *const BlockQ8K);
     let mask4 = _mm256_set1_epi8(0x0F);
     let mask2 = _mm256_set1_epi8(0x03);
-    let mut sumf = [0.0f32; NT];
+    let mut acc = [_mm256_setzero_ps(); NT];
     for b in 0..nb {
         let x = &*w.add(b);
         // Quants without the -32 offset (0..64), in element order, 8 x 32.
@@ -527,28 +591,27 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
             q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask4), h6);
         }
         let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
-        let mut scv = [_mm256_setzero_si256(); 8];
-        for (k, s) in scv.iter_mut().enumerate() {
-            *s = _mm256_set_m128i(
-                _mm_set1_epi16(x.scales[2 * k + 1] as i8 as i16),
-                _mm_set1_epi16(x.scales[2 * k] as i8 as i16),
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for (r, s) in sc.iter_mut().enumerate() {
+            *s = scale_pair(
+                x.scales[2 * r] as i8 as i16,
+                x.scales[2 * r + 1] as i8 as i16,
             );
         }
+        let xd = x.d();
         for t in 0..NT {
             let y = &*a[t].add(b);
-            let mut acc = _mm256_setzero_si256();
-            for k in 0..8 {
-                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * k) as *const __m256i);
-                let p = _mm256_maddubs_epi16(q[k], yq);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scv[k]));
-            }
             let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-            let offset = hsum_epi32(_mm256_madd_epi16(bsums, sc16));
-            let sumi = hsum_epi32(acc) - 32 * offset;
-            sumf[t] = scalar::k6_accumulate(sumf[t], y.d(), x.d(), sumi);
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
+            let sumi = _mm256_sub_epi32(k_run_lanes(&q, &sc, y.qs.as_ptr() as *const i8), offset);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
         }
     }
-    sumf
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = hsum_ps(acc[t]);
+    }
+    out
 }
 
 /// Two sub-block scales as the multiplier of one 32-element run's 16-bit

@@ -1,9 +1,8 @@
 //! AVX-512 (F, BW, DQ, VL, VNNI) kernels for the 32-element block formats, the
 //! ones decode time is spent in, and for IQ4_XS. They use `vpdpbusd` for the
-//! byte dot products. Q4_0 covers two blocks per 512-bit step; the formats
-//! whose 8 float lanes follow the scalar reference (Q4_1, Q5_0, Q5_1, Q8_0,
-//! IQ4_NL, IQ4_XS) take one block per 256-bit step so the lanes stay in that
-//! order. Like the AVX2 kernels they are generic over the token count `NT`
+//! byte dot products and keep one block per 256-bit float step, so their 8
+//! float lanes stay in the order of the scalar reference (and of llama.cpp's
+//! kernels). Like the AVX2 kernels they are generic over the token count `NT`
 //! and give every token the operation sequence of the single-token kernel.
 
 #![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
@@ -11,7 +10,6 @@
 use std::arch::x86_64::*;
 use std::ptr::addr_of;
 
-use bytemuck::Zeroable;
 use half::f16;
 
 use super::avx2;
@@ -35,90 +33,6 @@ use super::blocks::{
 unsafe fn hsum512(v: __m512) -> f32 {
     let half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
     super::avx2::hsum_ps(half)
-}
-
-/// Lanes 0..8 take lane `i` of `v`, lanes 8..16 lane `j`.
-///
-/// # Safety
-/// See the file header.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn spread2(v: __m128, i: i32, j: i32) -> __m512 {
-    let idx = _mm512_set_epi32(j, j, j, j, j, j, j, j, i, i, i, i, i, i, i, i);
-    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
-}
-
-/// Two blocks' 16 packed nibbles each, as 64 bytes:
-/// `[lo(b0), hi(b0), lo(b1), hi(b1)]`, which is element order.
-///
-/// # Safety
-/// See the file header; both pointers readable for 16 bytes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
-    let q0 = _mm_loadu_si128(p0 as *const __m128i);
-    let q1 = _mm_loadu_si128(p1 as *const __m128i);
-    let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
-    // Immediate shift plus a blend: variable 16-bit shifts are slow on some
-    // AVX-512 cores.
-    let shifted = _mm512_srli_epi16(v, 4);
-    let nibbles = _mm512_mask_blend_epi64(0b1100_1100, v, shifted);
-    _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F))
-}
-
-/// Two 32-byte quant arrays as one 64-byte vector.
-///
-/// # Safety
-/// See the file header; both pointers readable for 32 bytes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
-    _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(p0 as *const __m256i)),
-        _mm256_loadu_si256(p1 as *const __m256i),
-        1,
-    )
-}
-
-/// Two blocks' f16 scales (given as bytes) as f32 lanes 0 and 1.
-///
-/// # Safety
-/// See the file header.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn f16_two(d0: [u8; 2], d1: [u8; 2]) -> __m128 {
-    let bits = u16::from_le_bytes(d0) as i32 | ((u16::from_le_bytes(d1) as i32) << 16);
-    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
-}
-
-/// Runs `step(w_pair, a_pairs)` over the block pairs of a row; an odd last
-/// block is paired with a zero block (copied to the stack) so it goes
-/// through the same code. Zero blocks add exact zeros.
-macro_rules! for_each_pair {
-    ($nb:expr, $w:expr, $a:expr, $wty:ty, $aty:ty, $NT:expr, |$wp:ident, $ap:ident| $body:block) => {{
-        let nb: usize = $nb;
-        let mut b = 0;
-        while b + 2 <= nb {
-            let $wp: *const $wty = $w.add(b);
-            let mut $ap = [std::ptr::null::<$aty>(); $NT];
-            for t in 0..$NT {
-                $ap[t] = $a[t].add(b);
-            }
-            $body
-            b += 2;
-        }
-        if b < nb {
-            let wtail: [$wty; 2] = [*$w.add(b), <$wty>::zeroed()];
-            let mut atail = [[<$aty>::zeroed(); 2]; $NT];
-            let mut $ap = [std::ptr::null::<$aty>(); $NT];
-            for t in 0..$NT {
-                atail[t][0] = *$a[t].add(b);
-                $ap[t] = atail[t].as_ptr();
-            }
-            let $wp: *const $wty = wtail.as_ptr();
-            $body
-        }
-    }};
 }
 
 /// Q4_1 × Q8_1 tile: one block per 256-bit step, in the lane order of
@@ -162,7 +76,58 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
     out
 }
 
-/// Q4_0 × Q8_0 tile.
+/// Two blocks' 16 packed nibbles each, as 64 bytes:
+/// `[lo(b0), hi(b0), lo(b1), hi(b1)]`, which is element order.
+///
+/// # Safety
+/// See the file header; both pointers readable for 16 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
+    let q0 = _mm_loadu_si128(p0 as *const __m128i);
+    let q1 = _mm_loadu_si128(p1 as *const __m128i);
+    let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
+    // Immediate shift plus a blend: variable 16-bit shifts are slow on some
+    // AVX-512 cores.
+    let shifted = _mm512_srli_epi16(v, 4);
+    let nibbles = _mm512_mask_blend_epi64(0b1100_1100, v, shifted);
+    _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F))
+}
+
+/// Two 32-byte quant arrays as one 64-byte vector.
+///
+/// # Safety
+/// See the file header; both pointers readable for 32 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
+    _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(p0 as *const __m256i)),
+        _mm256_loadu_si256(p1 as *const __m256i),
+        1,
+    )
+}
+
+/// The f16 scales that open two blocks, as f32 lanes 0 and 1.
+///
+/// # Safety
+/// See the file header; both pointers readable for 4 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn f16_two(p0: *const u8, p1: *const u8) -> __m128i {
+    // Each 4-byte load holds the scale and the block's first two quant
+    // bytes; the interleave keeps the two scales.
+    _mm_unpacklo_epi16(
+        _mm_cvtsi32_si128(std::ptr::read_unaligned(p0 as *const i32)),
+        _mm_cvtsi32_si128(std::ptr::read_unaligned(p1 as *const i32)),
+    )
+}
+
+/// Q4_0 × Q8_0 tile, in the lane order of the scalar reference (and of
+/// llama.cpp's kernel). The byte products of two blocks go through one
+/// 512-bit `vpdpbusd`; their float steps stay one block per 256-bit fused
+/// multiply-add, in block order. An odd last block takes the one-block
+/// step, which gives the same bits.
 ///
 /// # Safety
 /// See the file header.
@@ -175,30 +140,55 @@ pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
     let w = w as *const BlockQ4_0;
     let a = a.map(|p| p as *const BlockQ8_0);
     let eights = _mm512_set1_epi8(8);
-    let mut acc = [_mm512_setzero_ps(); NT];
-    for_each_pair!(nb, w, a, BlockQ4_0, BlockQ8_0, NT, |wp, ap| {
-        let wq = unpack_nibbles_x2(
-            addr_of!((*wp).qs) as *const u8,
-            addr_of!((*wp.add(1)).qs) as *const u8,
-        );
-        let wd = f16_two((*wp).d, (*wp.add(1)).d);
+    let second = _mm256_set1_epi32(1);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (w0, w1) = (&*w.add(b), &*w.add(b + 1));
+        let wq = unpack_nibbles_x2(w0.qs.as_ptr(), w1.qs.as_ptr());
+        let wd = _mm_cvtph_ps(f16_two(
+            w0 as *const _ as *const u8,
+            w1 as *const _ as *const u8,
+        ));
         for t in 0..NT {
-            let (a0, a1) = (ap[t], ap[t].add(1));
-            let aq = load_x2(
-                addr_of!((*a0).qs) as *const u8,
-                addr_of!((*a1).qs) as *const u8,
-            );
+            let (a0, a1) = (&*a[t].add(b), &*a[t].add(b + 1));
+            let aq = load_x2(a0.qs.as_ptr(), a1.qs.as_ptr());
             // sum((q - 8) * a) = sum(q * a) - sum(8 * a), both exact.
             let raw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
             let off = _mm512_dpbusd_epi32(_mm512_setzero_si512(), eights, aq);
             let sumi = _mm512_sub_epi32(raw, off);
-            let scale = _mm_mul_ps(wd, f16_two((*a0).d, (*a1).d));
-            acc[t] = _mm512_fmadd_ps(spread2(scale, 0, 1), _mm512_cvtepi32_ps(sumi), acc[t]);
+            let xy = _mm512_cvtepi32_ps(sumi);
+            let ad = _mm_cvtph_ps(f16_two(
+                a0 as *const _ as *const u8,
+                a1 as *const _ as *const u8,
+            ));
+            // Block b's lanes, then block b + 1's, each with its scale.
+            let scale = _mm256_castps128_ps256(_mm_mul_ps(wd, ad));
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(_mm256_castps256_ps128(scale)),
+                _mm512_castps512_ps256(xy),
+                acc[t],
+            );
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_permutevar8x32_ps(scale, second),
+                _mm512_extractf32x8_ps::<1>(xy),
+                acc[t],
+            );
         }
-    });
+        b += 2;
+    }
+    if b < nb {
+        let wb = &*w.add(b);
+        let wq = _mm256_sub_epi8(avx2::unpack_nibbles(wb.qs.as_ptr()), _mm256_set1_epi8(8));
+        let wabs = _mm256_abs_epi8(wq);
+        let wd = avx2::f16_one(wb.d);
+        for t in 0..NT {
+            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+        }
+    }
     let mut out = [0.0f32; NT];
     for t in 0..NT {
-        out[t] = hsum512(acc[t]);
+        out[t] = avx2::hsum_ps(acc[t]);
     }
     out
 }

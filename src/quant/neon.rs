@@ -1,9 +1,9 @@
 //! NEON kernels (aarch64) for the Q4_0, Q4_1 and Q8_0 block formats; every
 //! other format runs the scalar reference on aarch64. NEON is part of the
 //! aarch64 baseline, so no run-time detection is needed. The byte dot
-//! products use widening multiplies (no `dotprod` extension) and the float
-//! steps are those of the scalar reference, one block at a time, so these
-//! kernels agree with it bit for bit.
+//! products use widening multiplies (no `dotprod` extension) into the 8
+//! exact integer lanes of the scalar reference, and the float steps on them
+//! are the reference's, so these kernels agree with it bit for bit.
 
 #![allow(clippy::missing_safety_doc)] // each `# Safety` is stated once below
 
@@ -14,27 +14,6 @@ use super::scalar;
 
 // Safety of every `unsafe fn` in this file: each pointer must be valid for
 // reading `nb` blocks of its format.
-
-/// Exact dot of 32 signed bytes with 32 signed bytes.
-///
-/// # Safety
-/// Both pointers readable for 32 bytes.
-#[inline]
-unsafe fn dot_i8x32(w: [int8x16_t; 2], a: *const u8) -> i32 {
-    let a0 = vld1q_s8(a as *const i8);
-    let a1 = vld1q_s8(a.add(16) as *const i8);
-    let p0 = vmlal_s8(
-        vmull_s8(vget_low_s8(w[0]), vget_low_s8(a0)),
-        vget_high_s8(w[0]),
-        vget_high_s8(a0),
-    );
-    let p1 = vmlal_s8(
-        vmull_s8(vget_low_s8(w[1]), vget_low_s8(a1)),
-        vget_high_s8(w[1]),
-        vget_high_s8(a1),
-    );
-    vaddvq_s32(vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1)))
-}
 
 /// 16 packed nibbles as 32 bytes in element order (low nibbles first).
 ///
@@ -97,7 +76,7 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
     out
 }
 
-/// Q4_0 × Q8_0 tile.
+/// Q4_0 × Q8_0 tile, in the scalar reference's float order.
 ///
 /// # Safety
 /// See the file header.
@@ -107,18 +86,21 @@ pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
     a: [*const u8; NT],
 ) -> [f32; NT] {
     let w = std::slice::from_raw_parts(w as *const BlockQ4_0, nb);
+    let eight = vdupq_n_s8(8);
     let mut out = [0.0f32; NT];
     for (t, o) in out.iter_mut().enumerate() {
         let a = std::slice::from_raw_parts(a[t] as *const BlockQ8_0, nb);
-        let mut sumf = 0.0f32;
+        let mut acc = [0.0f32; 8];
         for (x, y) in w.iter().zip(a) {
             let [lo, hi] = unpack_nibbles(x.qs.as_ptr());
-            let eight = vdupq_n_s8(8);
             let wq = [vsubq_s8(lo, eight), vsubq_s8(hi, eight)];
-            let sumi = dot_i8x32(wq, y.qs.as_ptr());
-            sumf += sumi as f32 * (x.d() * y.d());
+            let xy = lane_sums(wq, y.qs.as_ptr());
+            let dd = x.d() * y.d();
+            for (acc, xy) in acc.iter_mut().zip(xy) {
+                *acc = dd.mul_add(xy as f32, *acc);
+            }
         }
-        *o = sumf;
+        *o = scalar::hsum8(&acc);
     }
     out
 }

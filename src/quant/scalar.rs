@@ -12,20 +12,26 @@
 //! `127 / amax` and round half to even; Q8_K rounds half to even
 //! (`nearest_int`) with the scale chosen from the signed maximum.
 //!
-//! The Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL dots and the f16 dot fix the float
-//! summation order of llama.cpp's x86 kernels (its batched path where the
-//! one-token and batched kernels differ): 8 lanes, lane `j` holding the
-//! integer sum of elements `4j..4j+4` of each block, accumulated across
-//! blocks with fused multiply-adds and reduced as `hsum8` does (the f16
-//! dot: 16 lanes by element index, fused multiply-adds, reduced as
-//! `reduce16` does). The Q2_K, Q3_K and IQ4_XS dots keep the same 8 lanes
-//! across super-blocks, as llama.cpp's AVX2 kernels for them do: lane `m`
-//! sums elements `4m..4m+4` of every 32-element run, each scaled by its
-//! sub-block scale, and one fused multiply-add per super-block adds it to
-//! the lane's float accumulator (Q2_K first adds its minimum term the same
-//! way). The Q4_K, Q5_K and Q6_K dots predate that and apply one scalar
-//! float step per super-block instead. The exponential is ggml's vectorised
-//! `expf` approximation, element by element.
+//! Every quantized dot and the f16 dot fix the float summation order of
+//! llama.cpp's x86 kernels: its batched path where its one-token and
+//! batched kernels differ (IQ4_NL), and for the K-quants its `vec_dot`
+//! kernels (from 8 tokens in a batch on, llama.cpp multiplies K-quants with
+//! a tiled kernel in another order; see `docs/ARCHITECTURE.md`). The
+//! 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) use 8 lanes,
+//! lane `j` holding the integer sum of elements `4j..4j+4` of each block,
+//! accumulated across blocks with fused multiply-adds and reduced as
+//! `hsum8` does (the f16 dot: 16 lanes by element index, fused
+//! multiply-adds, reduced as `reduce16` does). The K-quant dots keep the
+//! same 8 lanes across super-blocks, as llama.cpp's AVX2 kernels for them
+//! do: lane `m` sums elements `4m..4m+4` of every 32-element run, each
+//! scaled by its sub-block scale, and one fused multiply-add per
+//! super-block adds it to the lane's float accumulator. Their minimum or
+//! offset terms follow each kernel's own arrangement: Q2_K fuses its
+//! minimum lanes into the same accumulator first, Q4_K keeps 4 minimum
+//! lanes in a second accumulator, Q5_K one fused scalar, and Q6_K subtracts
+//! its `-32` offset from the integer lanes before the float step.
+//! The exponential is ggml's vectorised `expf` approximation, element by
+//! element.
 
 use bytemuck::Zeroable;
 use half::{bf16, f16};
@@ -318,18 +324,18 @@ pub fn dequantize_q8_k(src: &[BlockQ8K], dst: &mut [f32]) {
 // Dot products
 // ---------------------------------------------------------------------------
 
-/// Q4_0 weights × Q8_0 activations.
+/// Q4_0 weights × Q8_0 activations, in the lane order of Q8_0 (llama.cpp's
+/// x86 `vec_dot` and its batched tinyBLAS path both sum Q4_0 that way).
 pub fn dot_q4_0_q8_0(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    let mut sumf = 0.0f32;
+    let mut acc = [0.0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let mut sumi = 0i32;
-        for j in 0..16 {
-            sumi += ((x.qs[j] & 0x0F) as i32 - 8) * y.q(j);
-            sumi += ((x.qs[j] >> 4) as i32 - 8) * y.q(j + 16);
-        }
-        sumf += sumi as f32 * (x.d() * y.d());
+        let q = |k: usize| {
+            let b = x.qs[k % 16];
+            (if k < 16 { b & 0x0F } else { b >> 4 }) as i32 - 8
+        };
+        accumulate_lanes(&mut acc, x.d() * y.d(), lane_sums(q, |k| y.q(k)));
     }
-    sumf
+    hsum8(&acc)
 }
 
 /// Horizontal sum of 8 lanes: `(l0+l4)+(l2+l6)` plus `(l1+l5)+(l3+l7)`,
@@ -439,98 +445,33 @@ pub fn dot_iq4_nl_q8_0(w: &[BlockIQ4NL], a: &[BlockQ8_0]) -> f32 {
     hsum8(&acc)
 }
 
-/// Adds one K-quant super-block's contribution: the float steps shared by
-/// every implementation of the Q4_K and Q5_K dots.
-#[inline(always)]
-pub(crate) fn k4_accumulate(sumf: f32, da: f32, d: f32, dmin: f32, sumi: i32, summ: i32) -> f32 {
-    sumf + (da * d) * sumi as f32 - (da * dmin) * summ as f32
-}
-
-/// Sum over the 8 sub-blocks of `min * (sum of the 32 activation quants)`.
-#[inline(always)]
-pub(crate) fn k4_min_sum(mins: &[u8; 8], y: &BlockQ8K) -> i32 {
-    (0..8)
-        .map(|j| mins[j] as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1)))
-        .sum()
-}
-
-/// Q4_K weights × Q8_K activations.
-pub fn dot_q4_k_q8_k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    let mut sumf = 0.0f32;
-    for (x, y) in w.iter().zip(a) {
-        let (sc, mn) = scales_mins_k4(&x.scales);
-        let mut sumi = 0i32;
-        for c in 0..4 {
-            let (mut lo, mut hi) = (0i32, 0i32);
-            for l in 0..32 {
-                let q = x.qs[32 * c + l];
-                lo += (q & 0x0F) as i32 * y.q(64 * c + l);
-                hi += (q >> 4) as i32 * y.q(64 * c + 32 + l);
-            }
-            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
-        }
-        let summ = k4_min_sum(&mn, y);
-        sumf = k4_accumulate(sumf, y.d(), x.d(), x.dmin(), sumi, summ);
-    }
-    sumf
-}
-
-/// Q5_K weights × Q8_K activations.
-pub fn dot_q5_k_q8_k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    let mut sumf = 0.0f32;
-    for (x, y) in w.iter().zip(a) {
-        let (sc, mn) = scales_mins_k4(&x.scales);
-        let mut sumi = 0i32;
-        for c in 0..4 {
-            let (mut lo, mut hi) = (0i32, 0i32);
-            for l in 0..32 {
-                let q = x.qs[32 * c + l];
-                let h = x.qh[l];
-                let ql = (q & 0x0F) | (((h >> (2 * c)) & 1) << 4);
-                let qh = (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4);
-                lo += ql as i32 * y.q(64 * c + l);
-                hi += qh as i32 * y.q(64 * c + 32 + l);
-            }
-            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
-        }
-        let summ = k4_min_sum(&mn, y);
-        sumf = k4_accumulate(sumf, y.d(), x.d(), x.dmin(), sumi, summ);
-    }
-    sumf
-}
-
-/// Adds one Q6_K super-block's contribution (shared float step).
-#[inline(always)]
-pub(crate) fn k6_accumulate(sumf: f32, da: f32, d: f32, sumi: i32) -> f32 {
-    sumf + (da * d) * sumi as f32
-}
-
-/// Q6_K weights × Q8_K activations.
-pub fn dot_q6_k_q8_k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    let mut sumf = 0.0f32;
-    for (x, y) in w.iter().zip(a) {
-        let q = q6k_quants(x);
-        let mut sumi = 0i32;
-        for g in 0..QK_K / 16 {
-            let s: i32 = (16 * g..16 * g + 16).map(|i| q[i] as i32 * y.q(i)).sum();
-            sumi += (x.scales[g] as i8) as i32 * s;
-        }
-        sumf = k6_accumulate(sumf, y.d(), x.d(), sumi);
-    }
-    sumf
-}
-
 /// The 8 integer lanes of one super-block product in the order llama.cpp's
 /// AVX2 K-quant kernels build them: lane `m` sums, over the 8 runs of 32
-/// elements, elements `4m..4m+4` of each run, each product already times
-/// its sub-block scale (`term(e)` for element `e`).
+/// elements, elements `4m..4m+4` of each run, each product times its
+/// sub-block scale. `q` holds the weight quants of the 256 elements, `sc`
+/// the scale of each 16-element group (a 32-element sub-block's scale
+/// twice).
 #[inline(always)]
-pub(crate) fn k_lanes(term: impl Fn(usize) -> i32) -> [i32; 8] {
-    let mut out = [0i32; 8];
-    for e in 0..QK_K {
-        out[(e % 32) / 4] += term(e);
+pub(crate) fn k_lanes(q: &[i8; QK_K], sc: &[i32; 16], y: &BlockQ8K) -> [i32; 8] {
+    // Integer sums are exact in any order: gather each element position of
+    // the runs first (a form compilers vectorise), then the lanes. Each
+    // quant-activation product, and each scale, fits in i16.
+    let mut by_pos = [0i32; 32];
+    for (r, (qr, yr)) in q.chunks_exact(32).zip(y.qs.chunks_exact(32)).enumerate() {
+        let s = [sc[2 * r] as i16, sc[2 * r + 1] as i16];
+        for (i, p) in by_pos.iter_mut().enumerate() {
+            let prod = qr[i] as i16 * yr[i] as i8 as i16;
+            *p += prod as i32 * s[i / 16] as i32;
+        }
     }
-    out
+    std::array::from_fn(|m| by_pos[4 * m..4 * m + 4].iter().sum())
+}
+
+/// The scales of the 16-element groups when each 32-element sub-block `j`
+/// has scale `sc(j)`.
+#[inline(always)]
+fn group_scales_32(sc: impl Fn(usize) -> i32) -> [i32; 16] {
+    std::array::from_fn(|g| sc(g / 2))
 }
 
 /// `acc[m] = fma(d, lanes[m], acc[m])`: one super-block's float step in
@@ -559,7 +500,9 @@ pub(crate) fn q2k_min_lanes(x: &BlockQ2K, y: &BlockQ8K) -> [i32; 8] {
 pub fn dot_q2_k_q8_k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let sumi = k_lanes(|e| (x.scales[e / 16] & 0x0F) as i32 * x.q(e) as i32 * y.q(e));
+        let q = std::array::from_fn(|e| x.q(e) as i8);
+        let sc = std::array::from_fn(|g| (x.scales[g] & 0x0F) as i32);
+        let sumi = k_lanes(&q, &sc, y);
         k_lanes_accumulate(&mut acc, -(y.d() * x.dmin()), q2k_min_lanes(x, y));
         k_lanes_accumulate(&mut acc, y.d() * x.d(), sumi);
     }
@@ -571,8 +514,9 @@ pub fn dot_q2_k_q8_k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
 pub fn dot_q3_k_q8_k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let sc = scales_q3k(&x.scales);
-        let sumi = k_lanes(|e| sc[e / 16] as i32 * x.q(e) * y.q(e));
+        let q = std::array::from_fn(|e| x.q(e) as i8);
+        let sc = scales_q3k(&x.scales).map(i32::from);
+        let sumi = k_lanes(&q, &sc, y);
         k_lanes_accumulate(&mut acc, y.d() * x.d(), sumi);
     }
     hsum8(&acc)
@@ -584,8 +528,118 @@ pub fn dot_q3_k_q8_k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
 pub fn dot_iq4_xs_q8_k(w: &[BlockIQ4XS], a: &[BlockQ8K]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let sumi = k_lanes(|e| x.scale(e / 32) * x.value(e) * y.q(e));
+        let q = std::array::from_fn(|e| x.value(e) as i8);
+        let sumi = k_lanes(&q, &group_scales_32(|j| x.scale(j)), y);
         k_lanes_accumulate(&mut acc, x.d() * y.d(), sumi);
+    }
+    hsum8(&acc)
+}
+
+/// Horizontal sum of 4 lanes: `(l0+l2)+(l1+l3)`, the order in which
+/// llama.cpp's Q4_K kernel reduces its minimum accumulator.
+#[inline(always)]
+pub(crate) fn hsum4(l: &[f32; 4]) -> f32 {
+    (l[0] + l[2]) + (l[1] + l[3])
+}
+
+/// The 4 integer lanes of a Q4_K super-block's minimum term, as llama.cpp's
+/// AVX2 kernel forms them (`madd` of the mins with the 32-element activation
+/// sums): lane `k` is `mins[2k] * S(2k) + mins[2k+1] * S(2k+1)`, where `S(j)`
+/// sums the activation quants of sub-block `j`.
+#[inline(always)]
+pub(crate) fn k4_min_lanes(mins: &[u8; 8], y: &BlockQ8K) -> [i32; 4] {
+    let s = |j: usize| y.bsum(2 * j) + y.bsum(2 * j + 1);
+    std::array::from_fn(|k| mins[2 * k] as i32 * s(2 * k) + mins[2 * k + 1] as i32 * s(2 * k + 1))
+}
+
+/// Sum over the 8 sub-blocks of `min * (sum of the 32 activation quants)`.
+#[inline(always)]
+fn k4_min_sum(mins: &[u8; 8], y: &BlockQ8K) -> i32 {
+    k4_min_lanes(mins, y).iter().sum()
+}
+
+/// The 256 quants of a Q4_K or Q5_K super-block: the nibbles of `qs`
+/// (chunk `c` holds elements `64c..64c+32` in its low nibbles, the next 32
+/// in its high ones) plus 16 where bit `2c` (`2c + 1` for the high
+/// nibbles) of `qh[l]` is set, when given.
+#[inline(always)]
+fn k4_quants(qs: &[u8; QK_K / 2], qh: Option<&[u8; QK_K / 8]>) -> [i8; QK_K] {
+    let mut q = [0i8; QK_K];
+    for c in 0..4 {
+        for l in 0..32 {
+            let b = qs[32 * c + l];
+            let h = qh.map_or(0, |qh| qh[l] >> (2 * c));
+            q[64 * c + l] = ((b & 0x0F) | ((h & 1) << 4)) as i8;
+            q[64 * c + 32 + l] = ((b >> 4) | (((h >> 1) & 1) << 4)) as i8;
+        }
+    }
+    q
+}
+
+/// Q4_K weights × Q8_K activations, in the float order of llama.cpp's AVX2
+/// kernel: per super-block, the 8 quant lanes are fused into the
+/// accumulator with `da * d`, and the 4 minimum lanes ([`k4_min_lanes`])
+/// into a second accumulator with `-da * dmin`; at the end
+/// `hsum8(acc) + hsum4(acc_min)`.
+pub fn dot_q4_k_q8_k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut acc_min = [0.0f32; 4];
+    for (x, y) in w.iter().zip(a) {
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let d = y.d() * x.d();
+        let dmin = -y.d() * x.dmin();
+        for (acc, m) in acc_min.iter_mut().zip(k4_min_lanes(&mn, y)) {
+            *acc = dmin.mul_add(m as f32, *acc);
+        }
+        let sc = group_scales_32(|j| sc[j] as i32);
+        k_lanes_accumulate(&mut acc, d, k_lanes(&k4_quants(&x.qs, None), &sc, y));
+    }
+    hsum8(&acc) + hsum4(&acc_min)
+}
+
+/// Q5_K weights × Q8_K activations, in the float order of llama.cpp's AVX2
+/// kernel: the 8 quant lanes as in Q4_K; the minimum term of each
+/// super-block summed exactly and fused into one scalar with `-da * dmin`;
+/// at the end `hsum8(acc) + mins`.
+pub fn dot_q5_k_q8_k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut mins = 0.0f32;
+    for (x, y) in w.iter().zip(a) {
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let d = y.d() * x.d();
+        let dmin = -y.d() * x.dmin();
+        mins = dmin.mul_add(k4_min_sum(&mn, y) as f32, mins);
+        let sc = group_scales_32(|j| sc[j] as i32);
+        k_lanes_accumulate(&mut acc, d, k_lanes(&k4_quants(&x.qs, Some(&x.qh)), &sc, y));
+    }
+    hsum8(&acc) + mins
+}
+
+/// The 8 integer lanes of a Q6_K super-block product as llama.cpp's AVX2
+/// kernel forms them: the [`k_lanes`] of the unsigned quants (0..64) times
+/// their scales, minus, in lane `m`, `32 * (scale * activation sum)` of the
+/// 16-element groups `2m` and `2m + 1` (the `-32` offset, applied per
+/// group pair rather than per element, so the lanes differ from those of
+/// the signed quants; only their total agrees).
+#[inline(always)]
+pub(crate) fn q6k_lanes(x: &BlockQ6K, y: &BlockQ8K) -> [i32; 8] {
+    let q = q6k_quants(x).map(|v| v + 32);
+    let sc = x.scales.map(|s| s as i8 as i32);
+    let mut lanes = k_lanes(&q, &sc, y);
+    for (m, l) in lanes.iter_mut().enumerate() {
+        *l -= 32 * (y.bsum(2 * m) * sc[2 * m] + y.bsum(2 * m + 1) * sc[2 * m + 1]);
+    }
+    lanes
+}
+
+/// Q6_K weights × Q8_K activations, in the float order of llama.cpp's AVX2
+/// kernel: one fused step of the 8 lanes ([`q6k_lanes`]) per super-block,
+/// then [`hsum8`]. A lane can exceed 2^24, so its conversion to f32 may
+/// round: the lanes themselves, not only their sum, must be llama.cpp's.
+pub fn dot_q6_k_q8_k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        k_lanes_accumulate(&mut acc, y.d() * x.d(), q6k_lanes(x, y));
     }
     hsum8(&acc)
 }
@@ -862,6 +916,35 @@ mod tests {
         fill_q8k_bsums(&mut a);
         // 10 * 4 + 1 * 7 = 7.0 + ... : 10*y0 + 1*y32 = 40 + 7
         assert_eq!(dot_q4_k_q8_k(&[b], &[a]), 10.0 * y[0] + y[32]);
+    }
+
+    #[test]
+    fn k_quant_offset_and_minimum_lanes_pair_sub_blocks() {
+        // Q6_K: every quant 0 (so -32 after the offset), group g has scale
+        // g + 1, every activation 1 (16 per group sum). The unsigned part is
+        // zero, so lane m holds only the offset of groups 2m and 2m + 1:
+        // -32 * 16 * ((2m + 1) + (2m + 2)).
+        let mut b = BlockQ6K::zeroed();
+        b.d = h(1.0);
+        for (g, s) in b.scales.iter_mut().enumerate() {
+            *s = g as u8 + 1;
+        }
+        let mut a = BlockQ8K::zeroed();
+        a.d = 1.0f32.to_le_bytes();
+        a.qs = [1; QK_K];
+        fill_q8k_bsums(&mut a);
+        let lanes = q6k_lanes(&b, &a);
+        for (m, &l) in lanes.iter().enumerate() {
+            assert_eq!(l, -512 * (4 * m as i32 + 3), "lane {m}");
+        }
+        // Their total is the dot of the signed quants.
+        assert_eq!(lanes.iter().sum::<i32>(), -32 * 16 * 136);
+        // Q4_K / Q5_K minimums: lane k pairs sub-blocks 2k and 2k + 1, each
+        // min times its 32-element activation sum (here 32).
+        let mins = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_eq!(k4_min_lanes(&mins, &a), [96, 224, 352, 480]);
+        assert_eq!(k4_min_sum(&mins, &a), 1152);
+        assert_eq!(hsum4(&[1e8, 1.0, -1e8, 0.0]), 1.0);
     }
 
     #[test]

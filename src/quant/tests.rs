@@ -142,19 +142,9 @@ fn every_simd_dot_matches_the_scalar_reference() {
                         "{} {ty} n={n} scale {scale_mag}: got {got}, scalar {want}, tol {tol}",
                         level.name()
                     );
-                    // The K-quants, and the formats whose sum order follows
-                    // llama.cpp's (Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), are exact
-                    // on every level.
-                    if ty.block_len() == QK_K
-                        || matches!(
-                            ty,
-                            GgmlType::Q4_1
-                                | GgmlType::Q5_0
-                                | GgmlType::Q5_1
-                                | GgmlType::Q8_0
-                                | GgmlType::IQ4_NL
-                        )
-                    {
+                    // Every quantized format sums in llama.cpp's order on
+                    // every level, so all of them are exact.
+                    if ty.block_len() > 1 {
                         assert_eq!(
                             got.to_bits(),
                             want.to_bits(),
@@ -616,34 +606,13 @@ fn matmul_matches_llamacpp_kernel_vectors() {
                 .enumerate()
             {
                 let (batched, one) = (f32::from_bits(batched), f32::from_bits(one));
-                match ty {
-                    // Q4_0's reference sums its blocks in another order, and
-                    // the older K-quant kernels apply one scalar float step
-                    // per super-block where llama.cpp keeps 8 lanes: both
-                    // agree to rounding only.
-                    GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-                        let (r, t) = (i / tokens, i % tokens);
-                        let wb = ty.row_bytes(n).expect("whole");
-                        let mag = magnitude(
-                            ty,
-                            n,
-                            &w[r * wb..(r + 1) * wb],
-                            &q[t * act_row..(t + 1) * act_row],
-                        );
-                        assert!(
-                            (got - batched).abs() <= 1e-6 * mag,
-                            "{} {ty} output {i}: {got} vs llama.cpp {batched}",
-                            level.name()
-                        );
-                    }
-                    _ => assert_eq!(
-                        got.to_bits(),
-                        batched.to_bits(),
-                        "{} {ty} output {i}: {got} vs llama.cpp's batched {batched} \
-                         (its one-token kernel: {one})",
-                        level.name()
-                    ),
-                }
+                assert_eq!(
+                    got.to_bits(),
+                    batched.to_bits(),
+                    "{} {ty} output {i}: {got} vs llama.cpp's batched {batched} \
+                     (its one-token kernel: {one})",
+                    level.name()
+                );
             }
         }
         checked += 1;
