@@ -214,43 +214,7 @@ fn check(stem: &str) -> bool {
 /// Files inferd does not yet agree on, each with what is known. Their
 /// tests pass only while the disagreement lasts, so a fix has to move the
 /// file out of this list (and a new disagreement anywhere else fails).
-const KNOWN_GAPS: &[(&str, &str)] = &[
-    (
-        "llama-3.2-1b-rand-2l-iq4_nl",
-        "top-10 logprobs ~1-3 apart though every greedy token agrees; the IQ4_NL \
-         and Q5_1 kernels are bit-identical to llama.cpp's (src/quant tests, and \
-         Gemma with IQ4_NL or Q5_1 FFNs agrees bit for bit), so the cause is \
-         elsewhere in these files: open",
-    ),
-    (
-        "mistral-7b-v0.1-rand-2l-iq4_nl",
-        "as llama-3.2-1b-rand-2l-iq4_nl",
-    ),
-    (
-        "qwen2.5-0.5b-rand-2l-iq4_nl",
-        "as llama-3.2-1b-rand-2l-iq4_nl",
-    ),
-    (
-        "qwen2.5-0.5b-rand-2l-iq4_xs",
-        "as llama-3.2-1b-rand-2l-iq4_nl (its 896-wide rows fall back to IQ4_NL)",
-    ),
-    (
-        "qwen2.5-0.5b-rand-2l-q5_k_m",
-        "as llama-3.2-1b-rand-2l-iq4_nl (its 896-wide rows fall back to Q5_1)",
-    ),
-    (
-        "gemma-3-270m-q4_k_m",
-        "Gemma amplifies rounding: inferd's Q4_K and Q6_K dots give the bits of \
-         llama.cpp's plain vec_dot kernels (and this model with Q8_0 plus Q4_K \
-         or Q6_K matrices agrees bit for bit with llama.cpp run without weight \
-         repacking and with GGML_CPU_TILED_MM=0), but these vectors come from \
-         llama.cpp's default path, which repacks the Q4_K weights and multiplies \
-         K-quants by 8 or more tokens with its tiled kernel, each in another \
-         order (0.2 nats apart; llama.cpp's own repacked and plain paths are \
-         0.18 apart on this model). With Q8_0, Q5_0, Q5_1 or IQ4_NL matrices it \
-         agrees bit for bit",
-    ),
-];
+const KNOWN_GAPS: &[(&str, &str)] = &[];
 
 /// Checks `stem`, or, for a known gap, that it still disagrees.
 fn check_or_known_gap(stem: &str) {

@@ -28,12 +28,21 @@
  *     Every prompt gets a fresh context: flash attention off, f16 KV cache,
  *     one batch for the whole prompt.
  *
+ * Every model runs on llama.cpp's plain CPU path: no repacked weight
+ * buffers (use_extra_bufts off) and no tiled K-quant matrix multiply
+ * (GGML_CPU_TILED_MM=0). Those paths sum in other orders than ggml's
+ * vec_dot kernels, and on Gemma the two disagree with each other by about
+ * 0.2 nats; inferd's kernels give vec_dot's bits, so the reference is the
+ * path those bits can be compared with.
+ *
  *   inferd-golden quantize IN OUT TYPE THREADS
  *     llama_model_quantize(IN, OUT) to TYPE (Q4_K_M, Q5_K_M, Q6_K, Q8_0,
  *     Q4_0, IQ4_XS, IQ4_NL) with llama.cpp's default parameters: what
  *     `llama-quantize IN OUT TYPE THREADS` does (it is a command line around
  *     this one call), without building llama.cpp's common library.
  */
+#define _POSIX_C_SOURCE 200809L /* setenv */
+
 #include "llama.h"
 
 #include <math.h>
@@ -60,6 +69,7 @@ static struct llama_model *load(const char *path, int vocab_only) {
     struct llama_model_params mp = llama_model_default_params();
     mp.vocab_only = vocab_only;
     mp.n_gpu_layers = 0;
+    mp.use_extra_bufts = false;
     struct llama_model *model = llama_model_load_from_file(path, mp);
     if (!model) {
         fprintf(stderr, "inferd-golden: cannot load %s\n", path);
@@ -318,6 +328,8 @@ static int run_quantize(const char *in, const char *out, const char *type, int t
 }
 
 int main(int argc, char **argv) {
+    /* Read once by ggml-cpu on the first matrix multiply, so set before any. */
+    setenv("GGML_CPU_TILED_MM", "0", 1);
     llama_log_set(quiet_log, NULL);
     llama_backend_init();
     int rc;

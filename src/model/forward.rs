@@ -237,14 +237,25 @@ impl Model {
             let window = cfg.layer_window(l);
             // Attention block: x += post(Wo · attention(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x))).
             rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
-            self.quantize_acts(pool, &w.wq, &scratch.xn, n, &mut scratch.acts);
-            let acts = std::mem::take(&mut scratch.acts);
+            // Q, K and V share one quantization of the input unless a file
+            // mixes types whose activation formats differ (llama-quantize
+            // gives attn_v a K-quant next to IQ4_NL or Q5_1 matrices).
+            let mut acts = std::mem::take(&mut scratch.acts);
             resize(&mut scratch.q, n * qd);
             resize(&mut scratch.k, n * kvd);
             resize(&mut scratch.v, n * kvd);
-            self.matmul(pool, &w.wq, &acts, n, &mut scratch.q, &mut scratch.by_row);
-            self.matmul(pool, &w.wk, &acts, n, &mut scratch.k, &mut scratch.by_row);
-            self.matmul(pool, &w.wv, &acts, n, &mut scratch.v, &mut scratch.by_row);
+            let mut acts_ty = None;
+            for (m, out) in [
+                (&w.wq, &mut scratch.q),
+                (&w.wk, &mut scratch.k),
+                (&w.wv, &mut scratch.v),
+            ] {
+                if acts_ty != Some(m.act_ty) {
+                    self.quantize_acts(pool, m, &scratch.xn, n, &mut acts);
+                    acts_ty = Some(m.act_ty);
+                }
+                self.matmul(pool, m, &acts, n, out, &mut scratch.by_row);
+            }
             scratch.acts = acts;
             add_bias(&mut scratch.q, w.bq.as_deref());
             add_bias(&mut scratch.k, w.bk.as_deref());
