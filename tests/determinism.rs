@@ -25,7 +25,8 @@ struct Rig {
 impl Rig {
     fn new(model: Model) -> Self {
         let layout = model.kv_layout(model.config.n_layers, 16);
-        let kv = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 256)).expect("kv pool"));
+        let pages = 256 * layout.n_layers;
+        let kv = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, pages)).expect("kv pool"));
         Self { model, kv }
     }
 
@@ -248,7 +249,9 @@ fn layer_ranges_computed_separately_give_the_same_logits() {
         .iter()
         .map(|r| {
             let layout = model.kv_layout(r.len(), 16);
-            let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 16)).expect("kv pool"));
+            let pages = 16 * layout.n_layers;
+            let pool =
+                Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, pages)).expect("kv pool"));
             SessionKv::new(pool)
         })
         .collect();

@@ -987,7 +987,8 @@ fn fields_over_their_bounds_are_invalid_argument_and_keep_nothing() {
 
 #[test]
 fn kv_exhaustion_is_resource_exhausted_with_the_numbers_and_changes_nothing() {
-    // Tiny model: 256 bytes per position, 4096 per 16-position page.
+    // Tiny model: 256 bytes per position, 4096 per 16 positions over its
+    // two layers (a page holds one layer's 16 positions).
     let served = Served::start(
         tiny_model(),
         loopback(RuntimeConfig {
@@ -995,13 +996,13 @@ fn kv_exhaustion_is_resource_exhausted_with_the_numbers_and_changes_nothing() {
             ..runtime_config(1)
         }),
     );
-    assert_eq!(served.server().runtime_stats().kv_total_pages, 4);
+    assert_eq!(served.server().runtime_stats().kv_total_pages, 8);
     let id = served.create("big", &[]);
     served.append(&id, &[1, 2]).expect("append");
     let err = served.append(&id, &prompt(100, 2)).expect_err("too big");
     assert_eq!(err.code, RpcStatusCode::RESOURCE_EXHAUSTED, "{err:?}");
     assert!(
-        err.message.contains("KV pages exhausted: 6 asked, 3 free"),
+        err.message.contains("KV pages exhausted: 12 asked, 6 free"),
         "how much was asked and how much is free: {err:?}"
     );
     assert_eq!(served.history(&id), 2, "the failed append changed nothing");
@@ -1098,7 +1099,7 @@ fn max_tokens_ends_with_one_done_and_every_token_committed() {
             info.get_history_length() * 256,
             "tiny model: 256 KV bytes per position"
         );
-        assert_eq!(info.get_kv_page_bytes(), 4096);
+        assert_eq!(info.get_kv_page_bytes(), 2048, "one layer's 16 positions");
         assert!(!info.get_busy());
     }
     let stats = served.server().runtime_stats();

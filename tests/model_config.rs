@@ -1,6 +1,7 @@
 //! Loading models from GGUF metadata: bad or unsupported configurations are
-//! typed errors that name the problem, and the `qwen2` variant (Q/K/V
-//! biases, NeoX RoPE) loads and keeps the byte-exact prefill promise.
+//! typed errors that name the problem; each architecture (qwen2 biases and
+//! NeoX RoPE, qwen3 Q/K norms, gemma3 sliding windows) keeps the byte-exact
+//! prefill promise, and a sliding-window session holds only its window.
 
 use std::sync::Arc;
 
@@ -217,9 +218,17 @@ fn prompt(model: &Model) -> Vec<u32> {
 
 /// The byte-exact prefill promise: one chunk and token by token give the
 /// same logit bits at every position.
+///
+/// The token-by-token session settles after every step, so on a model with
+/// sliding-window layers it gives back the pages those layers left behind
+/// while computing: the result must not change, and it must hold fewer pages.
 fn assert_prefill_is_chunking_invariant(model: &Model) {
     let layout = model.kv_layout(model.config.n_layers, 16);
-    let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 64)).expect("kv pool"));
+    let n_layers = model.config.n_layers;
+    let pool = KvPool::new(KvPoolConfig::anonymous(layout, 64))
+        .and_then(|p| p.with_layer_windows(model.kv_layer_windows(0..n_layers)))
+        .expect("kv pool");
+    let pool = Arc::new(pool);
     let threads = ThreadPool::new(2);
     let mut scratch = Scratch::default();
     let tokens = prompt(model);
@@ -258,12 +267,27 @@ fn assert_prefill_is_chunking_invariant(model: &Model) {
                 &mut scratch,
             )
             .expect("forward");
+        stepwise.settle().expect("settle");
         got.extend(scratch.logits[..vocab].iter().map(|x| x.to_bits()));
     }
     assert!(
         got == reference,
         "token-by-token logits differ from one chunk"
     );
+    let pages_per_layer = tokens.len().div_ceil(16);
+    assert_eq!(whole.pages_held(), n_layers * pages_per_layer);
+    // A window layer keeps the pages from the one holding position
+    // len + 1 - window on.
+    let expected: usize = (0..n_layers)
+        .map(|l| match model.config.layer_window(l) {
+            None => pages_per_layer,
+            Some(w) => pages_per_layer - (tokens.len() + 1).saturating_sub(w) / 16,
+        })
+        .sum();
+    assert_eq!(stepwise.pages_held(), expected);
+    if (0..n_layers).any(|l| model.config.layer_window(l).is_some()) {
+        assert!(stepwise.pages_held() < whole.pages_held());
+    }
 }
 
 /// Per-head RMSNorm weights for Q and K of every layer (`[head_dim]`).
@@ -373,4 +397,136 @@ fn gemma3_sliding_layers_see_only_their_window_and_prefill_stays_exact() {
             "position {pos}"
         );
     }
+}
+
+/// Greedy tokens computed the plain way: one session that keeps every
+/// position (never settled), the whole history prefilled at once, then one
+/// token at a time, argmax with the lowest id on ties.
+fn greedy_keeping_everything(model: &Model, history: &[u32], n: usize) -> Vec<u32> {
+    let layout = model.kv_layout(model.config.n_layers, 16);
+    let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 64)).expect("kv pool"));
+    let mut kv = SessionKv::new(pool);
+    let threads = ThreadPool::new(2);
+    let mut scratch = Scratch::default();
+    let vocab = model.config.vocab;
+    let mut feed = history.to_vec();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        model
+            .forward(
+                &mut [Sequence {
+                    kv: &mut kv,
+                    tokens: &feed,
+                    logits: LogitsWanted::Last,
+                }],
+                &threads,
+                &mut scratch,
+            )
+            .expect("forward");
+        let next = inferd::sampler::argmax(&scratch.logits[..vocab]).expect("logits");
+        out.push(next);
+        feed = vec![next];
+    }
+    out
+}
+
+/// Through the runtime, a long Gemma 3 session holds on its sliding-window
+/// layer only the pages the window can still see (memory bounded by the
+/// window, not the history), and generates exactly what a session keeping
+/// every position generates.
+#[test]
+fn a_long_sliding_window_session_holds_only_its_window() {
+    use inferd::runtime::{AppendTokens, CreateSession, GenerateEvent, GenerateRequest};
+    use inferd::runtime::{Runtime, RuntimeConfig, SamplingOptions};
+
+    let model = Arc::new(gemma3(Some(8)));
+    let rt = Runtime::start(
+        Arc::clone(&model),
+        RuntimeConfig {
+            workers: 1,
+            pin_cores: false,
+            kv_bytes: 4 << 20,
+            ..RuntimeConfig::default()
+        },
+    )
+    .expect("runtime starts");
+    let id = rt
+        .create_session(
+            CreateSession {
+                client_label: "window".into(),
+                eos_token_ids: Vec::new(),
+            },
+            None,
+        )
+        .expect("queued")
+        .wait()
+        .expect("created");
+    let vocab = model.config.vocab as u32;
+    let history: Vec<u32> = (0..160u32).map(|i| (i * 53 + 11) % vocab).collect();
+    let row_pair = 2 * model.config.kv_dim() as u64 * 2;
+    for (i, chunk) in history.chunks(16).enumerate() {
+        let len = 16 * (i + 1);
+        rt.append_tokens(
+            AppendTokens {
+                id,
+                tokens: chunk.to_vec(),
+            },
+            None,
+        )
+        .expect("queued")
+        .wait()
+        .expect("appended");
+        let info = rt
+            .session_info(id, None)
+            .expect("queued")
+            .wait()
+            .expect("info");
+        // Layer 1 (global) keeps every page; layer 0 (window 8) keeps the
+        // pages from the one holding position len - 7 on.
+        let window_first_page = (len + 1 - 8) / 16;
+        let window_pages = len / 16 - window_first_page;
+        assert_eq!(
+            info.pages_held as usize,
+            len / 16 + window_pages,
+            "after {len}"
+        );
+        assert!(
+            window_pages <= 1,
+            "after {len}: {window_pages} window pages"
+        );
+        let window_kept = (len - 16 * window_first_page) as u64;
+        assert_eq!(info.kv_live_bytes, (len as u64 + window_kept) * row_pair);
+    }
+    let events: Vec<GenerateEvent> = rt
+        .generate(
+            GenerateRequest {
+                id,
+                max_tokens: 24,
+                sampling: SamplingOptions::default(),
+                stop_sequences: Vec::new(),
+            },
+            None,
+        )
+        .expect("queued")
+        .collect();
+    let tokens: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            GenerateEvent::Token(t) => Some(*t),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        matches!(events.last(), Some(GenerateEvent::Done(_))),
+        "{:?}",
+        events.last()
+    );
+    assert_eq!(tokens, greedy_keeping_everything(&model, &history, 24));
+    let info = rt
+        .session_info(id, None)
+        .expect("queued")
+        .wait()
+        .expect("info");
+    assert_eq!(info.history_length, 184);
+    assert_eq!(info.pages_held, 184u64.div_ceil(16) + 1);
 }

@@ -332,7 +332,7 @@ fn python_stubs_from_the_shard_schema_drive_a_real_shard() {
     let pool = inferd::threads::ThreadPool::new(1);
     let mut scratch = Scratch::default();
     let kv_pool = std::sync::Arc::new(
-        KvPool::new(KvPoolConfig::anonymous(model.kv_layout(10, 16), 8)).expect("kv"),
+        KvPool::new(KvPoolConfig::anonymous(model.kv_layout(10, 16), 80)).expect("kv"),
     );
     let mut kv = SessionKv::new(kv_pool);
     let mut expected = Vec::new();

@@ -618,17 +618,18 @@ fn the_session_limit_evicts_the_least_recently_used_idle_session() {
 #[test]
 fn kv_exhaustion_evicts_idle_sessions_only_when_that_makes_room() {
     // Tiny model: 2 layers x (K, V) x 32 values x 2 bytes = 256 bytes per
-    // position, 4096 per 16-position page; 4 pages = 64 positions.
+    // position; a page holds one layer's 16 positions (2048 bytes), so 8
+    // pages = 64 positions.
     let rt = start(RuntimeConfig {
         kv_bytes: 4 * 4096,
         ..config(1)
     });
-    assert_eq!(rt.stats().kv_total_pages, 4);
+    assert_eq!(rt.stats().kv_total_pages, 8);
     let a = create(&rt, &[]);
     append(&rt, a, &prompt(40, 1)).expect("3 pages");
     let b = create(&rt, &[]);
     let err = append(&rt, b, &prompt(100, 2)).expect_err("too big");
-    assert_eq!(err.to_string(), "KV pages exhausted: 7 asked, 1 free");
+    assert_eq!(err.to_string(), "KV pages exhausted: 14 asked, 2 free");
     assert_eq!(info(&rt, b).expect("b").history_length, 0);
     // Evicting `a` would not have made it fit: nothing was evicted.
     assert_eq!(info(&rt, a).expect("a stays").history_length, 40);
@@ -752,7 +753,8 @@ fn a_draining_runtime_is_unavailable() {
     rt.shutdown();
 }
 
-/// Tiny model: 256 bytes per position, 4096 per 16-position page.
+/// Tiny model: 256 bytes per position, 4096 per 16 positions over both
+/// layers (two pages of one layer each).
 const PAGE_BYTES: u64 = 4096;
 
 /// Waits (at most 5 s) for the gauges, which workers publish at the end of
@@ -786,7 +788,7 @@ fn a_truncating_append_that_cannot_get_pages_changes_nothing() {
     // Past the context: the kept window needs 16 fresh pages.
     let err = append(&rt, id, &prompt(100, 9)).expect_err("no pages");
     assert_eq!(err.code(), StatusKind::ResourceExhausted);
-    assert_eq!(err.to_string(), "KV pages exhausted: 16 asked, 0 free");
+    assert_eq!(err.to_string(), "KV pages exhausted: 32 asked, 0 free");
     let after = info(&rt, id).expect("the session survives");
     let kept = |i: &inferd::runtime::SessionInfo| {
         (
@@ -884,7 +886,7 @@ fn a_busy_session_on_another_worker_is_never_evicted() {
     append(&rt, a, &prompt(40, 1)).expect("3 pages");
     let _busy = stalled(&rt, a);
     let err = append(&rt, b, &prompt(40, 2)).expect_err("nothing idle");
-    assert_eq!(err.to_string(), "KV pages exhausted: 3 asked, 1 free");
+    assert_eq!(err.to_string(), "KV pages exhausted: 6 asked, 2 free");
     assert!(info(&rt, a).expect("a stays").busy);
     assert_eq!(info(&rt, b).expect("b stays").history_length, 0);
     assert_eq!(rt.stats().evicted_lru, 0);
@@ -941,7 +943,7 @@ fn the_none_eviction_policy_never_evicts() {
     let b = create(&rt, &[]);
     let err = append(&rt, b, &prompt(40, 2)).expect_err("pool full");
     assert_eq!(err.code(), StatusKind::ResourceExhausted);
-    assert_eq!(err.to_string(), "KV pages exhausted: 3 asked, 1 free");
+    assert_eq!(err.to_string(), "KV pages exhausted: 6 asked, 2 free");
     let err = rt
         .create_session(CreateSession::default(), None)
         .expect("q")

@@ -308,7 +308,7 @@ fn nothing_is_evicted_for_a_request_that_cannot_fit() {
     if !have_reference() {
         return;
     }
-    // 4 MiB: 11 pages of 16 positions.
+    // 4 MiB: 11 pages of 16 positions over the 30 layers (330 pages).
     let server = serve(&["--kv-mib", "4"]);
     let client = Client::connect(&server.addr);
     let idle = client.create();
@@ -318,7 +318,7 @@ fn nothing_is_evicted_for_a_request_that_cannot_fit() {
     let (code, message) =
         append_within(&client, &greedy, &prompt(5_000, 9), Duration::from_secs(30));
     assert_eq!(code, RpcStatusCode::RESOURCE_EXHAUSTED);
-    assert!(message.contains("313 asked"), "{message}");
+    assert!(message.contains("9390 asked"), "{message}");
     assert_eq!(state(&client, &idle), before, "the idle session stays");
     let metrics = scrape(server.metrics.as_deref().expect("metrics"));
     assert_eq!(

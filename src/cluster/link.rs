@@ -67,7 +67,8 @@ pub struct LinkOptions {
 /// What a shard can hold, from its handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardCapacity {
-    /// KV pages for all sessions together.
+    /// KV pages for all sessions together, in pages of positions over all
+    /// the shard's layers.
     pub kv_pages: u64,
     /// Positions per page.
     pub page_positions: u32,

@@ -210,14 +210,19 @@ impl ShardServer {
         }
         let context = model.config.context as u64;
         let layout = model.kv_layout(cfg.layers.len(), DEFAULT_PAGE_POSITIONS);
-        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
-        let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
-            layout,
-            n_pages,
-            backing: crate::kv::KvBacking::Anonymous,
-            prefault: false,
-        })?);
-        let kv_pages = kv_pool.total_pages() as u64;
+        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers);
+        let kv_pool = Arc::new(
+            KvPool::new(KvPoolConfig {
+                layout,
+                n_pages,
+                backing: crate::kv::KvBacking::Anonymous,
+                prefault: false,
+            })?
+            .with_layer_windows(model.kv_layer_windows(cfg.layers.clone()))?,
+        );
+        // Told to the coordinator in pages of positions over all the
+        // shard's layers (a pool page holds one layer), as its ledger counts.
+        let kv_pages = (kv_pool.total_pages() / cfg.layers.len().max(1)) as u64;
         let page_positions = kv_pool.layout().page_positions as u32;
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
@@ -1084,7 +1089,12 @@ impl Core {
         }
         match stopped {
             None => {
-                for (key, kv) in kvs {
+                // A shard never rolls a session back (a stopped frame frees
+                // it instead), so window pages can go as soon as a frame is in.
+                for (key, mut kv) in kvs {
+                    if let Err(e) = kv.settle() {
+                        tracing::error!("shard KV: giving back window pages: {e}");
+                    }
                     sessions.insert(key, kv);
                 }
                 Computed {

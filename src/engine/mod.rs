@@ -132,13 +132,16 @@ impl Engine {
     /// Builds an engine around a loaded model.
     pub fn new(model: Arc<Model>, cfg: &EngineConfig) -> Result<Self, EngineError> {
         let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
-        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1);
-        let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
-            layout,
-            n_pages,
-            backing: cfg.kv_backing.clone(),
-            prefault: false,
-        })?);
+        let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers);
+        let kv_pool = Arc::new(
+            KvPool::new(KvPoolConfig {
+                layout,
+                n_pages,
+                backing: cfg.kv_backing.clone(),
+                prefault: false,
+            })?
+            .with_layer_windows(model.kv_layer_windows(0..model.config.n_layers))?,
+        );
         let sampler = cfg
             .sampler
             .backend(model.config.vocab, model.config.context)?;
@@ -208,6 +211,8 @@ impl Engine {
         let rows = self
             .model
             .forward(&mut seqs, &self.pool, &mut self.scratch)?;
+        // The engine never rolls a session back, so window pages can go now.
+        session.kv.settle()?;
         session.history.extend_from_slice(tokens);
         if want != LogitsWanted::None {
             let vocab = self.model.config.vocab;

@@ -24,6 +24,18 @@ pub enum KvError {
     /// A position at or past the session's reserved capacity.
     #[error("KV position {pos} is out of range: {capacity} positions are reserved")]
     PositionOutOfRange { pos: usize, capacity: usize },
+    /// A position a sliding-window layer no longer keeps: its window moved
+    /// past it when the session settled.
+    #[error("KV layer {layer} no longer keeps position {pos}: its window starts at {first_kept}")]
+    OutsideWindow {
+        layer: usize,
+        pos: usize,
+        first_kept: usize,
+    },
+    /// A roll-back below the length the session was settled at (window
+    /// pages the shorter session would need may be gone).
+    #[error("cannot roll the KV back to {requested} positions: it was settled at {settled}")]
+    RollBackPastSettled { requested: usize, settled: usize },
     /// A layer index at or past the number of layers in the layout.
     #[error("KV layer {layer} is out of range: the cache has {n_layers} layers")]
     LayerOutOfRange { layer: usize, n_layers: usize },

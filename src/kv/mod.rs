@@ -2,14 +2,15 @@
 //! out by a lock-free allocator, and per-session page tables over it.
 //!
 //! - [`KvPool`] maps one region (anonymous, or a file when asked) and carves
-//!   it into pages; each page holds K and V as f16 for `page_positions`
-//!   positions of every layer (layout in [`pool`]).
+//!   it into pages; each page holds one layer's K and V as f16 for
+//!   `page_positions` positions (layout in [`pool`]).
 //! - [`PageAllocator`] is the only structure shared by worker threads: a
 //!   tagged-index Treiber stack, model-checked with loom under `tests/loom/`.
-//! - [`SessionKv`] is one session's page table: reservations are
-//!   all-or-nothing, the committed length never decreases (INV-2), and
-//!   [`SessionKv::live_bytes`] is exactly committed positions times
-//!   [`KvLayout::bytes_per_position`].
+//! - [`SessionKv`] is one session's page tables (one per layer):
+//!   reservations are all-or-nothing, the committed length never decreases
+//!   (INV-2), a sliding-window layer gives back the pages its window left
+//!   behind once the session is settled, and [`SessionKv::live_bytes`] is
+//!   exactly the K and V kept for the committed positions.
 
 mod alloc;
 mod error;

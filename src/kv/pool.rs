@@ -3,19 +3,21 @@
 //!
 //! # Page layout
 //!
-//! A page holds the K and V rows of `page_positions` consecutive positions
-//! for every layer, as f16:
+//! A page holds the K and V rows of one layer for `page_positions`
+//! consecutive positions, as f16:
 //!
 //! ```text
-//! page = [layer 0 .. n_layers][K, V][slot 0 .. page_positions][kv_dim] f16
-//! element offset of (layer, kind, slot) = ((layer * 2 + kind) * page_positions + slot) * kv_dim
+//! page = [K, V][slot 0 .. page_positions][kv_dim] f16
+//! element offset of (kind, slot) = (kind * page_positions + slot) * kv_dim
 //! ```
 //!
 //! `kv_dim` is `n_kv_heads * head_dim`. So the K rows of one layer for the
-//! positions of one page are contiguous, which is what attention reads. The
-//! page stride is the page size rounded up to a 64-byte cache line, so every
-//! page starts cache-aligned; for the reference model (30 layers, kv_dim 192,
-//! 16 positions) a page is 368,640 bytes and needs no padding.
+//! positions of one page are contiguous, which is what attention reads, and
+//! a sliding-window layer can give back the pages its window has left
+//! behind while the other layers keep theirs. The page stride is the page
+//! size rounded up to a 64-byte cache line, so every page starts
+//! cache-aligned; for the reference model (kv_dim 192, 16 positions) a page
+//! is 12,288 bytes and needs no padding.
 //!
 //! The pool never creates a reference to the map as a whole; sessions build
 //! slices of the pages they own from raw pointers (see `session.rs`).
@@ -43,7 +45,7 @@ pub const DEFAULT_PAGE_POSITIONS: usize = 16;
 /// The shape of the cached tensors: what one position costs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
-    /// Transformer layers, each with its own K and V.
+    /// Transformer layers, each with its own K and V (and its own pages).
     pub n_layers: usize,
     /// Values per K (and per V) row: `n_kv_heads * head_dim`.
     pub kv_dim: usize,
@@ -69,8 +71,8 @@ impl KvLayout {
         }
         if self.checked_page_stride().is_none() {
             return invalid(format!(
-                "a page of {} layers x {} positions x kv_dim {} overflows",
-                self.n_layers, self.page_positions, self.kv_dim
+                "a page of {} positions x kv_dim {} overflows",
+                self.page_positions, self.kv_dim
             ));
         }
         Ok(())
@@ -84,13 +86,18 @@ impl KvLayout {
 
     /// f16 values in one page (without padding).
     pub fn page_values(&self) -> usize {
-        self.n_layers * 2 * self.page_positions * self.kv_dim
+        2 * self.page_positions * self.kv_dim
+    }
+
+    /// Pages that back `positions` positions of every layer.
+    pub fn pages_for_positions(&self, positions: usize) -> usize {
+        positions
+            .div_ceil(self.page_positions)
+            .saturating_mul(self.n_layers)
     }
 
     fn checked_page_stride(&self) -> Option<usize> {
-        let bytes = self
-            .n_layers
-            .checked_mul(2)?
+        let bytes = 2usize
             .checked_mul(self.page_positions)?
             .checked_mul(self.kv_dim)?
             .checked_mul(F16_BYTES)?;
@@ -150,6 +157,9 @@ pub struct KvPool {
     map: MmapRaw,
     allocator: PageAllocator,
     backing: KvBacking,
+    /// Per layer, the sliding window it attends over (`None`: every
+    /// position); empty when no layer has one.
+    layer_windows: Box<[Option<usize>]>,
 }
 
 impl KvPool {
@@ -190,14 +200,52 @@ impl KvPool {
             map: MmapRaw::from(map),
             allocator: PageAllocator::new(n_pages)?,
             backing,
+            layer_windows: Box::new([]),
         })
     }
 
-    /// How many pages of `layout` fit in `bytes` of memory.
+    /// Says which layers attend over a sliding window of positions, one
+    /// entry per layer (`None`: all positions), so sessions can give back
+    /// the pages those layers no longer see ([`SessionKv::settle`]).
+    ///
+    /// [`SessionKv::settle`]: super::SessionKv::settle
+    pub fn with_layer_windows(mut self, windows: Vec<Option<usize>>) -> Result<Self, KvError> {
+        if windows.len() != self.layout.n_layers {
+            return Err(KvError::InvalidConfig {
+                reason: format!(
+                    "{} layer windows for {} layers",
+                    windows.len(),
+                    self.layout.n_layers
+                ),
+            });
+        }
+        if windows.contains(&Some(0)) {
+            return Err(KvError::InvalidConfig {
+                reason: "a sliding window of 0 positions".to_string(),
+            });
+        }
+        self.layer_windows = if windows.iter().all(Option::is_none) {
+            Box::new([])
+        } else {
+            windows.into_boxed_slice()
+        };
+        Ok(self)
+    }
+
+    /// Per layer, its sliding window; empty when every layer sees every
+    /// position.
+    pub fn layer_windows(&self) -> &[Option<usize>] {
+        &self.layer_windows
+    }
+
+    /// How many pages of `layout` fit in `bytes` of memory, in whole pages
+    /// of positions (a page for every layer): a multiple of `n_layers`.
     pub fn pages_for_bytes(layout: &KvLayout, bytes: u64) -> usize {
+        let layers = layout.n_layers.max(1);
         let stride = layout.page_stride() as u64;
         let pages = bytes.checked_div(stride).unwrap_or(0);
-        usize::try_from(pages).unwrap_or(usize::MAX).min(MAX_PAGES)
+        let pages = usize::try_from(pages).unwrap_or(usize::MAX).min(MAX_PAGES);
+        pages - pages % layers
     }
 
     /// The shape of one position.
@@ -221,7 +269,8 @@ impl KvPool {
         self.allocator.free_count()
     }
 
-    /// Bytes one position takes across all layers, K and V.
+    /// Bytes one position takes across all layers, K and V (before any
+    /// window gives pages back).
     pub fn bytes_per_position(&self) -> usize {
         self.layout.bytes_per_position()
     }
@@ -329,10 +378,11 @@ mod tests {
     fn reference_model_sizes() {
         let layout = smol_layout();
         assert_eq!(layout.bytes_per_position(), 23_040);
-        assert_eq!(layout.page_stride(), 23_040 * 16);
+        assert_eq!(layout.page_stride(), 23_040 * 16 / 30);
+        assert_eq!(layout.pages_for_positions(17), 60);
         let pool = KvPool::new(KvPoolConfig::anonymous(layout, 3)).unwrap();
-        assert_eq!(pool.page_bytes(), 368_640);
-        assert_eq!(pool.mapped_bytes(), 3 * 368_640);
+        assert_eq!(pool.page_bytes(), 12_288);
+        assert_eq!(pool.mapped_bytes(), 3 * 12_288);
         assert_eq!(pool.total_pages(), 3);
         assert_eq!(pool.free_pages(), 3);
         assert_eq!(pool.bytes_per_position(), 23_040);
@@ -366,8 +416,8 @@ mod tests {
         assert!(err.to_string().contains("n_pages is 0"), "{err}");
 
         let huge = KvLayout {
-            n_layers: usize::MAX / 2,
-            kv_dim: 4,
+            n_layers: 2,
+            kv_dim: usize::MAX / 8,
             page_positions: 4,
         };
         assert!(matches!(
@@ -386,9 +436,13 @@ mod tests {
     fn pages_for_bytes_rounds_down() {
         let layout = smol_layout();
         assert_eq!(KvPool::pages_for_bytes(&layout, 0), 0);
-        assert_eq!(KvPool::pages_for_bytes(&layout, 368_639), 0);
-        assert_eq!(KvPool::pages_for_bytes(&layout, 368_640 * 10 + 5), 10);
-        assert_eq!(KvPool::pages_for_bytes(&layout, u64::MAX), MAX_PAGES);
+        assert_eq!(KvPool::pages_for_bytes(&layout, 12_288 * 29), 0);
+        assert_eq!(KvPool::pages_for_bytes(&layout, 368_640 * 10 + 5), 300);
+        assert_eq!(KvPool::pages_for_bytes(&layout, 368_640 * 11 - 1), 300);
+        assert_eq!(
+            KvPool::pages_for_bytes(&layout, u64::MAX),
+            MAX_PAGES - MAX_PAGES % 30
+        );
     }
 
     #[test]
@@ -408,8 +462,8 @@ mod tests {
             prefault: false,
         };
         let pool = KvPool::new(config).unwrap();
-        assert_eq!(pool.page_bytes(), 256);
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 * 256);
+        assert_eq!(pool.page_bytes(), 128);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 * 128);
         let contents = std::fs::read(&path).unwrap();
         assert!(
             contents.iter().all(|&b| b == 0),
@@ -429,8 +483,25 @@ mod tests {
             prefault: true,
         };
         let err = KvPool::new(config).unwrap_err();
-        assert!(matches!(err, KvError::Map { bytes: 368_640, .. }));
+        assert!(matches!(err, KvError::Map { bytes: 12_288, .. }));
         assert!(err.to_string().contains("kv.slab"), "{err}");
+    }
+
+    #[test]
+    fn layer_windows_are_checked_against_the_layout() {
+        let pool = || KvPool::new(KvPoolConfig::anonymous(smol_layout(), 1)).unwrap();
+        let err = pool().with_layer_windows(vec![Some(4); 29]).unwrap_err();
+        assert!(err.to_string().contains("29 layer windows for 30"), "{err}");
+        let mut windows = vec![None; 30];
+        windows[3] = Some(0);
+        assert!(pool().with_layer_windows(windows.clone()).is_err());
+        windows[3] = Some(512);
+        assert_eq!(
+            pool().with_layer_windows(windows).unwrap().layer_windows()[3],
+            Some(512)
+        );
+        let none = pool().with_layer_windows(vec![None; 30]).unwrap();
+        assert!(none.layer_windows().is_empty());
     }
 
     #[test]

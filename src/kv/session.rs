@@ -1,18 +1,29 @@
-//! One session's KV cache: a page table over the shared [`KvPool`], the
-//! committed length, and checked access to the K and V rows.
+//! One session's KV cache: a page table per layer over the shared
+//! [`KvPool`], the committed length, and checked access to the K and V rows.
 //!
-//! Positions map to pages by `pos / page_positions` (an index into the page
-//! table) and `pos % page_positions` (the slot inside the page). Storage
-//! grows only through [`SessionKv::reserve`], which takes every page it needs
-//! or none; the committed length only grows ([`SessionKv::commit`], INV-2).
+//! A page holds one layer's K and V for `page_positions` consecutive
+//! positions. Positions map to pages by `pos / page_positions` (an index into
+//! the layer's table) and `pos % page_positions` (the slot inside the page).
+//! Storage grows only through [`SessionKv::reserve`], which takes every page
+//! it needs for every layer or none; the committed length only grows
+//! ([`SessionKv::commit`], INV-2).
+//!
+//! A sliding-window layer (the pool says which, [`KvPool::layer_windows`])
+//! sees only the last `window` positions. Once the caller declares that the
+//! session will not be rolled back below its committed length
+//! ([`SessionKv::settle`]), the pages of such a layer that no later position
+//! can see are given back, so a long session holds
+//! `global layers x length + window layers x (window + one call)` positions.
 //!
 //! Soundness of the raw access: the allocator hands each page to exactly one
 //! owner, and a `SessionKv` gives its pages back only through `&mut self`
-//! ([`SessionKv::release`] or drop). Shared slices are built from `&self` and
-//! mutable ones from `&mut self`, so the borrow checker keeps them apart
-//! exactly as it would for a `Vec`. `&SessionKv` is therefore safe to share
-//! between threads reading K/V at once.
+//! ([`SessionKv::release`], [`SessionKv::settle`], rolling back or drop).
+//! Shared slices are built from `&self` and mutable ones from `&mut self`, so
+//! the borrow checker keeps them apart exactly as it would for a `Vec`.
+//! `&SessionKv` is therefore safe to share between threads reading K/V at
+//! once.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -30,14 +41,30 @@ enum Half {
     V = 1,
 }
 
-/// A session's page table and committed length.
+/// One layer's pages.
+#[derive(Debug, Default)]
+struct LayerPages {
+    /// Leading pages given back (sliding-window layers only): `pages[0]`
+    /// holds positions from `dropped * page_positions` on.
+    dropped: usize,
+    /// Pages held, in position order.
+    pages: VecDeque<u32>,
+}
+
+/// A session's page tables and committed length.
 pub struct SessionKv {
     pool: Arc<KvPool>,
-    /// Page indices in position order: page `i` holds positions
-    /// `i * page_positions ..(i + 1) * page_positions`.
-    pages: Vec<u32>,
+    /// One table per layer. Every table ends at the same page, `end_page`.
+    layers: Vec<LayerPages>,
+    /// Pages reserved per layer, counting the dropped ones: positions below
+    /// `end_page * page_positions` are backed (or were, before a window
+    /// moved past them).
+    end_page: usize,
     /// Committed positions.
     len: usize,
+    /// The length the caller promised never to roll back below; window
+    /// pages no position at or after it can see are given back.
+    settled: usize,
     // Copies of the layout kept here so the hot path does not chase the Arc.
     n_layers: usize,
     kv_dim: usize,
@@ -51,8 +78,12 @@ impl SessionKv {
         let layout = *pool.layout();
         SessionKv {
             pool,
-            pages: Vec::new(),
+            layers: (0..layout.n_layers)
+                .map(|_| LayerPages::default())
+                .collect(),
+            end_page: 0,
             len: 0,
+            settled: 0,
             n_layers: layout.n_layers,
             kv_dim: layout.kv_dim,
             page_positions: layout.page_positions,
@@ -75,42 +106,74 @@ impl SessionKv {
         self.len == 0
     }
 
-    /// Positions backed by the pages held (committed or not).
+    /// Positions reserved: writable up to here (on a window layer, only the
+    /// positions its window still keeps).
     pub fn capacity(&self) -> usize {
-        self.pages.len() << self.page_shift
+        self.end_page << self.page_shift
     }
 
-    /// Pages held.
+    /// Pages held over every layer.
     pub fn pages_held(&self) -> usize {
-        self.pages.len()
+        self.layers.iter().map(|l| l.pages.len()).sum()
     }
 
-    /// The page table, in position order.
-    pub fn page_table(&self) -> &[u32] {
-        &self.pages
+    /// The pages `layer` holds, in position order, and the page index of the
+    /// first (non-zero once a window moved past the start).
+    pub fn page_table(&self, layer: usize) -> Option<(usize, Vec<u32>)> {
+        let l = self.layers.get(layer)?;
+        Some((l.dropped, l.pages.iter().copied().collect()))
     }
 
-    /// Exactly the bytes of K and V for the committed positions:
-    /// `len * bytes_per_position`.
+    /// First position `layer` still holds.
+    fn first_kept(&self, layer: usize) -> usize {
+        self.layers[layer].dropped << self.page_shift
+    }
+
+    /// Exactly the bytes of K and V kept for the committed positions (every
+    /// layer's committed positions it still holds).
     pub fn live_bytes(&self) -> u64 {
-        self.len as u64 * self.pool.bytes_per_position() as u64
+        let row_pair = 2 * self.kv_dim as u64 * 2;
+        (0..self.n_layers)
+            .map(|l| self.len.saturating_sub(self.first_kept(l)) as u64 * row_pair)
+            .sum()
     }
 
     /// Bytes of the pages held (what the session costs the pool).
     pub fn held_bytes(&self) -> u64 {
-        self.pages.len() as u64 * self.pool.page_bytes() as u64
+        self.pages_held() as u64 * self.pool.page_bytes() as u64
     }
 
-    /// Make sure at least `total_positions` positions are backed by pages.
-    /// All or nothing: on `Exhausted { wanted, free }` the session and the
-    /// pool are unchanged.
+    /// Pages a reservation of `total_positions` would take from the pool.
+    pub fn pages_wanted(&self, total_positions: usize) -> usize {
+        total_positions
+            .div_ceil(self.page_positions)
+            .saturating_sub(self.end_page)
+            .saturating_mul(self.n_layers)
+    }
+
+    /// Make sure at least `total_positions` positions are backed by pages in
+    /// every layer. All or nothing: on `Exhausted { wanted, free }` the
+    /// session and the pool are unchanged.
     pub fn reserve(&mut self, total_positions: usize) -> Result<(), KvError> {
         let needed = total_positions.div_ceil(self.page_positions);
-        let Some(extra) = needed.checked_sub(self.pages.len()).filter(|&n| n > 0) else {
+        let Some(per_layer) = needed.checked_sub(self.end_page).filter(|&n| n > 0) else {
             return Ok(());
         };
-        let new_pages = self.pool.allocator().alloc_many(extra)?;
-        self.pages.extend(new_pages);
+        let wanted = per_layer
+            .checked_mul(self.n_layers)
+            .ok_or(KvError::Exhausted {
+                wanted: usize::MAX,
+                free: self.pool.free_pages(),
+            })?;
+        let new_pages = self.pool.allocator().alloc_many(wanted)?;
+        for (layer, pages) in self
+            .layers
+            .iter_mut()
+            .zip(new_pages.chunks_exact(per_layer))
+        {
+            layer.pages.extend(pages);
+        }
+        self.end_page = needed;
         Ok(())
     }
 
@@ -132,6 +195,35 @@ impl SessionKv {
         }
         self.len = new_len;
         Ok(())
+    }
+
+    /// Declares that the session will not be rolled back below its committed
+    /// length, and gives back every page of a sliding-window layer that no
+    /// position from there on can see (a query at `q` reads `q + 1 - window
+    /// ..= q`). Every such page is returned even if one fails; the first
+    /// failure is reported.
+    pub fn settle(&mut self) -> Result<(), KvError> {
+        self.settled = self.len;
+        let mut first_error = Ok(());
+        for (layer, window) in self.pool.layer_windows().iter().enumerate() {
+            let Some(window) = *window else { continue };
+            let oldest_seen = (self.len + 1).saturating_sub(window);
+            let Some(pages) = self.layers.get_mut(layer) else {
+                continue;
+            };
+            let keep_from = (oldest_seen >> self.page_shift).min(self.end_page);
+            let surplus = keep_from.saturating_sub(pages.dropped);
+            if surplus == 0 {
+                continue;
+            }
+            let freed: Vec<u32> = pages.pages.drain(..surplus).collect();
+            pages.dropped += surplus;
+            let result = self.pool.allocator().free_many(&freed);
+            if first_error.is_ok() {
+                first_error = result;
+            }
+        }
+        first_error
     }
 
     /// The K row of `layer` at `pos` (`pos < capacity`), `kv_dim` values.
@@ -189,15 +281,28 @@ impl SessionKv {
     /// Undo positions computed by a call that failed: forget every position
     /// from `len` on and give back the pages no longer needed. The one
     /// deliberate decrease of the committed length; callers reset their
-    /// INV-2 high-water mark with it. Every page past the kept ones is
+    /// INV-2 high-water mark with it. Below the settled length it is a
+    /// `RollBackPastSettled` and changes nothing (window pages the shorter
+    /// session would need may be gone). Every page past the kept ones is
     /// returned even if one fails; the first failure is reported.
     pub fn roll_back_to(&mut self, len: usize) -> Result<(), KvError> {
         if len >= self.len {
             return Ok(());
         }
+        if len < self.settled {
+            return Err(KvError::RollBackPastSettled {
+                requested: len,
+                settled: self.settled,
+            });
+        }
         self.len = len;
         let keep = len.div_ceil(self.page_positions);
-        let surplus = self.pages.split_off(keep.min(self.pages.len()));
+        let mut surplus = Vec::new();
+        for layer in &mut self.layers {
+            let kept = keep.saturating_sub(layer.dropped).min(layer.pages.len());
+            surplus.extend(layer.pages.drain(kept..));
+        }
+        self.end_page = keep.min(self.end_page);
         self.pool.allocator().free_many(&surplus)
     }
 
@@ -205,8 +310,14 @@ impl SessionKv {
     /// session stays usable (empty). Every page is returned even if one
     /// fails; the first failure is reported.
     pub fn release(&mut self) -> Result<(), KvError> {
-        let pages = std::mem::take(&mut self.pages);
+        let mut pages = Vec::with_capacity(self.pages_held());
+        for layer in &mut self.layers {
+            pages.extend(layer.pages.drain(..));
+            layer.dropped = 0;
+        }
         self.len = 0;
+        self.settled = 0;
+        self.end_page = 0;
         self.pool.allocator().free_many(&pages)
     }
 
@@ -222,6 +333,14 @@ impl SessionKv {
             return Err(KvError::PositionOutOfRange {
                 pos: positions.end.max(positions.start),
                 capacity,
+            });
+        }
+        let first_kept = self.first_kept(layer);
+        if positions.start < positions.end && positions.start < first_kept {
+            return Err(KvError::OutsideWindow {
+                layer,
+                pos: positions.start,
+                first_kept,
             });
         }
         Ok(KvBlocks {
@@ -251,14 +370,22 @@ impl SessionKv {
     #[inline]
     fn row_ptr(&self, half: Half, layer: usize, pos: usize) -> Result<*mut f16, KvError> {
         self.check_layer(layer)?;
-        let out_of_range = || KvError::PositionOutOfRange {
-            pos,
-            capacity: self.capacity(),
+        let table = &self.layers[layer];
+        let index = pos >> self.page_shift;
+        let Some(held) = index.checked_sub(table.dropped) else {
+            return Err(KvError::OutsideWindow {
+                layer,
+                pos,
+                first_kept: self.first_kept(layer),
+            });
         };
-        let page = *self
+        let page = *table
             .pages
-            .get(pos >> self.page_shift)
-            .ok_or_else(out_of_range)?;
+            .get(held)
+            .ok_or_else(|| KvError::PositionOutOfRange {
+                pos,
+                capacity: self.capacity(),
+            })?;
         let page_start = self
             .pool
             .page_ptr(page)
@@ -266,11 +393,11 @@ impl SessionKv {
                 detail: format!("session holds page {page}, which the pool does not have"),
             })?;
         let slot = pos & (self.page_positions - 1);
-        let offset = ((layer * 2 + half as usize) * self.page_positions + slot) * self.kv_dim;
-        // SAFETY: layer < n_layers and slot < page_positions, so
-        // offset + kv_dim <= n_layers * 2 * page_positions * kv_dim, the f16
-        // count of a page, which fits in the page's stride; the page start is
-        // inside the map, so the result is too.
+        let offset = (half as usize * self.page_positions + slot) * self.kv_dim;
+        // SAFETY: slot < page_positions, so offset + kv_dim <= 2 *
+        // page_positions * kv_dim, the f16 count of a page, which fits in the
+        // page's stride; the page start is inside the map, so the result is
+        // too.
         Ok(unsafe { page_start.cast::<f16>().add(offset) })
     }
 
@@ -310,7 +437,7 @@ impl std::fmt::Debug for SessionKv {
         f.debug_struct("SessionKv")
             .field("len", &self.len)
             .field("capacity", &self.capacity())
-            .field("pages", &self.pages.len())
+            .field("pages", &self.pages_held())
             .finish()
     }
 }
@@ -341,9 +468,8 @@ impl<'a> Iterator for KvBlocks<'a> {
         let ptr = session.row_ptr(self.half, self.layer, self.next).ok()?;
         self.next += rows;
         // SAFETY: as in `SessionKv::row`; the `rows` rows from `slot` stay
-        // inside the same page and the same (layer, half) block, which is
-        // contiguous in the page layout, and the slice borrows the session
-        // for 'a.
+        // inside the same page and the same half, which is contiguous in the
+        // page layout, and the slice borrows the session for 'a.
         Some(unsafe { std::slice::from_raw_parts(ptr, rows * session.kv_dim) })
     }
 }
@@ -369,20 +495,20 @@ mod tests {
 
     #[test]
     fn rolling_back_keeps_the_prefix_and_returns_the_surplus_pages() {
-        let pool = pool(4);
+        let pool = pool(12);
         let mut s = SessionKv::new(Arc::clone(&pool));
         s.reserve(14).unwrap();
         fill(&mut s, 0..14);
         s.commit(14).unwrap();
         assert_eq!(pool.free_pages(), 0);
         s.roll_back_to(5).unwrap();
-        assert_eq!((s.len(), s.pages_held(), pool.free_pages()), (5, 2, 2));
+        assert_eq!((s.len(), s.pages_held(), pool.free_pages()), (5, 6, 6));
         assert_eq!(s.k(2, 4).unwrap()[3].to_f32(), value(0, 2, 4, 3));
         // Never a way to grow: a longer length changes nothing.
         s.roll_back_to(9).unwrap();
         assert_eq!(s.len(), 5);
         s.roll_back_to(0).unwrap();
-        assert_eq!((s.pages_held(), pool.free_pages()), (0, 4));
+        assert_eq!((s.pages_held(), pool.free_pages()), (0, 12));
     }
 
     fn fill(session: &mut SessionKv, positions: Range<usize>) {
@@ -397,10 +523,10 @@ mod tests {
 
     #[test]
     fn written_rows_read_back_exactly_across_pages() {
-        let pool = pool(4);
+        let pool = pool(9);
         let mut session = SessionKv::new(Arc::clone(&pool));
         session.reserve(10).unwrap();
-        assert_eq!(session.pages_held(), 3);
+        assert_eq!(session.pages_held(), 9);
         assert_eq!(session.capacity(), 12);
         fill(&mut session, 0..10);
         for pos in 0..10 {
@@ -427,7 +553,7 @@ mod tests {
 
     #[test]
     fn write_rounds_to_nearest_f16() {
-        let mut session = SessionKv::new(pool(1));
+        let mut session = SessionKv::new(pool(3));
         session.reserve(1).unwrap();
         session
             .write(2, 0, &[0.1, -3.3, 65_504.0, 1e-8], &[1.0, 2.0, 3.0, 4.0])
@@ -448,7 +574,7 @@ mod tests {
 
     #[test]
     fn mutable_rows_write_through() {
-        let mut session = SessionKv::new(pool(1));
+        let mut session = SessionKv::new(pool(3));
         session.reserve(4).unwrap();
         session.v_mut(1, 3).unwrap()[2] = f16::from_f32(7.5);
         session.k_mut(1, 3).unwrap()[2] = f16::from_f32(-1.0);
@@ -460,7 +586,7 @@ mod tests {
 
     #[test]
     fn blocks_cover_the_range_in_page_runs() {
-        let mut session = SessionKv::new(pool(4));
+        let mut session = SessionKv::new(pool(9));
         session.reserve(11).unwrap();
         fill(&mut session, 0..11);
         let blocks: Vec<&[f16]> = session.k_blocks(1, 2..11).unwrap().collect();
@@ -488,7 +614,7 @@ mod tests {
 
     #[test]
     fn out_of_range_access_is_an_error() {
-        let mut session = SessionKv::new(pool(2));
+        let mut session = SessionKv::new(pool(3));
         assert!(matches!(
             session.k(0, 0),
             Err(KvError::PositionOutOfRange {
@@ -523,29 +649,30 @@ mod tests {
 
     #[test]
     fn exhaustion_leaves_session_and_pool_unchanged() {
-        let pool = pool(3);
+        let pool = pool(9);
         let mut first = SessionKv::new(Arc::clone(&pool));
         first.reserve(8).unwrap();
         let mut second = SessionKv::new(Arc::clone(&pool));
         second.reserve(1).unwrap();
         second.write(0, 0, &[1.0; 4], &[2.0; 4]).unwrap();
         second.commit(1).unwrap();
-        let table_before = second.page_table().to_vec();
+        let table_before = second.page_table(0);
+        assert_eq!(second.pages_wanted(13), 9);
         match second.reserve(13) {
-            Err(KvError::Exhausted { wanted: 3, free: 0 }) => {}
+            Err(KvError::Exhausted { wanted: 9, free: 0 }) => {}
             other => panic!("expected exhaustion, got {other:?}"),
         }
-        assert_eq!(second.page_table(), table_before);
+        assert_eq!(second.page_table(0), table_before);
         assert_eq!(second.len(), 1);
         assert_eq!(second.capacity(), 4);
         assert_eq!(pool.free_pages(), 0);
         drop(first);
-        assert_eq!(pool.free_pages(), 2);
+        assert_eq!(pool.free_pages(), 6);
         match second.reserve(16) {
-            Err(KvError::Exhausted { wanted: 3, free: 2 }) => {}
+            Err(KvError::Exhausted { wanted: 9, free: 6 }) => {}
             other => panic!("expected exhaustion, got {other:?}"),
         }
-        assert_eq!(pool.free_pages(), 2);
+        assert_eq!(pool.free_pages(), 6);
         second.reserve(12).unwrap();
         assert_eq!(second.k(0, 0).unwrap()[0].to_f32(), 1.0);
         assert_eq!(pool.free_pages(), 0);
@@ -553,7 +680,7 @@ mod tests {
 
     #[test]
     fn commit_never_decreases_and_never_passes_capacity() {
-        let mut session = SessionKv::new(pool(2));
+        let mut session = SessionKv::new(pool(6));
         session.reserve(5).unwrap();
         session.commit(3).unwrap();
         assert!(matches!(
@@ -583,40 +710,40 @@ mod tests {
             kv_dim: 192,
             page_positions: 16,
         };
-        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 2)).unwrap());
+        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 60)).unwrap());
         let mut session = SessionKv::new(Arc::clone(&pool));
         assert_eq!(session.live_bytes(), 0);
         session.reserve(17).unwrap();
         session.commit(17).unwrap();
         assert_eq!(session.live_bytes(), 17 * 23_040);
         assert_eq!(session.held_bytes(), 2 * 368_640);
-        assert_eq!(session.pages_held(), 2);
+        assert_eq!(session.pages_held(), 60);
     }
 
     #[test]
     fn drop_and_release_return_every_page_once() {
-        let pool = pool(5);
+        let pool = pool(15);
         {
             let mut session = SessionKv::new(Arc::clone(&pool));
             session.reserve(20).unwrap();
             assert_eq!(pool.free_pages(), 0);
         }
-        assert_eq!(pool.free_pages(), 5);
+        assert_eq!(pool.free_pages(), 15);
         let mut session = SessionKv::new(Arc::clone(&pool));
         session.reserve(6).unwrap();
         session.commit(6).unwrap();
         session.release().unwrap();
         assert_eq!(
             (session.len(), session.capacity(), pool.free_pages()),
-            (0, 0, 5)
+            (0, 0, 15)
         );
         session.release().unwrap();
-        assert_eq!(pool.free_pages(), 5);
+        assert_eq!(pool.free_pages(), 15);
         session.reserve(1).unwrap();
         drop(session);
-        let mut all = pool.allocator().alloc_many(5).unwrap();
+        let mut all = pool.allocator().alloc_many(15).unwrap();
         all.sort_unstable();
-        assert_eq!(all, vec![0, 1, 2, 3, 4]);
+        assert_eq!(all, (0..15).collect::<Vec<u32>>());
     }
 
     #[test]
@@ -631,7 +758,7 @@ mod tests {
         };
         let config = KvPoolConfig {
             layout,
-            n_pages: 2,
+            n_pages: 4,
             backing: KvBacking::File(path.clone()),
             prefault: false,
         };
@@ -639,20 +766,95 @@ mod tests {
         assert_eq!(pool.page_bytes(), 64);
         let mut session = SessionKv::new(pool);
         session.reserve(3).unwrap();
-        assert_eq!(session.page_table(), &[0, 1]);
-        // Layer 1, position 3: page 1, slot 1.
+        let (first, table) = session.page_table(1).unwrap();
+        assert_eq!((first, table.len()), (0, 2));
+        // Layer 1, position 3: the second page of layer 1's table, slot 1.
         session.write(1, 3, &[1.0, 2.0], &[3.0, -2.0]).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         let value_at = |byte: usize| f16::from_le_bytes([bytes[byte], bytes[byte + 1]]).to_f32();
-        // Element offset ((layer * 2 + half) * page_positions + slot) * kv_dim.
-        // Page 1 starts at byte 64; page_positions = kv_dim = 2; 2 bytes a value.
-        let byte_of =
-            |layer: usize, half: usize, slot: usize| 64 + ((layer * 2 + half) * 2 + slot) * 2 * 2;
-        let (k_byte, v_byte) = (byte_of(1, 0, 1), byte_of(1, 1, 1));
+        // Element offset (half * page_positions + slot) * kv_dim inside the
+        // page; pages are 64 bytes apart; page_positions = kv_dim = 2; 2
+        // bytes a value.
+        let page_start = table[1] as usize * 64;
+        let byte_of = |half: usize, slot: usize| page_start + (half * 2 + slot) * 2 * 2;
+        let (k_byte, v_byte) = (byte_of(0, 1), byte_of(1, 1));
         assert_eq!([value_at(k_byte), value_at(k_byte + 2)], [1.0, 2.0]);
         assert_eq!([value_at(v_byte), value_at(v_byte + 2)], [3.0, -2.0]);
         let nonzero = bytes.iter().filter(|&&b| b != 0).count();
         assert_eq!(nonzero, 4, "only the two rows written may be non-zero");
+    }
+
+    #[test]
+    fn a_window_layer_gives_back_what_its_window_left_behind() {
+        let layout = KvLayout {
+            n_layers: 3,
+            kv_dim: 4,
+            page_positions: 4,
+        };
+        let pool = KvPool::new(KvPoolConfig::anonymous(layout, 30))
+            .unwrap()
+            .with_layer_windows(vec![Some(6), None, Some(6)])
+            .unwrap();
+        let pool = Arc::new(pool);
+        let mut s = SessionKv::new(Arc::clone(&pool));
+        s.reserve(20).unwrap();
+        fill(&mut s, 0..20);
+        s.commit(20).unwrap();
+        assert_eq!(pool.free_pages(), 15);
+        // Nothing is given back before the caller settles.
+        assert_eq!(s.k(0, 0).unwrap()[0].to_f32(), value(0, 0, 0, 0));
+        s.settle().unwrap();
+        // The next query (position 20) sees 15..=20: layers 0 and 2 keep
+        // pages from position 12 on, layer 1 keeps everything.
+        assert_eq!(s.pages_held(), 2 + 5 + 2);
+        assert_eq!(pool.free_pages(), 21);
+        assert_eq!(s.page_table(0).unwrap().0, 3);
+        assert!(matches!(
+            s.k(0, 11),
+            Err(KvError::OutsideWindow {
+                layer: 0,
+                pos: 11,
+                first_kept: 12
+            })
+        ));
+        assert!(matches!(
+            s.k_blocks(2, 11..20),
+            Err(KvError::OutsideWindow { .. })
+        ));
+        let kept: Vec<f32> = s
+            .v_blocks(2, 15..20)
+            .unwrap()
+            .flatten()
+            .map(|x| x.to_f32())
+            .collect();
+        let want: Vec<f32> = (15..20)
+            .flat_map(|p| (0..4).map(move |i| value(1, 2, p, i)))
+            .collect();
+        assert_eq!(kept, want);
+        assert_eq!(s.k(1, 0).unwrap()[1].to_f32(), value(0, 1, 0, 1));
+        // Kept bytes: 8 positions on each window layer, 20 on the other.
+        assert_eq!(s.live_bytes(), (8 + 20 + 8) * 2 * 4 * 2);
+        // Growing takes pages for every layer again; rolling back to the
+        // settled length is fine, below it is refused and changes nothing.
+        s.reserve(26).unwrap();
+        fill(&mut s, 20..26);
+        s.commit(26).unwrap();
+        s.roll_back_to(22).unwrap();
+        assert!(matches!(
+            s.roll_back_to(19),
+            Err(KvError::RollBackPastSettled {
+                requested: 19,
+                settled: 20
+            })
+        ));
+        assert_eq!(s.len(), 22);
+        s.roll_back_to(20).unwrap();
+        assert_eq!(s.pages_held(), 9);
+        s.release().unwrap();
+        assert_eq!(pool.free_pages(), 30);
+        // Released, the session starts over with every layer from 0.
+        s.reserve(1).unwrap();
+        s.write(0, 0, &[1.0; 4], &[1.0; 4]).unwrap();
     }
 
     #[test]
@@ -663,7 +865,7 @@ mod tests {
 
     #[test]
     fn many_threads_read_one_session_while_others_fill_their_own() {
-        let pool = pool(12);
+        let pool = pool(24);
         let mut shared = SessionKv::new(Arc::clone(&pool));
         shared.reserve(8).unwrap();
         fill(&mut shared, 0..8);
@@ -697,7 +899,7 @@ mod tests {
                 });
             }
         });
-        assert_eq!(pool.free_pages(), 10);
+        assert_eq!(pool.free_pages(), 18);
         assert_eq!(shared.v(0, 7).unwrap()[1].to_f32(), value(1, 0, 7, 1));
     }
 }

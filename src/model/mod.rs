@@ -118,6 +118,13 @@ impl Model {
         }
     }
 
+    /// Per layer of `layers`, the sliding window it attends over (`None`:
+    /// every position), for the KV pool to give back what windows left
+    /// behind.
+    pub fn kv_layer_windows(&self, layers: std::ops::Range<usize>) -> Vec<Option<usize>> {
+        layers.map(|l| self.config.layer_window(l)).collect()
+    }
+
     /// Bytes of K and V one position holds over every layer.
     pub fn kv_bytes_per_position(&self) -> usize {
         self.kv_layout(self.config.n_layers, 1).bytes_per_position()

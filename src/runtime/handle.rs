@@ -47,18 +47,21 @@ impl Runtime {
         cfg.prefill_chunk = cfg.prefill_chunk.max(1);
         cfg.stream_capacity = cfg.stream_capacity.max(4);
         cfg.worker_queue = cfg.worker_queue.max(1);
-        let (layout, n_pages) = match &cfg.shards {
+        let (layout, n_pages, windows) = match &cfg.shards {
             None => {
                 let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
                 (
                     layout,
-                    KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(1),
+                    KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers),
+                    model.kv_layer_windows(0..model.config.n_layers),
                 )
             }
             Some(plan) => {
                 // The KV lives on the shards; this pool is a ledger of
                 // positions sized like the smallest shard's, so eviction
-                // makes room here before any shard runs out.
+                // makes room here before any shard runs out. It pages like
+                // a local pool (a page per layer, so page counts read the
+                // same either way) with one-value rows: it is never written.
                 let capacity = plan
                     .probe(SHARD_START_WAIT)
                     .map_err(RuntimeError::Internal)?;
@@ -66,20 +69,25 @@ impl Runtime {
                 if capacity.max_sessions > 0 {
                     cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);
                 }
+                let n_layers = model.config.n_layers;
                 let ledger = crate::kv::KvLayout {
-                    n_layers: 1,
+                    n_layers,
                     kv_dim: 1,
                     page_positions: cfg.page_positions,
                 };
-                (ledger, capacity.kv_pages.max(1) as usize)
+                let pages = (capacity.kv_pages.max(1) as usize).saturating_mul(n_layers);
+                (ledger, pages, vec![None; n_layers])
             }
         };
-        let kv_pool = Arc::new(KvPool::new(KvPoolConfig {
-            layout,
-            n_pages,
-            backing: KvBacking::Anonymous,
-            prefault: false,
-        })?);
+        let kv_pool = Arc::new(
+            KvPool::new(KvPoolConfig {
+                layout,
+                n_pages,
+                backing: KvBacking::Anonymous,
+                prefault: false,
+            })?
+            .with_layer_windows(windows)?,
+        );
         // Asked before any thread is pinned: a pinned thread sees only its core.
         let cores = if cfg.pin_cores {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -131,13 +139,18 @@ impl Runtime {
         })
     }
 
-    /// Bytes of K and V one KV page holds over every layer. Split over
-    /// shards, the pages live there (the runtime's own pool is a ledger of
-    /// positions), and this is what one page costs them all together.
+    /// Bytes one KV page costs: one layer's K and V for a page of
+    /// positions. Split over shards, the pages live there (the runtime's own
+    /// pool is a ledger of positions), and a ledger page stands for one of
+    /// theirs.
     pub fn kv_page_bytes(&self) -> u64 {
+        let layout = self.kv_pool.layout();
         match &self.cfg.shards {
             None => self.kv_pool.page_bytes() as u64,
-            Some(_) => self.kv_bytes_per_position * self.kv_pool.layout().page_positions as u64,
+            Some(_) => {
+                self.kv_bytes_per_position * layout.page_positions as u64
+                    / layout.n_layers.max(1) as u64
+            }
         }
     }
 

@@ -578,12 +578,22 @@ impl Worker {
             .is_ok()
     }
 
+    /// Bytes of K and V a session keeps: what its pages hold here, or over
+    /// the shards (where this pool is a ledger of positions) every layer of
+    /// every committed position.
+    fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {
+        match self.remote {
+            Some(_) => kv.len() as u64 * self.kv_bytes_per_position,
+            None => kv.live_bytes(),
+        }
+    }
+
     fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
         let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
         let busy = !slot.idle();
         Ok(SessionInfo {
             history_length: slot.history.len() as u64,
-            kv_live_bytes: slot.kv.len() as u64 * self.kv_bytes_per_position,
+            kv_live_bytes: self.kv_live_bytes(&slot.kv),
             inv1_violations: slot.inv1,
             inv2_violations: slot.inv2,
             idle_seconds: if busy {
@@ -737,7 +747,7 @@ impl Worker {
         let mut oldest: Option<Instant> = None;
         let mut idle_pages = 0;
         for slot in self.sessions.values() {
-            kv_bytes += slot.kv.len() as u64 * self.kv_bytes_per_position;
+            kv_bytes += self.kv_live_bytes(&slot.kv);
             history += slot.history.len() as u64;
             queued += slot.queue.len() as u64;
             if slot.idle() {
@@ -1675,6 +1685,23 @@ impl Worker {
                 continue;
             }
             self.after_feed(id);
+            self.settle_kv(id);
+        }
+    }
+
+    /// Once a session's call can no longer be undone (its prompt is all in,
+    /// or it has none), gives back the KV pages its sliding-window layers
+    /// will not read again.
+    fn settle_kv(&mut self, id: SessionId) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if slot.active.as_ref().is_some_and(|a| a.undo.is_some()) {
+            return;
+        }
+        if let Err(e) = slot.kv.settle() {
+            tracing::error!(session = %id, "giving back window pages: {e}");
+            self.fail_session(id, e.into());
         }
     }
 
@@ -1919,11 +1946,14 @@ mod tests {
         worker_with_pages(8)
     }
 
+    /// A worker whose pool holds `pages` pages of 16 positions over every
+    /// layer.
     fn worker_with_pages(pages: usize) -> Worker {
         let file = GgufFile::from_bytes(SyntheticLlama::tiny().build()).expect("parses");
         let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
         let layout = model.kv_layout(model.config.n_layers, 16);
-        let pool = Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, pages)).expect("pool"));
+        let config = KvPoolConfig::anonymous(layout, pages * model.config.n_layers);
+        let pool = Arc::new(KvPool::new(config).expect("pool"));
         let (wake, _) = crossbeam_channel::bounded(1);
         Worker::new(
             0,
@@ -2127,7 +2157,7 @@ mod tests {
         let context = w.model.config.context;
         // Take every free page, so the shift has to reuse the session's own.
         let mut hog = SessionKv::new(Arc::clone(&w.kv_pool));
-        let free = w.kv_pool.free_pages();
+        let free = w.kv_pool.free_pages() / w.model.config.n_layers;
         hog.reserve(free * 16).expect("the rest of the pool");
         cancel_in_the_middle_of_a_shift(&mut w, id);
         // Its old history (with the two tokens) is being fed again.
@@ -2151,7 +2181,8 @@ mod tests {
         let mut w = worker();
         let id = new_session(&mut w);
         append(&mut w, id, &[1, 2, 3]).expect("append");
-        assert!(w.kv_pool.free_pages() < 8);
+        let total = w.kv_pool.total_pages();
+        assert!(w.kv_pool.free_pages() < total);
         // Pretend the cache once held more than it does now.
         if let Some(slot) = w.sessions.get_mut(&id) {
             slot.high_water = 10;
@@ -2162,7 +2193,7 @@ mod tests {
         assert!(!w.sessions.contains_key(&id));
         assert_eq!(w.shared.counters.inv2_violations.load(Ordering::Relaxed), 1);
         assert_eq!(w.shared.counters.sessions_failed.load(Ordering::Relaxed), 1);
-        assert_eq!(w.kv_pool.free_pages(), 8);
+        assert_eq!(w.kv_pool.free_pages(), total);
         assert_eq!(w.shared.live_sessions.load(Ordering::Relaxed), 0);
     }
 
