@@ -64,7 +64,8 @@ pub struct ServeArgs {
     /// KV cache memory in MiB [default: 256].
     #[arg(long, env = "INFERD_KV_MIB", conflicts_with = "kv_pages")]
     pub kv_mib: Option<u64>,
-    /// KV cache size in pages (of 16 positions over all layers), instead of --kv-mib.
+    /// KV cache size in pages of 16 positions over all layers (the pool and
+    /// its gauges count one page per layer of those), instead of --kv-mib.
     #[arg(long, env = "INFERD_KV_PAGES")]
     pub kv_pages: Option<u64>,
     /// Most sessions alive at once [default: 1024].
@@ -376,7 +377,10 @@ impl Settings {
         let layout = model.kv_layout(model.config.n_layers, crate::kv::DEFAULT_PAGE_POSITIONS);
         let kv_bytes = match self.kv {
             KvSize::Mib(mib) => mib.saturating_mul(1 << 20),
-            KvSize::Pages(pages) => pages.saturating_mul(layout.page_stride() as u64),
+            // A page of positions over all layers: one pool page per layer.
+            KvSize::Pages(pages) => pages
+                .saturating_mul(layout.page_stride() as u64)
+                .saturating_mul(layout.n_layers as u64),
         };
         let shards = self.shard_plan(model)?;
         if shards.is_none() {
