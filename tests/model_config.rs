@@ -216,8 +216,9 @@ fn prompt(model: &Model) -> Vec<u32> {
         .collect()
 }
 
-/// The byte-exact prefill promise: one chunk and token by token give the
-/// same logit bits at every position.
+/// The byte-exact prefill promise: one chunk, token by token, and a batch
+/// shared with another sequence on one thread give the same logit bits at
+/// every position.
 ///
 /// The token-by-token session settles after every step, so on a model with
 /// sliding-window layers it gives back the pages those layers left behind
@@ -274,6 +275,46 @@ fn assert_prefill_is_chunking_invariant(model: &Model) {
         got == reference,
         "token-by-token logits differ from one chunk"
     );
+
+    // Batched with a neighbour (which goes first), on one thread, in two
+    // chunks of 20 and 40.
+    let one_thread = ThreadPool::new(1);
+    let neighbour: Vec<u32> = tokens.iter().rev().copied().collect();
+    let mut first = SessionKv::new(Arc::clone(&pool));
+    let mut other = SessionKv::new(Arc::clone(&pool));
+    let mut batched = Vec::new();
+    for part in [&tokens[..20], &tokens[20..]] {
+        let rows = model
+            .forward(
+                &mut [
+                    Sequence {
+                        kv: &mut other,
+                        tokens: &neighbour[..part.len()],
+                        logits: LogitsWanted::Last,
+                    },
+                    Sequence {
+                        kv: &mut first,
+                        tokens: part,
+                        logits: LogitsWanted::All,
+                    },
+                ],
+                &one_thread,
+                &mut scratch,
+            )
+            .expect("forward");
+        let mine = rows.per_sequence[1].clone();
+        batched.extend(
+            scratch.logits[mine.start * vocab..mine.end * vocab]
+                .iter()
+                .map(|x| x.to_bits()),
+        );
+    }
+    assert!(
+        batched == reference,
+        "batched, one-thread logits differ from one chunk"
+    );
+    drop((first, other));
+
     let pages_per_layer = tokens.len().div_ceil(16);
     assert_eq!(whole.pages_held(), n_layers * pages_per_layer);
     // A window layer keeps the pages from the one holding position
