@@ -393,7 +393,7 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
 /// AVX2 must be available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4_ps(v: __m128) -> f32 {
+pub(crate) unsafe fn hsum4_ps(v: __m128) -> f32 {
     let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
@@ -438,7 +438,7 @@ unsafe fn k_run_lanes(q: &[__m256i; 8], sc: &[__m256i; 8], yq: *const i8) -> __m
 /// AVX2 must be available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_min_lanes(mins: __m128i, y: &BlockQ8K) -> __m128i {
+pub(crate) unsafe fn k4_min_lanes(mins: __m128i, y: &BlockQ8K) -> __m128i {
     let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
     let sums = _mm_hadd_epi16(
         _mm256_castsi256_si128(bsums),
@@ -556,6 +556,42 @@ pub(crate) unsafe fn dot_q5_k_q8_k<const NT: usize>(
     out
 }
 
+/// A Q6_K super-block as the 8 runs of 32 quants in element order without
+/// the -32 offset (0..64), each run's pair of 16-element scales as i16
+/// lanes, and the 16 scales as i16 (for the offset term).
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q6k_runs(x: &BlockQ6K) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+    let mask4 = _mm256_set1_epi8(0x0F);
+    let mask2 = _mm256_set1_epi8(0x03);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for h in 0..2 {
+        let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * h) as *const __m256i);
+        let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32) as *const __m256i);
+        let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * h) as *const __m256i);
+        let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, mask2), 4);
+        let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), mask2), 4);
+        let h4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), mask2), 4);
+        let h6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), mask2), 4);
+        q[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, mask4), h0);
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, mask4), h2);
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask4), h4);
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask4), h6);
+    }
+    let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
+    let mut sc = [_mm256_setzero_si256(); 8];
+    for (r, s) in sc.iter_mut().enumerate() {
+        *s = scale_pair(
+            x.scales[2 * r] as i8 as i16,
+            x.scales[2 * r + 1] as i8 as i16,
+        );
+    }
+    (q, sc, sc16)
+}
+
 /// Q6_K × Q8_K tile (the scalar reference's lanes, [`scalar::q6k_lanes`]:
 /// unsigned quants, the `-32` offset subtracted per lane from the scaled
 /// 16-element activation sums).
@@ -570,34 +606,10 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
 ) -> [f32; NT] {
     let w = w as *const BlockQ6K;
     let a = a.map(|p| p as *const BlockQ8K);
-    let mask4 = _mm256_set1_epi8(0x0F);
-    let mask2 = _mm256_set1_epi8(0x03);
     let mut acc = [_mm256_setzero_ps(); NT];
     for b in 0..nb {
         let x = &*w.add(b);
-        // Quants without the -32 offset (0..64), in element order, 8 x 32.
-        let mut q = [_mm256_setzero_si256(); 8];
-        for h in 0..2 {
-            let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * h) as *const __m256i);
-            let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32) as *const __m256i);
-            let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * h) as *const __m256i);
-            let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, mask2), 4);
-            let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), mask2), 4);
-            let h4 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), mask2), 4);
-            let h6 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), mask2), 4);
-            q[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, mask4), h0);
-            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, mask4), h2);
-            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask4), h4);
-            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask4), h6);
-        }
-        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
-        let mut sc = [_mm256_setzero_si256(); 8];
-        for (r, s) in sc.iter_mut().enumerate() {
-            *s = scale_pair(
-                x.scales[2 * r] as i8 as i16,
-                x.scales[2 * r + 1] as i8 as i16,
-            );
-        }
+        let (q, sc, sc16) = q6k_runs(x);
         let xd = x.d();
         for t in 0..NT {
             let y = &*a[t].add(b);

@@ -14,8 +14,8 @@ use half::f16;
 
 use super::avx2;
 use super::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8K, BlockQ8_0,
-    BlockQ8_1,
+    scales_mins_k4, BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1,
+    BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 // Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
@@ -392,6 +392,126 @@ pub(crate) unsafe fn dot_iq4_xs_q8_k<const NT: usize>(
                 sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(dot, sc[j]));
             }
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(xd * y.d()), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = avx2::hsum_ps(acc[t]);
+    }
+    out
+}
+
+/// Two 256-bit halves as one 512-bit vector, `lo` in the low half.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// The 8 integer lanes of a K-quant super-block's 8 runs of 32 unsigned
+/// quants (`q[c]`: runs `2c` and `2c + 1`) against the activation bytes
+/// `yq`, each run's byte pairs times its scales (`scale[c]`, i16 lanes laid
+/// out like the quants): llama.cpp's `maddubs` + `madd` lanes, summed over
+/// the runs. Integer sums are exact, so this equals the 256-bit form run by
+/// run; two runs share each 512-bit step.
+///
+/// # Safety
+/// See the file header; `yq` readable for 256 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn k_run_lanes(q: &[__m512i; 4], scale: &[__m512i; 4], yq: *const i8) -> __m256i {
+    let mut runs = _mm512_setzero_si512();
+    for c in 0..4 {
+        let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+        runs = _mm512_dpwssd_epi32(runs, _mm512_maddubs_epi16(q[c], y), scale[c]);
+    }
+    _mm256_add_epi32(
+        _mm512_castsi512_si256(runs),
+        _mm512_extracti64x4_epi64::<1>(runs),
+    )
+}
+
+/// Q4_K × Q8_K tile with two runs of 32 quants per 512-bit step:
+/// `vpmaddubsw` forms the byte pairs and `vpdpwssd` scales them by their
+/// run's scale into the run's 8 lanes (the low 8 for the even run, the high
+/// 8 for the odd), and the two halves are added at the end. Integer sums are
+/// exact, so these are the 8 lanes of [`avx2::dot_q4_k_q8_k`] and the float
+/// steps that follow are its own: the same bits, with half the instructions
+/// per token.
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ4K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mask = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut acc_min = [_mm_setzero_ps(); NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let (sc, mn) = scales_mins_k4(&x.scales);
+        let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
+        let mut q = [_mm512_setzero_si512(); 4];
+        let mut scale = [_mm512_setzero_si512(); 4];
+        for c in 0..4 {
+            let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+            q[c] = _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask);
+            scale[c] = join(
+                _mm256_set1_epi16(sc[2 * c] as i16),
+                _mm256_set1_epi16(sc[2 * c + 1] as i16),
+            );
+        }
+        let (xd, xdmin) = (x.d(), x.dmin());
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let m = _mm_cvtepi32_ps(avx2::k4_min_lanes(mins, y));
+            acc_min[t] = _mm_fmadd_ps(_mm_set1_ps(-y.d() * xdmin), m, acc_min[t]);
+            let sumi = k_run_lanes(&q, &scale, y.qs.as_ptr() as *const i8);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+        }
+    }
+    let mut out = [0.0f32; NT];
+    for t in 0..NT {
+        out[t] = avx2::hsum_ps(acc[t]) + avx2::hsum4_ps(acc_min[t]);
+    }
+    out
+}
+
+/// Q6_K × Q8_K tile: [`avx2::dot_q6_k_q8_k`]'s lanes and float steps, its
+/// runs two at a time through [`k_run_lanes`].
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    let w = w as *const BlockQ6K;
+    let a = a.map(|p| p as *const BlockQ8K);
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let x = &*w.add(b);
+        let (q, sc, sc16) = avx2::q6k_runs(x);
+        let q = [0, 1, 2, 3].map(|c| join(q[2 * c], q[2 * c + 1]));
+        let sc = [0, 1, 2, 3].map(|c| join(sc[2 * c], sc[2 * c + 1]));
+        let xd = x.d();
+        for t in 0..NT {
+            let y = &*a[t].add(b);
+            let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
+            let runs = k_run_lanes(&q, &sc, y.qs.as_ptr() as *const i8);
+            let sumi = _mm256_sub_epi32(runs, offset);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
         }
     }
     let mut out = [0.0f32; NT];
