@@ -497,12 +497,20 @@ impl Model {
         }
         resize(by_row, m.rows * n_tokens);
         pool.for_each_chunk_mut(by_row, chunk_rows * n_tokens, &kernel);
-        // Back to token-major order.
+        // Back to token-major order, a block of tokens per task: each row's
+        // run of the block's tokens is read contiguously, so the row-major
+        // result is streamed once instead of once per token.
+        const TOKENS_PER_TASK: usize = 16;
         let rows = m.rows;
         let src = &by_row[..];
-        pool.for_each_chunk_mut(&mut out[..n_tokens * rows], rows, &|t, dst| {
-            for (r, d) in dst.iter_mut().enumerate() {
-                *d = src[r * n_tokens + t];
+        let block = rows * TOKENS_PER_TASK;
+        pool.for_each_chunk_mut(&mut out[..n_tokens * rows], block, &|chunk, dst| {
+            let t0 = chunk * TOKENS_PER_TASK;
+            let tokens = dst.len() / rows;
+            for r in 0..rows {
+                for (i, &v) in src[r * n_tokens + t0..][..tokens].iter().enumerate() {
+                    dst[i * rows + r] = v;
+                }
             }
         });
     }

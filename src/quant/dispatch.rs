@@ -15,7 +15,7 @@ use super::scalar;
 
 /// Tokens per tile in the matrix kernel: each unpacked weight block is used
 /// for this many activation rows.
-pub(crate) const TILE: usize = 4;
+pub(crate) const TILE: usize = 8;
 
 /// A dot-product kernel over `nb` blocks for `NT` activation rows at once.
 ///
