@@ -206,11 +206,48 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
 ) -> [f32; NT] {
     let w = w as *const BlockQ8_0;
     let a = a.map(|p| p as *const BlockQ8_0);
+    let second = _mm256_set1_epi32(1);
     let mut acc = [_mm256_setzero_ps(); NT];
-    for b in 0..nb {
+    let mut b = 0;
+    // Two blocks per 512-bit step: the integer lanes are each block's own
+    // (exact), and each block keeps its own float step, as in Q4_0.
+    while b + 2 <= nb {
+        let (w0, w1) = (&*w.add(b), &*w.add(b + 1));
+        let wq = load_x2(w0.qs.as_ptr(), w1.qs.as_ptr());
+        // i8 x i8 through u8 x i8: |w| times a, negated where w is negative
+        // (`vpsignb` has no 512-bit form; where w is 0 the product is 0).
+        let wabs = _mm512_abs_epi8(wq);
+        let negative = _mm512_movepi8_mask(wq);
+        let wd = _mm_cvtph_ps(f16_two(
+            w0 as *const _ as *const u8,
+            w1 as *const _ as *const u8,
+        ));
+        for t in 0..NT {
+            let (a0, a1) = (&*a[t].add(b), &*a[t].add(b + 1));
+            let aq = load_x2(a0.qs.as_ptr(), a1.qs.as_ptr());
+            let signed = _mm512_mask_sub_epi8(aq, negative, _mm512_setzero_si512(), aq);
+            let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, signed));
+            let ad = _mm_cvtph_ps(f16_two(
+                a0 as *const _ as *const u8,
+                a1 as *const _ as *const u8,
+            ));
+            let scale = _mm256_castps128_ps256(_mm_mul_ps(wd, ad));
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(_mm256_castps256_ps128(scale)),
+                _mm512_castps512_ps256(xy),
+                acc[t],
+            );
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_permutevar8x32_ps(scale, second),
+                _mm512_extractf32x8_ps::<1>(xy),
+                acc[t],
+            );
+        }
+        b += 2;
+    }
+    if b < nb {
         let wb = w.add(b);
         let wq = _mm256_loadu_si256(addr_of!((*wb).qs) as *const __m256i);
-        // i8 x i8 through u8 x i8: |w| times a with the sign of w moved onto a.
         let wabs = _mm256_sign_epi8(wq, wq);
         let wd = avx2::f16_one((*wb).d);
         for t in 0..NT {
