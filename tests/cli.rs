@@ -98,6 +98,26 @@ fn bad_input_fails_with_a_message_and_a_non_zero_exit() {
         "{}",
         stderr(&out)
     );
+    assert!(
+        stderr(&out).contains("scripts/fetch-model"),
+        "{}",
+        stderr(&out)
+    );
+
+    // A file that is there but is no model: the reason, and no download hint.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"not a gguf file at all").expect("write");
+    let out = inferd(&[
+        "generate",
+        "--model",
+        junk.to_str().expect("utf-8"),
+        "--tokens",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("junk.gguf"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("fetch-model"), "{}", stderr(&out));
 
     let out = inferd(&["generate", "--tokens", "1,x"]);
     assert!(!out.status.success());

@@ -214,12 +214,22 @@ pub enum BenchFormat {
     Json,
 }
 
+/// For a model file that is not there, how to get the reference model; a
+/// file that is there but does not load gets no such hint.
+fn fetch_hint(path: &str) -> &'static str {
+    if std::path::Path::new(path).exists() {
+        ""
+    } else {
+        "\n(run scripts/fetch-model to download the reference model)"
+    }
+}
+
 /// Why a command failed; printed by `main`.
 #[derive(Debug, Error)]
 pub enum CliError {
     #[error("{0}")]
     Usage(String),
-    #[error("model {path}: {source}\n(run scripts/fetch-model to download the reference model)")]
+    #[error("model {path}: {source}{hint}", hint = fetch_hint(.path))]
     ModelLoad { path: String, source: ModelError },
     #[error(transparent)]
     Engine(#[from] EngineError),
