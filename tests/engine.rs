@@ -2,25 +2,13 @@
 //! history, all-or-nothing appends, generation stop rules, and seeded
 //! sampling that is reproducible whatever the thread count.
 
-use std::sync::Arc;
-
 use inferd::engine::{Engine, EngineConfig, EngineError, StopReason};
-use inferd::gguf::synthetic::SyntheticLlama;
-use inferd::gguf::GgufFile;
 use inferd::kv::KvError;
-use inferd::model::{Model, ModelError};
-use inferd::quant::GgmlType;
+use inferd::model::ModelError;
 use inferd::sampler::SamplingParams;
 
-fn model() -> Arc<Model> {
-    let cfg = SyntheticLlama {
-        weight_type: GgmlType::Q4_1,
-        tied_output: true,
-        ..SyntheticLlama::tiny()
-    };
-    let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
-    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
-}
+mod support;
+use support::tiny_model;
 
 fn engine(threads: usize, kv_bytes: u64) -> Engine {
     let cfg = EngineConfig {
@@ -28,7 +16,7 @@ fn engine(threads: usize, kv_bytes: u64) -> Engine {
         kv_bytes,
         ..EngineConfig::default()
     };
-    Engine::new(model(), &cfg).expect("engine")
+    Engine::new(tiny_model(), &cfg).expect("engine")
 }
 
 fn sampled() -> SamplingParams {

@@ -39,6 +39,9 @@ use inferd::server::{ServeConfig, ServeError, Server, TlsIdentity};
 
 use pb::GenerateDone_StopReason as Stop;
 
+mod support;
+use support::tiny_model;
+
 /// Upper bound of any unary call; a call that takes longer is a hang.
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// Upper bound of any Generate stream in these tests.
@@ -46,19 +49,6 @@ const STREAM_TIMEOUT: Duration = Duration::from_secs(60);
 
 const TINY_VOCAB: u32 = 320;
 const TINY_CONTEXT: u64 = 256;
-
-fn tiny_model() -> Arc<Model> {
-    static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
-    Arc::clone(MODEL.get_or_init(|| {
-        let cfg = SyntheticLlama {
-            weight_type: GgmlType::Q4_1,
-            tied_output: true,
-            ..SyntheticLlama::tiny()
-        };
-        let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
-        Arc::new(Model::from_gguf(Arc::new(file)).expect("synthetic model loads"))
-    }))
-}
 
 /// Wide enough that one decode step takes milliseconds, so a Generate of a
 /// few hundred tokens is still running while a test acts on it.

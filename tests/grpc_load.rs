@@ -18,14 +18,13 @@ use grpcio::{CallOption, ChannelBuilder, EnvBuilder, RpcStatusCode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use inferd::gguf::synthetic::SyntheticLlama;
-use inferd::gguf::GgufFile;
-use inferd::model::Model;
 use inferd::proto::kakeya_v1::runtime as pb;
 use inferd::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
-use inferd::quant::GgmlType;
 use inferd::runtime::RuntimeConfig;
 use inferd::server::{ServeConfig, Server};
+
+mod support;
+use support::tiny_model;
 
 const SESSIONS: usize = 64;
 const CLIENT_THREADS: usize = 16;
@@ -46,16 +45,6 @@ const MAX_CANCELLED_GENERATE: u32 = 96;
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 const RUN_BOUND: Duration = Duration::from_secs(120);
 
-fn model() -> Arc<Model> {
-    let cfg = SyntheticLlama {
-        weight_type: GgmlType::Q4_1,
-        tied_output: true,
-        ..SyntheticLlama::tiny()
-    };
-    let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
-    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
-}
-
 fn start_server() -> Server {
     let runtime = RuntimeConfig {
         workers: 2,
@@ -63,7 +52,7 @@ fn start_server() -> Server {
         kv_bytes: 8 << 20,
         ..RuntimeConfig::default()
     };
-    Server::start(model(), ServeConfig::new("127.0.0.1:0", runtime)).expect("server starts")
+    Server::start(tiny_model(), ServeConfig::new("127.0.0.1:0", runtime)).expect("server starts")
 }
 
 fn client(server: &Server) -> RuntimeServiceClient {

@@ -4,28 +4,17 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inferd::gguf::synthetic::SyntheticLlama;
-use inferd::gguf::GgufFile;
 use inferd::metrics::{render, MetricsEndpoint, ServerNumbers};
-use inferd::model::Model;
-use inferd::quant::GgmlType;
 use inferd::runtime::{
     AppendTokens, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent, GenerateRequest,
     OverflowPolicy, Runtime, RuntimeConfig, RuntimeError, RuntimeStats, SamplingOptions, SessionId,
     StatusKind, StopReason,
 };
 
-const CONTEXT: usize = 256;
+mod support;
+use support::tiny_model;
 
-fn model() -> Arc<Model> {
-    let cfg = SyntheticLlama {
-        weight_type: GgmlType::Q4_1,
-        tied_output: true,
-        ..SyntheticLlama::tiny()
-    };
-    let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
-    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
-}
+const CONTEXT: usize = 256;
 
 fn config(workers: usize) -> RuntimeConfig {
     RuntimeConfig {
@@ -37,7 +26,7 @@ fn config(workers: usize) -> RuntimeConfig {
 }
 
 fn start(cfg: RuntimeConfig) -> Runtime {
-    Runtime::start(model(), cfg).expect("runtime starts")
+    Runtime::start(tiny_model(), cfg).expect("runtime starts")
 }
 
 fn create(rt: &Runtime, eos: &[u32]) -> SessionId {

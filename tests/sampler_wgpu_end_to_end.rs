@@ -7,18 +7,16 @@
 
 use std::path::Path;
 use std::process::{Command, Output};
-use std::sync::Arc;
 
-use inferd::gguf::synthetic::SyntheticLlama;
-use inferd::gguf::GgufFile;
-use inferd::model::Model;
-use inferd::quant::GgmlType;
 use inferd::runtime::{
     AppendTokens, CreateSession, GenerateEvent, GenerateRequest, Runtime, RuntimeConfig,
     SamplingOptions,
 };
 use inferd::sampler::gpu::GpuError;
 use inferd::sampler::{SamplerChoice, SelectedSampler, TokenLogprobs};
+
+mod support;
+use support::tiny_model;
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -35,21 +33,11 @@ fn wgpu() -> Option<SelectedSampler> {
     }
 }
 
-fn model() -> Arc<Model> {
-    let cfg = SyntheticLlama {
-        weight_type: GgmlType::Q4_1,
-        tied_output: true,
-        ..SyntheticLlama::tiny()
-    };
-    let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
-    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
-}
-
 /// Starts `sessions` Generates at once on a runtime with `sampler` and
 /// returns each one's tokens and log-probability reports.
 fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<(Vec<u32>, Vec<TokenLogprobs>)> {
     let rt = Runtime::start(
-        model(),
+        tiny_model(),
         RuntimeConfig {
             workers: 2,
             pin_cores: false,

@@ -21,6 +21,26 @@ use inferd::proto::kakeya_v1::runtime as pb;
 use inferd::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
 
 pub const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The synthetic model the runtime, engine and server tests share: the
+/// tiny llama shape in Q4_1 with a tied output, built once per test binary.
+/// It runs through the real loader and forward pass.
+pub fn tiny_model() -> Arc<inferd::model::Model> {
+    use inferd::gguf::synthetic::SyntheticLlama;
+    use inferd::gguf::GgufFile;
+    use inferd::model::Model;
+    use inferd::quant::GgmlType;
+    static MODEL: std::sync::OnceLock<Arc<Model>> = std::sync::OnceLock::new();
+    Arc::clone(MODEL.get_or_init(|| {
+        let cfg = SyntheticLlama {
+            weight_type: GgmlType::Q4_1,
+            tied_output: true,
+            ..SyntheticLlama::tiny()
+        };
+        let file = GgufFile::from_bytes(cfg.build()).expect("synthetic model parses");
+        Arc::new(Model::from_gguf(Arc::new(file)).expect("synthetic model loads"))
+    }))
+}
 /// Upper bound of any unary call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Upper bound of any Generate stream.
