@@ -24,7 +24,8 @@
 //! - [`listen`]: the socket address a bound listen string names.
 //! - [`chat_template`]: a conversation -> prompt text through the model's own
 //!   Jinja chat template, rendered as transformers renders it.
-//! - [`cli`]: the command-line front end (`inferd generate`, `inferd chat`).
+//! - [`cli`]: the command-line front end (`inferd generate`, `chat`,
+//!   `bench`, `serve`, `session`, `shard`, `relay`, `tokenize`).
 
 #[cfg(not(loom))]
 pub mod chat_template;

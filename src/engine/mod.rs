@@ -1,9 +1,12 @@
 //! A single-process engine: one model, one compute pool, one KV page pool
 //! and one sampler, serving sessions whose history is append-only.
 //!
-//! The CLI drives it directly; a server worker owns one per pinned core.
-//! Every operation validates first, reserves KV memory second and mutates
-//! last, so a failed call leaves the session exactly as it was.
+//! The CLI drives it directly (`inferd generate`, `chat`, `bench`); the
+//! server does not use it: its runtime (`crate::runtime`) has its own
+//! workers over the same model, KV pool and samplers. Every operation
+//! validates its input and reserves the KV memory it needs before it
+//! computes anything, so bad input or a full pool leaves the session
+//! exactly as it was.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
