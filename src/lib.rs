@@ -13,6 +13,7 @@
 //!   WGSL sampler through wgpu.
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
+//! - [`stop`]: why a generation ended, for the engine and the runtime.
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
 //! - [`proto`]: the gRPC wire types generated from `protos/` (client API,
@@ -47,5 +48,6 @@ pub mod runtime;
 pub mod sampler;
 #[cfg(not(loom))]
 pub mod server;
+pub mod stop;
 pub mod threads;
 pub mod tokenizer;

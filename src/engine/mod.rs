@@ -95,15 +95,7 @@ impl Session {
     }
 }
 
-/// Why a generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    MaxTokens,
-    /// A stop token was emitted (and committed).
-    Eos,
-    /// The token callback asked to stop.
-    Cancelled,
-}
+pub use crate::stop::StopReason;
 
 /// What a generation produced.
 #[derive(Clone, Debug, PartialEq, Eq)]

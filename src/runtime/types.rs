@@ -323,22 +323,7 @@ impl GenerateRequest {
     }
 }
 
-/// Why a generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    MaxTokens,
-    /// An EOS id of the session was emitted (and committed).
-    Eos,
-    /// The client cancelled (or dropped the stream).
-    Cancelled,
-    /// The context is full and the overflow policy says stop.
-    Truncated,
-    /// The generated tokens ended with one of the request's stop sequences.
-    StopSequence {
-        /// Which of the request's stop sequences matched.
-        index: u32,
-    },
-}
+pub use crate::stop::StopReason;
 
 /// The terminal event of a Generate.
 #[derive(Clone, Copy, Debug, PartialEq)]
