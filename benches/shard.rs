@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
-use inferd::cluster::frame::hidden_body;
+use inferd::cluster::frame::{hidden_body, Run};
 use inferd::cluster::link::{LinkOptions, ShardLink};
 use inferd::cluster::payload::encode_rows;
 use inferd::cluster::relay::{Relay, RelayConfig};
@@ -76,8 +76,16 @@ fn through(model: &Arc<Model>, links: &mut [ShardLink], session: [u8; 16]) -> Du
         let mut x = vec![0f32; tokens.len() * hidden];
         model.embed(tokens, &mut x).expect("embed");
         for link in links.iter_mut() {
-            link.forward(&[(session, position, tokens.len() as u32)], &mut x, 0)
-                .expect("forward");
+            link.forward(
+                &[Run {
+                    session,
+                    position,
+                    rows: tokens.len() as u32,
+                }],
+                &mut x,
+                0,
+            )
+            .expect("forward");
         }
         model.logits_from_hidden(
             &pool,
@@ -100,7 +108,11 @@ fn through(model: &Arc<Model>, links: &mut [ShardLink], session: [u8; 16]) -> Du
 /// Bytes of one sealed decode frame (one session, one row) in `encoding`.
 fn decode_frame_bytes(hidden: usize, encoding: Encoding) -> usize {
     let mut frame = pb::Frame::new();
-    frame.set_decode(hidden_body(&[([1; 16], 1000, 1)]));
+    frame.set_decode(hidden_body(&[Run {
+        session: [1; 16],
+        position: 1000,
+        rows: 1,
+    }]));
     frame.set_payload(encode_rows(encoding, hidden, &vec![0.25; hidden]).expect("rows"));
     let mut out = OutboundFrames::new(Epochs {
         shard: u64::MAX,

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use grpcio::RpcStatusCode;
 
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::frame::Run;
 use inferd::cluster::link::{LinkError, LinkOptions, ShardLink};
 use inferd::cluster::WireSessionId;
 use inferd::engine::{Engine, EngineConfig};
@@ -254,8 +255,24 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
      -> Result<Vec<f32>, LinkError> {
         let mut x = vec![0f32; tokens.len() * hidden];
         model.embed(tokens, &mut x).expect("embed");
-        first.forward(&[(session, position, tokens.len() as u32)], &mut x, 0)?;
-        second.forward(&[(session, position, tokens.len() as u32)], &mut x, 0)?;
+        first.forward(
+            &[Run {
+                session,
+                position,
+                rows: tokens.len() as u32,
+            }],
+            &mut x,
+            0,
+        )?;
+        second.forward(
+            &[Run {
+                session,
+                position,
+                rows: tokens.len() as u32,
+            }],
+            &mut x,
+            0,
+        )?;
         let mut logits = Vec::new();
         model.logits_from_hidden(
             &pool,
@@ -316,7 +333,15 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
     let mut x = vec![0f32; hidden];
     model.embed(&[7], &mut x).expect("embed");
     first
-        .forward(&[([6; 16], 0, 1)], &mut x, 0)
+        .forward(
+            &[Run {
+                session: [6; 16],
+                position: 0,
+                rows: 1,
+            }],
+            &mut x,
+            0,
+        )
         .expect("the direct shard still serves");
     net.cable(3, true);
 
@@ -325,7 +350,15 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
     let mut x = vec![0f32; hidden];
     model.embed(&[8], &mut x).expect("embed");
     let err = first
-        .forward(&[([6; 16], 1, 1)], &mut x, 0)
+        .forward(
+            &[Run {
+                session: [6; 16],
+                position: 1,
+                rows: 1,
+            }],
+            &mut x,
+            0,
+        )
         .expect_err("shard 1 is gone");
     assert!(matches!(err, LinkError::Transport { .. }), "{err}");
 }

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::frame::Run;
 use inferd::cluster::link::{LinkError, LinkOptions, ShardLink};
 use inferd::cluster::payload::encode_rows;
 use inferd::cluster::{Encoding, ErrorKind, WireSessionId};
@@ -87,7 +88,15 @@ impl Coordinator {
         let mut x = vec![0f32; tokens.len() * hidden];
         self.model.embed(tokens, &mut x).expect("embed");
         for link in &mut self.links {
-            link.forward(&[(session, position, tokens.len() as u32)], &mut x, 0)?;
+            link.forward(
+                &[Run {
+                    session,
+                    position,
+                    rows: tokens.len() as u32,
+                }],
+                &mut x,
+                0,
+            )?;
         }
         let mut logits = Vec::new();
         let last = &x[(tokens.len() - 1) * hidden..];
@@ -206,7 +215,15 @@ fn three_shards_match_one_host_and_contain_every_failure() {
     for attempt in 0..40 {
         let mut x = vec![0.5f32; hidden];
         let t0 = std::time::Instant::now();
-        match coordinator.links[0].forward(&[(session, position, 1)], &mut x, 1) {
+        match coordinator.links[0].forward(
+            &[Run {
+                session,
+                position,
+                rows: 1,
+            }],
+            &mut x,
+            1,
+        ) {
             Err(e) => assert_eq!(e.kind(), Some(ErrorKind::Deadline), "{attempt}: {e}"),
             Ok(()) => panic!("a frame past its deadline was computed"),
         }
@@ -256,7 +273,15 @@ fn three_shards_match_one_host_and_contain_every_failure() {
     let mut x = vec![0f32; hidden];
     model.embed(&[5], &mut x).expect("embed");
     successor.links[0]
-        .forward(&[([3; 16], 0, 1)], &mut x, 0)
+        .forward(
+            &[Run {
+                session: [3; 16],
+                position: 0,
+                rows: 1,
+            }],
+            &mut x,
+            0,
+        )
         .expect("the first shard still answers");
 }
 
@@ -380,7 +405,15 @@ fn a_shard_refuses_streams_beyond_its_limit_and_takes_one_when_another_ends() {
     let step = |link: &mut ShardLink, session: WireSessionId| {
         let mut x = vec![0f32; hidden];
         model.embed(&[1], &mut x).expect("embed");
-        link.forward(&[(session, 0, 1)], &mut x, 0)
+        link.forward(
+            &[Run {
+                session,
+                position: 0,
+                rows: 1,
+            }],
+            &mut x,
+            0,
+        )
     };
     let options = LinkOptions::default();
     let mut first = ShardLink::connect(&addr, &served, 0x51, &options).expect("first");

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 use grpcio::Environment;
 
 use super::fingerprint::Fingerprint;
-use super::frame::{unix_nanos, ErrorKind, WireSessionId};
+use super::frame::{unix_nanos, ErrorKind, Run, WireSessionId};
 use super::link::{LinkError, LinkOptions, ShardCapacity, ShardLink};
 use super::payload::Encoding;
 use crate::kv::{KvError, SessionKv};
@@ -686,7 +686,7 @@ impl ShardChain {
     /// frames of at most the rows every connected shard accepts.
     fn through_shards(
         &mut self,
-        runs: &[(WireSessionId, u64, u32)],
+        runs: &[Run],
         deadline: u64,
         hidden: &mut [f32],
     ) -> Result<(), ShardFailure> {
@@ -700,7 +700,7 @@ impl ShardChain {
             })
             .min()
             .unwrap_or(usize::MAX);
-        let h = hidden.len() / runs.iter().map(|r| r.2 as usize).sum::<usize>().max(1);
+        let h = hidden.len() / runs.iter().map(|r| r.rows as usize).sum::<usize>().max(1);
         for (piece, rows) in frame_pieces(runs, max_rows) {
             let hidden = &mut hidden[rows.start * h..rows.end * h];
             for index in 0..self.slots.len() {
@@ -744,8 +744,15 @@ impl ShardChain {
             rows.clear();
             rows.resize(part.len() * h, 0.0);
             model.embed(part, &mut rows)?;
-            let result =
-                self.through_shards(&[(id, position, part.len() as u32)], deadline, &mut rows);
+            let result = self.through_shards(
+                &[Run {
+                    session: id,
+                    position,
+                    rows: part.len() as u32,
+                }],
+                deadline,
+                &mut rows,
+            );
             if let Err(e) = result {
                 self.rows = rows;
                 return Err(e.into());
@@ -888,9 +895,13 @@ impl ShardChain {
             .filter(|&i| feeds[i].tokens.len() == 1)
             .collect();
         if !decoding.is_empty() {
-            let runs: Vec<(WireSessionId, u64, u32)> = decoding
+            let runs: Vec<Run> = decoding
                 .iter()
-                .map(|&i| (feeds[i].id, feeds[i].kv.len() as u64, 1))
+                .map(|&i| Run {
+                    session: feeds[i].id,
+                    position: feeds[i].kv.len() as u64,
+                    rows: 1,
+                })
                 .collect();
             let mut rows = std::mem::take(&mut self.rows);
             rows.clear();
@@ -910,7 +921,11 @@ impl ShardChain {
             if f.tokens.len() < 2 {
                 continue;
             }
-            let run = [(f.id, f.kv.len() as u64, f.tokens.len() as u32)];
+            let run = [Run {
+                session: f.id,
+                position: f.kv.len() as u64,
+                rows: f.tokens.len() as u32,
+            }];
             self.through_shards(
                 &run,
                 deadline,
@@ -922,26 +937,30 @@ impl ShardChain {
 }
 
 /// The runs of one frame, and the rows of the step's hidden states they cover.
-type FramePiece = (Vec<(WireSessionId, u64, u32)>, Range<usize>);
+type FramePiece = (Vec<Run>, Range<usize>);
 
 /// Splits `runs` (rows in order) into frames of at most `max_rows` rows:
 /// a long run into consecutive pieces, a decode batch into smaller
 /// batches. Each piece comes with the rows it covers.
-fn frame_pieces(runs: &[(WireSessionId, u64, u32)], max_rows: usize) -> Vec<FramePiece> {
+fn frame_pieces(runs: &[Run], max_rows: usize) -> Vec<FramePiece> {
     let max_rows = max_rows.clamp(1, u32::MAX as usize);
     let mut pieces = Vec::new();
-    let mut current: Vec<(WireSessionId, u64, u32)> = Vec::new();
+    let mut current: Vec<Run> = Vec::new();
     let (mut start, mut at) = (0usize, 0usize);
-    for &(id, position, count) in runs {
+    for run in runs {
         let mut done = 0usize;
-        while done < count as usize {
+        while done < run.rows as usize {
             let filled = at - start;
             if filled == max_rows {
                 pieces.push((std::mem::take(&mut current), start..at));
                 start = at;
             }
-            let n = (count as usize - done).min(max_rows - (at - start));
-            current.push((id, position + done as u64, n as u32));
+            let n = (run.rows as usize - done).min(max_rows - (at - start));
+            current.push(Run {
+                session: run.session,
+                position: run.position + done as u64,
+                rows: n as u32,
+            });
             done += n;
             at += n;
         }
@@ -959,26 +978,34 @@ mod tests {
     #[test]
     fn frames_keep_to_the_agreed_rows() {
         let (a, b, c) = ([1u8; 16], [2u8; 16], [3u8; 16]);
+        let run = |session, position, rows| Run {
+            session,
+            position,
+            rows,
+        };
         // A long prefill run becomes consecutive pieces.
-        let pieces = frame_pieces(&[(a, 10, 5)], 2);
+        let pieces = frame_pieces(&[run(a, 10, 5)], 2);
         assert_eq!(
             pieces,
             vec![
-                (vec![(a, 10, 2)], 0..2),
-                (vec![(a, 12, 2)], 2..4),
-                (vec![(a, 14, 1)], 4..5)
+                (vec![run(a, 10, 2)], 0..2),
+                (vec![run(a, 12, 2)], 2..4),
+                (vec![run(a, 14, 1)], 4..5)
             ]
         );
         // A decode batch becomes smaller batches.
-        let pieces = frame_pieces(&[(a, 3, 1), (b, 7, 1), (c, 0, 1)], 2);
+        let pieces = frame_pieces(&[run(a, 3, 1), run(b, 7, 1), run(c, 0, 1)], 2);
         assert_eq!(
             pieces,
-            vec![(vec![(a, 3, 1), (b, 7, 1)], 0..2), (vec![(c, 0, 1)], 2..3)]
+            vec![
+                (vec![run(a, 3, 1), run(b, 7, 1)], 0..2),
+                (vec![run(c, 0, 1)], 2..3)
+            ]
         );
         // Within the bound nothing changes.
         assert_eq!(
-            frame_pieces(&[(a, 0, 64)], usize::MAX),
-            vec![(vec![(a, 0, 64)], 0..64)]
+            frame_pieces(&[run(a, 0, 64)], usize::MAX),
+            vec![(vec![run(a, 0, 64)], 0..64)]
         );
     }
 

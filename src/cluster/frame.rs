@@ -220,17 +220,27 @@ pub struct Epochs {
     pub coordinator: u64,
 }
 
-/// A hidden-state body for `runs`: each a session, the position of its
-/// first row and how many rows, in payload order.
-pub fn hidden_body(runs: &[(WireSessionId, u64, u32)]) -> pb::Hidden {
+/// One session's run of hidden-state rows in a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// The session the rows belong to.
+    pub session: WireSessionId,
+    /// The absolute position of the first row.
+    pub position: u64,
+    /// How many rows (consecutive positions).
+    pub rows: u32,
+}
+
+/// A hidden-state body for `runs`, in payload order.
+pub fn hidden_body(runs: &[Run]) -> pb::Hidden {
     let mut body = pb::Hidden::new();
     body.set_runs(
         runs.iter()
-            .map(|(id, position, count)| {
+            .map(|run| {
                 let mut r = pb::Rows::new();
-                r.set_session_id(id.to_vec());
-                r.set_position(*position);
-                r.set_count(*count);
+                r.set_session_id(run.session.to_vec());
+                r.set_position(run.position);
+                r.set_count(run.rows);
                 r
             })
             .collect(),
@@ -642,7 +652,11 @@ mod tests {
 
     fn prefill(sealer: &mut OutboundFrames, position: u64, rows: u32, hidden: usize) -> Vec<u8> {
         let mut frame = pb::Frame::new();
-        frame.set_prefill(hidden_body(&[([1; 16], position, rows)]));
+        frame.set_prefill(hidden_body(&[Run {
+            session: [1; 16],
+            position,
+            rows,
+        }]));
         frame.set_payload(vec![0; rows as usize * hidden * 4]);
         sealer
             .seal(frame, Some(Encoding::F32), 0)

@@ -16,7 +16,7 @@ use grpcio::{CallOption, ClientDuplexReceiver, ClientDuplexSender, Environment, 
 
 use super::fingerprint::Fingerprint;
 use super::frame::{
-    Epochs, ErrorKind, FrameError, FrameKind, Inbound, OutboundFrames, WireSessionId,
+    Epochs, ErrorKind, FrameError, FrameKind, Inbound, OutboundFrames, Run, WireSessionId,
 };
 use super::handshake::{limits_to_wire, PROTOCOL_VERSION};
 use super::payload::{decode_rows, encode_rows, Encoding};
@@ -437,7 +437,7 @@ impl ShardLink {
     /// several (one row each) are a decode batch.
     pub fn forward(
         &mut self,
-        runs: &[(WireSessionId, u64, u32)],
+        runs: &[Run],
         hidden: &mut [f32],
         deadline_unix_nanos: u64,
     ) -> Result<(), LinkError> {
@@ -490,9 +490,9 @@ impl ShardLink {
                     }
                     let same_rows = output.get_runs().len() == runs.len()
                         && output.get_runs().iter().zip(runs).all(|(got, sent)| {
-                            got.get_session_id() == sent.0
-                                && got.get_position() == sent.1
-                                && got.get_count() == sent.2
+                            got.get_session_id() == sent.session
+                                && got.get_position() == sent.position
+                                && got.get_count() == sent.rows
                         });
                     if answers > sequence || !same_rows {
                         return Err(LinkError::BadReply {
@@ -509,12 +509,12 @@ impl ShardLink {
                                     output.get_runs().len(),
                                     runs.len()
                                 ),
-                                sessions: runs.iter().map(|r| r.0).collect(),
+                                sessions: runs.iter().map(|r| r.session).collect(),
                                 sequence: Some(checked.sequence),
                             },
                         });
                     }
-                    let answered: usize = runs.iter().map(|r| r.2 as usize).sum();
+                    let answered: usize = runs.iter().map(|r| r.rows as usize).sum();
                     let encoding = checked.encoding.unwrap_or(self.encoding);
                     let values = decode_rows(
                         encoding,

@@ -42,7 +42,7 @@ use protobuf::Message;
 
 use super::fingerprint::Fingerprint;
 use super::frame::{
-    unix_nanos, Epochs, ErrorKind, FrameCheck, FrameError, FrameKind, Inbound, OutboundFrames,
+    unix_nanos, Epochs, ErrorKind, FrameCheck, FrameError, FrameKind, Inbound, OutboundFrames, Run,
     WireSessionId,
 };
 use super::handshake::{agree, limits_to_wire, Agreed};
@@ -870,11 +870,15 @@ fn answer(
                     return Answered::from_sent(replies.send(error_frame(&error), None), true);
                 }
             };
-            let runs: Vec<(WireSessionId, u64, u32)> = body
+            let runs: Vec<Run> = body
                 .get_runs()
                 .iter()
                 .zip(&checked.sessions)
-                .map(|(r, id)| (*id, r.get_position(), r.get_count()))
+                .map(|(r, id)| Run {
+                    session: *id,
+                    position: r.get_position(),
+                    rows: r.get_count(),
+                })
                 .collect();
             // Checked before every step of the computation.
             let mut interrupt = || {
@@ -932,7 +936,7 @@ type Interrupt<'a> = &'a mut dyn FnMut() -> Option<(ErrorKind, String)>;
 /// What one hidden-state frame produced: the rows computed and the sessions
 /// that failed, by kind.
 struct Computed {
-    runs: Vec<(WireSessionId, u64, u32)>,
+    runs: Vec<Run>,
     values: Vec<f32>,
     failed: Vec<(ErrorKind, String, Vec<WireSessionId>)>,
 }
@@ -947,7 +951,7 @@ impl Core {
     fn compute(
         &mut self,
         coordinator: u64,
-        runs: &[(WireSessionId, u64, u32)],
+        runs: &[Run],
         values: Vec<f32>,
         hidden_size: usize,
         interrupt: Interrupt<'_>,
@@ -956,7 +960,12 @@ impl Core {
         let mut accepted = Vec::new();
         let mut x = Vec::with_capacity(values.len());
         let mut offset = 0usize;
-        for &(id, position, count) in runs {
+        for &Run {
+            session: id,
+            position,
+            rows: count,
+        } in runs
+        {
             let rows = &values[offset * hidden_size..(offset + count as usize) * hidden_size];
             offset += count as usize;
             let key = (coordinator, id);
@@ -1000,7 +1009,11 @@ impl Core {
                 failed.push((ErrorKind::Internal, format!("KV: {e}"), vec![id]));
                 continue;
             }
-            accepted.push((id, position, count));
+            accepted.push(Run {
+                session: id,
+                position,
+                rows: count,
+            });
             x.extend_from_slice(rows);
         }
         if accepted.is_empty() {
@@ -1011,7 +1024,7 @@ impl Core {
             };
         }
         // forward_layers reads only how many tokens each sequence feeds.
-        let longest = accepted.iter().map(|r| r.2 as usize).max().unwrap_or(0);
+        let longest = accepted.iter().map(|r| r.rows as usize).max().unwrap_or(0);
         let placeholder = vec![0u32; longest.min(PREFILL_STEP_ROWS.max(1)).max(1)];
         let Core {
             model,
@@ -1023,7 +1036,7 @@ impl Core {
         } = self;
         let mut kvs: Vec<(SessionKey, SessionKv)> = accepted
             .iter()
-            .filter_map(|(id, _, _)| sessions.remove_entry(&(coordinator, *id)))
+            .filter_map(|run| sessions.remove_entry(&(coordinator, run.session)))
             .collect();
         // A prefill fragment goes in steps; a decode batch (one row per
         // session, at most the agreed rows) in one.
@@ -1045,11 +1058,11 @@ impl Core {
                 let mut seqs: Vec<Sequence<'_>> = kvs
                     .iter_mut()
                     .zip(&accepted)
-                    .map(|((_, kv), (_, _, count))| {
+                    .map(|((_, kv), run)| {
                         let fed = if accepted.len() == 1 {
                             n
                         } else {
-                            *count as usize
+                            run.rows as usize
                         };
                         Sequence {
                             kv,
@@ -1070,17 +1083,17 @@ impl Core {
                 stopped = Some((ErrorKind::Internal, format!("forward: {e}")));
                 break;
             }
-            let committed =
-                kvs.iter_mut()
-                    .zip(&accepted)
-                    .try_for_each(|((_, kv), (_, position, count))| {
-                        let step_end = if accepted.len() == 1 {
-                            done + n
-                        } else {
-                            *count as usize
-                        };
-                        kv.commit(*position as usize + step_end)
-                    });
+            let committed = kvs
+                .iter_mut()
+                .zip(&accepted)
+                .try_for_each(|((_, kv), run)| {
+                    let step_end = if accepted.len() == 1 {
+                        done + n
+                    } else {
+                        run.rows as usize
+                    };
+                    kv.commit(run.position as usize + step_end)
+                });
             if let Err(e) = committed {
                 stopped = Some((ErrorKind::Internal, format!("KV: {e}")));
                 break;
