@@ -231,6 +231,16 @@ pub struct Run {
     pub rows: u32,
 }
 
+/// What step 6 of the inbound checks reads off a frame's body.
+struct Shape {
+    /// The payload's encoding (`None` for frames without hidden states).
+    encoding: Option<Encoding>,
+    /// Hidden-state rows in the payload.
+    rows: usize,
+    /// The sessions the frame names, in order.
+    sessions: Vec<WireSessionId>,
+}
+
 /// A hidden-state body for `runs`, in payload order.
 pub fn hidden_body(runs: &[Run]) -> pb::Hidden {
     let mut body = pb::Hidden::new();
@@ -474,7 +484,11 @@ impl Inbound {
         let shape = self
             .shape(&frame, kind)
             .map_err(|message| refuse(ErrorKind::Malformed, message, vec![]))?;
-        let (encoding, rows, sessions) = shape;
+        let Shape {
+            encoding,
+            rows,
+            sessions,
+        } = shape;
         // 7. Bounds.
         if let (Some((max_rows, context)), true) = (self.row_bounds, kind.carries_hidden()) {
             if rows > max_rows {
@@ -542,12 +556,7 @@ impl Inbound {
     }
 
     /// Step 6: the body's shape; the encoding, row count and sessions.
-    #[allow(clippy::type_complexity)]
-    fn shape(
-        &self,
-        frame: &pb::Frame,
-        kind: FrameKind,
-    ) -> Result<(Option<Encoding>, usize, Vec<WireSessionId>), String> {
+    fn shape(&self, frame: &pb::Frame, kind: FrameKind) -> Result<Shape, String> {
         if kind.direction() != self.direction {
             return Err(format!(
                 "a {kind:?} frame cannot travel {:?}",
@@ -582,7 +591,11 @@ impl Inbound {
                 .iter()
                 .map(|id| session_id(id))
                 .collect::<Result<_, _>>()?;
-            return Ok((None, 0, sessions));
+            return Ok(Shape {
+                encoding: None,
+                rows: 0,
+                sessions,
+            });
         }
         let hidden = match kind {
             FrameKind::Prefill => frame.get_prefill(),
@@ -637,7 +650,11 @@ impl Inbound {
                 frame.get_payload().len()
             ));
         }
-        Ok((Some(encoding), rows, sessions))
+        Ok(Shape {
+            encoding: Some(encoding),
+            rows,
+            sessions,
+        })
     }
 }
 
