@@ -835,8 +835,12 @@ fn a_truncating_generate_under_pressure_reuses_the_sessions_own_pages() {
 fn one_per_worker(rt: &Runtime) -> (SessionId, SessionId) {
     let a = create(rt, &[]);
     let b = create(rt, &[]);
-    assert_ne!(a.shard(2), b.shard(2), "placed on the least loaded worker");
-    if a.shard(2) == 0 {
+    assert_ne!(
+        a.worker_index(2),
+        b.worker_index(2),
+        "placed on the least loaded worker"
+    );
+    if a.worker_index(2) == 0 {
         (a, b)
     } else {
         (b, a)
@@ -858,7 +862,7 @@ fn an_idle_session_on_another_worker_is_evicted_for_pages() {
     assert_eq!((stats.evicted_lru, stats.sessions_active), (1, 1));
     // The other way round as well.
     let c = create(&rt, &[]);
-    assert_ne!(c.shard(2), b.shard(2));
+    assert_ne!(c.worker_index(2), b.worker_index(2));
     append(&rt, c, &prompt(40, 3)).expect("evicts b");
     assert_eq!(info(&rt, b).expect_err("evicted"), RuntimeError::NotFound);
     assert_eq!(rt.stats().evicted_lru, 2);

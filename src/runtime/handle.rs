@@ -217,7 +217,7 @@ impl Runtime {
         let n = self.workers.len();
         let id = loop {
             let id = SessionId::random()?;
-            if id.shard(n) == worker {
+            if id.worker_index(n) == worker {
                 break id;
             }
         };
@@ -244,7 +244,7 @@ impl Runtime {
         deadline: Option<Instant>,
     ) -> Result<Pending<AppendReply>, RuntimeError> {
         let (tx, rx) = notify::channel(1);
-        let worker = req.id.shard(self.workers.len());
+        let worker = req.id.worker_index(self.workers.len());
         self.send(
             worker,
             Command::Enqueue {
@@ -270,7 +270,7 @@ impl Runtime {
     ) -> Result<GenerateStream, RuntimeError> {
         let (tx, rx) = notify::channel(self.cfg.stream_capacity);
         let cancel = Arc::new(AtomicBool::new(false));
-        let worker = req.id.shard(self.workers.len());
+        let worker = req.id.worker_index(self.workers.len());
         self.send(
             worker,
             Command::Enqueue {
@@ -298,7 +298,7 @@ impl Runtime {
     ) -> Result<Pending<CloseReply>, RuntimeError> {
         let (tx, rx) = notify::channel(1);
         self.send(
-            id.shard(self.workers.len()),
+            id.worker_index(self.workers.len()),
             Command::Enqueue {
                 id,
                 op: Op::Close { reply: tx },
@@ -319,7 +319,7 @@ impl Runtime {
     ) -> Result<Pending<SessionInfo>, RuntimeError> {
         let (tx, rx) = notify::channel(1);
         self.send(
-            id.shard(self.workers.len()),
+            id.worker_index(self.workers.len()),
             Command::Info { id, reply: tx },
         )?;
         Ok(Pending {

@@ -48,7 +48,7 @@ impl SessionId {
     }
 
     /// The worker that owns this id among `n_workers` (`n_workers > 0`).
-    pub fn shard(&self, n_workers: usize) -> usize {
+    pub fn worker_index(&self, n_workers: usize) -> usize {
         self.0[0] as usize % n_workers.max(1)
     }
 }
@@ -127,8 +127,8 @@ mod tests {
     #[test]
     fn shard_is_the_first_byte_modulo_workers() {
         let id = SessionId::parse("0700000000000000000000000000000f").expect("parses");
-        assert_eq!(id.shard(4), 3);
-        assert_eq!(id.shard(7), 0);
-        assert_eq!(id.shard(0), 0);
+        assert_eq!(id.worker_index(4), 3);
+        assert_eq!(id.worker_index(7), 0);
+        assert_eq!(id.worker_index(0), 0);
     }
 }

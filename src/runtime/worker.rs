@@ -274,8 +274,12 @@ struct Slot {
     logits_digest: std::cell::Cell<Option<u64>>,
     label: String,
     eos: Vec<u32>,
-    inv1: u64,
-    inv2: u64,
+    /// INV-1 violations seen on this session (cached positions against
+    /// history length).
+    inv1_violations: u64,
+    /// INV-2 violations seen on this session (a cached length that went
+    /// down).
+    inv2_violations: u64,
     /// Tokens dropped so far by context-overflow truncation.
     truncated: u64,
     /// Committed KV length after the last mutation; it must never decrease
@@ -530,8 +534,8 @@ impl Worker {
                 logits_digest: std::cell::Cell::new(None),
                 label: w.req.client_label,
                 eos: w.req.eos_token_ids,
-                inv1: 0,
-                inv2: 0,
+                inv1_violations: 0,
+                inv2_violations: 0,
                 truncated: 0,
                 high_water: 0,
                 last_used: Instant::now(),
@@ -594,8 +598,8 @@ impl Worker {
         Ok(SessionInfo {
             history_length: slot.history.len() as u64,
             kv_live_bytes: self.kv_live_bytes(&slot.kv),
-            inv1_violations: slot.inv1,
-            inv2_violations: slot.inv2,
+            inv1_violations: slot.inv1_violations,
+            inv2_violations: slot.inv2_violations,
             idle_seconds: if busy {
                 0.0
             } else {
@@ -1714,7 +1718,7 @@ impl Worker {
         let counters = &self.shared.counters;
         let kv_len = slot.kv.len();
         if kv_len < slot.high_water {
-            slot.inv2 += 1;
+            slot.inv2_violations += 1;
             counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
             return Err(RuntimeError::FailedPrecondition(format!(
                 "INV-2: KV length went from {} down to {kv_len}",
@@ -1722,7 +1726,7 @@ impl Worker {
             )));
         }
         if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
-            slot.inv1 += 1;
+            slot.inv1_violations += 1;
             counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
             return Err(RuntimeError::FailedPrecondition(format!(
                 "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",

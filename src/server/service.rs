@@ -133,7 +133,7 @@ impl RuntimeServiceImpl {
             .and_then(|request| shared.runtime.create_session(request, deadline));
         let (vocab, context, workers) = (shared.vocab, shared.context, shared.runtime.workers());
         self.reply(&ctx, sink, Method::CreateSession, started, move |id| {
-            let worker = id.shard(workers) as u32;
+            let worker = id.worker_index(workers) as u32;
             let mut msg = pb::CreateSessionResponse::new();
             msg.set_session_id(id.to_string());
             msg.set_vocab_size(vocab);
@@ -214,7 +214,7 @@ impl RuntimeServiceImpl {
                     .map(|pending| (id, pending))
             });
         let (worker, started) = match started {
-            Ok((id, pending)) => (id.shard(workers) as u32, Ok(pending)),
+            Ok((id, pending)) => (id.worker_index(workers) as u32, Ok(pending)),
             Err(e) => (0, Err(e)),
         };
         self.reply(&ctx, sink, Method::GetSessionInfo, started, move |info| {
