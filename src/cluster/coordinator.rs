@@ -497,7 +497,7 @@ enum Held {
 }
 
 /// A link slot: the link when connected, and what it is owed.
-struct Slot {
+struct LinkSlot {
     link: Option<ShardLink>,
     /// The shard epoch last agreed with.
     epoch: Option<u64>,
@@ -511,7 +511,7 @@ struct Slot {
 /// A worker's links to every shard, in layer order; see the module docs.
 pub struct ShardChain {
     plan: Arc<ShardPlan>,
-    slots: Vec<Slot>,
+    slots: Vec<LinkSlot>,
     /// Bumped whenever a shard comes back with a new epoch: every session
     /// held before is gone from it.
     lineage: u64,
@@ -527,7 +527,7 @@ impl ShardChain {
         let slots = plan
             .shards
             .iter()
-            .map(|_| Slot {
+            .map(|_| LinkSlot {
                 link: None,
                 epoch: None,
                 next_try: now,

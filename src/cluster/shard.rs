@@ -139,7 +139,7 @@ struct Core {
 }
 
 /// State every handler shares.
-struct Shared {
+struct ShardState {
     core: Mutex<Core>,
     fingerprint: Fingerprint,
     epoch: u64,
@@ -161,8 +161,8 @@ struct Shared {
     page_positions: u32,
 }
 
-/// One open session stream, counted in `Shared::streams` while it lives.
-struct StreamSlot(Arc<Shared>);
+/// One open session stream, counted in `ShardState::streams` while it lives.
+struct StreamSlot(Arc<ShardState>);
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
@@ -180,7 +180,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct ShardServer {
     server: grpcio::Server,
     addr: std::net::SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<ShardState>,
 }
 
 pub(crate) fn random_epoch() -> u64 {
@@ -224,7 +224,7 @@ impl ShardServer {
         // shard's layers (a pool page holds one layer), as its ledger counts.
         let kv_pages = (kv_pool.total_pages() / cfg.layers.len().max(1)) as u64;
         let page_positions = kv_pool.layout().page_positions as u32;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ShardState {
             core: Mutex::new(Core {
                 model,
                 layers: cfg.layers.clone(),
@@ -401,7 +401,7 @@ impl ShardServer {
 /// Answers a `Handshake` whose body is read here, so that a body that does
 /// not parse is the caller's error (INVALID_ARGUMENT), not grpcio's
 /// INTERNAL.
-fn handshake(shared: &Shared, ctx: RpcContext<'_>, body: &[u8], sink: UnarySink<Vec<u8>>) {
+fn handshake(shared: &ShardState, ctx: RpcContext<'_>, body: &[u8], sink: UnarySink<Vec<u8>>) {
     let fail = |ctx: RpcContext<'_>, sink: UnarySink<Vec<u8>>, code, message: String| {
         tracing::warn!(%message, "handshake refused");
         let status = RpcStatus::with_message(code, message);
@@ -481,7 +481,7 @@ fn handshake(shared: &Shared, ctx: RpcContext<'_>, body: &[u8], sink: UnarySink<
 /// The handshake a stream's first frame names. A frame too large or that
 /// does not parse is refused as such (`TooLarge`, `Malformed`); one naming
 /// no live handshake is stale, with the coordinator epoch it claimed.
-fn bind(shared: &Shared, bytes: &[u8]) -> Result<Agreed, (FrameError, u64)> {
+fn bind(shared: &ShardState, bytes: &[u8]) -> Result<Agreed, (FrameError, u64)> {
     let unbound = |kind, message: String| FrameError {
         kind,
         message,
@@ -613,7 +613,7 @@ struct StreamState {
 /// The reader: takes frames off the wire as they arrive and checks them,
 /// until the call ends or the compute thread is gone.
 fn read_frames(
-    shared: &Shared,
+    shared: &ShardState,
     state: &StreamState,
     mut stream: RequestStream<Vec<u8>>,
     inbox: &SyncSender<Inbox>,
@@ -706,7 +706,11 @@ fn read_frames(
 /// Serves one Session stream until the coordinator closes it, the call
 /// breaks, or the shard stops: a reader thread checks frames as they
 /// arrive, this thread answers them in order.
-fn serve_stream(shared: Arc<Shared>, stream: RequestStream<Vec<u8>>, sink: DuplexSink<Vec<u8>>) {
+fn serve_stream(
+    shared: Arc<ShardState>,
+    stream: RequestStream<Vec<u8>>,
+    sink: DuplexSink<Vec<u8>>,
+) {
     let state = Arc::new(StreamState::default());
     let capacity = shared.limits.get_credit_window() as usize + QUEUE_SLACK;
     let (inbox, items) = sync_channel(capacity);
@@ -808,7 +812,7 @@ impl Answered {
 
 /// Acts on a checked frame.
 fn answer(
-    shared: &Shared,
+    shared: &ShardState,
     agreed: &Agreed,
     checked: FrameCheck,
     replies: &mut Replies,

@@ -17,7 +17,7 @@ use super::sync::{AtomicU64, Ordering};
 /// Published in place of a stamp by a worker with no idle session.
 const NO_IDLE: u64 = u64::MAX;
 
-struct Slot {
+struct WorkerEntry {
     /// Last-use stamp of the owner's least recently used idle session.
     oldest_idle: AtomicU64,
     /// Eviction requests ever made to the owner.
@@ -28,7 +28,7 @@ struct Slot {
 
 /// One entry per worker; shared by all of them.
 pub struct EvictionBoard {
-    slots: Box<[Slot]>,
+    slots: Box<[WorkerEntry]>,
 }
 
 /// A requester's claim on one eviction by `worker`.
@@ -50,7 +50,7 @@ impl EvictionBoard {
     /// A board for `workers` workers, none with an idle session.
     pub fn new(workers: usize) -> Self {
         let slots = (0..workers.max(1))
-            .map(|_| Slot {
+            .map(|_| WorkerEntry {
                 oldest_idle: AtomicU64::new(NO_IDLE),
                 asked: AtomicU64::new(0),
                 answered: AtomicU64::new(0),
@@ -64,7 +64,7 @@ impl EvictionBoard {
         self.slots.len()
     }
 
-    fn slot(&self, worker: usize) -> &Slot {
+    fn slot(&self, worker: usize) -> &WorkerEntry {
         &self.slots[worker % self.slots.len()]
     }
 

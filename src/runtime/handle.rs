@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
-use super::worker::{Command, Op, Shared, Worker};
+use super::worker::{Command, Op, Worker, WorkersState};
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateRequest,
     GenerateStream, Pending, RuntimeConfig, RuntimeError, RuntimeStats, SessionId, SessionInfo,
@@ -32,7 +32,7 @@ pub struct Runtime {
     workers: Vec<WorkerHandle>,
     kv_bytes_per_position: u64,
     kv_pool: Arc<KvPool>,
-    shared: Arc<Shared>,
+    shared: Arc<WorkersState>,
     next_worker: AtomicUsize,
     draining: AtomicBool,
     cfg: RuntimeConfig,
@@ -96,7 +96,7 @@ impl Runtime {
         };
         let (wakers, wake_receivers): (Vec<_>, Vec<_>) =
             (0..cfg.workers).map(|_| bounded::<()>(1)).unzip();
-        let shared = Arc::new(Shared::new(wakers));
+        let shared = Arc::new(WorkersState::new(wakers));
         let mut workers = Vec::with_capacity(cfg.workers);
         for (index, wake) in wake_receivers.into_iter().enumerate() {
             let (tx, rx) = bounded(cfg.worker_queue);

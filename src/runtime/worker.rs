@@ -91,7 +91,7 @@ impl Op {
 }
 
 /// What every worker shares; all of it is lock-free.
-pub(crate) struct Shared {
+pub(crate) struct WorkersState {
     pub(crate) counters: Counters,
     /// Live sessions over all workers (the session limit).
     pub(crate) live_sessions: AtomicUsize,
@@ -107,9 +107,9 @@ pub(crate) struct Shared {
     pub(crate) epoch: Instant,
 }
 
-impl Shared {
+impl WorkersState {
     pub(crate) fn new(wakers: Vec<Sender<()>>) -> Self {
-        Shared {
+        WorkersState {
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
             board: EvictionBoard::new(wakers.len()),
@@ -265,7 +265,7 @@ enum Removal {
 }
 
 /// A session and its queue.
-struct Slot {
+struct SessionSlot {
     kv: SessionKv,
     history: Vec<u32>,
     next_logits: Vec<f32>,
@@ -295,7 +295,7 @@ struct Slot {
     feed_logits: LogitsWanted,
 }
 
-impl Slot {
+impl SessionSlot {
     fn idle(&self) -> bool {
         self.active.is_none() && self.queue.is_empty()
     }
@@ -306,7 +306,7 @@ pub(crate) struct Worker {
     model: Arc<Model>,
     kv_pool: Arc<KvPool>,
     cfg: RuntimeConfig,
-    shared: Arc<Shared>,
+    shared: Arc<WorkersState>,
     gauges: Arc<WorkerGauges>,
     compute: ThreadPool,
     scratch: Scratch,
@@ -315,7 +315,7 @@ pub(crate) struct Worker {
     to_sample: Vec<SessionId>,
     /// The batch's answers, reused across steps.
     sampled: Vec<Result<Sampled, SamplerError>>,
-    sessions: HashMap<SessionId, Slot>,
+    sessions: HashMap<SessionId, SessionSlot>,
     /// The links to the shards when the layers run elsewhere.
     remote: Option<ShardChain>,
     /// K and V bytes of one position over every layer: what a session's
@@ -362,7 +362,7 @@ impl Worker {
         model: Arc<Model>,
         kv_pool: Arc<KvPool>,
         cfg: RuntimeConfig,
-        shared: Arc<Shared>,
+        shared: Arc<WorkersState>,
         gauges: Arc<WorkerGauges>,
     ) -> Result<Self, RuntimeError> {
         let sampler = cfg
@@ -527,7 +527,7 @@ impl Worker {
         let id = w.id;
         self.sessions.insert(
             id,
-            Slot {
+            SessionSlot {
                 kv: SessionKv::new(Arc::clone(&self.kv_pool)),
                 history: Vec::new(),
                 next_logits: Vec::new(),
@@ -619,7 +619,7 @@ impl Worker {
     }
 
     /// Removes a session and frees its KV, counting the reason.
-    fn remove(&mut self, id: SessionId, reason: Removal) -> Option<Slot> {
+    fn remove(&mut self, id: SessionId, reason: Removal) -> Option<SessionSlot> {
         let mut slot = self.sessions.remove(&id)?;
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
@@ -1964,7 +1964,7 @@ mod tests {
             model,
             pool,
             RuntimeConfig::default(),
-            Arc::new(Shared::new(vec![wake])),
+            Arc::new(WorkersState::new(vec![wake])),
             Arc::new(WorkerGauges::default()),
         )
         .expect("worker")

@@ -33,7 +33,7 @@ use crate::proto::grpc_health_v1::health_grpc::create_health;
 use crate::runtime::{
     AppendTokens, CreateSession, Runtime, RuntimeConfig, RuntimeError, RuntimeStats,
 };
-use service::{RuntimeServiceImpl, Shared};
+use service::{RuntimeServiceImpl, ServiceState};
 
 /// A PEM certificate chain and its private key.
 #[derive(Clone)]
@@ -154,7 +154,7 @@ pub struct Server {
     // Declared first so it is dropped first: it reads the runtime.
     metrics: Option<MetricsEndpoint>,
     grpc: Option<grpcio::Server>,
-    shared: Option<Arc<Shared>>,
+    shared: Option<Arc<ServiceState>>,
     health: Arc<HealthState>,
     stats: Arc<ServerStats>,
     addr: SocketAddr,
@@ -181,7 +181,7 @@ impl Server {
         let page_bytes = runtime.kv_page_bytes();
         let stats = Arc::new(ServerStats::default());
         let health = HealthState::new();
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ServiceState {
             runtime,
             stats: Arc::clone(&stats),
             vocab,
@@ -345,7 +345,7 @@ impl Drop for Server {
 
 /// Renders the runtime's and the front end's numbers for one scrape. Holds
 /// the runtime weakly: a scrape racing shutdown gets an empty snapshot.
-fn metrics_renderer(shared: &Arc<Shared>, health: &Arc<HealthState>) -> RenderFn {
+fn metrics_renderer(shared: &Arc<ServiceState>, health: &Arc<HealthState>) -> RenderFn {
     let shared = Arc::downgrade(shared);
     let health = Arc::clone(health);
     Arc::new(move || {

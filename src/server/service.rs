@@ -23,7 +23,7 @@ use crate::proto::kakeya_v1::runtime as pb;
 use crate::runtime::{GenerateEvent, Pending, Runtime, RuntimeError};
 
 /// What every handler shares: the runtime and the numbers it reports.
-pub(crate) struct Shared {
+pub(crate) struct ServiceState {
     pub runtime: Runtime,
     pub stats: Arc<ServerStats>,
     pub vocab: u32,
@@ -34,7 +34,7 @@ pub(crate) struct Shared {
 /// The service object grpcio clones into each completion queue.
 #[derive(Clone)]
 pub(crate) struct RuntimeServiceImpl {
-    pub shared: Arc<Shared>,
+    pub shared: Arc<ServiceState>,
 }
 
 impl RuntimeServiceImpl {

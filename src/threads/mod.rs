@@ -23,7 +23,7 @@ const SPIN_BEFORE_PARK: Duration = Duration::from_millis(2);
 
 type Job = *const (dyn Fn(usize) + Sync);
 
-struct Shared {
+struct PoolState {
     /// Bumped once per parallel region; workers watch it.
     epoch: AtomicU64,
     /// The current region's task function; valid while `closed` is false.
@@ -47,13 +47,13 @@ struct Shared {
 // (incrementing `active_workers`, then seeing `closed == false` for the epoch
 // it observed); the SeqCst pairing of `closed`/`active_workers` makes
 // "caller saw no worker" and "worker saw the region open" mutually exclusive.
-unsafe impl Sync for Shared {}
+unsafe impl Sync for PoolState {}
 // SAFETY: the raw job pointer is only dereferenced under the protocol above.
-unsafe impl Send for Shared {}
+unsafe impl Send for PoolState {}
 
 /// A fixed set of worker threads plus the caller.
 pub struct ThreadPool {
-    shared: Arc<Shared>,
+    shared: Arc<PoolState>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -70,7 +70,7 @@ impl ThreadPool {
     /// `threads` of 0 or 1 runs everything on the caller.
     pub fn new(threads: usize) -> Self {
         let n_workers = threads.saturating_sub(1);
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(PoolState {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
             n_tasks: AtomicUsize::new(0),
@@ -189,7 +189,7 @@ impl Drop for ThreadPool {
 
 /// Takes and runs tasks until none is left. A panicking task is recorded
 /// and still counted as done, so the region always completes.
-fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
+fn take_tasks(s: &PoolState, f: &(dyn Fn(usize) + Sync)) {
     let n = s.n_tasks.load(Ordering::Relaxed);
     loop {
         let i = s.next_task.fetch_add(1, Ordering::Relaxed);
@@ -203,7 +203,7 @@ fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
-fn worker_loop(s: &Shared, index: usize) {
+fn worker_loop(s: &PoolState, index: usize) {
     // The pool starts at epoch 0; a region may be published before this
     // thread first runs, so the starting value must not be read here.
     let mut seen = 0;
