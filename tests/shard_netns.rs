@@ -255,24 +255,13 @@ fn across_namespaces_a_cut_link_and_a_killed_shard_fail_only_their_calls() {
      -> Result<Vec<f32>, LinkError> {
         let mut x = vec![0f32; tokens.len() * hidden];
         model.embed(tokens, &mut x).expect("embed");
-        first.forward(
-            &[Run {
-                session,
-                position,
-                rows: tokens.len() as u32,
-            }],
-            &mut x,
-            0,
-        )?;
-        second.forward(
-            &[Run {
-                session,
-                position,
-                rows: tokens.len() as u32,
-            }],
-            &mut x,
-            0,
-        )?;
+        let run = [Run {
+            session,
+            position,
+            rows: tokens.len() as u32,
+        }];
+        first.forward(&run, &mut x, 0)?;
+        second.forward(&run, &mut x, 0)?;
         let mut logits = Vec::new();
         model.logits_from_hidden(
             &pool,
