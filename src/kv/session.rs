@@ -145,27 +145,25 @@ impl SessionKv {
 
     /// Pages a reservation of `total_positions` would take from the pool.
     pub fn pages_wanted(&self, total_positions: usize) -> usize {
-        total_positions
-            .div_ceil(self.page_positions)
-            .saturating_sub(self.end_page)
-            .saturating_mul(self.n_layers)
+        let held = self.end_page.saturating_mul(self.n_layers);
+        self.pool
+            .layout()
+            .pages_for_positions(total_positions)
+            .saturating_sub(held)
     }
 
     /// Make sure at least `total_positions` positions are backed by pages in
     /// every layer. All or nothing: on `Exhausted { wanted, free }` the
     /// session and the pool are unchanged.
     pub fn reserve(&mut self, total_positions: usize) -> Result<(), KvError> {
-        let needed = total_positions.div_ceil(self.page_positions);
-        let Some(per_layer) = needed.checked_sub(self.end_page).filter(|&n| n > 0) else {
+        let wanted = self.pages_wanted(total_positions);
+        if wanted == 0 {
             return Ok(());
-        };
-        let wanted = per_layer
-            .checked_mul(self.n_layers)
-            .ok_or(KvError::Exhausted {
-                wanted: usize::MAX,
-                free: self.pool.free_pages(),
-            })?;
+        }
+        // A multiple of the layer count unless it saturated, and then far
+        // more than the pool has: the allocator refuses it first.
         let new_pages = self.pool.allocator().alloc_many(wanted)?;
+        let per_layer = wanted / self.n_layers;
         for (layer, pages) in self
             .layers
             .iter_mut()
@@ -173,7 +171,7 @@ impl SessionKv {
         {
             layer.pages.extend(pages);
         }
-        self.end_page = needed;
+        self.end_page += per_layer;
         Ok(())
     }
 
