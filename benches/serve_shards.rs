@@ -20,13 +20,14 @@ use grpcio::{ChannelBuilder, EnvBuilder};
 
 use inferd::cluster::coordinator::{ShardPlan, ShardSpec};
 use inferd::cluster::fingerprint::{sha256_of_file, Fingerprint};
+use inferd::cluster::layers::ShardLayers;
 use inferd::cluster::relay::{Relay, RelayConfig};
 use inferd::cluster::shard::{ShardConfig, ShardServer};
 use inferd::cluster::Encoding;
 use inferd::model::Model;
 use inferd::proto::kakeya_v1::runtime as pb;
 use inferd::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
-use inferd::runtime::RuntimeConfig;
+use inferd::runtime::{LocalLayers, RuntimeConfig};
 use inferd::server::{ServeConfig, Server};
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -107,7 +108,10 @@ fn serve(model: &Arc<Model>, shards: Option<ShardPlan>) -> Server {
         workers: 1,
         pin_cores: false,
         kv_bytes: 64 << 20,
-        shards: shards.map(Arc::new),
+        layers: match shards {
+            Some(plan) => Arc::new(ShardLayers::new(Arc::new(plan))),
+            None => Arc::new(LocalLayers),
+        },
         ..RuntimeConfig::default()
     };
     Server::start(Arc::clone(model), ServeConfig::new("127.0.0.1:0", runtime)).expect("server")

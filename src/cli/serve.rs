@@ -17,9 +17,10 @@ use signal_hook::iterator::Signals;
 use super::{CliError, DEFAULT_MODEL};
 use crate::cluster::coordinator::{ShardPlan, ShardSpec};
 use crate::cluster::fingerprint::sha256_of_file;
+use crate::cluster::layers::ShardLayers;
 use crate::cluster::payload::Encoding;
 use crate::model::Model;
-use crate::runtime::{EvictionPolicy, OverflowPolicy, RuntimeConfig};
+use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
 use crate::sampler::SamplerChoice;
 use crate::server::{ServeConfig, Server, TlsIdentity};
 
@@ -406,7 +407,10 @@ impl Settings {
                 Overflow::Stop => OverflowPolicy::Stop,
             },
             sampler: super::resolve_sampler(self.sampler)?,
-            shards,
+            layers: match shards {
+                Some(plan) => Arc::new(ShardLayers::new(plan)),
+                None => Arc::new(LocalLayers),
+            },
             ..RuntimeConfig::default()
         };
         let mut cfg = ServeConfig::new(self.listen.clone(), runtime);
@@ -501,7 +505,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
             model.config.vocab,
             settings.listen,
             settings.workers,
-            if cfg.runtime.shards.is_some() {
+            if !settings.shards.is_empty() {
                 "on the shards".to_owned()
             } else {
                 format!("{} MiB", cfg.runtime.kv_bytes >> 20)
@@ -517,14 +521,8 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 None => "cpu".into(),
             },
         );
-        if let Some(plan) = &cfg.runtime.shards {
-            let shards: Vec<String> = plan.shards().iter().map(|s| s.label()).collect();
-            println!(
-                "layers on {} shards ({:?} hidden states): {}",
-                shards.len(),
-                plan.encoding(),
-                shards.join(", ")
-            );
+        if !settings.shards.is_empty() {
+            println!("{}", cfg.runtime.layers.describe());
         }
         return Ok(());
     }

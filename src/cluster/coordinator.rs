@@ -27,8 +27,10 @@ use super::fingerprint::Fingerprint;
 use super::frame::{unix_nanos, ErrorKind, Run, WireSessionId};
 use super::link::{LinkError, LinkOptions, ShardCapacity, ShardLink};
 use super::payload::Encoding;
-use crate::kv::{KvError, SessionKv};
+use crate::kv::KvError;
 use crate::model::{LogitRows, LogitsWanted, Model, ModelError, Scratch};
+use crate::runtime::StepFeed;
+pub use crate::runtime::{ShardSnapshot, ShardStatsSnapshot};
 use crate::threads::ThreadPool;
 
 /// How long a step's frames stay valid: a shard refuses (and does not
@@ -430,26 +432,6 @@ impl ShardStats {
     }
 }
 
-/// One shard's counters at a moment.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ShardSnapshot {
-    /// The shard's address.
-    pub shard: String,
-    /// Failures by kind (every kind, zeros included).
-    pub failures: Vec<(&'static str, u64)>,
-    pub reconnects: u64,
-    pub restarts: u64,
-    pub up: bool,
-}
-
-/// Every shard's counters at a moment.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ShardStatsSnapshot {
-    pub shards: Vec<ShardSnapshot>,
-    pub rebuilds: u64,
-    pub rebuilt_tokens: u64,
-}
-
 impl ShardStats {
     /// Reads every counter (relaxed: each is exact, the set is not a
     /// single instant).
@@ -474,17 +456,6 @@ impl ShardStats {
             rebuilt_tokens: load(&self.rebuilt_tokens),
         }
     }
-}
-
-/// One sequence's share of a step through the shards.
-pub struct RemoteFeed<'a> {
-    pub id: WireSessionId,
-    /// The committed history (its length is the ledger's).
-    pub history: &'a [u32],
-    /// The ledger of positions, committed when the step succeeds.
-    pub kv: &'a mut SessionKv,
-    pub tokens: &'a [u32],
-    pub logits: LogitsWanted,
 }
 
 /// What the shards hold of a session, as far as this chain knows.
@@ -776,7 +747,7 @@ impl ShardChain {
     pub fn forward(
         &mut self,
         model: &Model,
-        feeds: &mut [RemoteFeed<'_>],
+        feeds: &mut [StepFeed<'_>],
         pool: &ThreadPool,
         scratch: &mut Scratch,
         prefill_chunk: usize,
@@ -796,7 +767,7 @@ impl ShardChain {
                     .any(|(slot, &was)| was && slot.link.is_none());
             if went_stale {
                 for f in feeds.iter() {
-                    self.held.insert(f.id, Held::Doubtful);
+                    self.held.insert(f.session.bytes(), Held::Doubtful);
                 }
                 result = self.try_forward(model, feeds, pool, scratch, prefill_chunk);
             }
@@ -806,7 +777,7 @@ impl ShardChain {
             Err(_) => Held::Doubtful,
         };
         for f in feeds.iter() {
-            self.held.insert(f.id, held);
+            self.held.insert(f.session.bytes(), held);
         }
         result
     }
@@ -814,7 +785,7 @@ impl ShardChain {
     fn try_forward(
         &mut self,
         model: &Model,
-        feeds: &mut [RemoteFeed<'_>],
+        feeds: &mut [StepFeed<'_>],
         pool: &ThreadPool,
         scratch: &mut Scratch,
         prefill_chunk: usize,
@@ -826,12 +797,18 @@ impl ShardChain {
         let deadline = unix_nanos(SystemTime::now() + STEP_DEADLINE);
         for f in feeds.iter() {
             let len = f.kv.len();
-            match (self.held.get(&f.id).copied(), len) {
+            match (self.held.get(&f.session.bytes()).copied(), len) {
                 (None, 0) => {}
                 (Some(Held::InStep(l)), n) if l == self.lineage && n > 0 => {}
                 // The ledger restarted (a truncation): so do the shards.
-                (Some(_), 0) => self.release(&[f.id]),
-                (_, n) => self.rebuild(model, f.id, &f.history[..n], prefill_chunk, deadline)?,
+                (Some(_), 0) => self.release(&[f.session.bytes()]),
+                (_, n) => self.rebuild(
+                    model,
+                    f.session.bytes(),
+                    &f.history[..n],
+                    prefill_chunk,
+                    deadline,
+                )?,
             }
         }
         let h = model.config.hidden;
@@ -885,7 +862,7 @@ impl ShardChain {
     /// prefill frame of its own.
     fn run_groups(
         &mut self,
-        feeds: &[RemoteFeed<'_>],
+        feeds: &[StepFeed<'_>],
         offsets: &[usize],
         deadline: u64,
         h: usize,
@@ -898,7 +875,7 @@ impl ShardChain {
             let runs: Vec<Run> = decoding
                 .iter()
                 .map(|&i| Run {
-                    session: feeds[i].id,
+                    session: feeds[i].session.bytes(),
                     position: feeds[i].kv.len() as u64,
                     rows: 1,
                 })
@@ -922,7 +899,7 @@ impl ShardChain {
                 continue;
             }
             let run = [Run {
-                session: f.id,
+                session: f.session.bytes(),
                 position: f.kv.len() as u64,
                 rows: f.tokens.len() as u32,
             }];

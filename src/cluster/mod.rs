@@ -10,13 +10,15 @@
 //! ([`raw`]) and shared channel settings ([`transport`]), the shard server
 //! ([`shard`], `inferd shard`), the coordinator's link to one shard
 //! ([`link`]), the chain of links a runtime worker drives as a coordinator
-//! ([`coordinator`], `inferd serve --shards`), and the opaque relay
+//! ([`coordinator`]) behind the runtime's step interface ([`layers`],
+//! `inferd serve --shards`), and the opaque relay
 //! ([`relay`], `inferd relay`).
 
 pub mod coordinator;
 pub mod fingerprint;
 pub mod frame;
 pub mod handshake;
+pub mod layers;
 pub mod link;
 pub mod payload;
 pub mod raw;

@@ -246,7 +246,7 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
 }
 
 /// The coordinator's view of its shards (`serve --shards` only).
-fn render_shards(e: &mut Exposition, stats: &crate::cluster::coordinator::ShardStatsSnapshot) {
+fn render_shards(e: &mut Exposition, stats: &crate::runtime::ShardStatsSnapshot) {
     e.family(
         "shard_up",
         "gauge",
@@ -416,8 +416,8 @@ mod tests {
                     ..WorkerStats::default()
                 },
             ],
-            shards: Some(crate::cluster::coordinator::ShardStatsSnapshot {
-                shards: vec![crate::cluster::coordinator::ShardSnapshot {
+            shards: Some(crate::runtime::ShardStatsSnapshot {
+                shards: vec![crate::runtime::ShardSnapshot {
                     shard: "10.0.0.2:7000".into(),
                     failures: vec![("transport", 2), ("checksum", 1)],
                     reconnects: 1,

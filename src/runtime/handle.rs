@@ -14,12 +14,8 @@ use super::{
     GenerateStream, Pending, RuntimeConfig, RuntimeError, RuntimeStats, SessionId, SessionInfo,
     WorkerGauges, WorkerStats,
 };
-use crate::kv::{KvBacking, KvPool, KvPoolConfig};
+use crate::kv::KvPool;
 use crate::model::Model;
-
-/// How long a coordinator waits at start-up for a shard it cannot reach
-/// yet (hosts start in any order; a unit's start timeout is 120 s).
-const SHARD_START_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 struct WorkerHandle {
     commands: Sender<Command>,
@@ -30,7 +26,7 @@ struct WorkerHandle {
 /// The running server core. Dropping it stops and joins the workers.
 pub struct Runtime {
     workers: Vec<WorkerHandle>,
-    kv_bytes_per_position: u64,
+    kv_page_bytes: u64,
     kv_pool: Arc<KvPool>,
     shared: Arc<WorkersState>,
     next_worker: AtomicUsize,
@@ -47,47 +43,9 @@ impl Runtime {
         cfg.prefill_chunk = cfg.prefill_chunk.max(1);
         cfg.stream_capacity = cfg.stream_capacity.max(4);
         cfg.worker_queue = cfg.worker_queue.max(1);
-        let (layout, n_pages, windows) = match &cfg.shards {
-            None => {
-                let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
-                (
-                    layout,
-                    KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers),
-                    model.kv_layer_windows(0..model.config.n_layers),
-                )
-            }
-            Some(plan) => {
-                // The KV lives on the shards; this pool is a ledger of
-                // positions sized like the smallest shard's, so eviction
-                // makes room here before any shard runs out. It pages like
-                // a local pool (a page per layer, so page counts read the
-                // same either way) with one-value rows: it is never written.
-                let capacity = plan
-                    .probe(SHARD_START_WAIT)
-                    .map_err(RuntimeError::Internal)?;
-                cfg.page_positions = capacity.page_positions as usize;
-                if capacity.max_sessions > 0 {
-                    cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);
-                }
-                let n_layers = model.config.n_layers;
-                let ledger = crate::kv::KvLayout {
-                    n_layers,
-                    kv_dim: 1,
-                    page_positions: cfg.page_positions,
-                };
-                let pages = (capacity.kv_pages.max(1) as usize).saturating_mul(n_layers);
-                (ledger, pages, vec![None; n_layers])
-            }
-        };
-        let kv_pool = Arc::new(
-            KvPool::new(KvPoolConfig {
-                layout,
-                n_pages,
-                backing: KvBacking::Anonymous,
-                prefault: false,
-            })?
-            .with_layer_windows(windows)?,
-        );
+        let layers = Arc::clone(&cfg.layers);
+        let kv_pool = Arc::new(layers.kv_pool(&model, &mut cfg)?);
+        let kv_page_bytes = layers.kv_page_bytes(&model, &kv_pool);
         // Asked before any thread is pinned: a pinned thread sees only its core.
         let cores = if cfg.pin_cores {
             core_affinity::get_core_ids().unwrap_or_default()
@@ -104,6 +62,7 @@ impl Runtime {
             let worker = Worker::new(
                 index,
                 Arc::clone(&model),
+                layers.runner(index, &model, &cfg)?,
                 Arc::clone(&kv_pool),
                 cfg.clone(),
                 Arc::clone(&shared),
@@ -127,9 +86,8 @@ impl Runtime {
                 thread: Some(thread),
             });
         }
-        let kv_bytes_per_position = model.kv_bytes_per_position() as u64;
         Ok(Runtime {
-            kv_bytes_per_position,
+            kv_page_bytes,
             workers,
             kv_pool,
             shared,
@@ -140,18 +98,9 @@ impl Runtime {
     }
 
     /// Bytes one KV page costs: one layer's K and V for a page of
-    /// positions. Split over shards, the pages live there (the runtime's own
-    /// pool is a ledger of positions), and a ledger page stands for one of
-    /// theirs.
+    /// positions, wherever the layers keep them.
     pub fn kv_page_bytes(&self) -> u64 {
-        let layout = self.kv_pool.layout();
-        match &self.cfg.shards {
-            None => self.kv_pool.page_bytes() as u64,
-            Some(_) => {
-                self.kv_bytes_per_position * layout.page_positions as u64
-                    / layout.n_layers.max(1) as u64
-            }
-        }
+        self.kv_page_bytes
     }
 
     /// Number of worker threads.
@@ -384,7 +333,7 @@ impl Runtime {
             kv_free_pages: self.kv_pool.free_pages() as u64,
             kv_total_pages: self.kv_pool.total_pages() as u64,
             workers,
-            shards: self.cfg.shards.as_ref().map(|p| p.stats().snapshot()),
+            shards: self.cfg.layers.shard_stats(),
         }
     }
 

@@ -25,6 +25,10 @@ mod types;
 #[cfg(not(loom))]
 mod handle;
 #[cfg(not(loom))]
+mod local;
+#[cfg(not(loom))]
+mod step;
+#[cfg(not(loom))]
 mod worker;
 
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
@@ -32,11 +36,15 @@ pub use error::{RuntimeError, StatusKind};
 #[cfg(not(loom))]
 pub use handle::Runtime;
 pub use id::SessionId;
+#[cfg(not(loom))]
+pub use local::LocalLayers;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
 pub use stats::{
     Counters, DurationHistogram, HistogramSnapshot, RuntimeStats, WorkerGauges, WorkerStats,
     PREFILL_BUCKETS,
 };
+#[cfg(not(loom))]
+pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, StepRunner};
 pub use types::{
     AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateDone,
     GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending, RuntimeConfig,

@@ -153,7 +153,7 @@ pub struct RuntimeStats {
     pub workers: Vec<WorkerStats>,
     /// The shards' counters when the runtime coordinates a split model.
     #[cfg(not(loom))]
-    pub shards: Option<crate::cluster::coordinator::ShardStatsSnapshot>,
+    pub shards: Option<super::ShardStatsSnapshot>,
 }
 
 /// One worker's share of a [`RuntimeStats`] snapshot.

@@ -19,9 +19,9 @@ use super::limits::{
     self, at_most, MAX_APPEND_TOKENS, MAX_CLIENT_LABEL_BYTES, MAX_EOS_TOKEN_IDS,
     MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY_LAST_N, MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_TOKENS,
 };
-use super::{RuntimeError, SessionId};
 #[cfg(not(loom))]
-use crate::cluster::coordinator::ShardPlan;
+use super::{Layers, LocalLayers};
+use super::{RuntimeError, SessionId};
 use crate::kv::DEFAULT_PAGE_POSITIONS;
 use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs};
 
@@ -80,10 +80,10 @@ pub struct RuntimeConfig {
     /// The sampler every worker uses, resolved once at start-up (the CPU
     /// reference by default; `SelectedSampler::resolve` picks a GPU).
     pub sampler: SelectedSampler,
-    /// Shards that run the layers (`serve --shards`); `None`: this process
-    /// runs the whole model.
+    /// Where the layers run: [`LocalLayers`] (this process) unless
+    /// `serve --shards` hands the runtime a chain of shards.
     #[cfg(not(loom))]
-    pub shards: Option<Arc<ShardPlan>>,
+    pub layers: Arc<dyn Layers>,
 }
 
 impl Default for RuntimeConfig {
@@ -104,7 +104,7 @@ impl Default for RuntimeConfig {
             stream_capacity: 32,
             sampler: SelectedSampler::Cpu,
             #[cfg(not(loom))]
-            shards: None,
+            layers: Arc::new(LocalLayers),
         }
     }
 }

@@ -26,15 +26,14 @@ use crossbeam_channel::{Receiver, Sender, TrySendError};
 use super::board::{EvictionBoard, EvictionTicket};
 use super::notify::NotifySender;
 use super::stats::{Counters, WorkerGauges};
+use super::step::{StepError, StepFeed, StepRunner};
 use super::{
     AppendReply, CloseReply, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent,
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
-    StatusKind, StopReason,
+    StopReason,
 };
-use crate::cluster::coordinator::{ChainError, FailureKind, RemoteFeed, ShardChain};
-use crate::cluster::ErrorKind;
 use crate::kv::{KvError, KvPool, SessionKv};
-use crate::model::{LogitRows, LogitsWanted, Model, Scratch, Sequence};
+use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
     SampleRequest, Sampled, SamplerBackend, SamplerError, SamplingParams, TokenLogprobs,
 };
@@ -316,11 +315,8 @@ pub(crate) struct Worker {
     /// The batch's answers, reused across steps.
     sampled: Vec<Result<Sampled, SamplerError>>,
     sessions: HashMap<SessionId, SessionSlot>,
-    /// The links to the shards when the layers run elsewhere.
-    remote: Option<ShardChain>,
-    /// K and V bytes of one position over every layer: what a session's
-    /// positions hold, here or (split) on the shards together.
-    kv_bytes_per_position: u64,
+    /// What runs the layers: the model here, or the shards.
+    runner: Box<dyn StepRunner>,
     waiting_creates: VecDeque<WaitingCreate>,
     /// The one eviction this worker has asked another for and not seen
     /// answered.
@@ -360,6 +356,7 @@ impl Worker {
     pub(crate) fn new(
         index: usize,
         model: Arc<Model>,
+        runner: Box<dyn StepRunner>,
         kv_pool: Arc<KvPool>,
         cfg: RuntimeConfig,
         shared: Arc<WorkersState>,
@@ -369,8 +366,6 @@ impl Worker {
             .sampler
             .backend(model.config.vocab, model.config.context)
             .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
-        let remote = cfg.shards.clone().map(ShardChain::new);
-        let kv_bytes_per_position = model.kv_bytes_per_position() as u64;
         Ok(Worker {
             index,
             model,
@@ -384,8 +379,7 @@ impl Worker {
             to_sample: Vec::new(),
             sampled: Vec::new(),
             sessions: HashMap::new(),
-            remote,
-            kv_bytes_per_position,
+            runner,
             waiting_creates: VecDeque::new(),
             evict_wait: None,
             last_sweep: Instant::now(),
@@ -582,22 +576,12 @@ impl Worker {
             .is_ok()
     }
 
-    /// Bytes of K and V a session keeps: what its pages hold here, or over
-    /// the shards (where this pool is a ledger of positions) every layer of
-    /// every committed position.
-    fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {
-        match self.remote {
-            Some(_) => kv.len() as u64 * self.kv_bytes_per_position,
-            None => kv.live_bytes(),
-        }
-    }
-
     fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
         let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
         let busy = !slot.idle();
         Ok(SessionInfo {
             history_length: slot.history.len() as u64,
-            kv_live_bytes: self.kv_live_bytes(&slot.kv),
+            kv_live_bytes: self.runner.kv_live_bytes(&slot.kv),
             inv1_violations: slot.inv1_violations,
             inv2_violations: slot.inv2_violations,
             idle_seconds: if busy {
@@ -624,9 +608,7 @@ impl Worker {
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
         }
-        if let Some(chain) = self.remote.as_mut() {
-            chain.release(&[id.bytes()]);
-        }
+        self.runner.release(id);
         self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
         let c = &self.shared.counters;
         let counter = match reason {
@@ -751,7 +733,7 @@ impl Worker {
         let mut oldest: Option<Instant> = None;
         let mut idle_pages = 0;
         for slot in self.sessions.values() {
-            kv_bytes += self.kv_live_bytes(&slot.kv);
+            kv_bytes += self.runner.kv_live_bytes(&slot.kv);
             history += slot.history.len() as u64;
             queued += slot.queue.len() as u64;
             if slot.idle() {
@@ -974,10 +956,9 @@ impl Worker {
         }
         // The one deliberate decrease of the committed length (INV-2).
         slot.high_water = slot.kv.len();
-        // What the shards hold no longer matches: rebuilt at the next step.
-        if let Some(chain) = self.remote.as_mut() {
-            chain.release(&[id.bytes()]);
-        }
+        // What the layers hold beyond the pages (the shards' copies) no
+        // longer matches.
+        self.runner.release(id);
         Ok(())
     }
 
@@ -1514,9 +1495,7 @@ impl Worker {
         history_length: u64,
     ) {
         if matches!(end, Ok(StopReason::Cancelled)) {
-            if let Some(chain) = self.remote.as_mut() {
-                chain.cancel(&[id.bytes()]);
-            }
+            self.runner.cancel(id);
         }
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
@@ -1537,47 +1516,45 @@ impl Worker {
     /// Runs one forward over every planned feed and applies the results.
     fn run_batch(&mut self) -> bool {
         let mut ids = Vec::new();
-        let mut seqs = Vec::new();
+        let mut feeds = Vec::new();
         let mut fed = Vec::new();
         for (id, slot) in self.sessions.iter_mut() {
             if !slot.feed.is_empty() {
                 ids.push(*id);
                 fed.push((slot.feed.len(), slot.history.len()));
-                seqs.push(Sequence {
+                feeds.push(StepFeed {
+                    session: *id,
+                    history: &slot.history,
                     kv: &mut slot.kv,
                     tokens: &slot.feed,
                     logits: slot.feed_logits,
                 });
             }
         }
-        if seqs.is_empty() {
+        if feeds.is_empty() {
             return false;
         }
         let started = Instant::now();
-        if self.remote.is_some() {
-            drop(seqs);
-            let moved = self.run_remote_batch();
-            self.learn_step_cost(started.elapsed(), &fed);
-            return moved;
-        }
         let result = self
-            .model
-            .forward(&mut seqs, &self.compute, &mut self.scratch);
-        drop(seqs);
+            .runner
+            .forward(&mut feeds, &self.compute, &mut self.scratch);
+        drop(feeds);
         self.learn_step_cost(started.elapsed(), &fed);
         self.count_step(ids.len());
-        let rows = match result {
-            Ok(rows) => rows,
-            Err(e) => {
-                let err: RuntimeError = e.into();
+        match result {
+            Ok(rows) => self.commit_batch(ids, &rows),
+            Err(StepError::SessionsLost(err)) => {
                 tracing::error!(worker = self.index, "batched forward failed: {err}");
                 for id in ids {
                     self.fail_session(id, err.clone());
                 }
-                return true;
             }
-        };
-        self.commit_batch(ids, &rows);
+            Err(StepError::NothingCommitted(err)) => {
+                for id in ids {
+                    self.fail_step(id, err.clone());
+                }
+            }
+        }
         true
     }
 
@@ -1591,52 +1568,11 @@ impl Worker {
             .fetch_max(sequences as u64, Ordering::Relaxed);
     }
 
-    /// The step of [`Worker::run_batch`] with the layers on the shards.
-    fn run_remote_batch(&mut self) -> bool {
-        let Some(chain) = self.remote.as_mut() else {
-            return false;
-        };
-        let mut ids = Vec::new();
-        let mut feeds = Vec::new();
-        for (id, slot) in self.sessions.iter_mut() {
-            if !slot.feed.is_empty() {
-                ids.push(*id);
-                feeds.push(RemoteFeed {
-                    id: id.bytes(),
-                    history: &slot.history,
-                    kv: &mut slot.kv,
-                    tokens: &slot.feed,
-                    logits: slot.feed_logits,
-                });
-            }
-        }
-        let result = chain.forward(
-            &self.model,
-            &mut feeds,
-            &self.compute,
-            &mut self.scratch,
-            self.cfg.prefill_chunk,
-        );
-        drop(feeds);
-        self.count_step(ids.len());
-        match result {
-            Ok(rows) => self.commit_batch(ids, &rows),
-            Err(e) => {
-                let err = shard_error(e);
-                for id in ids {
-                    self.fail_remote_step(id, err.clone());
-                }
-            }
-        }
-        true
-    }
-
-    /// A step through the shards failed for `id`: its call fails with
-    /// `err`, and whatever the call had fed is undone (the chain rebuilds
-    /// the session on the shards at its next step). Only a restore of a
-    /// history whose pages were given back cannot be undone: that session
-    /// goes.
-    fn fail_remote_step(&mut self, id: SessionId, err: RuntimeError) {
+    /// A step that committed nothing failed for `id`: its call fails with
+    /// `err`, and whatever the call had fed is undone (remote layers
+    /// rebuild the session at its next step). Only a restore of a history
+    /// whose pages were given back cannot be undone: that session goes.
+    fn fail_step(&mut self, id: SessionId, err: RuntimeError) {
         let Some(slot) = self.sessions.get_mut(&id) else {
             return;
         };
@@ -1847,34 +1783,6 @@ impl Worker {
     }
 }
 
-/// The client's status for a step the shards failed: retryable
-/// (UNAVAILABLE) unless the protocol names something worse.
-fn shard_error(err: ChainError) -> RuntimeError {
-    let failure = match err {
-        ChainError::Shard(failure) => failure,
-        ChainError::Kv(e) => return e.into(),
-        ChainError::Model(e) => return RuntimeError::Internal(e.to_string()),
-    };
-    let status = match failure.kind {
-        FailureKind::Protocol(ErrorKind::Checksum) => StatusKind::DataLoss,
-        FailureKind::Protocol(ErrorKind::Sequence) => StatusKind::Aborted,
-        FailureKind::Protocol(ErrorKind::Deadline) => StatusKind::DeadlineExceeded,
-        FailureKind::Protocol(ErrorKind::TooLarge | ErrorKind::FlowControl) => {
-            StatusKind::ResourceExhausted
-        }
-        FailureKind::Protocol(ErrorKind::Malformed) => StatusKind::Internal,
-        FailureKind::Transport
-        | FailureKind::Handshake
-        | FailureKind::Protocol(
-            ErrorKind::StaleEpoch | ErrorKind::UnknownSession | ErrorKind::Internal,
-        ) => StatusKind::Unavailable,
-    };
-    RuntimeError::Shard {
-        status,
-        message: format!("{} failure at {failure}", failure.kind.name()),
-    }
-}
-
 fn finish_with_error(active: Active, err: RuntimeError) {
     match active.work {
         Work::Append { reply, .. } => drop(reply.send(Err(err))),
@@ -1945,6 +1853,7 @@ mod tests {
     use crate::gguf::synthetic::SyntheticLlama;
     use crate::gguf::GgufFile;
     use crate::kv::KvPoolConfig;
+    use crate::runtime::Layers;
 
     fn worker() -> Worker {
         worker_with_pages(8)
@@ -1959,9 +1868,13 @@ mod tests {
         let config = KvPoolConfig::anonymous(layout, pages * model.config.n_layers);
         let pool = Arc::new(KvPool::new(config).expect("pool"));
         let (wake, _) = crossbeam_channel::bounded(1);
+        let runner = crate::runtime::LocalLayers
+            .runner(0, &model, &RuntimeConfig::default())
+            .expect("runner");
         Worker::new(
             0,
             model,
+            runner,
             pool,
             RuntimeConfig::default(),
             Arc::new(WorkersState::new(vec![wake])),
@@ -2277,49 +2190,5 @@ mod tests {
         assert_ne!(digest(&[0.0]), digest(&[-0.0]));
         assert_ne!(digest(&[1.0, 2.0]), digest(&[2.0, 1.0]));
         assert_eq!(digest(&[1.5]), digest(&[1.5]));
-    }
-
-    #[test]
-    fn a_failed_shard_step_reaches_the_client_as_its_kind_says() {
-        use crate::cluster::coordinator::ShardFailure;
-        let status = |kind: FailureKind| {
-            let err = shard_error(ChainError::Shard(ShardFailure {
-                shard: "10.0.0.2:7000 (layers 0..15)".into(),
-                kind,
-                message: "why".into(),
-            }));
-            assert!(err.to_string().contains("10.0.0.2:7000"), "{err}");
-            err.code()
-        };
-        use StatusKind as S;
-        for (kind, want) in [
-            (FailureKind::Transport, S::Unavailable),
-            (FailureKind::Handshake, S::Unavailable),
-            (FailureKind::Protocol(ErrorKind::Checksum), S::DataLoss),
-            (FailureKind::Protocol(ErrorKind::StaleEpoch), S::Unavailable),
-            (FailureKind::Protocol(ErrorKind::Sequence), S::Aborted),
-            (
-                FailureKind::Protocol(ErrorKind::TooLarge),
-                S::ResourceExhausted,
-            ),
-            (
-                FailureKind::Protocol(ErrorKind::FlowControl),
-                S::ResourceExhausted,
-            ),
-            (FailureKind::Protocol(ErrorKind::Malformed), S::Internal),
-            (
-                FailureKind::Protocol(ErrorKind::UnknownSession),
-                S::Unavailable,
-            ),
-            (
-                FailureKind::Protocol(ErrorKind::Deadline),
-                S::DeadlineExceeded,
-            ),
-            (FailureKind::Protocol(ErrorKind::Internal), S::Unavailable),
-        ] {
-            assert_eq!(status(kind), want, "{kind:?}");
-        }
-        let kv = shard_error(ChainError::Kv(KvError::Exhausted { wanted: 3, free: 1 }));
-        assert_eq!(kv.code(), S::ResourceExhausted);
     }
 }
