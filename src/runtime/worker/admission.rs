@@ -1,0 +1,392 @@
+//! Admission and the session FIFO: creating sessions (waiting for a place
+//! when the limit is reached), starting each idle session's next queued
+//! operation (validate, reserve, then mutate), session info, removal and
+//! the TTL sweep.
+
+use super::*;
+
+impl Worker {
+    /// Creates the session, or hands the request back to wait for another
+    /// worker's eviction. A request whose deadline has passed creates
+    /// nothing.
+    pub(super) fn try_create(&mut self, w: WaitingCreate) -> Option<WaitingCreate> {
+        if w.deadline.is_some_and(|d| d <= Instant::now()) {
+            let _ = w.reply.send(Err(RuntimeError::DeadlineExceeded));
+            return None;
+        }
+        if self.sessions.contains_key(&w.id) {
+            let _ = w
+                .reply
+                .send(Err(RuntimeError::Internal("session id drawn twice".into())));
+            return None;
+        }
+        while !self.claim_session() {
+            match self.make_room(None) {
+                Room::Retry => {}
+                Room::Later if w.since.elapsed() < EVICTION_PATIENCE => return Some(w),
+                Room::Later | Room::Nothing => {
+                    let _ = w.reply.send(Err(sessions_exhausted()));
+                    return None;
+                }
+            }
+        }
+        let id = w.id;
+        self.sessions.insert(
+            id,
+            SessionSlot {
+                kv: SessionKv::new(Arc::clone(&self.kv_pool)),
+                history: Vec::new(),
+                next_logits: Vec::new(),
+                logits_digest: std::cell::Cell::new(None),
+                label: w.req.client_label,
+                eos: w.req.eos_token_ids,
+                inv1_violations: 0,
+                inv2_violations: 0,
+                truncated: 0,
+                high_water: 0,
+                last_used: Instant::now(),
+                active: None,
+                queue: VecDeque::new(),
+                short_since: None,
+                feed: Vec::new(),
+                feed_logits: LogitsWanted::None,
+            },
+        );
+        self.shared
+            .counters
+            .sessions_created
+            .fetch_add(1, Ordering::Relaxed);
+        self.gauges
+            .sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, "session created");
+        let _ = w.reply.send(Ok(id));
+        None
+    }
+
+    /// Retries the creations waiting for a place. Returns whether any ended.
+    pub(super) fn retry_creates(&mut self) -> bool {
+        let before = self.waiting_creates.len();
+        for _ in 0..before {
+            if let Some(w) = self.waiting_creates.pop_front() {
+                if let Some(w) = self.try_create(w) {
+                    self.waiting_creates.push_back(w);
+                }
+            }
+        }
+        self.waiting_creates.len() != before
+    }
+
+    /// Takes one place under the session limit, if one is left.
+    pub(super) fn claim_session(&self) -> bool {
+        let max = self.cfg.max_sessions;
+        self.shared
+            .live_sessions
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    pub(super) fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
+        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+        let busy = !slot.idle();
+        Ok(SessionInfo {
+            history_length: slot.history.len() as u64,
+            kv_live_bytes: self.runner.kv_live_bytes(&slot.kv),
+            inv1_violations: slot.inv1_violations,
+            inv2_violations: slot.inv2_violations,
+            idle_seconds: if busy {
+                0.0
+            } else {
+                slot.last_used.elapsed().as_secs_f64()
+            },
+            pages_held: slot.kv.pages_held() as u64,
+            client_label: slot.label.clone(),
+            eos_token_ids: slot.eos.clone(),
+            truncated_token_count: slot.truncated,
+            busy,
+            logits_digest: slot.logits_digest.get().unwrap_or_else(|| {
+                let d = digest(&slot.next_logits);
+                slot.logits_digest.set(Some(d));
+                d
+            }),
+        })
+    }
+
+    /// Removes a session and frees its KV, counting the reason.
+    pub(super) fn remove(&mut self, id: SessionId, reason: Removal) -> Option<SessionSlot> {
+        let mut slot = self.sessions.remove(&id)?;
+        if let Err(e) = slot.kv.release() {
+            tracing::error!(session = %id, "freeing KV: {e}");
+        }
+        self.runner.release(id);
+        self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        let c = &self.shared.counters;
+        let counter = match reason {
+            Removal::Ttl => &c.evicted_ttl,
+            Removal::Lru => &c.evicted_lru,
+            Removal::Close => &c.evicted_close,
+            Removal::Failed => &c.sessions_failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.gauges
+            .sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, reason = ?reason, "session removed");
+        Some(slot)
+    }
+
+    /// Starts the session's next queued operation if it is free.
+    pub(super) fn start_next(&mut self, id: SessionId) -> bool {
+        let mut moved = false;
+        loop {
+            let Some(slot) = self.sessions.get_mut(&id) else {
+                return moved;
+            };
+            let now = Instant::now();
+            // Expired waiters leave the queue wherever they stand, even
+            // behind a running operation.
+            let mut i = 0;
+            while i < slot.queue.len() {
+                if slot.queue[i].deadline.is_some_and(|d| d <= now) {
+                    if let Some(q) = slot.queue.remove(i) {
+                        q.op.fail(RuntimeError::DeadlineExceeded);
+                        // Its wait for room (if it was waiting) ends too.
+                        slot.short_since = None;
+                        moved = true;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            if slot.active.is_some() {
+                return moved;
+            }
+            let Some(queued) = slot.queue.pop_front() else {
+                return moved;
+            };
+            slot.last_used = now;
+            match self.begin(id, queued) {
+                Some(waiting) => {
+                    // Waiting for another worker's eviction: back to the
+                    // head of the queue, unchanged.
+                    if let Some(slot) = self.sessions.get_mut(&id) {
+                        slot.queue.push_front(waiting);
+                    }
+                    return moved;
+                }
+                None => moved = true,
+            }
+        }
+    }
+
+    /// Starts (or ends at once) one operation; hands it back when it must
+    /// wait for room.
+    pub(super) fn begin(&mut self, id: SessionId, queued: Queued) -> Option<Queued> {
+        let Queued { op, deadline } = queued;
+        match op {
+            Op::Close { reply } => {
+                let len = self.sessions.get(&id).map_or(0, |s| s.history.len()) as u64;
+                self.remove(id, Removal::Close);
+                let _ = reply.send(Ok(CloseReply {
+                    final_history_length: len,
+                }));
+                None
+            }
+            Op::Append { tokens, reply } => match self.start_append(id, &tokens) {
+                Ok(Begin::Later) => Some(Queued {
+                    op: Op::Append { tokens, reply },
+                    deadline,
+                }),
+                Ok(Begin::Empty) => {
+                    let len = self.sessions.get(&id).map_or(0, |s| s.history.len());
+                    let _ = reply.send(Ok(AppendReply {
+                        history_length: len as u64,
+                        dropped_token_count: 0,
+                    }));
+                    None
+                }
+                Ok(Begin::Prefill {
+                    pending,
+                    dropped,
+                    undo,
+                }) => {
+                    if let Some(slot) = self.sessions.get_mut(&id) {
+                        slot.active = Some(Active {
+                            work: Work::Append {
+                                reply,
+                                dropped,
+                                deadline,
+                            },
+                            pending,
+                            fed: 0,
+                            prefill_started: Instant::now(),
+                            undo: Some(undo),
+                        });
+                    }
+                    None
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    None
+                }
+            },
+            Op::Generate {
+                req,
+                events,
+                cancel,
+            } => match self.start_generate(id, &req, &events, &cancel, deadline) {
+                Ok(()) => None,
+                Err(e) => {
+                    let _ = events.try_send(GenerateEvent::Error(e));
+                    None
+                }
+            },
+        }
+    }
+
+    /// Validates and reserves an append (truncating first if the policy
+    /// says so); nothing changes unless it returns `Prefill`.
+    pub(super) fn start_append(
+        &mut self,
+        id: SessionId,
+        tokens: &[u32],
+    ) -> Result<Begin, RuntimeError> {
+        let vocab = self.model.config.vocab;
+        let context = self.model.config.context;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RuntimeError::invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if tokens.is_empty() {
+            return Ok(Begin::Empty);
+        }
+        let len = self
+            .sessions
+            .get(&id)
+            .ok_or(RuntimeError::NotFound)?
+            .history
+            .len();
+        if len + tokens.len() <= context {
+            if self.reserve(id, len + tokens.len())? == Got::Later {
+                return Ok(Begin::Later);
+            }
+            let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+            return Ok(Begin::Prefill {
+                pending: tokens.to_vec(),
+                dropped: 0,
+                undo: Undo {
+                    kind: UndoKind::Shorten(len),
+                    next_logits: slot.next_logits.clone(),
+                    truncated: slot.truncated,
+                },
+            });
+        }
+        let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
+            return Err(RuntimeError::invalid(format!(
+                "appending {} tokens to a history of {len} exceeds the context of {context}",
+                tokens.len()
+            )));
+        };
+        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+        let mut all = slot.history.clone();
+        all.extend_from_slice(tokens);
+        let kept = keep_window(&all, sink, context);
+        let dropped = (all.len() - kept.len()) as u64;
+        Ok(match self.restart_kv(id, kept.len())? {
+            Restarted::Now(undo) => {
+                if let Some(slot) = self.sessions.get_mut(&id) {
+                    slot.truncated += dropped;
+                }
+                Begin::Prefill {
+                    pending: kept,
+                    dropped,
+                    undo,
+                }
+            }
+            Restarted::Later => Begin::Later,
+        })
+    }
+
+    /// Validates a Generate and makes it the session's active work. The
+    /// context is only made room in once it is full (`plan`): `max_tokens`
+    /// is a cap, never a reservation.
+    pub(super) fn start_generate(
+        &mut self,
+        id: SessionId,
+        req: &GenerateRequest,
+        events: &NotifySender<GenerateEvent>,
+        cancel: &Arc<AtomicBool>,
+        deadline: Option<Instant>,
+    ) -> Result<(), RuntimeError> {
+        let vocab = self.model.config.vocab;
+        if req.max_tokens == 0 {
+            return Err(RuntimeError::invalid("max_tokens must be at least 1"));
+        }
+        if let Some(bad) = req
+            .stop_sequences
+            .iter()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(RuntimeError::invalid(format!(
+                "stop sequence token {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if req.stop_sequences.iter().any(|s| s.is_empty()) {
+            return Err(RuntimeError::invalid("stop sequences must not be empty"));
+        }
+        let (params, seed_used) = req.sampling.resolve(vocab)?;
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        if slot.history.is_empty() || slot.next_logits.is_empty() {
+            return Err(RuntimeError::invalid(
+                "cannot generate from an empty history: append tokens first",
+            ));
+        }
+        let started = Instant::now();
+        let gen = Generating {
+            params,
+            seed_used,
+            max_tokens: req.max_tokens,
+            stop_sequences: req.stop_sequences.clone(),
+            generated: Vec::new(),
+            events: events.clone(),
+            cancel: Arc::clone(cancel),
+            deadline,
+            started,
+            prefill_duration: Duration::ZERO,
+            prefill_tokens: 0,
+            top_logprobs: req.sampling.top_logprobs as usize,
+            pending_logprobs: None,
+            shift_dropped: None,
+        };
+        slot.active = Some(Active {
+            work: Work::Generate(Box::new(gen)),
+            pending: Vec::new(),
+            fed: 0,
+            prefill_started: started,
+            undo: None,
+        });
+        Ok(())
+    }
+
+    pub(super) fn sweep_if_due(&mut self) {
+        let every = (self.cfg.idle_ttl / 4).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        if self.last_sweep.elapsed() < every {
+            return;
+        }
+        self.last_sweep = Instant::now();
+        let ttl = self.cfg.idle_ttl;
+        let expired: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.idle() && s.last_used.elapsed() >= ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.remove(id, Removal::Ttl);
+        }
+    }
+}

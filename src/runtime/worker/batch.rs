@@ -1,0 +1,295 @@
+//! The batched step: plan what each session feeds (a decode token or a
+//! prefill chunk sized to the step budget), run one forward through the
+//! [`StepRunner`](super::super::StepRunner), commit, check the invariants
+//! and settle sliding-window pages.
+
+use super::*;
+
+impl Worker {
+    /// One turn: start queued operations, run one batched forward, emit.
+    /// Returns whether anything moved.
+    pub(crate) fn step(&mut self) -> bool {
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        let mut moved = false;
+        for &id in &ids {
+            moved |= self.start_next(id);
+        }
+        for &id in &ids {
+            moved |= self.plan(id);
+        }
+        self.sample_planned();
+        moved | self.run_batch()
+    }
+
+    /// Decides what the session feeds this step (a prefill chunk or one
+    /// sampled token), or ends its Generate. Returns whether it moved.
+    pub(super) fn plan(&mut self, id: SessionId) -> bool {
+        let context = self.model.config.context;
+        let Some(slot) = self.sessions.get(&id) else {
+            return false;
+        };
+        let chunk = self.chunk_at(slot.history.len());
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return false;
+        };
+        slot.feed.clear();
+        let Some(active) = slot.active.as_mut() else {
+            return false;
+        };
+        // Checked before every prompt chunk and every decode step, so a call
+        // stops within one step (undoing a prompt it had not finished).
+        if let Some(end) = active.stopped() {
+            self.abandon(id, end);
+            return true;
+        }
+        if active.fed < active.pending.len() {
+            let end = (active.fed + chunk).min(active.pending.len());
+            slot.feed
+                .extend_from_slice(&active.pending[active.fed..end]);
+            slot.feed_logits = if end == active.pending.len() {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
+            return true;
+        }
+        let Work::Generate(gen) = &mut active.work else {
+            return false;
+        };
+        let full = slot.history.len() >= context;
+        if full && self.cfg.overflow == OverflowPolicy::Stop {
+            self.finish_generate(id, Ok(StopReason::Truncated));
+            return true;
+        }
+        // Room for a token (and its log-probabilities), a `Truncated` when
+        // the window shifts, and a terminal event, or the session sits out.
+        let room = gen
+            .events
+            .capacity()
+            .map_or(usize::MAX, |c| c.saturating_sub(gen.events.len()));
+        if room < 2 + usize::from(full) + usize::from(gen.top_logprobs > 0) {
+            return false;
+        }
+        if full {
+            return self.shift_window(id);
+        }
+        // Pages first: a session waiting for another worker's eviction sits
+        // out the step and samples the same token next time.
+        let total = slot.history.len() + 1;
+        match self.reserve(id, total) {
+            Ok(Got::Now) => {}
+            Ok(Got::Later) => return false,
+            Err(e) => {
+                self.finish_generate(id, Err(e));
+                return true;
+            }
+        }
+        // The token itself is sampled with the rest of the step's batch.
+        self.to_sample.push(id);
+        true
+    }
+
+    /// How many prompt tokens a session at `depth` feeds this step: as many
+    /// as fit the step budget by the recent cost per token (attention makes
+    /// a token deeper in the history dearer), at most `prefill_chunk`.
+    pub(super) fn chunk_at(&self, depth: usize) -> usize {
+        let most = self.cfg.prefill_chunk.max(1);
+        let Some(ns) = self.ns_per_weighted_token else {
+            return most;
+        };
+        let budget = self.cfg.prefill_step_budget.as_nanos() as f64;
+        let fits = budget / (ns * depth_weight(depth)).max(1.0);
+        (fits as usize).clamp(1, most)
+    }
+
+    /// Learns the cost per depth-weighted token from a step that took
+    /// `elapsed` to feed `feeds` (tokens, depth before them).
+    pub(super) fn learn_step_cost(&mut self, elapsed: Duration, feeds: &[(usize, usize)]) {
+        let weighted: f64 = feeds
+            .iter()
+            .map(|&(tokens, depth)| tokens as f64 * depth_weight(depth + tokens / 2))
+            .sum();
+        if weighted <= 0.0 {
+            return;
+        }
+        let sample = elapsed.as_nanos() as f64 / weighted;
+        self.ns_per_weighted_token = Some(match self.ns_per_weighted_token {
+            // Recent steps count most; one odd step moves it only so far.
+            Some(ns) => 0.7 * ns + 0.3 * sample,
+            None => sample,
+        });
+    }
+
+    /// Runs one forward over every planned feed and applies the results.
+    pub(super) fn run_batch(&mut self) -> bool {
+        let mut ids = Vec::new();
+        let mut feeds = Vec::new();
+        let mut fed = Vec::new();
+        for (id, slot) in self.sessions.iter_mut() {
+            if !slot.feed.is_empty() {
+                ids.push(*id);
+                fed.push((slot.feed.len(), slot.history.len()));
+                feeds.push(StepFeed {
+                    session: *id,
+                    history: &slot.history,
+                    kv: &mut slot.kv,
+                    tokens: &slot.feed,
+                    logits: slot.feed_logits,
+                });
+            }
+        }
+        if feeds.is_empty() {
+            return false;
+        }
+        let started = Instant::now();
+        let result = self
+            .runner
+            .forward(&mut feeds, &self.compute, &mut self.scratch);
+        drop(feeds);
+        self.learn_step_cost(started.elapsed(), &fed);
+        self.count_step(ids.len());
+        match result {
+            Ok(rows) => self.commit_batch(ids, &rows),
+            Err(StepError::SessionsLost(err)) => {
+                tracing::error!(worker = self.index, "batched forward failed: {err}");
+                for id in ids {
+                    self.fail_session(id, err.clone());
+                }
+            }
+            Err(StepError::NothingCommitted(err)) => {
+                for id in ids {
+                    self.fail_step(id, err.clone());
+                }
+            }
+        }
+        true
+    }
+
+    /// The step gauges, after a batch of `sequences` went through.
+    pub(super) fn count_step(&self, sequences: usize) {
+        let g = &self.gauges;
+        g.steps.fetch_add(1, Ordering::Relaxed);
+        g.last_batch_sequences
+            .store(sequences as u64, Ordering::Relaxed);
+        g.max_batch_sequences
+            .fetch_max(sequences as u64, Ordering::Relaxed);
+    }
+
+    /// A step that committed nothing failed for `id`: its call fails with
+    /// `err`, and whatever the call had fed is undone (remote layers
+    /// rebuild the session at its next step). Only a restore of a history
+    /// whose pages were given back cannot be undone: that session goes.
+    pub(super) fn fail_step(&mut self, id: SessionId, err: RuntimeError) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        slot.feed.clear();
+        slot.last_used = Instant::now();
+        let Some(mut active) = slot.active.take() else {
+            return;
+        };
+        if matches!(active.work, Work::Restore) {
+            let removed = match err {
+                RuntimeError::Shard { status, message } => RuntimeError::Shard {
+                    status,
+                    message: format!(
+                        "{message}; the session was removed (its history was being fed again)"
+                    ),
+                },
+                other => other,
+            };
+            return self.fail_session(id, removed);
+        }
+        if let Some(undo) = active.undo.take() {
+            if let Err(e) = self.apply_undo(id, undo) {
+                finish_with_error(active, err);
+                return self.fail_session(id, e);
+            }
+        }
+        finish_with_error(active, err);
+    }
+
+    /// Applies a successful step's results to its sessions.
+    pub(super) fn commit_batch(&mut self, ids: Vec<SessionId>, rows: &LogitRows) {
+        let vocab = self.model.config.vocab;
+        for (i, id) in ids.into_iter().enumerate() {
+            let Some(slot) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let fed = std::mem::take(&mut slot.feed);
+            slot.history.extend_from_slice(&fed);
+            if slot.feed_logits != LogitsWanted::None {
+                if let Some(r) = rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1)) {
+                    slot.next_logits.clear();
+                    slot.logits_digest.set(None);
+                    slot.next_logits
+                        .extend_from_slice(&self.scratch.logits[r * vocab..][..vocab]);
+                }
+            }
+            slot.feed = fed;
+            if let Err(e) = self.check_invariants(id) {
+                self.fail_session(id, e);
+                continue;
+            }
+            self.after_feed(id);
+            self.settle_kv(id);
+        }
+    }
+
+    /// Once a session's call can no longer be undone (its prompt is all in,
+    /// or it has none), gives back the KV pages its sliding-window layers
+    /// will not read again.
+    pub(super) fn settle_kv(&mut self, id: SessionId) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if slot.active.as_ref().is_some_and(|a| a.undo.is_some()) {
+            return;
+        }
+        if let Err(e) = slot.kv.settle() {
+            tracing::error!(session = %id, "giving back window pages: {e}");
+            self.fail_session(id, e.into());
+        }
+    }
+
+    /// INV-1 (cached positions = history length, within the pages held) and
+    /// INV-2 (the committed length never went down).
+    pub(super) fn check_invariants(&mut self, id: SessionId) -> Result<(), RuntimeError> {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return Err(RuntimeError::NotFound);
+        };
+        let counters = &self.shared.counters;
+        let kv_len = slot.kv.len();
+        if kv_len < slot.high_water {
+            slot.inv2_violations += 1;
+            counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "INV-2: KV length went from {} down to {kv_len}",
+                slot.high_water
+            )));
+        }
+        if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
+            slot.inv1_violations += 1;
+            counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
+            return Err(RuntimeError::FailedPrecondition(format!(
+                "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
+                slot.history.len(),
+                slot.kv.capacity()
+            )));
+        }
+        slot.high_water = kv_len;
+        Ok(())
+    }
+
+    /// Removes a session whose call failed, telling every waiter.
+    pub(super) fn fail_session(&mut self, id: SessionId, err: RuntimeError) {
+        if let Some(mut slot) = self.remove(id, Removal::Failed) {
+            if let Some(active) = slot.active.take() {
+                finish_with_error(active, err.clone());
+            }
+            for q in slot.queue.drain(..) {
+                q.op.fail(RuntimeError::NotFound);
+            }
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! Generate: sampling the next token of every generating session in one
+//! batch, stop conditions, the stream's events and a call's end (finished,
+//! cancelled or out of time).
+
+use super::*;
+
+impl Worker {
+    /// Samples the next token of every session `plan` queued, as one batch
+    /// (one GPU dispatch on the wgpu sampler), and feeds each its token.
+    pub(super) fn sample_planned(&mut self) {
+        if self.to_sample.is_empty() {
+            return;
+        }
+        let mut requests = Vec::with_capacity(self.to_sample.len());
+        for id in &self.to_sample {
+            let Some(slot) = self.sessions.get(id) else {
+                continue;
+            };
+            let Some(Active {
+                work: Work::Generate(gen),
+                ..
+            }) = slot.active.as_ref()
+            else {
+                continue;
+            };
+            requests.push((
+                *id,
+                SampleRequest {
+                    logits: &slot.next_logits,
+                    params: &gen.params,
+                    history: &slot.history,
+                    position: slot.history.len() as u64,
+                    top_logprobs: gen.top_logprobs,
+                },
+            ));
+        }
+        let rows: Vec<SampleRequest<'_>> = requests.iter().map(|(_, r)| *r).collect();
+        self.sampler.sample_batch(&rows, &mut self.sampled);
+        let ids: Vec<SessionId> = requests.iter().map(|(id, _)| *id).collect();
+        drop(rows);
+        drop(requests);
+        self.to_sample.clear();
+        let mut sampled = std::mem::take(&mut self.sampled);
+        for (id, result) in ids.into_iter().zip(sampled.iter_mut()) {
+            match result {
+                Ok(sampled) => {
+                    if let Some(slot) = self.sessions.get_mut(&id) {
+                        slot.feed.push(sampled.token);
+                        slot.feed_logits = LogitsWanted::Last;
+                        if let Some(Active {
+                            work: Work::Generate(gen),
+                            ..
+                        }) = slot.active.as_mut()
+                        {
+                            gen.pending_logprobs = sampled.logprobs.take();
+                        }
+                    }
+                }
+                Err(e) => self.finish_generate(id, Err(e.clone().into())),
+            }
+        }
+        self.sampled = sampled;
+    }
+
+    /// Stops the session's call (deadline, cancel): undoes a prompt it had
+    /// not finished feeding, then answers it.
+    pub(super) fn abandon(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        slot.last_used = Instant::now();
+        let Some(mut active) = slot.active.take() else {
+            return;
+        };
+        let undone = match active.undo.take() {
+            Some(undo) => self.apply_undo(id, undo),
+            None => Ok(()),
+        };
+        // A session being restored will hold its old history again.
+        let history_length = self.sessions.get(&id).map_or(0, |s| match &s.active {
+            Some(Active {
+                work: Work::Restore,
+                pending,
+                ..
+            }) => pending.len(),
+            _ => s.history.len(),
+        }) as u64;
+        match active.work {
+            Work::Append { reply, .. } => {
+                let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
+                let _ = reply.send(Err(err));
+            }
+            Work::Generate(gen) => self.end_generate(id, gen, end, history_length),
+            Work::Restore => {}
+        }
+        if let Err(e) = undone {
+            tracing::error!(session = %id, "undoing a stopped call: {e}");
+            self.fail_session(id, e);
+        }
+    }
+
+    /// Ends the session's Generate with a stop reason or an error.
+    pub(super) fn finish_generate(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        slot.last_used = Instant::now();
+        let history_length = slot.history.len() as u64;
+        let Some(active) = slot.active.take() else {
+            return;
+        };
+        let Work::Generate(gen) = active.work else {
+            slot.active = Some(active);
+            return;
+        };
+        self.end_generate(id, gen, end, history_length);
+    }
+
+    /// Sends a Generate's terminal event.
+    pub(super) fn end_generate(
+        &mut self,
+        id: SessionId,
+        gen: Box<Generating>,
+        end: Result<StopReason, RuntimeError>,
+        history_length: u64,
+    ) {
+        if matches!(end, Ok(StopReason::Cancelled)) {
+            self.runner.cancel(id);
+        }
+        let event = match end {
+            Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
+                stop_reason,
+                generated_token_count: gen.generated.len() as u32,
+                prefill_duration: gen.prefill_duration,
+                prefill_token_count: gen.prefill_tokens,
+                total_duration: gen.started.elapsed(),
+                seed_used: gen.seed_used,
+                history_length,
+            }),
+            Err(e) => GenerateEvent::Error(e),
+        };
+        // Room for it was checked before the last token; a gone reader is fine.
+        let _ = gen.events.try_send(event);
+    }
+
+    /// Bookkeeping after the session's feed went through the model.
+    pub(super) fn after_feed(&mut self, id: SessionId) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let n_fed = slot.feed.len();
+        let last = slot.feed.last().copied();
+        slot.feed.clear();
+        let history_length = slot.history.len() as u64;
+        let eos_hit = last.is_some_and(|t| slot.eos.contains(&t));
+        let Some(active) = slot.active.as_mut() else {
+            return;
+        };
+        let counters = &self.shared.counters;
+        if active.fed < active.pending.len() {
+            active.fed += n_fed;
+            counters
+                .prefill_tokens
+                .fetch_add(n_fed as u64, Ordering::Relaxed);
+            if active.fed < active.pending.len() {
+                return;
+            }
+            active.pending = Vec::new();
+            active.fed = 0;
+            // All in: from here on the call's effect stands.
+            active.undo = None;
+            let took = active.prefill_started.elapsed();
+            counters.prefill_duration.observe(took);
+            match &mut active.work {
+                Work::Append { .. } | Work::Restore => {
+                    slot.last_used = Instant::now();
+                    if let Some(Active {
+                        work: Work::Append { reply, dropped, .. },
+                        ..
+                    }) = slot.active.take()
+                    {
+                        let _ = reply.send(Ok(AppendReply {
+                            history_length,
+                            dropped_token_count: dropped,
+                        }));
+                    }
+                }
+                Work::Generate(gen) => {
+                    gen.prefill_duration += took;
+                    if let Some(dropped) = gen.shift_dropped.take() {
+                        // Room for it was checked when the shift began.
+                        let _ = gen.events.try_send(GenerateEvent::Truncated {
+                            dropped_token_count: dropped,
+                        });
+                    }
+                }
+            }
+            return;
+        }
+        let Work::Generate(gen) = &mut active.work else {
+            return;
+        };
+        let Some(token) = last else {
+            return;
+        };
+        gen.generated.push(token);
+        counters.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        self.gauges.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        let second = self.shared.epoch.elapsed().as_secs();
+        self.gauges.decode_rate.record(second, 1);
+        if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token))
+        {
+            return self.finish_generate(id, Ok(StopReason::Cancelled));
+        }
+        if let Some(logprobs) = gen.pending_logprobs.take() {
+            if let Err(TrySendError::Disconnected(_)) =
+                gen.events.try_send(GenerateEvent::Logprobs(logprobs))
+            {
+                return self.finish_generate(id, Ok(StopReason::Cancelled));
+            }
+        }
+        let stop = if eos_hit {
+            Some(StopReason::Eos)
+        } else if let Some(index) = gen
+            .stop_sequences
+            .iter()
+            .position(|s| gen.generated.ends_with(s))
+        {
+            Some(StopReason::StopSequence {
+                index: index as u32,
+            })
+        } else if gen.generated.len() >= gen.max_tokens as usize {
+            Some(StopReason::MaxTokens)
+        } else {
+            None
+        };
+        if let Some(stop) = stop {
+            self.finish_generate(id, Ok(stop));
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! One worker thread: it alone owns its shard of sessions (a plain map, no
+//! locks) and its compute context, and runs the step loop.
+//!
+//! Each turn of the loop: take every waiting command; serve eviction
+//! requests from other workers; retry creations waiting for a place; start
+//! the next queued operation of each idle session (validate, reserve KV,
+//! then mutate); build ONE batch holding a decode token for every generating
+//! session whose stream has room and a prefill chunk for every session with
+//! prompt tokens left; run one forward through the worker's
+//! [`StepRunner`] (the model here, or the shards); commit, check invariants
+//! and emit; publish gauges and the oldest idle session. A session whose reader
+//! is slow simply sits out steps; the others go on.
+//!
+//! When pages or a session place run out, the least recently used idle
+//! session over ALL workers is evicted: a local one at once, another
+//! worker's by a request on the [`EvictionBoard`]; the operation that needs
+//! the room waits in its queue (other sessions go on) until the owner has
+//! answered, then tries again.
+//!
+//! The rooms: [`admission`] (creation, the session FIFO, removal, TTL),
+//! [`room`] (pages, eviction, truncation, undo), [`batch`] (plan, forward,
+//! commit, invariants) and [`generate`] (sampling, stop conditions,
+//! events).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+
+use super::board::{EvictionBoard, EvictionTicket};
+use super::notify::NotifySender;
+use super::stats::{Counters, WorkerGauges};
+use super::step::{StepError, StepFeed, StepRunner};
+use super::{
+    AppendReply, CloseReply, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent,
+    GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
+    StopReason,
+};
+use crate::kv::{KvError, KvPool, SessionKv};
+use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
+use crate::sampler::{
+    SampleRequest, Sampled, SamplerBackend, SamplerError, SamplingParams, TokenLogprobs,
+};
+use crate::threads::ThreadPool;
+
+mod admission;
+mod batch;
+mod generate;
+mod room;
+#[cfg(test)]
+mod tests;
+
+type Reply<T> = NotifySender<Result<T, RuntimeError>>;
+
+/// A message to a worker.
+pub(crate) enum Command {
+    Create {
+        id: SessionId,
+        req: CreateSession,
+        reply: Reply<SessionId>,
+        deadline: Option<Instant>,
+    },
+    /// An operation that joins the session's FIFO.
+    Enqueue {
+        id: SessionId,
+        op: Op,
+        deadline: Option<Instant>,
+    },
+    Info {
+        id: SessionId,
+        reply: Reply<SessionInfo>,
+    },
+    Shutdown,
+}
+
+/// An operation that runs in the session's arrival order.
+pub(crate) enum Op {
+    Append {
+        tokens: Vec<u32>,
+        reply: Reply<AppendReply>,
+    },
+    Generate {
+        req: Box<GenerateRequest>,
+        events: NotifySender<GenerateEvent>,
+        cancel: Arc<AtomicBool>,
+    },
+    Close {
+        reply: Reply<CloseReply>,
+    },
+}
+
+impl Op {
+    fn fail(self, err: RuntimeError) {
+        // A caller that went away no longer needs the answer.
+        match self {
+            Op::Append { reply, .. } => drop(reply.send(Err(err))),
+            Op::Close { reply } => drop(reply.send(Err(err))),
+            Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
+        }
+    }
+}
+
+/// What every worker shares; all of it is lock-free.
+pub(crate) struct WorkersState {
+    pub(crate) counters: Counters,
+    /// Live sessions over all workers (the session limit).
+    pub(crate) live_sessions: AtomicUsize,
+    pub(crate) board: EvictionBoard,
+    /// KV pages held by each worker's idle sessions, as it last published:
+    /// what evicting could free, so nothing is evicted for a request that
+    /// would fail anyway.
+    pub(crate) idle_pages: Vec<AtomicUsize>,
+    /// Wakes worker `i` from its wait for commands (a full channel means a
+    /// wake is already pending).
+    pub(crate) wakers: Vec<Sender<()>>,
+    /// Time zero of the board's stamps and the decode-rate seconds.
+    pub(crate) epoch: Instant,
+}
+
+impl WorkersState {
+    pub(crate) fn new(wakers: Vec<Sender<()>>) -> Self {
+        WorkersState {
+            counters: Counters::default(),
+            live_sessions: AtomicUsize::new(0),
+            board: EvictionBoard::new(wakers.len()),
+            idle_pages: wakers.iter().map(|_| AtomicUsize::new(0)).collect(),
+            wakers,
+            epoch: Instant::now(),
+        }
+    }
+}
+
+struct Queued {
+    op: Op,
+    deadline: Option<Instant>,
+}
+
+/// A CreateSession waiting for another worker to evict a session.
+struct WaitingCreate {
+    id: SessionId,
+    req: CreateSession,
+    reply: Reply<SessionId>,
+    deadline: Option<Instant>,
+    since: Instant,
+}
+
+/// A Generate in progress.
+struct Generating {
+    params: SamplingParams,
+    seed_used: u64,
+    max_tokens: u32,
+    stop_sequences: Vec<Vec<u32>>,
+    generated: Vec<u32>,
+    events: NotifySender<GenerateEvent>,
+    cancel: Arc<AtomicBool>,
+    deadline: Option<Instant>,
+    started: Instant,
+    prefill_duration: Duration,
+    /// History tokens computed again before the first sampled token.
+    prefill_tokens: u64,
+    /// Log-probabilities to report with each token (0: none).
+    top_logprobs: usize,
+    /// The report for the token sampled and not yet emitted.
+    pending_logprobs: Option<TokenLogprobs>,
+    /// A window shift in progress: the tokens it dropped, reported as
+    /// `Truncated` once the kept window is in (never if the call stops
+    /// first and the shift is undone).
+    shift_dropped: Option<u64>,
+}
+
+enum Work {
+    Append {
+        reply: Reply<AppendReply>,
+        dropped: u64,
+        /// Checked before every chunk: past it the append is undone.
+        deadline: Option<Instant>,
+    },
+    Generate(Box<Generating>),
+    /// A failed call's truncation gave the session's pages back: its old
+    /// history is fed again (bit-identical by INV-3) before anything else
+    /// runs on it. Nobody waits for it and nothing cuts it short.
+    Restore,
+}
+
+/// The operation a session is running: prompt tokens still to feed (after
+/// an append or a truncation), then, for a Generate, decoding.
+struct Active {
+    work: Work,
+    pending: Vec<u32>,
+    fed: usize,
+    prefill_started: Instant,
+    /// How to put the session back if the call stops before `pending` is
+    /// all in; dropped once it is.
+    undo: Option<Undo>,
+}
+
+/// The session as it was before a call began to change it, so that a call
+/// that fails, expires or is cancelled halfway leaves nothing half-done
+/// (the history is append-only to clients, so cutting the KV back is safe).
+struct Undo {
+    kind: UndoKind,
+    next_logits: Vec<f32>,
+    truncated: u64,
+}
+
+enum UndoKind {
+    /// Tokens were only added: cut the history and KV back to this length.
+    Shorten(usize),
+    /// A truncation re-prefills into fresh pages; the session's own pages
+    /// and history wait here until it is done.
+    SwapBack { kv: SessionKv, history: Vec<u32> },
+    /// A truncation re-prefills into the session's own pages (nothing else
+    /// could be had): the old history has to be computed again.
+    Recompute { history: Vec<u32> },
+}
+
+/// What restarting a session's KV did.
+enum Restarted {
+    /// Emptied, with the pages for the kept window reserved.
+    Now(Undo),
+    /// Waiting for another worker's eviction; nothing changed.
+    Later,
+}
+
+/// How an append starts.
+enum Begin {
+    /// Nothing to append.
+    Empty,
+    /// Reserved (and truncated, if it had to be): feed these tokens.
+    Prefill {
+        pending: Vec<u32>,
+        dropped: u64,
+        undo: Undo,
+    },
+    /// Waiting for another worker to evict; nothing changed.
+    Later,
+}
+
+/// Whether pages or a place were had now, or another worker was asked to
+/// evict and the caller should try again on a later turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Got {
+    Now,
+    Later,
+}
+
+/// What making room did.
+enum Room {
+    /// Something was evicted (or a remote request answered): try again now.
+    Retry,
+    /// Another worker was asked to evict; try again on a later turn.
+    Later,
+    /// Nothing idle anywhere may be evicted.
+    Nothing,
+}
+
+/// What a session short of pages does after one round of making room.
+enum Wait {
+    /// Something was freed: try again now.
+    Retry,
+    /// Another worker was asked to evict: try again on a later turn.
+    Later,
+    /// Nothing more can be freed for it, or it waited long enough.
+    GiveUp,
+}
+
+/// Why a session left its worker; each reason has a counter.
+#[derive(Clone, Copy, Debug)]
+enum Removal {
+    Ttl,
+    Lru,
+    Close,
+    /// An invariant broke or the forward pass failed.
+    Failed,
+}
+
+/// A session and its queue.
+struct SessionSlot {
+    kv: SessionKv,
+    history: Vec<u32>,
+    next_logits: Vec<f32>,
+    /// `digest(next_logits)`, computed on the first GetSessionInfo after the
+    /// logits changed (hashing 49k logits costs ~0.2 ms of worker time).
+    logits_digest: std::cell::Cell<Option<u64>>,
+    label: String,
+    eos: Vec<u32>,
+    /// INV-1 violations seen on this session (cached positions against
+    /// history length).
+    inv1_violations: u64,
+    /// INV-2 violations seen on this session (a cached length that went
+    /// down).
+    inv2_violations: u64,
+    /// Tokens dropped so far by context-overflow truncation.
+    truncated: u64,
+    /// Committed KV length after the last mutation; it must never decrease
+    /// except through a deliberate truncation, which resets it.
+    high_water: usize,
+    last_used: Instant,
+    active: Option<Active>,
+    queue: VecDeque<Queued>,
+    /// When the session began waiting for another worker to free pages.
+    short_since: Option<Instant>,
+    /// What this step feeds for the session.
+    feed: Vec<u32>,
+    feed_logits: LogitsWanted,
+}
+
+impl SessionSlot {
+    fn idle(&self) -> bool {
+        self.active.is_none() && self.queue.is_empty()
+    }
+}
+
+pub(crate) struct Worker {
+    index: usize,
+    model: Arc<Model>,
+    kv_pool: Arc<KvPool>,
+    cfg: RuntimeConfig,
+    shared: Arc<WorkersState>,
+    gauges: Arc<WorkerGauges>,
+    compute: ThreadPool,
+    scratch: Scratch,
+    sampler: SamplerBackend,
+    /// Sessions whose next token this step samples, in one batch.
+    to_sample: Vec<SessionId>,
+    /// The batch's answers, reused across steps.
+    sampled: Vec<Result<Sampled, SamplerError>>,
+    sessions: HashMap<SessionId, SessionSlot>,
+    /// What runs the layers: the model here, or the shards.
+    runner: Box<dyn StepRunner>,
+    waiting_creates: VecDeque<WaitingCreate>,
+    /// The one eviction this worker has asked another for and not seen
+    /// answered.
+    evict_wait: Option<EvictionTicket>,
+    last_sweep: Instant,
+    /// Nanoseconds one step spends per depth-weighted token (see
+    /// [`depth_weight`]), averaged over recent steps: sizes prefill chunks
+    /// to the step budget.
+    ns_per_weighted_token: Option<f64>,
+}
+
+/// How long an idle worker waits for a command before sweeping for TTL.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// How long a worker whose sessions are all blocked waits before retrying.
+const STALLED_WAIT: Duration = Duration::from_millis(1);
+/// How long a call waits for other workers to evict before it is
+/// `ResourceExhausted` (an owner answers within one of its turns).
+const EVICTION_PATIENCE: Duration = Duration::from_secs(2);
+
+fn kv_exhausted(asked: usize, free: usize) -> RuntimeError {
+    RuntimeError::ResourceExhausted {
+        what: "KV pages".into(),
+        asked: asked as u64,
+        free: free as u64,
+    }
+}
+
+fn sessions_exhausted() -> RuntimeError {
+    RuntimeError::ResourceExhausted {
+        what: "sessions".into(),
+        asked: 1,
+        free: 0,
+    }
+}
+
+impl Worker {
+    pub(crate) fn new(
+        index: usize,
+        model: Arc<Model>,
+        runner: Box<dyn StepRunner>,
+        kv_pool: Arc<KvPool>,
+        cfg: RuntimeConfig,
+        shared: Arc<WorkersState>,
+        gauges: Arc<WorkerGauges>,
+    ) -> Result<Self, RuntimeError> {
+        let sampler = cfg
+            .sampler
+            .backend(model.config.vocab, model.config.context)
+            .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
+        Ok(Worker {
+            index,
+            model,
+            kv_pool,
+            cfg,
+            shared,
+            gauges,
+            compute: ThreadPool::new(1),
+            scratch: Scratch::default(),
+            sampler,
+            to_sample: Vec::new(),
+            sampled: Vec::new(),
+            sessions: HashMap::new(),
+            runner,
+            waiting_creates: VecDeque::new(),
+            evict_wait: None,
+            last_sweep: Instant::now(),
+            ns_per_weighted_token: None,
+        })
+    }
+
+    /// The loop: runs until `Shutdown` or until every sender is gone.
+    pub(crate) fn run(mut self, commands: Receiver<Command>, wake: Receiver<()>) {
+        tracing::debug!(worker = self.index, "worker started");
+        let mut wait = IDLE_WAIT;
+        loop {
+            let timeout = if self.has_work() { wait } else { IDLE_WAIT };
+            let first = crossbeam_channel::select! {
+                recv(commands) -> got => got.map(Some),
+                recv(wake) -> _ => Ok(None),
+                default(timeout) => Ok(None),
+            };
+            let Ok(mut next) = first else {
+                break;
+            };
+            let mut stop = false;
+            while let Some(cmd) = next {
+                if matches!(cmd, Command::Shutdown) {
+                    stop = true;
+                    break;
+                }
+                self.handle(cmd);
+                next = commands.try_recv().ok();
+            }
+            if stop {
+                break;
+            }
+            self.serve_evictions();
+            let mut progressed = self.retry_creates();
+            progressed |= self.step();
+            wait = if progressed {
+                Duration::ZERO
+            } else {
+                STALLED_WAIT
+            };
+            self.sweep_if_due();
+            self.publish();
+        }
+        self.fail_everything();
+        tracing::debug!(worker = self.index, "worker stopped");
+    }
+
+    fn has_work(&self) -> bool {
+        !self.waiting_creates.is_empty() || self.sessions.values().any(|s| !s.idle())
+    }
+
+    fn fail_everything(&mut self) {
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for id in ids {
+            if let Some(mut slot) = self.sessions.remove(&id) {
+                if let Some(active) = slot.active.take() {
+                    finish_with_error(active, RuntimeError::Unavailable);
+                }
+                for q in slot.queue.drain(..) {
+                    q.op.fail(RuntimeError::Unavailable);
+                }
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        for w in self.waiting_creates.drain(..) {
+            let _ = w.reply.send(Err(RuntimeError::Unavailable));
+        }
+        // Whoever waits on this worker's evictions learns there are none.
+        let board = &self.shared.board;
+        board.answer(self.index, board.open_requests(self.index), None);
+        self.publish();
+    }
+
+    pub(crate) fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Create {
+                id,
+                req,
+                reply,
+                deadline,
+            } => {
+                let waiting = WaitingCreate {
+                    id,
+                    req,
+                    reply,
+                    deadline,
+                    since: Instant::now(),
+                };
+                if let Some(w) = self.try_create(waiting) {
+                    self.waiting_creates.push_back(w);
+                }
+            }
+            Command::Info { id, reply } => {
+                let _ = reply.send(self.info(id));
+            }
+            Command::Enqueue { id, op, deadline } => {
+                let limit = self.cfg.session_queue;
+                let Some(slot) = self.sessions.get_mut(&id) else {
+                    return op.fail(RuntimeError::NotFound);
+                };
+                if slot.queue.len() >= limit {
+                    return op.fail(RuntimeError::ResourceExhausted {
+                        what: "session wait queue".into(),
+                        asked: slot.queue.len() as u64 + 1,
+                        free: 0,
+                    });
+                }
+                slot.queue.push_back(Queued { op, deadline });
+            }
+            Command::Shutdown => {}
+        }
+    }
+}
+
+fn finish_with_error(active: Active, err: RuntimeError) {
+    match active.work {
+        Work::Append { reply, .. } => drop(reply.send(Err(err))),
+        Work::Generate(gen) => drop(gen.events.try_send(GenerateEvent::Error(err))),
+        Work::Restore => {}
+    }
+}
+
+impl Active {
+    /// Why the call must stop before its next step, if it must: a cancelled
+    /// Generate, or a deadline that passed. A restore never stops.
+    fn stopped(&self) -> Option<Result<StopReason, RuntimeError>> {
+        let now = Instant::now();
+        match &self.work {
+            Work::Append { deadline, .. } => deadline
+                .is_some_and(|d| d <= now)
+                .then_some(Err(RuntimeError::DeadlineExceeded)),
+            Work::Generate(gen) => {
+                if gen.cancel.load(Ordering::Acquire) {
+                    Some(Ok(StopReason::Cancelled))
+                } else if gen.deadline.is_some_and(|d| d <= now) {
+                    Some(Err(RuntimeError::DeadlineExceeded))
+                } else {
+                    None
+                }
+            }
+            Work::Restore => None,
+        }
+    }
+}
+
+/// How much dearer a prompt token at `depth` is than one at the start of
+/// the history, roughly: attention over the positions before it grows with
+/// the depth while the weights' share stays fixed. Only sizes chunks, so
+/// it need not be exact.
+fn depth_weight(depth: usize) -> f64 {
+    const DEPTH_OF_EQUAL_COST: f64 = 2048.0;
+    1.0 + depth as f64 / DEPTH_OF_EQUAL_COST
+}
+
+/// The first `sink` tokens plus the most recent ones, `keep` in all.
+fn keep_window(history: &[u32], sink: usize, keep: usize) -> Vec<u32> {
+    if history.len() <= keep {
+        return history.to_vec();
+    }
+    let sink = sink.min(keep);
+    let mut kept = history[..sink].to_vec();
+    kept.extend_from_slice(&history[history.len() - (keep - sink)..]);
+    kept
+}
+
+/// FNV-1a over the bits of `values`.
+fn digest(values: &[f32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in values {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}

@@ -1,0 +1,399 @@
+//! Room: KV pages and session places. Eviction of the least recently used
+//! idle session (here, or by a request on the board to its owner), waiting
+//! for another worker's answer, reservations, truncation (a fresh start or
+//! in place) and undoing a call that stopped halfway.
+
+use super::*;
+
+impl Worker {
+    /// Nanoseconds from the shared epoch to `t`: the board's stamps.
+    pub(super) fn stamp(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.shared.epoch).as_nanos() as u64
+    }
+
+    /// The least recently used idle session other than `keep`.
+    pub(super) fn lru_idle(&self, keep: Option<SessionId>) -> Option<(SessionId, Instant)> {
+        self.sessions
+            .iter()
+            .filter(|(id, s)| s.idle() && Some(**id) != keep)
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(id, s)| (*id, s.last_used))
+    }
+
+    /// Evicts the least recently used idle session other than `keep`.
+    pub(super) fn evict_lru(&mut self, keep: Option<SessionId>) -> bool {
+        match self.lru_idle(keep) {
+            Some((id, _)) => self.remove(id, Removal::Lru).is_some(),
+            None => false,
+        }
+    }
+
+    /// The KV pages evicting could free for `keep`: those of this worker's
+    /// idle sessions (counted now) and of the others' (as last published).
+    pub(super) fn evictable_pages(&self, keep: SessionId) -> usize {
+        if self.cfg.eviction == EvictionPolicy::None {
+            return 0;
+        }
+        let local: usize = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| s.idle() && **id != keep)
+            .map(|(_, s)| s.kv.pages_held())
+            .sum();
+        let others: usize = self
+            .shared
+            .idle_pages
+            .iter()
+            .enumerate()
+            .filter(|(worker, _)| *worker != self.index)
+            .map(|(_, pages)| pages.load(Ordering::Relaxed))
+            .sum();
+        local.saturating_add(others)
+    }
+
+    /// Frees room by evicting the least recently used idle session of any
+    /// worker (never `keep`), as the eviction policy allows.
+    pub(super) fn make_room(&mut self, keep: Option<SessionId>) -> Room {
+        if self.cfg.eviction == EvictionPolicy::None {
+            return Room::Nothing;
+        }
+        if let Some(ticket) = self.evict_wait {
+            if !self.shared.board.is_answered(ticket) {
+                return Room::Later;
+            }
+            self.evict_wait = None;
+            return Room::Retry;
+        }
+        let local = self.lru_idle(keep);
+        let remote = self.shared.board.best_victim(self.index);
+        let ask = match (local, remote) {
+            (Some((_, used)), Some((worker, stamp))) => {
+                (stamp < self.stamp(used)).then_some(worker)
+            }
+            (None, Some((worker, _))) => Some(worker),
+            _ => None,
+        };
+        if let Some(worker) = ask {
+            self.evict_wait = Some(self.shared.board.ask(worker));
+            if let Some(waker) = self.shared.wakers.get(worker) {
+                let _ = waker.try_send(());
+            }
+            return Room::Later;
+        }
+        match local {
+            Some((id, _)) => {
+                self.remove(id, Removal::Lru);
+                Room::Retry
+            }
+            None => Room::Nothing,
+        }
+    }
+
+    /// Serves other workers' eviction requests: one LRU idle session each,
+    /// while any is idle; then republishes and marks them answered.
+    pub(super) fn serve_evictions(&mut self) {
+        let board = &self.shared.board;
+        let open = board.open_requests(self.index);
+        if open.count == 0 {
+            return;
+        }
+        for _ in 0..open.count {
+            if !self.evict_lru(None) {
+                break;
+            }
+        }
+        let oldest = self.lru_idle(None).map(|(_, used)| self.stamp(used));
+        self.shared.board.answer(self.index, open, oldest);
+    }
+
+    /// Publishes the gauges and this worker's oldest idle session.
+    pub(super) fn publish(&self) {
+        let mut kv_bytes = 0;
+        let mut history = 0;
+        let mut queued = self.waiting_creates.len() as u64;
+        let mut oldest: Option<Instant> = None;
+        let mut idle_pages = 0;
+        for slot in self.sessions.values() {
+            kv_bytes += self.runner.kv_live_bytes(&slot.kv);
+            history += slot.history.len() as u64;
+            queued += slot.queue.len() as u64;
+            if slot.idle() {
+                idle_pages += slot.kv.pages_held();
+                if oldest.is_none_or(|t| slot.last_used < t) {
+                    oldest = Some(slot.last_used);
+                }
+            }
+        }
+        if let Some(published) = self.shared.idle_pages.get(self.index) {
+            published.store(idle_pages, Ordering::Relaxed);
+        }
+        let g = &self.gauges;
+        g.sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        g.kv_live_bytes.store(kv_bytes, Ordering::Relaxed);
+        g.history_tokens.store(history, Ordering::Relaxed);
+        g.queued_ops.store(queued, Ordering::Relaxed);
+        self.shared
+            .board
+            .publish(self.index, oldest.map(|t| self.stamp(t)));
+    }
+
+    /// Whether a session short of pages may go on waiting for another
+    /// worker's eviction (starting its clock on the first call).
+    pub(super) fn still_patient(&mut self, id: SessionId) -> bool {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return false;
+        };
+        let since = *slot.short_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < EVICTION_PATIENCE {
+            return true;
+        }
+        slot.short_since = None;
+        false
+    }
+
+    /// One round of making room for session `id`, within its patience.
+    pub(super) fn room_for(&mut self, id: SessionId) -> Wait {
+        match self.make_room(Some(id)) {
+            Room::Retry => Wait::Retry,
+            Room::Later if self.still_patient(id) => Wait::Later,
+            Room::Later | Room::Nothing => {
+                self.clear_short(id);
+                Wait::GiveUp
+            }
+        }
+    }
+
+    pub(super) fn clear_short(&mut self, id: SessionId) {
+        if let Some(slot) = self.sessions.get_mut(&id) {
+            slot.short_since = None;
+        }
+    }
+
+    /// Reserves KV for `total` positions of `id`, evicting idle sessions
+    /// while the pool is short. All or nothing.
+    pub(super) fn reserve(&mut self, id: SessionId, total: usize) -> Result<Got, RuntimeError> {
+        loop {
+            let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+            match slot.kv.reserve(total) {
+                Ok(()) => {
+                    slot.short_since = None;
+                    return Ok(Got::Now);
+                }
+                Err(KvError::Exhausted { wanted, free }) => {
+                    // Decide from the numbers first: evict nothing for a
+                    // request that would fail anyway.
+                    if free.saturating_add(self.evictable_pages(id)) < wanted {
+                        self.clear_short(id);
+                        return Err(kv_exhausted(wanted, free));
+                    }
+                    match self.room_for(id) {
+                        Wait::Retry => {}
+                        Wait::Later => return Ok(Got::Later),
+                        Wait::GiveUp => return Err(kv_exhausted(wanted, free)),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Empties the session into KV with `positions` reserved, for a
+    /// truncated history to be re-prefilled (RoPE bakes positions into K, so
+    /// the kept window must be recomputed). The [`Undo`] puts the session
+    /// back if the call stops before the window is in.
+    ///
+    /// Validate, reserve, then mutate: fresh pages are reserved NEXT to the
+    /// session's own (evicting idle sessions as needed) and swapped in only
+    /// once had; the old ones are kept until the window is in. Only when
+    /// that cannot be had even by evicting everything idle, but the
+    /// session's own pages plus the free ones would do, are its pages given
+    /// back and reserved again; with one worker nothing can take them in
+    /// between, and if another worker does, the session is removed (counted
+    /// as failed) rather than left silently empty. `Err` otherwise means
+    /// nothing changed (and nothing was evicted for it); `Later` means
+    /// another worker was asked to evict.
+    pub(super) fn restart_kv(
+        &mut self,
+        id: SessionId,
+        positions: usize,
+    ) -> Result<Restarted, RuntimeError> {
+        loop {
+            let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
+            match fresh.reserve(positions) {
+                Ok(()) => {
+                    let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+                    let kv = std::mem::replace(&mut slot.kv, fresh);
+                    let undo = Undo {
+                        kind: UndoKind::SwapBack {
+                            kv,
+                            history: std::mem::take(&mut slot.history),
+                        },
+                        next_logits: std::mem::take(&mut slot.next_logits),
+                        truncated: slot.truncated,
+                    };
+                    slot.logits_digest.set(None);
+                    slot.high_water = 0;
+                    slot.short_since = None;
+                    return Ok(Restarted::Now(undo));
+                }
+                Err(KvError::Exhausted { wanted, free }) => {
+                    let own = self
+                        .sessions
+                        .get(&id)
+                        .ok_or(RuntimeError::NotFound)?
+                        .kv
+                        .pages_held();
+                    let evictable = self.evictable_pages(id);
+                    let fresh_can_fit = free.saturating_add(evictable) >= wanted;
+                    if !fresh_can_fit && free + own >= wanted {
+                        self.clear_short(id);
+                        return self.restart_in_place(id, positions, wanted, free);
+                    }
+                    if !fresh_can_fit && (free + own).saturating_add(evictable) < wanted {
+                        self.clear_short(id);
+                        return Err(kv_exhausted(wanted, free));
+                    }
+                    match self.room_for(id) {
+                        Wait::Retry => {}
+                        Wait::Later => return Ok(Restarted::Later),
+                        Wait::GiveUp => return self.restart_in_place(id, positions, wanted, free),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// The last resort of [`Worker::restart_kv`]: reuse the session's own
+    /// pages when they and the free ones cover `wanted`.
+    pub(super) fn restart_in_place(
+        &mut self,
+        id: SessionId,
+        positions: usize,
+        wanted: usize,
+        free: usize,
+    ) -> Result<Restarted, RuntimeError> {
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        if wanted > free + slot.kv.pages_held() {
+            return Err(kv_exhausted(wanted, free));
+        }
+        slot.kv.release()?;
+        let undo = Undo {
+            kind: UndoKind::Recompute {
+                history: std::mem::take(&mut slot.history),
+            },
+            next_logits: std::mem::take(&mut slot.next_logits),
+            truncated: slot.truncated,
+        };
+        slot.logits_digest.set(None);
+        slot.high_water = 0;
+        match slot.kv.reserve(positions) {
+            Ok(()) => Ok(Restarted::Now(undo)),
+            Err(e) => {
+                let err = match e {
+                    KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
+                    e => e.into(),
+                };
+                tracing::warn!(session = %id, "pages taken while truncating: {err}");
+                self.fail_session(id, err.clone());
+                Err(err)
+            }
+        }
+    }
+
+    /// Puts a session back as `undo` says, after its call stopped halfway.
+    /// When its pages were given back for an in-place truncation, the old
+    /// history is queued to be fed again as the session's next work.
+    pub(super) fn apply_undo(&mut self, id: SessionId, undo: Undo) -> Result<(), RuntimeError> {
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        slot.feed.clear();
+        slot.truncated = undo.truncated;
+        slot.logits_digest.set(None);
+        match undo.kind {
+            UndoKind::Shorten(len) => {
+                slot.history.truncate(len);
+                slot.kv.roll_back_to(len)?;
+                slot.next_logits = undo.next_logits;
+            }
+            UndoKind::SwapBack { kv, history } => {
+                let mut partial = std::mem::replace(&mut slot.kv, kv);
+                slot.history = history;
+                slot.next_logits = undo.next_logits;
+                partial.release()?;
+            }
+            UndoKind::Recompute { history } => {
+                slot.kv.release()?;
+                slot.history.clear();
+                slot.next_logits.clear();
+                slot.kv.reserve(history.len()).map_err(|e| match e {
+                    KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
+                    e => e.into(),
+                })?;
+                slot.active = Some(Active {
+                    work: Work::Restore,
+                    pending: history,
+                    fed: 0,
+                    prefill_started: Instant::now(),
+                    undo: None,
+                });
+            }
+        }
+        // The one deliberate decrease of the committed length (INV-2).
+        slot.high_water = slot.kv.len();
+        // What the layers hold beyond the pages (the shards' copies) no
+        // longer matches.
+        self.runner.release(id);
+        Ok(())
+    }
+
+    /// The context is full in the middle of a Generate: drop the oldest
+    /// tokens after the sink, no more than the rest of the Generate needs
+    /// and at most half the window, and re-prefill the kept window before
+    /// the next token. `Truncated` is emitted once it is in. Returns
+    /// whether the session moved.
+    pub(super) fn shift_window(&mut self, id: SessionId) -> bool {
+        let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
+            return false;
+        };
+        let context = self.model.config.context;
+        let Some(slot) = self.sessions.get(&id) else {
+            return false;
+        };
+        let Some(Active {
+            work: Work::Generate(gen),
+            ..
+        }) = slot.active.as_ref()
+        else {
+            return false;
+        };
+        let still_wanted = (gen.max_tokens as usize).saturating_sub(gen.generated.len());
+        let half_window = (context.saturating_sub(sink) / 2).max(1);
+        let shift = still_wanted.clamp(1, half_window);
+        let kept = keep_window(&slot.history, sink, context.saturating_sub(shift));
+        let dropped = (slot.history.len() - kept.len()) as u64;
+        let undo = match self.restart_kv(id, kept.len()) {
+            Ok(Restarted::Now(undo)) => undo,
+            Ok(Restarted::Later) => return false,
+            Err(e) => {
+                self.finish_generate(id, Err(e));
+                return true;
+            }
+        };
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return true;
+        };
+        slot.truncated += dropped;
+        if let Some(active) = slot.active.as_mut() {
+            if let Work::Generate(gen) = &mut active.work {
+                gen.shift_dropped = Some(dropped);
+                gen.prefill_tokens += kept.len() as u64;
+            }
+            active.pending = kept;
+            active.fed = 0;
+            active.prefill_started = Instant::now();
+            active.undo = Some(undo);
+        }
+        true
+    }
+}
