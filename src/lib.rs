@@ -22,6 +22,8 @@
 //! - [`metrics`]: Prometheus text rendering of the runtime counters, served over HTTP.
 //! - [`cluster`]: the shard protocol: frame checks, `inferd shard`, the
 //!   coordinator's link to a shard, and `inferd relay`.
+//! - [`sync`]: the one loom switch: atomics, `Arc`, waker and channel that
+//!   shared code imports (loom's under `--cfg loom`).
 //! - [`listen`]: the socket address a bound listen string names.
 //! - [`chat_template`]: a conversation -> prompt text through the model's own
 //!   Jinja chat template, rendered as transformers renders it.
@@ -49,5 +51,6 @@ pub mod sampler;
 #[cfg(not(loom))]
 pub mod server;
 pub mod stop;
+pub mod sync;
 pub mod threads;
 pub mod tokenizer;

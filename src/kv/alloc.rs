@@ -43,7 +43,7 @@
 use crossbeam_utils::CachePadded;
 
 use super::error::KvError;
-use super::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// The empty-stack marker in the index half of `head` and in links.
 const NIL: u32 = u32::MAX;

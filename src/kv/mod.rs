@@ -16,7 +16,6 @@ mod alloc;
 mod error;
 pub mod pool;
 mod session;
-mod sync;
 
 pub use alloc::{PageAllocator, MAX_PAGES};
 pub use error::KvError;

@@ -12,7 +12,7 @@
 //! answered. A requester that sees its ticket answered therefore also sees
 //! the owner's fresh stamp, never the stale one it acted on.
 
-use super::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Published in place of a stamp by a worker with no idle session.
 const NO_IDLE: u64 = u64::MAX;

@@ -19,7 +19,6 @@ pub mod notify;
 mod notify;
 mod rate;
 mod stats;
-mod sync;
 mod types;
 // Under loom only the concurrency primitives above are built and checked.
 #[cfg(not(loom))]

@@ -4,9 +4,9 @@
 //! thread ever blocks on a worker. Synchronous callers (tests, the CLI) use
 //! the blocking `recv` family as with a plain crossbeam channel.
 //!
-//! Under `--cfg loom` the channel and the waker are loom's model-checked
-//! stand-ins (`loom_shim` below), so `tests/loom` checks this very code for
-//! lost wake-ups.
+//! The channel and the waker come from [`crate::sync`]: under `--cfg loom`
+//! they are loom's model-checked stand-ins, so `tests/loom` checks this very
+//! code for lost wake-ups.
 
 use std::mem::ManuallyDrop;
 use std::task::{Context, Poll};
@@ -17,19 +17,8 @@ use std::time::Instant;
 use crossbeam_channel::{RecvError, RecvTimeoutError};
 use crossbeam_channel::{SendError, TryRecvError, TrySendError};
 
-#[cfg(not(loom))]
-use crossbeam_channel::{bounded, Receiver, Sender};
-#[cfg(not(loom))]
-use futures_util::task::AtomicWaker;
-#[cfg(not(loom))]
-use std::sync::Arc;
-
-#[cfg(loom)]
-use loom::future::AtomicWaker;
-#[cfg(loom)]
-use loom::sync::Arc;
-#[cfg(loom)]
-use loom_shim::{bounded, Receiver, Sender};
+use crate::sync::channel::{bounded, Receiver, Sender};
+use crate::sync::{Arc, AtomicWaker};
 
 /// A bounded channel whose receiver can be polled from a future.
 pub fn channel<T>(capacity: usize) -> (NotifySender<T>, NotifyReceiver<T>) {
@@ -138,93 +127,11 @@ impl<T> NotifyReceiver<T> {
     /// registered) otherwise.
     pub fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         // Register before looking, so a send landing in between still wakes us.
-        #[cfg(not(loom))]
         self.waker.register(cx.waker());
-        #[cfg(loom)]
-        self.waker.register_by_ref(cx.waker());
         match self.rx.try_recv() {
             Ok(value) => Poll::Ready(Some(value)),
             Err(TryRecvError::Disconnected) => Poll::Ready(None),
             Err(TryRecvError::Empty) => Poll::Pending,
-        }
-    }
-}
-
-/// A bounded channel built from loom's primitives with crossbeam's API and
-/// error types, so loom explores every interleaving of send, drop and poll.
-#[cfg(loom)]
-mod loom_shim {
-    use std::collections::VecDeque;
-
-    use crossbeam_channel::{SendError, TryRecvError, TrySendError};
-    use loom::sync::atomic::{AtomicUsize, Ordering};
-    use loom::sync::{Arc, Mutex};
-
-    struct Chan<T> {
-        queue: Mutex<VecDeque<T>>,
-        senders: AtomicUsize,
-        capacity: usize,
-    }
-
-    pub struct Sender<T>(Arc<Chan<T>>);
-    pub struct Receiver<T>(Arc<Chan<T>>);
-
-    pub fn bounded<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
-        let chan = Arc::new(Chan {
-            queue: Mutex::new(VecDeque::new()),
-            senders: AtomicUsize::new(1),
-            capacity,
-        });
-        (Sender(Arc::clone(&chan)), Receiver(chan))
-    }
-
-    impl<T> Sender<T> {
-        pub fn try_send(&self, value: T) -> Result<(), TrySendError<T>> {
-            let mut queue = self.0.queue.lock().unwrap_or_else(|p| p.into_inner());
-            if queue.len() >= self.0.capacity {
-                return Err(TrySendError::Full(value));
-            }
-            queue.push_back(value);
-            Ok(())
-        }
-
-        /// Loom cannot model a blocked sender; the models never fill a channel.
-        pub fn send(&self, value: T) -> Result<(), SendError<T>> {
-            self.try_send(value).map_err(|e| SendError(e.into_inner()))
-        }
-
-        pub fn len(&self) -> usize {
-            self.0.queue.lock().unwrap_or_else(|p| p.into_inner()).len()
-        }
-
-        pub fn capacity(&self) -> Option<usize> {
-            Some(self.0.capacity)
-        }
-    }
-
-    impl<T> Clone for Sender<T> {
-        fn clone(&self) -> Self {
-            self.0.senders.fetch_add(1, Ordering::AcqRel);
-            Sender(Arc::clone(&self.0))
-        }
-    }
-
-    impl<T> Drop for Sender<T> {
-        fn drop(&mut self) {
-            self.0.senders.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-
-    impl<T> Receiver<T> {
-        pub fn try_recv(&self) -> Result<T, TryRecvError> {
-            let mut queue = self.0.queue.lock().unwrap_or_else(|p| p.into_inner());
-            match queue.pop_front() {
-                Some(value) => Ok(value),
-                None if self.0.senders.load(Ordering::Acquire) == 0 => {
-                    Err(TryRecvError::Disconnected)
-                }
-                None => Err(TryRecvError::Empty),
-            }
         }
     }
 }

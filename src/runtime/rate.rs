@@ -4,7 +4,7 @@
 //! second before and after reading its count and skips a bucket that was
 //! being recycled under it (a seqlock with the second as the sequence).
 
-use super::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Marks a bucket being recycled (or never used).
 const RECYCLING: u64 = u64::MAX;

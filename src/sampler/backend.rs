@@ -4,10 +4,8 @@
 
 use std::fmt;
 use std::str::FromStr;
-#[cfg(not(loom))]
 use std::sync::Arc;
 
-#[cfg(not(loom))]
 use super::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler, DEFAULT_MAX_ROWS};
 use super::{Sampled, Sampler, SamplerError, SamplingParams};
 
@@ -72,7 +70,6 @@ impl FromStr for SamplerChoice {
 pub enum SelectedSampler {
     #[default]
     Cpu,
-    #[cfg(not(loom))]
     Wgpu(Arc<GpuContext>),
 }
 
@@ -80,7 +77,6 @@ impl SelectedSampler {
     /// Resolves the operator's choice once, at start-up. `auto` takes a
     /// hardware adapter only: on a CPU-only host a software Vulkan device
     /// samples far slower than the CPU sampler (docs/PERFORMANCE.md).
-    #[cfg(not(loom))]
     pub fn resolve(choice: SamplerChoice) -> Result<SelectedSampler, GpuError> {
         match choice {
             SamplerChoice::Cpu => Ok(SelectedSampler::Cpu),
@@ -103,7 +99,6 @@ impl SelectedSampler {
     pub fn backend_name(&self) -> &'static str {
         match self {
             SelectedSampler::Cpu => "cpu",
-            #[cfg(not(loom))]
             SelectedSampler::Wgpu(_) => "wgpu",
         }
     }
@@ -112,7 +107,6 @@ impl SelectedSampler {
     pub fn adapter(&self) -> Option<String> {
         match self {
             SelectedSampler::Cpu => None,
-            #[cfg(not(loom))]
             SelectedSampler::Wgpu(context) => Some(context.describe()),
         }
     }
@@ -124,12 +118,8 @@ impl SelectedSampler {
         vocab_size: usize,
         history_hint: usize,
     ) -> Result<SamplerBackend, SamplerError> {
-        // Only the GPU backend sizes anything (and loom builds none).
-        #[cfg(loom)]
-        let _ = (vocab_size, history_hint);
         match self {
             SelectedSampler::Cpu => Ok(SamplerBackend::Cpu(Sampler::new())),
-            #[cfg(not(loom))]
             SelectedSampler::Wgpu(context) => {
                 let gpu = GpuSampler::new(
                     Arc::clone(context),
@@ -156,7 +146,6 @@ pub enum SamplerBackend {
     Cpu(Sampler),
     /// The GPU path; once the device fails, `cpu` takes over for good
     /// (logged once) rather than failing every later request.
-    #[cfg(not(loom))]
     Wgpu {
         gpu: Box<GpuSampler>,
         cpu: Sampler,
@@ -175,9 +164,7 @@ impl SamplerBackend {
     pub fn name(&self) -> &'static str {
         match self {
             SamplerBackend::Cpu(_) => "cpu",
-            #[cfg(not(loom))]
             SamplerBackend::Wgpu { failed: false, .. } => "wgpu",
-            #[cfg(not(loom))]
             SamplerBackend::Wgpu { failed: true, .. } => "cpu",
         }
     }
@@ -186,7 +173,6 @@ impl SamplerBackend {
     pub fn sample(&mut self, request: SampleRequest<'_>) -> Result<Sampled, SamplerError> {
         match self {
             SamplerBackend::Cpu(cpu) => cpu_sample(cpu, &request),
-            #[cfg(not(loom))]
             SamplerBackend::Wgpu { .. } => {
                 let mut out = Vec::with_capacity(1);
                 self.sample_batch(&[request], &mut out);
@@ -207,7 +193,6 @@ impl SamplerBackend {
                 out.clear();
                 out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
             }
-            #[cfg(not(loom))]
             SamplerBackend::Wgpu { gpu, cpu, failed } => {
                 if !*failed {
                     gpu.sample_batch(rows, out);

@@ -90,6 +90,9 @@ mod backend;
 mod error;
 #[cfg(not(loom))]
 pub mod gpu;
+#[cfg(loom)]
+#[path = "gpu_absent.rs"]
+pub mod gpu;
 mod params;
 pub mod philox;
 
