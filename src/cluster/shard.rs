@@ -192,14 +192,14 @@ pub(crate) fn random_epoch() -> u64 {
     u64::from_le_bytes(bytes) | 1
 }
 
-impl ShardServer {
-    /// Maps nothing new (the model is loaded), builds the KV pool for the
-    /// layer range, and starts serving.
-    pub fn start(
+impl ShardState {
+    /// The layer range's KV pool, sized from `cfg.kv_bytes`, and the
+    /// limits the handshake offers.
+    fn new(
         model: Arc<Model>,
         fingerprint: Fingerprint,
         cfg: &ShardConfig,
-    ) -> Result<ShardServer, ShardStartError> {
+    ) -> Result<ShardState, ShardStartError> {
         let n_layers = model.config.n_layers;
         if cfg.layers.start >= cfg.layers.end || cfg.layers.end > n_layers {
             return Err(ShardStartError::Layers {
@@ -224,7 +224,7 @@ impl ShardServer {
         // shard's layers (a pool page holds one layer), as its ledger counts.
         let kv_pages = (kv_pool.total_pages() / cfg.layers.len().max(1)) as u64;
         let page_positions = kv_pool.layout().page_positions as u32;
-        let shared = Arc::new(ShardState {
+        Ok(ShardState {
             core: Mutex::new(Core {
                 model,
                 layers: cfg.layers.clone(),
@@ -257,7 +257,79 @@ impl ShardServer {
             stopping: AtomicBool::new(false),
             kv_pages,
             page_positions,
+        })
+    }
+}
+
+/// A Session stream arrived: refused when the shard already serves its
+/// most streams, otherwise served on a thread of its own (compute blocks;
+/// the completion queue must not).
+fn open_stream(
+    shared: &Arc<ShardState>,
+    ctx: &RpcContext<'_>,
+    stream: RequestStream<Vec<u8>>,
+    sink: DuplexSink<Vec<u8>>,
+) {
+    use std::sync::atomic::Ordering::AcqRel;
+    let open = shared.streams.fetch_add(1, AcqRel);
+    if open >= shared.max_streams {
+        shared.streams.fetch_sub(1, AcqRel);
+        let message = format!(
+            "the shard serves at most {} streams at once",
+            shared.max_streams
+        );
+        return refuse_stream(ctx, stream, sink, message);
+    }
+    // The sink is handed over only once the thread exists.
+    let (hand, take) = sync_channel(1);
+    let thread_shared = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name("inferd-shard-stream".into())
+        .spawn(move || {
+            // Frees the slot however the thread ends.
+            let _slot = StreamSlot(Arc::clone(&thread_shared));
+            if let Ok((stream, sink)) = take.recv() {
+                serve_stream(thread_shared, stream, sink);
+            }
         });
+    match spawned {
+        Ok(_) => {
+            let _ = hand.send((stream, sink));
+        }
+        Err(e) => {
+            shared.streams.fetch_sub(1, AcqRel);
+            let message = format!("cannot start a stream thread: {e}");
+            refuse_stream(ctx, stream, sink, message);
+        }
+    }
+}
+
+/// Ends a Session stream with RESOURCE_EXHAUSTED and why. The request
+/// stream lives until the status is sent: dropping it first would cancel
+/// the call, and the coordinator would read CANCELLED instead of why.
+fn refuse_stream(
+    ctx: &RpcContext<'_>,
+    stream: RequestStream<Vec<u8>>,
+    sink: DuplexSink<Vec<u8>>,
+    message: String,
+) {
+    tracing::warn!(%message, "session stream refused");
+    let status = RpcStatus::with_message(RpcStatusCode::RESOURCE_EXHAUSTED, message);
+    ctx.spawn(async move {
+        let _ = sink.fail(status).await;
+        drop(stream);
+    });
+}
+
+impl ShardServer {
+    /// Maps nothing new (the model is loaded), builds the KV pool for the
+    /// layer range, and starts serving.
+    pub fn start(
+        model: Arc<Model>,
+        fingerprint: Fingerprint,
+        cfg: &ShardConfig,
+    ) -> Result<ShardServer, ShardStartError> {
+        let shared = Arc::new(ShardState::new(model, fingerprint, cfg)?);
         let env = Arc::new(Environment::new(1));
         let handshake_shared = Arc::clone(&shared);
         let session_shared = Arc::clone(&shared);
@@ -273,56 +345,7 @@ impl ShardServer {
                 move |ctx: RpcContext<'_>,
                       stream: RequestStream<Vec<u8>>,
                       sink: DuplexSink<Vec<u8>>| {
-                    use std::sync::atomic::Ordering::AcqRel;
-                    let shared = Arc::clone(&session_shared);
-                    // The request stream lives until the status is sent:
-                    // dropping it first would cancel the call, and the
-                    // coordinator would read CANCELLED instead of why.
-                    let refuse = |stream: RequestStream<Vec<u8>>,
-                                  sink: DuplexSink<Vec<u8>>,
-                                  message: String| {
-                        tracing::warn!(%message, "session stream refused");
-                        let status =
-                            RpcStatus::with_message(RpcStatusCode::RESOURCE_EXHAUSTED, message);
-                        ctx.spawn(async move {
-                            let _ = sink.fail(status).await;
-                            drop(stream);
-                        });
-                    };
-                    let open = shared.streams.fetch_add(1, AcqRel);
-                    if open >= shared.max_streams {
-                        shared.streams.fetch_sub(1, AcqRel);
-                        return refuse(
-                            stream,
-                            sink,
-                            format!(
-                                "the shard serves at most {} streams at once",
-                                shared.max_streams
-                            ),
-                        );
-                    }
-                    // Compute blocks; the completion queue must not. The
-                    // sink is handed over only once the thread exists.
-                    let (hand, take) = sync_channel(1);
-                    let thread_shared = Arc::clone(&shared);
-                    let spawned = std::thread::Builder::new()
-                        .name("inferd-shard-stream".into())
-                        .spawn(move || {
-                            // Frees the slot however the thread ends.
-                            let _slot = StreamSlot(Arc::clone(&thread_shared));
-                            if let Ok((stream, sink)) = take.recv() {
-                                serve_stream(thread_shared, stream, sink);
-                            }
-                        });
-                    match spawned {
-                        Ok(_) => {
-                            let _ = hand.send((stream, sink));
-                        }
-                        Err(e) => {
-                            shared.streams.fetch_sub(1, AcqRel);
-                            refuse(stream, sink, format!("cannot start a stream thread: {e}"));
-                        }
-                    }
+                    open_stream(&session_shared, &ctx, stream, sink)
                 },
             )
             .build();
@@ -942,7 +965,7 @@ type Interrupt<'a> = &'a mut dyn FnMut() -> Option<(ErrorKind, String)>;
 struct Computed {
     runs: Vec<Run>,
     values: Vec<f32>,
-    failed: Vec<(ErrorKind, String, Vec<WireSessionId>)>,
+    failed: Vec<Refused>,
 }
 
 impl Core {
@@ -960,66 +983,7 @@ impl Core {
         hidden_size: usize,
         interrupt: Interrupt<'_>,
     ) -> Computed {
-        let mut failed = Vec::new();
-        let mut accepted = Vec::new();
-        let mut x = Vec::with_capacity(values.len());
-        let mut offset = 0usize;
-        for &Run {
-            session: id,
-            position,
-            rows: count,
-        } in runs
-        {
-            let rows = &values[offset * hidden_size..(offset + count as usize) * hidden_size];
-            offset += count as usize;
-            let key = (coordinator, id);
-            let held = self.sessions.get(&key).map(SessionKv::len);
-            let fits = match held {
-                Some(len) => len as u64 == position,
-                None => position == 0,
-            };
-            if !fits {
-                failed.push((
-                    ErrorKind::UnknownSession,
-                    match held {
-                        Some(len) => {
-                            format!("session holds {len} positions, frame starts at {position}")
-                        }
-                        None => format!("no such session here (frame starts at {position})"),
-                    },
-                    vec![id],
-                ));
-                continue;
-            }
-            if held.is_none() {
-                if self.sessions.len() >= self.max_sessions {
-                    failed.push((
-                        ErrorKind::Internal,
-                        format!(
-                            "the shard holds its limit of {} sessions",
-                            self.max_sessions
-                        ),
-                        vec![id],
-                    ));
-                    continue;
-                }
-                self.sessions
-                    .insert(key, SessionKv::new(Arc::clone(&self.kv_pool)));
-            }
-            let Some(kv) = self.sessions.get_mut(&key) else {
-                continue;
-            };
-            if let Err(e) = kv.reserve(position as usize + count as usize) {
-                failed.push((ErrorKind::Internal, format!("KV: {e}"), vec![id]));
-                continue;
-            }
-            accepted.push(Run {
-                session: id,
-                position,
-                rows: count,
-            });
-            x.extend_from_slice(rows);
-        }
+        let (accepted, mut x, mut failed) = self.admit(coordinator, runs, &values, hidden_size);
         if accepted.is_empty() {
             return Computed {
                 runs: accepted,
@@ -1027,92 +991,21 @@ impl Core {
                 failed,
             };
         }
-        // forward_layers reads only how many tokens each sequence feeds.
-        let longest = accepted.iter().map(|r| r.rows as usize).max().unwrap_or(0);
-        let placeholder = vec![0u32; longest.min(PREFILL_STEP_ROWS.max(1)).max(1)];
-        let Core {
-            model,
-            layers,
-            sessions,
-            pool,
-            scratch,
-            ..
-        } = self;
         let mut kvs: Vec<(SessionKey, SessionKv)> = accepted
             .iter()
-            .filter_map(|run| sessions.remove_entry(&(coordinator, run.session)))
+            .filter_map(|run| self.sessions.remove_entry(&(coordinator, run.session)))
             .collect();
-        // A prefill fragment goes in steps; a decode batch (one row per
-        // session, at most the agreed rows) in one.
         let total_rows = x.len() / hidden_size.max(1);
-        let step_rows = if accepted.len() == 1 {
-            PREFILL_STEP_ROWS.max(1)
-        } else {
-            total_rows.max(1)
-        };
-        let mut done = 0usize;
-        let mut stopped: Option<(ErrorKind, String)> = None;
-        while done < total_rows {
-            if let Some(why) = interrupt() {
-                stopped = Some(why);
-                break;
-            }
-            let n = step_rows.min(total_rows - done);
-            let result = {
-                let mut seqs: Vec<Sequence<'_>> = kvs
-                    .iter_mut()
-                    .zip(&accepted)
-                    .map(|((_, kv), run)| {
-                        let fed = if accepted.len() == 1 {
-                            n
-                        } else {
-                            run.rows as usize
-                        };
-                        Sequence {
-                            kv,
-                            tokens: &placeholder[..fed.min(placeholder.len())],
-                            logits: LogitsWanted::None,
-                        }
-                    })
-                    .collect();
-                model.forward_layers(
-                    layers.clone(),
-                    &mut seqs,
-                    &mut x[done * hidden_size..(done + n) * hidden_size],
-                    pool,
-                    scratch,
-                )
-            };
-            if let Err(e) = result {
-                stopped = Some((ErrorKind::Internal, format!("forward: {e}")));
-                break;
-            }
-            let committed = kvs
-                .iter_mut()
-                .zip(&accepted)
-                .try_for_each(|((_, kv), run)| {
-                    let step_end = if accepted.len() == 1 {
-                        done + n
-                    } else {
-                        run.rows as usize
-                    };
-                    kv.commit(run.position as usize + step_end)
-                });
-            if let Err(e) = committed {
-                stopped = Some((ErrorKind::Internal, format!("KV: {e}")));
-                break;
-            }
-            done += n;
-        }
-        match stopped {
-            None => {
+        let stepped = self.forward_in_steps(&mut kvs, &accepted, &mut x, hidden_size, interrupt);
+        match stepped {
+            Ok(()) => {
                 // A shard never rolls a session back (a stopped frame frees
                 // it instead), so window pages can go as soon as a frame is in.
                 for (key, mut kv) in kvs {
                     if let Err(e) = kv.settle() {
                         tracing::error!("shard KV: giving back window pages: {e}");
                     }
-                    sessions.insert(key, kv);
+                    self.sessions.insert(key, kv);
                 }
                 Computed {
                     runs: accepted,
@@ -1120,7 +1013,7 @@ impl Core {
                     failed,
                 }
             }
-            Some((kind, why)) => {
+            Err(Stopped { done, kind, why }) => {
                 // Nothing of a stopped frame stays: its sessions' KV is
                 // freed, and the coordinator rebuilds them from history.
                 let ids: Vec<WireSessionId> = kvs.iter().map(|(k, _)| k.1).collect();
@@ -1143,4 +1036,154 @@ impl Core {
             }
         }
     }
+
+    /// Checks each run against what the shard holds of its session (a new
+    /// session starts at position 0, within the session limit) and
+    /// reserves its positions. Returns the accepted runs, their rows in
+    /// order, and the refused sessions by kind.
+    fn admit(
+        &mut self,
+        coordinator: u64,
+        runs: &[Run],
+        values: &[f32],
+        hidden_size: usize,
+    ) -> (Vec<Run>, Vec<f32>, Vec<Refused>) {
+        let mut failed = Vec::new();
+        let mut accepted = Vec::new();
+        let mut x = Vec::with_capacity(values.len());
+        let mut offset = 0usize;
+        for &run in runs {
+            let rows = &values[offset * hidden_size..(offset + run.rows as usize) * hidden_size];
+            offset += run.rows as usize;
+            match self.admit_run(coordinator, run) {
+                Ok(()) => {
+                    accepted.push(run);
+                    x.extend_from_slice(rows);
+                }
+                Err((kind, why)) => failed.push((kind, why, vec![run.session])),
+            }
+        }
+        (accepted, x, failed)
+    }
+
+    /// One run of [`Core::admit`].
+    fn admit_run(&mut self, coordinator: u64, run: Run) -> Result<(), (ErrorKind, String)> {
+        let Run {
+            session: id,
+            position,
+            rows,
+        } = run;
+        let key = (coordinator, id);
+        let held = self.sessions.get(&key).map(SessionKv::len);
+        match held {
+            Some(len) if len as u64 != position => {
+                return Err((
+                    ErrorKind::UnknownSession,
+                    format!("session holds {len} positions, frame starts at {position}"),
+                ))
+            }
+            None if position != 0 => {
+                return Err((
+                    ErrorKind::UnknownSession,
+                    format!("no such session here (frame starts at {position})"),
+                ))
+            }
+            None if self.sessions.len() >= self.max_sessions => {
+                return Err((
+                    ErrorKind::Internal,
+                    format!(
+                        "the shard holds its limit of {} sessions",
+                        self.max_sessions
+                    ),
+                ))
+            }
+            _ => {}
+        }
+        let kv_pool = &self.kv_pool;
+        let kv = self
+            .sessions
+            .entry(key)
+            .or_insert_with(|| SessionKv::new(Arc::clone(kv_pool)));
+        kv.reserve(position as usize + rows as usize)
+            .map_err(|e| (ErrorKind::Internal, format!("KV: {e}")))
+    }
+
+    /// Runs the layers over `x` (the accepted runs' rows, in order): a
+    /// prefill fragment (one run) in steps of [`PREFILL_STEP_ROWS`] rows,
+    /// a decode batch (one row per session) in one, committing each step
+    /// to the KV. `interrupt` is asked before every step.
+    fn forward_in_steps(
+        &mut self,
+        kvs: &mut [(SessionKey, SessionKv)],
+        accepted: &[Run],
+        x: &mut [f32],
+        hidden_size: usize,
+        interrupt: Interrupt<'_>,
+    ) -> Result<(), Stopped> {
+        // forward_layers reads only how many tokens each sequence feeds.
+        let longest = accepted.iter().map(|r| r.rows as usize).max().unwrap_or(0);
+        let placeholder = vec![0u32; longest.min(PREFILL_STEP_ROWS.max(1)).max(1)];
+        let total_rows = x.len() / hidden_size.max(1);
+        let one_fragment = accepted.len() == 1;
+        let step_rows = if one_fragment {
+            PREFILL_STEP_ROWS.max(1)
+        } else {
+            total_rows.max(1)
+        };
+        let mut done = 0usize;
+        let stop = |done: usize, kind: ErrorKind, why: String| Stopped { done, kind, why };
+        while done < total_rows {
+            if let Some((kind, why)) = interrupt() {
+                return Err(stop(done, kind, why));
+            }
+            let n = step_rows.min(total_rows - done);
+            // Rows each sequence feeds in this step, and where it then ends.
+            let fed = |run: &Run| if one_fragment { n } else { run.rows as usize };
+            let end = |run: &Run| {
+                if one_fragment {
+                    done + n
+                } else {
+                    run.rows as usize
+                }
+            };
+            let mut seqs: Vec<Sequence<'_>> = kvs
+                .iter_mut()
+                .zip(accepted)
+                .map(|((_, kv), run)| Sequence {
+                    kv,
+                    tokens: &placeholder[..fed(run).min(placeholder.len())],
+                    logits: LogitsWanted::None,
+                })
+                .collect();
+            let result = self.model.forward_layers(
+                self.layers.clone(),
+                &mut seqs,
+                &mut x[done * hidden_size..(done + n) * hidden_size],
+                &self.pool,
+                &mut self.scratch,
+            );
+            drop(seqs);
+            if let Err(e) = result {
+                return Err(stop(done, ErrorKind::Internal, format!("forward: {e}")));
+            }
+            for ((_, kv), run) in kvs.iter_mut().zip(accepted) {
+                if let Err(e) = kv.commit(run.position as usize + end(run)) {
+                    return Err(stop(done, ErrorKind::Internal, format!("KV: {e}")));
+                }
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Sessions a frame could not take, with why.
+type Refused = (ErrorKind, String, Vec<WireSessionId>);
+
+/// Why and where [`Core::forward_in_steps`] stopped.
+struct Stopped {
+    /// Rows computed and committed before the stop.
+    done: usize,
+    kind: ErrorKind,
+    why: String,
 }
