@@ -45,7 +45,7 @@ pub fn run(args: RelayArgs) -> Result<(), CliError> {
         record: args.record,
         max_message_bytes: args.max_message_mib.saturating_mul(1 << 20),
     })
-    .map_err(CliError::Usage)?;
+    .map_err(|e| CliError::Usage(e.to_string()))?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", relay.addr())?;

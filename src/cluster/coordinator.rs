@@ -120,6 +120,27 @@ pub enum PlanError {
     Short { end: usize, layers: usize },
 }
 
+/// Why the shards cannot be used at start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The shard refused the handshake, or stayed unreachable (the
+    /// error names it).
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error("shard {shard} did not say how much KV it holds")]
+    NoCapacity { shard: String },
+    #[error(
+        "shard {shard} pages {theirs} positions, another {others}: every shard must page alike"
+    )]
+    PagingDiffers {
+        shard: String,
+        theirs: u32,
+        others: u32,
+    },
+}
+
 /// A shard and what it must serve.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedShard {
@@ -257,7 +278,7 @@ impl ShardPlan {
     /// sessions. Shards must agree on positions per page. A shard that
     /// cannot be reached yet (hosts start in any order) is tried again for
     /// up to `wait`; a shard that refuses the handshake fails at once.
-    pub fn probe(&self, wait: Duration) -> Result<ShardCapacity, String> {
+    pub fn probe(&self, wait: Duration) -> Result<ShardCapacity, ProbeError> {
         let give_up = Instant::now() + wait;
         let mut least: Option<ShardCapacity> = None;
         for (shard, counters) in self.shards.iter().zip(&self.stats.shards) {
@@ -279,26 +300,24 @@ impl ShardPlan {
                         }
                         std::thread::sleep(Duration::from_millis(250));
                     }
-                    Err(e) => return Err(e.to_string()),
+                    Err(e) => return Err(ProbeError::Link(e)),
                 }
             };
             counters.up.store(true, Ordering::Relaxed);
             let c = link.capacity();
             if c.kv_pages == 0 || c.page_positions == 0 {
-                return Err(format!(
-                    "shard {} did not say how much KV it holds",
-                    shard.label()
-                ));
+                return Err(ProbeError::NoCapacity {
+                    shard: shard.label(),
+                });
             }
             least = Some(match least {
                 None => c,
                 Some(l) if l.page_positions != c.page_positions => {
-                    return Err(format!(
-                        "shard {} pages {} positions, another {}: every shard must page alike",
-                        shard.label(),
-                        c.page_positions,
-                        l.page_positions
-                    ))
+                    return Err(ProbeError::PagingDiffers {
+                        shard: shard.label(),
+                        theirs: c.page_positions,
+                        others: l.page_positions,
+                    })
                 }
                 Some(l) => ShardCapacity {
                     kv_pages: l.kv_pages.min(c.kv_pages),
@@ -314,7 +333,7 @@ impl ShardPlan {
                 },
             });
         }
-        least.ok_or_else(|| PlanError::Empty.to_string())
+        least.ok_or(ProbeError::Plan(PlanError::Empty))
     }
 }
 

@@ -41,7 +41,7 @@ impl Layers for ShardLayers {
         let capacity = self
             .plan
             .probe(SHARD_START_WAIT)
-            .map_err(RuntimeError::Internal)?;
+            .map_err(|e| RuntimeError::Internal(e.to_string()))?;
         cfg.page_positions = capacity.page_positions as usize;
         if capacity.max_sessions > 0 {
             cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);

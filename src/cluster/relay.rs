@@ -124,19 +124,48 @@ fn finish_hop(
     });
 }
 
+/// Why a relay could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("record file {path}: {source}")]
+    RecordFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {addr}: {message}")]
+    Listen { addr: String, message: String },
+}
+
+/// What both handlers share: the upstream channel and the record.
+struct Upstream {
+    client: Client,
+    record: Arc<Mutex<Record>>,
+}
+
+impl Upstream {
+    /// Numbers a new call.
+    fn next_call(&self) -> u64 {
+        let mut r = lock(&self.record);
+        r.calls += 1;
+        r.calls
+    }
+}
+
 impl Relay {
-    pub fn start(cfg: &RelayConfig) -> Result<Relay, String> {
+    pub fn start(cfg: &RelayConfig) -> Result<Relay, RelayError> {
         let env = Arc::new(Environment::new(1));
         let channel = super::transport::client(Arc::clone(&env), cfg.max_message_bytes)
             .connect(&cfg.upstream);
-        let client = Arc::new(Client::new(channel));
         let file = match &cfg.record {
             Some(path) => Some(
                 std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(path)
-                    .map_err(|e| format!("record file {}: {e}", path.display()))?,
+                    .map_err(|source| RelayError::RecordFile {
+                        path: path.clone(),
+                        source,
+                    })?,
             ),
             None => None,
         };
@@ -144,50 +173,17 @@ impl Relay {
             file,
             ..Record::default()
         }));
-        let (unary_client, unary_record) = (Arc::clone(&client), Arc::clone(&record));
-        let (stream_client, stream_record) = (client, Arc::clone(&record));
+        let upstream = Arc::new(Upstream {
+            client: Client::new(channel),
+            record: Arc::clone(&record),
+        });
+        let for_stream = Arc::clone(&upstream);
         let service = ServiceBuilder::new()
             .add_unary_handler(
                 &HANDSHAKE_RAW,
                 move |ctx: RpcContext<'_>, req: Vec<u8>, sink: UnarySink<Vec<u8>>| {
-                    let client = Arc::clone(&unary_client);
-                    let record = Arc::clone(&unary_record);
-                    let call = {
-                        let mut r = lock(&record);
-                        r.calls += 1;
-                        r.calls
-                    };
-                    ctx.spawn(async move {
-                        let method = "Handshake";
-                        let ingress = sha256_hex(&req);
-                        finish_hop(&record, call, method, Way::Upstream, 1, ingress, &req);
-                        let reply = match client.unary_call_async(
-                            &HANDSHAKE_RAW,
-                            &req,
-                            CallOption::default(),
-                        ) {
-                            Ok(receiver) => receiver.await,
-                            Err(e) => Err(e),
-                        };
-                        match reply {
-                            Ok(bytes) => {
-                                let ingress = sha256_hex(&bytes);
-                                finish_hop(
-                                    &record,
-                                    call,
-                                    method,
-                                    Way::Downstream,
-                                    1,
-                                    ingress,
-                                    &bytes,
-                                );
-                                let _ = sink.success(bytes).await;
-                            }
-                            Err(e) => {
-                                let _ = sink.fail(status_of(e)).await;
-                            }
-                        }
-                    });
+                    let call = upstream.next_call();
+                    ctx.spawn(relay_handshake(Arc::clone(&upstream), call, req, sink));
                 },
             )
             .add_duplex_streaming_handler(
@@ -195,48 +191,25 @@ impl Relay {
                 move |ctx: RpcContext<'_>,
                       incoming: RequestStream<Vec<u8>>,
                       sink: DuplexSink<Vec<u8>>| {
-                    let record = Arc::clone(&stream_record);
-                    let call = {
-                        let mut r = lock(&record);
-                        r.calls += 1;
-                        r.calls
-                    };
-                    let (upstream_tx, upstream_rx) =
-                        match stream_client.duplex_streaming(&SESSION_RAW, CallOption::default()) {
-                            Ok(pair) => pair,
-                            Err(e) => {
-                                let status = status_of(e);
-                                // Dropping `incoming` first would cancel the
-                                // call before the status is sent.
-                                ctx.spawn(async move {
-                                    let _ = sink.fail(status).await;
-                                    drop(incoming);
-                                });
-                                return;
-                            }
-                        };
-                    ctx.spawn(forward_session(
-                        call,
-                        record,
-                        incoming,
-                        sink,
-                        upstream_tx,
-                        upstream_rx,
-                    ));
+                    relay_session(&for_stream, &ctx, incoming, sink);
                 },
             )
             .build();
+        let listen_error = |message: String| RelayError::Listen {
+            addr: cfg.listen.clone(),
+            message,
+        };
         let args = super::transport::server(Arc::clone(&env), cfg.max_message_bytes).build_args();
         let mut server = ServerBuilder::new(env)
             .channel_args(args)
             .register_service(service)
             .build()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| listen_error(e.to_string()))?;
         let port = server
             .add_listening_port(&cfg.listen, ServerCredentials::insecure())
-            .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+            .map_err(|e| listen_error(e.to_string()))?;
         server.start();
-        let addr = crate::listen::bound_address(&cfg.listen, port)?;
+        let addr = crate::listen::bound_address(&cfg.listen, port).map_err(listen_error)?;
         tracing::info!(%addr, upstream = %cfg.upstream, "relay forwarding");
         Ok(Relay {
             server,
@@ -271,6 +244,70 @@ impl Relay {
             tracing::warn!("calls still open at shutdown; stopping anyway");
         }
     }
+}
+
+/// Forwards one Handshake call and its reply, hashing both.
+async fn relay_handshake(
+    upstream: Arc<Upstream>,
+    call: u64,
+    req: Vec<u8>,
+    sink: UnarySink<Vec<u8>>,
+) {
+    let record = &upstream.record;
+    let method = "Handshake";
+    let ingress = sha256_hex(&req);
+    finish_hop(record, call, method, Way::Upstream, 1, ingress, &req);
+    let reply = match upstream
+        .client
+        .unary_call_async(&HANDSHAKE_RAW, &req, CallOption::default())
+    {
+        Ok(receiver) => receiver.await,
+        Err(e) => Err(e),
+    };
+    match reply {
+        Ok(bytes) => {
+            let ingress = sha256_hex(&bytes);
+            finish_hop(record, call, method, Way::Downstream, 1, ingress, &bytes);
+            let _ = sink.success(bytes).await;
+        }
+        Err(e) => {
+            let _ = sink.fail(status_of(e)).await;
+        }
+    }
+}
+
+/// Opens the upstream Session call for an incoming one and pumps both.
+fn relay_session(
+    upstream: &Upstream,
+    ctx: &RpcContext<'_>,
+    incoming: RequestStream<Vec<u8>>,
+    sink: DuplexSink<Vec<u8>>,
+) {
+    let call = upstream.next_call();
+    let (upstream_tx, upstream_rx) = match upstream
+        .client
+        .duplex_streaming(&SESSION_RAW, CallOption::default())
+    {
+        Ok(pair) => pair,
+        Err(e) => {
+            let status = status_of(e);
+            // Dropping `incoming` first would cancel the call before the
+            // status is sent.
+            ctx.spawn(async move {
+                let _ = sink.fail(status).await;
+                drop(incoming);
+            });
+            return;
+        }
+    };
+    ctx.spawn(forward_session(
+        call,
+        Arc::clone(&upstream.record),
+        incoming,
+        sink,
+        upstream_tx,
+        upstream_rx,
+    ));
 }
 
 fn status_of(e: grpcio::Error) -> RpcStatus {

@@ -59,7 +59,7 @@ pub struct GpuSampler {
     bind_group: wgpu::BindGroup,
     upload_mapped: bool,
     /// A failed step leaves the mapping state unknown: refuse from then on.
-    broken: Option<String>,
+    broken: Option<StepError>,
     /// Host-side request words, reused across steps.
     words: Vec<u32>,
     /// Indices of the rows in the current dispatch, reused across steps.
@@ -314,18 +314,20 @@ impl GpuSampler {
                 .ensure_request_capacity(words)
                 .and_then(|()| self.run_chunk(rows, words, out));
             if let Err(e) = outcome {
-                self.broken = Some(e.clone());
                 for &i in &self.chunk {
-                    out[i] = Err(SamplerError::Device { message: e.clone() });
+                    out[i] = Err(SamplerError::Device {
+                        message: e.to_string(),
+                    });
                 }
+                self.broken = Some(e);
             }
         }
     }
 
     fn check(&self, row: &SampleRequest<'_>) -> Result<(), SamplerError> {
-        if let Some(message) = &self.broken {
+        if let Some(broken) = &self.broken {
             return Err(SamplerError::Device {
-                message: message.clone(),
+                message: broken.to_string(),
             });
         }
         check_inputs(row.logits.len(), row.params, row.history)?;
@@ -340,7 +342,7 @@ impl GpuSampler {
 
     /// Grows the request buffers when one row's window and bias outgrow
     /// them: rare (a penalty window longer than the hint), never per token.
-    fn ensure_request_capacity(&mut self, words: usize) -> Result<(), String> {
+    fn ensure_request_capacity(&mut self, words: usize) -> Result<(), StepError> {
         if words <= self.request_capacity {
             return Ok(());
         }
@@ -371,7 +373,7 @@ impl GpuSampler {
 
     /// Waits until the upload buffer's mapping, asked for at the end of the
     /// last step, has landed.
-    fn wait_for_upload_mapping(&mut self) -> Result<(), String> {
+    fn wait_for_upload_mapping(&mut self) -> Result<(), StepError> {
         self.wait_for(&self.upload_state, "mapping the upload buffer")?;
         self.upload_mapped = true;
         Ok(())
@@ -380,16 +382,19 @@ impl GpuSampler {
     /// Polls until a map callback has reported. Workers share the device,
     /// so another thread's poll may be running our callback when ours
     /// returns: poll again until it lands.
-    fn wait_for(&self, state: &AtomicU8, what: &str) -> Result<(), String> {
+    fn wait_for(&self, state: &AtomicU8, what: &'static str) -> Result<(), StepError> {
         let started = Instant::now();
         loop {
             match state.load(Ordering::Acquire) {
                 MAP_DONE => return Ok(()),
-                MAP_FAILED => return Err(format!("{what} failed")),
+                MAP_FAILED => return Err(StepError::Map { what }),
                 _ => {}
             }
             if started.elapsed() > STEP_TIMEOUT {
-                return Err(format!("{what} timed out after {STEP_TIMEOUT:?}"));
+                return Err(StepError::TimedOut {
+                    what,
+                    after: STEP_TIMEOUT,
+                });
             }
             self.context
                 .device
@@ -397,7 +402,10 @@ impl GpuSampler {
                     submission_index: None,
                     timeout: Some(STEP_TIMEOUT),
                 })
-                .map_err(|e| format!("{what}: waiting for the device: {e}"))?;
+                .map_err(|e| StepError::Poll {
+                    what,
+                    message: e.to_string(),
+                })?;
             std::thread::yield_now();
         }
     }
@@ -408,7 +416,7 @@ impl GpuSampler {
         rows: &[SampleRequest<'_>],
         words: usize,
         out: &mut [Result<Sampled, SamplerError>],
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         if !self.upload_mapped {
             self.wait_for_upload_mapping()?;
         }
@@ -423,10 +431,13 @@ impl GpuSampler {
             pack_row(&mut self.words, slot, &mut tail, row);
         }
         {
-            let mut view = self
-                .upload
-                .get_mapped_range_mut(..)
-                .map_err(|e| format!("the upload buffer is not mapped: {e}"))?;
+            let mut view =
+                self.upload
+                    .get_mapped_range_mut(..)
+                    .map_err(|e| StepError::NotMapped {
+                        buffer: "upload",
+                        message: e.to_string(),
+                    })?;
             for (slot, &i) in self.chunk.iter().enumerate() {
                 view.slice(slot * row_bytes..(slot + 1) * row_bytes)
                     .copy_from_slice(bytemuck::cast_slice(rows[i].logits));
@@ -463,7 +474,7 @@ impl GpuSampler {
         encoder.copy_buffer_to_buffer(&self.results, 0, &self.readback, 0, result_bytes);
         let submission = self.context.queue.submit([encoder.finish()]);
         if let Some(error) = block_on(scope.pop()) {
-            return Err(error.to_string());
+            return Err(StepError::Validation(error.to_string()));
         }
 
         self.readback_state.store(MAP_PENDING, Ordering::Release);
@@ -492,15 +503,21 @@ impl GpuSampler {
                 submission_index: Some(submission),
                 timeout: Some(STEP_TIMEOUT),
             })
-            .map_err(|e| format!("waiting for the sampling step: {e}"))?;
+            .map_err(|e| StepError::Poll {
+                what: "the sampling step",
+                message: e.to_string(),
+            })?;
         self.wait_for(&self.readback_state, "reading the results back")?;
         {
             let view = self
                 .readback
                 .get_mapped_range(..result_bytes)
-                .map_err(|e| format!("the readback buffer is not mapped: {e}"))?;
+                .map_err(|e| StepError::NotMapped {
+                    buffer: "readback",
+                    message: e.to_string(),
+                })?;
             let results: &[u32] = bytemuck::try_cast_slice(&view)
-                .map_err(|e| format!("the readback mapping is misaligned: {e}"))?;
+                .map_err(|e| StepError::Misaligned(e.to_string()))?;
             for (slot, &i) in self.chunk.iter().enumerate() {
                 let result = &results[slot * RESULT_WORDS..(slot + 1) * RESULT_WORDS];
                 let token = result[R_TOKEN];
@@ -522,6 +539,27 @@ impl GpuSampler {
         self.readback.unmap();
         Ok(())
     }
+}
+
+/// Why a sampling step on the device failed. The first one breaks the
+/// sampler for good: every later row gets it as a `SamplerError::Device`.
+#[derive(Clone, Debug, thiserror::Error)]
+enum StepError {
+    #[error("{what} failed")]
+    Map { what: &'static str },
+    #[error("{what} timed out after {after:?}")]
+    TimedOut { what: &'static str, after: Duration },
+    #[error("{what}: waiting for the device: {message}")]
+    Poll { what: &'static str, message: String },
+    #[error("the {buffer} buffer is not mapped: {message}")]
+    NotMapped {
+        buffer: &'static str,
+        message: String,
+    },
+    #[error("the readback mapping is misaligned: {0}")]
+    Misaligned(String),
+    #[error("the device refused the step: {0}")]
+    Validation(String),
 }
 
 /// Finishes a row's log-probability report as the CPU's `token_logprobs`
