@@ -143,7 +143,9 @@ impl Worker {
         let _ = gen.events.try_send(event);
     }
 
-    /// Bookkeeping after the session's feed went through the model.
+    /// Bookkeeping after the session's feed went through the model: a
+    /// prompt chunk counted (and the call answered once all of it is in),
+    /// or a generated token emitted and the stop conditions checked.
     pub(super) fn after_feed(&mut self, id: SessionId) {
         let Some(slot) = self.sessions.get_mut(&id) else {
             return;
@@ -151,91 +153,117 @@ impl Worker {
         let n_fed = slot.feed.len();
         let last = slot.feed.last().copied();
         slot.feed.clear();
-        let history_length = slot.history.len() as u64;
-        let eos_hit = last.is_some_and(|t| slot.eos.contains(&t));
-        let Some(active) = slot.active.as_mut() else {
-            return;
-        };
-        let counters = &self.shared.counters;
-        if active.fed < active.pending.len() {
-            active.fed += n_fed;
-            counters
-                .prefill_tokens
-                .fetch_add(n_fed as u64, Ordering::Relaxed);
-            if active.fed < active.pending.len() {
-                return;
-            }
-            active.pending = Vec::new();
-            active.fed = 0;
-            // All in: from here on the call's effect stands.
-            active.undo = None;
-            let took = active.prefill_started.elapsed();
-            counters.prefill_duration.observe(took);
-            match &mut active.work {
-                Work::Append { .. } | Work::Restore => {
-                    slot.last_used = Instant::now();
-                    if let Some(Active {
-                        work: Work::Append { reply, dropped, .. },
-                        ..
-                    }) = slot.active.take()
-                    {
-                        let _ = reply.send(Ok(AppendReply {
-                            history_length,
-                            dropped_token_count: dropped,
-                        }));
-                    }
-                }
-                Work::Generate(gen) => {
-                    gen.prefill_duration += took;
-                    if let Some(dropped) = gen.shift_dropped.take() {
-                        // Room for it was checked when the shift began.
-                        let _ = gen.events.try_send(GenerateEvent::Truncated {
-                            dropped_token_count: dropped,
-                        });
-                    }
-                }
-            }
-            return;
+        if slot
+            .active
+            .as_ref()
+            .is_some_and(|a| a.fed < a.pending.len())
+        {
+            return prompt_fed(slot, n_fed, &self.shared.counters);
         }
-        let Work::Generate(gen) = &mut active.work else {
-            return;
-        };
         let Some(token) = last else {
             return;
         };
-        gen.generated.push(token);
-        counters.tokens_generated.fetch_add(1, Ordering::Relaxed);
-        self.gauges.tokens_generated.fetch_add(1, Ordering::Relaxed);
-        let second = self.shared.epoch.elapsed().as_secs();
-        self.gauges.decode_rate.record(second, 1);
-        if let Err(TrySendError::Disconnected(_)) = gen.events.try_send(GenerateEvent::Token(token))
-        {
-            return self.finish_generate(id, Ok(StopReason::Cancelled));
+        if let Some(end) = token_fed(slot, token, &self.shared, &self.gauges) {
+            self.finish_generate(id, Ok(end));
         }
-        if let Some(logprobs) = gen.pending_logprobs.take() {
-            if let Err(TrySendError::Disconnected(_)) =
-                gen.events.try_send(GenerateEvent::Logprobs(logprobs))
+    }
+}
+
+/// `n_fed` more prompt tokens of the session's call are in. Once all are,
+/// the call can no longer be undone: an append is answered, a Generate
+/// reports a truncation it made and starts decoding.
+fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
+    let history_length = slot.history.len() as u64;
+    let Some(active) = slot.active.as_mut() else {
+        return;
+    };
+    active.fed += n_fed;
+    counters
+        .prefill_tokens
+        .fetch_add(n_fed as u64, Ordering::Relaxed);
+    if active.fed < active.pending.len() {
+        return;
+    }
+    active.pending = Vec::new();
+    active.fed = 0;
+    // All in: from here on the call's effect stands.
+    active.undo = None;
+    let took = active.prefill_started.elapsed();
+    counters.prefill_duration.observe(took);
+    match &mut active.work {
+        Work::Append { .. } | Work::Restore => {
+            slot.last_used = Instant::now();
+            if let Some(Active {
+                work: Work::Append { reply, dropped, .. },
+                ..
+            }) = slot.active.take()
             {
-                return self.finish_generate(id, Ok(StopReason::Cancelled));
+                let _ = reply.send(Ok(AppendReply {
+                    history_length,
+                    dropped_token_count: dropped,
+                }));
             }
         }
-        let stop = if eos_hit {
-            Some(StopReason::Eos)
-        } else if let Some(index) = gen
-            .stop_sequences
-            .iter()
-            .position(|s| gen.generated.ends_with(s))
-        {
-            Some(StopReason::StopSequence {
-                index: index as u32,
-            })
-        } else if gen.generated.len() >= gen.max_tokens as usize {
-            Some(StopReason::MaxTokens)
-        } else {
-            None
-        };
-        if let Some(stop) = stop {
-            self.finish_generate(id, Ok(stop));
+        Work::Generate(gen) => {
+            gen.prefill_duration += took;
+            if let Some(dropped) = gen.shift_dropped.take() {
+                // Room for it was checked when the shift began.
+                let _ = gen.events.try_send(GenerateEvent::Truncated {
+                    dropped_token_count: dropped,
+                });
+            }
         }
+    }
+}
+
+/// A Generate's `token` went through the model: it is counted and sent
+/// (with its log-probabilities), and the call's end returned when the
+/// reader is gone or a stop condition holds.
+fn token_fed(
+    slot: &mut SessionSlot,
+    token: u32,
+    shared: &WorkersState,
+    gauges: &WorkerGauges,
+) -> Option<StopReason> {
+    let eos_hit = slot.eos.contains(&token);
+    let Some(Active {
+        work: Work::Generate(gen),
+        ..
+    }) = slot.active.as_mut()
+    else {
+        return None;
+    };
+    gen.generated.push(token);
+    shared
+        .counters
+        .tokens_generated
+        .fetch_add(1, Ordering::Relaxed);
+    gauges.tokens_generated.fetch_add(1, Ordering::Relaxed);
+    gauges
+        .decode_rate
+        .record(shared.epoch.elapsed().as_secs(), 1);
+    let gone = |sent| matches!(sent, Err(TrySendError::Disconnected(_)));
+    if gone(gen.events.try_send(GenerateEvent::Token(token))) {
+        return Some(StopReason::Cancelled);
+    }
+    if let Some(logprobs) = gen.pending_logprobs.take() {
+        if gone(gen.events.try_send(GenerateEvent::Logprobs(logprobs))) {
+            return Some(StopReason::Cancelled);
+        }
+    }
+    if eos_hit {
+        Some(StopReason::Eos)
+    } else if let Some(index) = gen
+        .stop_sequences
+        .iter()
+        .position(|s| gen.generated.ends_with(s))
+    {
+        Some(StopReason::StopSequence {
+            index: index as u32,
+        })
+    } else if gen.generated.len() >= gen.max_tokens as usize {
+        Some(StopReason::MaxTokens)
+    } else {
+        None
     }
 }
