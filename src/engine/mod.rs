@@ -220,19 +220,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Runs the model over `tokens` appended to `session` and returns the
-    /// logits at every new position (`[tokens][vocab]`), for tests and
-    /// scoring.
-    pub fn append_all_logits(
-        &mut self,
-        session: &mut Session,
-        tokens: &[u32],
-    ) -> Result<Vec<f32>, EngineError> {
-        self.forward_one(session, tokens, LogitsWanted::All)?;
-        let vocab = self.model.config.vocab;
-        Ok(self.scratch.logits[..tokens.len() * vocab].to_vec())
-    }
-
     /// Generates up to `max_tokens` tokens. Each token is sampled from the
     /// logits at the end of the history, committed to the history (its KV
     /// computed), then passed to `on_token`; returning `false` from it stops

@@ -130,19 +130,4 @@ impl Model {
         self.kv_layout(self.config.n_layers, 1).bytes_per_position()
     }
 
-    /// Bytes of weights a decode step reads (every matrix once).
-    pub fn weight_bytes(&self) -> usize {
-        let w = &self.weights;
-        let per_layer: usize = w
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
-                    .map(|m| m.info.byte_len)
-                    .sum::<usize>()
-            })
-            .sum();
-        per_layer + w.output.info.byte_len
-    }
 }

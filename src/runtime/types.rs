@@ -382,11 +382,6 @@ impl GenerateStream {
         self.cancel.store(true, Ordering::Release);
     }
 
-    /// A handle that cancels this stream from another thread.
-    pub fn canceller(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.cancel)
-    }
-
     #[cfg(not(loom))]
     /// Next event, waiting at most until `deadline` (`None`: forever).
     pub fn recv(&self, deadline: Option<Instant>) -> Option<GenerateEvent> {

@@ -162,11 +162,6 @@ impl GpuContext {
         describe(&self.info)
     }
 
-    /// The adapter's name alone.
-    pub fn adapter_name(&self) -> &str {
-        &self.info.name
-    }
-
     /// Whether the adapter is a real GPU (not lavapipe or another CPU one).
     pub fn is_hardware(&self) -> bool {
         is_hardware(self.info.device_type)
