@@ -129,5 +129,4 @@ impl Model {
     pub fn kv_bytes_per_position(&self) -> usize {
         self.kv_layout(self.config.n_layers, 1).bytes_per_position()
     }
-
 }

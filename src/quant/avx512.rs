@@ -31,8 +31,12 @@ use super::blocks::{
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn hsum512(v: __m512) -> f32 {
-    let half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-    super::avx2::hsum_ps(half)
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        super::avx2::hsum_ps(half)
+    }
 }
 
 /// Q4_1 × Q8_1 tile: one block per 256-bit step, in the lane order of
@@ -46,34 +50,38 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ4_1;
-    let a = a.map(|p| p as *const BlockQ8_1);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    // Lane 1 accumulates m * s with fused multiply-adds.
-    let mut acc_min = [_mm_setzero_ps(); NT];
-    for b in 0..nb {
-        let wb = w.add(b);
-        let wq = avx2::unpack_nibbles(addr_of!((*wb).qs) as *const u8);
-        let wdm = avx2::f16_pair(wb as *const u8);
-        for t in 0..NT {
-            let ab = a[t].add(b);
-            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
-            let adm = avx2::f16_pair(ab as *const u8);
-            let prod = _mm_mul_ps(wdm, adm);
-            let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq);
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_broadcastss_ps(prod),
-                _mm256_cvtepi32_ps(sumi),
-                acc[t],
-            );
-            acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ4_1;
+        let a = a.map(|p| p as *const BlockQ8_1);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        // Lane 1 accumulates m * s with fused multiply-adds.
+        let mut acc_min = [_mm_setzero_ps(); NT];
+        for b in 0..nb {
+            let wb = w.add(b);
+            let wq = avx2::unpack_nibbles(addr_of!((*wb).qs) as *const u8);
+            let wdm = avx2::f16_pair(wb as *const u8);
+            for t in 0..NT {
+                let ab = a[t].add(b);
+                let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+                let adm = avx2::f16_pair(ab as *const u8);
+                let prod = _mm_mul_ps(wdm, adm);
+                let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq);
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(prod),
+                    _mm256_cvtepi32_ps(sumi),
+                    acc[t],
+                );
+                acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
+            }
         }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
+        }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
-    }
-    out
 }
 
 /// Two blocks' 16 packed nibbles each, as 64 bytes:
@@ -84,14 +92,18 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
-    let q0 = _mm_loadu_si128(p0 as *const __m128i);
-    let q1 = _mm_loadu_si128(p1 as *const __m128i);
-    let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
-    // Immediate shift plus a blend: variable 16-bit shifts are slow on some
-    // AVX-512 cores.
-    let shifted = _mm512_srli_epi16(v, 4);
-    let nibbles = _mm512_mask_blend_epi64(0b1100_1100, v, shifted);
-    _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F))
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let q0 = _mm_loadu_si128(p0 as *const __m128i);
+        let q1 = _mm_loadu_si128(p1 as *const __m128i);
+        let v = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(q0), 0xFF00, q1);
+        // Immediate shift plus a blend: variable 16-bit shifts are slow on some
+        // AVX-512 cores.
+        let shifted = _mm512_srli_epi16(v, 4);
+        let nibbles = _mm512_mask_blend_epi64(0b1100_1100, v, shifted);
+        _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F))
+    }
 }
 
 /// Two 32-byte quant arrays as one 64-byte vector.
@@ -101,11 +113,15 @@ unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
-    _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(p0 as *const __m256i)),
-        _mm256_loadu_si256(p1 as *const __m256i),
-        1,
-    )
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(p0 as *const __m256i)),
+            _mm256_loadu_si256(p1 as *const __m256i),
+            1,
+        )
+    }
 }
 
 /// The f16 scales that open two blocks, as f32 lanes 0 and 1.
@@ -115,12 +131,16 @@ unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn f16_two(p0: *const u8, p1: *const u8) -> __m128i {
-    // Each 4-byte load holds the scale and the block's first two quant
-    // bytes; the interleave keeps the two scales.
-    _mm_unpacklo_epi16(
-        _mm_cvtsi32_si128(std::ptr::read_unaligned(p0 as *const i32)),
-        _mm_cvtsi32_si128(std::ptr::read_unaligned(p1 as *const i32)),
-    )
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        // Each 4-byte load holds the scale and the block's first two quant
+        // bytes; the interleave keeps the two scales.
+        _mm_unpacklo_epi16(
+            _mm_cvtsi32_si128(std::ptr::read_unaligned(p0 as *const i32)),
+            _mm_cvtsi32_si128(std::ptr::read_unaligned(p1 as *const i32)),
+        )
+    }
 }
 
 /// Q4_0 × Q8_0 tile, in the lane order of the scalar reference (and of
@@ -137,60 +157,64 @@ pub(crate) unsafe fn dot_q4_0_q8_0<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ4_0;
-    let a = a.map(|p| p as *const BlockQ8_0);
-    let eights = _mm512_set1_epi8(8);
-    let second = _mm256_set1_epi32(1);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    let mut b = 0;
-    while b + 2 <= nb {
-        let (w0, w1) = (&*w.add(b), &*w.add(b + 1));
-        let wq = unpack_nibbles_x2(w0.qs.as_ptr(), w1.qs.as_ptr());
-        let wd = _mm_cvtph_ps(f16_two(
-            w0 as *const _ as *const u8,
-            w1 as *const _ as *const u8,
-        ));
-        for t in 0..NT {
-            let (a0, a1) = (&*a[t].add(b), &*a[t].add(b + 1));
-            let aq = load_x2(a0.qs.as_ptr(), a1.qs.as_ptr());
-            // sum((q - 8) * a) = sum(q * a) - sum(8 * a), both exact.
-            let raw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
-            let off = _mm512_dpbusd_epi32(_mm512_setzero_si512(), eights, aq);
-            let sumi = _mm512_sub_epi32(raw, off);
-            let xy = _mm512_cvtepi32_ps(sumi);
-            let ad = _mm_cvtph_ps(f16_two(
-                a0 as *const _ as *const u8,
-                a1 as *const _ as *const u8,
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ4_0;
+        let a = a.map(|p| p as *const BlockQ8_0);
+        let eights = _mm512_set1_epi8(8);
+        let second = _mm256_set1_epi32(1);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        let mut b = 0;
+        while b + 2 <= nb {
+            let (w0, w1) = (&*w.add(b), &*w.add(b + 1));
+            let wq = unpack_nibbles_x2(w0.qs.as_ptr(), w1.qs.as_ptr());
+            let wd = _mm_cvtph_ps(f16_two(
+                w0 as *const _ as *const u8,
+                w1 as *const _ as *const u8,
             ));
-            // Block b's lanes, then block b + 1's, each with its scale.
-            let scale = _mm256_castps128_ps256(_mm_mul_ps(wd, ad));
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_broadcastss_ps(_mm256_castps256_ps128(scale)),
-                _mm512_castps512_ps256(xy),
-                acc[t],
-            );
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_permutevar8x32_ps(scale, second),
-                _mm512_extractf32x8_ps::<1>(xy),
-                acc[t],
-            );
+            for t in 0..NT {
+                let (a0, a1) = (&*a[t].add(b), &*a[t].add(b + 1));
+                let aq = load_x2(a0.qs.as_ptr(), a1.qs.as_ptr());
+                // sum((q - 8) * a) = sum(q * a) - sum(8 * a), both exact.
+                let raw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq);
+                let off = _mm512_dpbusd_epi32(_mm512_setzero_si512(), eights, aq);
+                let sumi = _mm512_sub_epi32(raw, off);
+                let xy = _mm512_cvtepi32_ps(sumi);
+                let ad = _mm_cvtph_ps(f16_two(
+                    a0 as *const _ as *const u8,
+                    a1 as *const _ as *const u8,
+                ));
+                // Block b's lanes, then block b + 1's, each with its scale.
+                let scale = _mm256_castps128_ps256(_mm_mul_ps(wd, ad));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(_mm256_castps256_ps128(scale)),
+                    _mm512_castps512_ps256(xy),
+                    acc[t],
+                );
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_permutevar8x32_ps(scale, second),
+                    _mm512_extractf32x8_ps::<1>(xy),
+                    acc[t],
+                );
+            }
+            b += 2;
         }
-        b += 2;
-    }
-    if b < nb {
-        let wb = &*w.add(b);
-        let wq = _mm256_sub_epi8(avx2::unpack_nibbles(wb.qs.as_ptr()), _mm256_set1_epi8(8));
-        let wabs = _mm256_abs_epi8(wq);
-        let wd = avx2::f16_one(wb.d);
+        if b < nb {
+            let wb = &*w.add(b);
+            let wq = _mm256_sub_epi8(avx2::unpack_nibbles(wb.qs.as_ptr()), _mm256_set1_epi8(8));
+            let wabs = _mm256_abs_epi8(wq);
+            let wd = avx2::f16_one(wb.d);
+            for t in 0..NT {
+                acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+            }
+        }
+        let mut out = [0.0f32; NT];
         for t in 0..NT {
-            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+            out[t] = avx2::hsum_ps(acc[t]);
         }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]);
-    }
-    out
 }
 
 /// Q8_0 × Q8_0 tile: one block per 256-bit step, in the lane order of
@@ -204,69 +228,75 @@ pub(crate) unsafe fn dot_q8_0_q8_0<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ8_0;
-    let a = a.map(|p| p as *const BlockQ8_0);
-    let second = _mm256_set1_epi32(1);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    let mut b = 0;
-    // Two blocks per 512-bit step: the integer lanes are each block's own
-    // (exact), and each block keeps its own float step, as in Q4_0.
-    while b + 2 <= nb {
-        let (w0, w1) = (&*w.add(b), &*w.add(b + 1));
-        let wq = load_x2(w0.qs.as_ptr(), w1.qs.as_ptr());
-        // i8 x i8 through u8 x i8: |w| times a, negated where w is negative
-        // (`vpsignb` has no 512-bit form; where w is 0 the product is 0).
-        let wabs = _mm512_abs_epi8(wq);
-        let negative = _mm512_movepi8_mask(wq);
-        let wd = _mm_cvtph_ps(f16_two(
-            w0 as *const _ as *const u8,
-            w1 as *const _ as *const u8,
-        ));
-        for t in 0..NT {
-            let (a0, a1) = (&*a[t].add(b), &*a[t].add(b + 1));
-            let aq = load_x2(a0.qs.as_ptr(), a1.qs.as_ptr());
-            let signed = _mm512_mask_sub_epi8(aq, negative, _mm512_setzero_si512(), aq);
-            let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, signed));
-            let ad = _mm_cvtph_ps(f16_two(
-                a0 as *const _ as *const u8,
-                a1 as *const _ as *const u8,
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ8_0;
+        let a = a.map(|p| p as *const BlockQ8_0);
+        let second = _mm256_set1_epi32(1);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        let mut b = 0;
+        // Two blocks per 512-bit step: the integer lanes are each block's own
+        // (exact), and each block keeps its own float step, as in Q4_0.
+        while b + 2 <= nb {
+            let (w0, w1) = (&*w.add(b), &*w.add(b + 1));
+            let wq = load_x2(w0.qs.as_ptr(), w1.qs.as_ptr());
+            // i8 x i8 through u8 x i8: |w| times a, negated where w is negative
+            // (`vpsignb` has no 512-bit form; where w is 0 the product is 0).
+            let wabs = _mm512_abs_epi8(wq);
+            let negative = _mm512_movepi8_mask(wq);
+            let wd = _mm_cvtph_ps(f16_two(
+                w0 as *const _ as *const u8,
+                w1 as *const _ as *const u8,
             ));
-            let scale = _mm256_castps128_ps256(_mm_mul_ps(wd, ad));
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_broadcastss_ps(_mm256_castps256_ps128(scale)),
-                _mm512_castps512_ps256(xy),
-                acc[t],
-            );
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_permutevar8x32_ps(scale, second),
-                _mm512_extractf32x8_ps::<1>(xy),
-                acc[t],
-            );
+            for t in 0..NT {
+                let (a0, a1) = (&*a[t].add(b), &*a[t].add(b + 1));
+                let aq = load_x2(a0.qs.as_ptr(), a1.qs.as_ptr());
+                let signed = _mm512_mask_sub_epi8(aq, negative, _mm512_setzero_si512(), aq);
+                let xy =
+                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, signed));
+                let ad = _mm_cvtph_ps(f16_two(
+                    a0 as *const _ as *const u8,
+                    a1 as *const _ as *const u8,
+                ));
+                let scale = _mm256_castps128_ps256(_mm_mul_ps(wd, ad));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(_mm256_castps256_ps128(scale)),
+                    _mm512_castps512_ps256(xy),
+                    acc[t],
+                );
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_permutevar8x32_ps(scale, second),
+                    _mm512_extractf32x8_ps::<1>(xy),
+                    acc[t],
+                );
+            }
+            b += 2;
         }
-        b += 2;
-    }
-    if b < nb {
-        let wb = w.add(b);
-        let wq = _mm256_loadu_si256(addr_of!((*wb).qs) as *const __m256i);
-        let wabs = _mm256_sign_epi8(wq, wq);
-        let wd = avx2::f16_one((*wb).d);
+        if b < nb {
+            let wb = w.add(b);
+            let wq = _mm256_loadu_si256(addr_of!((*wb).qs) as *const __m256i);
+            let wabs = _mm256_sign_epi8(wq, wq);
+            let wd = avx2::f16_one((*wb).d);
+            for t in 0..NT {
+                let ab = a[t].add(b);
+                let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+                let sumi =
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(aq, wq));
+                let scale = _mm_mul_ps(wd, avx2::f16_one((*ab).d));
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(scale),
+                    _mm256_cvtepi32_ps(sumi),
+                    acc[t],
+                );
+            }
+        }
+        let mut out = [0.0f32; NT];
         for t in 0..NT {
-            let ab = a[t].add(b);
-            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
-            let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(aq, wq));
-            let scale = _mm_mul_ps(wd, avx2::f16_one((*ab).d));
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_broadcastss_ps(scale),
-                _mm256_cvtepi32_ps(sumi),
-                acc[t],
-            );
+            out[t] = avx2::hsum_ps(acc[t]);
         }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]);
-    }
-    out
 }
 
 /// One block step of the signed 8-lane kernels (Q5_0, IQ4_NL): as
@@ -283,10 +313,14 @@ unsafe fn signed_block_step(
     wd: __m128,
     ab: *const BlockQ8_0,
 ) -> __m256 {
-    let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
-    let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(aq, wq));
-    let scale = _mm_mul_ps(wd, avx2::f16_one((*ab).d));
-    _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), _mm256_cvtepi32_ps(sumi), acc)
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+        let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(aq, wq));
+        let scale = _mm_mul_ps(wd, avx2::f16_one((*ab).d));
+        _mm256_fmadd_ps(_mm256_broadcastss_ps(scale), _mm256_cvtepi32_ps(sumi), acc)
+    }
 }
 
 /// Q5_0 × Q8_0 tile: one block per 256-bit step, in the lane order of the
@@ -300,23 +334,27 @@ pub(crate) unsafe fn dot_q5_0_q8_0<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ5_0;
-    let a = a.map(|p| p as *const BlockQ8_0);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    for b in 0..nb {
-        let wb = &*w.add(b);
-        let wq = _mm256_sub_epi8(avx2::q5_quants(wb.qs.as_ptr(), wb.qh), _mm256_set1_epi8(16));
-        let wabs = _mm256_abs_epi8(wq);
-        let wd = avx2::f16_one(wb.d);
-        for t in 0..NT {
-            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ5_0;
+        let a = a.map(|p| p as *const BlockQ8_0);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        for b in 0..nb {
+            let wb = &*w.add(b);
+            let wq = _mm256_sub_epi8(avx2::q5_quants(wb.qs.as_ptr(), wb.qh), _mm256_set1_epi8(16));
+            let wabs = _mm256_abs_epi8(wq);
+            let wd = avx2::f16_one(wb.d);
+            for t in 0..NT {
+                acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+            }
         }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]);
+        }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]);
-    }
-    out
 }
 
 /// Q5_1 × Q8_1 tile: one block per 256-bit step, in the order of the
@@ -330,34 +368,38 @@ pub(crate) unsafe fn dot_q5_1_q8_1<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ5_1;
-    let a = a.map(|p| p as *const BlockQ8_1);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    // Lane 1 accumulates m * s with fused multiply-adds.
-    let mut acc_min = [_mm_setzero_ps(); NT];
-    for b in 0..nb {
-        let wb = w.add(b);
-        let wq = avx2::q5_quants(addr_of!((*wb).qs) as *const u8, (*wb).qh);
-        let wdm = avx2::f16_pair(wb as *const u8);
-        for t in 0..NT {
-            let ab = a[t].add(b);
-            let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
-            let adm = avx2::f16_pair(ab as *const u8);
-            let prod = _mm_mul_ps(wdm, adm);
-            let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq);
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_broadcastss_ps(prod),
-                _mm256_cvtepi32_ps(sumi),
-                acc[t],
-            );
-            acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ5_1;
+        let a = a.map(|p| p as *const BlockQ8_1);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        // Lane 1 accumulates m * s with fused multiply-adds.
+        let mut acc_min = [_mm_setzero_ps(); NT];
+        for b in 0..nb {
+            let wb = w.add(b);
+            let wq = avx2::q5_quants(addr_of!((*wb).qs) as *const u8, (*wb).qh);
+            let wdm = avx2::f16_pair(wb as *const u8);
+            for t in 0..NT {
+                let ab = a[t].add(b);
+                let aq = _mm256_loadu_si256(addr_of!((*ab).qs) as *const __m256i);
+                let adm = avx2::f16_pair(ab as *const u8);
+                let prod = _mm_mul_ps(wdm, adm);
+                let sumi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq);
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(prod),
+                    _mm256_cvtepi32_ps(sumi),
+                    acc[t],
+                );
+                acc_min[t] = _mm_fmadd_ps(wdm, adm, acc_min[t]);
+            }
         }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
+        }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_min[t]));
-    }
-    out
 }
 
 /// IQ4_NL × Q8_0 tile: one block per 256-bit step, in the lane order of
@@ -371,23 +413,27 @@ pub(crate) unsafe fn dot_iq4_nl_q8_0<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockIQ4NL;
-    let a = a.map(|p| p as *const BlockQ8_0);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    for b in 0..nb {
-        let wb = &*w.add(b);
-        let wq = avx2::iq4_values(wb.qs.as_ptr());
-        let wabs = _mm256_abs_epi8(wq);
-        let wd = avx2::f16_one(wb.d);
-        for t in 0..NT {
-            acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockIQ4NL;
+        let a = a.map(|p| p as *const BlockQ8_0);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        for b in 0..nb {
+            let wb = &*w.add(b);
+            let wq = avx2::iq4_values(wb.qs.as_ptr());
+            let wabs = _mm256_abs_epi8(wq);
+            let wd = avx2::f16_one(wb.d);
+            for t in 0..NT {
+                acc[t] = signed_block_step(acc[t], wq, wabs, wd, a[t].add(b));
+            }
         }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]);
+        }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]);
-    }
-    out
 }
 
 /// IQ4_XS × Q8_K tile: `vpdpbusd` gives each sub-block's 8 lanes of
@@ -402,40 +448,45 @@ pub(crate) unsafe fn dot_iq4_xs_q8_k<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockIQ4XS;
-    let a = a.map(|p| p as *const BlockQ8K);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    for b in 0..nb {
-        let x = &*w.add(b);
-        let mut v = [_mm256_setzero_si256(); 8];
-        let mut vabs = [_mm256_setzero_si256(); 8];
-        let mut sc = [_mm256_setzero_si256(); 8];
-        for j in 0..8 {
-            v[j] = avx2::iq4_values(x.qs.as_ptr().add(16 * j));
-            vabs[j] = _mm256_abs_epi8(v[j]);
-            sc[j] = _mm256_set1_epi32(x.scale(j));
-        }
-        let xd = x.d();
-        for t in 0..NT {
-            let y = &*a[t].add(b);
-            let mut sumi = _mm256_setzero_si256();
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockIQ4XS;
+        let a = a.map(|p| p as *const BlockQ8K);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        for b in 0..nb {
+            let x = &*w.add(b);
+            let mut v = [_mm256_setzero_si256(); 8];
+            let mut vabs = [_mm256_setzero_si256(); 8];
+            let mut sc = [_mm256_setzero_si256(); 8];
             for j in 0..8 {
-                let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * j) as *const __m256i);
-                let dot = _mm256_dpbusd_epi32(
-                    _mm256_setzero_si256(),
-                    vabs[j],
-                    _mm256_sign_epi8(yq, v[j]),
-                );
-                sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(dot, sc[j]));
+                v[j] = avx2::iq4_values(x.qs.as_ptr().add(16 * j));
+                vabs[j] = _mm256_abs_epi8(v[j]);
+                sc[j] = _mm256_set1_epi32(x.scale(j));
             }
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(xd * y.d()), _mm256_cvtepi32_ps(sumi), acc[t]);
+            let xd = x.d();
+            for t in 0..NT {
+                let y = &*a[t].add(b);
+                let mut sumi = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let yq = _mm256_loadu_si256(y.qs.as_ptr().add(32 * j) as *const __m256i);
+                    let dot = _mm256_dpbusd_epi32(
+                        _mm256_setzero_si256(),
+                        vabs[j],
+                        _mm256_sign_epi8(yq, v[j]),
+                    );
+                    sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(dot, sc[j]));
+                }
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(xd * y.d()), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
         }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]);
+        }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]);
-    }
-    out
 }
 
 /// Two 256-bit halves as one 512-bit vector, `lo` in the low half.
@@ -460,15 +511,19 @@ unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn k_run_lanes(q: &[__m512i; 4], scale: &[__m512i; 4], yq: *const i8) -> __m256i {
-    let mut runs = _mm512_setzero_si512();
-    for c in 0..4 {
-        let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
-        runs = _mm512_dpwssd_epi32(runs, _mm512_maddubs_epi16(q[c], y), scale[c]);
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let mut runs = _mm512_setzero_si512();
+        for c in 0..4 {
+            let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+            runs = _mm512_dpwssd_epi32(runs, _mm512_maddubs_epi16(q[c], y), scale[c]);
+        }
+        _mm256_add_epi32(
+            _mm512_castsi512_si256(runs),
+            _mm512_extracti64x4_epi64::<1>(runs),
+        )
     }
-    _mm256_add_epi32(
-        _mm512_castsi512_si256(runs),
-        _mm512_extracti64x4_epi64::<1>(runs),
-    )
 }
 
 /// Q4_K × Q8_K tile with two runs of 32 quants per 512-bit step:
@@ -487,39 +542,44 @@ pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ4K;
-    let a = a.map(|p| p as *const BlockQ8K);
-    let mask = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    let mut acc_min = [_mm_setzero_ps(); NT];
-    for b in 0..nb {
-        let x = &*w.add(b);
-        let (sc, mn) = scales_mins_k4(&x.scales);
-        let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
-        let mut q = [_mm512_setzero_si512(); 4];
-        let mut scale = [_mm512_setzero_si512(); 4];
-        for c in 0..4 {
-            let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
-            q[c] = _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask);
-            scale[c] = join(
-                _mm256_set1_epi16(sc[2 * c] as i16),
-                _mm256_set1_epi16(sc[2 * c + 1] as i16),
-            );
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ4K;
+        let a = a.map(|p| p as *const BlockQ8K);
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        let mut acc_min = [_mm_setzero_ps(); NT];
+        for b in 0..nb {
+            let x = &*w.add(b);
+            let (sc, mn) = scales_mins_k4(&x.scales);
+            let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
+            let mut q = [_mm512_setzero_si512(); 4];
+            let mut scale = [_mm512_setzero_si512(); 4];
+            for c in 0..4 {
+                let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+                q[c] = _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask);
+                scale[c] = join(
+                    _mm256_set1_epi16(sc[2 * c] as i16),
+                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
+                );
+            }
+            let (xd, xdmin) = (x.d(), x.dmin());
+            for t in 0..NT {
+                let y = &*a[t].add(b);
+                let m = _mm_cvtepi32_ps(avx2::k4_min_lanes(mins, y));
+                acc_min[t] = _mm_fmadd_ps(_mm_set1_ps(-y.d() * xdmin), m, acc_min[t]);
+                let sumi = k_run_lanes(&q, &scale, y.qs.as_ptr() as *const i8);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
         }
-        let (xd, xdmin) = (x.d(), x.dmin());
+        let mut out = [0.0f32; NT];
         for t in 0..NT {
-            let y = &*a[t].add(b);
-            let m = _mm_cvtepi32_ps(avx2::k4_min_lanes(mins, y));
-            acc_min[t] = _mm_fmadd_ps(_mm_set1_ps(-y.d() * xdmin), m, acc_min[t]);
-            let sumi = k_run_lanes(&q, &scale, y.qs.as_ptr() as *const i8);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+            out[t] = avx2::hsum_ps(acc[t]) + avx2::hsum4_ps(acc_min[t]);
         }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]) + avx2::hsum4_ps(acc_min[t]);
-    }
-    out
 }
 
 /// Q6_K × Q8_K tile: [`avx2::dot_q6_k_q8_k`]'s lanes and float steps, its
@@ -533,29 +593,34 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
     w: *const u8,
     a: [*const u8; NT],
 ) -> [f32; NT] {
-    let w = w as *const BlockQ6K;
-    let a = a.map(|p| p as *const BlockQ8K);
-    let mut acc = [_mm256_setzero_ps(); NT];
-    for b in 0..nb {
-        let x = &*w.add(b);
-        let (q, sc, sc16) = avx2::q6k_runs(x);
-        let q = [0, 1, 2, 3].map(|c| join(q[2 * c], q[2 * c + 1]));
-        let sc = [0, 1, 2, 3].map(|c| join(sc[2 * c], sc[2 * c + 1]));
-        let xd = x.d();
-        for t in 0..NT {
-            let y = &*a[t].add(b);
-            let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-            let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
-            let runs = k_run_lanes(&q, &sc, y.qs.as_ptr() as *const i8);
-            let sumi = _mm256_sub_epi32(runs, offset);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ6K;
+        let a = a.map(|p| p as *const BlockQ8K);
+        let mut acc = [_mm256_setzero_ps(); NT];
+        for b in 0..nb {
+            let x = &*w.add(b);
+            let (q, sc, sc16) = avx2::q6k_runs(x);
+            let q = [0, 1, 2, 3].map(|c| join(q[2 * c], q[2 * c + 1]));
+            let sc = [0, 1, 2, 3].map(|c| join(sc[2 * c], sc[2 * c + 1]));
+            let xd = x.d();
+            for t in 0..NT {
+                let y = &*a[t].add(b);
+                let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
+                let runs = k_run_lanes(&q, &sc, y.qs.as_ptr() as *const i8);
+                let sumi = _mm256_sub_epi32(runs, offset);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
         }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]);
+        }
+        out
     }
-    let mut out = [0.0f32; NT];
-    for t in 0..NT {
-        out[t] = avx2::hsum_ps(acc[t]);
-    }
-    out
 }
 
 /// f16 × f16 over `n` elements at byte pointers.
@@ -564,24 +629,28 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
 /// See the file header; both pointers readable for `n` f16 values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
-    let mut acc = _mm512_setzero_ps();
-    let mut i = 0;
-    while i + 16 <= n {
-        let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(2 * i) as *const __m256i));
-        let yv = _mm512_cvtph_ps(_mm256_loadu_si256(y.add(2 * i) as *const __m256i));
-        acc = _mm512_fmadd_ps(xv, yv, acc);
-        i += 16;
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(2 * i) as *const __m256i));
+            let yv = _mm512_cvtph_ps(_mm256_loadu_si256(y.add(2 * i) as *const __m256i));
+            acc = _mm512_fmadd_ps(xv, yv, acc);
+            i += 16;
+        }
+        if i < n {
+            // The tail goes through the same lanes, zero-padded.
+            let (mut xt, mut yt) = ([0u8; 32], [0u8; 32]);
+            std::ptr::copy_nonoverlapping(x.add(2 * i), xt.as_mut_ptr(), 2 * (n - i));
+            std::ptr::copy_nonoverlapping(y.add(2 * i), yt.as_mut_ptr(), 2 * (n - i));
+            let xv = _mm512_cvtph_ps(_mm256_loadu_si256(xt.as_ptr() as *const __m256i));
+            let yv = _mm512_cvtph_ps(_mm256_loadu_si256(yt.as_ptr() as *const __m256i));
+            acc = _mm512_fmadd_ps(xv, yv, acc);
+        }
+        hsum512(acc)
     }
-    if i < n {
-        // The tail goes through the same lanes, zero-padded.
-        let (mut xt, mut yt) = ([0u8; 32], [0u8; 32]);
-        std::ptr::copy_nonoverlapping(x.add(2 * i), xt.as_mut_ptr(), 2 * (n - i));
-        std::ptr::copy_nonoverlapping(y.add(2 * i), yt.as_mut_ptr(), 2 * (n - i));
-        let xv = _mm512_cvtph_ps(_mm256_loadu_si256(xt.as_ptr() as *const __m256i));
-        let yv = _mm512_cvtph_ps(_mm256_loadu_si256(yt.as_ptr() as *const __m256i));
-        acc = _mm512_fmadd_ps(xv, yv, acc);
-    }
-    hsum512(acc)
 }
 
 /// `y += a * x` with f16 `x`.
@@ -590,17 +659,21 @@ pub(crate) unsafe fn dot_f16_ptr(n: usize, x: *const u8, y: *const u8) -> f32 {
 /// See the file header.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
-    let n = x.len().min(y.len());
-    let av = _mm512_set1_ps(a);
-    let mut i = 0;
-    while i + 16 <= n {
-        let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i));
-        let yp = y.as_mut_ptr().add(i);
-        _mm512_storeu_ps(yp, _mm512_fmadd_ps(av, xv, _mm512_loadu_ps(yp)));
-        i += 16;
-    }
-    for j in i..n {
-        y[j] = a.mul_add(x[j].to_f32(), y[j]);
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let n = x.len().min(y.len());
+        let av = _mm512_set1_ps(a);
+        let mut i = 0;
+        while i + 16 <= n {
+            let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i));
+            let yp = y.as_mut_ptr().add(i);
+            _mm512_storeu_ps(yp, _mm512_fmadd_ps(av, xv, _mm512_loadu_ps(yp)));
+            i += 16;
+        }
+        for j in i..n {
+            y[j] = a.mul_add(x[j].to_f32(), y[j]);
+        }
     }
 }
 
@@ -642,18 +715,22 @@ unsafe fn exp16(x: __m512) -> __m512 {
 /// See the file header.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 pub(crate) unsafe fn exp_ggml(x: &mut [f32]) {
-    let n = x.len();
-    let p = x.as_mut_ptr();
-    let mut i = 0;
-    while i < n {
-        let mask: __mmask16 = if n - i >= 16 {
-            0xFFFF
-        } else {
-            (1u16 << (n - i)) - 1
-        };
-        let v = _mm512_maskz_loadu_ps(mask, p.add(i));
-        _mm512_mask_storeu_ps(p.add(i), mask, exp16(v));
-        i += 16;
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let mut i = 0;
+        while i < n {
+            let mask: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let v = _mm512_maskz_loadu_ps(mask, p.add(i));
+            _mm512_mask_storeu_ps(p.add(i), mask, exp16(v));
+            i += 16;
+        }
     }
 }
 
@@ -663,20 +740,24 @@ pub(crate) unsafe fn exp_ggml(x: &mut [f32]) {
 /// See the file header.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 pub(crate) unsafe fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
-    let n = gate.len().min(up.len());
-    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
-    let mut i = 0;
-    while i < n {
-        let mask: __mmask16 = if n - i >= 16 {
-            0xFFFF
-        } else {
-            (1u16 << (n - i)) - 1
-        };
-        let gv = _mm512_maskz_loadu_ps(mask, g.add(i));
-        let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
-        let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
-        _mm512_mask_storeu_ps(g.add(i), mask, _mm512_mul_ps(silu, uv));
-        i += 16;
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let n = gate.len().min(up.len());
+        let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+        let mut i = 0;
+        while i < n {
+            let mask: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let gv = _mm512_maskz_loadu_ps(mask, g.add(i));
+            let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+            _mm512_mask_storeu_ps(g.add(i), mask, _mm512_mul_ps(silu, uv));
+            i += 16;
+        }
     }
 }
