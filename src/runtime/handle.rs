@@ -1,5 +1,7 @@
 //! The [`Runtime`] handle: maps the KV pool, starts the pinned workers,
-//! and routes each call to the worker that owns its session.
+//! and routes each call to the worker that owns its session. It is the
+//! runtime's boundary: every request's arguments are checked here, once,
+//! before any worker sees it (a transport only converts).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -32,6 +34,8 @@ pub struct Runtime {
     next_worker: AtomicUsize,
     draining: AtomicBool,
     cfg: RuntimeConfig,
+    /// Tokens in the model's vocabulary: what requests are checked against.
+    vocab: usize,
 }
 
 impl Runtime {
@@ -94,6 +98,7 @@ impl Runtime {
             next_worker: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             cfg,
+            vocab: model.config.vocab,
         })
     }
 
@@ -162,6 +167,7 @@ impl Runtime {
         req: CreateSession,
         deadline: Option<Instant>,
     ) -> Result<Pending<SessionId>, RuntimeError> {
+        req.validate()?;
         let worker = self.pick_worker();
         let n = self.workers.len();
         let id = loop {
@@ -192,6 +198,7 @@ impl Runtime {
         req: AppendTokens,
         deadline: Option<Instant>,
     ) -> Result<Pending<AppendReply>, RuntimeError> {
+        AppendTokens::check_tokens(&req.tokens, self.vocab)?;
         let (tx, rx) = notify::channel(1);
         let worker = req.id.worker_index(self.workers.len());
         self.send(
@@ -217,6 +224,7 @@ impl Runtime {
         req: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<GenerateStream, RuntimeError> {
+        req.validate(self.vocab)?;
         let (tx, rx) = notify::channel(self.cfg.stream_capacity);
         let cancel = Arc::new(AtomicBool::new(false));
         let worker = req.id.worker_index(self.workers.len());

@@ -15,12 +15,29 @@ use super::RuntimeError;
 pub struct SessionId([u8; 16]);
 
 impl SessionId {
+    /// The id that stands for text naming no id the server could have
+    /// issued (all zero bits: [`SessionId::random`] never draws it). Every
+    /// operation on it is `NotFound`, after the request's arguments were
+    /// checked like any other's.
+    pub const NEVER_ISSUED: SessionId = SessionId([0; 16]);
+
     /// Draws a fresh id from the operating system's random source.
     pub fn random() -> Result<Self, RuntimeError> {
-        let mut bytes = [0u8; 16];
-        getrandom::getrandom(&mut bytes)
-            .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
-        Ok(SessionId(bytes))
+        loop {
+            let mut bytes = [0u8; 16];
+            getrandom::getrandom(&mut bytes)
+                .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
+            if bytes != Self::NEVER_ISSUED.0 {
+                return Ok(SessionId(bytes));
+            }
+        }
+    }
+
+    /// [`SessionId::parse`], with text of any other form read as
+    /// [`SessionId::NEVER_ISSUED`]: for a request whose arguments must be
+    /// checked before its id says `NotFound`.
+    pub fn parse_or_never_issued(text: &str) -> SessionId {
+        Self::parse(text).unwrap_or(Self::NEVER_ISSUED)
     }
 
     /// Parses exactly 32 lowercase hex digits. Anything else (empty, the

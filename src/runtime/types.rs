@@ -239,11 +239,10 @@ impl SamplingOptions {
         Ok(())
     }
 
-    /// The sampler parameters these options mean (see
-    /// [`SamplingOptions::validate`] for the checks), and the seed used: the
-    /// request's, or one drawn from the OS.
-    pub fn resolve(&self, vocab: usize) -> Result<(SamplingParams, u64), RuntimeError> {
-        self.validate(vocab)?;
+    /// The sampler parameters these options mean, and the seed used: the
+    /// request's, or one drawn from the OS. For options the runtime's
+    /// boundary already checked ([`SamplingOptions::validate`]).
+    pub fn resolve(&self) -> Result<(SamplingParams, u64), RuntimeError> {
         let seed = match self.seed {
             Some(seed) => seed,
             None => {

@@ -35,41 +35,29 @@ pub fn session_id(text: &str) -> Result<SessionId, RuntimeError> {
     SessionId::parse(text)
 }
 
-/// A CreateSession request, checked against the bounds of what a session
-/// keeps for its life (`runtime::limits`).
-pub fn create_request(req: &mut pb::CreateSessionRequest) -> Result<CreateSession, RuntimeError> {
-    let request = CreateSession {
+/// A CreateSession request (the runtime checks its bounds).
+pub fn create_request(req: &mut pb::CreateSessionRequest) -> CreateSession {
+    CreateSession {
         client_label: req.take_client_label(),
         eos_token_ids: req.take_eos_token_ids(),
-    };
-    request.validate()?;
-    Ok(request)
+    }
 }
 
-/// An AppendTokens request: its token ids are checked against the
-/// vocabulary first (a bad one is INVALID_ARGUMENT whatever the id), then
-/// the id (NOT_FOUND for any form the server does not hold).
-pub fn append_request(
-    req: &mut pb::AppendTokensRequest,
-    vocab: usize,
-) -> Result<AppendTokens, RuntimeError> {
-    AppendTokens::check_tokens(req.get_token_ids(), vocab)?;
-    let id = session_id(req.get_session_id())?;
-    Ok(AppendTokens {
-        id,
+/// An AppendTokens request. An id of any form the server never issues
+/// becomes [`SessionId::NEVER_ISSUED`], so the runtime checks the tokens
+/// first (INVALID_ARGUMENT whatever the id) and only then finds no session
+/// (NOT_FOUND).
+pub fn append_request(req: &mut pb::AppendTokensRequest) -> AppendTokens {
+    AppendTokens {
+        id: SessionId::parse_or_never_issued(req.get_session_id()),
         tokens: req.take_token_ids(),
-    })
+    }
 }
 
-/// A Generate request. Every argument that needs no session state is
-/// checked first, against a vocabulary of `vocab` tokens (a bad one is
-/// INVALID_ARGUMENT whatever the id, and nothing changes), then the id
-/// (NOT_FOUND for any form the server does not hold); the worker checks
-/// the rest, such as an empty history.
-pub fn generate_request(
-    req: &pb::GenerateRequest,
-    vocab: usize,
-) -> Result<GenerateRequest, RuntimeError> {
+/// A Generate request, converted only: the runtime checks every argument
+/// before it looks the session up (an id of any other form becomes
+/// [`SessionId::NEVER_ISSUED`], as for an append).
+pub fn generate_request(req: &pb::GenerateRequest) -> GenerateRequest {
     let opt_f32 = |has: bool, v: f32| has.then_some(v);
     let sampling = SamplingOptions {
         temperature: opt_f32(req.has_temperature(), req.get_temperature()),
@@ -94,13 +82,12 @@ pub fn generate_request(
         .iter()
         .map(|s| s.get_token_ids().to_vec())
         .collect();
-    GenerateRequest::check_arguments(req.get_max_tokens(), &sampling, &stop_sequences, vocab)?;
-    Ok(GenerateRequest {
-        id: session_id(req.get_session_id())?,
+    GenerateRequest {
+        id: SessionId::parse_or_never_issued(req.get_session_id()),
         max_tokens: req.get_max_tokens(),
         sampling,
         stop_sequences,
-    })
+    }
 }
 
 fn stop_reason(reason: StopReason) -> pb::GenerateDone_StopReason {
@@ -199,90 +186,56 @@ pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoRe
 mod tests {
     use super::*;
 
-    fn generate(f: impl FnOnce(&mut pb::GenerateRequest)) -> Result<GenerateRequest, RuntimeError> {
+    fn generate(f: impl FnOnce(&mut pb::GenerateRequest)) -> GenerateRequest {
         let mut req = pb::GenerateRequest::new();
         req.set_session_id("0123456789abcdef0123456789abcdef".into());
         req.set_max_tokens(4);
         f(&mut req);
-        generate_request(&req, 320)
-    }
-
-    fn code(got: &Result<GenerateRequest, RuntimeError>) -> Option<StatusKind> {
-        got.as_ref().map_err(RuntimeError::code).err()
+        generate_request(&req)
     }
 
     #[test]
-    fn every_bad_generate_argument_is_invalid_argument_whatever_the_id() {
-        let bad: [fn(&mut pb::GenerateRequest); 8] = [
-            |r| r.set_max_tokens(0),
-            |r| r.set_temperature(-0.5),
-            |r| r.set_temperature(f32::NAN),
-            |r| r.set_top_p(0.0),
-            |r| r.set_top_p(1.5),
-            |r| r.set_top_logprobs(21),
-            |r| r.mut_stop_sequences().push(pb::StopSequence::new()),
-            |r| {
-                let mut bias = pb::LogitBias::new();
-                bias.set_token_id(320);
-                r.mut_logit_bias().push(bias);
-            },
-        ];
-        for (i, f) in bad.iter().enumerate() {
-            for id in [
-                "0123456789abcdef0123456789abcdef",
-                "sess-does-not-exist",
-                "",
-            ] {
-                let got = generate(|r| {
-                    f(r);
-                    r.set_session_id(id.into());
-                });
-                assert_eq!(
-                    code(&got),
-                    Some(StatusKind::InvalidArgument),
-                    "case {i}, id {id:?}: {got:?}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_valid_generate_with_an_id_of_any_other_form_is_not_found() {
+    fn an_id_of_any_other_form_converts_to_the_never_issued_one() {
         for id in [
             "sess-does-not-exist",
             "",
             "0123456789ABCDEF0123456789abcdef",
         ] {
             let got = generate(|r| r.set_session_id(id.into()));
-            assert_eq!(code(&got), Some(StatusKind::NotFound), "{id:?}: {got:?}");
+            assert_eq!(got.id, SessionId::NEVER_ISSUED, "{id:?}");
+            let mut req = pb::AppendTokensRequest::new();
+            req.set_session_id(id.into());
+            assert_eq!(append_request(&mut req).id, SessionId::NEVER_ISSUED);
         }
+        let got = generate(|_| {});
+        assert_eq!(got.id.to_string(), "0123456789abcdef0123456789abcdef");
     }
 
     #[test]
-    fn append_checks_its_tokens_before_its_id() {
-        let mut req = pb::AppendTokensRequest::new();
-        req.set_session_id("sess-does-not-exist".into());
-        req.set_token_ids(vec![1, 320]);
-        let got = append_request(&mut req, 320).map_err(|e| e.code());
-        assert_eq!(got.err(), Some(StatusKind::InvalidArgument));
-        req.set_token_ids(vec![1, 319]);
-        let got = append_request(&mut req, 320).map_err(|e| e.code());
-        assert_eq!(got.err(), Some(StatusKind::NotFound));
-        req.set_session_id("0123456789abcdef0123456789abcdef".into());
-        let got = append_request(&mut req, 320).expect("valid");
-        assert_eq!(got.tokens, vec![1, 319]);
+    fn conversion_checks_nothing_and_keeps_every_value() {
+        let got = generate(|r| {
+            r.set_max_tokens(0);
+            r.set_temperature(f32::NAN);
+            r.mut_stop_sequences().push(pb::StopSequence::new());
+        });
+        assert_eq!(got.max_tokens, 0);
+        assert!(got.sampling.temperature.is_some_and(f32::is_nan));
+        assert_eq!(got.stop_sequences, vec![Vec::<u32>::new()]);
+        assert_eq!(
+            got.validate(320).map_err(|e| e.code()),
+            Err(StatusKind::InvalidArgument)
+        );
     }
 
     #[test]
     fn unset_knobs_stay_unset_and_set_zeroes_stay_set() {
-        let plain = generate(|_| {}).expect("valid");
+        let plain = generate(|_| {});
         assert_eq!(plain.sampling, SamplingOptions::default());
         let seeded = generate(|r| {
             r.set_seed(0);
             r.set_temperature(0.0);
             r.set_top_k(0);
-        })
-        .expect("valid");
+        });
         assert_eq!(seeded.sampling.seed, Some(0));
         assert_eq!(seeded.sampling.temperature, Some(0.0));
         assert_eq!(seeded.sampling.top_k, Some(0));

@@ -127,10 +127,10 @@ impl RuntimeServiceImpl {
     ) {
         let shared = &self.shared;
         let deadline = call_deadline(ctx.deadline());
-        let started = req
-            .message()
-            .and_then(|mut req| convert::create_request(&mut req))
-            .and_then(|request| shared.runtime.create_session(request, deadline));
+        let started = req.message().and_then(|mut req| {
+            let request = convert::create_request(&mut req);
+            shared.runtime.create_session(request, deadline)
+        });
         let (vocab, context, workers) = (shared.vocab, shared.context, shared.runtime.workers());
         self.reply(&ctx, sink, Method::CreateSession, started, move |id| {
             let worker = id.worker_index(workers) as u32;
@@ -150,10 +150,10 @@ impl RuntimeServiceImpl {
         sink: UnarySink<pb::AppendTokensResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = req
-            .message()
-            .and_then(|mut req| convert::append_request(&mut req, self.shared.vocab as usize))
-            .and_then(|request| self.shared.runtime.append_tokens(request, deadline));
+        let started = req.message().and_then(|mut req| {
+            let request = convert::append_request(&mut req);
+            self.shared.runtime.append_tokens(request, deadline)
+        });
         self.reply(&ctx, sink, Method::AppendTokens, started, |reply| {
             let mut msg = pb::AppendTokensResponse::new();
             msg.set_history_length(reply.history_length);
@@ -169,10 +169,10 @@ impl RuntimeServiceImpl {
         sink: ServerStreamingSink<pb::GenerateResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = req
-            .message()
-            .and_then(|req| convert::generate_request(&req, self.shared.vocab as usize))
-            .and_then(|request| self.shared.runtime.generate(request, deadline));
+        let started = req.message().and_then(|req| {
+            let request = convert::generate_request(&req);
+            self.shared.runtime.generate(request, deadline)
+        });
         let stats = Arc::clone(&self.shared.stats);
         ctx.spawn(stream_generate(started, sink, stats));
     }

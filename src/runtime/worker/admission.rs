@@ -246,20 +246,15 @@ impl Worker {
         }
     }
 
-    /// Validates and reserves an append (truncating first if the policy
-    /// says so); nothing changes unless it returns `Prefill`.
+    /// Reserves an append, its tokens checked at the runtime's boundary
+    /// (truncating first if the policy says so); nothing changes unless it
+    /// returns `Prefill`.
     pub(super) fn start_append(
         &mut self,
         id: SessionId,
         tokens: &[u32],
     ) -> Result<Begin, RuntimeError> {
-        let vocab = self.model.config.vocab;
         let context = self.model.config.context;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(RuntimeError::invalid(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
         if tokens.is_empty() {
             return Ok(Begin::Empty);
         }
@@ -310,7 +305,8 @@ impl Worker {
         })
     }
 
-    /// Validates a Generate and makes it the session's active work. The
+    /// Makes a Generate (its arguments checked at the runtime's boundary)
+    /// the session's active work. The
     /// context is only made room in once it is full (`plan`): `max_tokens`
     /// is a cap, never a reservation.
     pub(super) fn start_generate(
@@ -321,24 +317,9 @@ impl Worker {
         cancel: &Arc<AtomicBool>,
         deadline: Option<Instant>,
     ) -> Result<(), RuntimeError> {
-        let vocab = self.model.config.vocab;
-        if req.max_tokens == 0 {
-            return Err(RuntimeError::invalid("max_tokens must be at least 1"));
-        }
-        if let Some(bad) = req
-            .stop_sequences
-            .iter()
-            .flatten()
-            .find(|&&t| t as usize >= vocab)
-        {
-            return Err(RuntimeError::invalid(format!(
-                "stop sequence token {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
-        if req.stop_sequences.iter().any(|s| s.is_empty()) {
-            return Err(RuntimeError::invalid("stop sequences must not be empty"));
-        }
-        let (params, seed_used) = req.sampling.resolve(vocab)?;
+        // The arguments were checked at the runtime's boundary; only what
+        // needs the session is checked here.
+        let (params, seed_used) = req.sampling.resolve()?;
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if slot.history.is_empty() || slot.next_logits.is_empty() {
             return Err(RuntimeError::invalid(
