@@ -843,7 +843,6 @@ fn answer(
 ) -> Answered {
     let coordinator = agreed.epochs.coordinator;
     let hidden_size = agreed.fingerprint.hidden_size as usize;
-    let frame = &checked.frame;
     match checked.kind {
         FrameKind::Release => {
             let mut core = lock(&shared.core);
@@ -865,89 +864,107 @@ fn answer(
             Answered::Computed
         }
         FrameKind::Prefill | FrameKind::Decode => {
-            let body = if checked.kind == FrameKind::Prefill {
-                frame.get_prefill()
-            } else {
-                frame.get_decode()
-            };
-            let Some(encoding) = checked.encoding else {
-                return Answered::Computed;
-            };
-            // The frame may have waited in the queue: its deadline again.
-            let deadline = frame.get_header().get_deadline_unix_nanos();
-            if let Some(late) = past_deadline(deadline) {
-                let error = FrameError {
-                    kind: ErrorKind::Deadline,
-                    message: format!("{late}, before the frame was computed"),
-                    sessions: checked.sessions.clone(),
-                    sequence: Some(checked.sequence),
-                };
-                return Answered::from_sent(replies.send(error_frame(&error), None), true);
-            }
-            let values = match decode_rows(encoding, hidden_size, checked.rows, frame.get_payload())
-            {
-                Ok(v) => v,
-                Err(e) => {
-                    let error = FrameError {
-                        kind: ErrorKind::Malformed,
-                        message: e.to_string(),
-                        sessions: checked.sessions.clone(),
-                        sequence: Some(checked.sequence),
-                    };
-                    return Answered::from_sent(replies.send(error_frame(&error), None), true);
-                }
-            };
-            let runs: Vec<Run> = body
-                .get_runs()
-                .iter()
-                .zip(&checked.sessions)
-                .map(|(r, id)| Run {
-                    session: *id,
-                    position: r.get_position(),
-                    rows: r.get_count(),
-                })
-                .collect();
-            // Checked before every step of the computation.
-            let mut interrupt = || {
-                if shared.stopping.load(Ordering::Acquire) {
-                    return Some((ErrorKind::Internal, "the shard is shutting down".to_owned()));
-                }
-                if state.lost.load(Ordering::Acquire) || replies.call_gone() {
-                    return Some((ErrorKind::Internal, "the stream ended".to_owned()));
-                }
-                past_deadline(deadline).map(|late| (ErrorKind::Deadline, late))
-            };
-            let outcome =
-                lock(&shared.core).compute(coordinator, &runs, values, hidden_size, &mut interrupt);
-            let mut alive = true;
-            let refused = !outcome.failed.is_empty();
-            if refused {
-                for (kind, message, sessions) in outcome.failed {
-                    let error = FrameError {
-                        kind,
-                        message,
-                        sessions,
-                        sequence: Some(checked.sequence),
-                    };
-                    alive &= replies.send(error_frame(&error), None);
-                }
-            }
-            if !outcome.runs.is_empty() {
-                let mut output = super::frame::hidden_body(&outcome.runs);
-                output.set_answers_sequence(checked.sequence);
-                let mut reply = pb::Frame::new();
-                reply.set_output(output);
-                match encode_rows(encoding, hidden_size, &outcome.values) {
-                    Ok(payload) => reply.set_payload(payload),
-                    Err(_) => return Answered::Gone,
-                }
-                alive &= replies.send(reply, Some(encoding));
-            }
-            Answered::from_sent(alive, refused)
+            answer_hidden(shared, coordinator, hidden_size, &checked, replies, state)
         }
         // Checked frames of the other kinds cannot travel to a shard.
         FrameKind::Output | FrameKind::Credit | FrameKind::Error => Answered::Computed,
     }
+}
+
+/// A hidden-state frame (prefill or decode): decoded, computed through the
+/// shard's layers (stopping between steps when the shard stops, the
+/// stream ends or the deadline passes), answered with the output rows and
+/// an error frame per refused session.
+fn answer_hidden(
+    shared: &ShardState,
+    coordinator: u64,
+    hidden_size: usize,
+    checked: &FrameCheck,
+    replies: &mut Replies,
+    state: &StreamState,
+) -> Answered {
+    let frame = &checked.frame;
+    let body = if checked.kind == FrameKind::Prefill {
+        frame.get_prefill()
+    } else {
+        frame.get_decode()
+    };
+    let Some(encoding) = checked.encoding else {
+        return Answered::Computed;
+    };
+    // The frame may have waited in the queue: its deadline again.
+    let deadline = frame.get_header().get_deadline_unix_nanos();
+    if let Some(late) = past_deadline(deadline) {
+        let message = format!("{late}, before the frame was computed");
+        return refuse_frame(replies, checked, ErrorKind::Deadline, message);
+    }
+    let values = match decode_rows(encoding, hidden_size, checked.rows, frame.get_payload()) {
+        Ok(v) => v,
+        Err(e) => return refuse_frame(replies, checked, ErrorKind::Malformed, e.to_string()),
+    };
+    let runs: Vec<Run> = body
+        .get_runs()
+        .iter()
+        .zip(&checked.sessions)
+        .map(|(r, id)| Run {
+            session: *id,
+            position: r.get_position(),
+            rows: r.get_count(),
+        })
+        .collect();
+    // Checked before every step of the computation.
+    let mut interrupt = || {
+        if shared.stopping.load(Ordering::Acquire) {
+            return Some((ErrorKind::Internal, "the shard is shutting down".to_owned()));
+        }
+        if state.lost.load(Ordering::Acquire) || replies.call_gone() {
+            return Some((ErrorKind::Internal, "the stream ended".to_owned()));
+        }
+        past_deadline(deadline).map(|late| (ErrorKind::Deadline, late))
+    };
+    let outcome =
+        lock(&shared.core).compute(coordinator, &runs, values, hidden_size, &mut interrupt);
+    let mut alive = true;
+    let refused = !outcome.failed.is_empty();
+    if refused {
+        for (kind, message, sessions) in outcome.failed {
+            let error = FrameError {
+                kind,
+                message,
+                sessions,
+                sequence: Some(checked.sequence),
+            };
+            alive &= replies.send(error_frame(&error), None);
+        }
+    }
+    if !outcome.runs.is_empty() {
+        let mut output = super::frame::hidden_body(&outcome.runs);
+        output.set_answers_sequence(checked.sequence);
+        let mut reply = pb::Frame::new();
+        reply.set_output(output);
+        match encode_rows(encoding, hidden_size, &outcome.values) {
+            Ok(payload) => reply.set_payload(payload),
+            Err(_) => return Answered::Gone,
+        }
+        alive &= replies.send(reply, Some(encoding));
+    }
+    Answered::from_sent(alive, refused)
+}
+
+/// Answers a whole frame with one error frame of `kind`.
+fn refuse_frame(
+    replies: &mut Replies,
+    checked: &FrameCheck,
+    kind: ErrorKind,
+    message: String,
+) -> Answered {
+    let error = FrameError {
+        kind,
+        message,
+        sessions: checked.sessions.clone(),
+        sequence: Some(checked.sequence),
+    };
+    Answered::from_sent(replies.send(error_frame(&error), None), true)
 }
 
 /// How long ago `deadline` (Unix nanoseconds, 0: none) passed, if it has.
