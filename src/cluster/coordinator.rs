@@ -28,7 +28,7 @@ use super::frame::{unix_nanos, ErrorKind, Run, WireSessionId};
 use super::link::{LinkError, LinkOptions, ShardCapacity, ShardLink};
 use super::payload::Encoding;
 use crate::kv::KvError;
-use crate::model::{LogitRows, LogitsWanted, Model, ModelError, Scratch};
+use crate::model::{LogitRows, Model, ModelError, Scratch};
 use crate::runtime::StepFeed;
 pub use crate::runtime::{ShardSnapshot, ShardStatsSnapshot};
 use crate::threads::ThreadPool;
@@ -856,11 +856,7 @@ impl ShardChain {
         let mut per_sequence = Vec::with_capacity(feeds.len());
         let mut n_rows = 0;
         for (f, &offset) in feeds.iter().zip(&offsets) {
-            let rows = match f.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => f.tokens.len().saturating_sub(1)..f.tokens.len(),
-                LogitsWanted::All => 0..f.tokens.len(),
-            };
+            let rows = f.logits.rows(f.tokens.len());
             wanted.extend_from_slice(&hidden[(offset + rows.start) * h..(offset + rows.end) * h]);
             per_sequence.push(n_rows..n_rows + rows.len());
             n_rows += rows.len();

@@ -54,6 +54,19 @@ pub enum LogitsWanted {
     All,
 }
 
+impl LogitsWanted {
+    /// Which of a feed's `n_tokens` new tokens (by index within the feed)
+    /// get logits: the one place that says so, for the local forward pass
+    /// and for a coordinator computing logits from the shards' output.
+    pub fn rows(self, n_tokens: usize) -> std::ops::Range<usize> {
+        match self {
+            LogitsWanted::None => 0..0,
+            LogitsWanted::Last => n_tokens.saturating_sub(1)..n_tokens,
+            LogitsWanted::All => 0..n_tokens,
+        }
+    }
+}
+
 /// One sequence's share of a forward call.
 pub struct Sequence<'a> {
     /// The session's KV pages; new positions are appended after `kv.len()`.
@@ -395,12 +408,7 @@ impl Model {
         for s in seqs {
             let start = rows.len();
             let n = s.tokens.len();
-            match s.logits {
-                LogitsWanted::None => {}
-                LogitsWanted::Last if n > 0 => rows.push(first_token + n - 1),
-                LogitsWanted::Last => {}
-                LogitsWanted::All => rows.extend(first_token..first_token + n),
-            }
+            rows.extend(s.logits.rows(n).map(|i| first_token + i));
             per_sequence.push(start..rows.len());
             first_token += n;
         }
