@@ -10,7 +10,7 @@ use std::sync::Arc;
 use inferd::gguf::synthetic::SyntheticLlama;
 use inferd::gguf::GgufFile;
 use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
-use inferd::model::{LogitsWanted, Model, Scratch, Sequence};
+use inferd::model::{LayerFeed, LogitsWanted, Model, Scratch, Sequence};
 use inferd::quant::GgmlType;
 use inferd::threads::ThreadPool;
 use rand::{Rng, SeedableRng};
@@ -262,16 +262,15 @@ fn layer_ranges_computed_separately_give_the_same_logits() {
         model.embed(chunk, &mut x).expect("embed");
         for (range, kv) in ranges.iter().zip(kvs.iter_mut()) {
             kv.reserve(kv.len() + chunk.len()).expect("reserve");
-            let mut seq = [Sequence {
+            let mut feed = [LayerFeed {
                 kv,
-                tokens: chunk,
-                logits: LogitsWanted::All,
+                rows: chunk.len(),
             }];
             model
-                .forward_layers(range.clone(), &mut seq, &mut x, &pool, &mut scratch)
+                .forward_layers(range.clone(), &mut feed, &mut x, &pool, &mut scratch)
                 .expect("layer range");
-            let new_len = seq[0].kv.len() + chunk.len();
-            seq[0].kv.commit(new_len).expect("commit");
+            let new_len = feed[0].kv.len() + chunk.len();
+            feed[0].kv.commit(new_len).expect("commit");
         }
         model.logits_from_hidden(&pool, &x, &mut logits, &mut scratch);
         got.extend(logits.iter().map(|v| v.to_bits()));

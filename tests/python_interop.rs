@@ -328,7 +328,7 @@ fn python_stubs_from_the_shard_schema_drive_a_real_shard() {
 
     // The same layers over the same rows, in this process.
     use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
-    use inferd::model::{LogitsWanted, Scratch, Sequence};
+    use inferd::model::{LayerFeed, Scratch};
     let pool = inferd::threads::ThreadPool::new(1);
     let mut scratch = Scratch::default();
     let kv_pool = std::sync::Arc::new(
@@ -339,14 +339,12 @@ fn python_stubs_from_the_shard_schema_drive_a_real_shard() {
     for (first, count) in [(0usize, 3usize), (3, 1)] {
         let mut x = client_rows(count, first, hidden);
         kv.reserve(first + count).expect("reserve");
-        let tokens = vec![0u32; count];
-        let mut seqs = [Sequence {
+        let mut feeds = [LayerFeed {
             kv: &mut kv,
-            tokens: &tokens,
-            logits: LogitsWanted::None,
+            rows: count,
         }];
         model
-            .forward_layers(0..10, &mut seqs, &mut x, &pool, &mut scratch)
+            .forward_layers(0..10, &mut feeds, &mut x, &pool, &mut scratch)
             .expect("forward");
         kv.commit(first + count).expect("commit");
         expected.push(sha256_hex_f32(&x));

@@ -49,7 +49,7 @@ use super::handshake::{agree, limits_to_wire, Agreed};
 use super::payload::{decode_rows, encode_rows, Encoding};
 use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
 use crate::kv::{KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
-use crate::model::{LogitsWanted, Model, Scratch, Sequence};
+use crate::model::{LayerFeed, Model, Scratch};
 use crate::proto::inferd_shard_v1::shard_runtime as pb;
 use crate::threads::ThreadPool;
 
@@ -1137,9 +1137,6 @@ impl Core {
         hidden_size: usize,
         interrupt: Interrupt<'_>,
     ) -> Result<(), Stopped> {
-        // forward_layers reads only how many tokens each sequence feeds.
-        let longest = accepted.iter().map(|r| r.rows as usize).max().unwrap_or(0);
-        let placeholder = vec![0u32; longest.min(PREFILL_STEP_ROWS.max(1)).max(1)];
         let total_rows = x.len() / hidden_size.max(1);
         let one_fragment = accepted.len() == 1;
         let step_rows = if one_fragment {
@@ -1163,23 +1160,19 @@ impl Core {
                     run.rows as usize
                 }
             };
-            let mut seqs: Vec<Sequence<'_>> = kvs
+            let mut feeds: Vec<LayerFeed<'_>> = kvs
                 .iter_mut()
                 .zip(accepted)
-                .map(|((_, kv), run)| Sequence {
-                    kv,
-                    tokens: &placeholder[..fed(run).min(placeholder.len())],
-                    logits: LogitsWanted::None,
-                })
+                .map(|((_, kv), run)| LayerFeed { kv, rows: fed(run) })
                 .collect();
             let result = self.model.forward_layers(
                 self.layers.clone(),
-                &mut seqs,
+                &mut feeds,
                 &mut x[done * hidden_size..(done + n) * hidden_size],
                 &self.pool,
                 &mut self.scratch,
             );
-            drop(seqs);
+            drop(feeds);
             if let Err(e) = result {
                 return Err(stop(done, ErrorKind::Internal, format!("forward: {e}")));
             }

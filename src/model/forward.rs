@@ -76,6 +76,15 @@ pub struct Sequence<'a> {
     pub logits: LogitsWanted,
 }
 
+/// One sequence's share of a [`Model::forward_layers`] call: hidden-state
+/// rows in, no token ids (a shard never sees them).
+pub struct LayerFeed<'a> {
+    /// The sequence's KV pages; the rows go to positions `kv.len()..`.
+    pub kv: &'a mut SessionKv,
+    /// How many rows (new positions) the sequence feeds.
+    pub rows: usize,
+}
+
 /// Reusable buffers for forward calls, grown on demand and kept between
 /// calls so a decode step does not allocate.
 #[derive(Default)]
@@ -143,8 +152,8 @@ impl Model {
         pool: &ThreadPool,
         scratch: &mut Scratch,
     ) -> Result<LogitRows, ModelError> {
-        self.prepare(seqs, scratch)?;
-        let n_tokens = scratch.token_seq.len();
+        self.prepare(seqs)?;
+        let n_tokens: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let mut x = std::mem::take(&mut scratch.x);
         resize(&mut x, n_tokens * self.config.hidden);
         let mut offset = 0;
@@ -155,7 +164,16 @@ impl Model {
             )?;
             offset += s.tokens.len();
         }
-        let result = self.forward_layers(0..self.config.n_layers, seqs, &mut x, pool, scratch);
+        let mut feeds: Vec<LayerFeed<'_>> = seqs
+            .iter_mut()
+            .map(|s| LayerFeed {
+                kv: &mut *s.kv,
+                rows: s.tokens.len(),
+            })
+            .collect();
+        let result =
+            self.forward_layers(0..self.config.n_layers, &mut feeds, &mut x, pool, scratch);
+        drop(feeds);
         scratch.x = x;
         result?;
         for s in seqs.iter_mut() {
@@ -167,7 +185,7 @@ impl Model {
 
     /// Checks token ids and context room, and reserves KV pages, before
     /// anything is computed.
-    fn prepare(&self, seqs: &mut [Sequence<'_>], scratch: &mut Scratch) -> Result<(), ModelError> {
+    fn prepare(&self, seqs: &mut [Sequence<'_>]) -> Result<(), ModelError> {
         for s in seqs.iter() {
             self.check_append(s.kv.len(), s.tokens)?;
         }
@@ -175,7 +193,6 @@ impl Model {
             let want = s.kv.len() + s.tokens.len();
             s.kv.reserve(want)?;
         }
-        self.prepare_positions(seqs, scratch);
         Ok(())
     }
 
@@ -228,7 +245,7 @@ impl Model {
     pub fn forward_layers(
         &self,
         layers: Range<usize>,
-        seqs: &mut [Sequence<'_>],
+        seqs: &mut [LayerFeed<'_>],
         x: &mut [f32],
         pool: &ThreadPool,
         scratch: &mut Scratch,
@@ -384,13 +401,13 @@ impl Model {
         Ok(())
     }
 
-    fn prepare_positions(&self, seqs: &[Sequence<'_>], scratch: &mut Scratch) {
+    fn prepare_positions(&self, seqs: &[LayerFeed<'_>], scratch: &mut Scratch) {
         scratch.token_seq.clear();
         for (i, s) in seqs.iter().enumerate() {
             let start = s.kv.len();
             scratch
                 .token_seq
-                .extend((0..s.tokens.len()).map(|j| (i, start + j)));
+                .extend((0..s.rows).map(|j| (i, start + j)));
         }
     }
 
@@ -598,7 +615,7 @@ impl Model {
     fn attention(
         &self,
         pool: &ThreadPool,
-        seqs: &[Sequence<'_>],
+        seqs: &[LayerFeed<'_>],
         kv_layer: usize,
         window: Option<usize>,
         scratch: &mut Scratch,

@@ -19,7 +19,7 @@ use crate::kv::{KvError, KvLayout};
 
 pub use arch::{ArchSpec, Architecture, FfnActivation, RopeLayout, ARCHITECTURES};
 pub use config::{ModelConfig, SlidingWindow};
-pub use forward::{LogitRows, LogitsWanted, Scratch, Sequence, MAX_HEAD_DIM};
+pub use forward::{LayerFeed, LogitRows, LogitsWanted, Scratch, Sequence, MAX_HEAD_DIM};
 pub use weights::{LayerWeights, Matrix, Weights};
 
 /// Why a model could not be loaded or run.
