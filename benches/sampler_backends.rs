@@ -127,6 +127,7 @@ fn main() {
                 ("greedy", SamplingParams::greedy()),
                 ("full chain", full_chain()),
             ] {
+                let params = params.checked(vocab).expect("valid");
                 let mut cpu = Sampler::new();
                 let cpu_times = measure(steps_for(vocab, batch, false), |step| {
                     for (r, row) in rows.iter().take(batch).enumerate() {

@@ -9,7 +9,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use inferd::sampler::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler};
-use inferd::sampler::{SampleRequest, Sampler, SamplingParams};
+use inferd::sampler::{CheckedParams, SampleRequest, Sampler, SamplingParams};
 
 struct CountingAllocator;
 
@@ -111,7 +111,7 @@ fn a_warm_sampler_does_not_allocate() {
 fn gpu_step_allocations(
     gpu: &mut GpuSampler,
     logits: &[f32],
-    params: &[SamplingParams],
+    params: &[CheckedParams],
     history: &[u32],
     rows: usize,
     steps: u64,
@@ -177,10 +177,14 @@ fn a_warm_gpu_step_creates_no_gpu_objects_and_a_fixed_few_host_allocations() {
             .collect();
         let mut gpu =
             GpuSampler::new(std::sync::Arc::clone(&context), vocab, 32, 512).expect("buffers");
+        let checked: Vec<CheckedParams> = params
+            .iter()
+            .map(|p| p.clone().checked(vocab).expect("valid"))
+            .collect();
         // Warm up, then count GPU objects and memory around 50 more steps.
-        gpu_step_allocations(&mut gpu, &logits, &params, &history, rows, 2);
+        gpu_step_allocations(&mut gpu, &logits, &checked, &history, rows, 2);
         let objects_before = context.resource_counts();
-        let per_step = gpu_step_allocations(&mut gpu, &logits, &params, &history, rows, 50);
+        let per_step = gpu_step_allocations(&mut gpu, &logits, &checked, &history, rows, 50);
         let objects_after = context.resource_counts();
         assert_eq!(
             objects_before, objects_after,

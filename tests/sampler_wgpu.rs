@@ -9,7 +9,9 @@
 use std::sync::{Arc, OnceLock};
 
 use inferd::sampler::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler};
-use inferd::sampler::{SampleRequest, Sampled, Sampler, SamplerError, SamplingParams};
+use inferd::sampler::{
+    CheckedParams, SampleRequest, Sampled, Sampler, SamplerError, SamplingParams,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -47,7 +49,7 @@ fn gpu(vocab: usize) -> Option<GpuSampler> {
 /// One test case: logits, parameters, history, position.
 struct Case {
     logits: Vec<f32>,
-    params: SamplingParams,
+    params: CheckedParams,
     history: Vec<u32>,
     position: u64,
 }
@@ -144,7 +146,9 @@ fn random_case(rng: &mut StdRng, vocab: usize, greedy: bool) -> Case {
     let history_len = rng.gen_range(0..200);
     Case {
         logits: random_logits(rng, vocab),
-        params: random_params(rng, vocab, greedy),
+        params: random_params(rng, vocab, greedy)
+            .checked(vocab)
+            .expect("valid"),
         history: (0..history_len)
             .map(|_| rng.gen_range(0..vocab as u32))
             .collect(),
@@ -311,7 +315,7 @@ fn gpu_draws_follow_the_filtered_distribution() {
     let cases: Vec<Case> = (0..DRAWS)
         .map(|position| Case {
             logits: logits.clone(),
-            params: params.clone(),
+            params: params.clone().checked(logits.len()).expect("valid"),
             history: Vec::new(),
             position,
         })
@@ -346,6 +350,8 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
     let Some(mut gpu) = gpu(vocab) else { return };
     let logits: Vec<f32> = (0..vocab).map(|i| i as f32).collect();
     let short = vec![0.0f32; 5];
+    // Bad parameters never reach a sampler: they are refused once, where
+    // they are checked, with the CPU sampler's own errors.
     let bad_top_p = SamplingParams {
         temperature: 1.0,
         top_p: 1.5,
@@ -355,30 +361,22 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
         logit_bias: vec![(vocab as u32, 1.0)],
         ..SamplingParams::greedy()
     };
+    for bad in [bad_top_p, bad_bias] {
+        let cpu = Sampler::new().sample(&logits, &bad, &[], 0);
+        assert_eq!(bad.checked(vocab).map(|_| ()), cpu.map(|_| ()));
+    }
     let penalised = SamplingParams {
         presence_penalty: 1.0,
         ..SamplingParams::greedy()
-    };
-    let greedy = SamplingParams::greedy();
+    }
+    .checked(vocab)
+    .expect("valid");
+    let greedy = SamplingParams::greedy().checked(vocab).expect("valid");
     let out_of_range_history = [1u32, vocab as u32 + 5];
     let rows = [
         SampleRequest {
             logits: &logits,
-            params: &bad_top_p,
-            history: &[],
-            position: 0,
-            top_logprobs: 0,
-        },
-        SampleRequest {
-            logits: &logits,
             params: &greedy,
-            history: &[],
-            position: 0,
-            top_logprobs: 0,
-        },
-        SampleRequest {
-            logits: &logits,
-            params: &bad_bias,
             history: &[],
             position: 0,
             top_logprobs: 0,
@@ -401,13 +399,13 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
     let mut out = Vec::new();
     gpu.sample_batch(&rows, &mut out);
     let mut cpu = Sampler::new();
-    for (i, row) in rows.iter().take(4).enumerate() {
+    for (i, row) in rows.iter().take(2).enumerate() {
         let expected = cpu.sample(row.logits, row.params, row.history, row.position);
         assert_eq!(out[i].clone().map(|s| s.token), expected, "row {i}");
     }
-    assert_eq!(out[1], Ok(Sampled::token(31)));
+    assert_eq!(out[0], Ok(Sampled::token(31)));
     assert_eq!(
-        out[4],
+        out[2],
         Err(SamplerError::VocabMismatch {
             expected: vocab,
             got: 5
@@ -427,7 +425,9 @@ fn a_penalty_window_longer_than_the_buffers_grows_them_once() {
         repetition_penalty: 1.3,
         frequency_penalty: 0.01,
         ..SamplingParams::greedy()
-    };
+    }
+    .checked(vocab)
+    .expect("valid");
     let rows = [SampleRequest {
         logits: &logits,
         params: &params,
@@ -475,7 +475,7 @@ fn the_largest_vocabulary_with_a_full_sort_still_matches_the_cpu() {
         .enumerate()
         .map(|(i, params)| Case {
             logits: flat.clone(),
-            params,
+            params: params.checked(flat.len()).expect("valid"),
             history: history.clone(),
             position: 1000 + i as u64,
         })

@@ -233,7 +233,7 @@ impl Engine {
         stop_tokens: &[u32],
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
-        params.validate(self.model.config.vocab)?;
+        let params = params.clone().checked(self.model.config.vocab)?;
         if session.history.is_empty() || session.next_logits.is_empty() {
             return Err(EngineError::EmptyHistory);
         }
@@ -244,7 +244,7 @@ impl Engine {
                 .sampler
                 .sample(SampleRequest {
                     logits: &session.next_logits,
-                    params,
+                    params: &params,
                     history: &session.history,
                     position,
                     top_logprobs: 0,

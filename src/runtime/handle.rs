@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
-use super::worker::{Command, Op, Worker, WorkersState};
+use super::worker::{AdmittedGenerate, Command, Op, Worker, WorkersState};
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateRequest,
     GenerateStream, Pending, RuntimeConfig, RuntimeError, RuntimeStats, SessionId, SessionInfo,
@@ -224,7 +224,7 @@ impl Runtime {
         req: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<GenerateStream, RuntimeError> {
-        req.validate(self.vocab)?;
+        let (params, seed_used) = req.admit(self.vocab)?;
         let (tx, rx) = notify::channel(self.cfg.stream_capacity);
         let cancel = Arc::new(AtomicBool::new(false));
         let worker = req.id.worker_index(self.workers.len());
@@ -233,7 +233,11 @@ impl Runtime {
             Command::Enqueue {
                 id: req.id,
                 op: Op::Generate {
-                    req: Box::new(req),
+                    gen: Box::new(AdmittedGenerate {
+                        req,
+                        params,
+                        seed_used,
+                    }),
                     events: tx,
                     cancel: Arc::clone(&cancel),
                 },

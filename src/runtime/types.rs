@@ -23,7 +23,7 @@ use super::limits::{
 use super::{Layers, LocalLayers};
 use super::{RuntimeError, SessionId};
 use crate::kv::DEFAULT_PAGE_POSITIONS;
-use crate::sampler::{SamplingParams, SelectedSampler, TokenLogprobs};
+use crate::sampler::{CheckedParams, SamplingParams, SelectedSampler, TokenLogprobs};
 
 /// What to do when a history would outgrow the model's context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,11 +212,8 @@ impl SamplingOptions {
         }
     }
 
-    /// Checks every knob against its documented range (the sampler's
-    /// checks, plus the bounds of [`limits`]), against a vocabulary of
-    /// `vocab` tokens. Needs no session: a transport runs it before it
-    /// looks the session up.
-    pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
+    /// The bounds of [`limits`] on the options' counts.
+    fn check_limits(&self) -> Result<(), RuntimeError> {
         at_most(
             "logit_bias",
             "entries",
@@ -235,14 +232,16 @@ impl SamplingOptions {
                 limits::MAX_TOP_LOGPROBS
             )));
         }
-        self.params(0).validate(vocab)?;
         Ok(())
     }
 
-    /// The sampler parameters these options mean, and the seed used: the
-    /// request's, or one drawn from the OS. For options the runtime's
-    /// boundary already checked ([`SamplingOptions::validate`]).
-    pub fn resolve(&self) -> Result<(SamplingParams, u64), RuntimeError> {
+    /// Checks every knob against its documented range (the sampler's
+    /// checks, plus the bounds of [`limits`]) for a vocabulary of `vocab`
+    /// tokens, and returns the sampler parameters the options mean, checked
+    /// once for the whole call, with the seed used: the request's, or one
+    /// drawn from the OS.
+    pub fn resolve(&self, vocab: usize) -> Result<(CheckedParams, u64), RuntimeError> {
+        self.check_limits()?;
         let seed = match self.seed {
             Some(seed) => seed,
             None => {
@@ -252,7 +251,7 @@ impl SamplingOptions {
                 u64::from_le_bytes(bytes)
             }
         };
-        Ok((self.params(seed), seed))
+        Ok((self.params(seed).checked(vocab)?, seed))
     }
 }
 
@@ -269,17 +268,13 @@ pub struct GenerateRequest {
 
 impl GenerateRequest {
     /// Checks every argument of a Generate that needs no session state
-    /// against a vocabulary of `vocab` tokens: `max_tokens`, the sampling
-    /// knobs and the stop sequences. A transport runs it before it looks
-    /// the session up, so a bad argument is `InvalidArgument` whatever the
-    /// id (and an id the server does not hold, of any form, is `NotFound`
-    /// only for an otherwise valid request, as from the worker).
-    pub fn check_arguments(
-        max_tokens: u32,
-        sampling: &SamplingOptions,
-        stop_sequences: &[Vec<u32>],
-        vocab: usize,
-    ) -> Result<(), RuntimeError> {
+    /// against a vocabulary of `vocab` tokens (`max_tokens`, the sampling
+    /// knobs, the stop sequences) and returns what the worker runs: the
+    /// sampler parameters, checked here once for the whole call, and the
+    /// seed used. The runtime runs it before it looks the session up, so a
+    /// bad argument is `InvalidArgument` whatever the id.
+    pub fn admit(&self, vocab: usize) -> Result<(CheckedParams, u64), RuntimeError> {
+        let (max_tokens, stop_sequences) = (self.max_tokens, &self.stop_sequences);
         if max_tokens == 0 {
             return Err(RuntimeError::invalid("max_tokens must be at least 1"));
         }
@@ -313,12 +308,12 @@ impl GenerateRequest {
         if stop_sequences.iter().any(|s| s.is_empty()) {
             return Err(RuntimeError::invalid("stop sequences must not be empty"));
         }
-        sampling.validate(vocab)
+        self.sampling.resolve(vocab)
     }
 
-    /// [`GenerateRequest::check_arguments`] of this request.
+    /// [`GenerateRequest::admit`], its result dropped.
     pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
-        Self::check_arguments(self.max_tokens, &self.sampling, &self.stop_sequences, vocab)
+        self.admit(vocab).map(|_| ())
     }
 }
 

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use super::gpu::{AdapterKind, GpuContext, GpuError, GpuSampler, DEFAULT_MAX_ROWS};
-use super::{Sampled, Sampler, SamplerError, SamplingParams};
+use super::{CheckedParams, Sampled, Sampler, SamplerError};
 
 /// One row to sample: its logits, parameters, history (for penalties), the
 /// absolute position of the token being sampled (the RNG counter), and how
@@ -16,7 +16,8 @@ use super::{Sampled, Sampler, SamplerError, SamplingParams};
 #[derive(Clone, Copy, Debug)]
 pub struct SampleRequest<'a> {
     pub logits: &'a [f32],
-    pub params: &'a SamplingParams,
+    /// Checked once per call ([`super::SamplingParams::checked`]), not per token.
+    pub params: &'a CheckedParams,
     pub history: &'a [u32],
     pub position: u64,
     pub top_logprobs: usize,
@@ -218,7 +219,7 @@ impl SamplerBackend {
 }
 
 fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<Sampled, SamplerError> {
-    cpu.sample_with_logprobs(
+    cpu.sample_checked(
         row.logits,
         row.params,
         row.history,

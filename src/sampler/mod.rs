@@ -101,7 +101,7 @@ use std::cmp::Ordering;
 pub use backend::{SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
 
 pub use error::SamplerError;
-pub use params::{SamplingParams, MIN_TEMPERATURE};
+pub use params::{CheckedParams, SamplingParams, MIN_TEMPERATURE};
 
 /// Ids per block in the blocked sums (softmax normaliser, top-p total, draw).
 /// A GPU sampler uses the same constant as its per-thread chunk length.
@@ -370,6 +370,32 @@ pub(crate) fn check_inputs(
     history: &[u32],
 ) -> Result<(), SamplerError> {
     params.validate(vocab_size)?;
+    check_history(vocab_size, params, history)
+}
+
+/// Step 1 with parameters checked once per call ([`CheckedParams`]): only
+/// what changes per token, the row's length and the penalty window of the
+/// history, is checked.
+pub(crate) fn check_row(
+    logits_len: usize,
+    params: &CheckedParams,
+    history: &[u32],
+) -> Result<(), SamplerError> {
+    if logits_len != params.vocab_size() {
+        return Err(SamplerError::VocabMismatch {
+            expected: params.vocab_size(),
+            got: logits_len,
+        });
+    }
+    check_history(logits_len, params, history)
+}
+
+/// The history tokens the penalties will read, against the vocabulary.
+fn check_history(
+    vocab_size: usize,
+    params: &SamplingParams,
+    history: &[u32],
+) -> Result<(), SamplerError> {
     if params.has_penalties() {
         let window = penalty_window(history, params.penalty_last_n);
         let offset = history.len() - window.len();
@@ -449,8 +475,36 @@ impl Sampler {
         top_logprobs: usize,
     ) -> Result<Sampled, SamplerError> {
         let token = self.sample(logits, params, history, position)?;
+        Ok(self.report(logits, params, token, top_logprobs))
+    }
+
+    /// [`Sampler::sample_with_logprobs`] for parameters checked once per
+    /// call: per token only the row's length and the penalty window are
+    /// checked.
+    pub fn sample_checked(
+        &mut self,
+        logits: &[f32],
+        params: &CheckedParams,
+        history: &[u32],
+        position: u64,
+        top_logprobs: usize,
+    ) -> Result<Sampled, SamplerError> {
+        check_row(logits.len(), params, history)?;
+        let u = philox::uniform(params.seed, position);
+        let token = self.pipeline(logits, params, history, u)?;
+        Ok(self.report(logits, params, token, top_logprobs))
+    }
+
+    /// The sampled `token`, with its log-probabilities when asked for.
+    fn report(
+        &self,
+        logits: &[f32],
+        params: &SamplingParams,
+        token: u32,
+        top_logprobs: usize,
+    ) -> Sampled {
         if top_logprobs == 0 {
-            return Ok(Sampled::token(token));
+            return Sampled::token(token);
         }
         // After a sample, `work` holds the adjusted logits when there were
         // adjustments.
@@ -459,14 +513,14 @@ impl Sampler {
         } else {
             logits
         };
-        Ok(Sampled {
+        Sampled {
             token,
             logprobs: Some(token_logprobs(
                 source,
                 token,
                 top_logprobs.min(MAX_TOP_LOGPROBS),
             )),
-        })
+        }
     }
 
     /// The whole pipeline with the uniform number of step 13 given.
@@ -477,8 +531,19 @@ impl Sampler {
         history: &[u32],
         u: f32,
     ) -> Result<u32, SamplerError> {
+        check_inputs(logits.len(), params, history)?;
+        self.pipeline(logits, params, history, u)
+    }
+
+    /// Steps 2-13 on inputs step 1 accepted.
+    fn pipeline(
+        &mut self,
+        logits: &[f32],
+        params: &SamplingParams,
+        history: &[u32],
+        u: f32,
+    ) -> Result<u32, SamplerError> {
         let vocab_size = logits.len();
-        check_inputs(vocab_size, params, history)?;
         let window = penalty_window(history, params.penalty_last_n);
         let no_candidate = SamplerError::NoCandidate { vocab_size };
 

@@ -131,6 +131,43 @@ impl SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// [`SamplingParams::validate`], once: the parameters come back as
+    /// [`CheckedParams`], which the samplers take per token without
+    /// checking them again.
+    pub fn checked(self, vocab_size: usize) -> Result<CheckedParams, SamplerError> {
+        self.validate(vocab_size)?;
+        Ok(CheckedParams {
+            params: self,
+            vocab_size,
+        })
+    }
+}
+
+/// Sampling parameters that passed [`SamplingParams::validate`] for a
+/// vocabulary of [`CheckedParams::vocab_size`] tokens. Only
+/// [`SamplingParams::checked`] makes one, and it cannot be changed after.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckedParams {
+    params: SamplingParams,
+    vocab_size: usize,
+}
+
+impl CheckedParams {
+    /// The vocabulary the parameters were checked against.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+}
+
+impl std::ops::Deref for CheckedParams {
+    type Target = SamplingParams;
+
+    fn deref(&self) -> &SamplingParams {
+        &self.params
+    }
+}
+
 impl Default for SamplingParams {
     /// The default is greedy decoding.
     fn default() -> Self {

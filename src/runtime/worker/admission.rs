@@ -233,10 +233,10 @@ impl Worker {
                 }
             },
             Op::Generate {
-                req,
+                gen,
                 events,
                 cancel,
-            } => match self.start_generate(id, &req, &events, &cancel, deadline) {
+            } => match self.start_generate(id, *gen, &events, &cancel, deadline) {
                 Ok(()) => None,
                 Err(e) => {
                     let _ = events.try_send(GenerateEvent::Error(e));
@@ -312,14 +312,18 @@ impl Worker {
     pub(super) fn start_generate(
         &mut self,
         id: SessionId,
-        req: &GenerateRequest,
+        admitted: AdmittedGenerate,
         events: &NotifySender<GenerateEvent>,
         cancel: &Arc<AtomicBool>,
         deadline: Option<Instant>,
     ) -> Result<(), RuntimeError> {
         // The arguments were checked at the runtime's boundary; only what
         // needs the session is checked here.
-        let (params, seed_used) = req.sampling.resolve()?;
+        let AdmittedGenerate {
+            req,
+            params,
+            seed_used,
+        } = admitted;
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if slot.history.is_empty() || slot.next_logits.is_empty() {
             return Err(RuntimeError::invalid(
@@ -331,7 +335,7 @@ impl Worker {
             params,
             seed_used,
             max_tokens: req.max_tokens,
-            stop_sequences: req.stop_sequences.clone(),
+            stop_sequences: req.stop_sequences,
             generated: Vec::new(),
             events: events.clone(),
             cancel: Arc::clone(cancel),

@@ -41,7 +41,7 @@ use super::{
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
-    SampleRequest, Sampled, SamplerBackend, SamplerError, SamplingParams, TokenLogprobs,
+    CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
 };
 use crate::threads::ThreadPool;
 
@@ -82,7 +82,7 @@ pub(crate) enum Op {
         reply: Reply<AppendReply>,
     },
     Generate {
-        req: Box<GenerateRequest>,
+        gen: Box<AdmittedGenerate>,
         events: NotifySender<GenerateEvent>,
         cancel: Arc<AtomicBool>,
     },
@@ -100,6 +100,14 @@ impl Op {
             Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
         }
     }
+}
+
+/// A Generate the runtime's boundary accepted: the request, and the
+/// sampler parameters checked there once for the whole call.
+pub(crate) struct AdmittedGenerate {
+    pub(crate) req: GenerateRequest,
+    pub(crate) params: CheckedParams,
+    pub(crate) seed_used: u64,
 }
 
 /// What every worker shares; all of it is lock-free.
@@ -148,7 +156,7 @@ struct WaitingCreate {
 
 /// A Generate in progress.
 struct Generating {
-    params: SamplingParams,
+    params: CheckedParams,
     seed_used: u64,
     max_tokens: u32,
     stop_sequences: Vec<Vec<u32>>,

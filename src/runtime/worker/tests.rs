@@ -145,12 +145,15 @@ fn cancel_in_the_middle_of_a_shift(w: &mut Worker, id: SessionId) -> Vec<Generat
     w.handle(Command::Enqueue {
         id,
         op: Op::Generate {
-            req: Box::new(GenerateRequest {
-                id,
-                max_tokens: 40,
-                sampling: Default::default(),
-                stop_sequences: Vec::new(),
-            }),
+            gen: Box::new(admitted(
+                w.model.config.vocab,
+                GenerateRequest {
+                    id,
+                    max_tokens: 40,
+                    sampling: Default::default(),
+                    stop_sequences: Vec::new(),
+                },
+            )),
             events,
             cancel: Arc::clone(&cancel),
         },
@@ -342,4 +345,14 @@ fn digest_sees_every_bit() {
     assert_ne!(digest(&[0.0]), digest(&[-0.0]));
     assert_ne!(digest(&[1.0, 2.0]), digest(&[2.0, 1.0]));
     assert_eq!(digest(&[1.5]), digest(&[1.5]));
+}
+
+/// A Generate as the runtime's boundary admits it.
+fn admitted(vocab: usize, req: GenerateRequest) -> AdmittedGenerate {
+    let (params, seed_used) = req.admit(vocab).expect("valid request");
+    AdmittedGenerate {
+        req,
+        params,
+        seed_used,
+    }
 }

@@ -258,6 +258,7 @@ mod tests {
         let mut words = vec![0u32; 2 * PARAM_WORDS + 8];
         let mut tail = 2 * PARAM_WORDS;
         let logits = [0.0f32; 8];
+        let params = params.checked(logits.len()).expect("valid");
         let request = SampleRequest {
             logits: &logits,
             params: &params,

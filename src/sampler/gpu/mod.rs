@@ -26,7 +26,7 @@ use futures_executor::block_on;
 pub use context::{AdapterKind, GpuContext, GpuError, ResourceCounts};
 pub use layout::{MAX_VOCAB, WORKGROUP_SIZE};
 
-use super::{check_inputs, SampleRequest, Sampled, SamplerError, TokenLogprobs};
+use super::{check_row, SampleRequest, Sampled, SamplerError, TokenLogprobs};
 use layout::{
     pack_row, request_words, PARAM_WORDS, RESULT_WORDS, R_CHOSEN, R_INFINITIES, R_NORMALISER,
     R_STATUS, R_TOKEN, R_TOP, R_TOP_COUNT, STATUS_NO_CANDIDATE, STATUS_OK,
@@ -330,7 +330,7 @@ impl GpuSampler {
                 message: broken.to_string(),
             });
         }
-        check_inputs(row.logits.len(), row.params, row.history)?;
+        check_row(row.logits.len(), row.params, row.history)?;
         if row.logits.len() != self.vocab_size {
             return Err(SamplerError::VocabMismatch {
                 expected: self.vocab_size,
