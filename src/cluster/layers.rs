@@ -1,15 +1,15 @@
 //! The runtime's [`Layers`] when the model is split over shards: each
 //! worker drives its own [`ShardChain`]; the KV lives on the shards, and
-//! the runtime's pool is only a ledger of positions sized like the
-//! smallest shard's, so eviction makes room here before any shard runs
-//! out.
+//! the runtime's pool is a [`KvPool::ledger`]: it counts pages of
+//! positions (sized like the smallest shard's, so eviction makes room
+//! here before any shard runs out) and maps nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::coordinator::{ChainError, FailureKind, ShardChain, ShardPlan};
 use super::ErrorKind;
-use crate::kv::{KvLayout, KvPool, KvPoolConfig, SessionKv};
+use crate::kv::{KvPool, SessionKv};
 use crate::model::{LogitRows, Model, Scratch};
 use crate::runtime::{
     Layers, RuntimeConfig, RuntimeError, SessionId, ShardStatsSnapshot, StatusKind, StepError,
@@ -46,16 +46,11 @@ impl Layers for ShardLayers {
         if capacity.max_sessions > 0 {
             cfg.max_sessions = cfg.max_sessions.min(capacity.max_sessions as usize);
         }
-        // Pages like a local pool (a page per layer, so page counts read
-        // the same either way) with one-value rows: it is never written.
+        // A ledger pages like a local pool (a page per layer, so page
+        // counts read the same either way) and holds nothing.
         let n_layers = model.config.n_layers;
-        let ledger = KvLayout {
-            n_layers,
-            kv_dim: 1,
-            page_positions: cfg.page_positions,
-        };
         let pages = (capacity.kv_pages.max(1) as usize).saturating_mul(n_layers);
-        Ok(KvPool::new(KvPoolConfig::anonymous(ledger, pages))?)
+        Ok(KvPool::ledger(n_layers, cfg.page_positions, pages)?)
     }
 
     fn kv_page_bytes(&self, model: &Model, pool: &KvPool) -> u64 {

@@ -57,6 +57,11 @@ pub enum KvError {
     #[error("invalid KV cache configuration: {reason}")]
     InvalidConfig { reason: String },
     /// Creating, sizing or mapping the backing memory failed.
+    /// The pool is a ledger ([`KvPool::ledger`](super::KvPool::ledger)):
+    /// its pages count positions whose K and V live elsewhere.
+    #[error("this KV pool is a ledger of positions: its pages hold no K or V rows")]
+    NoStorage,
+
     #[error("cannot map {bytes} bytes of KV memory{}: {source}", path_suffix(.path))]
     Map {
         bytes: u64,

@@ -154,7 +154,8 @@ impl KvPoolConfig {
 pub struct KvPool {
     layout: KvLayout,
     page_stride: usize,
-    map: MmapRaw,
+    /// The pages' memory; `None` for a ledger, whose pages hold nothing.
+    map: Option<MmapRaw>,
     allocator: PageAllocator,
     backing: KvBacking,
     /// Per layer, the sliding window it attends over (`None`: every
@@ -197,11 +198,49 @@ impl KvPool {
         Ok(KvPool {
             layout,
             page_stride,
-            map: MmapRaw::from(map),
+            map: Some(MmapRaw::from(map)),
             allocator: PageAllocator::new(n_pages)?,
             backing,
             layer_windows: Box::new([]),
         })
+    }
+
+    /// A pool that only counts: `n_pages` pages of `page_positions`
+    /// positions for `n_layers` layers whose K and V live elsewhere (a
+    /// coordinator's shards). Sessions reserve, commit, settle and release
+    /// its pages exactly as in a pool that holds rows, so admission and
+    /// eviction work the same; it maps no memory, and reading or writing a
+    /// row of it is [`KvError::NoStorage`].
+    pub fn ledger(n_layers: usize, page_positions: usize, n_pages: usize) -> Result<Self, KvError> {
+        // A layout of one value per row is only validated, never mapped.
+        KvLayout {
+            n_layers,
+            kv_dim: 1,
+            page_positions,
+        }
+        .validate()?;
+        if n_pages == 0 || n_pages > MAX_PAGES {
+            return Err(KvError::InvalidConfig {
+                reason: format!("n_pages is {n_pages}; it must be between 1 and {MAX_PAGES}"),
+            });
+        }
+        Ok(KvPool {
+            layout: KvLayout {
+                n_layers,
+                kv_dim: 0,
+                page_positions,
+            },
+            page_stride: 0,
+            map: None,
+            allocator: PageAllocator::new(n_pages)?,
+            backing: KvBacking::Anonymous,
+            layer_windows: Box::new([]),
+        })
+    }
+
+    /// Whether the pages hold K and V rows (false for a [`KvPool::ledger`]).
+    pub fn holds_rows(&self) -> bool {
+        self.map.is_some()
     }
 
     /// Says which layers attend over a sliding window of positions, one
@@ -275,9 +314,9 @@ impl KvPool {
         self.layout.bytes_per_position()
     }
 
-    /// Bytes of the whole map.
+    /// Bytes of the whole map (0 for a ledger).
     pub fn mapped_bytes(&self) -> usize {
-        self.map.len()
+        self.map.as_ref().map_or(0, MmapRaw::len)
     }
 
     /// Where the memory comes from.
@@ -294,6 +333,7 @@ impl KvPool {
     /// The pointer is valid for `page_bytes()` bytes and aligned to 64.
     #[inline]
     pub(super) fn page_ptr(&self, page: u32) -> Option<*mut u8> {
+        let map = self.map.as_ref()?;
         let page = page as usize;
         if page >= self.allocator.total() {
             return None;
@@ -301,7 +341,7 @@ impl KvPool {
         // SAFETY: `page < total` so `page * page_stride + page_stride` is at
         // most the map length, which did not overflow when it was computed;
         // the offset pointer therefore stays inside the mapping.
-        Some(unsafe { self.map.as_mut_ptr().add(page * self.page_stride) })
+        Some(unsafe { map.as_mut_ptr().add(page * self.page_stride) })
     }
 }
 

@@ -384,6 +384,9 @@ impl SessionKv {
                 pos,
                 capacity: self.capacity(),
             })?;
+        if !self.pool.holds_rows() {
+            return Err(KvError::NoStorage);
+        }
         let page_start = self
             .pool
             .page_ptr(page)
@@ -476,6 +479,32 @@ impl<'a> Iterator for KvBlocks<'a> {
 mod tests {
     use super::*;
     use crate::kv::pool::{KvLayout, KvPoolConfig};
+
+    #[test]
+    fn a_ledger_counts_pages_like_a_pool_and_holds_no_rows() {
+        let ledger = Arc::new(KvPool::ledger(3, 4, 12).expect("ledger"));
+        assert_eq!(ledger.mapped_bytes(), 0);
+        assert!(!ledger.holds_rows());
+        let mut kv = SessionKv::new(Arc::clone(&ledger));
+        kv.reserve(6).expect("reserve");
+        assert_eq!(kv.pages_held(), 6, "two pages of positions over three layers");
+        assert_eq!(ledger.free_pages(), 6);
+        kv.commit(6).expect("commit");
+        assert_eq!(kv.len(), 6);
+        assert!(
+            matches!(kv.write(0, 5, &[], &[]), Err(KvError::NoStorage)),
+            "a ledger has no rows to write"
+        );
+        assert!(matches!(
+            kv.reserve(100),
+            Err(KvError::Exhausted { wanted: 69, free: 6 })
+        ));
+        kv.release().expect("release");
+        assert_eq!(ledger.free_pages(), 12);
+        assert!(KvPool::ledger(0, 4, 12).is_err());
+        assert!(KvPool::ledger(3, 3, 12).is_err());
+        assert!(KvPool::ledger(3, 4, 0).is_err());
+    }
 
     fn pool(n_pages: usize) -> Arc<KvPool> {
         let layout = KvLayout {
