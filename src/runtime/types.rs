@@ -148,7 +148,8 @@ pub struct AppendTokens {
 impl AppendTokens {
     /// Checks the token ids of an append: at most
     /// [`limits::MAX_APPEND_TOKENS`], each inside a vocabulary of `vocab`
-    /// tokens. Needs no session: a transport runs it before it looks the
+    /// tokens. Needs no session: the runtime's boundary
+    /// (`Runtime::append_tokens`) runs it before any worker looks the
     /// session up.
     pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<(), RuntimeError> {
         at_most("token_ids", "ids", tokens.len(), MAX_APPEND_TOKENS)?;
