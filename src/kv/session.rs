@@ -487,7 +487,11 @@ mod tests {
         assert!(!ledger.holds_rows());
         let mut kv = SessionKv::new(Arc::clone(&ledger));
         kv.reserve(6).expect("reserve");
-        assert_eq!(kv.pages_held(), 6, "two pages of positions over three layers");
+        assert_eq!(
+            kv.pages_held(),
+            6,
+            "two pages of positions over three layers"
+        );
         assert_eq!(ledger.free_pages(), 6);
         kv.commit(6).expect("commit");
         assert_eq!(kv.len(), 6);
@@ -497,7 +501,10 @@ mod tests {
         );
         assert!(matches!(
             kv.reserve(100),
-            Err(KvError::Exhausted { wanted: 69, free: 6 })
+            Err(KvError::Exhausted {
+                wanted: 69,
+                free: 6
+            })
         ));
         kv.release().expect("release");
         assert_eq!(ledger.free_pages(), 12);
