@@ -227,7 +227,7 @@ impl Worker {
                 }
             }
             slot.feed = fed;
-            if let Err(e) = self.check_invariants(id) {
+            if let Err(e) = check_invariants(slot, &self.shared.counters) {
                 self.fail_session(id, e);
                 continue;
             }
@@ -252,35 +252,6 @@ impl Worker {
         }
     }
 
-    /// INV-1 (cached positions = history length, within the pages held) and
-    /// INV-2 (the committed length never went down).
-    pub(super) fn check_invariants(&mut self, id: SessionId) -> Result<(), RuntimeError> {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return Err(RuntimeError::NotFound);
-        };
-        let counters = &self.shared.counters;
-        let kv_len = slot.kv.len();
-        if kv_len < slot.high_water {
-            slot.inv2_violations += 1;
-            counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
-            return Err(RuntimeError::FailedPrecondition(format!(
-                "INV-2: KV length went from {} down to {kv_len}",
-                slot.high_water
-            )));
-        }
-        if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
-            slot.inv1_violations += 1;
-            counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
-            return Err(RuntimeError::FailedPrecondition(format!(
-                "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
-                slot.history.len(),
-                slot.kv.capacity()
-            )));
-        }
-        slot.high_water = kv_len;
-        Ok(())
-    }
-
     /// Removes a session whose call failed, telling every waiter.
     pub(super) fn fail_session(&mut self, id: SessionId, err: RuntimeError) {
         if let Some(mut slot) = self.remove(id, Removal::Failed) {
@@ -292,4 +263,29 @@ impl Worker {
             }
         }
     }
+}
+
+/// INV-1 (cached positions = history length, within the pages held) and
+/// INV-2 (the committed length never went down).
+fn check_invariants(slot: &mut SessionSlot, counters: &Counters) -> Result<(), RuntimeError> {
+    let kv_len = slot.kv.len();
+    if kv_len < slot.high_water {
+        slot.inv2_violations += 1;
+        counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
+        return Err(RuntimeError::FailedPrecondition(format!(
+            "INV-2: KV length went from {} down to {kv_len}",
+            slot.high_water
+        )));
+    }
+    if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
+        slot.inv1_violations += 1;
+        counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
+        return Err(RuntimeError::FailedPrecondition(format!(
+            "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
+            slot.history.len(),
+            slot.kv.capacity()
+        )));
+    }
+    slot.high_water = kv_len;
+    Ok(())
 }
