@@ -56,12 +56,11 @@ pub enum KvError {
     /// The layout or pool configuration is unusable.
     #[error("invalid KV cache configuration: {reason}")]
     InvalidConfig { reason: String },
-    /// Creating, sizing or mapping the backing memory failed.
     /// The pool is a ledger ([`KvPool::ledger`](super::KvPool::ledger)):
     /// its pages count positions whose K and V live elsewhere.
     #[error("this KV pool is a ledger of positions: its pages hold no K or V rows")]
     NoStorage,
-
+    /// Creating, sizing or mapping the backing memory failed.
     #[error("cannot map {bytes} bytes of KV memory{}: {source}", path_suffix(.path))]
     Map {
         bytes: u64,

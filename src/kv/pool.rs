@@ -173,11 +173,7 @@ impl KvPool {
             prefault,
         } = config;
         layout.validate()?;
-        if n_pages == 0 || n_pages > MAX_PAGES {
-            return Err(KvError::InvalidConfig {
-                reason: format!("n_pages is {n_pages}; it must be between 1 and {MAX_PAGES}"),
-            });
-        }
+        check_page_count(n_pages)?;
         let page_stride = layout.page_stride();
         let total_bytes =
             page_stride
@@ -212,24 +208,21 @@ impl KvPool {
     /// eviction work the same; it maps no memory, and reading or writing a
     /// row of it is [`KvError::NoStorage`].
     pub fn ledger(n_layers: usize, page_positions: usize, n_pages: usize) -> Result<Self, KvError> {
-        // A layout of one value per row is only validated, never mapped.
-        KvLayout {
+        // Rows of no values: the layout's checks of n_layers and
+        // page_positions apply, its kv_dim check does not.
+        let layout = KvLayout {
             n_layers,
-            kv_dim: 1,
+            kv_dim: 0,
             page_positions,
+        };
+        KvLayout {
+            kv_dim: 1,
+            ..layout
         }
         .validate()?;
-        if n_pages == 0 || n_pages > MAX_PAGES {
-            return Err(KvError::InvalidConfig {
-                reason: format!("n_pages is {n_pages}; it must be between 1 and {MAX_PAGES}"),
-            });
-        }
+        check_page_count(n_pages)?;
         Ok(KvPool {
-            layout: KvLayout {
-                n_layers,
-                kv_dim: 0,
-                page_positions,
-            },
+            layout,
             page_stride: 0,
             map: None,
             allocator: PageAllocator::new(n_pages)?,
@@ -355,6 +348,16 @@ impl std::fmt::Debug for KvPool {
             .field("backing", &self.backing)
             .finish()
     }
+}
+
+/// A pool has at least one page and at most what the allocator indexes.
+fn check_page_count(n_pages: usize) -> Result<(), KvError> {
+    if n_pages == 0 || n_pages > MAX_PAGES {
+        return Err(KvError::InvalidConfig {
+            reason: format!("n_pages is {n_pages}; it must be between 1 and {MAX_PAGES}"),
+        });
+    }
+    Ok(())
 }
 
 fn map_backing(backing: &KvBacking, total_bytes: usize) -> Result<MmapMut, KvError> {

@@ -384,15 +384,15 @@ impl SessionKv {
                 pos,
                 capacity: self.capacity(),
             })?;
-        if !self.pool.holds_rows() {
-            return Err(KvError::NoStorage);
-        }
-        let page_start = self
-            .pool
-            .page_ptr(page)
-            .ok_or_else(|| KvError::AllocatorCorrupted {
-                detail: format!("session holds page {page}, which the pool does not have"),
-            })?;
+        let page_start = self.pool.page_ptr(page).ok_or_else(|| {
+            if self.pool.holds_rows() {
+                KvError::AllocatorCorrupted {
+                    detail: format!("session holds page {page}, which the pool does not have"),
+                }
+            } else {
+                KvError::NoStorage
+            }
+        })?;
         let slot = pos & (self.page_positions - 1);
         let offset = (half as usize * self.page_positions + slot) * self.kv_dim;
         // SAFETY: slot < page_positions, so offset + kv_dim <= 2 *
