@@ -266,6 +266,25 @@ fn unknown_closed_and_twice_closed_ids_are_not_found() {
         append(&rt, unknown, &[1]).expect_err("unknown"),
         RuntimeError::NotFound
     );
+    // What the gRPC layer makes of an id of any other form: a valid request
+    // on it is NOT_FOUND, like an unknown id.
+    assert_eq!(
+        append(&rt, SessionId::NEVER_ISSUED, &[1]).expect_err("never issued"),
+        RuntimeError::NotFound
+    );
+    let (tokens, end) = split(
+        rt.generate(
+            request(SessionId::NEVER_ISSUED, 4, SamplingOptions::default()),
+            None,
+        )
+        .expect("queued")
+        .collect(),
+    );
+    assert!(tokens.is_empty());
+    assert!(
+        matches!(end, GenerateEvent::Error(RuntimeError::NotFound)),
+        "{end:?}"
+    );
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     let closed = rt

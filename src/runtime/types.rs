@@ -275,8 +275,8 @@ impl GenerateRequest {
     /// seed used. The runtime runs it before it looks the session up, so a
     /// bad argument is `InvalidArgument` whatever the id.
     pub fn admit(&self, vocab: usize) -> Result<(CheckedParams, u64), RuntimeError> {
-        let (max_tokens, stop_sequences) = (self.max_tokens, &self.stop_sequences);
-        if max_tokens == 0 {
+        let stop_sequences = &self.stop_sequences;
+        if self.max_tokens == 0 {
             return Err(RuntimeError::invalid("max_tokens must be at least 1"));
         }
         at_most(
@@ -310,11 +310,6 @@ impl GenerateRequest {
             return Err(RuntimeError::invalid("stop sequences must not be empty"));
         }
         self.sampling.resolve(vocab)
-    }
-
-    /// [`GenerateRequest::admit`], its result dropped.
-    pub fn validate(&self, vocab: usize) -> Result<(), RuntimeError> {
-        self.admit(vocab).map(|_| ())
     }
 }
 

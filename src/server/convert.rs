@@ -222,9 +222,60 @@ mod tests {
         assert!(got.sampling.temperature.is_some_and(f32::is_nan));
         assert_eq!(got.stop_sequences, vec![Vec::<u32>::new()]);
         assert_eq!(
-            got.validate(320).map_err(|e| e.code()),
+            got.admit(320).map(|_| ()).map_err(|e| e.code()),
             Err(StatusKind::InvalidArgument)
         );
+    }
+
+    /// What a client sees of a bad argument: converted as it is, then
+    /// refused by the runtime's admission whatever form its id has.
+    #[test]
+    fn every_bad_generate_argument_is_invalid_argument_whatever_the_id() {
+        let bad: [fn(&mut pb::GenerateRequest); 8] = [
+            |r| r.set_max_tokens(0),
+            |r| r.set_temperature(-0.5),
+            |r| r.set_temperature(f32::NAN),
+            |r| r.set_top_p(0.0),
+            |r| r.set_top_p(1.5),
+            |r| r.set_top_logprobs(21),
+            |r| r.mut_stop_sequences().push(pb::StopSequence::new()),
+            |r| {
+                let mut bias = pb::LogitBias::new();
+                bias.set_token_id(320);
+                r.mut_logit_bias().push(bias);
+            },
+        ];
+        for (i, f) in bad.iter().enumerate() {
+            for id in [
+                "0123456789abcdef0123456789abcdef",
+                "sess-does-not-exist",
+                "",
+            ] {
+                let got = generate(|r| {
+                    f(r);
+                    r.set_session_id(id.into());
+                })
+                .admit(320)
+                .map(|_| ())
+                .map_err(|e| e.code());
+                assert_eq!(got, Err(StatusKind::InvalidArgument), "case {i}, id {id:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn append_tokens_are_checked_whatever_the_id() {
+        let mut req = pb::AppendTokensRequest::new();
+        req.set_session_id("sess-does-not-exist".into());
+        req.set_token_ids(vec![1, 320]);
+        let got = append_request(&mut req);
+        let checked = AppendTokens::check_tokens(&got.tokens, 320).map_err(|e| e.code());
+        assert_eq!(checked, Err(StatusKind::InvalidArgument));
+        req.set_token_ids(vec![1, 319]);
+        req.set_session_id("0123456789abcdef0123456789abcdef".into());
+        let got = append_request(&mut req);
+        assert_eq!(AppendTokens::check_tokens(&got.tokens, 320), Ok(()));
+        assert_eq!(got.tokens, vec![1, 319]);
     }
 
     #[test]
