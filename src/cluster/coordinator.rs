@@ -30,7 +30,7 @@ use super::payload::Encoding;
 use crate::kv::KvError;
 use crate::model::{LogitRows, Model, ModelError, Scratch};
 use crate::runtime::StepFeed;
-pub use crate::runtime::{ShardSnapshot, ShardStatsSnapshot};
+use crate::runtime::{ShardSnapshot, ShardStatsSnapshot};
 use crate::threads::ThreadPool;
 
 /// How long a step's frames stay valid: a shard refuses (and does not

@@ -129,9 +129,7 @@ impl SamplingParams {
         }
         Ok(())
     }
-}
 
-impl SamplingParams {
     /// [`SamplingParams::validate`], once: the parameters come back as
     /// [`CheckedParams`], which the samplers take per token without
     /// checking them again.

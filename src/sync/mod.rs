@@ -1,7 +1,7 @@
 //! The crate's one loom switch. Code that threads share (the KV page
 //! allocator, the eviction board, the decode-rate buckets, the awaitable
-//! reply channels) takes its atomics, `Arc`, `Mutex`, waker and bounded
-//! channel from here and nowhere else. Under `--cfg loom` they are loom's
+//! reply channels) takes its atomics, `Arc`, waker and bounded channel
+//! from here and nowhere else. Under `--cfg loom` they are loom's
 //! model-checked types, so `tests/loom` checks the very code that runs in
 //! production; otherwise they are std's, futures' and crossbeam's.
 
@@ -11,11 +11,11 @@ mod loom_channel;
 #[cfg(loom)]
 pub use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 #[cfg(loom)]
-pub use loom::sync::{Arc, Mutex};
+pub use loom::sync::Arc;
 #[cfg(not(loom))]
 pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 #[cfg(not(loom))]
-pub use std::sync::{Arc, Mutex};
+pub use std::sync::Arc;
 
 /// A bounded multi-producer channel: crossbeam's, or a loom model of it
 /// with the same API and error types.

@@ -1,7 +1,7 @@
 //! Admission and the session FIFO: creating sessions (waiting for a place
 //! when the limit is reached), starting each idle session's next queued
-//! operation (validate, reserve, then mutate), session info, removal and
-//! the TTL sweep.
+//! operation (check what needs the session, reserve, then mutate), session
+//! info, removal and the TTL sweep.
 
 use super::*;
 

@@ -3,13 +3,13 @@
 //!
 //! Each turn of the loop: take every waiting command; serve eviction
 //! requests from other workers; retry creations waiting for a place; start
-//! the next queued operation of each idle session (validate, reserve KV,
-//! then mutate); build ONE batch holding a decode token for every generating
-//! session whose stream has room and a prefill chunk for every session with
-//! prompt tokens left; run one forward through the worker's
-//! [`StepRunner`] (the model here, or the shards); commit, check invariants
-//! and emit; publish gauges and the oldest idle session. A session whose reader
-//! is slow simply sits out steps; the others go on.
+//! the next queued operation of each idle session (check what needs the
+//! session, reserve KV, then mutate); build ONE batch holding a decode token
+//! for every generating session whose stream has room and a prefill chunk
+//! for every session with prompt tokens left; run one forward through the
+//! worker's [`StepRunner`] (the model here, or the shards); commit, check
+//! invariants and emit; publish gauges and the oldest idle session. A
+//! session whose reader is slow simply sits out steps; the others go on.
 //!
 //! When pages or a session place run out, the least recently used idle
 //! session over ALL workers is evicted: a local one at once, another
