@@ -12,6 +12,7 @@ use super::blocks::{
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 use super::scalar;
+use super::types::GgmlType;
 
 /// Tokens per tile in the matrix kernel: each unpacked weight block is used
 /// for this many activation rows.
@@ -24,6 +25,11 @@ pub(crate) const TILE: usize = 8;
 /// for `nb` weight blocks and each activation pointer for `nb` activation
 /// blocks.
 pub(crate) type TileFn<const NT: usize> = unsafe fn(usize, *const u8, [*const u8; NT]) -> [f32; NT];
+
+/// A prefill kernel over groups of rows: `(blocks per row, weight rows,
+/// groups of rows, activation rows, tiles of [`TILE`] tokens, out,
+/// out stride)`; see `gemm_blocks32::matmul` for the contract.
+pub(crate) type GemmFn = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize);
 
 /// The single-row and tiled forms of one weight × activation dot. Both are
 /// instances of one generic kernel, so they agree bit for bit.
@@ -102,6 +108,9 @@ pub(crate) struct Kernels {
     pub f16: DotKernel,
     pub bf16: DotKernel,
     pub f32: DotKernel,
+    /// The level's prefill kernel over groups of rows for a weight format,
+    /// if it has one.
+    pub gemm: fn(GgmlType) -> Option<GemmFn>,
     /// # Safety: the CPU must support the level.
     pub quantize_q8_0: unsafe fn(&[f32], &mut [BlockQ8_0]),
     /// # Safety: the CPU must support the level.
@@ -275,6 +284,11 @@ unsafe fn scalar_swiglu_ggml(gate: &mut [f32], up: &[f32]) {
     scalar::swiglu_ggml(gate, up)
 }
 
+/// No prefill kernel over groups of rows: the one-row kernels do it all.
+fn no_gemm(_: GgmlType) -> Option<GemmFn> {
+    None
+}
+
 /// The portable reference table (a `const` so other tables can start from it).
 const SCALAR_TABLE: Kernels = Kernels {
     level: SimdLevel::Scalar,
@@ -293,6 +307,7 @@ const SCALAR_TABLE: Kernels = Kernels {
     f16: dot_kernel!(scalar_f16),
     bf16: dot_kernel!(scalar_bf16),
     f32: dot_kernel!(scalar_f32),
+    gemm: no_gemm,
     quantize_q8_0: scalar::quantize_q8_0,
     quantize_q8_1: scalar::quantize_q8_1,
     quantize_q8_k: scalar::quantize_q8_k,
@@ -306,13 +321,28 @@ static SCALAR: Kernels = SCALAR_TABLE;
 
 #[cfg(target_arch = "x86_64")]
 mod x86_tables {
-    use super::super::{avx2, avx512};
+    use super::super::{avx2, avx512, gemm_blocks32};
     use super::*;
 
     float_tile!(avx2_f16, avx2::dot_f16_ptr);
     float_tile!(avx2_bf16, avx2::dot_bf16_ptr);
     float_tile!(avx2_f32, avx2::dot_f32_ptr);
     float_tile!(avx512_f16, avx512::dot_f16_ptr);
+
+    /// The AVX-512 VNNI prefill kernels: two rows per vector for the
+    /// 32-element block formats.
+    fn avx512_gemm(ty: GgmlType) -> Option<GemmFn> {
+        use gemm_blocks32::matmul;
+        Some(match ty {
+            GgmlType::Q4_0 => matmul::<BlockQ4_0>,
+            GgmlType::Q4_1 => matmul::<BlockQ4_1>,
+            GgmlType::Q5_0 => matmul::<BlockQ5_0>,
+            GgmlType::Q5_1 => matmul::<BlockQ5_1>,
+            GgmlType::Q8_0 => matmul::<BlockQ8_0>,
+            GgmlType::IQ4_NL => matmul::<BlockIQ4NL>,
+            _ => return None,
+        })
+    }
 
     pub(crate) static AVX2: Kernels = Kernels {
         level: SimdLevel::Avx2,
@@ -331,6 +361,7 @@ mod x86_tables {
         f16: dot_kernel!(avx2_f16),
         bf16: dot_kernel!(avx2_bf16),
         f32: dot_kernel!(avx2_f32),
+        gemm: no_gemm,
         quantize_q8_0: avx2::quantize_q8_0,
         quantize_q8_1: avx2::quantize_q8_1,
         quantize_q8_k: avx2::quantize_q8_k,
@@ -357,6 +388,7 @@ mod x86_tables {
         f16: dot_kernel!(avx512_f16),
         bf16: dot_kernel!(avx2_bf16),
         f32: dot_kernel!(avx2_f32),
+        gemm: avx512_gemm,
         quantize_q8_0: avx2::quantize_q8_0,
         quantize_q8_1: avx2::quantize_q8_1,
         quantize_q8_k: avx2::quantize_q8_k,

@@ -20,6 +20,8 @@ mod types;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod gemm_blocks32;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -226,6 +228,7 @@ fn dot_kernel(k: &Kernels, w_ty: GgmlType) -> Option<DotKernel> {
 }
 
 /// Shapes of one multiplication, validated.
+#[derive(Clone, Copy)]
 struct DotShape {
     kernel: DotKernel,
     /// Blocks per row (elements for float formats).
@@ -338,17 +341,79 @@ fn matmul_with(
     if rows == 0 || n_tokens == 0 {
         return;
     }
+    let shape = &shape;
+    // Rows in groups through the level's row-group kernel, when it has one
+    // for this format and the batch is wide enough to repay unpacking them.
+    let (mut gemm_rows, mut gemm_tokens) = (0, 0);
+    if let Some(gemm) = (k.gemm)(w_ty) {
+        if n_tokens >= GEMM_MIN_TOKENS && rows >= GEMM_GROUP {
+            let groups = rows / GEMM_GROUP;
+            let tiles = n_tokens / TILE;
+            (gemm_rows, gemm_tokens) = (groups * GEMM_GROUP, tiles * TILE);
+            // SAFETY: the level is supported; the checked buffers hold
+            // `rows >= gemm_rows` weight rows and `n_tokens >= gemm_tokens`
+            // activation rows, and `out` is `rows * n_tokens`.
+            unsafe {
+                gemm(
+                    shape.blocks,
+                    &w_rows[..gemm_rows * shape.w_row_bytes],
+                    groups,
+                    &acts[..gemm_tokens * shape.act_row_bytes],
+                    tiles,
+                    out,
+                    n_tokens,
+                )
+            };
+        }
+    }
+    // What the row groups left: their last tokens, then the other rows.
+    tiled(
+        shape,
+        w_rows,
+        acts,
+        n_tokens,
+        out,
+        0..gemm_rows,
+        gemm_tokens,
+    );
+    tiled(shape, w_rows, acts, n_tokens, out, gemm_rows..rows, 0);
+}
+
+/// Rows per group of a row-group kernel.
+#[cfg(target_arch = "x86_64")]
+const GEMM_GROUP: usize = gemm_blocks32::GROUP;
+#[cfg(not(target_arch = "x86_64"))]
+const GEMM_GROUP: usize = 8;
+
+/// Fewest tokens for which unpacking a row group pays off.
+const GEMM_MIN_TOKENS: usize = 16;
+
+/// The one-row kernels over `rows`, for tokens `first_token..n_tokens`:
+/// tiles of [`TILE`] tokens over chunks of rows that stay in L2, then the
+/// tokens left one at a time.
+fn tiled(
+    shape: &DotShape,
+    w_rows: &[u8],
+    acts: &[u8],
+    n_tokens: usize,
+    out: &mut [f32],
+    rows: std::ops::Range<usize>,
+    first_token: usize,
+) {
     let DotShape {
         kernel,
         blocks,
         w_row_bytes,
         act_row_bytes,
-    } = shape;
+    } = *shape;
+    if rows.is_empty() || first_token >= n_tokens {
+        return;
+    }
     let chunk_rows = (ROW_CHUNK_BYTES / w_row_bytes.max(1)).max(1);
     let act_ptr = |t: usize| acts[t * act_row_bytes..].as_ptr();
-    for chunk_start in (0..rows).step_by(chunk_rows) {
-        let chunk_end = (chunk_start + chunk_rows).min(rows);
-        let mut t = 0;
+    for chunk_start in rows.clone().step_by(chunk_rows) {
+        let chunk_end = (chunk_start + chunk_rows).min(rows.end);
+        let mut t = first_token;
         while t + TILE <= n_tokens {
             let tile_acts: [*const u8; TILE] = std::array::from_fn(|i| act_ptr(t + i));
             for r in chunk_start..chunk_end {
