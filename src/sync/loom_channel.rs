@@ -45,6 +45,10 @@ impl<T> Sender<T> {
         self.0.queue.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn capacity(&self) -> Option<usize> {
         Some(self.0.capacity)
     }
