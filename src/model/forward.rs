@@ -522,19 +522,21 @@ impl Model {
         }
         resize(by_row, m.rows * n_tokens);
         pool.for_each_chunk_mut(by_row, chunk_rows * n_tokens, &kernel);
-        // Back to token-major order, a block of tokens per task: each row's
-        // run of the block's tokens is read contiguously, so the row-major
-        // result is streamed once instead of once per token.
+        // Each chunk of rows is token-major on its own; gather every token's
+        // row from the chunks, a block of tokens per task, in contiguous
+        // copies of a chunk's width.
         const TOKENS_PER_TASK: usize = 16;
         let rows = m.rows;
         let src = &by_row[..];
         let block = rows * TOKENS_PER_TASK;
         pool.for_each_chunk_mut(&mut out[..n_tokens * rows], block, &|chunk, dst| {
             let t0 = chunk * TOKENS_PER_TASK;
-            let tokens = dst.len() / rows;
-            for r in 0..rows {
-                for (i, &v) in src[r * n_tokens + t0..][..tokens].iter().enumerate() {
-                    dst[i * rows + r] = v;
+            for (i, dst_row) in dst.chunks_exact_mut(rows).enumerate() {
+                let t = t0 + i;
+                for r0 in (0..rows).step_by(chunk_rows) {
+                    let width = chunk_rows.min(rows - r0);
+                    let from = r0 * n_tokens + t * width;
+                    dst_row[r0..r0 + width].copy_from_slice(&src[from..from + width]);
                 }
             }
         });

@@ -27,8 +27,8 @@ pub(crate) const TILE: usize = 8;
 pub(crate) type TileFn<const NT: usize> = unsafe fn(usize, *const u8, [*const u8; NT]) -> [f32; NT];
 
 /// A prefill kernel over groups of rows: `(blocks per row, weight rows,
-/// groups of rows, activation rows, tiles of [`TILE`] tokens, out,
-/// out stride)`; see `gemm_blocks32::matmul` for the contract.
+/// groups of rows, activation rows, tiles of [`TILE`] tokens, out, the
+/// stride between tokens in out)`; see `gemm_blocks32::matmul`.
 pub(crate) type GemmFn = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize);
 
 /// The single-row and tiled forms of one weight × activation dot. Both are

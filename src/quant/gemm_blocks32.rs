@@ -287,12 +287,12 @@ unsafe fn group_tile<W: Weights32>(
 
 /// Rows `0..groups * 8` of `w` (`nb` blocks of `W` each) times tokens
 /// `0..tiles * TILE` of `acts` (rows of `nb` activation blocks): writes
-/// `out[r * out_stride + t]`, the bits of `vec_dot` for each pair.
+/// `out[t * out_stride + r]`, the bits of `vec_dot` for each pair.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2 and FMA.
 /// `w` must hold `groups * 8 * nb` blocks, `acts` `tiles * TILE * nb`, and
-/// `out` at least `(groups * 8 - 1) * out_stride + tiles * TILE` values.
+/// `out` at least `(tiles * TILE - 1) * out_stride + groups * 8` values.
 pub(crate) unsafe fn matmul<W: Weights32>(
     nb: usize,
     w: &[u8],
@@ -315,9 +315,8 @@ pub(crate) unsafe fn matmul<W: Weights32>(
                 // points at the `nb` blocks of one token of the tile.
                 let res = unsafe { group_tile::<W>(pairs, mins, y) };
                 for (t, rows) in res.iter().enumerate() {
-                    for (i, &v) in rows.iter().enumerate() {
-                        out[(gi * GROUP + i) * out_stride + t0 + t] = v;
-                    }
+                    let at = (t0 + t) * out_stride + gi * GROUP;
+                    out[at..at + GROUP].copy_from_slice(rows);
                 }
             }
         }

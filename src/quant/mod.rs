@@ -303,8 +303,9 @@ const ROW_CHUNK_BYTES: usize = 128 * 1024;
 
 /// Matrix kernel: `w_rows` holds R whole rows of `n` elements
 /// (R = `w_rows.len() / w_ty.row_bytes(n)`); `acts` holds `n_tokens`
-/// activation rows; writes `out[r * n_tokens + t] = vec_dot(row r, act t)`,
-/// bit for bit.
+/// activation rows; writes `out[t * R + r] = vec_dot(row r, act t)`, bit
+/// for bit (token-major: each token's outputs side by side, as the next
+/// layer reads them).
 ///
 /// Bad shapes (see [`check_matmul`]) are caller bugs: they trip a debug
 /// assertion and in release builds fill `out` with NaN.
@@ -352,7 +353,7 @@ fn matmul_with(
             (gemm_rows, gemm_tokens) = (groups * GEMM_GROUP, tiles * TILE);
             // SAFETY: the level is supported; the checked buffers hold
             // `rows >= gemm_rows` weight rows and `n_tokens >= gemm_tokens`
-            // activation rows, and `out` is `rows * n_tokens`.
+            // activation rows, and `out` is `n_tokens * rows`.
             unsafe {
                 gemm(
                     shape.blocks,
@@ -361,7 +362,7 @@ fn matmul_with(
                     &acts[..gemm_tokens * shape.act_row_bytes],
                     tiles,
                     out,
-                    n_tokens,
+                    rows,
                 )
             };
         }
@@ -373,10 +374,11 @@ fn matmul_with(
         acts,
         n_tokens,
         out,
+        rows,
         0..gemm_rows,
         gemm_tokens,
     );
-    tiled(shape, w_rows, acts, n_tokens, out, gemm_rows..rows, 0);
+    tiled(shape, w_rows, acts, n_tokens, out, rows, gemm_rows..rows, 0);
 }
 
 /// Rows per group of a row-group kernel.
@@ -388,15 +390,17 @@ const GEMM_GROUP: usize = 8;
 /// Fewest tokens for which unpacking a row group pays off.
 const GEMM_MIN_TOKENS: usize = 16;
 
-/// The one-row kernels over `rows`, for tokens `first_token..n_tokens`:
-/// tiles of [`TILE`] tokens over chunks of rows that stay in L2, then the
-/// tokens left one at a time.
+/// The one-row kernels over `rows`, for tokens `first_token..n_tokens`,
+/// into `out[t * out_rows + r]`: tiles of [`TILE`] tokens over chunks of
+/// rows that stay in L2, then the tokens left one at a time.
+#[allow(clippy::too_many_arguments)] // one matmul's shapes, passed through
 fn tiled(
     shape: &DotShape,
     w_rows: &[u8],
     acts: &[u8],
     n_tokens: usize,
     out: &mut [f32],
+    out_rows: usize,
     rows: std::ops::Range<usize>,
     first_token: usize,
 ) {
@@ -421,7 +425,9 @@ fn tiled(
                 // SAFETY: the level is supported; row `r` and tokens
                 // `t..t + TILE` lie inside the checked buffers.
                 let res = unsafe { (kernel.tile)(blocks, w, tile_acts) };
-                out[r * n_tokens + t..r * n_tokens + t + TILE].copy_from_slice(&res);
+                for (i, v) in res.into_iter().enumerate() {
+                    out[(t + i) * out_rows + r] = v;
+                }
             }
             t += TILE;
         }
@@ -430,7 +436,7 @@ fn tiled(
             for r in chunk_start..chunk_end {
                 let w = w_rows[r * w_row_bytes..].as_ptr();
                 // SAFETY: as above, for the single token `tt`.
-                out[r * n_tokens + tt] = unsafe { (kernel.one)(blocks, w, [a])[0] };
+                out[tt * out_rows + r] = unsafe { (kernel.one)(blocks, w, [a])[0] };
             }
         }
     }

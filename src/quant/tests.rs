@@ -196,7 +196,7 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
                             &acts[t * ab..(t + 1) * ab],
                         );
                         assert_eq!(
-                            out[r * tokens + t].to_bits(),
+                            out[t * rows + r].to_bits(),
                             single.to_bits(),
                             "{} {ty} r={r} t={t} of {tokens}",
                             level.name()
@@ -602,11 +602,10 @@ fn matmul_matches_llamacpp_kernel_vectors() {
             assert_eq!(q, want_q, "{} {ty}: activation bytes", level.name());
             let mut out = vec![0.0f32; rows * tokens];
             matmul_with(k, ty, n, &w, &q, tokens, &mut out);
-            for (i, (got, (&batched, &one))) in out
-                .iter()
-                .zip(want_batched.iter().zip(&want_vec_dot))
-                .enumerate()
-            {
+            // The vectors are row-major ([rows][tokens]); matmul writes
+            // token-major.
+            for (i, (&batched, &one)) in want_batched.iter().zip(&want_vec_dot).enumerate() {
+                let got = out[(i % tokens) * rows + i / tokens];
                 let (batched, one) = (f32::from_bits(batched), f32::from_bits(one));
                 assert_eq!(
                     got.to_bits(),
