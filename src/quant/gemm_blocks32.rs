@@ -186,6 +186,9 @@ struct PairBlock {
     d: [f32; 16],
 }
 
+// The kernel's aligned loads rely on this offset.
+const _: () = assert!(std::mem::offset_of!(PairBlock, d) % 64 == 0);
+
 const EMPTY: PairBlock = PairBlock {
     q: [0; 64],
     d: [0.0; 16],

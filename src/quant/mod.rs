@@ -22,6 +22,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod gemm_blocks32;
+#[cfg(target_arch = "x86_64")]
+mod gemm_q4k;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -384,6 +386,8 @@ fn matmul_with(
 /// Rows per group of a row-group kernel.
 #[cfg(target_arch = "x86_64")]
 const GEMM_GROUP: usize = gemm_blocks32::GROUP;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(gemm_q4k::GROUP == GEMM_GROUP);
 #[cfg(not(target_arch = "x86_64"))]
 const GEMM_GROUP: usize = 8;
 
