@@ -686,6 +686,8 @@ impl Model {
                     lane = 0;
                 }
                 let inv = (1.0 / sum) as f32;
+                // The weights as ggml multiplies the V cache by them.
+                quant::scale_round_f16(scores, inv);
                 V_LANES.with_borrow_mut(|acc| {
                     acc.clear();
                     acc.resize(LANES * hd, 0.0);
@@ -693,8 +695,7 @@ impl Model {
                         Err(e) => fail(e),
                         Ok(blocks) => {
                             let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
-                            for (p, (v, &s)) in rows.zip(scores.iter()).enumerate() {
-                                let w = f16::from_f32(s * inv).to_f32();
+                            for (p, (v, &w)) in rows.zip(scores.iter()).enumerate() {
                                 let lane = &mut acc[((first + p) % LANES) * hd..][..hd];
                                 quant::axpy_f16(w, &v[kv_head * hd..][..hd], lane);
                             }

@@ -1020,6 +1020,26 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     }
 }
 
+/// `x = f32(f16(x * scale))` in place ([`scalar::scale_round_f16`]): F16C
+/// rounds to nearest-even, as the scalar conversion does.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn scale_round_f16(x: &mut [f32], scale: f32) {
+    let s = _mm256_set1_ps(scale);
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: `c` holds 8 floats.
+        unsafe {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), s);
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm256_storeu_ps(c.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+    scalar::scale_round_f16(chunks.into_remainder(), scale);
+}
+
 /// ggml's `expf` on 8 lanes: `(j, n)` of [`scalar::exp_parts`].
 ///
 /// # Safety

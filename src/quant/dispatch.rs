@@ -121,6 +121,9 @@ pub(crate) struct Kernels {
     pub dot_f16: unsafe fn(usize, *const u8, *const u8) -> f32,
     /// # Safety: the CPU must support the level.
     pub axpy_f16: unsafe fn(f32, &[f16], &mut [f32]),
+    /// `x = f32(f16(x * scale))` in place.
+    /// # Safety: the CPU must support the level.
+    pub scale_round_f16: unsafe fn(&mut [f32], f32),
     /// ggml's `expf` in place.
     /// # Safety: the CPU must support the level.
     pub exp_ggml: unsafe fn(&mut [f32]),
@@ -268,6 +271,10 @@ unsafe fn scalar_axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     scalar::axpy_f16(a, x, y)
 }
 
+unsafe fn scalar_scale_round_f16(x: &mut [f32], scale: f32) {
+    scalar::scale_round_f16(x, scale)
+}
+
 /// Scalar ggml `expf` with the table's signature.
 ///
 /// # Safety
@@ -313,6 +320,7 @@ const SCALAR_TABLE: Kernels = Kernels {
     quantize_q8_k: scalar::quantize_q8_k,
     dot_f16: scalar_dot_f16_ptr,
     axpy_f16: scalar_axpy_f16,
+    scale_round_f16: scalar_scale_round_f16,
     exp_ggml: scalar_exp_ggml,
     swiglu_ggml: scalar_swiglu_ggml,
 };
@@ -368,6 +376,7 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx2::dot_f16_ptr,
         axpy_f16: avx2::axpy_f16,
+        scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx2::exp_ggml,
         swiglu_ggml: avx2::swiglu_ggml,
     };
@@ -395,6 +404,7 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx512::dot_f16_ptr,
         axpy_f16: avx512::axpy_f16,
+        scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,
         swiglu_ggml: avx512::swiglu_ggml,
     };

@@ -109,6 +109,18 @@ fn nibbles(qs: &[u8; 16], q: &mut [u8; 32]) {
     }
 }
 
+/// The 32 quants of a 5-bit block: [`nibbles`] with bit `i` of `qh` as
+/// element `i`'s fifth bit (a loop without branches, which compilers
+/// vectorise).
+#[inline(always)]
+fn nibbles_and_fifth_bits(qs: &[u8; 16], qh: [u8; 4], q: &mut [u8; 32]) {
+    nibbles(qs, q);
+    let high = u32::from_le_bytes(qh);
+    for (i, v) in q.iter_mut().enumerate() {
+        *v |= (((high >> i) & 1) as u8) << 4;
+    }
+}
+
 impl Weights32 for BlockQ4_0 {
     const BIAS: u8 = 8;
     type Act = BlockQ8_0;
@@ -134,9 +146,7 @@ impl Weights32 for BlockQ5_0 {
     type Act = BlockQ8_0;
     #[inline(always)]
     fn unpack(&self, q: &mut [u8; 32]) -> (f32, f32) {
-        for (i, v) in q.iter_mut().enumerate() {
-            *v = self.q(i);
-        }
+        nibbles_and_fifth_bits(&self.qs, self.qh, q);
         (self.d(), 0.0)
     }
 }
@@ -146,9 +156,7 @@ impl Weights32 for BlockQ5_1 {
     type Act = BlockQ8_1;
     #[inline(always)]
     fn unpack(&self, q: &mut [u8; 32]) -> (f32, f32) {
-        for (i, v) in q.iter_mut().enumerate() {
-            *v = self.q(i);
-        }
+        nibbles_and_fifth_bits(&self.qs, self.qh, q);
         (self.d(), self.m())
     }
 }

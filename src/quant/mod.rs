@@ -467,6 +467,13 @@ pub fn axpy_f16(a: f32, x: &[half::f16], y: &mut [f32]) {
     unsafe { (dispatch::active().axpy_f16)(a, x, y) }
 }
 
+/// `x = f32(f16(x * scale))` element-wise in place (the softmax weights
+/// rounded to the f16 values the V cache is multiplied by).
+pub fn scale_round_f16(x: &mut [f32], scale: f32) {
+    // SAFETY: the level is supported; the kernel stays inside the slice.
+    unsafe { (dispatch::active().scale_round_f16)(x, scale) }
+}
+
 /// ggml's vectorised `expf` approximation, element-wise in place (the
 /// softmax exponential llama.cpp uses; it is not correctly rounded, and the
 /// reference model's outputs depend on its exact bits).

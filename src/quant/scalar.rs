@@ -676,6 +676,14 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0.0f32, |s, (x, y)| s + x * y)
 }
 
+/// `x = f32(f16(x * scale))` in place: attention weights rounded as the
+/// f16 values ggml multiplies the V cache by.
+pub fn scale_round_f16(x: &mut [f32], scale: f32) {
+    for v in x {
+        *v = f16::from_f32(*v * scale).to_f32();
+    }
+}
+
 /// `y = fma(a, x, y)` element-wise.
 pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     for (yv, xv) in y.iter_mut().zip(x) {

@@ -356,6 +356,35 @@ fn f16_attention_helpers_match_scalar_bit_for_bit() {
 }
 
 #[test]
+fn f16_rounding_of_scaled_weights_matches_scalar_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(5);
+    // Softmax weights and the edges of f16: ties, subnormals, overflow.
+    let mut x: Vec<f32> = (0..1000).map(|_| rng.gen_range(0.0f32..1.0)).collect();
+    x.extend([
+        0.0,
+        1.0,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        6.0e-8,
+        3.0e-5,
+        65504.0,
+        65520.0,
+        1.0e6,
+        -2.5,
+    ]);
+    for scale in [1.0f32, 0.37, 1.0e-3] {
+        let mut want = x.clone();
+        scalar::scale_round_f16(&mut want, scale);
+        for level in supported_levels() {
+            let mut got = x.clone();
+            // SAFETY: the level is supported.
+            unsafe { (table(level).scale_round_f16)(&mut got, scale) };
+            assert_eq!(bits(&got), bits(&want), "{} scale {scale}", level.name());
+        }
+    }
+}
+
+#[test]
 fn ggml_exp_and_swiglu_match_scalar_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(17);
     // Ordinary, subnormal-result, saturating and infinite arguments.
