@@ -126,9 +126,11 @@ pub struct LogitRows {
 }
 
 thread_local! {
-    /// Attention scores of one query, reused across heads and layers.
+    /// Attention scores of one task's queries, reused across heads and
+    /// layers.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// The 16 lane accumulators (`[lane][head_dim]`) of one weighted V sum.
+    /// The 16 lane accumulators (`[head][lane][head_dim]`) of one task's
+    /// weighted V sums.
     static V_LANES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -641,69 +643,76 @@ impl Model {
         let token_seq = &scratch.token_seq;
         let q_all = &scratch.q;
         let kvs: Vec<&SessionKv> = seqs.iter().map(|s| &*s.kv).collect();
-        pool.for_each_chunk_mut(&mut scratch.att, hd, &|task, out| {
-            let (t, head) = (task / cfg.n_heads, task % cfg.n_heads);
+        // With enough tokens to keep every thread busy, a task takes the
+        // query heads that share a KV head together, so each cached K and V
+        // row is read once for all of them. Every head's arithmetic is the
+        // same either way.
+        let heads_per_task = if token_seq.len() * cfg.n_kv_heads >= 4 * pool.threads() {
+            (1..=group.min(MAX_GROUP))
+                .rev()
+                .find(|d| group.is_multiple_of(*d))
+                .unwrap_or(1)
+        } else {
+            1
+        };
+        let tasks_per_token = cfg.n_heads / heads_per_task;
+        pool.for_each_chunk_mut(&mut scratch.att, heads_per_task * hd, &|task, out| {
+            let (t, h0) = (
+                task / tasks_per_token,
+                (task % tasks_per_token) * heads_per_task,
+            );
             let (s, pos) = token_seq[t];
             let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let n_pos = pos + 1 - first;
             let kv = kvs[s];
-            let kv_head = head / group;
-            let mut q16 = [f16::ZERO; MAX_HEAD_DIM];
-            let q16 = &mut q16[..hd];
-            for (d, &v) in q16
-                .iter_mut()
-                .zip(&q_all[(t * cfg.n_heads + head) * hd..][..hd])
-            {
-                *d = f16::from_f32(v);
+            let kv_head = h0 / group;
+            let mut q16 = [[f16::ZERO; MAX_HEAD_DIM]; MAX_GROUP];
+            for (i, q16) in q16.iter_mut().take(heads_per_task).enumerate() {
+                let q = &q_all[(t * cfg.n_heads + h0 + i) * hd..][..hd];
+                for (d, &v) in q16.iter_mut().zip(q) {
+                    *d = f16::from_f32(v);
+                }
             }
             SCORES.with_borrow_mut(|scores| {
                 scores.clear();
-                let mut max = f32::NEG_INFINITY;
+                scores.resize(heads_per_task * n_pos, 0.0);
                 match kv.k_blocks(kv_layer, first..pos + 1) {
                     Err(e) => fail(e),
                     Ok(blocks) => {
-                        for block in blocks {
-                            for k in block.chunks_exact(kv_dim) {
-                                let s = quant::dot_f16(q16, &k[kv_head * hd..][..hd]) * scale;
-                                max = max.max(s);
-                                scores.push(s);
+                        let keys = blocks.flat_map(|b| b.chunks_exact(kv_dim));
+                        for (p, k) in keys.enumerate().take(n_pos) {
+                            let key = &k[kv_head * hd..][..hd];
+                            for (i, q16) in q16.iter().take(heads_per_task).enumerate() {
+                                scores[i * n_pos + p] = quant::dot_f16(&q16[..hd], key) * scale;
                             }
                         }
                     }
                 }
-                for s in scores.iter_mut() {
-                    *s -= max;
+                for head_scores in scores.chunks_exact_mut(n_pos) {
+                    softmax_weights(head_scores, first);
                 }
-                quant::exp_ggml(scores);
-                let mut sum = 0f64;
-                let mut rest = &scores[..];
-                let mut lane = first % LANES;
-                while !rest.is_empty() {
-                    let take = (LANES - lane).min(rest.len());
-                    let mut lanes = [0f32; LANES];
-                    lanes[lane..lane + take].copy_from_slice(&rest[..take]);
-                    sum += quant::reduce16(&lanes) as f64;
-                    rest = &rest[take..];
-                    lane = 0;
-                }
-                let inv = (1.0 / sum) as f32;
-                // The weights as ggml multiplies the V cache by them.
-                quant::scale_round_f16(scores, inv);
                 V_LANES.with_borrow_mut(|acc| {
                     acc.clear();
-                    acc.resize(LANES * hd, 0.0);
+                    acc.resize(heads_per_task * LANES * hd, 0.0);
                     match kv.v_blocks(kv_layer, first..pos + 1) {
                         Err(e) => fail(e),
                         Ok(blocks) => {
                             let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
-                            for (p, (v, &w)) in rows.zip(scores.iter()).enumerate() {
-                                let lane = &mut acc[((first + p) % LANES) * hd..][..hd];
-                                quant::axpy_f16(w, &v[kv_head * hd..][..hd], lane);
+                            for (p, v) in rows.enumerate().take(n_pos) {
+                                let value = &v[kv_head * hd..][..hd];
+                                let lane = ((first + p) % LANES) * hd;
+                                for (i, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
+                                    let w = scores[i * n_pos + p];
+                                    quant::axpy_f16(w, value, &mut acc[lane..lane + hd]);
+                                }
                             }
                         }
                     }
-                    for (d, o) in out.iter_mut().enumerate() {
-                        let lanes: [f32; LANES] = std::array::from_fn(|l| acc[l * hd + d]);
-                        *o = quant::reduce16(&lanes);
+                    for (out, acc) in out.chunks_exact_mut(hd).zip(acc.chunks_exact(LANES * hd)) {
+                        for (d, o) in out.iter_mut().enumerate() {
+                            let lanes: [f32; LANES] = std::array::from_fn(|l| acc[l * hd + d]);
+                            *o = quant::reduce16(&lanes);
+                        }
                     }
                 });
             });
@@ -718,6 +727,34 @@ impl Model {
 
 /// Largest head dimension the attention kernel handles (stack buffer).
 pub const MAX_HEAD_DIM: usize = 256;
+
+/// Most query heads one attention task takes together (stack buffer).
+const MAX_GROUP: usize = 8;
+
+/// One query's scores (positions `first..`) into the softmax weights ggml
+/// multiplies the V cache by: minus their maximum, ggml's `expf`, summed in
+/// lanes that follow absolute positions (so a window's sum does not depend
+/// on where it starts), normalised and rounded to f16.
+fn softmax_weights(scores: &mut [f32], first: usize) {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    for s in scores.iter_mut() {
+        *s -= max;
+    }
+    quant::exp_ggml(scores);
+    let mut sum = 0f64;
+    let mut rest = &scores[..];
+    let mut lane = first % LANES;
+    while !rest.is_empty() {
+        let take = (LANES - lane).min(rest.len());
+        let mut lanes = [0f32; LANES];
+        lanes[lane..lane + take].copy_from_slice(&rest[..take]);
+        sum += quant::reduce16(&lanes) as f64;
+        rest = &rest[take..];
+        lane = 0;
+    }
+    let inv = (1.0 / sum) as f32;
+    quant::scale_round_f16(scores, inv);
+}
 
 /// Rows per matrix task: enough tasks to balance the threads, each a whole
 /// number of 16-row tiles.
