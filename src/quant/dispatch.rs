@@ -329,7 +329,7 @@ static SCALAR: Kernels = SCALAR_TABLE;
 
 #[cfg(target_arch = "x86_64")]
 mod x86_tables {
-    use super::super::{avx2, avx512, gemm_blocks32, gemm_q4k};
+    use super::super::{avx2, avx512, gemm_blocks32, gemm_kquant};
     use super::*;
 
     float_tile!(avx2_f16, avx2::dot_f16_ptr);
@@ -338,7 +338,7 @@ mod x86_tables {
     float_tile!(avx512_f16, avx512::dot_f16_ptr);
 
     /// The AVX-512 VNNI prefill kernels: two rows per vector for the
-    /// 32-element block formats and Q4_K.
+    /// 32-element block formats, Q4_K and Q6_K.
     fn avx512_gemm(ty: GgmlType) -> Option<GemmFn> {
         use gemm_blocks32::matmul;
         Some(match ty {
@@ -348,7 +348,8 @@ mod x86_tables {
             GgmlType::Q5_1 => matmul::<BlockQ5_1>,
             GgmlType::Q8_0 => matmul::<BlockQ8_0>,
             GgmlType::IQ4_NL => matmul::<BlockIQ4NL>,
-            GgmlType::Q4_K => gemm_q4k::matmul,
+            GgmlType::Q4_K => gemm_kquant::matmul::<BlockQ4K>,
+            GgmlType::Q6_K => gemm_kquant::matmul::<BlockQ6K>,
             _ => return None,
         })
     }

@@ -23,7 +23,7 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod gemm_blocks32;
 #[cfg(target_arch = "x86_64")]
-mod gemm_q4k;
+mod gemm_kquant;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -387,7 +387,7 @@ fn matmul_with(
 #[cfg(target_arch = "x86_64")]
 const GEMM_GROUP: usize = gemm_blocks32::GROUP;
 #[cfg(target_arch = "x86_64")]
-const _: () = assert!(gemm_q4k::GROUP == GEMM_GROUP);
+const _: () = assert!(gemm_kquant::GROUP == GEMM_GROUP);
 #[cfg(not(target_arch = "x86_64"))]
 const GEMM_GROUP: usize = 8;
 
