@@ -679,14 +679,23 @@ impl Model {
                 match kv.k_blocks(kv_layer, first..pos + 1) {
                     Err(e) => fail(e),
                     Ok(blocks) => {
-                        let keys = blocks.flat_map(|b| b.chunks_exact(kv_dim));
-                        for (p, k) in keys.enumerate().take(n_pos) {
-                            let key = &k[kv_head * hd..][..hd];
-                            for (i, q16) in q16.iter().take(heads_per_task).enumerate() {
-                                scores[i * n_pos + p] = quant::dot_f16(&q16[..hd], key) * scale;
+                        let mut p = 0;
+                        for block in blocks {
+                            let n = (block.len() / kv_dim).min(n_pos - p);
+                            if n == 0 {
+                                continue;
                             }
+                            let keys = &block[kv_head * hd..];
+                            for (i, q16) in q16.iter().take(heads_per_task).enumerate() {
+                                let out = &mut scores[i * n_pos + p..][..n];
+                                quant::dot_f16_rows(&q16[..hd], keys, kv_dim, out);
+                            }
+                            p += n;
                         }
                     }
+                }
+                for s in scores.iter_mut() {
+                    *s *= scale;
                 }
                 for head_scores in scores.chunks_exact_mut(n_pos) {
                     softmax_weights(head_scores, first);
@@ -697,14 +706,18 @@ impl Model {
                     match kv.v_blocks(kv_layer, first..pos + 1) {
                         Err(e) => fail(e),
                         Ok(blocks) => {
-                            let rows = blocks.flat_map(|b| b.chunks_exact(kv_dim));
-                            for (p, v) in rows.enumerate().take(n_pos) {
-                                let value = &v[kv_head * hd..][..hd];
-                                let lane = ((first + p) % LANES) * hd;
-                                for (i, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
-                                    let w = scores[i * n_pos + p];
-                                    quant::axpy_f16(w, value, &mut acc[lane..lane + hd]);
+                            let mut p = 0;
+                            for block in blocks {
+                                let n = (block.len() / kv_dim).min(n_pos - p);
+                                if n == 0 {
+                                    continue;
                                 }
+                                let values = &block[kv_head * hd..];
+                                for (i, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
+                                    let w = &scores[i * n_pos + p..][..n];
+                                    quant::axpy_f16_rows(w, values, kv_dim, acc, first + p);
+                                }
+                                p += n;
                             }
                         }
                     }

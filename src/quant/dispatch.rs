@@ -121,6 +121,12 @@ pub(crate) struct Kernels {
     pub dot_f16: unsafe fn(usize, *const u8, *const u8) -> f32,
     /// # Safety: the CPU must support the level.
     pub axpy_f16: unsafe fn(f32, &[f16], &mut [f32]),
+    /// [`TileFn`]-style f16 dots of one query against `out.len()` rows.
+    /// # Safety: the CPU must support the level; see [`f16_rows!`].
+    pub dot_f16_rows: unsafe fn(&[f16], *const f16, usize, &mut [f32]),
+    /// `axpy_f16` of `w[i]` times row `i` into lane `(first + i) % 16`.
+    /// # Safety: the CPU must support the level; see [`f16_rows!`].
+    pub axpy_f16_rows: unsafe fn(&[f32], *const f16, usize, &mut [f32], usize),
     /// `x = f32(f16(x * scale))` in place.
     /// # Safety: the CPU must support the level.
     pub scale_round_f16: unsafe fn(&mut [f32], f32),
@@ -141,6 +147,63 @@ macro_rules! dot_kernel {
         }
     };
 }
+
+/// Loops over rows of the attention cache around a level's one-row f16
+/// dot and axpy, so that a query's whole block of rows costs one
+/// dispatched call and the per-row kernels inline. Each row gets exactly
+/// the one-row kernel's operations.
+///
+/// Both generated functions read row `i` at `rows + i * stride` for
+/// `head_dim` values (the query's length, or `lanes.len() / 16`): the
+/// caller must make those reads valid.
+macro_rules! f16_rows {
+    ($dot_rows:ident, $axpy_rows:ident, $dot:path, $axpy:path $(, $features:literal)?) => {
+        /// Row-loop form of the level's f16 dot.
+        ///
+        /// # Safety
+        /// The CPU must support the level; every row readable (see the
+        /// macro).
+        $(#[target_feature(enable = $features)])?
+        unsafe fn $dot_rows(q: &[f16], rows: *const f16, stride: usize, out: &mut [f32]) {
+            for (i, o) in out.iter_mut().enumerate() {
+                // SAFETY: the caller makes row `i` readable for `q.len()`.
+                *o = unsafe {
+                    $dot(q.len(), q.as_ptr() as *const u8, rows.add(i * stride) as *const u8)
+                };
+            }
+        }
+
+        /// Row-loop form of the level's f16 axpy.
+        ///
+        /// # Safety
+        /// The CPU must support the level; every row readable (see the
+        /// macro).
+        $(#[target_feature(enable = $features)])?
+        unsafe fn $axpy_rows(
+            w: &[f32],
+            rows: *const f16,
+            stride: usize,
+            lanes: &mut [f32],
+            first: usize,
+        ) {
+            let hd = lanes.len() / 16;
+            for (i, &wi) in w.iter().enumerate() {
+                // SAFETY: the caller makes row `i` readable for `hd`.
+                let row = unsafe { std::slice::from_raw_parts(rows.add(i * stride), hd) };
+                let lane = ((first + i) % 16) * hd;
+                // SAFETY: the level is supported (the caller's promise).
+                unsafe { $axpy(wi, row, &mut lanes[lane..lane + hd]) };
+            }
+        }
+    };
+}
+
+f16_rows!(
+    scalar_dot_f16_rows,
+    scalar_axpy_f16_rows,
+    scalar_dot_f16_ptr,
+    scalar_axpy_f16
+);
 
 /// Adapts a typed scalar dot to the tile signature: one call per token.
 macro_rules! scalar_tile {
@@ -320,6 +383,8 @@ const SCALAR_TABLE: Kernels = Kernels {
     quantize_q8_k: scalar::quantize_q8_k,
     dot_f16: scalar_dot_f16_ptr,
     axpy_f16: scalar_axpy_f16,
+    dot_f16_rows: scalar_dot_f16_rows,
+    axpy_f16_rows: scalar_axpy_f16_rows,
     scale_round_f16: scalar_scale_round_f16,
     exp_ggml: scalar_exp_ggml,
     swiglu_ggml: scalar_swiglu_ggml,
@@ -336,6 +401,20 @@ mod x86_tables {
     float_tile!(avx2_bf16, avx2::dot_bf16_ptr);
     float_tile!(avx2_f32, avx2::dot_f32_ptr);
     float_tile!(avx512_f16, avx512::dot_f16_ptr);
+    f16_rows!(
+        avx2_dot_f16_rows,
+        avx2_axpy_f16_rows,
+        avx2::dot_f16_ptr,
+        avx2::axpy_f16,
+        "avx2,fma,f16c"
+    );
+    f16_rows!(
+        avx512_dot_f16_rows,
+        avx512_axpy_f16_rows,
+        avx512::dot_f16_ptr,
+        avx512::axpy_f16,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c"
+    );
 
     /// The AVX-512 VNNI prefill kernels: two rows per vector for the
     /// 32-element block formats, Q4_K and Q6_K.
@@ -377,6 +456,8 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx2::dot_f16_ptr,
         axpy_f16: avx2::axpy_f16,
+        dot_f16_rows: avx2_dot_f16_rows,
+        axpy_f16_rows: avx2_axpy_f16_rows,
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx2::exp_ggml,
         swiglu_ggml: avx2::swiglu_ggml,
@@ -405,6 +486,8 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx512::dot_f16_ptr,
         axpy_f16: avx512::axpy_f16,
+        dot_f16_rows: avx512_dot_f16_rows,
+        axpy_f16_rows: avx512_axpy_f16_rows,
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,
         swiglu_ggml: avx512::swiglu_ggml,

@@ -467,6 +467,45 @@ pub fn axpy_f16(a: f32, x: &[half::f16], y: &mut [f32]) {
     unsafe { (dispatch::active().axpy_f16)(a, x, y) }
 }
 
+/// How many rows of `head_dim` values at `stride` fit in `len` values.
+fn rows_that_fit(len: usize, head_dim: usize, stride: usize) -> usize {
+    match len.checked_sub(head_dim) {
+        Some(rest) if stride > 0 => rest / stride + 1,
+        Some(_) => usize::MAX,
+        None => 0,
+    }
+}
+
+/// [`dot_f16`] of `q` with each row of `rows` (row `i` at
+/// `rows[i * stride..][..q.len()]`, a block of the K cache), into `out[i]`,
+/// with one dispatched call for the block. Rows that do not fit in `rows`
+/// are left alone (a debug assertion flags them).
+pub fn dot_f16_rows(q: &[half::f16], rows: &[half::f16], stride: usize, out: &mut [f32]) {
+    let n = rows_that_fit(rows.len(), q.len(), stride).min(out.len());
+    debug_assert_eq!(n, out.len(), "dot_f16_rows: rows do not fit");
+    // SAFETY: the level is supported; rows `0..n` lie inside `rows`.
+    unsafe { (dispatch::active().dot_f16_rows)(q, rows.as_ptr(), stride, &mut out[..n]) }
+}
+
+/// [`axpy_f16`] of `w[i]` times row `i` of `rows` (at
+/// `rows[i * stride..][..head_dim]`, a block of the V cache) into lane
+/// `(first + i) % 16` of `lanes` (`[16][head_dim]`), with one dispatched
+/// call for the block. Rows that do not fit in `rows` are left out (a debug
+/// assertion flags them).
+pub fn axpy_f16_rows(
+    w: &[f32],
+    rows: &[half::f16],
+    stride: usize,
+    lanes: &mut [f32],
+    first: usize,
+) {
+    let hd = lanes.len() / 16;
+    let n = rows_that_fit(rows.len(), hd, stride).min(w.len());
+    debug_assert_eq!(n, w.len(), "axpy_f16_rows: rows do not fit");
+    // SAFETY: the level is supported; rows `0..n` lie inside `rows`.
+    unsafe { (dispatch::active().axpy_f16_rows)(&w[..n], rows.as_ptr(), stride, lanes, first) }
+}
+
 /// `x = f32(f16(x * scale))` element-wise in place (the softmax weights
 /// rounded to the f16 values the V cache is multiplied by).
 pub fn scale_round_f16(x: &mut [f32], scale: f32) {

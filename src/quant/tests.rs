@@ -356,6 +356,46 @@ fn f16_attention_helpers_match_scalar_bit_for_bit() {
 }
 
 #[test]
+fn f16_row_loops_equal_the_one_row_kernels_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(17);
+    // A block of a K/V cache: 9 rows of 3 heads of 64, the middle head read.
+    let (hd, stride, rows, head) = (64usize, 192usize, 9usize, 1usize);
+    let cache: Vec<half::f16> = (0..rows * stride)
+        .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+        .collect();
+    let q: Vec<half::f16> = (0..hd)
+        .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+        .collect();
+    let w: Vec<f32> = (0..rows).map(|_| rng.gen_range(0.0..1.0)).collect();
+    for level in supported_levels() {
+        let k = table(level);
+        let row = |i: usize| &cache[i * stride + head * hd..][..hd];
+        let mut got = vec![0.0f32; rows];
+        // SAFETY: the level is supported; every row lies inside `cache`.
+        unsafe { (k.dot_f16_rows)(&q, cache[head * hd..].as_ptr(), stride, &mut got) };
+        let want: Vec<f32> = (0..rows)
+            .map(|i| {
+                // SAFETY: as above, one row at a time.
+                unsafe { (k.dot_f16)(hd, q.as_ptr() as *const u8, row(i).as_ptr() as *const u8) }
+            })
+            .collect();
+        assert_eq!(bits(&got), bits(&want), "{} dot rows", level.name());
+
+        let first = 13;
+        let mut got = vec![0.5f32; 16 * hd];
+        let mut want = got.clone();
+        // SAFETY: as above.
+        unsafe { (k.axpy_f16_rows)(&w, cache[head * hd..].as_ptr(), stride, &mut got, first) };
+        for (i, &wi) in w.iter().enumerate() {
+            let lane = ((first + i) % 16) * hd;
+            // SAFETY: as above.
+            unsafe { (k.axpy_f16)(wi, row(i), &mut want[lane..lane + hd]) };
+        }
+        assert_eq!(bits(&got), bits(&want), "{} axpy rows", level.name());
+    }
+}
+
+#[test]
 fn f16_rounding_of_scaled_weights_matches_scalar_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(5);
     // Softmax weights and the edges of f16: ties, subnormals, overflow.
