@@ -677,6 +677,70 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     }
 }
 
+/// [`axpy_f16`] of `w[i]` times row `i` (at `rows + i * stride`, `hd =
+/// lanes.len() / 16` values) into lane `(first + i) % 16` of `lanes`
+/// (`[16][hd]`). For every 16 rows that fill the 16 lanes once, each
+/// 16-value column of the lanes stays in registers while those rows are
+/// added, instead of a load and store per row; every lane value still gets
+/// the same fused steps in the same (row) order as [`axpy_f16`] gives it.
+///
+/// # Safety
+/// See the file header; every row readable for `hd` f16 values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f16_rows(
+    w: &[f32],
+    rows: *const f16,
+    stride: usize,
+    lanes: &mut [f32],
+    first: usize,
+) {
+    let hd = lanes.len() / 16;
+    // SAFETY: the caller makes every row `i < w.len()` readable for `hd`.
+    let row = |i: usize| unsafe { std::slice::from_raw_parts(rows.add(i * stride), hd) };
+    let one = |lanes: &mut [f32], i: usize| {
+        let lane = ((first + i) % 16) * hd;
+        // SAFETY: the features are the caller's promise.
+        unsafe { axpy_f16(w[i], row(i), &mut lanes[lane..lane + hd]) };
+    };
+    // Rows up to the first that lands on lane 0, then whole rounds of 16,
+    // then the rest: in row order, so each lane sees its rows in order.
+    let head = ((16 - first % 16) % 16).min(w.len());
+    let rounds = if hd.is_multiple_of(16) {
+        (w.len() - head) / 16
+    } else {
+        0
+    };
+    for i in 0..head {
+        one(lanes, i);
+    }
+    for c in (0..hd).step_by(16) {
+        // SAFETY: `lanes` holds 16 rows of `hd`, so `l * hd + c .. + 16`
+        // is inside it; each row read is inside the caller's rows.
+        unsafe {
+            let mut acc: [__m512; 16] =
+                std::array::from_fn(|l| _mm512_loadu_ps(lanes.as_ptr().add(l * hd + c)));
+            for round in 0..rounds {
+                let base = head + 16 * round;
+                for (l, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        row(base + l).as_ptr().add(c) as *const __m256i
+                    ));
+                    *acc = _mm512_fmadd_ps(_mm512_set1_ps(w[base + l]), x, *acc);
+                }
+            }
+            for (l, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(lanes.as_mut_ptr().add(l * hd + c), *acc);
+            }
+        }
+        if rounds == 0 {
+            break;
+        }
+    }
+    for i in head + 16 * rounds..w.len() {
+        one(lanes, i);
+    }
+}
+
 /// ggml's `expf` on 16 lanes, the AVX-512 form itself (`vscalefps`).
 ///
 /// # Safety

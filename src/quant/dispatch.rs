@@ -122,10 +122,10 @@ pub(crate) struct Kernels {
     /// # Safety: the CPU must support the level.
     pub axpy_f16: unsafe fn(f32, &[f16], &mut [f32]),
     /// [`TileFn`]-style f16 dots of one query against `out.len()` rows.
-    /// # Safety: the CPU must support the level; see [`f16_rows!`].
+    /// # Safety: the CPU must support the level; see [`f16_dot_rows!`].
     pub dot_f16_rows: unsafe fn(&[f16], *const f16, usize, &mut [f32]),
     /// `axpy_f16` of `w[i]` times row `i` into lane `(first + i) % 16`.
-    /// # Safety: the CPU must support the level; see [`f16_rows!`].
+    /// # Safety: the CPU must support the level; see [`f16_dot_rows!`].
     pub axpy_f16_rows: unsafe fn(&[f32], *const f16, usize, &mut [f32], usize),
     /// `x = f32(f16(x * scale))` in place.
     /// # Safety: the CPU must support the level.
@@ -148,16 +148,16 @@ macro_rules! dot_kernel {
     };
 }
 
-/// Loops over rows of the attention cache around a level's one-row f16
-/// dot and axpy, so that a query's whole block of rows costs one
-/// dispatched call and the per-row kernels inline. Each row gets exactly
-/// the one-row kernel's operations.
+/// Loops over rows of the attention cache around a level's one-row f16 dot
+/// (or axpy, [`f16_axpy_rows!`]), so that a query's whole block of rows
+/// costs one dispatched call and the per-row kernel inlines. Each row gets
+/// exactly the one-row kernel's operations.
 ///
-/// Both generated functions read row `i` at `rows + i * stride` for
+/// The generated function reads row `i` at `rows + i * stride` for
 /// `head_dim` values (the query's length, or `lanes.len() / 16`): the
 /// caller must make those reads valid.
-macro_rules! f16_rows {
-    ($dot_rows:ident, $axpy_rows:ident, $dot:path, $axpy:path $(, $features:literal)?) => {
+macro_rules! f16_dot_rows {
+    ($dot_rows:ident, $dot:path $(, $features:literal)?) => {
         /// Row-loop form of the level's f16 dot.
         ///
         /// # Safety
@@ -172,12 +172,17 @@ macro_rules! f16_rows {
                 };
             }
         }
+    };
+}
 
+/// The axpy twin of [`f16_dot_rows!`].
+macro_rules! f16_axpy_rows {
+    ($axpy_rows:ident, $axpy:path $(, $features:literal)?) => {
         /// Row-loop form of the level's f16 axpy.
         ///
         /// # Safety
-        /// The CPU must support the level; every row readable (see the
-        /// macro).
+        /// The CPU must support the level; every row readable (see
+        /// [`f16_dot_rows!`]).
         $(#[target_feature(enable = $features)])?
         unsafe fn $axpy_rows(
             w: &[f32],
@@ -198,12 +203,8 @@ macro_rules! f16_rows {
     };
 }
 
-f16_rows!(
-    scalar_dot_f16_rows,
-    scalar_axpy_f16_rows,
-    scalar_dot_f16_ptr,
-    scalar_axpy_f16
-);
+f16_dot_rows!(scalar_dot_f16_rows, scalar_dot_f16_ptr);
+f16_axpy_rows!(scalar_axpy_f16_rows, scalar_axpy_f16);
 
 /// Adapts a typed scalar dot to the tile signature: one call per token.
 macro_rules! scalar_tile {
@@ -401,18 +402,11 @@ mod x86_tables {
     float_tile!(avx2_bf16, avx2::dot_bf16_ptr);
     float_tile!(avx2_f32, avx2::dot_f32_ptr);
     float_tile!(avx512_f16, avx512::dot_f16_ptr);
-    f16_rows!(
-        avx2_dot_f16_rows,
-        avx2_axpy_f16_rows,
-        avx2::dot_f16_ptr,
-        avx2::axpy_f16,
-        "avx2,fma,f16c"
-    );
-    f16_rows!(
+    f16_dot_rows!(avx2_dot_f16_rows, avx2::dot_f16_ptr, "avx2,fma,f16c");
+    f16_axpy_rows!(avx2_axpy_f16_rows, avx2::axpy_f16, "avx2,fma,f16c");
+    f16_dot_rows!(
         avx512_dot_f16_rows,
-        avx512_axpy_f16_rows,
         avx512::dot_f16_ptr,
-        avx512::axpy_f16,
         "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c"
     );
 
@@ -487,7 +481,7 @@ mod x86_tables {
         dot_f16: avx512::dot_f16_ptr,
         axpy_f16: avx512::axpy_f16,
         dot_f16_rows: avx512_dot_f16_rows,
-        axpy_f16_rows: avx512_axpy_f16_rows,
+        axpy_f16_rows: avx512::axpy_f16_rows,
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,
         swiglu_ggml: avx512::swiglu_ggml,
