@@ -104,7 +104,7 @@ pub struct Scratch {
     up: Vec<f32>,
     /// Quantized activations, `[tokens][row bytes]`.
     acts: Vec<u8>,
-    /// Matrix output in kernel order, `[rows][tokens]`.
+    /// Matrix output per chunk of rows, each chunk `[tokens][its rows]`.
     by_row: Vec<f32>,
     /// RoPE `(cos, sin)` per token and rotated pair, `[tokens][rope_dims]`.
     rope: Vec<f32>,

@@ -677,6 +677,86 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     }
 }
 
+/// [`dot_f16_ptr`] of `q` with row `i` (at `rows + i * stride`, `q.len()`
+/// values) into `out[i]`. Rows go 16 at a time: their accumulators are built
+/// as [`dot_f16_ptr`] builds one, then reduced together by shuffles that add
+/// the same lane pairs in the same order as [`hsum512`] (half onto half, then
+/// `h[i] + h[i + 4]`, then `(r0 + r2) + (r1 + r3)`), so each result has
+/// [`dot_f16_ptr`]'s bits for a fraction of its reduction work.
+///
+/// # Safety
+/// See the file header; every row readable for `q.len()` f16 values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16_rows(q: &[f16], rows: *const f16, stride: usize, out: &mut [f32]) {
+    let hd = q.len();
+    let whole = if hd.is_multiple_of(16) {
+        out.len() / 16 * 16
+    } else {
+        0
+    };
+    for i0 in (0..whole).step_by(16) {
+        // SAFETY: rows `i0..i0 + 16` are readable for `hd` values (the
+        // caller's promise) and `q` holds `hd`.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for c in (0..hd).step_by(16) {
+                let qv = _mm512_cvtph_ps(_mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i));
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let row = rows.add((i0 + j) * stride + c);
+                    let kv = _mm512_cvtph_ps(_mm256_loadu_si256(row as *const __m256i));
+                    *acc = _mm512_fmadd_ps(qv, kv, *acc);
+                }
+            }
+            // Halves: row pair (2p, 2p + 1) -> [h(2p) | h(2p + 1)].
+            let h: [__m512; 8] = std::array::from_fn(|p| {
+                let (a, b) = (acc[2 * p], acc[2 * p + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                    _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+                )
+            });
+            // Quarters: rows 4m..4m + 4 -> [r(4m), .., r(4m + 3)].
+            let r: [__m512; 4] = std::array::from_fn(|m| {
+                let (a, b) = (h[2 * m], h[2 * m + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+                )
+            });
+            // Within each 128-bit lane k: (r0 + r2), (r1 + r3) of two rows.
+            let pairs = |a: __m512, b: __m512| {
+                _mm512_add_ps(
+                    _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+                    _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+                )
+            };
+            let (s0, s1) = (pairs(r[0], r[1]), pairs(r[2], r[3]));
+            let total = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(s0, s1),
+                _mm512_shuffle_ps::<0b11_01_11_01>(s0, s1),
+            );
+            // Lane k holds rows k, 4 + k, 8 + k, 12 + k.
+            let mut t = [0.0f32; 16];
+            _mm512_storeu_ps(t.as_mut_ptr(), total);
+            for k in 0..4 {
+                for j in 0..4 {
+                    out[i0 + 4 * j + k] = t[4 * k + j];
+                }
+            }
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(whole) {
+        // SAFETY: as above, for the one row `i`.
+        *o = unsafe {
+            dot_f16_ptr(
+                hd,
+                q.as_ptr() as *const u8,
+                rows.add(i * stride) as *const u8,
+            )
+        };
+    }
+}
+
 /// [`axpy_f16`] of `w[i]` times row `i` (at `rows + i * stride`, `hd =
 /// lanes.len() / 16` values) into lane `(first + i) % 16` of `lanes`
 /// (`[16][hd]`). For every 16 rows that fill the 16 lanes once, each

@@ -404,11 +404,6 @@ mod x86_tables {
     float_tile!(avx512_f16, avx512::dot_f16_ptr);
     f16_dot_rows!(avx2_dot_f16_rows, avx2::dot_f16_ptr, "avx2,fma,f16c");
     f16_axpy_rows!(avx2_axpy_f16_rows, avx2::axpy_f16, "avx2,fma,f16c");
-    f16_dot_rows!(
-        avx512_dot_f16_rows,
-        avx512::dot_f16_ptr,
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c"
-    );
 
     /// The AVX-512 VNNI prefill kernels: two rows per vector for the
     /// 32-element block formats, Q4_K and Q6_K.
@@ -480,7 +475,7 @@ mod x86_tables {
         quantize_q8_k: avx2::quantize_q8_k,
         dot_f16: avx512::dot_f16_ptr,
         axpy_f16: avx512::axpy_f16,
-        dot_f16_rows: avx512_dot_f16_rows,
+        dot_f16_rows: avx512::dot_f16_rows,
         axpy_f16_rows: avx512::axpy_f16_rows,
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,

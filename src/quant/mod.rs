@@ -8,7 +8,9 @@
 //!
 //! Numerics are batch-invariant: [`matmul`] writes, for every (row, token),
 //! exactly the bits [`vec_dot`] returns for that pair, whatever the number of
-//! tokens, and every thread uses the same kernels.
+//! tokens, and every thread uses the same kernels. On AVX-512, batches go
+//! through row-group kernels (`gemm_blocks32`, `gemm_kquant`) that hold two
+//! rows per vector and keep each row's lanes and float steps.
 
 mod blocks;
 mod dispatch;
