@@ -351,7 +351,7 @@ fn matmul_with(
     // for this format and the batch is wide enough to repay unpacking them.
     let (mut gemm_rows, mut gemm_tokens) = (0, 0);
     if let Some(gemm) = (k.gemm)(w_ty) {
-        if n_tokens >= GEMM_MIN_TOKENS && rows >= GEMM_GROUP {
+        if n_tokens >= gemm_min_tokens(w_ty) && rows >= GEMM_GROUP {
             let groups = rows / GEMM_GROUP;
             let tiles = n_tokens / TILE;
             (gemm_rows, gemm_tokens) = (groups * GEMM_GROUP, tiles * TILE);
@@ -393,8 +393,18 @@ const _: () = assert!(gemm_kquant::GROUP == GEMM_GROUP);
 #[cfg(not(target_arch = "x86_64"))]
 const GEMM_GROUP: usize = 8;
 
-/// Fewest tokens for which unpacking a row group pays off.
-const GEMM_MIN_TOKENS: usize = 16;
+/// Fewest tokens for which unpacking a row group pays off. Measured
+/// (`inferd bench -t 2`, AVX-512): at 16 tokens the K-quant kernel already
+/// gains (1B Q4_K_M pp16 138-148 against 126-141 tokens/s) while the
+/// 32-element formats' loses (SmolLM2 pp16 600-620 against 675-680); at
+/// 32 both gain (pp32 817-824 against 730-734, 168-177 against 150-151).
+fn gemm_min_tokens(w_ty: GgmlType) -> usize {
+    if w_ty.block_len() == QK_K {
+        16
+    } else {
+        32
+    }
+}
 
 /// The one-row kernels over `rows`, for tokens `first_token..n_tokens`,
 /// into `out[t * out_rows + r]`: tiles of [`TILE`] tokens over chunks of
