@@ -487,14 +487,23 @@ unsafe fn k_run_lanes(q: &[__m256i; 8], sc: &[__m256i; 8], yq: *const i8) -> __m
 pub(crate) unsafe fn k4_min_lanes(mins: __m128i, y: &BlockQ8K) -> __m128i {
     // SAFETY: the body needs only what callers of this `unsafe fn` promise
     // (the file's rule above, and its `# Safety` section if it has one).
-    unsafe {
-        let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-        let sums = _mm_hadd_epi16(
-            _mm256_castsi256_si128(bsums),
-            _mm256_extracti128_si256(bsums, 1),
-        );
-        _mm_madd_epi16(mins, sums)
-    }
+    unsafe { _mm_madd_epi16(mins, sub_block_sums(y)) }
+}
+
+/// The 8 sub-block sums of a K-quant super-block's activations: its 16
+/// group sums added in pairs (i16, exact: at most 32 * 128).
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sub_block_sums(y: &BlockQ8K) -> __m128i {
+    // SAFETY: `bsums` holds 32 bytes; the caller promises AVX2.
+    let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
+    _mm_hadd_epi16(
+        _mm256_castsi256_si128(bsums),
+        _mm256_extracti128_si256(bsums, 1),
+    )
 }
 
 /// A Q4_K / Q5_K super-block's 8 sub-block scales as run multipliers, and

@@ -21,6 +21,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::avx2::f16_one;
 use super::blocks::{
     iq4_value, BlockIQ4NL, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
 };
@@ -86,19 +87,6 @@ impl Act32 for BlockQ8_1 {
     fn qs(&self) -> &[u8; 32] {
         &self.qs
     }
-}
-
-/// An f16 (little-endian bytes) as f32, by F16C: exact, like every f16
-/// widening.
-///
-/// # Safety
-/// The CPU must support F16C.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn f16_to_f32(bits: [u8; 2]) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-        u16::from_le_bytes(bits) as i32
-    )))
 }
 
 /// The 32 nibbles of a 4-bit block: the low ones first, then the high.
@@ -233,7 +221,7 @@ fn unpack_group<W: Weights32>(
 /// blocks): `out[t][row]`.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2 and FMA; each
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C; each
 /// `y[t]` must be readable for `mins.len()` blocks, and `pairs` must hold
 /// [`PAIRS`] entries per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
@@ -263,7 +251,7 @@ unsafe fn group_tile<W: Weights32>(
                     let biased = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, act);
                     _mm512_sub_epi32(_mm512_setzero_si512(), biased)
                 };
-                let dy = _mm512_set1_ps(f16_to_f32(yb.d_bits()));
+                let dy = _mm512_broadcastss_ps(f16_one(yb.d_bits()));
                 for p in 0..PAIRS {
                     let lanes = _mm512_dpbusd_epi32(start, w[p], act);
                     let dd = _mm512_mul_ps(_mm512_load_ps(group[p].d.as_ptr()), dy);
@@ -271,7 +259,7 @@ unsafe fn group_tile<W: Weights32>(
                 }
                 if <W::Act as Act32>::HAS_MIN {
                     min_acc[t] =
-                        _mm256_fmadd_ps(m, _mm256_set1_ps(f16_to_f32(yb.s_bits())), min_acc[t]);
+                        _mm256_fmadd_ps(m, _mm256_broadcastss_ps(f16_one(yb.s_bits())), min_acc[t]);
                 }
             }
         }
@@ -301,7 +289,7 @@ unsafe fn group_tile<W: Weights32>(
 /// `out[t * out_stride + r]`, the bits of `vec_dot` for each pair.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2 and FMA.
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
 /// `w` must hold `groups * 8 * nb` blocks, `acts` `tiles * TILE * nb`, and
 /// `out` at least `(tiles * TILE - 1) * out_stride + groups * 8` values.
 pub(crate) unsafe fn matmul<W: Weights32>(

@@ -23,7 +23,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::avx2::q6k_runs;
+use super::avx2::{q6k_runs, sub_block_sums};
 use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
 use super::scalar::{hsum4, hsum8};
@@ -86,16 +86,16 @@ pub(crate) trait KPairs: bytemuck::Pod {
     /// Writes this super-block as row `half` (0 or 1) of `pb`.
     ///
     /// # Safety
-    /// The CPU must support AVX2.
+    /// The CPU must support AVX2, FMA and F16C.
     unsafe fn unpack(&self, pb: &mut PairBlock, half: usize);
 }
 
 /// `run` (32 unsigned quants) as row `half` of run `r` of `pb`.
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn store_run(pb: &mut PairBlock, r: usize, half: usize, run: __m256i) {
     // SAFETY: `pb.q[r]` holds 64 bytes and `32 * half` is 0 or 32.
     unsafe { _mm256_storeu_si256(pb.q[r][32 * half..].as_mut_ptr() as *mut __m256i, run) }
@@ -103,7 +103,7 @@ unsafe fn store_run(pb: &mut PairBlock, r: usize, half: usize, run: __m256i) {
 
 impl KPairs for BlockQ4K {
     const HAS_MIN: bool = true;
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(&self, pb: &mut PairBlock, half: usize) {
         let mask = _mm256_set1_epi8(0x0F);
         for c in 0..4 {
@@ -129,10 +129,9 @@ impl KPairs for BlockQ4K {
 
 impl KPairs for BlockQ6K {
     const HAS_MIN: bool = false;
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(&self, pb: &mut PairBlock, half: usize) {
-        // SAFETY: the caller promises AVX2 (the F16C and FMA that
-        // `q6k_runs` also names are not used by it).
+        // SAFETY: the caller promises AVX2, FMA and F16C.
         let (q, _, _) = unsafe { q6k_runs(self) };
         for (r, run) in q.into_iter().enumerate() {
             // SAFETY: the caller promises AVX2.
@@ -153,8 +152,8 @@ impl KPairs for BlockQ6K {
 /// Unpacks rows `w[0..8]` (each `nb` super-blocks) into `pairs`.
 ///
 /// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn unpack_group<K: KPairs>(w: &[K], nb: usize, pairs: &mut [PairBlock]) {
     for b in 0..nb {
         for row in 0..GROUP {
@@ -164,30 +163,13 @@ unsafe fn unpack_group<K: KPairs>(w: &[K], nb: usize, pairs: &mut [PairBlock]) {
     }
 }
 
-/// The 8 sub-block sums of a super-block's activations (its 16 group sums
-/// added in pairs), in both 128-bit halves.
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn sub_block_sums(y: &BlockQ8K) -> __m256i {
-    // SAFETY: `bsums` holds 32 bytes.
-    let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i) };
-    let sums = _mm_hadd_epi16(
-        _mm256_castsi256_si128(bsums),
-        _mm256_extracti128_si256::<1>(bsums),
-    );
-    _mm256_broadcastsi128_si256(sums)
-}
-
 /// The pair `pair` times [`TOKENS`] tokens (`y[t]`: each token's
 /// super-blocks): `out[t]` holds the pair's two rows.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2 and FMA; each
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C; each
 /// `y[t]` must be readable for `pairs.len() / PAIRS` super-blocks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn pair_tile<K: KPairs>(
     pairs: &[PairBlock],
     pair: usize,
@@ -221,7 +203,10 @@ unsafe fn pair_tile<K: KPairs>(
                 if K::HAS_MIN {
                     acc[t] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(quant[t]), acc[t]);
                     let min = _mm512_castsi512_si256(extra);
-                    let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(min, sub_block_sums(yb[t])));
+                    let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(
+                        min,
+                        _mm256_broadcastsi128_si256(sub_block_sums(yb[t])),
+                    ));
                     let dmin = _mm256_mul_ps(_mm256_set1_ps(-dy), _mm256_load_ps(pb.dmin.as_ptr()));
                     acc_min[t] = _mm256_fmadd_ps(dmin, m, acc_min[t]);
                 } else {
@@ -261,7 +246,7 @@ unsafe fn pair_tile<K: KPairs>(
 /// `out[t * out_stride + r]`, the bits of `vec_dot` for each pair.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2 and FMA.
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
 /// `w` must hold `groups * 8 * nb` blocks, `acts` `tiles * TILE * nb`, and
 /// `out` at least `(tiles * TILE - 1) * out_stride + groups * 8` values.
 pub(crate) unsafe fn matmul<K: KPairs>(
