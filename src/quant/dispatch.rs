@@ -121,7 +121,7 @@ pub(crate) struct Kernels {
     pub dot_f16: unsafe fn(usize, *const u8, *const u8) -> f32,
     /// # Safety: the CPU must support the level.
     pub axpy_f16: unsafe fn(f32, &[f16], &mut [f32]),
-    /// [`TileFn`]-style f16 dots of one query against `out.len()` rows.
+    /// The level's f16 dot of one query with each of `out.len()` rows.
     /// # Safety: the CPU must support the level; see [`f16_dot_rows!`].
     pub dot_f16_rows: unsafe fn(&[f16], *const f16, usize, &mut [f32]),
     /// `axpy_f16` of `w[i]` times row `i` into lane `(first + i) % 16`.
