@@ -367,7 +367,7 @@ fn reference_run(rt: &Runtime, appends: &[&[u32]], neighbours: usize) -> (Vec<u3
 }
 
 #[test]
-fn tokens_do_not_depend_on_batching_chunking_or_worker_count() {
+fn tokens_do_not_depend_on_batching_chunking_worker_count_or_core_lending() {
     let p = prompt(90, 3);
     let reference = reference_run(&start(config(1)), &[&p], 0);
     assert_eq!(reference.0.len(), 24);
@@ -377,7 +377,15 @@ fn tokens_do_not_depend_on_batching_chunking_or_worker_count() {
         batched_rt.stats().workers[0].max_batch_sequences > 1,
         "sessions were batched together"
     );
+    // Several workers lend each other their cores by default; not lending
+    // must give the same bits.
+    assert!(config(3).lend_cores);
     assert_eq!(reference_run(&start(config(3)), &[&p], 4), reference);
+    let alone = RuntimeConfig {
+        lend_cores: false,
+        ..config(3)
+    };
+    assert_eq!(reference_run(&start(alone), &[&p], 4), reference);
     let small_chunks = RuntimeConfig {
         prefill_chunk: 5,
         ..config(2)

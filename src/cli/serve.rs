@@ -62,6 +62,11 @@ pub struct ServeArgs {
     /// sessions [default: one per core].
     #[arg(long, env = "INFERD_WORKERS")]
     pub workers: Option<usize>,
+    /// Keep each worker's forward pass on its own core: by default a worker
+    /// waiting for work helps another worker's step (one busy session then
+    /// uses the idle cores; the results are the same bits).
+    #[arg(long, env = "INFERD_NO_CORE_LENDING")]
+    pub no_core_lending: bool,
     /// KV cache memory in MiB [default: 256].
     #[arg(long, env = "INFERD_KV_MIB", conflicts_with = "kv_pages")]
     pub kv_mib: Option<u64>,
@@ -160,6 +165,7 @@ struct FileConfig {
     model: Option<PathBuf>,
     listen: Option<String>,
     workers: Option<usize>,
+    core_lending: Option<bool>,
     kv_mib: Option<u64>,
     kv_pages: Option<u64>,
     max_sessions: Option<usize>,
@@ -209,6 +215,8 @@ pub struct Settings {
     pub model: PathBuf,
     pub listen: String,
     pub workers: usize,
+    /// Idle workers help busy ones (`--no-core-lending` turns it off).
+    pub core_lending: bool,
     pub kv: KvSize,
     pub max_sessions: usize,
     pub idle_ttl: Duration,
@@ -303,6 +311,7 @@ impl ServeArgs {
                 .or(file.listen)
                 .unwrap_or_else(|| "127.0.0.1:50051".into()),
             workers,
+            core_lending: !self.no_core_lending && file.core_lending.unwrap_or(true),
             kv,
             max_sessions: positive(
                 "max-sessions",
@@ -393,6 +402,7 @@ impl Settings {
         }
         let runtime = RuntimeConfig {
             workers: self.workers,
+            lend_cores: self.core_lending,
             kv_bytes,
             max_sessions: self.max_sessions,
             idle_ttl: self.idle_ttl,
@@ -595,6 +605,23 @@ mod tests {
             .settings()
             .expect("valid");
         assert_eq!(s.kv, KvSize::Mib(8), "a flag of the other kind wins too");
+        assert!(s.core_lending, "lending is on by default");
+    }
+
+    #[test]
+    fn core_lending_is_turned_off_by_the_flag_or_the_file() {
+        assert!(
+            !parse(&["--no-core-lending"])
+                .settings()
+                .expect("valid")
+                .core_lending
+        );
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("inferd.toml");
+        std::fs::write(&path, "core_lending = false\n").expect("write config");
+        let config = path.to_str().expect("utf-8 path");
+        let s = parse(&["--config", config]).settings().expect("valid");
+        assert!(!s.core_lending);
     }
 
     #[test]

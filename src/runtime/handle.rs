@@ -58,7 +58,7 @@ impl Runtime {
         };
         let (wakers, wake_receivers): (Vec<_>, Vec<_>) =
             (0..cfg.workers).map(|_| bounded::<()>(1)).unzip();
-        let shared = Arc::new(WorkersState::new(wakers));
+        let shared = Arc::new(WorkersState::new(wakers, cfg.lend_cores));
         let mut workers = Vec::with_capacity(cfg.workers);
         for (index, wake) in wake_receivers.into_iter().enumerate() {
             let (tx, rx) = bounded(cfg.worker_queue);

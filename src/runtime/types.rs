@@ -53,6 +53,10 @@ pub struct RuntimeConfig {
     pub workers: usize,
     /// Pin worker `i` to core `i` (modulo the cores seen at start).
     pub pin_cores: bool,
+    /// A worker waiting for its own work takes tasks of another worker's
+    /// forward pass, so one busy session can use the idle workers' cores
+    /// (`threads::CoreGroup`); results are the same bits either way.
+    pub lend_cores: bool,
     /// KV memory budget in bytes, rounded down to whole pages (at least one).
     pub kv_bytes: u64,
     /// Positions per KV page.
@@ -91,6 +95,7 @@ impl Default for RuntimeConfig {
         Self {
             workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
             pin_cores: true,
+            lend_cores: true,
             kv_bytes: 256 << 20,
             page_positions: DEFAULT_PAGE_POSITIONS,
             prefill_chunk: 64,

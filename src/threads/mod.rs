@@ -16,6 +16,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod lending;
+
+pub use lending::{CoreGroup, Wake};
+
 /// How long an idle worker spins before it parks. Long enough to bridge the
 /// gap between two parallel regions of one forward pass, short enough that an
 /// idle server does not burn a core.
@@ -23,8 +27,12 @@ const SPIN_BEFORE_PARK: Duration = Duration::from_millis(2);
 
 type Job = *const (dyn Fn(usize) + Sync);
 
-struct PoolState {
-    /// Bumped once per parallel region; workers watch it.
+/// One parallel region at a time: its task function and counters, and the
+/// protocol by which an owner publishes it and other threads join it. The
+/// pool's own threads join their pool's region; a lending group's idle
+/// members join each other's (see [`lending`]).
+struct Region {
+    /// Bumped once per region; joiners compare it with the one they saw.
     epoch: AtomicU64,
     /// The current region's task function; valid while `closed` is false.
     job: UnsafeCell<Option<Job>>,
@@ -32,29 +40,138 @@ struct PoolState {
     next_task: AtomicUsize,
     /// Tasks finished in the current region.
     done_tasks: AtomicUsize,
-    /// Workers that joined the current region and have not left it.
-    active_workers: AtomicUsize,
-    /// Set by the caller once every task is done: no worker may join after.
+    /// Threads that joined the current region and have not left it.
+    active: AtomicUsize,
+    /// Set by the owner once every task is done: no thread may join after.
     closed: AtomicBool,
     panicked: AtomicBool,
+}
+
+// SAFETY: `job` is written only by the owner in `Region::run`, while no
+// thread is joined (before publishing a region, or after closing it and
+// seeing `active == 0`). A joiner dereferences it only after joining
+// (incrementing `active`, then seeing `closed == false` for the epoch it
+// observed); the SeqCst pairing of `closed`/`active` makes "owner saw no
+// joiner" and "joiner saw the region open" mutually exclusive.
+unsafe impl Sync for Region {}
+// SAFETY: the raw job pointer is only dereferenced under the protocol above.
+unsafe impl Send for Region {}
+
+impl Region {
+    fn new() -> Self {
+        Region {
+            epoch: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            n_tasks: AtomicUsize::new(0),
+            next_task: AtomicUsize::new(0),
+            done_tasks: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            closed: AtomicBool::new(true),
+            panicked: AtomicBool::new(false),
+        }
+    }
+
+    /// The owner's side: publishes `f(0..n_tasks)`, calls `announce` (to wake
+    /// whoever may join), takes tasks itself, and returns when all are done
+    /// and every joiner has left. A panic in a task is re-raised here.
+    fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync), announce: impl FnOnce()) {
+        // SAFETY: the lifetime is erased only for the duration of this call:
+        // the region is closed and every joiner has left before we return.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        // SAFETY: the previous region is closed with no thread joined, so
+        // nobody reads `job` concurrently.
+        unsafe { *self.job.get() = Some(job) };
+        self.n_tasks.store(n_tasks, Ordering::Relaxed);
+        self.next_task.store(0, Ordering::Relaxed);
+        self.done_tasks.store(0, Ordering::Relaxed);
+        self.closed.store(false, Ordering::SeqCst);
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        announce();
+        self.take_tasks(f, &|| false);
+        while self.done_tasks.load(Ordering::Acquire) != n_tasks {
+            std::hint::spin_loop();
+        }
+        self.closed.store(true, Ordering::SeqCst);
+        while self.active.load(Ordering::SeqCst) != 0 {
+            std::hint::spin_loop();
+        }
+        // SAFETY: closed, and no thread is joined.
+        unsafe { *self.job.get() = None };
+        if self.panicked.swap(false, Ordering::AcqRel) {
+            panic!("a compute task panicked");
+        }
+    }
+
+    /// Whether a region is open with tasks nobody has taken yet.
+    fn has_untaken_tasks(&self) -> bool {
+        !self.closed.load(Ordering::SeqCst)
+            && self.next_task.load(Ordering::Relaxed) < self.n_tasks.load(Ordering::Relaxed)
+    }
+
+    /// A joiner's side: if the region published at epoch `seen` is still
+    /// open, takes its tasks until none is left or `stop()` says so.
+    /// Returns whether it joined.
+    fn join(&self, seen: u64, stop: &dyn Fn() -> bool) -> bool {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let open = !self.closed.load(Ordering::SeqCst) && self.epoch.load(Ordering::SeqCst) == seen;
+        if open {
+            // SAFETY: joined while the region we observed is open: the owner
+            // keeps `job` and the closure alive until we leave.
+            if let Some(job) = unsafe { *self.job.get() } {
+                // SAFETY: as above.
+                self.take_tasks(unsafe { &*job }, stop);
+            }
+        }
+        self.active.fetch_sub(1, Ordering::SeqCst);
+        open
+    }
+
+    /// Takes and runs tasks until none is left or `stop()` (checked between
+    /// tasks). A panicking task is recorded and still counted as done, so
+    /// the region always completes.
+    fn take_tasks(&self, f: &(dyn Fn(usize) + Sync), stop: &dyn Fn() -> bool) {
+        let n = self.n_tasks.load(Ordering::Relaxed);
+        loop {
+            if stop() {
+                break;
+            }
+            let i = self.next_task.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+                self.panicked.store(true, Ordering::Release);
+            }
+            self.done_tasks.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+/// A pool's own threads and the region they serve.
+struct PoolState {
+    region: Region,
     shutdown: AtomicBool,
     sleeping: Vec<AtomicBool>,
 }
 
-// SAFETY: `job` is written only by the thread in `ThreadPool::run`, while no
-// worker is joined (before publishing a region, or after closing it and
-// seeing `active_workers == 0`). A worker dereferences it only after joining
-// (incrementing `active_workers`, then seeing `closed == false` for the epoch
-// it observed); the SeqCst pairing of `closed`/`active_workers` makes
-// "caller saw no worker" and "worker saw the region open" mutually exclusive.
-unsafe impl Sync for PoolState {}
-// SAFETY: the raw job pointer is only dereferenced under the protocol above.
-unsafe impl Send for PoolState {}
+/// Who runs a pool's regions besides the caller.
+enum Helpers {
+    /// The pool's own threads.
+    Own {
+        shared: Arc<PoolState>,
+        workers: Vec<JoinHandle<()>>,
+    },
+    /// The idle members of a lending group (this pool is member `member`).
+    Lent {
+        group: Arc<CoreGroup>,
+        member: usize,
+    },
+}
 
-/// A fixed set of worker threads plus the caller.
+/// A fixed set of worker threads plus the caller, or a member of a
+/// [`CoreGroup`] whose idle members lend their threads.
 pub struct ThreadPool {
-    shared: Arc<PoolState>,
-    workers: Vec<JoinHandle<()>>,
+    helpers: Helpers,
 }
 
 impl std::fmt::Debug for ThreadPool {
@@ -71,14 +188,7 @@ impl ThreadPool {
     pub fn new(threads: usize) -> Self {
         let n_workers = threads.saturating_sub(1);
         let shared = Arc::new(PoolState {
-            epoch: AtomicU64::new(0),
-            job: UnsafeCell::new(None),
-            n_tasks: AtomicUsize::new(0),
-            next_task: AtomicUsize::new(0),
-            done_tasks: AtomicUsize::new(0),
-            active_workers: AtomicUsize::new(0),
-            closed: AtomicBool::new(true),
-            panicked: AtomicBool::new(false),
+            region: Region::new(),
             shutdown: AtomicBool::new(false),
             sleeping: (0..n_workers).map(|_| AtomicBool::new(false)).collect(),
         });
@@ -91,56 +201,41 @@ impl ThreadPool {
                     .expect("spawning a compute thread at start-up")
             })
             .collect();
-        Self { shared, workers }
+        Self {
+            helpers: Helpers::Own { shared, workers },
+        }
     }
 
-    /// Threads that take part in a region, the caller included.
+    /// Threads that may take part in a region, the caller included: what
+    /// callers split work for (a lent pool counts every member of its group,
+    /// though only the idle ones join).
     pub fn threads(&self) -> usize {
-        self.workers.len() + 1
+        match &self.helpers {
+            Helpers::Own { workers, .. } => workers.len() + 1,
+            Helpers::Lent { group, .. } => group.size(),
+        }
     }
 
     /// Runs `f(0..n_tasks)`, each index exactly once, spread over the pool,
     /// and returns when all are done. The caller works too and never waits
-    /// for a worker that has not started: a descheduled worker only means
-    /// less parallelism. A panic in a task is re-raised here.
+    /// for a thread that has not joined: a descheduled or busy helper only
+    /// means less parallelism. A panic in a task is re-raised here.
     pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-        if self.workers.is_empty() || n_tasks <= 1 {
+        if n_tasks <= 1 || self.threads() <= 1 {
             (0..n_tasks).for_each(f);
             return;
         }
-        let s = &*self.shared;
-        // SAFETY: the lifetime is erased only for the duration of this call:
-        // the region is closed and every joined worker has left before we
-        // return.
-        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        // SAFETY: the previous region is closed with no worker joined, so
-        // nobody reads `job` concurrently.
-        unsafe { *s.job.get() = Some(job) };
-        s.n_tasks.store(n_tasks, Ordering::Relaxed);
-        s.next_task.store(0, Ordering::Relaxed);
-        s.done_tasks.store(0, Ordering::Relaxed);
-        s.closed.store(false, Ordering::SeqCst);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
-        for (i, sleeping) in s.sleeping.iter().enumerate() {
-            if sleeping.load(Ordering::SeqCst) {
-                self.workers[i].thread().unpark();
-            }
-        }
-        take_tasks(s, f);
-        while s.done_tasks.load(Ordering::Acquire) != n_tasks {
-            std::hint::spin_loop();
-        }
-        s.closed.store(true, Ordering::SeqCst);
-        while s.active_workers.load(Ordering::SeqCst) != 0 {
-            std::hint::spin_loop();
-        }
-        // SAFETY: closed, and no worker is joined.
-        unsafe { *s.job.get() = None };
-        if s.panicked.swap(false, Ordering::AcqRel) {
-            panic!("a compute task panicked");
+        match &self.helpers {
+            Helpers::Own { shared, workers } => shared.region.run(n_tasks, f, || {
+                for (i, sleeping) in shared.sleeping.iter().enumerate() {
+                    if sleeping.load(Ordering::SeqCst) {
+                        workers[i].thread().unpark();
+                    }
+                }
+            }),
+            Helpers::Lent { group, member } => group.run(*member, n_tasks, f),
         }
     }
-
     /// Splits `data` into consecutive chunks of `chunk_len` (the last may be
     /// shorter) and runs `f(chunk_index, chunk)` for each, in parallel.
     pub fn for_each_chunk_mut<T: Send>(
@@ -176,34 +271,22 @@ impl<T> SendPtr<T> {
 
 impl Drop for ThreadPool {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
-        for w in &self.workers {
+        let Helpers::Own { shared, workers } = &mut self.helpers else {
+            return;
+        };
+        shared.shutdown.store(true, Ordering::SeqCst);
+        shared.region.epoch.fetch_add(1, Ordering::SeqCst);
+        for w in workers.iter() {
             w.thread().unpark();
         }
-        for w in self.workers.drain(..) {
+        for w in workers.drain(..) {
             let _ = w.join();
         }
     }
 }
 
-/// Takes and runs tasks until none is left. A panicking task is recorded
-/// and still counted as done, so the region always completes.
-fn take_tasks(s: &PoolState, f: &(dyn Fn(usize) + Sync)) {
-    let n = s.n_tasks.load(Ordering::Relaxed);
-    loop {
-        let i = s.next_task.fetch_add(1, Ordering::Relaxed);
-        if i >= n {
-            break;
-        }
-        if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
-            s.panicked.store(true, Ordering::Release);
-        }
-        s.done_tasks.fetch_add(1, Ordering::Release);
-    }
-}
-
 fn worker_loop(s: &PoolState, index: usize) {
+    let region = &s.region;
     // The pool starts at epoch 0; a region may be published before this
     // thread first runs, so the starting value must not be read here.
     let mut seen = 0;
@@ -211,7 +294,7 @@ fn worker_loop(s: &PoolState, index: usize) {
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
-            let now = s.epoch.load(Ordering::SeqCst);
+            let now = region.epoch.load(Ordering::SeqCst);
             if now != seen {
                 seen = now;
                 break;
@@ -219,7 +302,7 @@ fn worker_loop(s: &PoolState, index: usize) {
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) && started.elapsed() > SPIN_BEFORE_PARK {
                 s.sleeping[index].store(true, Ordering::SeqCst);
-                if s.epoch.load(Ordering::SeqCst) == seen {
+                if region.epoch.load(Ordering::SeqCst) == seen {
                     std::thread::park_timeout(Duration::from_millis(100));
                 }
                 s.sleeping[index].store(false, Ordering::SeqCst);
@@ -230,16 +313,7 @@ fn worker_loop(s: &PoolState, index: usize) {
         if s.shutdown.load(Ordering::SeqCst) {
             return;
         }
-        s.active_workers.fetch_add(1, Ordering::SeqCst);
-        if !s.closed.load(Ordering::SeqCst) && s.epoch.load(Ordering::SeqCst) == seen {
-            // SAFETY: joined while the region we observed is open: the caller
-            // keeps `job` and the closure alive until we leave.
-            if let Some(job) = unsafe { *s.job.get() } {
-                // SAFETY: as above.
-                take_tasks(s, unsafe { &*job });
-            }
-        }
-        s.active_workers.fetch_sub(1, Ordering::SeqCst);
+        region.join(seen, &|| false);
     }
 }
 

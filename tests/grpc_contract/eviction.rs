@@ -5,6 +5,9 @@ use super::*;
 
 // ---------------------------------------------------------------- §2.6 --
 
+/// Tokens of the call that must outlive the idle TTL.
+const LONG_CALL_TOKENS: u32 = 3000;
+
 #[test]
 fn idle_sessions_expire_after_the_ttl_but_never_mid_call() {
     let served = Served::start(
@@ -20,7 +23,10 @@ fn idle_sessions_expire_after_the_ttl_but_never_mid_call() {
     served.append(&kept_fresh, &[1]).expect("append");
     let working = served.create("working", &[]);
     served.append(&working, &[4, 5]).expect("append");
-    let long = served.generate(gen_req(&working, 1000));
+    // Long enough to outlive the TTL twice over on a fast machine (1,000
+    // tokens took about 0.4 s on one): the point is a call running across
+    // several sweeps.
+    let long = served.generate(gen_req(&working, LONG_CALL_TOKENS));
     // Appends refresh the idle clock: keep one session fresh for as long as
     // the long call runs.
     thread::sleep(Duration::from_millis(20));
@@ -46,8 +52,12 @@ fn idle_sessions_expire_after_the_ttl_but_never_mid_call() {
         "the generate ran longer than the TTL ({} s)",
         done.get_total_duration_seconds()
     );
-    assert_eq!(done.get_generated_token_count(), 1000);
-    assert_eq!(served.history(&working), 2 + 1000, "not evicted mid-call");
+    assert_eq!(done.get_generated_token_count(), LONG_CALL_TOKENS);
+    assert_eq!(
+        served.history(&working),
+        2 + u64::from(LONG_CALL_TOKENS),
+        "not evicted mid-call"
+    );
     assert!(served.info(&kept_fresh).is_ok());
     let stats = served.server().runtime_stats();
     assert_eq!(stats.evicted_ttl, 1, "{stats:?}");

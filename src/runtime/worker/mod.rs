@@ -43,7 +43,7 @@ use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
     CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
 };
-use crate::threads::ThreadPool;
+use crate::threads::{CoreGroup, ThreadPool, Wake};
 
 mod admission;
 mod batch;
@@ -125,11 +125,32 @@ pub(crate) struct WorkersState {
     pub(crate) wakers: Vec<Sender<()>>,
     /// Time zero of the board's stamps and the decode-rate seconds.
     pub(crate) epoch: Instant,
+    /// The workers that lend each other their cores while they wait for
+    /// their own work (`None`: each computes on its own thread alone).
+    pub(crate) lending: Option<Arc<CoreGroup>>,
 }
 
 impl WorkersState {
-    pub(crate) fn new(wakers: Vec<Sender<()>>) -> Self {
+    /// State for one worker per waker; with `lend_cores` (and more than
+    /// one worker) they lend each other their cores, woken through the same
+    /// wakers.
+    pub(crate) fn new(wakers: Vec<Sender<()>>, lend_cores: bool) -> Self {
+        let lending = (lend_cores && wakers.len() > 1).then(|| {
+            CoreGroup::new(
+                wakers
+                    .iter()
+                    .map(|waker| {
+                        let waker = waker.clone();
+                        Box::new(move || {
+                            // A full channel means a wake is already pending.
+                            let _ = waker.try_send(());
+                        }) as Wake
+                    })
+                    .collect(),
+            )
+        });
         WorkersState {
+            lending,
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
             board: EvictionBoard::new(wakers.len()),
@@ -387,6 +408,10 @@ impl Worker {
             .sampler
             .backend(model.config.vocab, model.config.context)
             .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
+        let compute = match &shared.lending {
+            Some(group) => group.pool(index),
+            None => ThreadPool::new(1),
+        };
         Ok(Worker {
             index,
             model,
@@ -394,7 +419,7 @@ impl Worker {
             cfg,
             shared,
             gauges,
-            compute: ThreadPool::new(1),
+            compute,
             scratch: Scratch::default(),
             sampler,
             to_sample: Vec::new(),
@@ -414,12 +439,7 @@ impl Worker {
         let mut wait = IDLE_WAIT;
         loop {
             let timeout = if self.has_work() { wait } else { IDLE_WAIT };
-            let first = crossbeam_channel::select! {
-                recv(commands) -> got => got.map(Some),
-                recv(wake) -> _ => Ok(None),
-                default(timeout) => Ok(None),
-            };
-            let Ok(mut next) = first else {
+            let Ok(mut next) = self.wait_for_command(&commands, &wake, timeout) else {
                 break;
             };
             let mut stop = false;
@@ -447,6 +467,43 @@ impl Worker {
         }
         self.fail_everything();
         tracing::debug!(worker = self.index, "worker stopped");
+    }
+
+    /// The next command, or `None` when woken or after `timeout`. While it
+    /// waits, the worker lends its core to the other workers' forward
+    /// passes (when the runtime lends cores), and leaves their work between
+    /// two tasks as soon as a command or a wake arrives.
+    fn wait_for_command(
+        &self,
+        commands: &Receiver<Command>,
+        wake: &Receiver<()>,
+        timeout: Duration,
+    ) -> Result<Option<Command>, crossbeam_channel::RecvError> {
+        let select = |timeout: Duration| {
+            crossbeam_channel::select! {
+                recv(commands) -> got => got.map(Some),
+                recv(wake) -> _ => Ok(None),
+                default(timeout) => Ok(None),
+            }
+        };
+        let Some(group) = self
+            .shared
+            .lending
+            .as_deref()
+            .filter(|_| !timeout.is_zero())
+        else {
+            return select(timeout);
+        };
+        let until = Instant::now() + timeout;
+        group.help(self.index, until, &|| {
+            !commands.is_empty() || !wake.is_empty()
+        });
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return select(Duration::ZERO);
+        }
+        // A region opened meanwhile: take a turn (nothing to do) and help.
+        group.block(self.index, || select(left)).unwrap_or(Ok(None))
     }
 
     fn has_work(&self) -> bool {

@@ -29,7 +29,7 @@ fn worker_with_pages(pages: usize) -> Worker {
         runner,
         pool,
         RuntimeConfig::default(),
-        Arc::new(WorkersState::new(vec![wake])),
+        Arc::new(WorkersState::new(vec![wake], false)),
         Arc::new(WorkerGauges::default()),
     )
     .expect("worker")

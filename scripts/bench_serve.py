@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""What `inferd serve` costs as a stock gRPC client sees it (run through
+scripts/bench-serve, which supplies the Python environment).
+
+Sections (each alternates the binaries given, median of --runs runs):
+
+  single      one session's decode through gRPC next to the local CLI:
+              ms/token of a streamed Generate (first to last token) and of
+              `inferd generate --ignore-eos` whole process, as
+              (time(32 + N tokens) - time(32 tokens)) / N.
+  concurrent  aggregate decode tokens/s of 1, 4, 16 and 64 sessions that
+              Generate at once (each with a 32-token prompt appended first).
+  coldstart   from spawning `inferd serve` to the first CreateSession answered
+              (the model file in the page cache).
+  soak        16 clients looping create / append(32) / Generate(32) / close for
+              --soak-seconds: p50, p99 and max of each phase.
+
+The server runs with its defaults (one worker per core) unless --workers is
+given. Stubs are generated from protos/ at run time, as in the interop tests.
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "interop"))
+import runtime_client  # noqa: E402  (the stub generator the interop tests use)
+
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def prompt_ids(n, salt=0):
+    """n token ids inside the reference vocabulary, different per salt."""
+    return [(i * 7919 + 11 + salt * 104729) % 48000 + 100 for i in range(n)]
+
+
+def cpu_line():
+    flags, name = "", "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags") and not flags:
+                flags = " " + line.split(":", 1)[1] + " "
+            if line.startswith("model name") and name == "?":
+                name = line.split(":", 1)[1].strip()
+    simd = "none"
+    for level in ["avx2", "avx512f", "avx512_vnni"]:
+        if f" {level} " in flags:
+            simd = level
+    return f"cpu: {name} | simd: {simd} | cores: {os.cpu_count()}"
+
+
+class Server:
+    """`BIN serve` on a free loopback port, stopped on exit."""
+
+    def __init__(self, binary, model, workers=None, extra=()):
+        self.log = tempfile.NamedTemporaryFile("w+", delete=False)
+        cmd = [binary, "serve", "--model", model, "--listen", "127.0.0.1:0"]
+        if workers:
+            cmd += ["--workers", str(workers)]
+        cmd += list(extra)
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.DEVNULL)
+        self.addr = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            text = pathlib.Path(self.log.name).read_text()
+            m = re.search(r"^listening on (\S+)", text, re.M)
+            if m:
+                self.addr = m.group(1)
+                break
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.002)
+        if self.addr is None:
+            self.stop()
+            raise SystemExit(f"{binary} serve did not start")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def stream_times(client, sid, n):
+    """Generates n greedy tokens; returns the arrival time of each."""
+    pb = client.pb
+    stream = client.stub.Generate(
+        pb.GenerateRequest(session_id=sid, max_tokens=n), timeout=600
+    )
+    times = []
+    for msg in stream:
+        if msg.WhichOneof("payload") == "token_id":
+            times.append(time.monotonic())
+    return times
+
+
+def connect(addr, pb, rpc):
+    channel = grpc.insecure_channel(addr)
+    grpc.channel_ready_future(channel).result(timeout=60)
+    return channel, runtime_client.Client(channel, pb, rpc)
+
+
+def median_spread(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def single(args, pb, rpc):
+    n = args.tokens
+    serve_ms = {b: [] for b in args.binaries}
+    cli_ms = {b: [] for b in args.binaries}
+    for _ in range(args.runs):
+        for b in args.binaries:
+            with Server(b, args.model, args.workers) as srv:
+                channel, client = connect(srv.addr, pb, rpc)
+                sid = client.create(label="bench").session_id
+                client.append(sid, prompt_ids(32))
+                stream_times(client, sid, 8)  # warm the path
+                times = stream_times(client, sid, n)
+                serve_ms[b].append((times[-1] - times[0]) * 1e3 / (len(times) - 1))
+                client.close(sid)
+                channel.close()
+            whole = {}
+            for count in (32, 32 + n):
+                t0 = time.monotonic()
+                subprocess.run(
+                    [b, "generate", "-m", args.model, "-p", PROMPT_TEXT, "-n", str(count),
+                     "--ignore-eos"] + (["-t", str(args.workers)] if args.workers else []),
+                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )
+                whole[count] = time.monotonic() - t0
+            cli_ms[b].append((whole[32 + n] - whole[32]) * 1e3 / n)
+    print(f"\none session, {n} greedy tokens after a 32-token prompt, median of {args.runs}")
+    print("| binary | serve ms/token | generate ms/token | serve / generate |")
+    print("|---|---|---|---|")
+    for b in args.binaries:
+        s, smin, smax = median_spread(serve_ms[b])
+        c, cmin, cmax = median_spread(cli_ms[b])
+        print(f"| {b} | {s:.2f} ({smin:.2f}-{smax:.2f}) | {c:.2f} ({cmin:.2f}-{cmax:.2f}) "
+              f"| {s / c:.3f} |")
+
+
+def concurrent(args, pb, rpc):
+    counts = [int(x) for x in args.sessions.split(",")]
+    gen = args.concurrent_tokens
+    rates = {(b, k): [] for b in args.binaries for k in counts}
+    for _ in range(args.runs):
+        for b in args.binaries:
+            with Server(b, args.model, args.workers) as srv:
+                channel, client = connect(srv.addr, pb, rpc)
+                for k in counts:
+                    sids = []
+                    for i in range(k):
+                        sid = client.create(label=f"c{i}").session_id
+                        client.append(sid, prompt_ids(32, salt=i))
+                        sids.append(sid)
+                    got = [0] * k
+                    start = threading.Barrier(k + 1)
+
+                    def run(i):
+                        start.wait()
+                        got[i] = len(stream_times(client, sids[i], gen))
+
+                    threads = [threading.Thread(target=run, args=(i,)) for i in range(k)]
+                    for t in threads:
+                        t.start()
+                    start.wait()
+                    t0 = time.monotonic()
+                    for t in threads:
+                        t.join()
+                    wall = time.monotonic() - t0
+                    rates[(b, k)].append(sum(got) / wall)
+                    for sid in sids:
+                        client.close(sid)
+                channel.close()
+    print(f"\nN sessions each Generate {gen} greedy tokens at once; aggregate tokens/s, "
+          f"median of {args.runs}")
+    print("| binary | sessions | aggregate tokens/s | x one session |")
+    print("|---|---|---|---|")
+    for b in args.binaries:
+        one = statistics.median(rates[(b, counts[0])])
+        for k in counts:
+            m, lo, hi = median_spread(rates[(b, k)])
+            print(f"| {b} | {k} | {m:.1f} ({lo:.1f}-{hi:.1f}) | {m / one:.2f} |")
+
+
+def coldstart(args, pb, rpc):
+    times = {b: [] for b in args.binaries}
+    for _ in range(args.runs):
+        for b in args.binaries:
+            srv = Server(b, args.model, args.workers)
+            try:
+                channel = grpc.insecure_channel(srv.addr)
+                stub = rpc.RuntimeServiceStub(channel)
+                stub.CreateSession(pb.CreateSessionRequest(client_label="cold"), timeout=60,
+                                   wait_for_ready=True)
+                times[b].append((time.monotonic() - srv.started) * 1e3)
+                channel.close()
+            finally:
+                srv.stop()
+    print(f"\nspawn to first CreateSession answered, ms, median of {args.runs}")
+    print("| binary | ms |")
+    print("|---|---|")
+    for b in args.binaries:
+        m, lo, hi = median_spread(times[b])
+        print(f"| {b} | {m:.0f} ({lo:.0f}-{hi:.0f}) |")
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def soak(args, pb, rpc):
+    for b in args.binaries:
+        with Server(b, args.model, args.workers) as srv:
+            channel, client = connect(srv.addr, pb, rpc)
+            phases = {p: [] for p in ["create", "append", "generate", "close", "loop"]}
+            errors = []
+            lock = threading.Lock()
+            stop_at = time.monotonic() + args.soak_seconds
+
+            def loop(i):
+                n = 0
+                while time.monotonic() < stop_at:
+                    try:
+                        t0 = time.monotonic()
+                        sid = client.create(label=f"soak{i}").session_id
+                        t1 = time.monotonic()
+                        client.append(sid, prompt_ids(32, salt=i * 1000 + n))
+                        t2 = time.monotonic()
+                        stream_times(client, sid, 32)
+                        t3 = time.monotonic()
+                        client.close(sid)
+                        t4 = time.monotonic()
+                    except grpc.RpcError as e:
+                        with lock:
+                            errors.append(f"{e.code()}: {e.details()}")
+                        continue
+                    with lock:
+                        for p, d in zip(phases, [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0]):
+                            phases[p].append(d * 1e3)
+                    n += 1
+
+            threads = [threading.Thread(target=loop, args=(i,)) for i in range(args.soak_clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            channel.close()
+        print(f"\nsoak: {args.soak_clients} clients, {args.soak_seconds} s, {b}: "
+              f"{len(phases['loop'])} loops, {len(errors)} errors")
+        for e in sorted(set(errors))[:5]:
+            print(f"  error: {e}")
+        print("| phase | p50 ms | p99 ms | max ms | p99 / p50 |")
+        print("|---|---|---|---|---|")
+        for p, xs in phases.items():
+            if xs:
+                p50, p99 = percentile(xs, 0.5), percentile(xs, 0.99)
+                print(f"| {p} | {p50:.1f} | {p99:.1f} | {max(xs):.1f} | {p99 / p50:.2f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("binaries", nargs="+", help="inferd binaries to compare")
+    ap.add_argument("--model", default=str(REPO / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--only", choices=["single", "concurrent", "coldstart", "soak"],
+                    action="append")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--workers", type=int)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--sessions", default="1,4,16,64")
+    ap.add_argument("--concurrent-tokens", type=int, default=64)
+    ap.add_argument("--soak-clients", type=int, default=16)
+    ap.add_argument("--soak-seconds", type=float, default=30)
+    args = ap.parse_args()
+    stubs = tempfile.mkdtemp()
+    pb, rpc, _, _ = runtime_client.generate_stubs(stubs)
+    print(cpu_line())
+    sections = args.only or ["single", "concurrent", "coldstart", "soak"]
+    for name in sections:
+        globals()[name](args, pb, rpc)
+
+
+if __name__ == "__main__":
+    main()
