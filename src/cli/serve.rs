@@ -508,11 +508,12 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     let cfg = settings.serve_config(&model)?;
     if args.check {
         println!(
-            "configuration ok: model {} ({} layers, vocabulary {}), listen {}, {} workers, \
-             KV {}, tls {}, auth token {}, sampler {}",
+            "configuration ok: model {} ({} layers, vocabulary {}, context {}), listen {}, \
+             {} workers, KV {}, tls {}, auth token {}, sampler {}",
             settings.model.display(),
             model.config.n_layers,
             model.config.vocab,
+            model.config.context,
             settings.listen,
             settings.workers,
             if !settings.shards.is_empty() {
