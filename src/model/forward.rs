@@ -656,40 +656,58 @@ impl Model {
         } else {
             1
         };
-        let tasks_per_token = cfg.n_heads / heads_per_task;
-        pool.for_each_chunk_mut(&mut scratch.att, heads_per_task * hd, &|task, out| {
-            let (t, h0) = (
-                task / tasks_per_token,
-                (task % tasks_per_token) * heads_per_task,
-            );
-            let (s, pos) = token_seq[t];
-            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let n_pos = pos + 1 - first;
-            let kv = kvs[s];
+        let head_groups = cfg.n_heads / heads_per_task;
+        // Consecutive tokens of one sequence share a task too (a query
+        // tile), so each block of cached rows is read from memory once for
+        // all of them, while there are still a few tasks per thread.
+        let tile_len = (token_seq.len() * head_groups / (4 * pool.threads())).clamp(1, MAX_TILE);
+        let tiles = query_tiles(token_seq, tile_len);
+        let att = SharedRows(scratch.att.as_mut_ptr());
+        let att_len = scratch.att.len();
+        pool.run(tiles.len() * head_groups, &|task| {
+            let tile = tiles[task / head_groups].clone();
+            let h0 = (task % head_groups) * heads_per_task;
             let kv_head = h0 / group;
-            let mut q16 = [[f16::ZERO; MAX_HEAD_DIM]; MAX_GROUP];
-            for (i, q16) in q16.iter_mut().take(heads_per_task).enumerate() {
-                let q = &q_all[(t * cfg.n_heads + h0 + i) * hd..][..hd];
-                for (d, &v) in q16.iter_mut().zip(q) {
+            let queries = tile.len() * heads_per_task;
+            let s = token_seq[tile.start].0;
+            let kv = kvs[s];
+            // Query `k` is token `tile.start + k / heads_per_task`, head
+            // `h0 + k % heads_per_task`; it sees positions `firsts[k]..=pos`.
+            let mut q16 = [[f16::ZERO; MAX_HEAD_DIM]; MAX_GROUP * MAX_TILE];
+            let mut spans = [(0usize, 0usize); MAX_GROUP * MAX_TILE];
+            for k in 0..queries {
+                let (t, h) = (tile.start + k / heads_per_task, h0 + k % heads_per_task);
+                let q = &q_all[(t * cfg.n_heads + h) * hd..][..hd];
+                for (d, &v) in q16[k].iter_mut().zip(q) {
                     *d = f16::from_f32(v);
                 }
+                let pos = token_seq[t].1;
+                spans[k] = (window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1);
+            }
+            let spans = &spans[..queries];
+            let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
+            let hi = spans.iter().map(|s| s.1).max().unwrap_or(0);
+            // Where each query's scores start in the one buffer.
+            let mut offsets = [0usize; MAX_GROUP * MAX_TILE + 1];
+            for (k, &(first, end)) in spans.iter().enumerate() {
+                offsets[k + 1] = offsets[k] + (end - first);
             }
             SCORES.with_borrow_mut(|scores| {
                 scores.clear();
-                scores.resize(heads_per_task * n_pos, 0.0);
-                match kv.k_blocks(kv_layer, first..pos + 1) {
+                scores.resize(offsets[queries], 0.0);
+                match kv.k_blocks(kv_layer, lo..hi) {
                     Err(e) => fail(e),
                     Ok(blocks) => {
-                        let mut p = 0;
+                        let mut p = lo;
                         for block in blocks {
-                            let n = (block.len() / kv_dim).min(n_pos - p);
-                            if n == 0 {
-                                continue;
-                            }
-                            let keys = &block[kv_head * hd..];
-                            for (i, q16) in q16.iter().take(heads_per_task).enumerate() {
-                                let out = &mut scores[i * n_pos + p..][..n];
-                                quant::dot_f16_rows(&q16[..hd], keys, kv_dim, out);
+                            let n = (block.len() / kv_dim).min(hi - p);
+                            for (k, &(first, end)) in spans.iter().enumerate() {
+                                let (a, b) = (p.max(first), (p + n).min(end));
+                                if a < b {
+                                    let keys = &block[(a - p) * kv_dim + kv_head * hd..];
+                                    let out = &mut scores[offsets[k] + a - first..][..b - a];
+                                    quant::dot_f16_rows(&q16[k][..hd], keys, kv_dim, out);
+                                }
                             }
                             p += n;
                         }
@@ -698,31 +716,39 @@ impl Model {
                 for s in scores.iter_mut() {
                     *s *= scale;
                 }
-                for head_scores in scores.chunks_exact_mut(n_pos) {
-                    softmax_weights(head_scores, first);
+                for (k, &(first, _)) in spans.iter().enumerate() {
+                    softmax_weights(&mut scores[offsets[k]..offsets[k + 1]], first);
                 }
                 V_LANES.with_borrow_mut(|acc| {
                     acc.clear();
-                    acc.resize(heads_per_task * LANES * hd, 0.0);
-                    match kv.v_blocks(kv_layer, first..pos + 1) {
+                    acc.resize(queries * LANES * hd, 0.0);
+                    match kv.v_blocks(kv_layer, lo..hi) {
                         Err(e) => fail(e),
                         Ok(blocks) => {
-                            let mut p = 0;
+                            let mut p = lo;
                             for block in blocks {
-                                let n = (block.len() / kv_dim).min(n_pos - p);
-                                if n == 0 {
-                                    continue;
-                                }
-                                let values = &block[kv_head * hd..];
-                                for (i, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
-                                    let w = &scores[i * n_pos + p..][..n];
-                                    quant::axpy_f16_rows(w, values, kv_dim, acc, first + p);
+                                let n = (block.len() / kv_dim).min(hi - p);
+                                for (k, &(first, end)) in spans.iter().enumerate() {
+                                    let (a, b) = (p.max(first), (p + n).min(end));
+                                    if a < b {
+                                        let values = &block[(a - p) * kv_dim + kv_head * hd..];
+                                        let w = &scores[offsets[k] + a - first..][..b - a];
+                                        let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
+                                        quant::axpy_f16_rows(w, values, kv_dim, lanes, a);
+                                    }
                                 }
                                 p += n;
                             }
                         }
                     }
-                    for (out, acc) in out.chunks_exact_mut(hd).zip(acc.chunks_exact(LANES * hd)) {
+                    for (k, acc) in acc.chunks_exact(LANES * hd).enumerate() {
+                        let (t, h) = (tile.start + k / heads_per_task, h0 + k % heads_per_task);
+                        let at = (t * cfg.n_heads + h) * hd;
+                        assert!(at + hd <= att_len, "attention row outside its buffer");
+                        // SAFETY: in bounds (checked above); each (token,
+                        // head) row belongs to exactly one task, and
+                        // `scratch.att` outlives the region.
+                        let out = unsafe { std::slice::from_raw_parts_mut(att.ptr().add(at), hd) };
                         for (d, o) in out.iter_mut().enumerate() {
                             let lanes: [f32; LANES] = std::array::from_fn(|l| acc[l * hd + d]);
                             *o = quant::reduce16(&lanes);
@@ -744,6 +770,40 @@ pub const MAX_HEAD_DIM: usize = 256;
 
 /// Most query heads one attention task takes together (stack buffer).
 const MAX_GROUP: usize = 8;
+
+/// Most consecutive tokens of one sequence one attention task takes
+/// together (stack buffer).
+const MAX_TILE: usize = 4;
+
+/// The rows of `scratch.att` that attention tasks write, each row by one
+/// task only.
+struct SharedRows(*mut f32);
+// SAFETY: tasks write disjoint rows through it while the buffer is alive
+// (see its one use).
+unsafe impl Sync for SharedRows {}
+
+impl SharedRows {
+    fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `token_seq` cut into runs of at most `tile_len` consecutive entries of
+/// one sequence (their positions are consecutive).
+fn query_tiles(token_seq: &[(usize, usize)], tile_len: usize) -> Vec<Range<usize>> {
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    while start < token_seq.len() {
+        let seq = token_seq[start].0;
+        let mut end = start + 1;
+        while end < token_seq.len() && end - start < tile_len && token_seq[end].0 == seq {
+            end += 1;
+        }
+        tiles.push(start..end);
+        start = end;
+    }
+    tiles
+}
 
 /// One query's scores (positions `first..`) into the softmax weights ggml
 /// multiplies the V cache by: minus their maximum, ggml's `expf`, summed in
