@@ -132,6 +132,8 @@ thread_local! {
     /// The 16 lane accumulators (`[head][lane][head_dim]`) of one task's
     /// weighted V sums.
     static V_LANES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// One span of K or V rows widened to f32 (see [`for_each_wide_span`]).
+    static WIDE_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Positions per lane group of the attention products (tinyBLAS's AVX-512
@@ -662,6 +664,9 @@ impl Model {
         // all of them, while there are still a few tasks per thread.
         let tile_len = (token_seq.len() * head_groups / (4 * pool.threads())).clamp(1, MAX_TILE);
         let tiles = query_tiles(token_seq, tile_len);
+        // Rows widened to f32 once per span for all of a task's queries,
+        // where the SIMD level can (the same bits as the f16 row loops).
+        let wide = quant::wide_attention(hd);
         let att = SharedRows(scratch.att.as_mut_ptr());
         let att_len = scratch.att.len();
         pool.run(tiles.len() * head_groups, &|task| {
@@ -695,21 +700,49 @@ impl Model {
             SCORES.with_borrow_mut(|scores| {
                 scores.clear();
                 scores.resize(offsets[queries], 0.0);
-                match kv.k_blocks(kv_layer, lo..hi) {
-                    Err(e) => fail(e),
-                    Ok(blocks) => {
-                        let mut p = lo;
-                        for block in blocks {
-                            let n = (block.len() / kv_dim).min(hi - p);
+                if let Some(wide) = wide {
+                    let q32: Vec<[f32; MAX_HEAD_DIM]> = q16[..queries]
+                        .iter()
+                        .map(|q| std::array::from_fn(|d| q[d].to_f32()))
+                        .collect();
+                    for_each_wide_span(
+                        wide,
+                        lo..hi,
+                        |range| kv.k_blocks(kv_layer, range),
+                        kv_head,
+                        kv_dim,
+                        &fail,
+                        |a0, b0, rows| {
                             for (k, &(first, end)) in spans.iter().enumerate() {
-                                let (a, b) = (p.max(first), (p + n).min(end));
+                                let (a, b) = (a0.max(first), b0.min(end));
                                 if a < b {
-                                    let keys = &block[(a - p) * kv_dim + kv_head * hd..];
                                     let out = &mut scores[offsets[k] + a - first..][..b - a];
-                                    quant::dot_f16_rows(&q16[k][..hd], keys, kv_dim, out);
+                                    wide.dot_rows(
+                                        &q32[k][..hd],
+                                        &rows[(a - a0) * hd..(b - a0) * hd],
+                                        out,
+                                    );
                                 }
                             }
-                            p += n;
+                        },
+                    );
+                } else {
+                    match kv.k_blocks(kv_layer, lo..hi) {
+                        Err(e) => fail(e),
+                        Ok(blocks) => {
+                            let mut p = lo;
+                            for block in blocks {
+                                let n = (block.len() / kv_dim).min(hi - p);
+                                for (k, &(first, end)) in spans.iter().enumerate() {
+                                    let (a, b) = (p.max(first), (p + n).min(end));
+                                    if a < b {
+                                        let keys = &block[(a - p) * kv_dim + kv_head * hd..];
+                                        let out = &mut scores[offsets[k] + a - first..][..b - a];
+                                        quant::dot_f16_rows(&q16[k][..hd], keys, kv_dim, out);
+                                    }
+                                }
+                                p += n;
+                            }
                         }
                     }
                 }
@@ -722,22 +755,48 @@ impl Model {
                 V_LANES.with_borrow_mut(|acc| {
                     acc.clear();
                     acc.resize(queries * LANES * hd, 0.0);
-                    match kv.v_blocks(kv_layer, lo..hi) {
-                        Err(e) => fail(e),
-                        Ok(blocks) => {
-                            let mut p = lo;
-                            for block in blocks {
-                                let n = (block.len() / kv_dim).min(hi - p);
+                    if let Some(wide) = wide {
+                        for_each_wide_span(
+                            wide,
+                            lo..hi,
+                            |range| kv.v_blocks(kv_layer, range),
+                            kv_head,
+                            kv_dim,
+                            &fail,
+                            |a0, b0, rows| {
                                 for (k, &(first, end)) in spans.iter().enumerate() {
-                                    let (a, b) = (p.max(first), (p + n).min(end));
+                                    let (a, b) = (a0.max(first), b0.min(end));
                                     if a < b {
-                                        let values = &block[(a - p) * kv_dim + kv_head * hd..];
                                         let w = &scores[offsets[k] + a - first..][..b - a];
                                         let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
-                                        quant::axpy_f16_rows(w, values, kv_dim, lanes, a);
+                                        wide.axpy_rows(
+                                            w,
+                                            &rows[(a - a0) * hd..(b - a0) * hd],
+                                            lanes,
+                                            a,
+                                        );
                                     }
                                 }
-                                p += n;
+                            },
+                        );
+                    } else {
+                        match kv.v_blocks(kv_layer, lo..hi) {
+                            Err(e) => fail(e),
+                            Ok(blocks) => {
+                                let mut p = lo;
+                                for block in blocks {
+                                    let n = (block.len() / kv_dim).min(hi - p);
+                                    for (k, &(first, end)) in spans.iter().enumerate() {
+                                        let (a, b) = (p.max(first), (p + n).min(end));
+                                        if a < b {
+                                            let values = &block[(a - p) * kv_dim + kv_head * hd..];
+                                            let w = &scores[offsets[k] + a - first..][..b - a];
+                                            let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
+                                            quant::axpy_f16_rows(w, values, kv_dim, lanes, a);
+                                        }
+                                    }
+                                    p += n;
+                                }
                             }
                         }
                     }
@@ -786,6 +845,54 @@ impl SharedRows {
     fn ptr(&self) -> *mut f32 {
         self.0
     }
+}
+
+/// Bytes of K or V rows one attention task widens to f32 at a time: a
+/// span of positions every query of the task then reads from cache.
+const WIDE_SPAN_BYTES: usize = 16 << 10;
+
+/// Walks `range` in spans of positions aligned to multiples of the span
+/// length: widens each span's rows of `kv_head` (from the blocks `blocks`
+/// gives for it) and calls `each(start, end, rows)` with them, `head_dim`
+/// apart. A KV read error goes to `fail` and ends the walk.
+fn for_each_wide_span<'k>(
+    wide: quant::WideAttention,
+    range: Range<usize>,
+    blocks: impl Fn(Range<usize>) -> Result<crate::kv::KvBlocks<'k>, crate::kv::KvError>,
+    kv_head: usize,
+    kv_dim: usize,
+    fail: &dyn Fn(crate::kv::KvError),
+    mut each: impl FnMut(usize, usize, &[f32]),
+) {
+    let hd = wide.head_dim();
+    let span = (WIDE_SPAN_BYTES / (hd * 4)).max(LANES) / LANES * LANES;
+    WIDE_ROWS.with_borrow_mut(|buf| {
+        buf.resize(span * hd, 0.0);
+        let mut a0 = range.start;
+        while a0 < range.end {
+            let b0 = range.end.min((a0 / span + 1) * span);
+            match blocks(a0..b0) {
+                Err(e) => return fail(e),
+                Ok(blocks) => {
+                    let mut p = a0;
+                    for block in blocks {
+                        let n = (block.len() / kv_dim).min(b0 - p);
+                        if n > 0 {
+                            wide.widen(
+                                &block[kv_head * hd..],
+                                kv_dim,
+                                n,
+                                &mut buf[(p - a0) * hd..],
+                            );
+                        }
+                        p += n;
+                    }
+                }
+            }
+            each(a0, b0, &buf[..(b0 - a0) * hd]);
+            a0 = b0;
+        }
+    });
 }
 
 /// `token_seq` cut into runs of at most `tile_len` consecutive entries of

@@ -677,6 +677,54 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     }
 }
 
+/// The 16 accumulators of 16 rows' dots, each reduced in [`hsum512`]'s
+/// exact pair order (half onto half, then `h[i] + h[i + 4]`, then
+/// `(r0 + r2) + (r1 + r3)`), with shuffles that do the 16 together.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn reduce_16_rows(acc: &[__m512; 16], out: &mut [f32]) {
+    // Halves: row pair (2p, 2p + 1) -> [h(2p) | h(2p + 1)].
+    let h: [__m512; 8] = std::array::from_fn(|p| {
+        let (a, b) = (acc[2 * p], acc[2 * p + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    });
+    // Quarters: rows 4m..4m + 4 -> [r(4m), .., r(4m + 3)].
+    let r: [__m512; 4] = std::array::from_fn(|m| {
+        let (a, b) = (h[2 * m], h[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    });
+    // Within each 128-bit lane k: (r0 + r2), (r1 + r3) of two rows.
+    let pairs = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
+    };
+    let (s0, s1) = (pairs(r[0], r[1]), pairs(r[2], r[3]));
+    let total = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(s0, s1),
+        _mm512_shuffle_ps::<0b11_01_11_01>(s0, s1),
+    );
+    // Lane k holds rows k, 4 + k, 8 + k, 12 + k.
+    let mut t = [0.0f32; 16];
+    // SAFETY: `t` holds 16 values.
+    unsafe { _mm512_storeu_ps(t.as_mut_ptr(), total) };
+    for k in 0..4 {
+        for j in 0..4 {
+            out[4 * j + k] = t[4 * k + j];
+        }
+    }
+}
+
 /// [`dot_f16_ptr`] of `q` with row `i` (at `rows + i * stride`, `q.len()`
 /// values) into `out[i]`. Rows go 16 at a time: their accumulators are built
 /// as [`dot_f16_ptr`] builds one, then reduced together by shuffles that add
@@ -707,42 +755,7 @@ pub(crate) unsafe fn dot_f16_rows(q: &[f16], rows: *const f16, stride: usize, ou
                     *acc = _mm512_fmadd_ps(qv, kv, *acc);
                 }
             }
-            // Halves: row pair (2p, 2p + 1) -> [h(2p) | h(2p + 1)].
-            let h: [__m512; 8] = std::array::from_fn(|p| {
-                let (a, b) = (acc[2 * p], acc[2 * p + 1]);
-                _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
-                    _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
-                )
-            });
-            // Quarters: rows 4m..4m + 4 -> [r(4m), .., r(4m + 3)].
-            let r: [__m512; 4] = std::array::from_fn(|m| {
-                let (a, b) = (h[2 * m], h[2 * m + 1]);
-                _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
-                    _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
-                )
-            });
-            // Within each 128-bit lane k: (r0 + r2), (r1 + r3) of two rows.
-            let pairs = |a: __m512, b: __m512| {
-                _mm512_add_ps(
-                    _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
-                    _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
-                )
-            };
-            let (s0, s1) = (pairs(r[0], r[1]), pairs(r[2], r[3]));
-            let total = _mm512_add_ps(
-                _mm512_shuffle_ps::<0b10_00_10_00>(s0, s1),
-                _mm512_shuffle_ps::<0b11_01_11_01>(s0, s1),
-            );
-            // Lane k holds rows k, 4 + k, 8 + k, 12 + k.
-            let mut t = [0.0f32; 16];
-            _mm512_storeu_ps(t.as_mut_ptr(), total);
-            for k in 0..4 {
-                for j in 0..4 {
-                    out[i0 + 4 * j + k] = t[4 * k + j];
-                }
-            }
+            reduce_16_rows(&acc, &mut out[i0..i0 + 16]);
         }
     }
     for (i, o) in out.iter_mut().enumerate().skip(whole) {
@@ -814,6 +827,140 @@ pub(crate) unsafe fn axpy_f16_rows(
         }
         if rounds == 0 {
             break;
+        }
+    }
+    for i in head + 16 * rounds..w.len() {
+        one(lanes, i);
+    }
+}
+
+/// Rows `0..n` (at `rows + i * stride`, `hd` values each, `hd` a multiple
+/// of 16) widened to f32, packed `hd` apart at `out` (exact: every f16 is
+/// an f32).
+///
+/// # Safety
+/// See the file header; every row readable for `hd` f16 values, `out`
+/// writable for `n * hd` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn widen_f16_rows(
+    rows: *const f16,
+    stride: usize,
+    hd: usize,
+    n: usize,
+    out: *mut f32,
+) {
+    for i in 0..n {
+        for c in (0..hd).step_by(16) {
+            // SAFETY: inside row `i` and output row `i` (the caller's promise).
+            unsafe {
+                let x = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    rows.add(i * stride + c) as *const __m256i
+                ));
+                _mm512_storeu_ps(out.add(i * hd + c), x);
+            }
+        }
+    }
+}
+
+/// [`dot_f16_rows`] over rows already widened to f32 (`q` too: the f32
+/// values of the f16 query), `hd = q.len()` a multiple of 16: the same
+/// fused steps in the same order and the same reduction, so each result
+/// has [`dot_f16_rows`]'s bits, without converting a row once per query.
+///
+/// # Safety
+/// See the file header; every row readable for `q.len()` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_rows(q: &[f32], rows: *const f32, stride: usize, out: &mut [f32]) {
+    let hd = q.len();
+    debug_assert!(hd.is_multiple_of(16));
+    let whole = out.len() / 16 * 16;
+    for i0 in (0..whole).step_by(16) {
+        // SAFETY: rows `i0..i0 + 16` are readable for `hd` values (the
+        // caller's promise) and `q` holds `hd`.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for c in (0..hd).step_by(16) {
+                let qv = _mm512_loadu_ps(q.as_ptr().add(c));
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let kv = _mm512_loadu_ps(rows.add((i0 + j) * stride + c));
+                    *acc = _mm512_fmadd_ps(qv, kv, *acc);
+                }
+            }
+            reduce_16_rows(&acc, &mut out[i0..i0 + 16]);
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(whole) {
+        // SAFETY: as above, for the one row `i`.
+        unsafe {
+            let mut acc = _mm512_setzero_ps();
+            for c in (0..hd).step_by(16) {
+                let qv = _mm512_loadu_ps(q.as_ptr().add(c));
+                let kv = _mm512_loadu_ps(rows.add(i * stride + c));
+                acc = _mm512_fmadd_ps(qv, kv, acc);
+            }
+            *o = hsum512(acc);
+        }
+    }
+}
+
+/// [`axpy_f16_rows`] over rows already widened to f32 (`hd = lanes.len() /
+/// 16` a multiple of 16): each lane value gets the same fused steps in the
+/// same row order, so the same bits. Each 16-value column of the lanes
+/// stays in registers for all the whole rounds of 16 rows the call has,
+/// not just one.
+///
+/// # Safety
+/// See the file header; every row readable for `hd` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f32_rows(
+    w: &[f32],
+    rows: *const f32,
+    stride: usize,
+    lanes: &mut [f32],
+    first: usize,
+) {
+    let hd = lanes.len() / 16;
+    debug_assert!(hd.is_multiple_of(16));
+    let one = |lanes: &mut [f32], i: usize| {
+        let lane = ((first + i) % 16) * hd;
+        for c in (0..hd).step_by(16) {
+            // SAFETY: row `i` is readable for `hd` (the caller's promise);
+            // lane `lane` holds `hd` values.
+            unsafe {
+                let x = _mm512_loadu_ps(rows.add(i * stride + c));
+                let y = lanes.as_mut_ptr().add(lane + c);
+                _mm512_storeu_ps(
+                    y,
+                    _mm512_fmadd_ps(_mm512_set1_ps(w[i]), x, _mm512_loadu_ps(y)),
+                );
+            }
+        }
+    };
+    // Rows up to the first that lands on lane 0, then whole rounds of 16,
+    // then the rest: in row order, so each lane sees its rows in order.
+    let head = ((16 - first % 16) % 16).min(w.len());
+    let rounds = (w.len() - head) / 16;
+    for i in 0..head {
+        one(lanes, i);
+    }
+    if rounds > 0 {
+        for c in (0..hd).step_by(16) {
+            // SAFETY: `lanes` holds 16 rows of `hd`, so `l * hd + c .. + 16`
+            // is inside it; each row read is inside the caller's rows.
+            unsafe {
+                let mut acc: [__m512; 16] =
+                    std::array::from_fn(|l| _mm512_loadu_ps(lanes.as_ptr().add(l * hd + c)));
+                for round in 0..rounds {
+                    let base = head + 16 * round;
+                    for (l, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm512_loadu_ps(rows.add((base + l) * stride + c));
+                        *acc = _mm512_fmadd_ps(_mm512_set1_ps(w[base + l]), x, *acc);
+                    }
+                }
+                for (l, acc) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(lanes.as_mut_ptr().add(l * hd + c), *acc);
+                }
+            }
         }
     }
     for i in head + 16 * rounds..w.len() {

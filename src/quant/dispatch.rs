@@ -90,6 +90,21 @@ impl SimdLevel {
     }
 }
 
+/// A level's attention kernels over rows widened to f32 (see
+/// `Kernels::wide_attention`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WideKernels {
+    /// # Safety: the CPU must support the level; rows `0..n` readable for
+    /// `hd` f16 values at `stride` apart, the output writable for `n * hd`.
+    pub widen: unsafe fn(*const f16, usize, usize, usize, *mut f32),
+    /// # Safety: the CPU must support the level; rows `0..out.len()`
+    /// readable for `q.len()` values at `stride` apart.
+    pub dot_rows: unsafe fn(&[f32], *const f32, usize, &mut [f32]),
+    /// # Safety: the CPU must support the level; rows `0..w.len()`
+    /// readable for `lanes.len() / 16` values at `stride` apart.
+    pub axpy_rows: unsafe fn(&[f32], *const f32, usize, &mut [f32], usize),
+}
+
 /// Every kernel of one SIMD level.
 pub(crate) struct Kernels {
     pub level: SimdLevel,
@@ -127,6 +142,10 @@ pub(crate) struct Kernels {
     /// `axpy_f16` of `w[i]` times row `i` into lane `(first + i) % 16`.
     /// # Safety: the CPU must support the level; see [`f16_dot_rows!`].
     pub axpy_f16_rows: unsafe fn(&[f32], *const f16, usize, &mut [f32], usize),
+    /// Attention over K/V rows widened to f32 once for every query that
+    /// reads them, with `dot_f16_rows`' and `axpy_f16_rows`' bits (head
+    /// widths that are a multiple of 16), where the level has it.
+    pub wide_attention: Option<WideKernels>,
     /// `x = f32(f16(x * scale))` in place.
     /// # Safety: the CPU must support the level.
     pub scale_round_f16: unsafe fn(&mut [f32], f32),
@@ -386,6 +405,7 @@ const SCALAR_TABLE: Kernels = Kernels {
     axpy_f16: scalar_axpy_f16,
     dot_f16_rows: scalar_dot_f16_rows,
     axpy_f16_rows: scalar_axpy_f16_rows,
+    wide_attention: None,
     scale_round_f16: scalar_scale_round_f16,
     exp_ggml: scalar_exp_ggml,
     swiglu_ggml: scalar_swiglu_ggml,
@@ -447,6 +467,7 @@ mod x86_tables {
         axpy_f16: avx2::axpy_f16,
         dot_f16_rows: avx2_dot_f16_rows,
         axpy_f16_rows: avx2_axpy_f16_rows,
+        wide_attention: None,
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx2::exp_ggml,
         swiglu_ggml: avx2::swiglu_ggml,
@@ -477,6 +498,11 @@ mod x86_tables {
         axpy_f16: avx512::axpy_f16,
         dot_f16_rows: avx512::dot_f16_rows,
         axpy_f16_rows: avx512::axpy_f16_rows,
+        wide_attention: Some(WideKernels {
+            widen: avx512::widen_f16_rows,
+            dot_rows: avx512::dot_f32_rows,
+            axpy_rows: avx512::axpy_f32_rows,
+        }),
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,
         swiglu_ggml: avx512::swiglu_ggml,

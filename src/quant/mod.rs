@@ -488,6 +488,67 @@ fn rows_that_fit(len: usize, head_dim: usize, stride: usize) -> usize {
     }
 }
 
+/// Attention kernels over K/V rows widened to f32 once, for every query
+/// that reads them: each result has the bits of [`dot_f16_rows`] /
+/// [`axpy_f16_rows`] on the f16 rows (widening is exact), for less work per
+/// query. `None` where the SIMD level has none, or when `head_dim` is not a
+/// multiple of 16.
+pub fn wide_attention(head_dim: usize) -> Option<WideAttention> {
+    let kernels = dispatch::active().wide_attention?;
+    (head_dim > 0 && head_dim.is_multiple_of(16)).then_some(WideAttention {
+        kernels,
+        hd: head_dim,
+    })
+}
+
+/// See [`wide_attention`]; rows of `head_dim` values.
+#[derive(Clone, Copy, Debug)]
+pub struct WideAttention {
+    kernels: dispatch::WideKernels,
+    hd: usize,
+}
+
+impl WideAttention {
+    /// The head width the kernels were chosen for.
+    pub fn head_dim(&self) -> usize {
+        self.hd
+    }
+
+    /// Rows `0..n` of `rows` (row `i` at `rows[i * stride..][..head_dim]`)
+    /// widened into `out`, `head_dim` apart. Rows that do not fit either
+    /// side are left out (a debug assertion flags them).
+    pub fn widen(&self, rows: &[half::f16], stride: usize, n: usize, out: &mut [f32]) {
+        let fit = n
+            .min(rows_that_fit(rows.len(), self.hd, stride))
+            .min(out.len() / self.hd);
+        debug_assert_eq!(fit, n, "widen: rows do not fit");
+        // SAFETY: the level is supported (its table is the active one);
+        // rows `0..fit` lie inside `rows` and `out`.
+        unsafe { (self.kernels.widen)(rows.as_ptr(), stride, self.hd, fit, out.as_mut_ptr()) }
+    }
+
+    /// [`dot_f16_rows`] of the query `q` (`head_dim` f32 values of an f16
+    /// query) with the widened rows of `rows` (`head_dim` apart) into `out`.
+    pub fn dot_rows(&self, q: &[f32], rows: &[f32], out: &mut [f32]) {
+        assert_eq!(q.len(), self.hd, "dot_rows: query width");
+        let n = (rows.len() / self.hd).min(out.len());
+        debug_assert_eq!(n, out.len(), "dot_rows: rows do not fit");
+        // SAFETY: the level is supported; rows `0..n` lie inside `rows`.
+        unsafe { (self.kernels.dot_rows)(q, rows.as_ptr(), self.hd, &mut out[..n]) }
+    }
+
+    /// [`axpy_f16_rows`] of `w[i]` times widened row `i` of `rows`
+    /// (`head_dim` apart) into lane `(first + i) % 16` of `lanes`
+    /// (`[16][head_dim]`).
+    pub fn axpy_rows(&self, w: &[f32], rows: &[f32], lanes: &mut [f32], first: usize) {
+        assert_eq!(lanes.len(), 16 * self.hd, "axpy_rows: lanes width");
+        let n = (rows.len() / self.hd).min(w.len());
+        debug_assert_eq!(n, w.len(), "axpy_rows: rows do not fit");
+        // SAFETY: the level is supported; rows `0..n` lie inside `rows`.
+        unsafe { (self.kernels.axpy_rows)(&w[..n], rows.as_ptr(), self.hd, lanes, first) }
+    }
+}
+
 /// [`dot_f16`] of `q` with each row of `rows` (row `i` at
 /// `rows[i * stride..][..q.len()]`, a block of the K cache), into `out[i]`,
 /// with one dispatched call for the block. Rows that do not fit in `rows`

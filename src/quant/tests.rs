@@ -396,6 +396,75 @@ fn f16_row_loops_equal_the_one_row_kernels_bit_for_bit() {
     }
 }
 
+/// The widened-row attention kernels give the f16 row loops' bits, for
+/// head widths 64 and 128, runs that start on any lane and end anywhere.
+#[test]
+fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(23);
+    for level in supported_levels() {
+        let k = table(level);
+        let Some(wide) = k.wide_attention else {
+            continue;
+        };
+        for (hd, heads) in [(64usize, 3usize), (128, 2)] {
+            let (stride, rows, head) = (hd * heads, 75usize, heads - 1);
+            let cache: Vec<half::f16> = (0..rows * stride)
+                .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let q16: Vec<half::f16> = (0..hd)
+                .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let q: Vec<f32> = q16.iter().map(|v| v.to_f32()).collect();
+            let w: Vec<f32> = (0..rows).map(|_| rng.gen_range(0.0..1.0)).collect();
+            let mut widened = vec![0.0f32; rows * hd];
+            // SAFETY: the level is supported; every row lies inside `cache`
+            // and `widened`.
+            unsafe {
+                (wide.widen)(
+                    cache[head * hd..].as_ptr(),
+                    stride,
+                    hd,
+                    rows,
+                    widened.as_mut_ptr(),
+                )
+            };
+            for (start, n) in [(0usize, rows), (3, 17), (16, 32), (5, 1), (40, 35), (0, 0)] {
+                let f16_rows = cache[start * stride + head * hd..].as_ptr();
+                let f32_rows = widened[start * hd..].as_ptr();
+                let mut got = vec![0.0f32; n];
+                let mut want = vec![0.0f32; n];
+                // SAFETY: as above; rows `start..start + n` exist.
+                unsafe {
+                    (wide.dot_rows)(&q, f32_rows, hd, &mut got);
+                    (k.dot_f16_rows)(&q16, f16_rows, stride, &mut want);
+                }
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{} dot hd={hd} {start}+{n}",
+                    level.name()
+                );
+                for first in [start, start + 7] {
+                    let mut got = vec![0.25f32; 16 * hd];
+                    let mut want = got.clone();
+                    let w = &w[start..start + n];
+                    // SAFETY: as above.
+                    unsafe {
+                        (wide.axpy_rows)(w, f32_rows, hd, &mut got, first);
+                        (k.axpy_f16_rows)(w, f16_rows, stride, &mut want, first);
+                    }
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{} axpy hd={hd} {start}+{n} from lane {first}",
+                        level.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn f16_rounding_of_scaled_weights_matches_scalar_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(5);
