@@ -495,11 +495,11 @@ impl Worker {
             return select(timeout);
         };
         let until = Instant::now() + timeout;
-        group.help(self.index, until, &|| {
-            !commands.is_empty() || !wake.is_empty()
-        });
+        let ready = || !commands.is_empty() || !wake.is_empty();
+        group.help(self.index, until, &ready);
         let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        // Waiting work is taken at once, even while other regions are open.
+        if left.is_zero() || ready() {
             return select(Duration::ZERO);
         }
         // A region opened meanwhile: take a turn (nothing to do) and help.
