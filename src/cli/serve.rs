@@ -62,11 +62,11 @@ pub struct ServeArgs {
     /// sessions [default: one per core].
     #[arg(long, env = "INFERD_WORKERS")]
     pub workers: Option<usize>,
-    /// Keep each worker's forward pass on its own core: by default a worker
-    /// waiting for work helps another worker's step (one busy session then
-    /// uses the idle cores; the results are the same bits).
-    #[arg(long, env = "INFERD_NO_CORE_LENDING")]
-    pub no_core_lending: bool,
+    /// A worker waiting for work helps another worker's step, so one busy
+    /// session uses the idle cores (the results are the same bits); false
+    /// keeps each worker's forward pass on its own core [default: true].
+    #[arg(long, env = "INFERD_CORE_LENDING", value_name = "BOOL")]
+    pub core_lending: Option<bool>,
     /// KV cache memory in MiB [default: 256].
     #[arg(long, env = "INFERD_KV_MIB", conflicts_with = "kv_pages")]
     pub kv_mib: Option<u64>,
@@ -215,7 +215,7 @@ pub struct Settings {
     pub model: PathBuf,
     pub listen: String,
     pub workers: usize,
-    /// Idle workers help busy ones (`--no-core-lending` turns it off).
+    /// Idle workers help busy ones (`--core-lending false` turns it off).
     pub core_lending: bool,
     pub kv: KvSize,
     pub max_sessions: usize,
@@ -311,7 +311,7 @@ impl ServeArgs {
                 .or(file.listen)
                 .unwrap_or_else(|| "127.0.0.1:50051".into()),
             workers,
-            core_lending: !self.no_core_lending && file.core_lending.unwrap_or(true),
+            core_lending: self.core_lending.or(file.core_lending).unwrap_or(true),
             kv,
             max_sessions: positive(
                 "max-sessions",
@@ -612,7 +612,7 @@ mod tests {
     #[test]
     fn core_lending_is_turned_off_by_the_flag_or_the_file() {
         assert!(
-            !parse(&["--no-core-lending"])
+            !parse(&["--core-lending", "false"])
                 .settings()
                 .expect("valid")
                 .core_lending
@@ -623,6 +623,10 @@ mod tests {
         let config = path.to_str().expect("utf-8 path");
         let s = parse(&["--config", config]).settings().expect("valid");
         assert!(!s.core_lending);
+        let s = parse(&["--config", config, "--core-lending", "true"])
+            .settings()
+            .expect("valid");
+        assert!(s.core_lending, "the flag wins over the file");
     }
 
     #[test]

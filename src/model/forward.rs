@@ -705,46 +705,34 @@ impl Model {
                         .iter()
                         .map(|q| std::array::from_fn(|d| q[d].to_f32()))
                         .collect();
+                    let k_span = |range| kv.k_blocks(kv_layer, range);
                     for_each_wide_span(
                         wide,
                         lo..hi,
-                        |range| kv.k_blocks(kv_layer, range),
+                        k_span,
                         kv_head,
                         kv_dim,
                         &fail,
                         |a0, b0, rows| {
-                            for (k, &(first, end)) in spans.iter().enumerate() {
-                                let (a, b) = (a0.max(first), b0.min(end));
-                                if a < b {
-                                    let out = &mut scores[offsets[k] + a - first..][..b - a];
-                                    wide.dot_rows(
-                                        &q32[k][..hd],
-                                        &rows[(a - a0) * hd..(b - a0) * hd],
-                                        out,
-                                    );
-                                }
+                            for (k, first, a, b) in overlaps(spans, a0..b0) {
+                                let out = &mut scores[offsets[k] + a - first..][..b - a];
+                                wide.dot_rows(
+                                    &q32[k][..hd],
+                                    &rows[(a - a0) * hd..(b - a0) * hd],
+                                    out,
+                                );
                             }
                         },
                     );
                 } else {
-                    match kv.k_blocks(kv_layer, lo..hi) {
-                        Err(e) => fail(e),
-                        Ok(blocks) => {
-                            let mut p = lo;
-                            for block in blocks {
-                                let n = (block.len() / kv_dim).min(hi - p);
-                                for (k, &(first, end)) in spans.iter().enumerate() {
-                                    let (a, b) = (p.max(first), (p + n).min(end));
-                                    if a < b {
-                                        let keys = &block[(a - p) * kv_dim + kv_head * hd..];
-                                        let out = &mut scores[offsets[k] + a - first..][..b - a];
-                                        quant::dot_f16_rows(&q16[k][..hd], keys, kv_dim, out);
-                                    }
-                                }
-                                p += n;
-                            }
+                    let k_blocks = kv.k_blocks(kv_layer, lo..hi);
+                    for_each_block(k_blocks, lo..hi, kv_dim, &fail, |p, n, block| {
+                        for (k, first, a, b) in overlaps(spans, p..p + n) {
+                            let keys = &block[(a - p) * kv_dim + kv_head * hd..];
+                            let out = &mut scores[offsets[k] + a - first..][..b - a];
+                            quant::dot_f16_rows(&q16[k][..hd], keys, kv_dim, out);
                         }
-                    }
+                    });
                 }
                 for s in scores.iter_mut() {
                     *s *= scale;
@@ -756,49 +744,37 @@ impl Model {
                     acc.clear();
                     acc.resize(queries * LANES * hd, 0.0);
                     if let Some(wide) = wide {
+                        let v_span = |range| kv.v_blocks(kv_layer, range);
                         for_each_wide_span(
                             wide,
                             lo..hi,
-                            |range| kv.v_blocks(kv_layer, range),
+                            v_span,
                             kv_head,
                             kv_dim,
                             &fail,
                             |a0, b0, rows| {
-                                for (k, &(first, end)) in spans.iter().enumerate() {
-                                    let (a, b) = (a0.max(first), b0.min(end));
-                                    if a < b {
-                                        let w = &scores[offsets[k] + a - first..][..b - a];
-                                        let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
-                                        wide.axpy_rows(
-                                            w,
-                                            &rows[(a - a0) * hd..(b - a0) * hd],
-                                            lanes,
-                                            a,
-                                        );
-                                    }
+                                for (k, first, a, b) in overlaps(spans, a0..b0) {
+                                    let w = &scores[offsets[k] + a - first..][..b - a];
+                                    let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
+                                    wide.axpy_rows(
+                                        w,
+                                        &rows[(a - a0) * hd..(b - a0) * hd],
+                                        lanes,
+                                        a,
+                                    );
                                 }
                             },
                         );
                     } else {
-                        match kv.v_blocks(kv_layer, lo..hi) {
-                            Err(e) => fail(e),
-                            Ok(blocks) => {
-                                let mut p = lo;
-                                for block in blocks {
-                                    let n = (block.len() / kv_dim).min(hi - p);
-                                    for (k, &(first, end)) in spans.iter().enumerate() {
-                                        let (a, b) = (p.max(first), (p + n).min(end));
-                                        if a < b {
-                                            let values = &block[(a - p) * kv_dim + kv_head * hd..];
-                                            let w = &scores[offsets[k] + a - first..][..b - a];
-                                            let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
-                                            quant::axpy_f16_rows(w, values, kv_dim, lanes, a);
-                                        }
-                                    }
-                                    p += n;
-                                }
+                        let v_blocks = kv.v_blocks(kv_layer, lo..hi);
+                        for_each_block(v_blocks, lo..hi, kv_dim, &fail, |p, n, block| {
+                            for (k, first, a, b) in overlaps(spans, p..p + n) {
+                                let values = &block[(a - p) * kv_dim + kv_head * hd..];
+                                let w = &scores[offsets[k] + a - first..][..b - a];
+                                let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
+                                quant::axpy_f16_rows(w, values, kv_dim, lanes, a);
                             }
-                        }
+                        });
                     }
                     for (k, acc) in acc.chunks_exact(LANES * hd).enumerate() {
                         let (t, h) = (tile.start + k / heads_per_task, h0 + k % heads_per_task);
@@ -893,6 +869,44 @@ fn for_each_wide_span<'k>(
             a0 = b0;
         }
     });
+}
+
+/// Walks the cached blocks of `range` in position order: `each(start, n,
+/// rows)` with the block's first position and its `n` rows, `kv_dim`
+/// apart. A read error goes to `fail`.
+fn for_each_block<'k>(
+    blocks: Result<crate::kv::KvBlocks<'k>, crate::kv::KvError>,
+    range: Range<usize>,
+    kv_dim: usize,
+    fail: &dyn Fn(crate::kv::KvError),
+    mut each: impl FnMut(usize, usize, &[f16]),
+) {
+    match blocks {
+        Err(e) => fail(e),
+        Ok(blocks) => {
+            let mut p = range.start;
+            for block in blocks {
+                let n = (block.len() / kv_dim).min(range.end - p);
+                each(p, n, block);
+                p += n;
+            }
+        }
+    }
+}
+
+/// The queries whose span of positions overlaps `range`: `(query, its
+/// first position, overlap start, overlap end)`.
+fn overlaps(
+    spans: &[(usize, usize)],
+    range: Range<usize>,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    spans
+        .iter()
+        .enumerate()
+        .filter_map(move |(k, &(first, end))| {
+            let (a, b) = (range.start.max(first), range.end.min(end));
+            (a < b).then_some((k, first, a, b))
+        })
 }
 
 /// `token_seq` cut into runs of at most `tile_len` consecutive entries of

@@ -162,13 +162,7 @@ mod tests {
         let group = CoreGroup::new(no_wakers(3));
         let pool = group.pool(1);
         assert_eq!(pool.threads(), 3);
-        for n in [0, 1, 2, 7, 100] {
-            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            pool.run(n, &|i| {
-                hits[i].fetch_add(1, Ordering::Relaxed);
-            });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
-        }
+        super::super::tests::assert_every_task_runs_once(&pool);
     }
 
     /// A helping member takes part of an owner's tasks, and every task still

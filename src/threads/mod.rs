@@ -321,17 +321,22 @@ fn worker_loop(s: &PoolState, index: usize) {
 mod tests {
     use super::*;
 
+    /// Runs regions of several sizes on `pool`: every task index exactly
+    /// once each time.
+    pub(super) fn assert_every_task_runs_once(pool: &ThreadPool) {
+        for n in [0, 1, 2, 7, 100] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
     #[test]
     fn every_task_runs_exactly_once() {
         for threads in [1, 2, 3] {
-            let pool = ThreadPool::new(threads);
-            for n in [0, 1, 2, 7, 100] {
-                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-                pool.run(n, &|i| {
-                    hits[i].fetch_add(1, Ordering::Relaxed);
-                });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
-            }
+            assert_every_task_runs_once(&ThreadPool::new(threads));
         }
     }
 
