@@ -665,8 +665,9 @@ impl Model {
         let tile_len = (token_seq.len() * head_groups / (4 * pool.threads())).clamp(1, MAX_TILE);
         let tiles = query_tiles(token_seq, tile_len);
         // Rows widened to f32 once per span for all of a task's queries,
-        // where the SIMD level can (the same bits as the f16 row loops).
-        let wide = quant::wide_attention(hd);
+        // where the SIMD level can (the same bits as the f16 row loops);
+        // not for heads wider than WIDE_MAX_HEAD_DIM (measured slower).
+        let wide = quant::wide_attention(hd).filter(|_| hd <= WIDE_MAX_HEAD_DIM);
         let att = SharedRows(scratch.att.as_mut_ptr());
         let att_len = scratch.att.len();
         pool.run(tiles.len() * head_groups, &|task| {
@@ -826,6 +827,11 @@ impl SharedRows {
 /// Bytes of K or V rows one attention task widens to f32 at a time: a
 /// span of positions every query of the task then reads from cache.
 const WIDE_SPAN_BYTES: usize = 16 << 10;
+
+/// The widest head attention widens rows for: a 256-wide head (Gemma 3)
+/// leaves only 16 rows per span and ran its decode at depth 4096 about 15%
+/// slower widened (86-88 against 100-108 tokens/s, alternating runs).
+const WIDE_MAX_HEAD_DIM: usize = 128;
 
 /// Walks `range` in spans of positions aligned to multiples of the span
 /// length: widens each span's rows of `kv_head` (from the blocks `blocks`
