@@ -35,7 +35,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use crate::kv::SessionKv;
+use crate::kv::{KvBlocks, KvError, SessionKv};
 use crate::quant;
 use crate::threads::ThreadPool;
 
@@ -125,15 +125,25 @@ pub struct LogitRows {
     pub per_sequence: Vec<Range<usize>>,
 }
 
-thread_local! {
-    /// Attention scores of one task's queries, reused across heads and
-    /// layers.
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// The 16 lane accumulators (`[head][lane][head_dim]`) of one task's
-    /// weighted V sums.
-    static V_LANES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+/// One attention task's buffers, kept per thread across tasks and layers
+/// so that a step does not allocate.
+#[derive(Default)]
+struct TaskScratch {
+    /// The task's queries rounded to f16, `[query][head_dim]`.
+    q16: Vec<f16>,
+    /// The same queries widened back to f32 (for the widened-row kernels).
+    q32: Vec<f32>,
+    /// Every query's scores, then softmax weights, one run per query.
+    scores: Vec<f32>,
+    /// The 16 lane accumulators (`[query][lane][head_dim]`) of the weighted
+    /// V sums.
+    lanes: Vec<f32>,
     /// One span of K or V rows widened to f32 (see [`for_each_wide_span`]).
-    static WIDE_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    rows: Vec<f32>,
+}
+
+thread_local! {
+    static TASK_SCRATCH: RefCell<TaskScratch> = RefCell::new(TaskScratch::default());
 }
 
 /// Positions per lane group of the attention products (tinyBLAS's AVX-512
@@ -678,17 +688,12 @@ impl Model {
             let s = token_seq[tile.start].0;
             let kv = kvs[s];
             // Query `k` is token `tile.start + k / heads_per_task`, head
-            // `h0 + k % heads_per_task`; it sees positions `firsts[k]..=pos`.
-            let mut q16 = [[f16::ZERO; MAX_HEAD_DIM]; MAX_GROUP * MAX_TILE];
+            // `h0 + k % heads_per_task`; it sees positions `spans[k].0..spans[k].1`.
+            let token_head = |k: usize| (tile.start + k / heads_per_task, h0 + k % heads_per_task);
             let mut spans = [(0usize, 0usize); MAX_GROUP * MAX_TILE];
-            for k in 0..queries {
-                let (t, h) = (tile.start + k / heads_per_task, h0 + k % heads_per_task);
-                let q = &q_all[(t * cfg.n_heads + h) * hd..][..hd];
-                for (d, &v) in q16[k].iter_mut().zip(q) {
-                    *d = f16::from_f32(v);
-                }
-                let pos = token_seq[t].1;
-                spans[k] = (window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1);
+            for (k, span) in spans.iter_mut().enumerate().take(queries) {
+                let pos = token_seq[token_head(k).0].1;
+                *span = (window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1);
             }
             let spans = &spans[..queries];
             let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
@@ -698,42 +703,47 @@ impl Model {
             for (k, &(first, end)) in spans.iter().enumerate() {
                 offsets[k + 1] = offsets[k] + (end - first);
             }
-            SCORES.with_borrow_mut(|scores| {
+            TASK_SCRATCH.with_borrow_mut(|ts| {
+                let TaskScratch {
+                    q16,
+                    q32,
+                    scores,
+                    lanes,
+                    rows: wide_rows,
+                } = ts;
+                q16.clear();
+                for k in 0..queries {
+                    let (t, h) = token_head(k);
+                    let q = &q_all[(t * cfg.n_heads + h) * hd..][..hd];
+                    q16.extend(q.iter().map(|&v| f16::from_f32(v)));
+                }
                 scores.clear();
                 scores.resize(offsets[queries], 0.0);
-                if let Some(wide) = wide {
-                    let q32: Vec<[f32; MAX_HEAD_DIM]> = q16[..queries]
-                        .iter()
-                        .map(|q| std::array::from_fn(|d| q[d].to_f32()))
-                        .collect();
+                let column = (kv_head * hd, kv_dim);
+                let read = if let Some(wide) = wide {
+                    q32.clear();
+                    q32.extend(q16.iter().map(|v| v.to_f32()));
                     let k_span = |range| kv.k_blocks(kv_layer, range);
-                    for_each_wide_span(
-                        wide,
-                        lo..hi,
-                        k_span,
-                        kv_head,
-                        kv_dim,
-                        &fail,
-                        |a0, b0, rows| {
-                            for (k, first, a, b) in overlaps(spans, a0..b0) {
-                                let out = &mut scores[offsets[k] + a - first..][..b - a];
-                                wide.dot_rows(
-                                    &q32[k][..hd],
-                                    &rows[(a - a0) * hd..(b - a0) * hd],
-                                    out,
-                                );
-                            }
-                        },
-                    );
-                } else {
-                    let k_blocks = kv.k_blocks(kv_layer, lo..hi);
-                    for_each_block(k_blocks, lo..hi, kv_dim, &fail, |p, n, block| {
-                        for (k, first, a, b) in overlaps(spans, p..p + n) {
-                            let keys = &block[(a - p) * kv_dim + kv_head * hd..];
+                    for_each_wide_span(wide, lo..hi, k_span, column, wide_rows, |a0, b0, rows| {
+                        for (k, first, a, b) in overlaps(spans, a0..b0) {
                             let out = &mut scores[offsets[k] + a - first..][..b - a];
-                            quant::dot_f16_rows(&q16[k][..hd], keys, kv_dim, out);
+                            let rows = &rows[(a - a0) * hd..(b - a0) * hd];
+                            wide.dot_rows(&q32[k * hd..][..hd], rows, out);
                         }
-                    });
+                    })
+                } else {
+                    kv.k_blocks(kv_layer, lo..hi).map(|blocks| {
+                        for_each_block(blocks, lo..hi, kv_dim, |p, n, block| {
+                            for (k, first, a, b) in overlaps(spans, p..p + n) {
+                                let keys = &block[(a - p) * kv_dim + kv_head * hd..];
+                                let out = &mut scores[offsets[k] + a - first..][..b - a];
+                                quant::dot_f16_rows(&q16[k * hd..][..hd], keys, kv_dim, out);
+                            }
+                        })
+                    })
+                };
+                if let Err(e) = read {
+                    return fail(e);
                 }
                 for s in scores.iter_mut() {
                     *s *= scale;
@@ -741,56 +751,45 @@ impl Model {
                 for (k, &(first, _)) in spans.iter().enumerate() {
                     softmax_weights(&mut scores[offsets[k]..offsets[k + 1]], first);
                 }
-                V_LANES.with_borrow_mut(|acc| {
-                    acc.clear();
-                    acc.resize(queries * LANES * hd, 0.0);
-                    if let Some(wide) = wide {
-                        let v_span = |range| kv.v_blocks(kv_layer, range);
-                        for_each_wide_span(
-                            wide,
-                            lo..hi,
-                            v_span,
-                            kv_head,
-                            kv_dim,
-                            &fail,
-                            |a0, b0, rows| {
-                                for (k, first, a, b) in overlaps(spans, a0..b0) {
-                                    let w = &scores[offsets[k] + a - first..][..b - a];
-                                    let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
-                                    wide.axpy_rows(
-                                        w,
-                                        &rows[(a - a0) * hd..(b - a0) * hd],
-                                        lanes,
-                                        a,
-                                    );
-                                }
-                            },
-                        );
-                    } else {
-                        let v_blocks = kv.v_blocks(kv_layer, lo..hi);
-                        for_each_block(v_blocks, lo..hi, kv_dim, &fail, |p, n, block| {
+                lanes.clear();
+                lanes.resize(queries * LANES * hd, 0.0);
+                let read = if let Some(wide) = wide {
+                    let v_span = |range| kv.v_blocks(kv_layer, range);
+                    for_each_wide_span(wide, lo..hi, v_span, column, wide_rows, |a0, b0, rows| {
+                        for (k, first, a, b) in overlaps(spans, a0..b0) {
+                            let w = &scores[offsets[k] + a - first..][..b - a];
+                            let acc = &mut lanes[k * LANES * hd..][..LANES * hd];
+                            wide.axpy_rows(w, &rows[(a - a0) * hd..(b - a0) * hd], acc, a);
+                        }
+                    })
+                } else {
+                    kv.v_blocks(kv_layer, lo..hi).map(|blocks| {
+                        for_each_block(blocks, lo..hi, kv_dim, |p, n, block| {
                             for (k, first, a, b) in overlaps(spans, p..p + n) {
                                 let values = &block[(a - p) * kv_dim + kv_head * hd..];
                                 let w = &scores[offsets[k] + a - first..][..b - a];
-                                let lanes = &mut acc[k * LANES * hd..][..LANES * hd];
-                                quant::axpy_f16_rows(w, values, kv_dim, lanes, a);
+                                let acc = &mut lanes[k * LANES * hd..][..LANES * hd];
+                                quant::axpy_f16_rows(w, values, kv_dim, acc, a);
                             }
-                        });
+                        })
+                    })
+                };
+                if let Err(e) = read {
+                    return fail(e);
+                }
+                for (k, acc) in lanes.chunks_exact(LANES * hd).enumerate() {
+                    let (t, h) = token_head(k);
+                    let at = (t * cfg.n_heads + h) * hd;
+                    assert!(at + hd <= att_len, "attention row outside its buffer");
+                    // SAFETY: in bounds (checked above); each (token, head)
+                    // row belongs to exactly one task, and `scratch.att`
+                    // outlives the region.
+                    let out = unsafe { std::slice::from_raw_parts_mut(att.ptr().add(at), hd) };
+                    for (d, o) in out.iter_mut().enumerate() {
+                        let lane_values: [f32; LANES] = std::array::from_fn(|l| acc[l * hd + d]);
+                        *o = quant::reduce16(&lane_values);
                     }
-                    for (k, acc) in acc.chunks_exact(LANES * hd).enumerate() {
-                        let (t, h) = (tile.start + k / heads_per_task, h0 + k % heads_per_task);
-                        let at = (t * cfg.n_heads + h) * hd;
-                        assert!(at + hd <= att_len, "attention row outside its buffer");
-                        // SAFETY: in bounds (checked above); each (token,
-                        // head) row belongs to exactly one task, and
-                        // `scratch.att` outlives the region.
-                        let out = unsafe { std::slice::from_raw_parts_mut(att.ptr().add(at), hd) };
-                        for (d, o) in out.iter_mut().enumerate() {
-                            let lanes: [f32; LANES] = std::array::from_fn(|l| acc[l * hd + d]);
-                            *o = quant::reduce16(&lanes);
-                        }
-                    }
-                });
+                }
             });
         });
         // A poisoned lock means a task panicked, which `run` re-raised already.
@@ -834,69 +833,48 @@ const WIDE_SPAN_BYTES: usize = 16 << 10;
 const WIDE_MAX_HEAD_DIM: usize = 128;
 
 /// Walks `range` in spans of positions aligned to multiples of the span
-/// length: widens each span's rows of `kv_head` (from the blocks `blocks`
-/// gives for it) and calls `each(start, end, rows)` with them, `head_dim`
-/// apart. A KV read error goes to `fail` and ends the walk.
+/// length: widens each span's rows (`head_dim` values from `column` of each
+/// row the blocks `blocks` gives for it) into `buf` and calls `each(start,
+/// end, rows)` with them, `head_dim` apart. A KV read error ends the walk.
 fn for_each_wide_span<'k>(
     wide: quant::WideAttention,
     range: Range<usize>,
-    blocks: impl Fn(Range<usize>) -> Result<crate::kv::KvBlocks<'k>, crate::kv::KvError>,
-    kv_head: usize,
-    kv_dim: usize,
-    fail: &dyn Fn(crate::kv::KvError),
+    blocks: impl Fn(Range<usize>) -> Result<KvBlocks<'k>, KvError>,
+    (column, kv_dim): (usize, usize),
+    buf: &mut Vec<f32>,
     mut each: impl FnMut(usize, usize, &[f32]),
-) {
+) -> Result<(), KvError> {
     let hd = wide.head_dim();
     let span = (WIDE_SPAN_BYTES / (hd * 4)).max(LANES) / LANES * LANES;
-    WIDE_ROWS.with_borrow_mut(|buf| {
-        buf.resize(span * hd, 0.0);
-        let mut a0 = range.start;
-        while a0 < range.end {
-            let b0 = range.end.min((a0 / span + 1) * span);
-            match blocks(a0..b0) {
-                Err(e) => return fail(e),
-                Ok(blocks) => {
-                    let mut p = a0;
-                    for block in blocks {
-                        let n = (block.len() / kv_dim).min(b0 - p);
-                        if n > 0 {
-                            wide.widen(
-                                &block[kv_head * hd..],
-                                kv_dim,
-                                n,
-                                &mut buf[(p - a0) * hd..],
-                            );
-                        }
-                        p += n;
-                    }
-                }
+    buf.resize(span * hd, 0.0);
+    let mut a0 = range.start;
+    while a0 < range.end {
+        let b0 = range.end.min((a0 / span + 1) * span);
+        for_each_block(blocks(a0..b0)?, a0..b0, kv_dim, |p, n, block| {
+            if n > 0 {
+                wide.widen(&block[column..], kv_dim, n, &mut buf[(p - a0) * hd..]);
             }
-            each(a0, b0, &buf[..(b0 - a0) * hd]);
-            a0 = b0;
-        }
-    });
+        });
+        each(a0, b0, &buf[..(b0 - a0) * hd]);
+        a0 = b0;
+    }
+    Ok(())
 }
 
 /// Walks the cached blocks of `range` in position order: `each(start, n,
 /// rows)` with the block's first position and its `n` rows, `kv_dim`
-/// apart. A read error goes to `fail`.
-fn for_each_block<'k>(
-    blocks: Result<crate::kv::KvBlocks<'k>, crate::kv::KvError>,
+/// apart.
+fn for_each_block(
+    blocks: KvBlocks<'_>,
     range: Range<usize>,
     kv_dim: usize,
-    fail: &dyn Fn(crate::kv::KvError),
     mut each: impl FnMut(usize, usize, &[f16]),
 ) {
-    match blocks {
-        Err(e) => fail(e),
-        Ok(blocks) => {
-            let mut p = range.start;
-            for block in blocks {
-                let n = (block.len() / kv_dim).min(range.end - p);
-                each(p, n, block);
-                p += n;
-            }
-        }
+    let mut p = range.start;
+    for block in blocks {
+        let n = (block.len() / kv_dim).min(range.end - p);
+        each(p, n, block);
+        p += n;
     }
 }
 

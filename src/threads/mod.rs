@@ -5,6 +5,9 @@
 //! hand-off must cost far less than that: workers spin on an epoch counter
 //! for a while before parking, and the calling thread takes tasks too.
 //!
+//! A pool need not own threads: a runtime worker's pool is a member of a
+//! [`CoreGroup`], whose idle members take its tasks (`lending.rs`).
+//!
 //! Determinism does not depend on this pool: callers split work so that each
 //! output element is computed by exactly one task in a fixed order, whichever
 //! thread happens to run it.
@@ -236,6 +239,7 @@ impl ThreadPool {
             Helpers::Lent { group, member } => group.run(*member, n_tasks, f),
         }
     }
+
     /// Splits `data` into consecutive chunks of `chunk_len` (the last may be
     /// shorter) and runs `f(chunk_index, chunk)` for each, in parallel.
     pub fn for_each_chunk_mut<T: Send>(
