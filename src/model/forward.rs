@@ -155,6 +155,19 @@ fn resize(buf: &mut Vec<f32>, len: usize) {
     buf.resize(len, 0.0);
 }
 
+/// Sets `buf`'s length to `len` for a caller that writes every element
+/// before it reads any (a matrix product's output, quantized activations):
+/// unlike [`resize`], what is kept is not zeroed again. A prefill's matrix
+/// outputs are tens of MB per layer, and zeroing them ran on one thread
+/// while the others waited.
+fn resize_for_overwrite<T: Copy + Default>(buf: &mut Vec<T>, len: usize) {
+    if buf.len() >= len {
+        buf.truncate(len);
+    } else {
+        buf.resize(len, T::default());
+    }
+}
+
 impl Model {
     /// Runs the whole model on a batch: reserves KV for every sequence
     /// (all-or-nothing per sequence; on error no history changed), embeds,
@@ -285,9 +298,9 @@ impl Model {
             // mixes types whose activation formats differ (llama-quantize
             // gives attn_v a K-quant next to IQ4_NL or Q5_1 matrices).
             let mut acts = std::mem::take(&mut scratch.acts);
-            resize(&mut scratch.q, n * qd);
-            resize(&mut scratch.k, n * kvd);
-            resize(&mut scratch.v, n * kvd);
+            resize_for_overwrite(&mut scratch.q, n * qd);
+            resize_for_overwrite(&mut scratch.k, n * kvd);
+            resize_for_overwrite(&mut scratch.v, n * kvd);
             let mut acts_ty = None;
             for (m, out) in [
                 (&w.wq, &mut scratch.q),
@@ -345,7 +358,7 @@ impl Model {
             resize(&mut scratch.att, n * qd);
             self.attention(pool, seqs, kv_layer, window, scratch)?;
             self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
-            resize(&mut scratch.proj, n * h);
+            resize_for_overwrite(&mut scratch.proj, n * h);
             self.matmul(
                 pool,
                 &w.wo,
@@ -366,8 +379,8 @@ impl Model {
             // Feed-forward block: x += post(W_down · (act(W_gate·n(x)) ⊙ W_up·n(x))).
             rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
             self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
-            resize(&mut scratch.gate, n * cfg.ffn);
-            resize(&mut scratch.up, n * cfg.ffn);
+            resize_for_overwrite(&mut scratch.gate, n * cfg.ffn);
+            resize_for_overwrite(&mut scratch.up, n * cfg.ffn);
             self.matmul(
                 pool,
                 &w.w_gate,
@@ -466,7 +479,7 @@ impl Model {
     ) {
         let n = hidden.len() / self.config.hidden;
         let m = &self.weights.output;
-        resize(out, n * m.rows);
+        resize_for_overwrite(out, n * m.rows);
         if n == 0 {
             return;
         }
@@ -498,8 +511,7 @@ impl Model {
         acts: &mut Vec<u8>,
     ) {
         let act_row = m.act_ty.row_bytes(m.cols).unwrap_or(0);
-        acts.clear();
-        acts.resize(n * act_row, 0);
+        resize_for_overwrite(acts, n * act_row);
         let rows_per_task = 16;
         pool.for_each_chunk_mut(acts, act_row * rows_per_task, &|chunk, out| {
             for (i, dst) in out.chunks_exact_mut(act_row).enumerate() {
@@ -534,7 +546,7 @@ impl Model {
             pool.for_each_chunk_mut(&mut out[..m.rows], chunk_rows, &kernel);
             return;
         }
-        resize(by_row, m.rows * n_tokens);
+        resize_for_overwrite(by_row, m.rows * n_tokens);
         pool.for_each_chunk_mut(by_row, chunk_rows * n_tokens, &kernel);
         // Each chunk of rows is token-major on its own; gather every token's
         // row from the chunks, a block of tokens per task, in contiguous

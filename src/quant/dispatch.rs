@@ -425,7 +425,7 @@ mod x86_tables {
     f16_dot_rows!(avx2_dot_f16_rows, avx2::dot_f16_ptr, "avx2,fma,f16c");
     f16_axpy_rows!(avx2_axpy_f16_rows, avx2::axpy_f16, "avx2,fma,f16c");
 
-    /// The AVX-512 VNNI prefill kernels: two rows per vector for the
+    /// The AVX-512 VNNI prefill kernels over groups of 8 rows: the
     /// 32-element block formats, Q4_K and Q6_K.
     fn avx512_gemm(ty: GgmlType) -> Option<GemmFn> {
         use gemm_blocks32::matmul;

@@ -1,22 +1,24 @@
-//! Q4_K and Q6_K × Q8_K prefill with two weight rows per 512-bit vector
-//! (AVX-512), in the one-row kernels' (llama.cpp's `vec_dot`) order.
+//! Q4_K and Q6_K × Q8_K prefill on AVX-512 VNNI, in the one-row kernels'
+//! (llama.cpp's `vec_dot`) order, with three integer multiplies per 128
+//! quants of a row and token.
 //!
-//! The one-row kernels unpack a row's quants and scales for every tile of
-//! tokens and spend, per token and super-block, a dozen instructions on
-//! the minimum or offset term and the float steps besides their
-//! multiply-adds. Here a group of 8 rows is unpacked once per call, two rows
-//! side by side, so each run of 32 quants is one `vpmaddubsw` (byte pairs
-//! of both rows) and one `vpdpwssd` (the pairs times each row's scales,
-//! summed into the 8 four-element lanes of both rows), and the float steps,
-//! minimum and offset terms included, serve two rows per instruction.
-//! (`vpdpbusd` for the lanes and then a scaling `vpdpwssd` measured slower
-//! on Zen 4.)
-//!
-//! Lane `j` of a row is the exact integer of the scalar reference
-//! (`scalar::k_lanes`, and for Q6_K minus `scalar::q6k_lanes`' offset); the
-//! Q4_K minimum lanes are `scalar::k4_min_lanes`; the float steps and the
-//! final sums are `scalar::dot_q4_k_q8_k`'s and `scalar::dot_q6_k_q8_k`'s.
-//! So every output has the bits `vec_dot` returns for its pair.
+//! `vec_dot`'s lane `j` is `Σ_r scale(r, j) · P(r, j)`, `P(r, j)` the exact
+//! sum of quants `4j..4j + 4` of 32-quant run `r` times their activations,
+//! `scale(r, j)` the sub-block scale of those quants. Here one `vpdpbusd`
+//! forms the 16 `P` of two runs (their four-quant groups interleaved, so
+//! `P(r, j)` and `P(r + 1, j)` are neighbours), `vpackssdw` narrows two
+//! such vectors (four runs) to 16 bits, where every `P` fits (at most
+//! 4 · 63 · 128), and one `vpdpwssd` scales each neighbour pair and sums it
+//! into a lane: 2 + 1 multiplies per four runs, where scaling each run's
+//! `vpmaddubsw` pairs (the layout before this one) took 2 + 2. Activations
+//! are interleaved the same way once per call. After a super-block's 8
+//! runs, each lane `j` sits in two places (runs 0, 1, 4, 5 and runs 2, 3,
+//! 6, 7); adding them for two rows at once gives both rows' lanes in one
+//! vector, and the float steps, Q4_K's minimum term and Q6_K's `-32`
+//! offset included, are `scalar::dot_q4_k_q8_k`'s and
+//! `scalar::dot_q6_k_q8_k`'s, two rows per instruction. Integer sums are
+//! exact in any order, so every output has the bits `vec_dot` returns for
+//! its pair.
 
 #![allow(clippy::missing_safety_doc)] // the `# Safety` of each function is stated below
 
@@ -31,192 +33,342 @@ use super::scalar::{hsum4, hsum8};
 /// Rows unpacked together (4 pairs).
 pub(crate) const GROUP: usize = 8;
 const PAIRS: usize = GROUP / 2;
-/// Tokens per register tile of one pair: quant, float and minimum
-/// accumulators for 8 tokens (measured against 4 pairs x 2 tokens and
-/// 2 x 4: each tile streams its pair's unpacked super-blocks from L2, so
-/// more tokens per tile means less of that, and fewer live vectors less
-/// spilling).
-const TOKENS: usize = 8;
+/// Tokens per register tile of one pair: with two rows, each token needs
+/// two integer and two float accumulators besides the tile's weights
+/// (measured: 2 tokens ran as fast, 8 spilled and ran 20% slower).
+const TOKENS: usize = 4;
 const _: () = assert!(TILE.is_multiple_of(TOKENS));
+/// Groups unpacked together: each tile of tokens, read from L2 once, serves
+/// all their rows (the interleaved activations of a long batch do not fit
+/// in L2).
+const BLOCK_GROUPS: usize = 4;
 
-/// One super-block of a pair of rows: the first row in bytes and lanes
-/// 0..8 of each vector (0..4 of the minimum ones), the second above.
+/// One row's super-block: quants interleaved as the kernel reads them.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub(crate) struct PairBlock {
-    /// `q[r]`: run `r` (quants `32r..32r + 32`) of each row, unsigned.
-    q: [[u8; 64]; 8],
-    /// `scale[r]`: the scale of each byte pair of run `r` (each byte-pair
-    /// sum is scaled, then two of them summed into a lane).
-    scale: [[i16; 32]; 8],
-    /// Each row's super-block scale, on its 8 lanes.
+pub(crate) struct RowBlock {
+    /// Chunk `c` holds runs `2c` and `2c + 1` (unsigned quants), four of
+    /// each in turn: bytes `8m..8m + 4` are quants `4m..4m + 4` of run
+    /// `2c`, bytes `8m + 4..8m + 8` the same of run `2c + 1`.
+    q: [[u8; 64]; 4],
+    /// For chunks `2p` and `2p + 1`, the scale of each 16-bit value after
+    /// narrowing: in 128-bit lane `k`, lanes `2k, 2k, 2k + 1, 2k + 1,`
+    /// twice, of runs `4p, 4p + 1, 4p, 4p + 1, 4p + 2, 4p + 3, 4p + 2,
+    /// 4p + 3`.
+    scale: [[i16; 32]; 2],
+}
+
+/// The float and minimum data of a pair of rows in one super-block, laid
+/// out as the lanes the kernel forms: lanes `4k, 4k + 1` are the first
+/// row's, `4k + 2, 4k + 3` the second's.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct PairScales {
     d: [f32; 16],
-    /// Q4_K: the 8 sub-block minimums of each row (16 values). Q6_K: the 16
-    /// sub-block scales of each row, for the offset term.
-    extra: [i16; 32],
-    /// Q4_K: each row's minimum scale, on its 4 minimum lanes.
+    /// Q4_K: each row's 8 sub-block minimums.
+    mins: [i16; 16],
+    /// Q4_K: each row's minimum scale on its 4 minimum lanes.
     dmin: [f32; 8],
+    /// Q6_K: the scales of the 16-quant groups `4k..4k + 4` of the first
+    /// row, then of the second, in 128-bit lane `k` (against
+    /// [`TokenBlock::group_sums`], for the offset term).
+    group_scales: [i16; 32],
+}
+
+/// One token's super-block: activations interleaved as [`RowBlock::q`],
+/// the 8 sub-block sums, and the scale.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct TokenBlock {
+    q: [[u8; 64]; 4],
+    /// The 16 activation sums of 16 quants, groups `4k..4k + 4` twice in
+    /// 128-bit lane `k`.
+    group_sums: [i16; 32],
+    /// The 8 sums of 32 quants (one per sub-block).
+    sums: [i16; 8],
+    d: f32,
 }
 
 // The kernel's aligned loads rely on these offsets.
-const _: () = assert!(std::mem::offset_of!(PairBlock, scale) % 64 == 0);
-const _: () = assert!(std::mem::offset_of!(PairBlock, d) % 64 == 0);
-const _: () = assert!(std::mem::offset_of!(PairBlock, extra) % 64 == 0);
-const _: () = assert!(std::mem::offset_of!(PairBlock, dmin) % 32 == 0);
+const _: () = assert!(std::mem::offset_of!(RowBlock, scale) % 64 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, mins) % 32 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, dmin) % 32 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, group_scales) % 64 == 0);
+const _: () = assert!(std::mem::offset_of!(TokenBlock, group_sums) % 64 == 0);
+const _: () = assert!(std::mem::offset_of!(TokenBlock, sums) % 16 == 0);
 
-const EMPTY: PairBlock = PairBlock {
-    q: [[0; 64]; 8],
-    scale: [[0; 32]; 8],
+const EMPTY_ROW: RowBlock = RowBlock {
+    q: [[0; 64]; 4],
+    scale: [[0; 32]; 2],
+};
+const EMPTY_PAIR: PairScales = PairScales {
     d: [0.0; 16],
-    extra: [0; 32],
+    mins: [0; 16],
     dmin: [0.0; 8],
+    group_scales: [0; 32],
+};
+const EMPTY_TOKEN: TokenBlock = TokenBlock {
+    q: [[0; 64]; 4],
+    group_sums: [0; 32],
+    sums: [0; 8],
+    d: 0.0,
 };
 
-thread_local! {
-    /// The unpacked group (`[super-block][pair]`), reused across calls so
-    /// that prefill does not allocate per matrix.
-    static SCRATCH: RefCell<Vec<PairBlock>> = const { RefCell::new(Vec::new()) };
+/// Per-thread scratch, reused across calls so that prefill does not
+/// allocate per matrix.
+#[derive(Default)]
+struct Scratch {
+    /// The unpacked group: `[super-block][row]`.
+    rows: Vec<RowBlock>,
+    /// `[super-block][pair]`.
+    pairs: Vec<PairScales>,
+    /// `[token][super-block]`.
+    tokens: Vec<TokenBlock>,
 }
 
-/// A K-quant super-block format the pair kernel handles.
-pub(crate) trait KPairs: bytemuck::Pod {
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Interleaves two 32-byte runs four bytes at a time (the layout of
+/// [`RowBlock::q`]) into `out`.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn interleave_runs(first: __m256i, second: __m256i, out: &mut [u8; 64]) {
+    let lo = _mm256_unpacklo_epi32(first, second);
+    let hi = _mm256_unpackhi_epi32(first, second);
+    // SAFETY: `out` holds 64 bytes.
+    unsafe {
+        _mm256_storeu_si256(
+            out.as_mut_ptr() as *mut __m256i,
+            _mm256_permute2x128_si256::<0x20>(lo, hi),
+        );
+        _mm256_storeu_si256(
+            out.as_mut_ptr().add(32) as *mut __m256i,
+            _mm256_permute2x128_si256::<0x31>(lo, hi),
+        );
+    }
+}
+
+/// A K-quant super-block format the kernel handles.
+pub(crate) trait KRuns: bytemuck::Pod {
     /// Q4_K's minimum term (a second accumulator) rather than Q6_K's
     /// offset (subtracted from the integer lanes).
     const HAS_MIN: bool;
-    /// Writes this super-block as row `half` (0 or 1) of `pb`.
+    /// Writes this super-block as row `rb` and as row `half` (0 or 1) of
+    /// its pair's `ps`.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
-    unsafe fn unpack(&self, pb: &mut PairBlock, half: usize);
+    unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize);
 }
 
-/// `run` (32 unsigned quants) as row `half` of run `r` of `pb`.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_run(pb: &mut PairBlock, r: usize, half: usize, run: __m256i) {
-    // SAFETY: `pb.q[r]` holds 64 bytes and `32 * half` is 0 or 32.
-    unsafe { _mm256_storeu_si256(pb.q[r][32 * half..].as_mut_ptr() as *mut __m256i, run) }
+/// `rb.scale` from `scale[h][r]`, the scale of run `r`'s first (`h` = 0)
+/// and second 16 quants (the same for Q4_K's 32-quant sub-blocks).
+#[inline(always)]
+fn run_scales(rb: &mut RowBlock, scale: &[[i16; 8]; 2]) {
+    for (p, out) in rb.scale.iter_mut().enumerate() {
+        for (k, lane) in out.chunks_exact_mut(8).enumerate() {
+            let s = &scale[k / 2][4 * p..4 * p + 4];
+            lane.copy_from_slice(&[s[0], s[1], s[0], s[1], s[2], s[3], s[2], s[3]]);
+        }
+    }
 }
 
-impl KPairs for BlockQ4K {
+impl KRuns for BlockQ4K {
     const HAS_MIN: bool = true;
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(&self, pb: &mut PairBlock, half: usize) {
+    unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
         let mask = _mm256_set1_epi8(0x0F);
         for c in 0..4 {
             // SAFETY: `qs` holds 128 bytes; the caller promises AVX2.
             unsafe {
                 let bits = _mm256_loadu_si256(self.qs.as_ptr().add(32 * c) as *const __m256i);
-                store_run(pb, 2 * c, half, _mm256_and_si256(bits, mask));
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask);
-                store_run(pb, 2 * c + 1, half, hi);
+                let low = _mm256_and_si256(bits, mask);
+                let high = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask);
+                interleave_runs(low, high, &mut rb.q[c]);
             }
         }
         let (sc, mn) = scales_mins_k4(&self.scales);
-        for (r, &s) in sc.iter().enumerate() {
-            pb.scale[r][16 * half..16 * half + 16].fill(s as i16);
+        let sc = sc.map(|s| s as i16);
+        run_scales(rb, &[sc, sc]);
+        for k in 0..4 {
+            ps.d[4 * k + 2 * half..][..2].fill(self.d());
         }
         for (j, &m) in mn.iter().enumerate() {
-            pb.extra[8 * half + j] = m as i16;
+            ps.mins[8 * half + j] = m as i16;
         }
-        pb.d[8 * half..8 * half + 8].fill(self.d());
-        pb.dmin[4 * half..4 * half + 4].fill(self.dmin());
+        ps.dmin[4 * half..4 * half + 4].fill(self.dmin());
     }
 }
 
-impl KPairs for BlockQ6K {
+impl KRuns for BlockQ6K {
     const HAS_MIN: bool = false;
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(&self, pb: &mut PairBlock, half: usize) {
+    unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
         // SAFETY: the caller promises AVX2, FMA and F16C.
         let (q, _, _) = unsafe { q6k_runs(self) };
-        for (r, run) in q.into_iter().enumerate() {
+        for c in 0..4 {
             // SAFETY: the caller promises AVX2.
-            unsafe { store_run(pb, r, half, run) };
+            unsafe { interleave_runs(q[2 * c], q[2 * c + 1], &mut rb.q[c]) };
         }
-        for r in 0..8 {
-            let (lo, hi) = (self.scales[2 * r] as i8, self.scales[2 * r + 1] as i8);
-            pb.scale[r][16 * half..16 * half + 8].fill(lo as i16);
-            pb.scale[r][16 * half + 8..16 * half + 16].fill(hi as i16);
+        let sc = self.scales.map(|s| s as i8 as i16);
+        run_scales(
+            rb,
+            &[
+                std::array::from_fn(|r| sc[2 * r]),
+                std::array::from_fn(|r| sc[2 * r + 1]),
+            ],
+        );
+        for k in 0..4 {
+            ps.d[4 * k + 2 * half..][..2].fill(self.d());
+            ps.group_scales[8 * k + 4 * half..][..4].copy_from_slice(&sc[4 * k..4 * k + 4]);
         }
-        for (j, &s) in self.scales.iter().enumerate() {
-            pb.extra[16 * half + j] = s as i8 as i16;
-        }
-        pb.d[8 * half..8 * half + 8].fill(self.d());
     }
 }
 
-/// Unpacks rows `w[0..8]` (each `nb` super-blocks) into `pairs`.
+/// Unpacks rows `w[0..8]` (each `nb` super-blocks) into `rows` and `pairs`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_group<K: KPairs>(w: &[K], nb: usize, pairs: &mut [PairBlock]) {
+unsafe fn unpack_group<K: KRuns>(
+    w: &[K],
+    nb: usize,
+    rows: &mut [RowBlock],
+    pairs: &mut [PairScales],
+) {
     for b in 0..nb {
         for row in 0..GROUP {
-            // SAFETY: the caller promises AVX2.
-            unsafe { w[row * nb + b].unpack(&mut pairs[b * PAIRS + row / 2], row % 2) };
+            let (rb, ps) = (&mut rows[b * GROUP + row], &mut pairs[b * PAIRS + row / 2]);
+            // SAFETY: the caller promises AVX2, FMA and F16C.
+            unsafe { w[row * nb + b].unpack(rb, ps, row % 2) };
         }
     }
 }
 
-/// The pair `pair` times [`TOKENS`] tokens (`y[t]`: each token's
-/// super-blocks): `out[t]` holds the pair's two rows.
+/// Interleaves `acts` (tokens of `nb` super-blocks) into `tokens`.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C; each
-/// `y[t]` must be readable for `pairs.len() / PAIRS` super-blocks.
+/// The CPU must support AVX-512 F, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn prepare_tokens(acts: &[BlockQ8K], tokens: &mut [TokenBlock]) {
+    let twice = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);
+    for (y, tb) in acts.iter().zip(tokens.iter_mut()) {
+        // SAFETY: `qs` holds 256 bytes and `bsums` 32, `tb`'s fields are
+        // aligned (see the offset checks); the caller promises the
+        // features.
+        unsafe {
+            for c in 0..4 {
+                let first = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c) as *const __m256i);
+                let second = _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32) as *const __m256i);
+                interleave_runs(first, second, &mut tb.q[c]);
+            }
+            let bsums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+            _mm512_store_si512(
+                tb.group_sums.as_mut_ptr() as *mut __m512i,
+                _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(bsums)),
+            );
+            _mm_store_si128(tb.sums.as_mut_ptr() as *mut __m128i, sub_block_sums(y));
+        }
+        tb.d = y.d();
+    }
+}
+
+/// The 16 scaled lanes of four runs (chunks `x`, `y` of the weights and
+/// the activations) added into `acc`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn four_runs(
+    acc: __m512i,
+    (wx, wy): (__m512i, __m512i),
+    (ax, ay): (__m512i, __m512i),
+    scale: __m512i,
+) -> __m512i {
+    let zero = _mm512_setzero_si512();
+    let px = _mm512_dpbusd_epi32(zero, wx, ax);
+    let py = _mm512_dpbusd_epi32(zero, wy, ay);
+    _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(px, py), scale)
+}
+
+/// Loads 64 aligned bytes.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load(bytes: &[u8; 64]) -> __m512i {
+    // SAFETY: 64 readable bytes, 64-byte aligned by the containing types.
+    unsafe { _mm512_load_si512(bytes.as_ptr() as *const __m512i) }
+}
+
+/// Rows `2 * pair` and `2 * pair + 1` of the unpacked group times
+/// [`TOKENS`] tokens (`y[t]`: each token's super-blocks): `out[t]` holds
+/// the two rows.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn pair_tile<K: KPairs>(
-    pairs: &[PairBlock],
+unsafe fn pair_tile<K: KRuns>(
+    rows: &[RowBlock],
+    pairs: &[PairScales],
     pair: usize,
-    y: [*const BlockQ8K; TOKENS],
+    y: [&[TokenBlock]; TOKENS],
 ) -> [[f32; 2]; TOKENS] {
-    // SAFETY: the caller promises the CPU features and that every token's
-    // pointer covers the group's super-blocks; all other reads go through
-    // references.
+    // SAFETY: the caller promises the CPU features; every read goes
+    // through a reference.
     unsafe {
         let mut acc = [_mm512_setzero_ps(); TOKENS];
         let mut acc_min = [_mm256_setzero_ps(); TOKENS];
-        for (b, pb) in pairs.iter().skip(pair).step_by(PAIRS).enumerate() {
-            let yb = y.map(|p| &*p.add(b));
-            let mut quant = [_mm512_setzero_si512(); TOKENS];
-            for r in 0..8 {
-                let w = _mm512_load_si512(pb.q[r].as_ptr() as *const __m512i);
-                let scale = _mm512_load_si512(pb.scale[r].as_ptr() as *const __m512i);
+        for (b, ps) in pairs.iter().skip(pair).step_by(PAIRS).enumerate() {
+            let (r0, r1) = (&rows[b * GROUP + 2 * pair], &rows[b * GROUP + 2 * pair + 1]);
+            let yb = y.map(|t| &t[b]);
+            let mut quant = [[_mm512_setzero_si512(); TOKENS]; 2];
+            for p in 0..2 {
+                let w0 = (load(&r0.q[2 * p]), load(&r0.q[2 * p + 1]));
+                let w1 = (load(&r1.q[2 * p]), load(&r1.q[2 * p + 1]));
+                let s0 = _mm512_load_si512(r0.scale[p].as_ptr() as *const __m512i);
+                let s1 = _mm512_load_si512(r1.scale[p].as_ptr() as *const __m512i);
                 for t in 0..TOKENS {
-                    let act = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        yb[t].qs.as_ptr().add(32 * r) as *const __m256i,
-                    ));
-                    let pairs = _mm512_maddubs_epi16(w, act);
-                    quant[t] = _mm512_dpwssd_epi32(quant[t], pairs, scale);
+                    let a = (load(&yb[t].q[2 * p]), load(&yb[t].q[2 * p + 1]));
+                    quant[0][t] = four_runs(quant[0][t], w0, a, s0);
+                    quant[1][t] = four_runs(quant[1][t], w1, a, s1);
                 }
             }
-            let d = _mm512_load_ps(pb.d.as_ptr());
-            let extra = _mm512_load_si512(pb.extra.as_ptr() as *const __m512i);
+            let d = _mm512_load_ps(ps.d.as_ptr());
+            let mins = _mm256_load_si256(ps.mins.as_ptr() as *const __m256i);
+            let dmin = _mm256_load_ps(ps.dmin.as_ptr());
+            let group_scales = _mm512_load_si512(ps.group_scales.as_ptr() as *const __m512i);
             for t in 0..TOKENS {
-                let dy = yb[t].d();
+                // Lane j of runs 0, 1, 4, 5 plus lane j of runs 2, 3, 6, 7,
+                // both rows: [r0 j, r0 j + 1, r1 j, r1 j + 1] per 128 bits.
+                let lanes = _mm512_add_epi32(
+                    _mm512_unpacklo_epi64(quant[0][t], quant[1][t]),
+                    _mm512_unpackhi_epi64(quant[0][t], quant[1][t]),
+                );
+                let dy = yb[t].d;
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(dy));
                 if K::HAS_MIN {
-                    acc[t] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(quant[t]), acc[t]);
-                    let min = _mm512_castsi512_si256(extra);
+                    acc[t] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[t]);
+                    let sums = _mm_load_si128(yb[t].sums.as_ptr() as *const __m128i);
                     let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(
-                        min,
-                        _mm256_broadcastsi128_si256(sub_block_sums(yb[t])),
+                        mins,
+                        _mm256_broadcastsi128_si256(sums),
                     ));
-                    let dmin = _mm256_mul_ps(_mm256_set1_ps(-dy), _mm256_load_ps(pb.dmin.as_ptr()));
-                    acc_min[t] = _mm256_fmadd_ps(dmin, m, acc_min[t]);
+                    let dm = _mm256_mul_ps(_mm256_set1_ps(-dy), dmin);
+                    acc_min[t] = _mm256_fmadd_ps(dm, m, acc_min[t]);
                 } else {
                     // The -32 of every quant, per lane: 32 times the scaled
-                    // 16-element activation sums of the lane's two groups.
-                    let bsums = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        yb[t].bsums.as_ptr() as *const __m256i
-                    ));
-                    let offset = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bsums, extra));
-                    let lanes = _mm512_sub_epi32(quant[t], offset);
+                    // 16-quant activation sums of the lane's two groups.
+                    let sums = _mm512_load_si512(yb[t].group_sums.as_ptr() as *const __m512i);
+                    let offset = _mm512_slli_epi32::<5>(_mm512_madd_epi16(sums, group_scales));
+                    let lanes = _mm512_sub_epi32(lanes, offset);
                     acc[t] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[t]);
                 }
             }
@@ -228,12 +380,12 @@ unsafe fn pair_tile<K: KPairs>(
             _mm512_storeu_ps(l.as_mut_ptr(), *acc);
             _mm256_storeu_ps(m.as_mut_ptr(), *acc_min);
             for (half, o) in out.iter_mut().enumerate() {
-                let l: &[f32; 8] = l[8 * half..][..8].try_into().expect("8 lanes");
-                let m: &[f32; 4] = m[4 * half..][..4].try_into().expect("4 lanes");
+                let lanes: [f32; 8] = std::array::from_fn(|j| l[4 * (j / 2) + 2 * half + j % 2]);
+                let mins: &[f32; 4] = m[4 * half..][..4].try_into().expect("4 lanes");
                 *o = if K::HAS_MIN {
-                    hsum8(l) + hsum4(m)
+                    hsum8(&lanes) + hsum4(mins)
                 } else {
-                    hsum8(l)
+                    hsum8(&lanes)
                 };
             }
         }
@@ -249,7 +401,7 @@ unsafe fn pair_tile<K: KPairs>(
 /// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
 /// `w` must hold `groups * 8 * nb` blocks, `acts` `tiles * TILE * nb`, and
 /// `out` at least `(tiles * TILE - 1) * out_stride + groups * 8` values.
-pub(crate) unsafe fn matmul<K: KPairs>(
+pub(crate) unsafe fn matmul<K: KRuns>(
     nb: usize,
     w: &[u8],
     groups: usize,
@@ -260,20 +412,34 @@ pub(crate) unsafe fn matmul<K: KPairs>(
 ) {
     let w: &[K] = bytemuck::cast_slice(w);
     let acts: &[BlockQ8K] = bytemuck::cast_slice(acts);
-    SCRATCH.with_borrow_mut(|pairs| {
-        pairs.resize(nb * PAIRS, EMPTY);
-        for gi in 0..groups {
-            // SAFETY: the caller promises the features.
-            unsafe { unpack_group(&w[gi * GROUP * nb..(gi + 1) * GROUP * nb], nb, pairs) };
-            for t0 in (0..tiles * TILE).step_by(TOKENS) {
-                let y = std::array::from_fn(|t| acts[(t0 + t) * nb..].as_ptr());
-                for pair in 0..PAIRS {
-                    // SAFETY: the caller promises the features; each `y[t]`
-                    // points at the `nb` super-blocks of one token.
-                    let res = unsafe { pair_tile::<K>(pairs, pair, y) };
-                    for (t, rows) in res.iter().enumerate() {
-                        let at = (t0 + t) * out_stride + gi * GROUP + 2 * pair;
-                        out[at..at + 2].copy_from_slice(rows);
+    let n_tokens = tiles * TILE;
+    SCRATCH.with_borrow_mut(|s| {
+        s.rows.resize(BLOCK_GROUPS * nb * GROUP, EMPTY_ROW);
+        s.pairs.resize(BLOCK_GROUPS * nb * PAIRS, EMPTY_PAIR);
+        s.tokens.resize(n_tokens * nb, EMPTY_TOKEN);
+        // SAFETY: the caller promises the features.
+        unsafe { prepare_tokens(&acts[..n_tokens * nb], &mut s.tokens) };
+        for g0 in (0..groups).step_by(BLOCK_GROUPS) {
+            let block = BLOCK_GROUPS.min(groups - g0);
+            for g in 0..block {
+                let group = &w[(g0 + g) * GROUP * nb..][..GROUP * nb];
+                let rows = &mut s.rows[g * nb * GROUP..][..nb * GROUP];
+                let pairs = &mut s.pairs[g * nb * PAIRS..][..nb * PAIRS];
+                // SAFETY: the caller promises the features.
+                unsafe { unpack_group(group, nb, rows, pairs) };
+            }
+            for t0 in (0..n_tokens).step_by(TOKENS) {
+                let y = std::array::from_fn(|t| &s.tokens[(t0 + t) * nb..][..nb]);
+                for g in 0..block {
+                    let rows = &s.rows[g * nb * GROUP..][..nb * GROUP];
+                    let pairs = &s.pairs[g * nb * PAIRS..][..nb * PAIRS];
+                    for pair in 0..PAIRS {
+                        // SAFETY: the caller promises the features.
+                        let res = unsafe { pair_tile::<K>(rows, pairs, pair, y) };
+                        for (t, two) in res.iter().enumerate() {
+                            let at = (t0 + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
+                            out[at..at + 2].copy_from_slice(two);
+                        }
                     }
                 }
             }
