@@ -118,9 +118,9 @@ const EMPTY_TOKEN: TokenBlock = TokenBlock {
 /// allocate per matrix.
 #[derive(Default)]
 struct Scratch {
-    /// The unpacked group: `[super-block][row]`.
+    /// The unpacked groups of a block: `[group][super-block][row]`.
     rows: Vec<RowBlock>,
-    /// `[super-block][pair]`.
+    /// `[group][super-block][pair]`.
     pairs: Vec<PairScales>,
     /// `[token][super-block]`.
     tokens: Vec<TokenBlock>,
