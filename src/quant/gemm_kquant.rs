@@ -11,7 +11,7 @@
 //! 4 · 63 · 128), and one `vpdpwssd` scales each neighbour pair and sums it
 //! into a lane: 2 + 1 multiplies per four runs, where scaling each run's
 //! `vpmaddubsw` pairs (the layout before this one) took 2 + 2. Activations
-//! are interleaved the same way once per call. After a super-block's 8
+//! are interleaved the same way once per call, 512 tokens at a time. After a super-block's 8
 //! runs, each lane `j` sits in two places (runs 0, 1, 4, 5 and runs 2, 3,
 //! 6, 7); adding them for two rows at once gives both rows' lanes in one
 //! vector, and the float steps, Q4_K's minimum term and Q6_K's `-32`
@@ -410,35 +410,66 @@ pub(crate) unsafe fn matmul<K: KRuns>(
     out: &mut [f32],
     out_stride: usize,
 ) {
+    // SAFETY: forwarded from the caller.
+    unsafe { matmul_in_chunks::<K>(nb, w, groups, acts, tiles, out, out_stride, TOKEN_CHUNK) }
+}
+
+/// Tokens whose interleaved activations are held at once (at most 12 KiB
+/// per token per 1,024 columns): a long prompt's would otherwise stay
+/// allocated per thread (hundreds of MB for 8,192 tokens), and unpacking
+/// the rows once per 512 tokens costs what a 512-token batch pays anyway.
+const TOKEN_CHUNK: usize = 512;
+const _: () = assert!(TOKEN_CHUNK.is_multiple_of(TILE));
+
+/// [`matmul`], the tokens taken `chunk` at a time (a multiple of
+/// [`TILE`]).
+///
+/// # Safety
+/// As [`matmul`].
+#[allow(clippy::too_many_arguments)] // `matmul`'s arguments and the chunk
+pub(crate) unsafe fn matmul_in_chunks<K: KRuns>(
+    nb: usize,
+    w: &[u8],
+    groups: usize,
+    acts: &[u8],
+    tiles: usize,
+    out: &mut [f32],
+    out_stride: usize,
+    chunk: usize,
+) {
+    debug_assert!(chunk > 0 && chunk.is_multiple_of(TILE));
     let w: &[K] = bytemuck::cast_slice(w);
     let acts: &[BlockQ8K] = bytemuck::cast_slice(acts);
     let n_tokens = tiles * TILE;
     SCRATCH.with_borrow_mut(|s| {
         s.rows.resize(BLOCK_GROUPS * nb * GROUP, EMPTY_ROW);
         s.pairs.resize(BLOCK_GROUPS * nb * PAIRS, EMPTY_PAIR);
-        s.tokens.resize(n_tokens * nb, EMPTY_TOKEN);
-        // SAFETY: the caller promises the features.
-        unsafe { prepare_tokens(&acts[..n_tokens * nb], &mut s.tokens) };
-        for g0 in (0..groups).step_by(BLOCK_GROUPS) {
-            let block = BLOCK_GROUPS.min(groups - g0);
-            for g in 0..block {
-                let group = &w[(g0 + g) * GROUP * nb..][..GROUP * nb];
-                let rows = &mut s.rows[g * nb * GROUP..][..nb * GROUP];
-                let pairs = &mut s.pairs[g * nb * PAIRS..][..nb * PAIRS];
-                // SAFETY: the caller promises the features.
-                unsafe { unpack_group(group, nb, rows, pairs) };
-            }
-            for t0 in (0..n_tokens).step_by(TOKENS) {
-                let y = std::array::from_fn(|t| &s.tokens[(t0 + t) * nb..][..nb]);
+        s.tokens.resize(chunk.min(n_tokens) * nb, EMPTY_TOKEN);
+        for c0 in (0..n_tokens).step_by(chunk) {
+            let c1 = (c0 + chunk).min(n_tokens);
+            // SAFETY: the caller promises the features.
+            unsafe { prepare_tokens(&acts[c0 * nb..c1 * nb], &mut s.tokens) };
+            for g0 in (0..groups).step_by(BLOCK_GROUPS) {
+                let block = BLOCK_GROUPS.min(groups - g0);
                 for g in 0..block {
-                    let rows = &s.rows[g * nb * GROUP..][..nb * GROUP];
-                    let pairs = &s.pairs[g * nb * PAIRS..][..nb * PAIRS];
-                    for pair in 0..PAIRS {
-                        // SAFETY: the caller promises the features.
-                        let res = unsafe { pair_tile::<K>(rows, pairs, pair, y) };
-                        for (t, two) in res.iter().enumerate() {
-                            let at = (t0 + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
-                            out[at..at + 2].copy_from_slice(two);
+                    let group = &w[(g0 + g) * GROUP * nb..][..GROUP * nb];
+                    let rows = &mut s.rows[g * nb * GROUP..][..nb * GROUP];
+                    let pairs = &mut s.pairs[g * nb * PAIRS..][..nb * PAIRS];
+                    // SAFETY: the caller promises the features.
+                    unsafe { unpack_group(group, nb, rows, pairs) };
+                }
+                for t0 in (c0..c1).step_by(TOKENS) {
+                    let y = std::array::from_fn(|t| &s.tokens[(t0 - c0 + t) * nb..][..nb]);
+                    for g in 0..block {
+                        let rows = &s.rows[g * nb * GROUP..][..nb * GROUP];
+                        let pairs = &s.pairs[g * nb * PAIRS..][..nb * PAIRS];
+                        for pair in 0..PAIRS {
+                            // SAFETY: the caller promises the features.
+                            let res = unsafe { pair_tile::<K>(rows, pairs, pair, y) };
+                            for (t, two) in res.iter().enumerate() {
+                                let at = (t0 + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
+                                out[at..at + 2].copy_from_slice(two);
+                            }
                         }
                     }
                 }

@@ -759,3 +759,68 @@ fn matmul_matches_llamacpp_kernel_vectors() {
     }
     assert_eq!(checked, 12, "one vector line per quantized weight format");
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn kquant_row_groups_give_the_same_bits_in_any_token_chunks() {
+    // Long batches go through the K-quant row-group kernel in chunks of
+    // tokens; any chunk size must give every output the same bits.
+    if !SimdLevel::Avx512.is_supported() {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(23);
+    let k = table(SimdLevel::Avx512);
+    let (n, rows, tiles) = (512usize, 24usize, 5usize);
+    let tokens = tiles * dispatch::TILE;
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let w: Vec<u8> = (0..rows)
+            .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
+            .collect();
+        let acts: Vec<u8> = (0..tokens)
+            .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
+            .collect();
+        let run = |chunk: usize| {
+            let mut out = vec![0.0f32; rows * tokens];
+            // SAFETY: AVX-512 is supported (checked above); the buffers hold
+            // `rows` rows of `n / 256` blocks and `tokens` activation rows.
+            unsafe {
+                match ty {
+                    GgmlType::Q4_K => super::gemm_kquant::matmul_in_chunks::<BlockQ4K>(
+                        n / QK_K,
+                        &w,
+                        rows / 8,
+                        &acts,
+                        tiles,
+                        &mut out,
+                        rows,
+                        chunk,
+                    ),
+                    _ => super::gemm_kquant::matmul_in_chunks::<BlockQ6K>(
+                        n / QK_K,
+                        &w,
+                        rows / 8,
+                        &acts,
+                        tiles,
+                        &mut out,
+                        rows,
+                        chunk,
+                    ),
+                }
+            }
+            out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let whole = run(tokens);
+        for chunk in [8, 16, 24] {
+            assert_eq!(run(chunk), whole, "{ty}: chunks of {chunk} tokens");
+        }
+        // And each output is vec_dot's.
+        let wb = ty.row_bytes(n).expect("whole");
+        let ab = GgmlType::Q8_K.row_bytes(n).expect("whole");
+        for r in 0..rows {
+            for t in 0..tokens {
+                let one = vec_dot_with(k, ty, n, &w[r * wb..][..wb], &acts[t * ab..][..ab]);
+                assert_eq!(whole[t * rows + r], one.to_bits(), "{ty} r={r} t={t}");
+            }
+        }
+    }
+}
