@@ -779,34 +779,16 @@ fn kquant_row_groups_give_the_same_bits_in_any_token_chunks() {
         let acts: Vec<u8> = (0..tokens)
             .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
             .collect();
+        type Chunked = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize, usize);
+        let kernel: Chunked = match ty {
+            GgmlType::Q4_K => super::gemm_kquant::matmul_in_chunks::<BlockQ4K>,
+            _ => super::gemm_kquant::matmul_in_chunks::<BlockQ6K>,
+        };
         let run = |chunk: usize| {
             let mut out = vec![0.0f32; rows * tokens];
             // SAFETY: AVX-512 is supported (checked above); the buffers hold
             // `rows` rows of `n / 256` blocks and `tokens` activation rows.
-            unsafe {
-                match ty {
-                    GgmlType::Q4_K => super::gemm_kquant::matmul_in_chunks::<BlockQ4K>(
-                        n / QK_K,
-                        &w,
-                        rows / 8,
-                        &acts,
-                        tiles,
-                        &mut out,
-                        rows,
-                        chunk,
-                    ),
-                    _ => super::gemm_kquant::matmul_in_chunks::<BlockQ6K>(
-                        n / QK_K,
-                        &w,
-                        rows / 8,
-                        &acts,
-                        tiles,
-                        &mut out,
-                        rows,
-                        chunk,
-                    ),
-                }
-            }
+            unsafe { kernel(n / QK_K, &w, rows / 8, &acts, tiles, &mut out, rows, chunk) };
             out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
         let whole = run(tokens);
