@@ -11,9 +11,9 @@
 //! 4 · 63 · 128), and one `vpdpwssd` scales each neighbour pair and sums it
 //! into a lane: 2 + 1 multiplies per four runs, where scaling each run's
 //! `vpmaddubsw` pairs (the layout before this one) took 2 + 2. Activations
-//! are interleaved the same way once per call, 512 tokens at a time. After a super-block's 8
-//! runs, each lane `j` sits in two places (runs 0, 1, 4, 5 and runs 2, 3,
-//! 6, 7); adding them for two rows at once gives both rows' lanes in one
+//! are interleaved the same way, 512 tokens at a time. After a
+//! super-block's 8 runs, each lane `j` sits in two places (runs 0, 1, 4, 5
+//! and runs 2, 3, 6, 7); adding them for two rows at once gives both rows' lanes in one
 //! vector, and the float steps, Q4_K's minimum term and Q6_K's `-32`
 //! offset included, are `scalar::dot_q4_k_q8_k`'s and
 //! `scalar::dot_q6_k_q8_k`'s, two rows per instruction. Integer sums are

@@ -10,7 +10,8 @@
 //! exactly the bits [`vec_dot`] returns for that pair, whatever the number of
 //! tokens, and every thread uses the same kernels. On AVX-512, batches go
 //! through row-group kernels (`gemm_blocks32`, `gemm_kquant`) that unpack
-//! 8 rows once per call and keep each row's lanes and float steps.
+//! 8 rows once per call (per 512 tokens for the K-quants) and keep each
+//! row's lanes and float steps.
 
 mod blocks;
 mod dispatch;
@@ -26,7 +27,6 @@ mod avx512;
 mod gemm_blocks32;
 #[cfg(target_arch = "x86_64")]
 mod gemm_kquant;
-
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -391,7 +391,6 @@ fn matmul_with(
 const GEMM_GROUP: usize = gemm_blocks32::GROUP;
 #[cfg(target_arch = "x86_64")]
 const _: () = assert!(gemm_kquant::GROUP == GEMM_GROUP);
-
 #[cfg(not(target_arch = "x86_64"))]
 const GEMM_GROUP: usize = 8;
 
