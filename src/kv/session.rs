@@ -446,6 +446,7 @@ impl std::fmt::Debug for SessionKv {
 /// Contiguous runs of K (or V) rows of one layer; see
 /// [`SessionKv::k_blocks`]. Each item holds `n * kv_dim` values for `n`
 /// consecutive positions, continuing where the previous item ended.
+#[derive(Clone)]
 pub struct KvBlocks<'a> {
     session: &'a SessionKv,
     half: Half,

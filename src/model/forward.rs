@@ -745,13 +745,19 @@ impl Model {
                     })
                 } else {
                     kv.k_blocks(kv_layer, lo..hi).map(|blocks| {
-                        for_each_block(blocks, lo..hi, kv_dim, |p, n, block| {
-                            for (k, first, a, b) in overlaps(spans, p..p + n) {
-                                let keys = &block[(a - p) * kv_dim + kv_head * hd..];
-                                let out = &mut scores[offsets[k] + a - first..][..b - a];
-                                quant::dot_f16_rows(&q16[k * hd..][..hd], keys, kv_dim, out);
-                            }
-                        })
+                        for_each_block(
+                            blocks,
+                            lo..hi,
+                            kv_dim,
+                            Some((kv_head * hd, hd)),
+                            |p, n, block| {
+                                for (k, first, a, b) in overlaps(spans, p..p + n) {
+                                    let keys = &block[(a - p) * kv_dim + kv_head * hd..];
+                                    let out = &mut scores[offsets[k] + a - first..][..b - a];
+                                    quant::dot_f16_rows(&q16[k * hd..][..hd], keys, kv_dim, out);
+                                }
+                            },
+                        )
                     })
                 };
                 if let Err(e) = read {
@@ -776,14 +782,20 @@ impl Model {
                     })
                 } else {
                     kv.v_blocks(kv_layer, lo..hi).map(|blocks| {
-                        for_each_block(blocks, lo..hi, kv_dim, |p, n, block| {
-                            for (k, first, a, b) in overlaps(spans, p..p + n) {
-                                let values = &block[(a - p) * kv_dim + kv_head * hd..];
-                                let w = &scores[offsets[k] + a - first..][..b - a];
-                                let acc = &mut lanes[k * LANES * hd..][..LANES * hd];
-                                quant::axpy_f16_rows(w, values, kv_dim, acc, a);
-                            }
-                        })
+                        for_each_block(
+                            blocks,
+                            lo..hi,
+                            kv_dim,
+                            Some((kv_head * hd, hd)),
+                            |p, n, block| {
+                                for (k, first, a, b) in overlaps(spans, p..p + n) {
+                                    let values = &block[(a - p) * kv_dim + kv_head * hd..];
+                                    let w = &scores[offsets[k] + a - first..][..b - a];
+                                    let acc = &mut lanes[k * LANES * hd..][..LANES * hd];
+                                    quant::axpy_f16_rows(w, values, kv_dim, acc, a);
+                                }
+                            },
+                        )
                     })
                 };
                 if let Err(e) = read {
@@ -848,6 +860,9 @@ const WIDE_MAX_HEAD_DIM: usize = 128;
 /// length: widens each span's rows (`head_dim` values from `column` of each
 /// row the blocks `blocks` gives for it) into `buf` and calls `each(start,
 /// end, rows)` with them, `head_dim` apart. A KV read error ends the walk.
+/// The next span's rows are prefetched first (measured: the reference
+/// model's decode at depth 4096, 2 threads, went from 65-68 to 74-82
+/// tokens/s, alternating runs).
 fn for_each_wide_span<'k>(
     wide: quant::WideAttention,
     range: Range<usize>,
@@ -862,7 +877,11 @@ fn for_each_wide_span<'k>(
     let mut a0 = range.start;
     while a0 < range.end {
         let b0 = range.end.min((a0 / span + 1) * span);
-        for_each_block(blocks(a0..b0)?, a0..b0, kv_dim, |p, n, block| {
+        let b1 = range.end.min(b0 + span);
+        for block in blocks(b0..b1)? {
+            prefetch_rows(block, (column, hd), kv_dim);
+        }
+        for_each_block(blocks(a0..b0)?, a0..b0, kv_dim, None, |p, n, block| {
             if n > 0 {
                 wide.widen(&block[column..], kv_dim, n, &mut buf[(p - a0) * hd..]);
             }
@@ -873,20 +892,41 @@ fn for_each_wide_span<'k>(
     Ok(())
 }
 
+/// Blocks of cached rows [`for_each_block`] asks the cache for ahead of the
+/// one it walks: pages lie anywhere in the pool, so the hardware
+/// prefetchers lose the stream at every page boundary.
+const PREFETCH_BLOCKS: usize = 2;
+
 /// Walks the cached blocks of `range` in position order: `each(start, n,
 /// rows)` with the block's first position and its `n` rows, `kv_dim`
-/// apart.
+/// apart. With `prefetch` (`(column, values)` of each row) it prefetches
+/// those values of the rows [`PREFETCH_BLOCKS`] blocks ahead.
 fn for_each_block(
     blocks: KvBlocks<'_>,
     range: Range<usize>,
     kv_dim: usize,
+    prefetch: Option<(usize, usize)>,
     mut each: impl FnMut(usize, usize, &[f16]),
 ) {
+    let mut ahead = prefetch.map(|_| blocks.clone().skip(PREFETCH_BLOCKS));
     let mut p = range.start;
     for block in blocks {
+        if let (Some(ahead), Some(column)) = (ahead.as_mut(), prefetch) {
+            if let Some(next) = ahead.next() {
+                prefetch_rows(next, column, kv_dim);
+            }
+        }
         let n = (block.len() / kv_dim).min(range.end - p);
         each(p, n, block);
         p += n;
+    }
+}
+
+/// Prefetches `values` f16 values from `column` of each `kv_dim`-wide row
+/// of `block`.
+fn prefetch_rows(block: &[f16], (column, values): (usize, usize), kv_dim: usize) {
+    for row in block.get(column..).unwrap_or_default().chunks(kv_dim) {
+        quant::prefetch_bytes(row.as_ptr() as *const u8, values * 2);
     }
 }
 

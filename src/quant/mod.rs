@@ -397,7 +397,7 @@ const PREFETCH_AHEAD: usize = 4096;
 /// Asks the cache for the `len` bytes at `p` (a hint: nothing is read, and
 /// an address past the end of a buffer is harmless).
 #[inline(always)]
-fn prefetch_bytes(p: *const u8, len: usize) {
+pub(crate) fn prefetch_bytes(p: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     for off in (0..len).step_by(64) {
         // SAFETY: SSE is part of x86_64; a prefetch never faults, whatever
