@@ -464,6 +464,12 @@ fn tiled(
         while t + TILE <= n_tokens {
             let tile_acts: [*const u8; TILE] = std::array::from_fn(|i| act_ptr(t + i));
             for r in chunk_start..chunk_end {
+                if t == first_token {
+                    let ahead = w_rows
+                        .as_ptr()
+                        .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
+                    prefetch_bytes(ahead, w_row_bytes);
+                }
                 let w = w_rows[r * w_row_bytes..].as_ptr();
                 // SAFETY: the level is supported; row `r` and tokens
                 // `t..t + TILE` lie inside the checked buffers.
