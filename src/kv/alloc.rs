@@ -1,6 +1,7 @@
 //! The lock-free page allocator shared by all worker threads: a Treiber stack
-//! of free page indices with an ABA tag, plus a counting semaphore that makes
-//! multi-page reservations all-or-nothing.
+//! of free page indices with an ABA tag, a counting semaphore that makes
+//! multi-page reservations all-or-nothing, and a reference count per page so
+//! that sessions (forks, shared prefixes) can hold one page together.
 //!
 //! # Structure
 //!
@@ -17,8 +18,11 @@
 //!   subtracts from it (failing with nothing changed when too few are left),
 //!   then pops its pages, which must be there (see below). A free pushes the
 //!   page first and only then adds to `available`.
-//! - `in_use[i]` marks pages that are handed out, so a double free is an
-//!   error instead of a corrupted list.
+//! - `refs[i]` counts the holders of page `i`: 0 while it is free, 1 when
+//!   handed out, more once [`PageAllocator::share`] added holders. Only the
+//!   release that takes it to 0 pushes the page, so a page is never free
+//!   while referenced, and a release of a free page is an error instead of
+//!   a corrupted list.
 //!
 //! # Memory orderings and why
 //!
@@ -36,14 +40,19 @@
 //!   pushes and pops in `head`'s modification order then shows the stack can
 //!   never look empty to a thread holding an unfilled reservation. The loom
 //!   tests check this.
-//! - `in_use` flags are `Relaxed`: they are only read-modify-written, and a
-//!   read-modify-write always sees the latest value; the `head` CAS already
-//!   orders a free before the matching pop.
+//! - `refs`: a pop's 0 -> 1 is `Relaxed` (the `head` CAS already orders it
+//!   after the push that freed the page). A share is `Relaxed`, as cloning
+//!   an `Arc` is: the sharer holds a reference, so the count cannot reach 0
+//!   meanwhile. A release is `AcqRel`: its release half publishes this
+//!   holder's use of the page, and the acquire half of the release that
+//!   reaches 0 (every decrement being a read-modify-write in one
+//!   modification order) makes every other holder's use happen before the
+//!   push, hence before any later owner's writes.
 
 use crossbeam_utils::CachePadded;
 
 use super::error::KvError;
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// The empty-stack marker in the index half of `head` and in links.
 const NIL: u32 = u32::MAX;
@@ -65,7 +74,7 @@ pub struct PageAllocator {
     head: CachePadded<AtomicU64>,
     available: CachePadded<AtomicUsize>,
     next: Box<[AtomicU32]>,
-    in_use: Box<[AtomicBool]>,
+    refs: Box<[AtomicU32]>,
     /// How much each update bumps the ABA tag; only the loom tests set it to
     /// zero, to prove the model checker finds the bug the tag prevents.
     #[cfg(loom)]
@@ -87,13 +96,13 @@ impl PageAllocator {
                 AtomicU32::new(below)
             })
             .collect();
-        let in_use: Box<[AtomicBool]> = (0..n_pages).map(|_| AtomicBool::new(false)).collect();
+        let refs: Box<[AtomicU32]> = (0..n_pages).map(|_| AtomicU32::new(0)).collect();
         let top = if n_pages == 0 { NIL } else { 0 };
         Ok(PageAllocator {
             head: CachePadded::new(AtomicU64::new(pack(0, top))),
             available: CachePadded::new(AtomicUsize::new(n_pages)),
             next,
-            in_use,
+            refs,
             #[cfg(loom)]
             tag_step: 1,
         })
@@ -161,22 +170,61 @@ impl PageAllocator {
         Ok(pages)
     }
 
-    /// Return a page. Fails, changing nothing, if the page does not exist or
-    /// is already free.
+    /// Gives up one reference to a page; the last one returns it to the free
+    /// list. Fails, changing nothing, if the page does not exist or is
+    /// already free.
     pub fn free(&self, page: u32) -> Result<(), KvError> {
-        let flag = self
-            .in_use
-            .get(page as usize)
-            .ok_or(KvError::PageOutOfRange {
-                page,
-                total: self.total(),
-            })?;
-        if !flag.swap(false, Ordering::Relaxed) {
-            return Err(KvError::DoubleFree { page });
+        let count = self.count(page)?;
+        let mut held = count.load(Ordering::Relaxed);
+        loop {
+            if held == 0 {
+                return Err(KvError::DoubleFree { page });
+            }
+            match count.compare_exchange_weak(held, held - 1, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now) => held = now,
+            }
         }
-        self.push(page);
-        self.available.fetch_add(1, Ordering::Release);
+        if held == 1 {
+            self.push(page);
+            self.available.fetch_add(1, Ordering::Release);
+        }
         Ok(())
+    }
+
+    /// Adds a reference to a page the caller holds (a fork, or a session
+    /// mapping a shared prefix): the page stays allocated until every
+    /// reference is freed. Fails, changing nothing, if the page does not
+    /// exist, is free, or already has `u32::MAX` references.
+    pub fn share(&self, page: u32) -> Result<(), KvError> {
+        let count = self.count(page)?;
+        let mut held = count.load(Ordering::Relaxed);
+        loop {
+            if held == 0 {
+                return Err(KvError::ShareOfFreePage { page });
+            }
+            let more = held
+                .checked_add(1)
+                .ok_or(KvError::TooManyReferences { page })?;
+            match count.compare_exchange_weak(held, more, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(now) => held = now,
+            }
+        }
+    }
+
+    /// How many references hold `page` right now (0: free). A snapshot, like
+    /// [`PageAllocator::free_count`]; a page with one reference held by the
+    /// caller is the caller's alone.
+    pub fn references(&self, page: u32) -> Result<u32, KvError> {
+        Ok(self.count(page)?.load(Ordering::Relaxed))
+    }
+
+    fn count(&self, page: u32) -> Result<&AtomicU32, KvError> {
+        self.refs.get(page as usize).ok_or(KvError::PageOutOfRange {
+            page,
+            total: self.total(),
+        })
     }
 
     /// Return several pages; every page is tried, and the first error (if
@@ -247,11 +295,12 @@ impl PageAllocator {
     }
 
     fn mark_in_use(&self, page: u32) -> Result<u32, KvError> {
-        let was_in_use = self
-            .in_use
-            .get(page as usize)
-            .is_some_and(|flag| flag.swap(true, Ordering::Relaxed));
-        if was_in_use {
+        let taken = self.refs.get(page as usize).is_some_and(|count| {
+            count
+                .compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        });
+        if !taken {
             return Err(KvError::AllocatorCorrupted {
                 detail: format!("page {page} came off the free list while in use"),
             });
@@ -367,6 +416,81 @@ mod tests {
         let err = allocator.free_many(&[pages[0], 7, pages[1]]).unwrap_err();
         assert!(matches!(err, KvError::PageOutOfRange { page: 7, .. }));
         assert_eq!(allocator.free_count(), 3);
+    }
+
+    #[test]
+    fn a_shared_page_is_free_only_after_its_last_reference() {
+        let allocator = PageAllocator::new(2).unwrap();
+        let page = allocator.alloc().unwrap();
+        allocator.share(page).unwrap();
+        allocator.share(page).unwrap();
+        assert_eq!(allocator.references(page).unwrap(), 3);
+        allocator.free(page).unwrap();
+        allocator.free(page).unwrap();
+        assert_eq!(allocator.free_count(), 1, "freed while still referenced");
+        allocator.free(page).unwrap();
+        assert_eq!(allocator.free_count(), 2);
+        assert_eq!(allocator.references(page).unwrap(), 0);
+        assert!(matches!(
+            allocator.free(page),
+            Err(KvError::DoubleFree { .. })
+        ));
+    }
+
+    #[test]
+    fn sharing_a_free_or_foreign_page_is_an_error_that_changes_nothing() {
+        let allocator = PageAllocator::new(2).unwrap();
+        assert!(matches!(
+            allocator.share(1),
+            Err(KvError::ShareOfFreePage { page: 1 })
+        ));
+        assert!(matches!(
+            allocator.share(5),
+            Err(KvError::PageOutOfRange { page: 5, total: 2 })
+        ));
+        assert_eq!(allocator.free_count(), 2);
+        assert_eq!(allocator.references(1).unwrap(), 0);
+        let mut all = allocator.alloc_many(2).unwrap();
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1]);
+    }
+
+    #[test]
+    fn threads_sharing_and_releasing_free_each_page_once() {
+        const PAGES: u32 = 16;
+        const THREADS: usize = 4;
+        let allocator = Arc::new(PageAllocator::new(PAGES as usize).unwrap());
+        let pages = allocator.alloc_many(PAGES as usize).unwrap();
+        // Every thread takes a reference to every page, then the original
+        // holder lets go: the threads' releases race to be the last.
+        for &page in &pages {
+            for _ in 0..THREADS {
+                allocator.share(page).unwrap();
+            }
+            allocator.free(page).unwrap();
+        }
+        let barrier = Arc::new(Barrier::new(THREADS));
+        let workers: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (allocator, barrier, pages) =
+                    (Arc::clone(&allocator), Arc::clone(&barrier), pages.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    for page in pages {
+                        allocator.share(page).unwrap();
+                        allocator.free(page).unwrap();
+                        allocator.free(page).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        assert_eq!(allocator.free_count(), PAGES as usize);
+        let mut all = allocator.alloc_many(PAGES as usize).unwrap();
+        all.sort_unstable();
+        assert_eq!(all, (0..PAGES).collect::<Vec<_>>());
     }
 
     #[test]

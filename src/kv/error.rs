@@ -36,6 +36,15 @@ pub enum KvError {
     /// pages the shorter session would need may be gone).
     #[error("cannot roll the KV back to {requested} positions: it was settled at {settled}")]
     RollBackPastSettled { requested: usize, settled: usize },
+    /// A fork longer than the session's committed length.
+    #[error("cannot fork {requested} KV positions: only {len} are committed")]
+    ForkBeyondLength { requested: usize, len: usize },
+    /// A write into a page another session also holds (a fork or a shared
+    /// prefix): it must be copied first ([`SessionKv::reserve`] does).
+    ///
+    /// [`SessionKv::reserve`]: super::SessionKv::reserve
+    #[error("KV page {page} is shared with another session and cannot be written")]
+    WriteToSharedPage { page: u32 },
     /// A layer index at or past the number of layers in the layout.
     #[error("KV layer {layer} is out of range: the cache has {n_layers} layers")]
     LayerOutOfRange { layer: usize, n_layers: usize },
@@ -48,6 +57,13 @@ pub enum KvError {
     /// A page freed while it was already free.
     #[error("page {page} freed twice")]
     DoubleFree { page: u32 },
+    /// A second reference asked for a page nobody holds (it may already
+    /// be someone else's): only a holder may share a page.
+    #[error("page {page} shared while free")]
+    ShareOfFreePage { page: u32 },
+    /// A page already held by the most references the count can record.
+    #[error("page {page} is held by too many references")]
+    TooManyReferences { page: u32 },
     /// The allocator's free list contradicted its own accounting (a page
     /// came off the free list while marked in use, or the list ran dry under
     /// a reservation). Only a bug can cause this.

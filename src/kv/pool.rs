@@ -322,6 +322,26 @@ impl KvPool {
         &self.allocator
     }
 
+    /// Copies page `from` over page `to` (both held by the caller, `to`
+    /// alone). A ledger has nothing to copy.
+    pub(super) fn copy_page(&self, from: u32, to: u32) -> Result<(), KvError> {
+        if !self.holds_rows() {
+            return Ok(());
+        }
+        let missing = |page| KvError::AllocatorCorrupted {
+            detail: format!("page {page} is not in the pool"),
+        };
+        let src = self.page_ptr(from).ok_or_else(|| missing(from))?;
+        let dst = self.page_ptr(to).ok_or_else(|| missing(to))?;
+        if src != dst {
+            // SAFETY: both pointers are page starts inside the map, valid
+            // for `page_bytes()` bytes; distinct pages do not overlap; the
+            // caller holds `to` alone, so nothing else reads or writes it.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, self.page_stride) };
+        }
+        Ok(())
+    }
+
     /// Start of page `page`, or `None` for an index the pool does not have.
     /// The pointer is valid for `page_bytes()` bytes and aligned to 64.
     #[inline]

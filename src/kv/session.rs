@@ -15,13 +15,22 @@
 //! can see are given back, so a long session holds
 //! `global layers x length + window layers x (window + one call)` positions.
 //!
-//! Soundness of the raw access: the allocator hands each page to exactly one
-//! owner, and a `SessionKv` gives its pages back only through `&mut self`
-//! ([`SessionKv::release`], [`SessionKv::settle`], rolling back or drop).
-//! Shared slices are built from `&self` and mutable ones from `&mut self`, so
-//! the borrow checker keeps them apart exactly as it would for a `Vec`.
-//! `&SessionKv` is therefore safe to share between threads reading K/V at
-//! once.
+//! A fork ([`SessionKv::fork`]) holds its source's full pages by reference
+//! (the allocator counts the holders) and a copy of the partial last page.
+//! A page more than one session holds is never written: positions are
+//! written only from the committed length on, in pages
+//! [`SessionKv::reserve`] made sure are this session's alone (copying a
+//! shared partial page first, as after rolling back into a full page), and
+//! the row writers refuse a shared page.
+//!
+//! Soundness of the raw access: a page is handed out to one owner, and
+//! further holders only read it (above); a `SessionKv` gives its references
+//! back only through `&mut self` ([`SessionKv::release`],
+//! [`SessionKv::settle`], rolling back or drop), and the allocator reuses a
+//! page only after its last holder let go. Shared slices are built from
+//! `&self` and mutable ones from `&mut self`, so the borrow checker keeps
+//! them apart exactly as it would for a `Vec`. `&SessionKv` is therefore
+//! safe to share between threads reading K/V at once.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -156,6 +165,9 @@ impl SessionKv {
     /// every layer. All or nothing: on `Exhausted { wanted, free }` the
     /// session and the pool are unchanged.
     pub fn reserve(&mut self, total_positions: usize) -> Result<(), KvError> {
+        if total_positions > self.len {
+            self.own_partial_page()?;
+        }
         let wanted = self.pages_wanted(total_positions);
         if wanted == 0 {
             return Ok(());
@@ -173,6 +185,129 @@ impl SessionKv {
         }
         self.end_page += per_layer;
         Ok(())
+    }
+
+    /// Makes the page that holds position `len` this session's alone in
+    /// every layer where another session also holds it (a fork's source
+    /// rolled back into a page the fork shares): a copy replaces it. All or
+    /// nothing: on `Exhausted` nothing changed.
+    fn own_partial_page(&mut self) -> Result<(), KvError> {
+        let index = self.len >> self.page_shift;
+        if self.len & (self.page_positions - 1) == 0 || index >= self.end_page {
+            return Ok(());
+        }
+        let allocator = self.pool.allocator();
+        let mut shared = Vec::new();
+        for (layer, table) in self.layers.iter().enumerate() {
+            let Some(&page) = index
+                .checked_sub(table.dropped)
+                .and_then(|i| table.pages.get(i))
+            else {
+                continue;
+            };
+            if allocator.references(page)? > 1 {
+                shared.push((layer, page));
+            }
+        }
+        if shared.is_empty() {
+            return Ok(());
+        }
+        let copies = allocator.alloc_many(shared.len())?;
+        for (&(_, page), &copy) in shared.iter().zip(&copies) {
+            if let Err(err) = self.pool.copy_page(page, copy) {
+                let _ = allocator.free_many(&copies);
+                return Err(err);
+            }
+        }
+        for (&(layer, _), &copy) in shared.iter().zip(&copies) {
+            let table = &mut self.layers[layer];
+            table.pages[index - table.dropped] = copy;
+        }
+        let originals: Vec<u32> = shared.iter().map(|&(_, page)| page).collect();
+        allocator.free_many(&originals)
+    }
+
+    /// A new session holding this one's first `at` committed positions: it
+    /// references this session's full pages (nothing copied, the pool
+    /// counts the holders) and gets a copy of the page `at` falls inside.
+    /// Both sessions then grow apart without touching each other's
+    /// positions. All or nothing: on an error (`Exhausted` for the copied
+    /// pages, `ForkBeyondLength`, `OutsideWindow` where a sliding-window
+    /// layer already gave back pages the fork would need) nothing changed.
+    pub fn fork(&self, at: usize) -> Result<SessionKv, KvError> {
+        if at > self.len {
+            return Err(KvError::ForkBeyondLength {
+                requested: at,
+                len: self.len,
+            });
+        }
+        let windows = self.pool.layer_windows();
+        for (layer, table) in self.layers.iter().enumerate() {
+            // The fork's next query, at position `at`, sees from here on.
+            let needed = match windows.get(layer).copied().flatten() {
+                Some(window) => (at + 1).saturating_sub(window),
+                None => 0,
+            };
+            let first_kept = table.dropped << self.page_shift;
+            if needed < first_kept {
+                return Err(KvError::OutsideWindow {
+                    layer,
+                    pos: needed,
+                    first_kept,
+                });
+            }
+        }
+        let full = at >> self.page_shift;
+        let partial = at & (self.page_positions - 1) != 0;
+        let allocator = self.pool.allocator();
+        let copies = if partial {
+            allocator.alloc_many(self.n_layers)?
+        } else {
+            Vec::new()
+        };
+        let mut fork = SessionKv::new(Arc::clone(&self.pool));
+        fork.len = at;
+        fork.settled = at;
+        fork.end_page = full + usize::from(partial);
+        let mut result = Ok(());
+        for (layer, (source, table)) in self.layers.iter().zip(&mut fork.layers).enumerate() {
+            // A window layer keeps only what the fork can see; a page both
+            // sessions reach from different windows is still one page.
+            table.dropped = source.dropped;
+            for &page in source
+                .pages
+                .iter()
+                .take(full.saturating_sub(source.dropped))
+            {
+                if let Err(err) = allocator.share(page) {
+                    result = result.and(Err(err));
+                    continue;
+                }
+                table.pages.push_back(page);
+            }
+            if partial {
+                let copy = copies[layer];
+                table.pages.push_back(copy);
+                if let Some(&page) = source.pages.get(full - source.dropped) {
+                    if let Err(err) = self.pool.copy_page(page, copy) {
+                        result = result.and(Err(err));
+                    }
+                }
+            }
+        }
+        // On an error the fork is dropped, which gives back every
+        // reference and copy it took.
+        result.map(|()| fork)
+    }
+
+    /// Pages this session holds that another session holds too.
+    pub fn shared_pages(&self) -> usize {
+        let allocator = self.pool.allocator();
+        self.layers
+            .iter()
+            .flat_map(|table| table.pages.iter())
+            .filter(|&&page| allocator.references(page).is_ok_and(|n| n > 1))
+            .count()
     }
 
     /// Set the committed length to `new_len`. A decrease breaks INV-2 and
@@ -418,9 +553,16 @@ impl SessionKv {
     #[inline]
     fn row_mut(&mut self, half: Half, layer: usize, pos: usize) -> Result<&mut [f16], KvError> {
         let ptr = self.row_ptr(half, layer, pos)?;
+        let table = &self.layers[layer];
+        let page = table.pages[(pos >> self.page_shift) - table.dropped];
+        if self.pool.allocator().references(page)? > 1 {
+            return Err(KvError::WriteToSharedPage { page });
+        }
         // SAFETY: as in `row`; in addition `&mut self` guarantees no other
         // slice of this session's pages is alive, and no other session holds
-        // this page, so the mutable slice is exclusive.
+        // this page (checked just above: a page is shared only by a holder,
+        // and this session holds its only reference), so the mutable slice
+        // is exclusive.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.kv_dim) })
     }
 }
@@ -554,6 +696,115 @@ mod tests {
                 session.write(layer, pos, &k, &v).unwrap();
             }
         }
+    }
+
+    /// Whether `session` holds `value`'s rows at `positions` in every layer.
+    fn holds_values(session: &SessionKv, positions: Range<usize>, offset: usize) -> bool {
+        positions.into_iter().all(|pos| {
+            (0..3).all(|layer| {
+                let k = session.k(layer, pos).unwrap();
+                let v = session.v(layer, pos).unwrap();
+                (0..4).all(|i| {
+                    k[i].to_f32() == value(0, layer, pos + offset, i)
+                        && v[i].to_f32() == value(1, layer, pos + offset, i)
+                })
+            })
+        })
+    }
+
+    #[test]
+    fn a_fork_shares_full_pages_and_copies_the_partial_one() {
+        let pool = pool(24);
+        let mut source = SessionKv::new(Arc::clone(&pool));
+        source.reserve(10).unwrap();
+        fill(&mut source, 0..10);
+        source.commit(10).unwrap();
+        assert_eq!(pool.free_pages(), 15);
+        let mut fork = source.fork(10).unwrap();
+        // Positions 0..8 are two full pages per layer, shared; 8..10 a
+        // partial page, copied: only 3 more pages taken.
+        assert_eq!(pool.free_pages(), 12);
+        assert_eq!((fork.len(), fork.pages_held()), (10, 9));
+        assert_eq!((source.shared_pages(), fork.shared_pages()), (6, 6));
+        assert!(holds_values(&fork, 0..10, 0));
+        // Each grows apart: the fork writes other values from 10 on, the
+        // source its own; neither sees the other's.
+        fork.reserve(14).unwrap();
+        for pos in 10..14 {
+            for layer in 0..3 {
+                let k: Vec<f32> = (0..4).map(|i| value(0, layer, pos + 100, i)).collect();
+                let v: Vec<f32> = (0..4).map(|i| value(1, layer, pos + 100, i)).collect();
+                fork.write(layer, pos, &k, &v).unwrap();
+            }
+        }
+        fork.commit(14).unwrap();
+        source.reserve(12).unwrap();
+        fill(&mut source, 10..12);
+        source.commit(12).unwrap();
+        assert!(holds_values(&source, 0..12, 0));
+        assert!(holds_values(&fork, 0..10, 0) && holds_values(&fork, 10..14, 100));
+        drop(source);
+        assert_eq!(fork.shared_pages(), 0, "the fork now holds its pages alone");
+        assert!(holds_values(&fork, 0..10, 0));
+        drop(fork);
+        assert_eq!(pool.free_pages(), 24, "every page came back once");
+    }
+
+    #[test]
+    fn a_source_rolled_back_into_a_shared_page_writes_into_a_copy() {
+        let pool = pool(24);
+        let mut source = SessionKv::new(Arc::clone(&pool));
+        source.reserve(8).unwrap();
+        fill(&mut source, 0..8);
+        source.commit(8).unwrap();
+        let fork = source.fork(8).unwrap();
+        assert_eq!(
+            pool.free_pages(),
+            18,
+            "a fork at a page boundary copies nothing"
+        );
+        source.roll_back_to(6).unwrap();
+        // Position 6 lies in a page the fork holds too: writing it in place
+        // would change the fork.
+        assert!(matches!(
+            source.write(0, 6, &[9.0; 4], &[9.0; 4]),
+            Err(KvError::WriteToSharedPage { .. })
+        ));
+        source.reserve(8).unwrap();
+        assert_eq!(
+            pool.free_pages(),
+            15,
+            "the shared page was copied in each layer"
+        );
+        source.write(0, 6, &[9.0; 4], &[9.0; 4]).unwrap();
+        assert!(holds_values(&fork, 0..8, 0), "the fork is untouched");
+        assert!(holds_values(&source, 0..6, 0));
+        drop((source, fork));
+        assert_eq!(pool.free_pages(), 24);
+    }
+
+    #[test]
+    fn a_fork_that_cannot_be_made_changes_nothing() {
+        let pool = pool(9);
+        let mut source = SessionKv::new(Arc::clone(&pool));
+        source.reserve(10).unwrap();
+        fill(&mut source, 0..10);
+        source.commit(10).unwrap();
+        assert!(matches!(
+            source.fork(11),
+            Err(KvError::ForkBeyondLength {
+                requested: 11,
+                len: 10
+            })
+        ));
+        // The partial page's copies do not fit: nothing is shared or taken.
+        assert!(matches!(source.fork(10), Err(KvError::Exhausted { .. })));
+        assert_eq!((pool.free_pages(), source.shared_pages()), (0, 0));
+        let fork = source.fork(8).unwrap();
+        assert_eq!(fork.len(), 8);
+        assert_eq!(pool.free_pages(), 0);
+        drop((source, fork));
+        assert_eq!(pool.free_pages(), 9);
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Model-checked tests of the KV page allocator (and, at the end, of the
 //! runtime's awaitable reply channels): loom runs every interleaving
 //! (and every permitted reordering of the atomics) of a few threads
-//! allocating and freeing over a handful of pages, and each test asserts that
-//! no page is handed out twice and none is lost. The runtime's cross-worker
+//! allocating, sharing and freeing over a handful of pages, and each test
+//! asserts that no page is handed out twice, none is reused while a holder
+//! still references it, and none is lost. The runtime's cross-worker
 //! structures are checked in `runtime.rs`.
 //!
 //! Run with:
@@ -184,6 +185,93 @@ fn page_contents_pass_cleanly_from_one_owner_to_the_next() {
             worker.join().unwrap_or_else(|_| panic!("worker panicked"));
         }
         assert_conserved(&allocator, &[], 1);
+    });
+}
+
+#[test]
+fn a_shared_page_is_reused_only_after_every_holder_let_go() {
+    // Two holders read a shared page (a forked session and its source)
+    // and release it in either order while a third thread allocates: loom
+    // reports a data race if the new owner's write to the page's cell is
+    // not ordered after both holders' reads, and the page is handed out
+    // again only once both references are gone.
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    builder.check(|| {
+        let allocator = Arc::new(PageAllocator::new(1).unwrap_or_else(|err| panic!("{err}")));
+        let contents = Arc::new([UnsafeCell::new(0usize)]);
+        let page = alloc_one(&allocator);
+        contents[page as usize].with_mut(|value| {
+            // SAFETY: the page was just handed to this thread alone.
+            unsafe { *value = 7 }
+        });
+        if let Err(err) = allocator.share(page) {
+            panic!("sharing a held page failed: {err}");
+        }
+        let read_and_release =
+            move |allocator: &PageAllocator, contents: &[UnsafeCell<usize>; 1]| {
+                let seen = contents[page as usize].with(|value| {
+                    // SAFETY: this holder's reference keeps the page from being
+                    // reused; holders only read it.
+                    unsafe { *value }
+                });
+                assert_eq!(seen, 7, "a holder saw another owner's write");
+                free_one(allocator, page);
+            };
+        let fork = {
+            let (allocator, contents) = (Arc::clone(&allocator), Arc::clone(&contents));
+            thread::spawn(move || read_and_release(&allocator, &contents))
+        };
+        let newcomer = {
+            let (allocator, contents) = (Arc::clone(&allocator), Arc::clone(&contents));
+            thread::spawn(move || match allocator.alloc() {
+                Ok(page) => {
+                    contents[page as usize].with_mut(|value| {
+                        // SAFETY: the allocator handed the page over only
+                        // after its last holder released it; loom checks
+                        // that the releases are ordered before this write.
+                        unsafe { *value = 9 }
+                    });
+                    free_one(&allocator, page);
+                }
+                Err(KvError::Exhausted { wanted: 1, free: 0 }) => {}
+                Err(err) => panic!("unexpected error: {err}"),
+            })
+        };
+        read_and_release(&allocator, &contents);
+        fork.join().unwrap_or_else(|_| panic!("fork panicked"));
+        newcomer
+            .join()
+            .unwrap_or_else(|_| panic!("newcomer panicked"));
+        assert_conserved(&allocator, &[], 1);
+    });
+}
+
+#[test]
+fn holders_sharing_and_releasing_at_once_free_the_page_exactly_once() {
+    // Each of two holders takes a further reference (a fork of a fork)
+    // and then drops both of its own while the other does the same: the
+    // counts race, and the page must come back exactly once, at the end.
+    loom::model(|| {
+        let allocator = Arc::new(PageAllocator::new(2).unwrap_or_else(|err| panic!("{err}")));
+        let page = alloc_one(&allocator);
+        if let Err(err) = allocator.share(page) {
+            panic!("sharing a held page failed: {err}");
+        }
+        let fork_and_drop = move |allocator: &PageAllocator| {
+            if let Err(err) = allocator.share(page) {
+                panic!("sharing a held page failed: {err}");
+            }
+            free_one(allocator, page);
+            free_one(allocator, page);
+        };
+        let other = {
+            let allocator = Arc::clone(&allocator);
+            thread::spawn(move || fork_and_drop(&allocator))
+        };
+        fork_and_drop(&allocator);
+        other.join().unwrap_or_else(|_| panic!("holder panicked"));
+        assert_conserved(&allocator, &[], 2);
     });
 }
 
