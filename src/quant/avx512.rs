@@ -548,21 +548,25 @@ pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
         let w = w as *const BlockQ4K;
         let a = a.map(|p| p as *const BlockQ8K);
         let mask = _mm512_set1_epi8(0x0F);
+        // Lanes 0..16 pick scale 2c, lanes 16..32 scale 2c + 1.
+        let pick = [0i16, 1, 2, 3].map(|c| {
+            _mm512_inserti64x4::<1>(_mm512_set1_epi16(2 * c), _mm256_set1_epi16(2 * c + 1))
+        });
         let mut acc = [_mm256_setzero_ps(); NT];
         let mut acc_min = [_mm_setzero_ps(); NT];
         for b in 0..nb {
             let x = &*w.add(b);
             let (sc, mn) = scales_mins_k4(&x.scales);
             let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
+            let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                sc.as_ptr() as *const __m128i
+            )));
             let mut q = [_mm512_setzero_si512(); 4];
             let mut scale = [_mm512_setzero_si512(); 4];
             for c in 0..4 {
                 let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
                 q[c] = _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask);
-                scale[c] = join(
-                    _mm256_set1_epi16(sc[2 * c] as i16),
-                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
-                );
+                scale[c] = _mm512_permutexvar_epi16(pick[c], scales);
             }
             let (xd, xdmin) = (x.d(), x.dmin());
             for t in 0..NT {

@@ -497,7 +497,7 @@ impl BlockQ8K {
 /// Q5_K super-block: sub-blocks 0..4 keep them in the low 6 bits of bytes
 /// `j` and `j + 4`; sub-blocks 4..8 split them into a nibble of byte `j + 4`
 /// and the top two bits of bytes `j - 4` and `j`.
-#[inline(always)]
+#[cfg(test)]
 pub fn scale_min_k4(j: usize, scales: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (scales[j] & 63, scales[j + 4] & 63)
@@ -509,17 +509,31 @@ pub fn scale_min_k4(j: usize, scales: &[u8; 12]) -> (u8, u8) {
     }
 }
 
-/// All 8 (scale, minimum) pairs of a Q4_K / Q5_K super-block.
+/// All 8 (scale, minimum) pairs of a Q4_K / Q5_K super-block: the same
+/// values as [`scale_min_k4`] for each `j`, four at a time in 32-bit words
+/// (the kernels call this once per super-block and row, where eight
+/// branchy byte extractions cost about as much as the multiplies).
 #[inline(always)]
 pub fn scales_mins_k4(scales: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
-    let mut sc = [0u8; 8];
-    let mut mn = [0u8; 8];
-    for j in 0..8 {
-        let (s, m) = scale_min_k4(j, scales);
-        sc[j] = s;
-        mn[j] = m;
-    }
-    (sc, mn)
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            scales[4 * i],
+            scales[4 * i + 1],
+            scales[4 * i + 2],
+            scales[4 * i + 3],
+        ])
+    };
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    // Sub-blocks 0..4 keep the low 6 bits of bytes 0..4 (scales) and
+    // 4..8 (mins); sub-blocks 4..8 take a nibble of bytes 8..12 and the top
+    // two bits of bytes 0..4 (scales) or 4..8 (mins) as bits 4 and 5.
+    let scales_hi = (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4);
+    let mins_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4);
+    let join = |lo: u32, hi: u32| (u64::from(lo) | (u64::from(hi) << 32)).to_le_bytes();
+    (join(w0 & LOW6, scales_hi), join(w1 & LOW6, mins_hi))
 }
 
 /// The 16 scales of a Q3_K super-block, offset to -32..32: scale `j` has
@@ -570,6 +584,41 @@ mod tests {
         assert_eq!(scale_min_k4(6, &s), (53, 41));
         assert_eq!(scale_min_k4(2, &s), (0, 0));
         assert_eq!(scale_min_k4(0, &s), (0, 0));
+    }
+
+    #[test]
+    fn word_wise_scale_unpacking_equals_the_per_sub_block_definition() {
+        // Every bit of every byte set on its own, then pseudo-random
+        // patterns: each of the 12 bytes feeds scales and minimums through
+        // different shifts.
+        let mut cases: Vec<[u8; 12]> = (0..96)
+            .map(|bit| {
+                let mut s = [0u8; 12];
+                s[bit / 8] = 1 << (bit % 8);
+                s
+            })
+            .collect();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1000 {
+            let mut s = [0u8; 12];
+            for b in &mut s {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                *b = state as u8;
+            }
+            cases.push(s);
+        }
+        for s in cases {
+            let (sc, mn) = scales_mins_k4(&s);
+            for j in 0..8 {
+                assert_eq!(
+                    (sc[j], mn[j]),
+                    scale_min_k4(j, &s),
+                    "bytes {s:?}, sub-block {j}"
+                );
+            }
+        }
     }
 
     #[test]
