@@ -602,12 +602,22 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
     unsafe {
         let w = w as *const BlockQ6K;
         let a = a.map(|p| p as *const BlockQ8K);
+        // Each 128-bit quarter `k` of pick `c` selects scale `4c + k`: the
+        // scales of runs 2c and 2c + 1, 16 quants each, as the quants lie.
+        let pick = [0i16, 1, 2, 3].map(|c| {
+            let quarter = |k: i16| _mm_set1_epi16(4 * c + k);
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set_m128i(quarter(1), quarter(0))),
+                _mm256_set_m128i(quarter(3), quarter(2)),
+            )
+        });
         let mut acc = [_mm256_setzero_ps(); NT];
         for b in 0..nb {
             let x = &*w.add(b);
-            let (q, sc, sc16) = avx2::q6k_runs(x);
+            let (q, _, sc16) = avx2::q6k_runs(x);
             let q = [0, 1, 2, 3].map(|c| join(q[2 * c], q[2 * c + 1]));
-            let sc = [0, 1, 2, 3].map(|c| join(sc[2 * c], sc[2 * c + 1]));
+            let scales = _mm512_castsi256_si512(sc16);
+            let sc = pick.map(|p| _mm512_permutexvar_epi16(p, scales));
             let xd = x.d();
             for t in 0..NT {
                 let y = &*a[t].add(b);
