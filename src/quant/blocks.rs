@@ -509,21 +509,27 @@ pub fn scale_min_k4(j: usize, scales: &[u8; 12]) -> (u8, u8) {
     }
 }
 
-/// All 8 (scale, minimum) pairs of a Q4_K / Q5_K super-block: the same
-/// values as [`scale_min_k4`] for each `j`, four at a time in 32-bit words
-/// (the kernels call this once per super-block and row, where eight
-/// branchy byte extractions cost about as much as the multiplies).
+/// The 12 packed scale bytes of a K-quant super-block as three
+/// little-endian 32-bit words, for unpacking four scales at a time.
 #[inline(always)]
-pub fn scales_mins_k4(scales: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
-    let word = |i: usize| {
+fn scale_words(scales: &[u8; 12]) -> [u32; 3] {
+    std::array::from_fn(|i| {
         u32::from_le_bytes([
             scales[4 * i],
             scales[4 * i + 1],
             scales[4 * i + 2],
             scales[4 * i + 3],
         ])
-    };
-    let (w0, w1, w2) = (word(0), word(1), word(2));
+    })
+}
+
+/// All 8 (scale, minimum) pairs of a Q4_K / Q5_K super-block: the same
+/// values as [`scale_min_k4`] for each `j`, four at a time in 32-bit words
+/// (the kernels call this once per super-block and row, where eight
+/// branchy byte extractions cost about as much as the multiplies).
+#[inline(always)]
+pub fn scales_mins_k4(scales: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    let [w0, w1, w2] = scale_words(scales);
     const LOW6: u32 = 0x3f3f_3f3f;
     const LOW4: u32 = 0x0f0f_0f0f;
     const LOW2: u32 = 0x0303_0303;
@@ -545,15 +551,7 @@ pub fn scales_q3k(scales: &[u8; 12]) -> [i8; 16] {
     // over single scales: group `g` (scales 4g..4g+4) takes its nibbles
     // from word `g % 2` (shifted by 4 for g >= 2) and its top bits from
     // word 2 at shift 2g.
-    let word = |i: usize| {
-        u32::from_le_bytes([
-            scales[4 * i],
-            scales[4 * i + 1],
-            scales[4 * i + 2],
-            scales[4 * i + 3],
-        ])
-    };
-    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let [w0, w1, w2] = scale_words(scales);
     let lows = [w0, w1, w0 >> 4, w1 >> 4];
     let mut out = [0i8; 16];
     for (g, low) in lows.into_iter().enumerate() {
