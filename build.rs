@@ -33,6 +33,10 @@ const PACKAGES: &[Package] = &[
         module: "inferd_shard_v1",
         files: &["inferd/shard/v1/shard_runtime.proto"],
     },
+    Package {
+        module: "inferd_session_v1",
+        files: &["inferd/session/v1/session_service.proto"],
+    },
 ];
 
 fn main() -> Result<(), Box<dyn Error>> {

@@ -219,6 +219,28 @@ fn session_commands_round_trip_ids_between_processes() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("history_length"), "{}", stdout(&out));
 
+    // A fork at the prompt's end continues with the same golden tokens.
+    let at = prompt.len().to_string();
+    let out = server.client(&["session", "fork", &id, "--at", &at]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let fork = stdout(&out).trim().to_owned();
+    assert!(fork.len() >= 16 && fork != id, "fork id '{fork}'");
+    let steps_arg = steps.to_string();
+    let out = server.client(&[
+        "session",
+        "generate",
+        &fork,
+        "-n",
+        &steps_arg,
+        "--temperature",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), joined(expected, " "));
+    let out = server.client(&["session", "close", &fork]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), history.to_string());
+
     let out = server.client(&["session", "close", &id]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out).trim(), history.to_string());

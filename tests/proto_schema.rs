@@ -1,6 +1,7 @@
 //! Proves the generated gRPC code is what `protos/` says and what CONTRACT §2
 //! fixes: the field names, numbers and kinds of the base `kakeya.v1`
-//! messages, the five methods and their streaming kinds, and golden
+//! messages, the five methods and their streaming kinds, the `inferd.session.v1`
+//! extension service (CONTRACT §2.11), and golden
 //! serialized bytes per message type (committed under
 //! `tests/vectors/proto/`), which must also decode back to equal messages.
 //!
@@ -14,6 +15,7 @@ use std::path::PathBuf;
 
 use grpcio::MethodType;
 use inferd::proto::grpc_health_v1::{health, health_grpc};
+use inferd::proto::inferd_session_v1::{session_service, session_service_grpc};
 use inferd::proto::kakeya_v1::{runtime, runtime_grpc};
 use protobuf::descriptor::{
     DescriptorProto, FieldDescriptorProto, FieldDescriptorProto_Label, FieldDescriptorProto_Type,
@@ -301,6 +303,37 @@ fn runtime_service_descriptor_has_the_five_contract_methods() {
             m("GetSessionInfo", false),
         ]
     );
+}
+
+#[test]
+fn session_extension_schema_has_exactly_its_fields_and_one_unary_method() {
+    let file = session_service::file_descriptor_proto();
+    assert_eq!(file.get_package(), "inferd.session.v1");
+    assert_eq!(file.get_syntax(), "proto3");
+    assert_eq!(
+        sorted(describe_fields(file)),
+        sorted([
+            "ForkSessionRequest.session_id = 1: string",
+            "ForkSessionRequest.at_length = 2: optional uint64",
+            "ForkSessionRequest.client_label = 3: string",
+            "ForkSessionResponse.session_id = 1: string",
+            "ForkSessionResponse.history_length = 2: uint64",
+            "ForkSessionResponse.worker = 3: uint32",
+        ])
+    );
+    let p = ".inferd.session.v1.";
+    assert_eq!(
+        methods(file, "SessionService"),
+        [method(
+            "ForkSession",
+            &format!("{p}ForkSessionRequest"),
+            &format!("{p}ForkSessionResponse"),
+            false
+        )]
+    );
+    let fork = &session_service_grpc::METHOD_SESSION_SERVICE_FORK_SESSION;
+    assert_eq!(fork.name, "/inferd.session.v1.SessionService/ForkSession");
+    assert!(matches!(fork.ty, MethodType::Unary));
 }
 
 /// grpcio's `MethodType` has neither `PartialEq` nor `Debug`.

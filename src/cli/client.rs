@@ -1,5 +1,5 @@
-//! A blocking client for `kakeya.v1.RuntimeService`: one channel to one
-//! server, the bearer token and deadline attached to every call, and every
+//! A blocking client for `kakeya.v1.RuntimeService` and inferd's
+//! `inferd.session.v1.SessionService`: one channel to one server, the bearer token and deadline attached to every call, and every
 //! failure turned into a [`RemoteError`] that names the gRPC status.
 
 use std::sync::Arc;
@@ -9,6 +9,8 @@ use grpcio::{
 };
 
 use super::remote::{status_name, ConnectArgs, RemoteError};
+use crate::proto::inferd_session_v1::session_service::{ForkSessionRequest, ForkSessionResponse};
+use crate::proto::inferd_session_v1::session_service_grpc::SessionServiceClient;
 use crate::proto::kakeya_v1::runtime::{
     AppendTokensRequest, AppendTokensResponse, CloseSessionRequest, CreateSessionRequest,
     CreateSessionResponse, GenerateDone, GenerateRequest, GenerateResponse_oneof_payload,
@@ -20,6 +22,7 @@ use crate::sampler::SamplingParams;
 /// A connection to one inferd server.
 pub struct RemoteClient {
     client: RuntimeServiceClient,
+    extensions: SessionServiceClient,
     server: String,
     headers: Option<Metadata>,
     timeout: Option<std::time::Duration>,
@@ -72,6 +75,7 @@ impl RemoteClient {
             None => builder.connect(&server),
         };
         Ok(Self {
+            extensions: SessionServiceClient::new(channel.clone()),
             client: RuntimeServiceClient::new(channel),
             server,
             headers,
@@ -176,6 +180,25 @@ impl RemoteClient {
         req.set_session_id(session_id.to_owned());
         self.client
             .get_session_info_opt(&req, self.call_option())
+            .map_err(|e| self.fail(e))
+    }
+
+    /// Forks a session at `at_length` tokens (all of them when `None`); an
+    /// empty label keeps the source's.
+    pub fn fork(
+        &self,
+        session_id: &str,
+        at_length: Option<u64>,
+        label: &str,
+    ) -> Result<ForkSessionResponse, RemoteError> {
+        let mut req = ForkSessionRequest::new();
+        req.set_session_id(session_id.to_owned());
+        if let Some(at) = at_length {
+            req.set_at_length(at);
+        }
+        req.set_client_label(label.to_owned());
+        self.extensions
+            .fork_session_opt(&req, self.call_option())
             .map_err(|e| self.fail(e))
     }
 

@@ -1,4 +1,4 @@
-//! `inferd session create|append|generate|info|close`: one gRPC call per
+//! `inferd session create|append|generate|info|fork|close`: one gRPC call per
 //! command, token ids and session ids in and out, so a shell script can
 //! drive a server session step by step (`id=$(inferd session create)`).
 
@@ -23,6 +23,9 @@ pub enum SessionCommand {
     Generate(SessionGenerateArgs),
     /// Print a session's history length, memory and counters.
     Info(InfoArgs),
+    /// Fork a session (its history up to --at, KV shared copy-on-write) and
+    /// print the new session's id.
+    Fork(ForkArgs),
     /// Close a session, freeing its memory, and print its final history length.
     Close(CloseArgs),
 }
@@ -91,6 +94,20 @@ pub enum InfoFormat {
 }
 
 #[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// The source session id.
+    pub id: String,
+    /// History tokens the fork keeps [default: all of them].
+    #[arg(long, value_name = "LENGTH")]
+    pub at: Option<u64>,
+    /// The fork's label [default: the source's].
+    #[arg(long, default_value = "")]
+    pub label: String,
+    #[command(flatten)]
+    pub connect: ConnectArgs,
+}
+
+#[derive(Debug, Args)]
 pub struct CloseArgs {
     /// The session id.
     pub id: String,
@@ -154,6 +171,7 @@ pub fn run(command: SessionCommand) -> Result<(), CliError> {
         SessionCommand::Append(args) => append(args),
         SessionCommand::Generate(args) => generate(args),
         SessionCommand::Info(args) => info(args),
+        SessionCommand::Fork(args) => fork(args),
         SessionCommand::Close(args) => close(args),
     }
 }
@@ -168,6 +186,18 @@ fn create(args: CreateArgs) -> Result<(), CliError> {
         "session created"
     );
     println!("{}", created.get_session_id());
+    Ok(())
+}
+
+fn fork(args: ForkArgs) -> Result<(), CliError> {
+    let client = RemoteClient::connect(&args.connect)?;
+    let forked = client.fork(&args.id, args.at, &args.label)?;
+    tracing::info!(
+        history_length = forked.get_history_length(),
+        worker = forked.get_worker(),
+        "session forked"
+    );
+    println!("{}", forked.get_session_id());
     Ok(())
 }
 

@@ -119,6 +119,7 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     );
     for (outcome, n) in [
         ("created", stats.sessions_created),
+        ("forked", stats.sessions_forked),
         ("closed", stats.evicted_close),
         ("evicted_ttl", stats.evicted_ttl),
         ("evicted_lru", stats.evicted_lru),
@@ -384,6 +385,7 @@ mod tests {
         RuntimeStats {
             sessions_active: 3,
             sessions_created: 7,
+            sessions_forked: 2,
             sessions_failed: 1,
             evicted_ttl: 1,
             evicted_lru: 1,
@@ -588,6 +590,7 @@ mod tests {
         };
         assert_eq!(get("inferd_session_active", &[]), 3.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
+        assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "failed")]), 1.0);
         assert_eq!(
             get(

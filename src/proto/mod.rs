@@ -10,6 +10,9 @@
 //! - [`inferd_shard_v1`]: the shard protocol between a coordinator and the
 //!   shards that each run a layer range, `inferd.shard.v1.ShardRuntime`
 //!   (`protos/inferd/shard/v1/shard_runtime.proto`), laid out the same way.
+//! - [`inferd_session_v1`]: inferd's extensions to the client API on the
+//!   same server, `inferd.session.v1.SessionService`
+//!   (`protos/inferd/session/v1/session_service.proto`): ForkSession.
 //!
 //! Messages are rust-protobuf 2 types (`protobuf::Message`); proto3
 //! `optional` fields have `has_*`/`clear_*` accessors and are sent whenever
@@ -61,6 +64,23 @@ pub mod grpc_health_v1 {
 )]
 pub mod inferd_shard_v1 {
     include!(concat!(env!("OUT_DIR"), "/inferd_shard_v1.rs"));
+}
+
+/// `inferd.session.v1`: calls on kakeya.v1 sessions beyond the published
+/// schema (CONTRACT §2.11).
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    renamed_and_removed_lints,
+    unknown_lints,
+    missing_docs,
+    unused_qualifications,
+    unused_parens,
+    mismatched_lifetime_syntaxes,
+    deprecated
+)]
+pub mod inferd_session_v1 {
+    include!(concat!(env!("OUT_DIR"), "/inferd_session_v1.rs"));
 }
 
 #[cfg(test)]

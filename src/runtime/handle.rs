@@ -12,9 +12,9 @@ use crossbeam_channel::{bounded, Sender, TrySendError};
 
 use super::worker::{AdmittedGenerate, Command, Op, Worker, WorkersState};
 use super::{
-    notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateRequest,
-    GenerateStream, Pending, RuntimeConfig, RuntimeError, RuntimeStats, SessionId, SessionInfo,
-    WorkerGauges, WorkerStats,
+    notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply,
+    ForkSession, GenerateRequest, GenerateStream, Pending, RuntimeConfig, RuntimeError,
+    RuntimeStats, SessionId, SessionInfo, WorkerGauges, WorkerStats,
 };
 use crate::kv::KvPool;
 use crate::model::Model;
@@ -169,13 +169,7 @@ impl Runtime {
     ) -> Result<Pending<SessionId>, RuntimeError> {
         req.validate()?;
         let worker = self.pick_worker();
-        let n = self.workers.len();
-        let id = loop {
-            let id = SessionId::random()?;
-            if id.worker_index(n) == worker {
-                break id;
-            }
-        };
+        let id = self.draw_id(worker)?;
         let (tx, rx) = notify::channel(1);
         self.send(
             worker,
@@ -183,6 +177,50 @@ impl Runtime {
                 id,
                 req,
                 reply: tx,
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
+    /// A fresh session id that worker `worker` owns.
+    fn draw_id(&self, worker: usize) -> Result<SessionId, RuntimeError> {
+        let n = self.workers.len();
+        loop {
+            let id = SessionId::random()?;
+            if id.worker_index(n) == worker {
+                return Ok(id);
+            }
+        }
+    }
+
+    /// ForkSession: runs in the source's queue, after the operations already
+    /// waiting there; the fork is made on the source's worker, where its
+    /// pages are (any worker could read them, but the source's history and
+    /// logits are only consistent between two of its operations, which only
+    /// its worker sees).
+    pub fn fork_session(
+        &self,
+        req: ForkSession,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<ForkReply>, RuntimeError> {
+        req.validate()?;
+        let worker = req.source.worker_index(self.workers.len());
+        let fork = self.draw_id(worker)?;
+        let (tx, rx) = notify::channel(1);
+        self.send(
+            worker,
+            Command::Enqueue {
+                id: req.source,
+                op: Op::Fork {
+                    fork,
+                    at_length: req.at_length,
+                    client_label: req.client_label,
+                    reply: tx,
+                },
                 deadline,
             },
         )?;
@@ -323,6 +361,7 @@ impl Runtime {
         RuntimeStats {
             sessions_active: self.shared.live_sessions.load(Ordering::Relaxed) as u64,
             sessions_created: load(&c.sessions_created),
+            sessions_forked: load(&c.sessions_forked),
             sessions_failed: load(&c.sessions_failed),
             evicted_ttl: load(&c.evicted_ttl),
             evicted_lru: load(&c.evicted_lru),

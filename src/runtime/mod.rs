@@ -45,7 +45,7 @@ pub use stats::{
 #[cfg(not(loom))]
 pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, StepRunner};
 pub use types::{
-    AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, GenerateDone,
-    GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending, RuntimeConfig,
-    SamplingOptions, SessionInfo, StopReason,
+    AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
+    GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,
+    RuntimeConfig, SamplingOptions, SessionInfo, StopReason,
 };

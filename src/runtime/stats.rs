@@ -90,6 +90,8 @@ pub struct Counters {
     pub inv1_violations: AtomicU64,
     pub inv2_violations: AtomicU64,
     pub sessions_created: AtomicU64,
+    /// Sessions made by ForkSession (not counted in `sessions_created`).
+    pub sessions_forked: AtomicU64,
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: AtomicU64,
     pub tokens_generated: AtomicU64,
@@ -132,6 +134,8 @@ impl std::fmt::Debug for WorkerGauges {
 pub struct RuntimeStats {
     pub sessions_active: u64,
     pub sessions_created: u64,
+    /// Sessions made by ForkSession (not counted in `sessions_created`).
+    pub sessions_forked: u64,
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: u64,
     pub evicted_ttl: u64,

@@ -175,6 +175,33 @@ pub struct AppendReply {
     pub dropped_token_count: u64,
 }
 
+/// ForkSession: a new session on the source's worker holding the source's
+/// first `at_length` history tokens, its KV shared page by page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForkSession {
+    pub source: SessionId,
+    /// History tokens the fork keeps; `None`: all of them.
+    pub at_length: Option<u64>,
+    /// The fork's label; `None`: the source's (at most
+    /// [`limits::MAX_CLIENT_LABEL_BYTES`] bytes).
+    pub client_label: Option<String>,
+}
+
+impl ForkSession {
+    /// Checks what needs no session.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        let label = self.client_label.as_deref().unwrap_or_default();
+        at_most("client_label", "bytes", label.len(), MAX_CLIENT_LABEL_BYTES)
+    }
+}
+
+/// What a fork made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkReply {
+    pub id: SessionId,
+    pub history_length: u64,
+}
+
 /// The sampling knobs of a Generate; `None` means "not set".
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SamplingOptions {

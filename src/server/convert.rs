@@ -5,10 +5,11 @@
 
 use grpcio::{RpcStatus, RpcStatusCode};
 
+use crate::proto::inferd_session_v1::session_service as ext;
 use crate::proto::kakeya_v1::runtime as pb;
 use crate::runtime::{
-    AppendTokens, CreateSession, GenerateDone, GenerateEvent, GenerateRequest, RuntimeError,
-    SamplingOptions, SessionId, SessionInfo, StatusKind, StopReason,
+    AppendTokens, CreateSession, ForkSession, GenerateDone, GenerateEvent, GenerateRequest,
+    RuntimeError, SamplingOptions, SessionId, SessionInfo, StatusKind, StopReason,
 };
 use crate::sampler::TokenLogprobs;
 
@@ -51,6 +52,18 @@ pub fn append_request(req: &mut pb::AppendTokensRequest) -> AppendTokens {
     AppendTokens {
         id: SessionId::parse_or_never_issued(req.get_session_id()),
         tokens: req.take_token_ids(),
+    }
+}
+
+/// A ForkSession request: an absent `at_length` forks the whole history, an
+/// empty label keeps the source's. As for an append, an id of any form the
+/// server never issues is NOT_FOUND only after the label was checked.
+pub fn fork_request(req: &mut ext::ForkSessionRequest) -> ForkSession {
+    let label = req.take_client_label();
+    ForkSession {
+        source: SessionId::parse_or_never_issued(req.get_session_id()),
+        at_length: req.has_at_length().then(|| req.get_at_length()),
+        client_label: (!label.is_empty()).then_some(label),
     }
 }
 

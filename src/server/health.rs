@@ -16,7 +16,11 @@ use crate::proto::grpc_health_v1::health::{
 use crate::proto::grpc_health_v1::health_grpc::Health;
 
 /// The service names this server answers for ("" is the server as a whole).
-pub const SERVICES: [&str; 2] = ["", "kakeya.v1.RuntimeService"];
+pub const SERVICES: [&str; 3] = [
+    "",
+    "kakeya.v1.RuntimeService",
+    "inferd.session.v1.SessionService",
+];
 
 /// The serving status, shared by the server and every health call.
 #[derive(Default)]

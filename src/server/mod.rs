@@ -1,5 +1,7 @@
-//! The gRPC front end: `kakeya.v1.RuntimeService` and `grpc.health.v1.Health`
-//! on a grpcio (gRPC C core) server in front of the [`crate::runtime`].
+//! The gRPC front end: `kakeya.v1.RuntimeService`, its extension
+//! `inferd.session.v1.SessionService` (ForkSession) and
+//! `grpc.health.v1.Health` on a grpcio (gRPC C core) server in front of the
+//! [`crate::runtime`].
 //!
 //! The completion-queue threads only decode, validate, check the bearer
 //! token and hand work to the owning worker through the runtime's bounded
@@ -197,6 +199,9 @@ impl Server {
         );
         let mut builder = grpcio::ServerBuilder::new(env)
             .register_service(service::runtime_service(RuntimeServiceImpl {
+                shared: Arc::clone(&shared),
+            }))
+            .register_service(service::session_service(RuntimeServiceImpl {
                 shared: Arc::clone(&shared),
             }))
             .register_service(create_health(health::HealthService {

@@ -1,4 +1,6 @@
-//! `kakeya.v1.RuntimeService` on grpcio: each handler decodes and validates
+//! `kakeya.v1.RuntimeService` and its extension
+//! `inferd.session.v1.SessionService` on grpcio: each handler decodes and
+//! validates
 //! on the completion-queue thread (a body that does not parse is
 //! INVALID_ARGUMENT, see `wire`), hands the work to the owning worker
 //! through the runtime's bounded channels, and spawns a small future that
@@ -19,6 +21,7 @@ use super::convert::{self, status_of};
 use super::deadline::call_deadline;
 use super::stats::{Method, ServerStats};
 use super::wire::{self, Incoming};
+use crate::proto::inferd_session_v1::session_service as ext;
 use crate::proto::kakeya_v1::runtime as pb;
 use crate::runtime::{GenerateEvent, Pending, Runtime, RuntimeError};
 
@@ -220,6 +223,40 @@ impl RuntimeServiceImpl {
         self.reply(&ctx, sink, Method::GetSessionInfo, started, move |info| {
             let mut msg = convert::info_message(&info, page_bytes);
             msg.set_worker(worker);
+            msg
+        });
+    }
+}
+
+/// The grpcio service of inferd's session extensions (ForkSession), on
+/// the same state, token check and counters as the RuntimeService.
+pub(crate) fn session_service(service: RuntimeServiceImpl) -> grpcio::Service {
+    let mut fork = service;
+    grpcio::ServiceBuilder::new()
+        .add_unary_handler(&wire::FORK_SESSION, move |ctx, req, sink| {
+            fork.fork_session(ctx, req, sink)
+        })
+        .build()
+}
+
+impl RuntimeServiceImpl {
+    fn fork_session(
+        &mut self,
+        ctx: RpcContext,
+        req: Incoming<ext::ForkSessionRequest>,
+        sink: UnarySink<ext::ForkSessionResponse>,
+    ) {
+        let deadline = call_deadline(ctx.deadline());
+        let started = req.message().and_then(|mut req| {
+            let request = convert::fork_request(&mut req);
+            self.shared.runtime.fork_session(request, deadline)
+        });
+        let workers = self.shared.runtime.workers();
+        self.reply(&ctx, sink, Method::ForkSession, started, move |reply| {
+            let mut msg = ext::ForkSessionResponse::new();
+            msg.set_session_id(reply.id.to_string());
+            msg.set_history_length(reply.history_length);
+            msg.set_worker(reply.id.worker_index(workers) as u32);
             msg
         });
     }

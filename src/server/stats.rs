@@ -14,15 +14,18 @@ pub enum Method {
     Generate,
     CloseSession,
     GetSessionInfo,
+    /// `inferd.session.v1.SessionService/ForkSession`.
+    ForkSession,
 }
 
 impl Method {
-    pub const ALL: [Method; 5] = [
+    pub const ALL: [Method; 6] = [
         Method::CreateSession,
         Method::AppendTokens,
         Method::Generate,
         Method::CloseSession,
         Method::GetSessionInfo,
+        Method::ForkSession,
     ];
 
     pub fn name(self) -> &'static str {
@@ -32,6 +35,7 @@ impl Method {
             Method::Generate => "Generate",
             Method::CloseSession => "CloseSession",
             Method::GetSessionInfo => "GetSessionInfo",
+            Method::ForkSession => "ForkSession",
         }
     }
 }
@@ -71,7 +75,7 @@ pub fn code_name(code: i32) -> &'static str {
 /// Counters of the gRPC front end.
 #[derive(Debug, Default)]
 pub struct ServerStats {
-    calls: [[AtomicU64; CODES]; 5],
+    calls: [[AtomicU64; CODES]; Method::ALL.len()],
     unauthenticated: AtomicU64,
     active_streams: AtomicU64,
 }

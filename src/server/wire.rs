@@ -1,6 +1,6 @@
-//! The `kakeya.v1.RuntimeService` methods as this server registers them:
-//! the generated methods' names and response codec, with a request codec
-//! that never fails the call itself.
+//! The `kakeya.v1.RuntimeService` and `inferd.session.v1.SessionService`
+//! methods as this server registers them: the generated methods' names and
+//! response codec, with a request codec that never fails the call itself.
 //!
 //! grpcio decodes a request before any handler runs and answers one its
 //! codec cannot decode with `INTERNAL: Failed to deserialize ...`. A body
@@ -13,6 +13,7 @@
 use grpcio::{GrpcSlice, Marshaller, MessageReader, Method, MethodType};
 use protobuf::Message;
 
+use crate::proto::inferd_session_v1::{session_service as ext, session_service_grpc};
 use crate::proto::kakeya_v1::runtime as pb;
 use crate::proto::kakeya_v1::runtime_grpc as generated;
 use crate::runtime::RuntimeError;
@@ -112,6 +113,14 @@ pub const GET_SESSION_INFO: Method<
     req_mar: lenient(),
     resp_mar: protobuf(),
 };
+
+pub const FORK_SESSION: Method<Incoming<ext::ForkSessionRequest>, ext::ForkSessionResponse> =
+    Method {
+        ty: MethodType::Unary,
+        name: session_service_grpc::METHOD_SESSION_SERVICE_FORK_SESSION.name,
+        req_mar: lenient(),
+        resp_mar: protobuf(),
+    };
 
 #[cfg(test)]
 mod tests {

@@ -34,6 +34,8 @@ use inferd::proto::grpc_health_v1::health::{
     HealthCheckRequest, HealthCheckResponse_ServingStatus as Serving,
 };
 use inferd::proto::grpc_health_v1::health_grpc::HealthClient;
+use inferd::proto::inferd_session_v1::session_service as ext;
+use inferd::proto::inferd_session_v1::session_service_grpc::SessionServiceClient;
 use inferd::proto::kakeya_v1::runtime as pb;
 use inferd::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
 use inferd::quant::GgmlType;
@@ -50,6 +52,7 @@ mod deadlines;
 mod determinism;
 mod errors;
 mod eviction;
+mod fork;
 mod generate;
 mod security;
 mod sessions;
@@ -139,6 +142,8 @@ fn status_of(err: grpcio::Error) -> Status {
 struct Served {
     server: Option<Server>,
     client: RuntimeServiceClient,
+    /// inferd's extension service on the same channel.
+    sessions: SessionServiceClient,
     /// The same channel for calls whose request bytes a test writes itself.
     raw: grpcio::Client,
     health: HealthClient,
@@ -158,6 +163,7 @@ impl Served {
         let channel = ChannelBuilder::new(Arc::clone(&env)).connect(&server.addr().to_string());
         Served {
             client: RuntimeServiceClient::new(channel.clone()),
+            sessions: SessionServiceClient::new(channel.clone()),
             raw: grpcio::Client::new(channel.clone()),
             health: HealthClient::new(channel),
             server: Some(server),
@@ -242,6 +248,18 @@ impl Served {
         self.client
             .close_session_opt(&req, self.opt())
             .map(|r| r.get_final_history_length())
+            .map_err(status_of)
+    }
+
+    /// ForkSession at `at` tokens (all of them when `None`).
+    fn fork(&self, id: &str, at: Option<u64>) -> Result<ext::ForkSessionResponse, Status> {
+        let mut req = ext::ForkSessionRequest::new();
+        req.set_session_id(id.into());
+        if let Some(at) = at {
+            req.set_at_length(at);
+        }
+        self.sessions
+            .fork_session_opt(&req, self.opt())
             .map_err(status_of)
     }
 

@@ -133,6 +133,7 @@ fn tls_serves_a_whole_session_and_refuses_plaintext() {
         .connect(&addr);
     let secure = Served {
         client: RuntimeServiceClient::new(channel.clone()),
+        sessions: SessionServiceClient::new(channel.clone()),
         raw: grpcio::Client::new(channel.clone()),
         health: HealthClient::new(channel),
         server: Some(server),

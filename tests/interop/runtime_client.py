@@ -5,7 +5,8 @@ The stubs are generated at run time from the repository's published
 `protos/` with grpcio-tools, so this proves that a client built from the
 .proto alone, with no inferd code, works: the full session lifecycle,
 streaming, every error status a client can provoke, deadlines and
-cancellation (CONTRACT section 2).
+cancellation (CONTRACT section 2), and inferd's ForkSession extension
+(section 2.11) from stubs of its own schema.
 
 Usage: runtime_client.py HOST:PORT [--max-sessions N] [--eviction none|lru]
 
@@ -49,6 +50,7 @@ def generate_stubs(out_dir):
     and imports the generated modules."""
     out_dir = pathlib.Path(out_dir)
     protoc(PROTOS, out_dir, "kakeya/v1/runtime.proto")
+    protoc(PROTOS, out_dir, "inferd/session/v1/session_service.proto")
     # The health schema's own path (grpc/health/v1) would put its modules
     # under the `grpc` package, which the grpcio runtime already owns; a copy
     # under another folder keeps the service name (it comes from the
@@ -63,7 +65,9 @@ def generate_stubs(out_dir):
     rpc = importlib.import_module("kakeya.v1.runtime_pb2_grpc")
     health_pb = importlib.import_module("inferd_health.health_pb2")
     health_rpc = importlib.import_module("inferd_health.health_pb2_grpc")
-    return pb, rpc, health_pb, health_rpc
+    ext_pb = importlib.import_module("inferd.session.v1.session_service_pb2")
+    ext_rpc = importlib.import_module("inferd.session.v1.session_service_pb2_grpc")
+    return pb, rpc, health_pb, health_rpc, ext_pb, ext_rpc
 
 
 def protoc(include, out_dir, proto):
@@ -221,6 +225,54 @@ def check_lifecycle(c):
     expect_status(grpc.StatusCode.NOT_FOUND, "second CloseSession", lambda: c.close(sid))
     expect_status(grpc.StatusCode.NOT_FOUND, "GetSessionInfo on a closed id", lambda: c.info(sid))
     return tokens
+
+
+def check_fork(c, channel, ext_pb, ext_rpc):
+    """ForkSession: the fork continues exactly like a session fed the same
+    history, and outlives its source. Needs two free session places."""
+    stub = ext_rpc.SessionServiceStub(channel)
+
+    def fork(sid, **at):
+        return stub.ForkSession(
+            ext_pb.ForkSessionRequest(session_id=sid, **at), timeout=CALL_TIMEOUT
+        )
+
+    at = len(PROMPT) - 2
+    independent = c.create(label="independent").session_id
+    c.append(independent, PROMPT[:at])
+    digest = c.info(independent).logits_digest
+    want, _, _ = c.generate(independent, max_tokens=4)
+    c.close(independent)
+
+    source = c.create(label="source").session_id
+    c.append(source, PROMPT)
+    forked = fork(source, at_length=at)
+    check(forked.history_length == at, f"fork history_length {forked.history_length}, want {at}")
+    check(forked.session_id != source, "the fork has its source's id")
+    info = c.info(forked.session_id)
+    check(info.logits_digest == digest, "the fork's logits differ from an independent session's")
+    check(info.client_label == "source", f"the fork's label is {info.client_label!r}")
+    expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "ForkSession past the history",
+        lambda: fork(source, at_length=len(PROMPT) + 1),
+    )
+    expect_status(
+        grpc.StatusCode.NOT_FOUND,
+        "ForkSession of an unknown id",
+        lambda: fork(unknown_id_like(source)),
+    )
+    c.close(source)
+    got, _, _ = c.generate(forked.session_id, max_tokens=4)
+    check(got == want, f"the fork generated {got}, an independent session {want}")
+    whole = fork(forked.session_id)
+    check(
+        whole.history_length == at + 4,
+        f"a fork without at_length kept {whole.history_length} tokens, want {at + 4}",
+    )
+    c.close(forked.session_id)
+    c.close(whole.session_id)
+    print(f"ok   ForkSession at {at}: same digest and tokens {got} as a fresh session")
 
 
 def check_eos(c, greedy):
@@ -530,12 +582,13 @@ def main():
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="inferd-stubs-") as out_dir:
-        pb, rpc, health_pb, health_rpc = generate_stubs(out_dir)
+        pb, rpc, health_pb, health_rpc, ext_pb, ext_rpc = generate_stubs(out_dir)
         with grpc.insecure_channel(args.address) as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
             c = Client(channel, pb, rpc)
             check_health(channel, health_pb, health_rpc)
             greedy = check_lifecycle(c)
+            check_fork(c, channel, ext_pb, ext_rpc)
             check_eos(c, greedy)
             check_invalid_arguments(c)
             check_unparsable_bodies(channel)

@@ -31,37 +31,26 @@ impl Worker {
             }
         }
         let id = w.id;
-        self.sessions.insert(
+        let kv = SessionKv::new(Arc::clone(&self.kv_pool));
+        self.add_session(
             id,
-            SessionSlot {
-                kv: SessionKv::new(Arc::clone(&self.kv_pool)),
-                history: Vec::new(),
-                next_logits: Vec::new(),
-                logits_digest: std::cell::Cell::new(None),
-                label: w.req.client_label,
-                eos: w.req.eos_token_ids,
-                inv1_violations: 0,
-                inv2_violations: 0,
-                truncated: 0,
-                high_water: 0,
-                last_used: Instant::now(),
-                active: None,
-                queue: VecDeque::new(),
-                short_since: None,
-                feed: Vec::new(),
-                feed_logits: LogitsWanted::None,
-            },
+            SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids),
         );
         self.shared
             .counters
             .sessions_created
             .fetch_add(1, Ordering::Relaxed);
-        self.gauges
-            .sessions
-            .store(self.sessions.len() as u64, Ordering::Relaxed);
         tracing::info!(session = %id, worker = self.index, "session created");
         let _ = w.reply.send(Ok(id));
         None
+    }
+
+    /// Adds a session that took its place under the limit.
+    pub(super) fn add_session(&mut self, id: SessionId, slot: SessionSlot) {
+        self.sessions.insert(id, slot);
+        self.gauges
+            .sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
     }
 
     /// Retries the creations waiting for a place. Returns whether any ended.
@@ -225,6 +214,30 @@ impl Worker {
                             undo: Some(undo),
                         });
                     }
+                    None
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    None
+                }
+            },
+            Op::Fork {
+                fork,
+                at_length,
+                client_label,
+                reply,
+            } => match self.prepare_fork(id, at_length) {
+                Ok(Forking::Later) => Some(Queued {
+                    op: Op::Fork {
+                        fork,
+                        at_length,
+                        client_label,
+                        reply,
+                    },
+                    deadline,
+                }),
+                Ok(Forking::Ready { kv, at }) => {
+                    self.add_fork(id, fork, kv, at, client_label, reply);
                     None
                 }
                 Err(e) => {

@@ -188,6 +188,11 @@ impl Worker {
         let Some(mut active) = slot.active.take() else {
             return;
         };
+        if matches!(active.work, Work::Fork { .. }) {
+            // A fork that could not be completed is not kept.
+            finish_with_error(active, err.clone());
+            return self.fail_session(id, err);
+        }
         if matches!(active.work, Work::Restore) {
             let removed = match err {
                 RuntimeError::Shard { status, message } => RuntimeError::Shard {

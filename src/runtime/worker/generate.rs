@@ -91,6 +91,10 @@ impl Worker {
                 let _ = reply.send(Err(err));
             }
             Work::Generate(gen) => self.end_generate(id, gen, end, history_length),
+            Work::Fork { reply, .. } => {
+                let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
+                let _ = reply.send(Err(err));
+            }
             Work::Restore => {}
         }
         if let Err(e) = undone {
@@ -170,7 +174,7 @@ impl Worker {
 }
 
 /// `n_fed` more prompt tokens of the session's call are in. Once all are,
-/// the call can no longer be undone: an append is answered, a Generate
+/// the call can no longer be undone: an append or a fork is answered, a Generate
 /// reports a truncation it made and starts decoding.
 fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
     let history_length = slot.history.len() as u64;
@@ -191,17 +195,22 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
     let took = active.prefill_started.elapsed();
     counters.prefill_duration.observe(took);
     match &mut active.work {
-        Work::Append { .. } | Work::Restore => {
+        Work::Append { .. } | Work::Restore | Work::Fork { .. } => {
             slot.last_used = Instant::now();
-            if let Some(Active {
-                work: Work::Append { reply, dropped, .. },
-                ..
-            }) = slot.active.take()
-            {
-                let _ = reply.send(Ok(AppendReply {
-                    history_length,
-                    dropped_token_count: dropped,
-                }));
+            match slot.active.take().map(|active| active.work) {
+                Some(Work::Append { reply, dropped, .. }) => {
+                    let _ = reply.send(Ok(AppendReply {
+                        history_length,
+                        dropped_token_count: dropped,
+                    }));
+                }
+                Some(Work::Fork { fork, reply }) => {
+                    let _ = reply.send(Ok(ForkReply {
+                        id: fork,
+                        history_length,
+                    }));
+                }
+                _ => {}
             }
         }
         Work::Generate(gen) => {

@@ -34,7 +34,7 @@ use super::notify::NotifySender;
 use super::stats::{Counters, WorkerGauges};
 use super::step::{StepError, StepFeed, StepRunner};
 use super::{
-    AppendReply, CloseReply, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent,
+    AppendReply, CloseReply, CreateSession, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
     StopReason,
 };
@@ -44,9 +44,11 @@ use crate::sampler::{
     CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
 };
 use crate::threads::{CoreGroup, ThreadPool, Wake};
+use fork::Forking;
 
 mod admission;
 mod batch;
+mod fork;
 mod generate;
 mod room;
 #[cfg(test)]
@@ -89,6 +91,14 @@ pub(crate) enum Op {
     Close {
         reply: Reply<CloseReply>,
     },
+    /// Make session `fork` (drawn for this worker) from this one's first
+    /// `at_length` tokens.
+    Fork {
+        fork: SessionId,
+        at_length: Option<u64>,
+        client_label: Option<String>,
+        reply: Reply<ForkReply>,
+    },
 }
 
 impl Op {
@@ -97,6 +107,7 @@ impl Op {
         match self {
             Op::Append { reply, .. } => drop(reply.send(Err(err))),
             Op::Close { reply } => drop(reply.send(Err(err))),
+            Op::Fork { reply, .. } => drop(reply.send(Err(err))),
             Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
         }
     }
@@ -211,6 +222,13 @@ enum Work {
     /// history is fed again (bit-identical by INV-3) before anything else
     /// runs on it. Nobody waits for it and nothing cuts it short.
     Restore,
+    /// A fork short of its source's end feeds its last token again for the
+    /// logits after it; the fork is answered once that is in. Nothing cuts
+    /// it short (one token); if the step fails, the fork is removed.
+    Fork {
+        fork: SessionId,
+        reply: Reply<ForkReply>,
+    },
 }
 
 /// The operation a session is running: prompt tokens still to feed (after
@@ -337,6 +355,29 @@ struct SessionSlot {
 }
 
 impl SessionSlot {
+    /// A session holding `kv`, with an empty history unless the caller
+    /// fills it in.
+    fn new(kv: SessionKv, label: String, eos: Vec<u32>) -> Self {
+        SessionSlot {
+            high_water: kv.len(),
+            kv,
+            history: Vec::new(),
+            next_logits: Vec::new(),
+            logits_digest: std::cell::Cell::new(None),
+            label,
+            eos,
+            inv1_violations: 0,
+            inv2_violations: 0,
+            truncated: 0,
+            last_used: Instant::now(),
+            active: None,
+            queue: VecDeque::new(),
+            short_since: None,
+            feed: Vec::new(),
+            feed_logits: LogitsWanted::None,
+        }
+    }
+
     fn idle(&self) -> bool {
         self.active.is_none() && self.queue.is_empty()
     }
@@ -577,6 +618,7 @@ fn finish_with_error(active: Active, err: RuntimeError) {
     match active.work {
         Work::Append { reply, .. } => drop(reply.send(Err(err))),
         Work::Generate(gen) => drop(gen.events.try_send(GenerateEvent::Error(err))),
+        Work::Fork { reply, .. } => drop(reply.send(Err(err))),
         Work::Restore => {}
     }
 }
@@ -599,7 +641,7 @@ impl Active {
                     None
                 }
             }
-            Work::Restore => None,
+            Work::Restore | Work::Fork { .. } => None,
         }
     }
 }
