@@ -458,6 +458,12 @@ fn tiled(
     }
     let chunk_rows = (ROW_CHUNK_BYTES / w_row_bytes.max(1)).max(1);
     let act_ptr = |t: usize| acts[t * act_row_bytes..].as_ptr();
+    let prefetch_row_ahead = |r: usize| {
+        let ahead = w_rows
+            .as_ptr()
+            .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
+        prefetch_bytes(ahead, w_row_bytes);
+    };
     for chunk_start in rows.clone().step_by(chunk_rows) {
         let chunk_end = (chunk_start + chunk_rows).min(rows.end);
         let mut t = first_token;
@@ -465,10 +471,7 @@ fn tiled(
             let tile_acts: [*const u8; TILE] = std::array::from_fn(|i| act_ptr(t + i));
             for r in chunk_start..chunk_end {
                 if t == first_token {
-                    let ahead = w_rows
-                        .as_ptr()
-                        .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
-                    prefetch_bytes(ahead, w_row_bytes);
+                    prefetch_row_ahead(r);
                 }
                 let w = w_rows[r * w_row_bytes..].as_ptr();
                 // SAFETY: the level is supported; row `r` and tokens
@@ -483,10 +486,7 @@ fn tiled(
         for tt in t..n_tokens {
             let a = act_ptr(tt);
             for r in chunk_start..chunk_end {
-                let ahead = w_rows
-                    .as_ptr()
-                    .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
-                prefetch_bytes(ahead, w_row_bytes);
+                prefetch_row_ahead(r);
                 let w = w_rows[r * w_row_bytes..].as_ptr();
                 // SAFETY: as above, for the single token `tt`.
                 out[tt * out_rows + r] = unsafe { (kernel.one)(blocks, w, [a])[0] };
