@@ -77,6 +77,12 @@ pub struct ServeArgs {
     /// Most sessions alive at once [default: 1024].
     #[arg(long, env = "INFERD_MAX_SESSIONS")]
     pub max_sessions: Option<usize>,
+    /// Shared-prefix pages (16 positions over all layers each) kept after
+    /// the last session holding them let go, for the next session whose
+    /// history starts the same way; they give way first when the KV cache
+    /// is full [default: 0: pages go back as soon as no session holds them].
+    #[arg(long, env = "INFERD_PREFIX_CACHE_PAGES")]
+    pub prefix_cache_pages: Option<u64>,
     /// Seconds a session may stay idle before it is evicted [default: 1800].
     #[arg(long, env = "INFERD_IDLE_TTL")]
     pub idle_ttl: Option<f64>,
@@ -169,6 +175,7 @@ struct FileConfig {
     kv_mib: Option<u64>,
     kv_pages: Option<u64>,
     max_sessions: Option<usize>,
+    prefix_cache_pages: Option<u64>,
     idle_ttl: Option<f64>,
     eviction: Option<Eviction>,
     overflow: Option<Overflow>,
@@ -219,6 +226,8 @@ pub struct Settings {
     pub core_lending: bool,
     pub kv: KvSize,
     pub max_sessions: usize,
+    /// Pages of positions over all layers (`--prefix-cache-pages`).
+    pub prefix_cache_pages: u64,
     pub idle_ttl: Duration,
     pub eviction: Eviction,
     pub overflow: Overflow,
@@ -317,6 +326,10 @@ impl ServeArgs {
                 "max-sessions",
                 self.max_sessions.or(file.max_sessions).unwrap_or(1024),
             )?,
+            prefix_cache_pages: self
+                .prefix_cache_pages
+                .or(file.prefix_cache_pages)
+                .unwrap_or(0),
             idle_ttl: seconds(
                 "idle-ttl",
                 self.idle_ttl.or(file.idle_ttl).unwrap_or(1800.0),
@@ -405,6 +418,11 @@ impl Settings {
             lend_cores: self.core_lending,
             kv_bytes,
             max_sessions: self.max_sessions,
+            prefix_cache_pages: usize::try_from(
+                self.prefix_cache_pages
+                    .saturating_mul(layout.n_layers as u64),
+            )
+            .unwrap_or(usize::MAX),
             idle_ttl: self.idle_ttl,
             eviction: match self.eviction {
                 Eviction::Lru => EvictionPolicy::Lru,

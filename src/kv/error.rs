@@ -39,6 +39,13 @@ pub enum KvError {
     /// A fork longer than the session's committed length.
     #[error("cannot fork {requested} KV positions: only {len} are committed")]
     ForkBeyondLength { requested: usize, len: usize },
+    /// Shared-prefix pages offered to a session that is not at the end of
+    /// a page with nothing reserved past it.
+    #[error("cannot map shared pages after {len} KV positions with {capacity} reserved")]
+    AdoptNotAtPageEnd { len: usize, capacity: usize },
+    /// Shared-prefix pages that do not have one pool page per layer.
+    #[error("shared pages come {pages} to a position range, the cache has {layers} layers")]
+    AdoptLayerMismatch { pages: usize, layers: usize },
     /// A write into a page another session also holds (a fork or a shared
     /// prefix): it must be copied first ([`SessionKv::reserve`] does).
     ///

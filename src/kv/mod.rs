@@ -11,13 +11,20 @@
 //!   (INV-2), a sliding-window layer gives back the pages its window left
 //!   behind once the session is settled, and [`SessionKv::live_bytes`] is
 //!   exactly the K and V kept for the committed positions.
+//! - [`PrefixIndex`] lists full pages by the exact tokens before and in
+//!   them, so sessions with the same history prefix map one set of pages.
 
 mod alloc;
 mod error;
 pub mod pool;
+// The index is a mutex-guarded map, not part of what loom checks.
+#[cfg(not(loom))]
+mod prefix;
 mod session;
 
 pub use alloc::{PageAllocator, MAX_PAGES};
 pub use error::KvError;
 pub use pool::{KvBacking, KvLayout, KvPool, KvPoolConfig, DEFAULT_PAGE_POSITIONS};
+#[cfg(not(loom))]
+pub use prefix::{EntryId, PrefixIndex, PrefixMatch, PrefixStats};
 pub use session::{KvBlocks, SessionKv};

@@ -300,6 +300,49 @@ impl SessionKv {
         result.map(|()| fork)
     }
 
+    /// The pool page of every layer holding positions of page `index`
+    /// (`index * page_positions` on), or `None` when a window layer gave it
+    /// back or it is not reserved.
+    pub fn page_ids(&self, index: usize) -> Option<Box<[u32]>> {
+        self.layers
+            .iter()
+            .map(|table| {
+                index
+                    .checked_sub(table.dropped)
+                    .and_then(|i| table.pages.get(i).copied())
+            })
+            .collect()
+    }
+
+    /// Appends full pages another session computed (shared-prefix pages,
+    /// one pool page per layer each, a reference already taken for this
+    /// session) as committed positions. Only at a page boundary with
+    /// nothing reserved beyond the committed length; on an error nothing
+    /// changed and the references are still the caller's.
+    pub fn adopt(&mut self, pages: &[Box<[u32]>]) -> Result<(), KvError> {
+        let aligned = self.len & (self.page_positions - 1) == 0;
+        if !aligned || self.capacity() != self.len {
+            return Err(KvError::AdoptNotAtPageEnd {
+                len: self.len,
+                capacity: self.capacity(),
+            });
+        }
+        if let Some(bad) = pages.iter().find(|p| p.len() != self.n_layers) {
+            return Err(KvError::AdoptLayerMismatch {
+                pages: bad.len(),
+                layers: self.n_layers,
+            });
+        }
+        for page in pages {
+            for (table, &p) in self.layers.iter_mut().zip(page.iter()) {
+                table.pages.push_back(p);
+            }
+        }
+        self.end_page += pages.len();
+        self.len = self.end_page << self.page_shift;
+        Ok(())
+    }
+
     /// Pages this session holds that another session holds too.
     pub fn shared_pages(&self) -> usize {
         let allocator = self.pool.allocator();

@@ -202,6 +202,30 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "KV pages in the shared pool.",
         stats.kv_total_pages,
     );
+    e.single(
+        "kv_used_bytes",
+        "gauge",
+        "Bytes of the KV pool's pages in use, each counted once however many sessions share it.",
+        stats.kv_used_bytes,
+    );
+    e.single(
+        "prefix_reused_tokens_total",
+        "counter",
+        "History tokens whose KV was mapped from shared-prefix pages instead of computed.",
+        stats.prefix_reused_tokens,
+    );
+    e.single(
+        "prefix_entries",
+        "gauge",
+        "Pages of positions the shared-prefix index lists.",
+        stats.prefix_entries,
+    );
+    e.single(
+        "prefix_cached_pages",
+        "gauge",
+        "KV pool pages only the shared-prefix cache holds (freed first when the pool is short).",
+        stats.prefix_cached_pages,
+    );
     render_workers(&mut e, stats);
     if let Some(shards) = &stats.shards {
         render_shards(&mut e, shards);
@@ -386,6 +410,10 @@ mod tests {
             sessions_active: 3,
             sessions_created: 7,
             sessions_forked: 2,
+            prefix_reused_tokens: 64,
+            prefix_entries: 5,
+            prefix_cached_pages: 4,
+            kv_used_bytes: 4096,
             sessions_failed: 1,
             evicted_ttl: 1,
             evicted_lru: 1,
@@ -591,6 +619,10 @@ mod tests {
         assert_eq!(get("inferd_session_active", &[]), 3.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
+        assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);
+        assert_eq!(get("inferd_prefix_entries", &[]), 5.0);
+        assert_eq!(get("inferd_prefix_cached_pages", &[]), 4.0);
+        assert_eq!(get("inferd_kv_used_bytes", &[]), 4096.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "failed")]), 1.0);
         assert_eq!(
             get(

@@ -16,7 +16,7 @@ use super::{
     ForkSession, GenerateRequest, GenerateStream, Pending, RuntimeConfig, RuntimeError,
     RuntimeStats, SessionId, SessionInfo, WorkerGauges, WorkerStats,
 };
-use crate::kv::KvPool;
+use crate::kv::{KvPool, PrefixIndex};
 use crate::model::Model;
 
 struct WorkerHandle {
@@ -58,7 +58,13 @@ impl Runtime {
         };
         let (wakers, wake_receivers): (Vec<_>, Vec<_>) =
             (0..cfg.workers).map(|_| bounded::<()>(1)).unzip();
-        let shared = Arc::new(WorkersState::new(wakers, cfg.lend_cores));
+        let mut state = WorkersState::new(wakers, cfg.lend_cores);
+        // A coordinator's pool only counts pages: the K and V are on the
+        // shards, per session.
+        state.prefix = kv_pool
+            .holds_rows()
+            .then(|| PrefixIndex::new(Arc::clone(&kv_pool), cfg.prefix_cache_pages));
+        let shared = Arc::new(state);
         let mut workers = Vec::with_capacity(cfg.workers);
         for (index, wake) in wake_receivers.into_iter().enumerate() {
             let (tx, rx) = bounded(cfg.worker_queue);
@@ -338,6 +344,12 @@ impl Runtime {
         let c = &self.shared.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let now = self.shared.epoch.elapsed().as_secs();
+        let prefix = self
+            .shared
+            .prefix
+            .as_ref()
+            .map(|index| index.stats())
+            .unwrap_or_default();
         let workers: Vec<WorkerStats> = self
             .workers
             .iter()
@@ -362,6 +374,14 @@ impl Runtime {
             sessions_active: self.shared.live_sessions.load(Ordering::Relaxed) as u64,
             sessions_created: load(&c.sessions_created),
             sessions_forked: load(&c.sessions_forked),
+            prefix_reused_tokens: load(&c.prefix_reused_tokens),
+            prefix_entries: prefix.entries as u64,
+            prefix_cached_pages: prefix.cached_pages as u64,
+            kv_used_bytes: self
+                .kv_pool
+                .total_pages()
+                .saturating_sub(self.kv_pool.free_pages()) as u64
+                * self.kv_page_bytes,
             sessions_failed: load(&c.sessions_failed),
             evicted_ttl: load(&c.evicted_ttl),
             evicted_lru: load(&c.evicted_lru),

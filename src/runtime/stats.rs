@@ -92,6 +92,9 @@ pub struct Counters {
     pub sessions_created: AtomicU64,
     /// Sessions made by ForkSession (not counted in `sessions_created`).
     pub sessions_forked: AtomicU64,
+    /// History tokens whose KV was mapped from shared-prefix pages instead
+    /// of computed.
+    pub prefix_reused_tokens: AtomicU64,
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: AtomicU64,
     pub tokens_generated: AtomicU64,
@@ -136,6 +139,16 @@ pub struct RuntimeStats {
     pub sessions_created: u64,
     /// Sessions made by ForkSession (not counted in `sessions_created`).
     pub sessions_forked: u64,
+    /// History tokens whose KV was mapped from shared-prefix pages.
+    pub prefix_reused_tokens: u64,
+    /// Pages of positions the shared-prefix index lists.
+    pub prefix_entries: u64,
+    /// Pool pages only the prefix cache holds.
+    pub prefix_cached_pages: u64,
+    /// Bytes of the pool's pages in use, each counted once however many
+    /// sessions hold it (the per-session `kv_live_bytes` count shared
+    /// pages in every holder).
+    pub kv_used_bytes: u64,
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: u64,
     pub evicted_ttl: u64,

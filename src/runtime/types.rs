@@ -70,6 +70,10 @@ pub struct RuntimeConfig {
     pub prefill_step_budget: Duration,
     /// Most live sessions over all workers.
     pub max_sessions: usize,
+    /// Pool pages (one layer's page each) of shared-prefix pages kept after
+    /// the last session holding them let go, for a later session with the
+    /// same history prefix; they give way when the pool is short.
+    pub prefix_cache_pages: usize,
     /// A session idle this long is evicted.
     pub idle_ttl: Duration,
     pub overflow: OverflowPolicy,
@@ -101,6 +105,7 @@ impl Default for RuntimeConfig {
             prefill_chunk: 64,
             prefill_step_budget: Duration::from_millis(200),
             max_sessions: 1024,
+            prefix_cache_pages: 0,
             idle_ttl: Duration::from_secs(1800),
             overflow: OverflowPolicy::Truncate { sink: 4 },
             eviction: EvictionPolicy::Lru,

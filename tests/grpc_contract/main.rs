@@ -54,6 +54,7 @@ mod errors;
 mod eviction;
 mod fork;
 mod generate;
+mod prefix;
 mod security;
 mod sessions;
 mod shutdown;

@@ -109,6 +109,7 @@ impl Worker {
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
         }
+        self.trim_prefix_cache();
         self.runner.release(id);
         self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
         let c = &self.shared.counters;
@@ -278,12 +279,23 @@ impl Worker {
             .history
             .len();
         if len + tokens.len() <= context {
-            if self.reserve(id, len + tokens.len())? == Got::Later {
-                return Ok(Begin::Later);
+            // Pages other sessions computed for these tokens first: only
+            // the rest is reserved and fed.
+            let mapped = self.map_prefix(id, tokens);
+            match self.reserve(id, len + tokens.len()) {
+                Ok(Got::Now) => {}
+                Ok(Got::Later) => {
+                    self.unmap_prefix(id, len);
+                    return Ok(Begin::Later);
+                }
+                Err(e) => {
+                    self.unmap_prefix(id, len);
+                    return Err(e);
+                }
             }
             let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
             return Ok(Begin::Prefill {
-                pending: tokens.to_vec(),
+                pending: tokens[mapped..].to_vec(),
                 dropped: 0,
                 undo: Undo {
                     kind: UndoKind::Shorten(len),

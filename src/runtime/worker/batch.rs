@@ -236,6 +236,7 @@ impl Worker {
                 self.fail_session(id, e);
                 continue;
             }
+            self.list_full_pages(id);
             self.after_feed(id);
             self.settle_kv(id);
         }

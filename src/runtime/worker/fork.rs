@@ -61,6 +61,9 @@ impl Worker {
                         wait => wait,
                     }
                 }
+                Err(KvError::Exhausted { wanted, free }) if self.reclaim_cached(wanted, free) => {
+                    Wait::Retry
+                }
                 Err(KvError::Exhausted { wanted, free }) => {
                     // Evict nothing for a fork that would fail anyway.
                     if free.saturating_add(self.evictable_pages(source)) < wanted {

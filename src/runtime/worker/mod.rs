@@ -38,7 +38,7 @@ use super::{
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
     StopReason,
 };
-use crate::kv::{KvError, KvPool, SessionKv};
+use crate::kv::{EntryId, KvError, KvPool, PrefixIndex, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
     CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
@@ -50,6 +50,7 @@ mod admission;
 mod batch;
 mod fork;
 mod generate;
+mod prefix;
 mod room;
 #[cfg(test)]
 mod tests;
@@ -139,6 +140,9 @@ pub(crate) struct WorkersState {
     /// The workers that lend each other their cores while they wait for
     /// their own work (`None`: each computes on its own thread alone).
     pub(crate) lending: Option<Arc<CoreGroup>>,
+    /// Full pages any session computed, by the tokens before and in them
+    /// (`None` where the pool holds no rows: the layers run on shards).
+    pub(crate) prefix: Option<PrefixIndex>,
 }
 
 impl WorkersState {
@@ -162,6 +166,7 @@ impl WorkersState {
         });
         WorkersState {
             lending,
+            prefix: None,
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
             board: EvictionBoard::new(wakers.len()),
@@ -352,6 +357,25 @@ struct SessionSlot {
     /// What this step feeds for the session.
     feed: Vec<u32>,
     feed_logits: LogitsWanted,
+    /// How far the history's full pages are listed in the shared-prefix
+    /// index (`None`: they are not, and will not be).
+    prefix: Option<PrefixCursor>,
+}
+
+/// The first `pages` full pages of a session's history are listed in the
+/// shared-prefix index, the last of them as `entry`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PrefixCursor {
+    entry: EntryId,
+    pages: usize,
+}
+
+impl PrefixCursor {
+    /// Nothing listed yet: listing walks the index from its root.
+    const START: PrefixCursor = PrefixCursor {
+        entry: PrefixIndex::ROOT,
+        pages: 0,
+    };
 }
 
 impl SessionSlot {
@@ -375,6 +399,7 @@ impl SessionSlot {
             short_since: None,
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
+            prefix: Some(PrefixCursor::START),
         }
     }
 

@@ -48,7 +48,9 @@ impl Worker {
             .filter(|(worker, _)| *worker != self.index)
             .map(|(_, pages)| pages.load(Ordering::Relaxed))
             .sum();
-        local.saturating_add(others)
+        local
+            .saturating_add(others)
+            .saturating_add(self.cached_pages())
     }
 
     /// Frees room by evicting the least recently used idle session of any
@@ -181,6 +183,10 @@ impl Worker {
                     return Ok(Got::Now);
                 }
                 Err(KvError::Exhausted { wanted, free }) => {
+                    // Pages no session holds go first.
+                    if self.reclaim_cached(wanted, free) {
+                        continue;
+                    }
                     // Decide from the numbers first: evict nothing for a
                     // request that would fail anyway.
                     if free.saturating_add(self.evictable_pages(id)) < wanted {
@@ -235,9 +241,13 @@ impl Worker {
                     slot.logits_digest.set(None);
                     slot.high_water = 0;
                     slot.short_since = None;
+                    slot.prefix = Some(PrefixCursor::START);
                     return Ok(Restarted::Now(undo));
                 }
                 Err(KvError::Exhausted { wanted, free }) => {
+                    if self.reclaim_cached(wanted, free) {
+                        continue;
+                    }
                     let own = self
                         .sessions
                         .get(&id)
@@ -288,7 +298,8 @@ impl Worker {
         };
         slot.logits_digest.set(None);
         slot.high_water = 0;
-        match slot.kv.reserve(positions) {
+        slot.prefix = Some(PrefixCursor::START);
+        match self.reserve_own_pages_again(id, positions) {
             Ok(()) => Ok(Restarted::Now(undo)),
             Err(e) => {
                 let err = match e {
@@ -302,6 +313,23 @@ impl Worker {
         }
     }
 
+    /// Reserves `positions` for a session that just gave its pages back.
+    /// Those of its full pages the prefix index also listed went to the
+    /// cache, not the pool: they are reclaimed if the pool is short.
+    fn reserve_own_pages_again(&mut self, id: SessionId, positions: usize) -> Result<(), KvError> {
+        let reserved = match self.sessions.get_mut(&id) {
+            Some(slot) => slot.kv.reserve(positions),
+            None => return Ok(()),
+        };
+        match reserved {
+            Err(KvError::Exhausted { wanted, free }) if self.reclaim_cached(wanted, free) => self
+                .sessions
+                .get_mut(&id)
+                .map_or(Ok(()), |slot| slot.kv.reserve(positions)),
+            other => other,
+        }
+    }
+
     /// Puts a session back as `undo` says, after its call stopped halfway.
     /// When its pages were given back for an in-place truncation, the old
     /// history is queued to be fed again as the session's next work.
@@ -310,34 +338,45 @@ impl Worker {
         slot.feed.clear();
         slot.truncated = undo.truncated;
         slot.logits_digest.set(None);
-        match undo.kind {
+        // Pages it had listed may be cut off: list again from the start.
+        slot.prefix = Some(PrefixCursor::START);
+        let recompute = match undo.kind {
             UndoKind::Shorten(len) => {
                 slot.history.truncate(len);
                 slot.kv.roll_back_to(len)?;
                 slot.next_logits = undo.next_logits;
+                None
             }
             UndoKind::SwapBack { kv, history } => {
                 let mut partial = std::mem::replace(&mut slot.kv, kv);
                 slot.history = history;
                 slot.next_logits = undo.next_logits;
                 partial.release()?;
+                None
             }
             UndoKind::Recompute { history } => {
                 slot.kv.release()?;
                 slot.history.clear();
                 slot.next_logits.clear();
-                slot.kv.reserve(history.len()).map_err(|e| match e {
+                Some(history)
+            }
+        };
+        if let Some(history) = &recompute {
+            self.reserve_own_pages_again(id, history.len())
+                .map_err(|e| match e {
                     KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
                     e => e.into(),
                 })?;
-                slot.active = Some(Active {
-                    work: Work::Restore,
-                    pending: history,
-                    fed: 0,
-                    prefill_started: Instant::now(),
-                    undo: None,
-                });
-            }
+        }
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        if let Some(history) = recompute {
+            slot.active = Some(Active {
+                work: Work::Restore,
+                pending: history,
+                fed: 0,
+                prefill_started: Instant::now(),
+                undo: None,
+            });
         }
         // The one deliberate decrease of the committed length (INV-2).
         slot.high_water = slot.kv.len();
