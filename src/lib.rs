@@ -14,6 +14,8 @@
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
 //! - [`stop`]: why a generation ended, for the engine and the runtime.
+//! - [`durable`]: session journals in a state directory, so sessions
+//!   outlive the process.
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
 //! - [`proto`]: the gRPC wire types generated from `protos/` (client API,
@@ -36,6 +38,8 @@ pub mod chat_template;
 pub mod cli;
 #[cfg(not(loom))]
 pub mod cluster;
+#[cfg(not(loom))]
+pub mod durable;
 pub mod engine;
 pub mod gguf;
 pub mod kv;

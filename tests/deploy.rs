@@ -185,6 +185,12 @@ fn config_copy(dir: &Path, shipped: &str, edit: impl Fn(String) -> String) -> Pa
             if line.starts_with("model = ") {
                 replaced = true;
                 format!("model = {:?}\n", model.display().to_string())
+            } else if line.starts_with("state_dir = ") {
+                // Sessions of a test stay in its own folder.
+                format!(
+                    "state_dir = {:?}\n",
+                    dir.join("state").display().to_string()
+                )
             } else {
                 format!("{line}\n")
             }

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const CLIENT: &str = "tests/interop/runtime_client.py";
+const RESTART_CLIENT: &str = "tests/interop/restart_client.py";
 /// The session limit the server runs with; the client fills it up to
 /// provoke RESOURCE_EXHAUSTED.
 const MAX_SESSIONS: &str = "2";
@@ -190,6 +191,46 @@ fn drive_with_python(extra: &[&str]) {
         stdout.contains("interop: every check passed"),
         "the python client exited 0 without finishing:\n{stdout}"
     );
+    stops_gracefully_on_sigterm(server);
+}
+
+#[test]
+fn a_stock_python_clients_session_survives_a_sigkill_and_restart_of_the_server() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let Some(python) = python_env() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    let state = state.to_str().expect("UTF-8 path");
+    let run = |args: &[&str], server: &ServerGuard| {
+        let out = Command::new(&python)
+            .arg(RESTART_CLIENT)
+            .args(args)
+            .output()
+            .expect("run the python client");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "the python client failed (exit {:?}):\n{stdout}\n{}\n--- server log ---\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr),
+            server.log_text()
+        );
+        stdout
+    };
+    let (mut server, addr) = start_server(dir.path(), &["--state-dir", state]);
+    let first = run(&["first", &addr], &server);
+    let mut words = first.split_whitespace();
+    let (id, digest) = (words.next().expect("id"), words.next().expect("digest"));
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    let (server, addr) = start_server(dir.path(), &["--state-dir", state]);
+    let second = run(&["second", &addr, id, digest], &server);
+    assert!(second.contains("restart: the session survived"), "{second}");
     stops_gracefully_on_sigterm(server);
 }
 

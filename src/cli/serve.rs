@@ -19,6 +19,7 @@ use crate::cluster::coordinator::{ShardPlan, ShardSpec};
 use crate::cluster::fingerprint::sha256_of_file;
 use crate::cluster::layers::ShardLayers;
 use crate::cluster::payload::Encoding;
+use crate::durable::{Durability, SessionStore};
 use crate::model::Model;
 use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
 use crate::sampler::SamplerChoice;
@@ -31,6 +32,18 @@ pub enum Eviction {
     /// The least recently used idle session is evicted.
     Lru,
     /// Nothing is evicted: the request fails with RESOURCE_EXHAUSTED.
+    None,
+}
+
+/// When a session's journal write is on disk (with `--state-dir`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DurabilityArg {
+    /// Before the call is answered: nothing acknowledged is lost.
+    Sync,
+    /// Within 5 ms after it (group commit): a crash loses at most that.
+    Batch,
+    /// When the operating system writes it back.
     None,
 }
 
@@ -114,6 +127,14 @@ pub struct ServeArgs {
     /// PEM private key of --tls-cert.
     #[arg(long, env = "INFERD_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Keep sessions in this directory (their journals), so that they
+    /// survive a restart or a crash: each comes back under its id with its
+    /// history [default: off: sessions live as long as the process].
+    #[arg(long, env = "INFERD_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// When a session's change is on disk, with --state-dir [default: sync].
+    #[arg(long, value_enum, env = "INFERD_DURABILITY")]
+    pub durability: Option<DurabilityArg>,
     /// Seconds to let calls finish after SIGTERM/SIGINT before cancelling
     /// them [default: 30].
     #[arg(long, env = "INFERD_DRAIN_TIMEOUT")]
@@ -186,6 +207,8 @@ struct FileConfig {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     drain_timeout: Option<f64>,
+    state_dir: Option<PathBuf>,
+    durability: Option<DurabilityArg>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
     shards: Option<Vec<String>>,
@@ -204,6 +227,7 @@ impl FileConfig {
             &mut cfg.auth_token_file,
             &mut cfg.tls_cert,
             &mut cfg.tls_key,
+            &mut cfg.state_dir,
         ]
         .into_iter()
         .flatten()
@@ -237,6 +261,8 @@ pub struct Settings {
     pub allow_unauthenticated: bool,
     pub tls: Option<(PathBuf, PathBuf)>,
     pub drain_timeout: Duration,
+    pub state_dir: Option<PathBuf>,
+    pub durability: DurabilityArg,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
     /// Empty: this process runs every layer.
@@ -349,6 +375,11 @@ impl ServeArgs {
                 "drain-timeout",
                 self.drain_timeout.or(file.drain_timeout).unwrap_or(30.0),
             )?,
+            state_dir: self.state_dir.clone().or(file.state_dir),
+            durability: self
+                .durability
+                .or(file.durability)
+                .unwrap_or(DurabilityArg::Sync),
             completion_queues: match self.completion_queues.or(file.completion_queues) {
                 Some(n) => Some(positive("completion-queues", n)?),
                 None => None,
@@ -392,6 +423,24 @@ impl Settings {
         )
         .map_err(|e| CliError::Usage(format!("shards: {e}")))?;
         Ok(Some(Arc::new(plan)))
+    }
+
+    /// The state directory's journals, opened (created) and locked, for
+    /// sessions of this model file (its SHA-256 is in every journal). Not
+    /// for `--check`, which changes nothing on disk.
+    fn session_store(&self) -> Result<Option<Arc<SessionStore>>, CliError> {
+        let Some(dir) = &self.state_dir else {
+            return Ok(None);
+        };
+        let hash = sha256_of_file(&self.model)?;
+        let durability = match self.durability {
+            DurabilityArg::Sync => Durability::Sync,
+            DurabilityArg::Batch => Durability::Batch,
+            DurabilityArg::None => Durability::None,
+        };
+        let store = SessionStore::open(dir, hash, durability)
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        Ok(Some(Arc::new(store)))
     }
 
     /// Opens the files the settings name and builds the server's
@@ -523,11 +572,11 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         path: settings.model.display().to_string(),
         source,
     })?;
-    let cfg = settings.serve_config(&model)?;
+    let mut cfg = settings.serve_config(&model)?;
     if args.check {
         println!(
             "configuration ok: model {} ({} layers, vocabulary {}, context {}), listen {}, \
-             {} workers, KV {}, tls {}, auth token {}, sampler {}",
+             {} workers, KV {}, tls {}, auth token {}, sampler {}, sessions {}",
             settings.model.display(),
             model.config.n_layers,
             model.config.vocab,
@@ -549,12 +598,21 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 Some(adapter) => format!("wgpu on {adapter}"),
                 None => "cpu".into(),
             },
+            match &settings.state_dir {
+                Some(dir) => format!(
+                    "kept in {} ({} durability)",
+                    dir.display(),
+                    format!("{:?}", settings.durability).to_lowercase()
+                ),
+                None => "in memory only".into(),
+            },
         );
         if !settings.shards.is_empty() {
             println!("{}", cfg.runtime.layers.describe());
         }
         return Ok(());
     }
+    cfg.runtime.state = settings.session_store()?;
     let server = Server::start(Arc::new(model), cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     tracing::info!(
         model = %settings.model.display(),

@@ -120,6 +120,7 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     for (outcome, n) in [
         ("created", stats.sessions_created),
         ("forked", stats.sessions_forked),
+        ("restored", stats.sessions_restored),
         ("closed", stats.evicted_close),
         ("evicted_ttl", stats.evicted_ttl),
         ("evicted_lru", stats.evicted_lru),
@@ -207,6 +208,12 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "gauge",
         "Bytes of the KV pool's pages in use, each counted once however many sessions share it.",
         stats.kv_used_bytes,
+    );
+    e.single(
+        "session_restore_refused_total",
+        "counter",
+        "Session journals not restored at start (untrusted, or no place or KV room).",
+        stats.restore_refused,
     );
     e.single(
         "prefix_reused_tokens_total",
@@ -411,6 +418,8 @@ mod tests {
             sessions_created: 7,
             sessions_forked: 2,
             prefix_reused_tokens: 64,
+            sessions_restored: 3,
+            restore_refused: 1,
             prefix_entries: 5,
             prefix_cached_pages: 4,
             kv_used_bytes: 4096,
@@ -620,6 +629,8 @@ mod tests {
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);
+        assert_eq!(get("inferd_session_total", &[("outcome", "restored")]), 3.0);
+        assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
         assert_eq!(get("inferd_prefix_entries", &[]), 5.0);
         assert_eq!(get("inferd_prefix_cached_pages", &[]), 4.0);
         assert_eq!(get("inferd_kv_used_bytes", &[]), 4096.0);

@@ -96,6 +96,34 @@ impl Runtime {
                 thread: Some(thread),
             });
         }
+        if let Some(store) = &cfg.state {
+            let (recovered, refused) = store.recover(model.config.vocab, model.config.context);
+            for r in &refused {
+                tracing::error!(journal = %r.path.display(), reason = %r.reason, "session not restored");
+            }
+            shared
+                .counters
+                .restore_refused
+                .fetch_add(refused.len() as u64, Ordering::Relaxed);
+            tracing::info!(
+                sessions = recovered.len(),
+                refused = refused.len(),
+                "restoring sessions from the state directory"
+            );
+            for session in recovered {
+                let worker = session.id.worker_index(workers.len());
+                // Blocking: the worker is running and drains its queue.
+                if workers[worker]
+                    .commands
+                    .send(Command::Restore(Box::new(session)))
+                    .is_err()
+                {
+                    return Err(RuntimeError::Internal(format!(
+                        "worker {worker} stopped during the restore"
+                    )));
+                }
+            }
+        }
         Ok(Runtime {
             kv_page_bytes,
             workers,
@@ -375,6 +403,8 @@ impl Runtime {
             sessions_created: load(&c.sessions_created),
             sessions_forked: load(&c.sessions_forked),
             prefix_reused_tokens: load(&c.prefix_reused_tokens),
+            sessions_restored: load(&c.sessions_restored),
+            restore_refused: load(&c.restore_refused),
             prefix_entries: prefix.entries as u64,
             prefix_cached_pages: prefix.cached_pages as u64,
             kv_used_bytes: self

@@ -95,6 +95,10 @@ pub struct Counters {
     /// History tokens whose KV was mapped from shared-prefix pages instead
     /// of computed.
     pub prefix_reused_tokens: AtomicU64,
+    /// Sessions read back from the state directory at start.
+    pub sessions_restored: AtomicU64,
+    /// Journals that were read but found no place or pages.
+    pub restore_refused: AtomicU64,
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: AtomicU64,
     pub tokens_generated: AtomicU64,
@@ -141,6 +145,11 @@ pub struct RuntimeStats {
     pub sessions_forked: u64,
     /// History tokens whose KV was mapped from shared-prefix pages.
     pub prefix_reused_tokens: u64,
+    /// Sessions read back from the state directory at start.
+    pub sessions_restored: u64,
+    /// Journals not restored: unreadable or untrusted (renamed `*.refused`),
+    /// or without a place or pages (left for a later start).
+    pub restore_refused: u64,
     /// Pages of positions the shared-prefix index lists.
     pub prefix_entries: u64,
     /// Pool pages only the prefix cache holds.

@@ -92,6 +92,11 @@ pub struct RuntimeConfig {
     /// `serve --shards` hands the runtime a chain of shards.
     #[cfg(not(loom))]
     pub layers: Arc<dyn Layers>,
+    /// The state directory's journals (`serve --state-dir`): sessions are
+    /// journaled as calls complete and restored at start. `None`: sessions
+    /// live as long as the process.
+    #[cfg(not(loom))]
+    pub state: Option<Arc<crate::durable::SessionStore>>,
 }
 
 impl Default for RuntimeConfig {
@@ -115,6 +120,8 @@ impl Default for RuntimeConfig {
             sampler: SelectedSampler::Cpu,
             #[cfg(not(loom))]
             layers: Arc::new(LocalLayers),
+            #[cfg(not(loom))]
+            state: None,
         }
     }
 }

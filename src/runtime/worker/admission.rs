@@ -32,10 +32,20 @@ impl Worker {
         }
         let id = w.id;
         let kv = SessionKv::new(Arc::clone(&self.kv_pool));
-        self.add_session(
-            id,
-            SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids),
-        );
+        let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids);
+        if let Some(store) = &self.cfg.state {
+            match store.create(id, &slot.label, &slot.eos, &[]) {
+                Ok(journal) => slot.journal = Some(journal),
+                Err(e) => {
+                    self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                    let _ = w.reply.send(Err(RuntimeError::Internal(format!(
+                        "cannot start the session's journal: {e}"
+                    ))));
+                    return None;
+                }
+            }
+        }
+        self.add_session(id, slot);
         self.shared
             .counters
             .sessions_created
@@ -43,6 +53,64 @@ impl Worker {
         tracing::info!(session = %id, worker = self.index, "session created");
         let _ = w.reply.send(Ok(id));
         None
+    }
+
+    /// Adds a session read back from the state directory, its history to be
+    /// fed again as its first work (calls on it wait behind that). Nothing
+    /// is evicted for it: one that finds no place or no pages is left in
+    /// the directory for a later start, and reported.
+    pub(super) fn restore(&mut self, session: Recovered) {
+        let Recovered {
+            id,
+            label,
+            eos,
+            history,
+            journal,
+            torn_bytes,
+        } = session;
+        let refuse = |why: &str| {
+            tracing::error!(session = %id, "not restored: {why}; its journal stays for a later start");
+        };
+        if self.sessions.contains_key(&id) {
+            return refuse("a session with its id exists");
+        }
+        if !self.claim_session() {
+            self.shared
+                .counters
+                .restore_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return refuse("the session limit is reached");
+        }
+        let mut kv = SessionKv::new(Arc::clone(&self.kv_pool));
+        if let Err(e) = kv.reserve(history.len()) {
+            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+            self.shared
+                .counters
+                .restore_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return refuse(&format!("no KV room for its {} tokens: {e}", history.len()));
+        }
+        if torn_bytes > 0 {
+            tracing::warn!(session = %id, torn_bytes, "a torn last journal write was dropped");
+        }
+        let mut slot = SessionSlot::new(kv, label, eos);
+        slot.journal = Some(journal);
+        let tokens = history.len();
+        if !history.is_empty() {
+            slot.active = Some(Active {
+                work: Work::Restore,
+                pending: history,
+                fed: 0,
+                prefill_started: Instant::now(),
+                undo: None,
+            });
+        }
+        self.add_session(id, slot);
+        self.shared
+            .counters
+            .sessions_restored
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, tokens, "session restored");
     }
 
     /// Adds a session that took its place under the limit.
@@ -80,8 +148,17 @@ impl Worker {
     pub(super) fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
         let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
         let busy = !slot.idle();
+        // A history being fed again (a restore) is the session's history.
+        let history_length = match &slot.active {
+            Some(Active {
+                work: Work::Restore,
+                pending,
+                ..
+            }) => pending.len(),
+            _ => slot.history.len(),
+        };
         Ok(SessionInfo {
-            history_length: slot.history.len() as u64,
+            history_length: history_length as u64,
             kv_live_bytes: self.runner.kv_live_bytes(&slot.kv),
             inv1_violations: slot.inv1_violations,
             inv2_violations: slot.inv2_violations,
@@ -108,6 +185,11 @@ impl Worker {
         let mut slot = self.sessions.remove(&id)?;
         if let Err(e) = slot.kv.release() {
             tracing::error!(session = %id, "freeing KV: {e}");
+        }
+        if let Some(journal) = slot.journal.take() {
+            if let Err(e) = journal.remove() {
+                tracing::error!(session = %id, "deleting the session's journal: {e}");
+            }
         }
         self.trim_prefix_cache();
         self.runner.release(id);
@@ -371,6 +453,8 @@ impl Worker {
             top_logprobs: req.sampling.top_logprobs as usize,
             pending_logprobs: None,
             shift_dropped: None,
+            history_start: slot.history.len(),
+            rewritten: false,
         };
         slot.active = Some(Active {
             work: Work::Generate(Box::new(gen)),

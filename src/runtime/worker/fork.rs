@@ -133,6 +133,21 @@ impl Worker {
             });
             None
         };
+        if let Some(store) = &self.cfg.state {
+            match store.create(fork, &slot.label, &slot.eos, &src.history[..at]) {
+                Ok(journal) => slot.journal = Some(journal),
+                Err(e) => {
+                    self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                    let err =
+                        RuntimeError::Internal(format!("cannot start the fork's journal: {e}"));
+                    match slot.active.take() {
+                        Some(active) => finish_with_error(active, err),
+                        None => drop(answer_now.map(|reply| reply.send(Err(err)))),
+                    }
+                    return;
+                }
+            }
+        }
         let shared_pages = slot.kv.shared_pages();
         self.add_session(fork, slot);
         self.shared

@@ -131,6 +131,20 @@ impl Worker {
         if matches!(end, Ok(StopReason::Cancelled)) {
             self.runner.cancel(id);
         }
+        // What the call added is journaled before its end is told.
+        if let Some(slot) = self.sessions.get_mut(&id) {
+            let record = if gen.rewritten {
+                Some(Record::Reset(slot.history.clone()))
+            } else {
+                slot.history
+                    .get(gen.history_start..)
+                    .filter(|added| !added.is_empty())
+                    .map(|added| Record::Append(added.to_vec()))
+            };
+            if let Some(record) = record {
+                slot.journal(record);
+            }
+        }
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
                 stop_reason,
@@ -181,6 +195,19 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
     let Some(active) = slot.active.as_mut() else {
         return;
     };
+    // What an append changed, for the journal: tokens after the length it
+    // started from, or a whole new history after a truncation.
+    let record = match (&active.work, &active.undo) {
+        (
+            Work::Append { .. },
+            Some(Undo {
+                kind: UndoKind::Shorten(len),
+                ..
+            }),
+        ) => Some(Record::Append(slot.history[*len..].to_vec())),
+        (Work::Append { .. }, Some(_)) => Some(Record::Reset(slot.history.clone())),
+        _ => None,
+    };
     active.fed += n_fed;
     counters
         .prefill_tokens
@@ -197,6 +224,9 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
     match &mut active.work {
         Work::Append { .. } | Work::Restore | Work::Fork { .. } => {
             slot.last_used = Instant::now();
+            if let Some(record) = record {
+                slot.journal(record);
+            }
             match slot.active.take().map(|active| active.work) {
                 Some(Work::Append { reply, dropped, .. }) => {
                     let _ = reply.send(Ok(AppendReply {

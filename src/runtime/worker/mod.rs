@@ -38,6 +38,8 @@ use super::{
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
     StopReason,
 };
+use crate::durable::journal::Record;
+use crate::durable::{JournalFile, Recovered};
 use crate::kv::{EntryId, KvError, KvPool, PrefixIndex, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
@@ -75,6 +77,9 @@ pub(crate) enum Command {
         id: SessionId,
         reply: Reply<SessionInfo>,
     },
+    /// A session read back from the state directory: add it and feed its
+    /// history again.
+    Restore(Box<Recovered>),
     Shutdown,
 }
 
@@ -213,6 +218,10 @@ struct Generating {
     /// `Truncated` once the kept window is in (never if the call stops
     /// first and the shift is undone).
     shift_dropped: Option<u64>,
+    /// The history's length when the call began, and whether a window
+    /// shift rewrote it since: what the journal records at the end.
+    history_start: usize,
+    rewritten: bool,
 }
 
 enum Work {
@@ -360,6 +369,8 @@ struct SessionSlot {
     /// How far the history's full pages are listed in the shared-prefix
     /// index (`None`: they are not, and will not be).
     prefix: Option<PrefixCursor>,
+    /// The session's journal in the state directory (`None` without one).
+    journal: Option<JournalFile>,
 }
 
 /// The first `pages` full pages of a session's history are listed in the
@@ -400,6 +411,25 @@ impl SessionSlot {
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
             prefix: Some(PrefixCursor::START),
+            journal: None,
+        }
+    }
+
+    /// Journals a completed change of the history. A journal that cannot be
+    /// written is deleted (a restart must not bring back a stale history)
+    /// and the session goes on without one; the failure is logged.
+    fn journal(&mut self, record: Record) {
+        let Some(journal) = &self.journal else {
+            return;
+        };
+        if let Err(e) = journal.append(&record) {
+            tracing::error!(
+                label = %self.label,
+                "session journal write failed, the session is no longer durable: {e}"
+            );
+            if let Some(journal) = self.journal.take() {
+                let _ = journal.remove();
+            }
         }
     }
 
@@ -620,6 +650,7 @@ impl Worker {
             Command::Info { id, reply } => {
                 let _ = reply.send(self.info(id));
             }
+            Command::Restore(session) => self.restore(*session),
             Command::Enqueue { id, op, deadline } => {
                 let limit = self.cfg.session_queue;
                 let Some(slot) = self.sessions.get_mut(&id) else {

@@ -426,6 +426,7 @@ impl Worker {
         if let Some(active) = slot.active.as_mut() {
             if let Work::Generate(gen) = &mut active.work {
                 gen.shift_dropped = Some(dropped);
+                gen.rewritten = true;
                 gen.prefill_tokens += kept.len() as u64;
             }
             active.pending = kept;

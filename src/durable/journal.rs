@@ -1,0 +1,328 @@
+//! The bytes of one session's journal file: a header naming the session and
+//! the model it was computed with, then records that each change the
+//! committed history. Everything is little-endian and every piece carries a
+//! CRC-32C, so a reader can tell a torn tail (the last write cut short by a
+//! crash: its data was never acknowledged under `sync`) from damage in the
+//! middle (the history after it is unknown: the session is refused, never
+//! restored short).
+//!
+//! ```text
+//! header  "INFERDJ1" | version u32 | model sha256 [32] | session id [16]
+//!         | eos count u32 | eos ids u32... | label length u32 | label bytes
+//!         | crc32c u32 (of everything before it)
+//! record  payload length u32 | its bitwise complement u32
+//!         | crc32c u32 (of kind and payload) | kind u8
+//!         | payload: token count u32 | token ids u32...
+//! kinds   1 Append (the tokens follow the history), 2 Reset (they replace it)
+//! ```
+
+use thiserror::Error;
+
+/// The first bytes of every journal file.
+pub const MAGIC: &[u8; 8] = b"INFERDJ1";
+/// The format of the records after the magic; a reader refuses others.
+pub const VERSION: u32 = 1;
+/// Most bytes of one record's payload: a full context of 2^20 tokens.
+const MAX_PAYLOAD: usize = 4 + 4 * (1 << 20);
+/// Bytes before a record's payload: length twice, checksum, kind.
+const RECORD_HEAD: usize = 13;
+
+/// Who a journal belongs to and what computed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub model_sha256: [u8; 32],
+    pub session: [u8; 16],
+    pub eos: Vec<u32>,
+    pub label: String,
+}
+
+/// One change to the committed history.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// Tokens appended (by an append or a Generate).
+    Append(Vec<u32>),
+    /// The whole history, replacing the old one (a truncation, or the
+    /// first record of a fork).
+    Reset(Vec<u32>),
+}
+
+/// Why a journal's bytes cannot be read (the session is not restored).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum JournalError {
+    #[error("not a session journal (bad magic)")]
+    BadMagic,
+    #[error("journal format version {0}, this build reads {VERSION}")]
+    Version(u32),
+    #[error("the header is cut short or its checksum does not match")]
+    BadHeader,
+    #[error("a record at byte {offset} is damaged and more follow it")]
+    DamagedRecord { offset: usize },
+}
+
+/// What reading a journal found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replayed {
+    pub header: Header,
+    /// The committed history the records add up to.
+    pub history: Vec<u32>,
+    /// Bytes of whole, verified records (header included): where the next
+    /// record goes.
+    pub good_len: usize,
+    /// Bytes after them that were a torn last write and are dropped.
+    pub torn_bytes: usize,
+}
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// The header's bytes.
+pub fn encode_header(header: &Header) -> Vec<u8> {
+    let mut out = Vec::with_capacity(96 + header.label.len() + 4 * header.eos.len());
+    out.extend_from_slice(MAGIC);
+    put_u32(&mut out, VERSION);
+    out.extend_from_slice(&header.model_sha256);
+    out.extend_from_slice(&header.session);
+    put_u32(&mut out, header.eos.len() as u32);
+    for &id in &header.eos {
+        put_u32(&mut out, id);
+    }
+    put_u32(&mut out, header.label.len() as u32);
+    out.extend_from_slice(header.label.as_bytes());
+    let crc = crc32c::crc32c(&out);
+    put_u32(&mut out, crc);
+    out
+}
+
+/// One record's bytes.
+pub fn encode_record(record: &Record) -> Vec<u8> {
+    let (kind, tokens) = match record {
+        Record::Append(t) => (1u8, t),
+        Record::Reset(t) => (2u8, t),
+    };
+    let payload_len = 4 + 4 * tokens.len();
+    let mut out = Vec::with_capacity(RECORD_HEAD + payload_len);
+    put_u32(&mut out, payload_len as u32);
+    // A length with a flipped bit must read as damage, not as a record
+    // running past the end (a torn write).
+    put_u32(&mut out, !(payload_len as u32));
+    put_u32(&mut out, 0);
+    out.push(kind);
+    put_u32(&mut out, tokens.len() as u32);
+    for &t in tokens {
+        put_u32(&mut out, t);
+    }
+    let crc = crc32c::crc32c(&out[12..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Reads little-endian words off a byte slice.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        let end = self.at.checked_add(n)?;
+        let got = self.bytes.get(self.at..end)?;
+        self.at = end;
+        Some(got)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn tokens(&mut self, count: usize) -> Option<Vec<u32>> {
+        let bytes = self.take(count.checked_mul(4)?)?;
+        Some(
+            bytes
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        )
+    }
+}
+
+fn parse_header(r: &mut Reader<'_>) -> Result<Header, JournalError> {
+    if r.take(MAGIC.len()) != Some(MAGIC.as_slice()) {
+        return Err(JournalError::BadMagic);
+    }
+    let version = r.u32().ok_or(JournalError::BadHeader)?;
+    if version != VERSION {
+        return Err(JournalError::Version(version));
+    }
+    let bad = || JournalError::BadHeader;
+    let model_sha256: [u8; 32] = r.take(32).ok_or_else(bad)?.try_into().map_err(|_| bad())?;
+    let session: [u8; 16] = r.take(16).ok_or_else(bad)?.try_into().map_err(|_| bad())?;
+    let eos_count = r.u32().ok_or_else(bad)? as usize;
+    let eos = r.tokens(eos_count).ok_or_else(bad)?;
+    let label_len = r.u32().ok_or_else(bad)? as usize;
+    let label = r.take(label_len).ok_or_else(bad)?.to_vec();
+    let covered = r.at;
+    let crc = r.u32().ok_or_else(bad)?;
+    if crc != crc32c::crc32c(&r.bytes[..covered]) {
+        return Err(bad());
+    }
+    let label = String::from_utf8(label).map_err(|_| bad())?;
+    Ok(Header {
+        model_sha256,
+        session,
+        eos,
+        label,
+    })
+}
+
+/// Replays a journal: its header and the history its records add up to. A
+/// record that is cut short or fails its checksum is a torn tail when
+/// nothing follows it (dropped, and reported in `torn_bytes`), and damage
+/// (the whole journal refused) when more bytes do.
+pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
+    let mut r = Reader { bytes, at: 0 };
+    let header = parse_header(&mut r)?;
+    let mut history = Vec::new();
+    loop {
+        let start = r.at;
+        if start == bytes.len() {
+            break;
+        }
+        let torn = |history: Vec<u32>, header: Header| Replayed {
+            header,
+            history,
+            good_len: start,
+            torn_bytes: bytes.len() - start,
+        };
+        let (Some(len), Some(check), Some(crc)) = (r.u32(), r.u32(), r.u32()) else {
+            return Ok(torn(history, header));
+        };
+        let len = len as usize;
+        if check != !(len as u32) || len > MAX_PAYLOAD {
+            return Err(JournalError::DamagedRecord { offset: start });
+        }
+        let Some(body) = r.take(1 + len) else {
+            // A length past the end: the write was cut short.
+            return Ok(torn(history, header));
+        };
+        let record = (crc32c::crc32c(body) == crc)
+            .then(|| decode_body(body))
+            .flatten();
+        match record {
+            Some(Record::Append(tokens)) => history.extend_from_slice(&tokens),
+            Some(Record::Reset(tokens)) => history = tokens,
+            None if r.at == bytes.len() => return Ok(torn(history, header)),
+            None => return Err(JournalError::DamagedRecord { offset: start }),
+        }
+    }
+    Ok(Replayed {
+        header,
+        history,
+        good_len: bytes.len(),
+        torn_bytes: 0,
+    })
+}
+
+/// A record's kind and payload, checked for shape.
+fn decode_body(body: &[u8]) -> Option<Record> {
+    let (&kind, payload) = body.split_first()?;
+    let mut r = Reader {
+        bytes: payload,
+        at: 0,
+    };
+    let count = r.u32()? as usize;
+    let tokens = r.tokens(count)?;
+    if r.at != payload.len() {
+        return None;
+    }
+    match kind {
+        1 => Some(Record::Append(tokens)),
+        2 => Some(Record::Reset(tokens)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            model_sha256: [7; 32],
+            session: [9; 16],
+            eos: vec![2, 3],
+            label: "agent ü".into(),
+        }
+    }
+
+    fn journal(records: &[Record]) -> Vec<u8> {
+        let mut bytes = encode_header(&header());
+        for r in records {
+            bytes.extend(encode_record(r));
+        }
+        bytes
+    }
+
+    #[test]
+    fn records_replay_to_the_history_they_describe() {
+        let bytes = journal(&[
+            Record::Append(vec![1, 2, 3]),
+            Record::Append(vec![4]),
+            Record::Reset(vec![1, 4]),
+            Record::Append(vec![5, 6]),
+        ]);
+        let got = replay(&bytes).unwrap();
+        assert_eq!(got.header, header());
+        assert_eq!(got.history, vec![1, 4, 5, 6]);
+        assert_eq!((got.good_len, got.torn_bytes), (bytes.len(), 0));
+        let empty = replay(&journal(&[])).unwrap();
+        assert!(empty.history.is_empty());
+    }
+
+    #[test]
+    fn a_torn_last_record_is_dropped_and_everything_before_it_kept() {
+        let whole = journal(&[Record::Append(vec![1, 2]), Record::Append(vec![3, 4, 5])]);
+        let first_end = whole.len() - encode_record(&Record::Append(vec![3, 4, 5])).len();
+        for cut in first_end + 1..whole.len() {
+            let got = replay(&whole[..cut]).unwrap();
+            assert_eq!(got.history, vec![1, 2], "cut at {cut}");
+            assert_eq!(got.good_len, first_end);
+            assert_eq!(got.torn_bytes, cut - first_end);
+        }
+        // A flipped bit in the last record is a torn write too.
+        let mut flipped = whole.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert_eq!(replay(&flipped).unwrap().history, vec![1, 2]);
+    }
+
+    #[test]
+    fn damage_before_the_last_record_refuses_the_whole_journal() {
+        let whole = journal(&[Record::Append(vec![1, 2]), Record::Append(vec![3])]);
+        let header_len = encode_header(&header()).len();
+        for at in header_len..header_len + encode_record(&Record::Append(vec![1, 2])).len() {
+            let mut bad = whole.clone();
+            bad[at] ^= 0x10;
+            assert_eq!(
+                replay(&bad),
+                Err(JournalError::DamagedRecord { offset: header_len }),
+                "flip at {at}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_damaged_or_foreign_header_is_refused() {
+        let whole = journal(&[Record::Append(vec![1])]);
+        for at in 0..encode_header(&header()).len() {
+            let mut bad = whole.clone();
+            bad[at] ^= 0x01;
+            assert!(replay(&bad).is_err(), "flip at {at}");
+        }
+        let mut other = whole.clone();
+        other[8..12].copy_from_slice(&2u32.to_le_bytes());
+        assert_eq!(replay(&other), Err(JournalError::Version(2)));
+        assert_eq!(replay(b"hello"), Err(JournalError::BadMagic));
+        assert_eq!(replay(&whole[..20]), Err(JournalError::BadHeader));
+    }
+}

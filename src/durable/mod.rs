@@ -1,0 +1,16 @@
+//! Sessions that outlive the process (`inferd serve --state-dir DIR`).
+//!
+//! A session's committed token history is the truth: its KV is a pure
+//! function of it (CONTRACT §2.2), so a restart rebuilds the KV from the
+//! history and lands on the same bits. Each session has a journal in the
+//! state directory ([`journal`] says its bytes, [`store`] where it lives and
+//! when it is on disk); the workers write it as calls complete, and
+//! `Runtime::start` reads every journal back and feeds each history again
+//! before the session takes new calls.
+
+pub mod journal;
+mod store;
+
+pub use store::{
+    Durability, JournalFile, Recovered, Refused, SessionStore, StoreError, BATCH_WINDOW,
+};

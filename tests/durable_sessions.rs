@@ -1,0 +1,415 @@
+//! Sessions that outlive the process (`inferd serve --state-dir`, CONTRACT
+//! §2.13), with real processes and real files: a server under load killed
+//! with SIGKILL at random moments and started again on the same directory,
+//! fifty times, keeps every acknowledged token of every session and nothing
+//! else, each with the logits of a cold recompute of its history (checked
+//! against a second server that never crashed); damaged, truncated and
+//! foreign journals are refused with reasons while the rest come back.
+
+#![cfg(unix)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inferd::gguf::synthetic::SyntheticLlama;
+use inferd::quant::GgmlType;
+use inferd::runtime::RuntimeConfig;
+use inferd::server::{ServeConfig, Server};
+use rand::{Rng, SeedableRng};
+use support::{Client, Inferd};
+
+const SESSIONS: usize = 16;
+const THREADS: usize = 4;
+const KILLS: usize = 50;
+/// Histories stop growing here (the model's context is 4096).
+const MOST_TOKENS: usize = 3_800;
+const VOCAB: u32 = 320;
+
+/// A small model with a long context, written where the server can load it.
+fn model_spec() -> SyntheticLlama {
+    SyntheticLlama {
+        weight_type: GgmlType::Q4_1,
+        tied_output: true,
+        context: 4096,
+        ..SyntheticLlama::tiny()
+    }
+}
+
+fn write_model(dir: &Path) -> PathBuf {
+    let path = dir.join("model.gguf");
+    std::fs::write(&path, model_spec().build()).expect("write the model");
+    path
+}
+
+/// A server that never crashes, for cold recomputes.
+fn reference_server() -> (Server, Client) {
+    let file = inferd::gguf::GgufFile::from_bytes(model_spec().build()).expect("parses");
+    let model = inferd::model::Model::from_gguf(Arc::new(file)).expect("loads");
+    let cfg = ServeConfig::new(
+        "127.0.0.1:0",
+        RuntimeConfig {
+            workers: 1,
+            pin_cores: false,
+            kv_bytes: 64 << 20,
+            ..RuntimeConfig::default()
+        },
+    );
+    let server = Server::start(Arc::new(model), cfg).expect("reference server");
+    let client = Client::connect(&server.addr().to_string());
+    (server, client)
+}
+
+/// The digest of `history` computed from scratch.
+fn cold_digest(reference: &Client, history: &[u32]) -> u64 {
+    let id = reference.create();
+    if !history.is_empty() {
+        reference.append(&id, history).expect("reference append");
+    }
+    let digest = reference.info(&id).expect("info").get_logits_digest();
+    reference.close(&id).expect("close");
+    digest
+}
+
+/// The greedy continuation of `history`, `n` tokens, computed from scratch.
+fn cold_greedy(reference: &Client, history: &[u32], n: u32) -> Vec<u32> {
+    let id = reference.create();
+    reference.append(&id, history).expect("reference append");
+    let got = reference.generate(&support::greedy(&id, n, 0));
+    reference.close(&id).expect("close");
+    assert!(got.error.is_none(), "{got:?}");
+    got.tokens
+}
+
+fn serve(model: &Path, state: &Path, durability: &str) -> Inferd {
+    Inferd::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        "--model",
+        model.to_str().expect("UTF-8 path"),
+        "--state-dir",
+        state.to_str().expect("UTF-8 path"),
+        "--durability",
+        durability,
+    ])
+}
+
+/// A call whose outcome the client did not learn (the server died).
+#[derive(Clone, Debug)]
+enum InFlight {
+    Append(Vec<u32>),
+    /// A greedy Generate of at most `max` tokens, `seen` of them received.
+    Generate {
+        max: u32,
+        seen: Vec<u32>,
+    },
+}
+
+#[derive(Debug)]
+struct Track {
+    id: String,
+    /// The history as the acknowledged calls made it.
+    acked: Vec<u32>,
+    in_flight: Option<InFlight>,
+}
+
+/// Drives `sessions` until a call fails (the server was killed) or `stop`.
+fn drive(client: &Client, sessions: &[Arc<Mutex<Track>>], stop: &AtomicBool, seed: u64) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    while !stop.load(Ordering::Relaxed) {
+        let track = &sessions[rng.gen_range(0..sessions.len())];
+        let mut t = track.lock().expect("track");
+        if t.acked.len() >= MOST_TOKENS {
+            continue;
+        }
+        if t.acked.is_empty() || rng.gen_bool(0.7) {
+            let n = rng.gen_range(1..=12);
+            let tokens: Vec<u32> = (0..n).map(|_| rng.gen_range(0..VOCAB)).collect();
+            t.in_flight = Some(InFlight::Append(tokens.clone()));
+            match client.append(&t.id, &tokens) {
+                Ok(len) => {
+                    t.acked.extend_from_slice(&tokens);
+                    assert_eq!(len as usize, t.acked.len());
+                    t.in_flight = None;
+                }
+                Err(_) => return,
+            }
+        } else {
+            let max = rng.gen_range(1..=6);
+            t.in_flight = Some(InFlight::Generate {
+                max,
+                seen: Vec::new(),
+            });
+            let got = client.generate(&support::greedy(&t.id, max, 0));
+            if got.done.is_some() {
+                t.acked.extend_from_slice(&got.tokens);
+                t.in_flight = None;
+            } else {
+                t.in_flight = Some(InFlight::Generate {
+                    max,
+                    seen: got.tokens,
+                });
+                return;
+            }
+        }
+    }
+}
+
+/// The session's info once its history is fed again after a start.
+fn restored(
+    server: &Client,
+    id: &str,
+) -> inferd::proto::kakeya_v1::runtime::GetSessionInfoResponse {
+    let t0 = std::time::Instant::now();
+    loop {
+        let info = server
+            .info(id)
+            .unwrap_or_else(|e| panic!("session {id} lost after a restart: {e:?}"));
+        if !info.get_busy() {
+            return info;
+        }
+        assert!(t0.elapsed() < support::CALL_TIMEOUT, "{id} still restoring");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Settles a session after a restart: what it holds must be its
+/// acknowledged history, or that plus exactly what its unanswered call
+/// would have added; returns whether its digest was checked.
+fn settle(server: &Client, reference: &Client, t: &mut Track, check_digest: bool) -> bool {
+    let info = restored(server, &t.id);
+    let len = info.get_history_length() as usize;
+    let acked = t.acked.len();
+    let truth = match t.in_flight.take() {
+        None => {
+            assert_eq!(len, acked, "session {} changed without a call", t.id);
+            None
+        }
+        Some(InFlight::Append(tokens)) => {
+            assert!(
+                len == acked || len == acked + tokens.len(),
+                "session {}: {len} tokens after an unanswered append of {} to {acked}",
+                t.id,
+                tokens.len()
+            );
+            (len > acked).then_some(tokens)
+        }
+        Some(InFlight::Generate { max, seen }) => {
+            assert!(
+                len >= acked && len <= acked + max as usize,
+                "session {}: {len} tokens after an unanswered Generate({max}) on {acked}",
+                t.id
+            );
+            if len > acked {
+                let cont = cold_greedy(reference, &t.acked, (len - acked) as u32);
+                assert!(cont.starts_with(&seen), "{cont:?} vs seen {seen:?}");
+                Some(cont)
+            } else {
+                None
+            }
+        }
+    };
+    let moved = truth.is_some();
+    if let Some(added) = truth {
+        t.acked.extend_from_slice(&added);
+    }
+    assert_eq!(len, t.acked.len());
+    if check_digest || moved {
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(reference, &t.acked),
+            "session {} is not what its history computes",
+            t.id
+        );
+        return true;
+    }
+    false
+}
+
+fn journals(state: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(state.join("sessions"))
+        .expect("sessions dir")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn sigkill_under_load_fifty_times_loses_no_acknowledged_token_and_corrupts_nothing() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let (_reference_server, reference) = reference_server();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2026);
+
+    let mut server = serve(&model, &state, "sync");
+    let client = Client::connect(&server.addr);
+    let sessions: Vec<Arc<Mutex<Track>>> = (0..SESSIONS)
+        .map(|_| {
+            Arc::new(Mutex::new(Track {
+                id: client.create(),
+                acked: Vec::new(),
+                in_flight: None,
+            }))
+        })
+        .collect();
+    let mut checked = 0;
+    for round in 0..KILLS {
+        let client = Client::connect(&server.addr);
+        let stop = Arc::new(AtomicBool::new(false));
+        let drivers: Vec<_> = sessions
+            .chunks(SESSIONS / THREADS)
+            .enumerate()
+            .map(|(k, mine)| {
+                let (client, mine, stop) = (client.clone(), mine.to_vec(), Arc::clone(&stop));
+                let seed = (round * THREADS + k) as u64;
+                std::thread::spawn(move || drive(&client, &mine, &stop, seed))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(rng.gen_range(20..250)));
+        server.kill();
+        stop.store(true, Ordering::Relaxed);
+        for d in drivers {
+            d.join().expect("driver");
+        }
+        server = serve(&model, &state, "sync");
+        let client = Client::connect(&server.addr);
+        let last = round + 1 == KILLS;
+        for (k, track) in sessions.iter().enumerate() {
+            let mut t = track.lock().expect("track");
+            // Every session on the last round, a few on the others.
+            let check = last || k % 8 == round % 8;
+            checked += usize::from(settle(&client, &reference, &mut t, check));
+        }
+        // One journal per session: nothing duplicated, nothing left over.
+        assert_eq!(journals(&state).len(), SESSIONS, "round {round}");
+    }
+    let total: usize = sessions.iter().map(|t| t.lock().unwrap().acked.len()).sum();
+    assert!(total > SESSIONS * 50, "the load moved: {total} tokens");
+    assert!(checked >= SESSIONS, "{checked} digests checked");
+    // A clean stop keeps them too.
+    server.signal("TERM");
+    server.wait_exit(Duration::from_secs(30)).expect("exits");
+    let server = serve(&model, &state, "batch");
+    let client = Client::connect(&server.addr);
+    for track in &sessions {
+        let mut t = track.lock().unwrap();
+        settle(&client, &reference, &mut t, true);
+    }
+}
+
+#[test]
+fn damaged_truncated_and_foreign_journals_are_refused_with_reasons_and_the_rest_restored() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let (_reference_server, reference) = reference_server();
+    let mut server = serve(&model, &state, "sync");
+    let client = Client::connect(&server.addr);
+    let ids: Vec<String> = (0..4).map(|_| client.create()).collect();
+    let history = |k: u32| -> Vec<u32> { (0..40).map(|i| (i * 7 + k) % VOCAB).collect() };
+    for (k, id) in ids.iter().enumerate() {
+        client.append(id, &history(k as u32)[..30]).expect("append");
+        client.append(id, &history(k as u32)[30..]).expect("append");
+    }
+    server.signal("TERM");
+    server.wait_exit(Duration::from_secs(30)).expect("exits");
+    let path = |id: &str| state.join("sessions").join(format!("{id}.journal"));
+
+    // 0: a bit flipped in its first record (another follows): refused.
+    let mut bytes = std::fs::read(path(&ids[0])).unwrap();
+    let header_len = bytes.len() - 2 * 13 - 4 * 2 - 4 * 40;
+    bytes[header_len + 20] ^= 0x04;
+    std::fs::write(path(&ids[0]), bytes).unwrap();
+    // 1: its last record cut short (a torn write): restored without it.
+    let bytes = std::fs::read(path(&ids[1])).unwrap();
+    std::fs::write(path(&ids[1]), &bytes[..bytes.len() - 3]).unwrap();
+    // 2: written for another model file: refused.
+    let other = dir.path().join("other.gguf");
+    std::fs::write(
+        &other,
+        SyntheticLlama {
+            seed: 99,
+            ..model_spec()
+        }
+        .build(),
+    )
+    .unwrap();
+    let foreign_state = dir.path().join("foreign");
+    {
+        let server = serve(&other, &foreign_state, "sync");
+        let c = Client::connect(&server.addr);
+        let id = c.create();
+        c.append(&id, &[1, 2, 3]).expect("append");
+        drop(server);
+        std::fs::copy(
+            foreign_state.join("sessions").join(format!("{id}.journal")),
+            path(&id),
+        )
+        .unwrap();
+    }
+    // Garbage under a session's name: refused.
+    let garbage = "0123456789abcdef0123456789abcdef";
+    std::fs::write(path(garbage), b"not a journal at all").unwrap();
+
+    let server = serve(&model, &state, "sync");
+    let client = Client::connect(&server.addr);
+    assert!(client.info(&ids[0]).is_err(), "damaged: refused");
+    let info = restored(&client, &ids[1]);
+    assert_eq!(info.get_history_length(), 30);
+    assert_eq!(
+        info.get_logits_digest(),
+        cold_digest(&reference, &history(1)[..30])
+    );
+    for (k, id) in ids.iter().enumerate().skip(2) {
+        let info = restored(&client, id);
+        assert_eq!(info.get_history_length(), 40);
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, &history(k as u32))
+        );
+    }
+    assert!(client.info(garbage).is_err());
+    // The refused journals are kept, renamed, for an operator to look at.
+    let names: Vec<String> = journals(&state)
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    let refused: Vec<&String> = names.iter().filter(|n| n.ends_with(".refused")).collect();
+    assert_eq!(refused.len(), 3, "{names:?}");
+    assert!(names.contains(&format!("{}.journal.refused", ids[0])));
+    assert!(names.contains(&format!("{garbage}.journal.refused")));
+}
+
+#[test]
+fn a_second_server_on_the_same_state_directory_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let _first = serve(&model, &state, "sync");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            model.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+        ])
+        .output()
+        .expect("run inferd");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("in use by another inferd process"),
+        "{stderr}"
+    );
+}
