@@ -68,6 +68,8 @@ pub struct Replayed {
     /// Bytes of whole, verified records (header included): where the next
     /// record goes.
     pub good_len: usize,
+    /// Bytes of the header.
+    pub header_len: usize,
     /// Bytes after them that were a torn last write and are dropped.
     pub torn_bytes: usize,
 }
@@ -183,6 +185,7 @@ fn parse_header(r: &mut Reader<'_>) -> Result<Header, JournalError> {
 pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
     let mut r = Reader { bytes, at: 0 };
     let header = parse_header(&mut r)?;
+    let header_len = r.at;
     let mut history = Vec::new();
     loop {
         let start = r.at;
@@ -193,6 +196,7 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
             header,
             history,
             good_len: start,
+            header_len,
             torn_bytes: bytes.len() - start,
         };
         let (Some(len), Some(check), Some(crc)) = (r.u32(), r.u32(), r.u32()) else {
@@ -220,6 +224,7 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
         header,
         history,
         good_len: bytes.len(),
+        header_len,
         torn_bytes: 0,
     })
 }

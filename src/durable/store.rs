@@ -111,6 +111,8 @@ impl Shared {
 pub struct JournalFile {
     file: Arc<File>,
     path: PathBuf,
+    /// The header's bytes, for rewriting the file at a reset.
+    header: Vec<u8>,
     shared: Arc<SharedHandle>,
 }
 
@@ -124,10 +126,50 @@ impl std::fmt::Debug for SharedHandle {
 }
 
 impl JournalFile {
-    /// Adds a record, durable as the store's policy says.
-    pub fn append(&self, record: &Record) -> std::io::Result<()> {
+    /// Adds a record, durable as the store's policy says. A reset holds the
+    /// whole history, so nothing before it is needed any more: the file is
+    /// replaced (a new file renamed over it) by the header and the reset
+    /// alone, which keeps a journal within about twice its history however
+    /// often a long session's window moves.
+    pub fn append(&mut self, record: &Record) -> std::io::Result<()> {
+        if let Record::Reset(_) = record {
+            return self.rewrite(record);
+        }
         (&*self.file).write_all(&journal::encode_record(record))?;
         self.shared.0.commit(&self.file)
+    }
+
+    fn rewrite(&mut self, reset: &Record) -> std::io::Result<()> {
+        let mut tmp = self.path.clone().into_os_string();
+        tmp.push(".new");
+        let tmp = PathBuf::from(tmp);
+        let written = (|| {
+            let mut file = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .write(true)
+                .open(&tmp)?;
+            file.write_all(&self.header)?;
+            file.write_all(&journal::encode_record(reset))?;
+            if self.shared.0.durability == Durability::Sync {
+                file.sync_data()?;
+            }
+            std::fs::rename(&tmp, &self.path)?;
+            OpenOptions::new().append(true).open(&self.path)
+        })();
+        match written {
+            Ok(file) => {
+                self.file = Arc::new(file);
+                if self.shared.0.durability == Durability::Batch {
+                    self.shared.0.commit(&self.file)?;
+                }
+                self.shared.0.commit_dir()
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
     }
 
     /// Deletes the journal: the session is gone for good.
@@ -244,12 +286,13 @@ impl SessionStore {
             .create_new(true)
             .append(true)
             .open(&path)?;
-        let mut bytes = journal::encode_header(&Header {
+        let header = journal::encode_header(&Header {
             model_sha256: self.model_sha256,
             session: id.bytes(),
             eos: eos.to_vec(),
             label: label.to_owned(),
         });
+        let mut bytes = header.clone();
         if !history.is_empty() {
             bytes.extend(journal::encode_record(&Record::Reset(history.to_vec())));
         }
@@ -258,6 +301,7 @@ impl SessionStore {
         let journal = JournalFile {
             file,
             path,
+            header,
             shared: Arc::clone(&self.shared),
         };
         let committed = written
@@ -289,8 +333,17 @@ impl SessionStore {
                 return (recovered, refused);
             }
         };
-        let mut paths: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
+        let all: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        // A rewrite the crash cut off before its rename: the old journal
+        // is still whole.
+        for unfinished in all
+            .iter()
+            .filter(|p| p.extension().is_some_and(|x| x == "new"))
+        {
+            let _ = std::fs::remove_file(unfinished);
+        }
+        let mut paths: Vec<PathBuf> = all
+            .into_iter()
             .filter(|p| p.extension().is_some_and(|x| x == "journal"))
             .collect();
         paths.sort();
@@ -348,6 +401,7 @@ impl SessionStore {
             journal: JournalFile {
                 file: Arc::new(file),
                 path: path.to_owned(),
+                header: bytes[..replayed.header_len].to_vec(),
                 shared: Arc::clone(&self.shared),
             },
             torn_bytes: replayed.torn_bytes,
@@ -397,5 +451,66 @@ fn flush_loop(flusher: &Flusher) {
             return;
         }
         std::thread::sleep(BATCH_WINDOW);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(dir: &Path, durability: Durability) -> SessionStore {
+        SessionStore::open(dir, [3; 32], durability).expect("open")
+    }
+
+    #[test]
+    fn journals_come_back_and_a_reset_rewrites_the_file_to_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = SessionId::random().unwrap();
+        for durability in [Durability::Sync, Durability::Batch, Durability::None] {
+            let path = {
+                let store = store(dir.path(), durability);
+                let mut journal = store.create(id, "l", &[2], &[]).unwrap();
+                for k in 0..50u32 {
+                    journal.append(&Record::Append(vec![k, k + 1])).unwrap();
+                }
+                let grown = std::fs::metadata(&journal.path).unwrap().len();
+                journal.append(&Record::Reset(vec![7, 8, 9])).unwrap();
+                journal.append(&Record::Append(vec![10])).unwrap();
+                let expected = journal.header.len()
+                    + journal::encode_record(&Record::Reset(vec![7, 8, 9])).len()
+                    + journal::encode_record(&Record::Append(vec![10])).len();
+                let now = std::fs::metadata(&journal.path).unwrap().len();
+                assert_eq!(now as usize, expected);
+                assert!(now < grown);
+                journal.path.clone()
+            };
+            // A rewrite cut off before its rename leaves a stray file.
+            let mut stray = path.clone().into_os_string();
+            stray.push(".new");
+            std::fs::write(&stray, b"half").unwrap();
+            let store = store(dir.path(), durability);
+            let (mut back, refused) = store.recover(100, 100);
+            assert!(refused.is_empty(), "{refused:?}");
+            assert_eq!(back.len(), 1);
+            let session = back.pop().unwrap();
+            assert_eq!(session.id, id);
+            assert_eq!(session.history, vec![7, 8, 9, 10]);
+            assert_eq!(
+                (session.label.as_str(), session.eos.as_slice()),
+                ("l", &[2][..])
+            );
+            assert!(!PathBuf::from(stray).exists());
+            session.journal.remove().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_locked_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = store(dir.path(), Durability::Sync);
+        assert!(matches!(
+            SessionStore::open(dir.path(), [3; 32], Durability::Sync),
+            Err(StoreError::Locked(_))
+        ));
     }
 }

@@ -419,7 +419,7 @@ impl SessionSlot {
     /// written is deleted (a restart must not bring back a stale history)
     /// and the session goes on without one; the failure is logged.
     fn journal(&mut self, record: Record) {
-        let Some(journal) = &self.journal else {
+        let Some(journal) = &mut self.journal else {
             return;
         };
         if let Err(e) = journal.append(&record) {
