@@ -14,6 +14,19 @@ Sections (each alternates the binaries given, median of --runs runs):
               (the model file in the page cache).
   soak        16 clients looping create / append(32) / Generate(32) / close for
               --soak-seconds: p50, p99 and max of each phase.
+  durability  the same 16 clients looping append(16) / Generate(32) on one
+              session each for --soak-seconds, with no --state-dir and with
+              each --durability: aggregate generated tokens/s.
+  prefix      64 sessions (--prefix-sessions) whose histories share a
+              2,000-token prefix (--prefix-tokens) then 16 tokens of their
+              own, appended one session after another, against 64 with
+              nothing in common: KV bytes the pool holds (each page once),
+              the sum every session reports, and each session's time to its
+              first token (append + Generate(1)).
+  restore     a 4,096-token session (--restore-tokens) in a state directory:
+              its cold prefill (the append) against its restore after a
+              SIGKILL (spawn to the session answering idle, minus spawn to
+              the first CreateSession answered with nothing to restore).
 
 The server runs with its defaults (one worker per core) unless --workers is
 given. Stubs are generated from protos/ at run time, as in the interop tests.
@@ -226,6 +239,149 @@ def coldstart(args, pb, rpc):
         print(f"| {b} | {m:.0f} ({lo:.0f}-{hi:.0f}) |")
 
 
+def metrics_server(binary, model, workers, extra=()):
+    """A Server with a metrics endpoint; returns it and a scrape function."""
+    srv = Server(binary, model, workers, ["--metrics-listen", "127.0.0.1:0", *extra])
+    addr = None
+    deadline = time.monotonic() + 30
+    while addr is None and time.monotonic() < deadline:
+        m = re.search(r"^metrics on (\S+)", pathlib.Path(srv.log.name).read_text(), re.M)
+        addr = m and m.group(1)
+        time.sleep(0.01)
+
+    def scrape(name):
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    return srv, scrape
+
+
+def durability(args, pb, rpc):
+    modes = [("no state dir", [])] + [
+        (f"--durability {m}", ["--durability", m]) for m in ["none", "batch", "sync"]
+    ]
+    rates = {name: [] for name, _ in modes}
+    b = args.binaries[0]
+    for _ in range(args.runs):
+        for name, extra in modes:
+            state = tempfile.mkdtemp(prefix="inferd-state-")
+            flags = ["--state-dir", state, *extra] if extra else []
+            with Server(b, args.model, args.workers, flags) as srv:
+                channel, client = connect(srv.addr, pb, rpc)
+                made = [0] * args.soak_clients
+                stop_at = time.monotonic() + args.soak_seconds
+
+                def loop(i):
+                    sid = client.create(label=f"d{i}").session_id
+                    n = 0
+                    while time.monotonic() < stop_at:
+                        client.append(sid, prompt_ids(16, salt=i * 1000 + n))
+                        made[i] += len(stream_times(client, sid, 32))
+                        n += 1
+                    client.close(sid)
+
+                threads = [threading.Thread(target=loop, args=(i,))
+                           for i in range(args.soak_clients)]
+                t0 = time.monotonic()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                rates[name].append(sum(made) / (time.monotonic() - t0))
+                channel.close()
+    print(f"\n{args.soak_clients} sessions looping append(16) / Generate(32) for "
+          f"{args.soak_seconds} s, {b}; generated tokens/s, median of {args.runs}")
+    print("| state | tokens/s | x no state dir |")
+    print("|---|---|---|")
+    base = statistics.median(rates["no state dir"])
+    for name, _ in modes:
+        m, lo, hi = median_spread(rates[name])
+        print(f"| {name} | {m:.1f} ({lo:.1f}-{hi:.1f}) | {m / base:.3f} |")
+
+
+def prefix(args, pb, rpc):
+    b = args.binaries[0]
+    n, shared = args.prefix_sessions, args.prefix_tokens
+    print(f"\n{n} sessions, each a {shared}-token prefix and 16 tokens of its own, "
+          f"appended one after another, {b}")
+    print("| prefix | KV pool bytes held | sum of sessions' kv_live_bytes | "
+          "reused tokens | first-token ms p50 | p99 | total s |")
+    print("|---|---|---|---|---|---|---|")
+    for same in [True, False]:
+        srv, scrape = metrics_server(b, args.model, args.workers, ["--kv-mib", "4096"])
+        with srv:
+            channel, client = connect(srv.addr, pb, rpc)
+            ttft, sids, live = [], [], 0
+            t_all = time.monotonic()
+            for i in range(n):
+                history = prompt_ids(shared, salt=0 if same else 1000 + i)
+                history += prompt_ids(16, salt=5000 + i)
+                sid = client.create(label=f"p{i}").session_id
+                t0 = time.monotonic()
+                client.append(sid, history)
+                stream_times(client, sid, 1)
+                ttft.append((time.monotonic() - t0) * 1e3)
+                sids.append(sid)
+            total = time.monotonic() - t_all
+            for sid in sids:
+                live += client.info(sid).kv_live_bytes
+            used = scrape("inferd_kv_used_bytes")
+            reused = scrape("inferd_prefix_reused_tokens_total")
+            channel.close()
+        print(f"| {'shared' if same else 'distinct'} | {used / 2**20:.0f} MiB | "
+              f"{live / 2**20:.0f} MiB | {reused:.0f} | {percentile(ttft, 0.5):.0f} | "
+              f"{percentile(ttft, 0.99):.0f} | {total:.1f} |")
+
+
+def restore(args, pb, rpc):
+    b = args.binaries[0]
+    prefill, back, spawn = [], [], []
+    for _ in range(args.runs):
+        state = tempfile.mkdtemp(prefix="inferd-state-")
+        flags = ["--state-dir", state]
+        srv = Server(b, args.model, args.workers, flags)
+        channel, client = connect(srv.addr, pb, rpc)
+        sid = client.create(label="restore").session_id
+        t0 = time.monotonic()
+        client.append(sid, prompt_ids(args.restore_tokens, salt=3))
+        prefill.append(time.monotonic() - t0)
+        digest = client.info(sid).logits_digest
+        channel.close()
+        srv.proc.kill()
+        srv.proc.wait()
+        srv.stop()
+        srv = Server(b, args.model, args.workers, flags)
+        channel = grpc.insecure_channel(srv.addr)
+        stub = rpc.RuntimeServiceStub(channel)
+        while True:
+            info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid), timeout=600,
+                                       wait_for_ready=True)
+            if not info.busy:
+                break
+            time.sleep(0.001)
+        back.append(time.monotonic() - srv.started)
+        assert info.logits_digest == digest, "restored logits differ"
+        channel.close()
+        srv.stop()
+        empty = tempfile.mkdtemp(prefix="inferd-state-")
+        srv = Server(b, args.model, args.workers, ["--state-dir", empty])
+        channel = grpc.insecure_channel(srv.addr)
+        stub = rpc.RuntimeServiceStub(channel)
+        stub.CreateSession(pb.CreateSessionRequest(), timeout=60, wait_for_ready=True)
+        spawn.append(time.monotonic() - srv.started)
+        channel.close()
+        srv.stop()
+    p, r, s0 = (statistics.median(x) for x in (prefill, back, spawn))
+    print(f"\na {args.restore_tokens}-token session, {b}, median of {args.runs}")
+    print("| cold prefill s | spawn to restored s | spawn to serving s (nothing to restore) "
+          "| restore s | prefill / restore |")
+    print("|---|---|---|---|---|")
+    print(f"| {p:.2f} | {r:.2f} | {s0:.2f} | {r - s0:.2f} | {p / max(r - s0, 1e-9):.2f} |")
+
+
 def percentile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -284,7 +440,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("binaries", nargs="+", help="inferd binaries to compare")
     ap.add_argument("--model", default=str(REPO / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--only", choices=["single", "concurrent", "coldstart", "soak"],
+    ap.add_argument("--only", choices=["single", "concurrent", "coldstart", "soak",
+                                       "durability", "prefix", "restore"],
                     action="append")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", type=int)
@@ -293,9 +450,12 @@ def main():
     ap.add_argument("--concurrent-tokens", type=int, default=64)
     ap.add_argument("--soak-clients", type=int, default=16)
     ap.add_argument("--soak-seconds", type=float, default=30)
+    ap.add_argument("--prefix-sessions", type=int, default=64)
+    ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--restore-tokens", type=int, default=4096)
     args = ap.parse_args()
     stubs = tempfile.mkdtemp()
-    pb, rpc, _, _ = runtime_client.generate_stubs(stubs)
+    pb, rpc, *_ = runtime_client.generate_stubs(stubs)
     print(cpu_line())
     sections = args.only or ["single", "concurrent", "coldstart", "soak"]
     for name in sections:
