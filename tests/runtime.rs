@@ -1061,3 +1061,57 @@ fn metrics_move_with_real_traffic_and_are_served_over_http() {
     );
     assert_eq!(sample(&body, "inferd_session_active"), Some(1.0));
 }
+
+#[test]
+fn with_a_state_directory_an_evicted_session_is_spilled_and_its_next_call_brings_it_back() {
+    use inferd::durable::{Durability, SessionStore};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SessionStore::open(dir.path(), [1; 32], Durability::None).expect("store");
+    let rt = start(RuntimeConfig {
+        kv_bytes: 4 * PAGE_BYTES,
+        state: Some(Arc::new(store)),
+        ..config(1)
+    });
+    let a = create(&rt, &[]);
+    append(&rt, a, &prompt(40, 1)).expect("3 pages");
+    let before = info(&rt, a).expect("info");
+    let b = create(&rt, &[]);
+    append(&rt, b, &prompt(40, 2)).expect("room made by spilling a");
+    let stats = rt.stats();
+    assert_eq!(
+        (stats.evicted_lru, stats.sessions_spilled, stats.spilled_now),
+        (0, 1, 1)
+    );
+    assert_eq!(stats.sessions_active, 1, "a spilled session holds no place");
+    // Still there: its history and digest, no pages.
+    let spilled = info(&rt, a).expect("spilled, not gone");
+    assert_eq!(
+        (
+            spilled.history_length,
+            spilled.pages_held,
+            spilled.logits_digest
+        ),
+        (40, 0, before.logits_digest)
+    );
+    // Its next call feeds its history again (spilling b) and goes on.
+    append(&rt, a, &prompt(5, 3)).expect("back");
+    let mut history = prompt(40, 1);
+    history.extend(prompt(5, 3));
+    let cold = {
+        let rt = start(config(1));
+        let id = create(&rt, &[]);
+        append(&rt, id, &history).expect("append");
+        info(&rt, id).expect("info").logits_digest
+    };
+    let back = info(&rt, a).expect("info");
+    assert_eq!((back.history_length, back.logits_digest), (45, cold));
+    assert_eq!(info(&rt, b).expect("b spilled").pages_held, 0);
+    let stats = rt.stats();
+    assert_eq!((stats.sessions_spilled, stats.spilled_now), (2, 1));
+    // Closing a spilled session ends it as any other.
+    rt.close_session(b, None)
+        .and_then(|p| p.wait())
+        .expect("close");
+    assert_eq!(info(&rt, b).expect_err("closed"), RuntimeError::NotFound);
+    assert_eq!(rt.stats().spilled_now, 0);
+}

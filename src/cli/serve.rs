@@ -132,6 +132,11 @@ pub struct ServeArgs {
     /// history [default: off: sessions live as long as the process].
     #[arg(long, env = "INFERD_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// With --state-dir, an LRU eviction keeps the session (its KV freed,
+    /// its history fed again by its next call) while fewer than this many
+    /// are kept so [default: 4096].
+    #[arg(long, env = "INFERD_MAX_SPILLED_SESSIONS")]
+    pub max_spilled_sessions: Option<usize>,
     /// When a session's change is on disk, with --state-dir [default: sync].
     #[arg(long, value_enum, env = "INFERD_DURABILITY")]
     pub durability: Option<DurabilityArg>,
@@ -208,6 +213,7 @@ struct FileConfig {
     tls_key: Option<PathBuf>,
     drain_timeout: Option<f64>,
     state_dir: Option<PathBuf>,
+    max_spilled_sessions: Option<usize>,
     durability: Option<DurabilityArg>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
@@ -262,6 +268,7 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     pub drain_timeout: Duration,
     pub state_dir: Option<PathBuf>,
+    pub max_spilled_sessions: usize,
     pub durability: DurabilityArg,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
@@ -376,6 +383,10 @@ impl ServeArgs {
                 self.drain_timeout.or(file.drain_timeout).unwrap_or(30.0),
             )?,
             state_dir: self.state_dir.clone().or(file.state_dir),
+            max_spilled_sessions: self
+                .max_spilled_sessions
+                .or(file.max_spilled_sessions)
+                .unwrap_or(4096),
             durability: self
                 .durability
                 .or(file.durability)
@@ -467,6 +478,7 @@ impl Settings {
             lend_cores: self.core_lending,
             kv_bytes,
             max_sessions: self.max_sessions,
+            max_spilled_sessions: self.max_spilled_sessions,
             prefix_cache_pages: usize::try_from(
                 self.prefix_cache_pages
                     .saturating_mul(layout.n_layers as u64),

@@ -210,6 +210,18 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         stats.kv_used_bytes,
     );
     e.single(
+        "session_spilled_total",
+        "counter",
+        "LRU evictions that kept the session (its KV given back, its history journaled) instead of ending it.",
+        stats.sessions_spilled,
+    );
+    e.single(
+        "session_spilled",
+        "gauge",
+        "Sessions spilled now: their next call feeds their history again.",
+        stats.spilled_now,
+    );
+    e.single(
         "session_restore_refused_total",
         "counter",
         "Session journals not restored at start (untrusted, or no place or KV room).",
@@ -419,6 +431,8 @@ mod tests {
             sessions_forked: 2,
             prefix_reused_tokens: 64,
             sessions_restored: 3,
+            sessions_spilled: 6,
+            spilled_now: 2,
             restore_refused: 1,
             prefix_entries: 5,
             prefix_cached_pages: 4,
@@ -631,6 +645,8 @@ mod tests {
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "restored")]), 3.0);
         assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
+        assert_eq!(get("inferd_session_spilled_total", &[]), 6.0);
+        assert_eq!(get("inferd_session_spilled", &[]), 2.0);
         assert_eq!(get("inferd_prefix_entries", &[]), 5.0);
         assert_eq!(get("inferd_prefix_cached_pages", &[]), 4.0);
         assert_eq!(get("inferd_kv_used_bytes", &[]), 4096.0);

@@ -404,6 +404,8 @@ impl Runtime {
             sessions_forked: load(&c.sessions_forked),
             prefix_reused_tokens: load(&c.prefix_reused_tokens),
             sessions_restored: load(&c.sessions_restored),
+            sessions_spilled: load(&c.sessions_spilled),
+            spilled_now: self.shared.spilled_sessions.load(Ordering::Relaxed) as u64,
             restore_refused: load(&c.restore_refused),
             prefix_entries: prefix.entries as u64,
             prefix_cached_pages: prefix.cached_pages as u64,

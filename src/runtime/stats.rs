@@ -97,6 +97,8 @@ pub struct Counters {
     pub prefix_reused_tokens: AtomicU64,
     /// Sessions read back from the state directory at start.
     pub sessions_restored: AtomicU64,
+    /// LRU evictions that spilled the session instead of ending it.
+    pub sessions_spilled: AtomicU64,
     /// Journals that were read but found no place or pages.
     pub restore_refused: AtomicU64,
     /// Sessions removed after an invariant violation or a failed step.
@@ -147,6 +149,10 @@ pub struct RuntimeStats {
     pub prefix_reused_tokens: u64,
     /// Sessions read back from the state directory at start.
     pub sessions_restored: u64,
+    /// LRU evictions that spilled the session instead of ending it.
+    pub sessions_spilled: u64,
+    /// Sessions spilled now (not counted in `sessions_active`).
+    pub spilled_now: u64,
     /// Journals not restored: unreadable or untrusted (renamed `*.refused`),
     /// or without a place or pages (left for a later start).
     pub restore_refused: u64,

@@ -70,6 +70,10 @@ pub struct RuntimeConfig {
     pub prefill_step_budget: Duration,
     /// Most live sessions over all workers.
     pub max_sessions: usize,
+    /// With a state directory, an LRU eviction spills the session (its KV
+    /// given back, its history kept, to be fed again by its next call)
+    /// instead of ending it, while fewer than this many are spilled.
+    pub max_spilled_sessions: usize,
     /// Pool pages (one layer's page each) of shared-prefix pages kept after
     /// the last session holding them let go, for a later session with the
     /// same history prefix; they give way when the pool is short.
@@ -110,6 +114,7 @@ impl Default for RuntimeConfig {
             prefill_chunk: 64,
             prefill_step_budget: Duration::from_millis(200),
             max_sessions: 1024,
+            max_spilled_sessions: 4096,
             prefix_cache_pages: 0,
             idle_ttl: Duration::from_secs(1800),
             overflow: OverflowPolicy::Truncate { sink: 4 },

@@ -113,6 +113,15 @@ impl Worker {
         tracing::info!(session = %id, worker = self.index, tokens, "session restored");
     }
 
+    /// The count a session's place is in: live, or spilled.
+    pub(super) fn place_counter(&self, slot: &SessionSlot) -> &AtomicUsize {
+        if slot.spilled {
+            &self.shared.spilled_sessions
+        } else {
+            &self.shared.live_sessions
+        }
+    }
+
     /// Adds a session that took its place under the limit.
     pub(super) fn add_session(&mut self, id: SessionId, slot: SessionSlot) {
         self.sessions.insert(id, slot);
@@ -193,7 +202,7 @@ impl Worker {
         }
         self.trim_prefix_cache();
         self.runner.release(id);
-        self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        self.place_counter(&slot).fetch_sub(1, Ordering::AcqRel);
         let c = &self.shared.counters;
         let counter = match reason {
             Removal::Ttl => &c.evicted_ttl,
@@ -234,6 +243,30 @@ impl Worker {
             }
             if slot.active.is_some() {
                 return moved;
+            }
+            // A spilled session is fed its history again before any call
+            // but a close.
+            let needs_kv = slot
+                .queue
+                .front()
+                .is_some_and(|q| !matches!(q.op, Op::Close { .. }));
+            if slot.spilled && needs_kv {
+                match self.unspill(id) {
+                    Ok(Got::Now) => {
+                        moved = true;
+                        continue;
+                    }
+                    Ok(Got::Later) => return moved,
+                    Err(e) => {
+                        if let Some(q) =
+                            self.sessions.get_mut(&id).and_then(|s| s.queue.pop_front())
+                        {
+                            q.op.fail(e);
+                        }
+                        moved = true;
+                        continue;
+                    }
+                }
             }
             let Some(queued) = slot.queue.pop_front() else {
                 return moved;

@@ -130,8 +130,11 @@ pub(crate) struct AdmittedGenerate {
 /// What every worker shares; all of it is lock-free.
 pub(crate) struct WorkersState {
     pub(crate) counters: Counters,
-    /// Live sessions over all workers (the session limit).
+    /// Live sessions over all workers (the session limit); spilled ones
+    /// are not counted here.
     pub(crate) live_sessions: AtomicUsize,
+    /// Sessions spilled over all workers (`max_spilled_sessions`).
+    pub(crate) spilled_sessions: AtomicUsize,
     pub(crate) board: EvictionBoard,
     /// KV pages held by each worker's idle sessions, as it last published:
     /// what evicting could free, so nothing is evicted for a request that
@@ -174,6 +177,7 @@ impl WorkersState {
             prefix: None,
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
+            spilled_sessions: AtomicUsize::new(0),
             board: EvictionBoard::new(wakers.len()),
             idle_pages: wakers.iter().map(|_| AtomicUsize::new(0)).collect(),
             wakers,
@@ -371,6 +375,9 @@ struct SessionSlot {
     prefix: Option<PrefixCursor>,
     /// The session's journal in the state directory (`None` without one).
     journal: Option<JournalFile>,
+    /// Evicted to make room but kept: no KV and no logits (their digest is
+    /// kept), the history to be fed again before its next call.
+    spilled: bool,
 }
 
 /// The first `pages` full pages of a session's history are listed in the
@@ -412,6 +419,7 @@ impl SessionSlot {
             feed_logits: LogitsWanted::None,
             prefix: Some(PrefixCursor::START),
             journal: None,
+            spilled: false,
         }
     }
 
@@ -616,7 +624,7 @@ impl Worker {
                 for q in slot.queue.drain(..) {
                     q.op.fail(RuntimeError::Unavailable);
                 }
-                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                self.place_counter(&slot).fetch_sub(1, Ordering::AcqRel);
             }
         }
         for w in self.waiting_creates.drain(..) {

@@ -15,7 +15,7 @@ impl Worker {
     pub(super) fn lru_idle(&self, keep: Option<SessionId>) -> Option<(SessionId, Instant)> {
         self.sessions
             .iter()
-            .filter(|(id, s)| s.idle() && Some(**id) != keep)
+            .filter(|(id, s)| s.idle() && !s.spilled && Some(**id) != keep)
             .min_by_key(|(_, s)| s.last_used)
             .map(|(id, s)| (*id, s.last_used))
     }
@@ -23,9 +23,89 @@ impl Worker {
     /// Evicts the least recently used idle session other than `keep`.
     pub(super) fn evict_lru(&mut self, keep: Option<SessionId>) -> bool {
         match self.lru_idle(keep) {
-            Some((id, _)) => self.remove(id, Removal::Lru).is_some(),
+            Some((id, _)) => self.evict(id),
             None => false,
         }
+    }
+
+    /// Evicts an idle session: spilled when it has a journal and fewer than
+    /// `max_spilled_sessions` are, removed otherwise.
+    pub(super) fn evict(&mut self, id: SessionId) -> bool {
+        let journaled = self.sessions.get(&id).is_some_and(|s| s.journal.is_some());
+        let room = self
+            .shared
+            .spilled_sessions
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.cfg.max_spilled_sessions).then_some(n + 1)
+            })
+            .is_ok();
+        if !(journaled && room) {
+            if room {
+                self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
+            }
+            return self.remove(id, Removal::Lru).is_some();
+        }
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        };
+        if slot.logits_digest.get().is_none() {
+            slot.logits_digest.set(Some(digest(&slot.next_logits)));
+        }
+        slot.next_logits = Vec::new();
+        slot.prefix = Some(PrefixCursor::START);
+        slot.high_water = 0;
+        slot.spilled = true;
+        let released = slot.kv.release();
+        self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        self.runner.release(id);
+        self.trim_prefix_cache();
+        self.shared
+            .counters
+            .sessions_spilled
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, "session spilled");
+        if let Err(e) = released {
+            tracing::error!(session = %id, "freeing a spilled session's KV: {e}");
+        }
+        true
+    }
+
+    /// Brings a spilled session back: a place and the pages for its
+    /// history (evicting others as any reservation does), then the history
+    /// is fed again as its next work. `Later`: another worker was asked to
+    /// evict; nothing changed.
+    pub(super) fn unspill(&mut self, id: SessionId) -> Result<Got, RuntimeError> {
+        while !self.claim_session() {
+            match self.room_for(id) {
+                Wait::Retry => {}
+                Wait::Later => return Ok(Got::Later),
+                Wait::GiveUp => return Err(sessions_exhausted()),
+            }
+        }
+        let positions = self.sessions.get(&id).map_or(0, |s| s.history.len());
+        match self.reserve(id, positions) {
+            Ok(Got::Now) => {}
+            other => {
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                return other;
+            }
+        }
+        self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        slot.spilled = false;
+        let history = std::mem::take(&mut slot.history);
+        if !history.is_empty() {
+            slot.active = Some(Active {
+                work: Work::Restore,
+                pending: history,
+                fed: 0,
+                prefill_started: Instant::now(),
+                undo: None,
+            });
+        }
+        tracing::info!(session = %id, worker = self.index, tokens = positions, "spilled session back");
+        Ok(Got::Now)
     }
 
     /// The KV pages evicting could free for `keep`: those of this worker's
@@ -84,7 +164,7 @@ impl Worker {
         }
         match local {
             Some((id, _)) => {
-                self.remove(id, Removal::Lru);
+                self.evict(id);
                 Room::Retry
             }
             None => Room::Nothing,
@@ -119,7 +199,8 @@ impl Worker {
             kv_bytes += self.runner.kv_live_bytes(&slot.kv);
             history += slot.history.len() as u64;
             queued += slot.queue.len() as u64;
-            if slot.idle() {
+            // A spilled session holds nothing an eviction could free.
+            if slot.idle() && !slot.spilled {
                 idle_pages += slot.kv.pages_held();
                 if oldest.is_none_or(|t| slot.last_used < t) {
                     oldest = Some(slot.last_used);
