@@ -85,7 +85,11 @@ fn cold_greedy(reference: &Client, history: &[u32], n: u32) -> Vec<u32> {
 }
 
 fn serve(model: &Path, state: &Path, durability: &str) -> Inferd {
-    Inferd::start(&[
+    serve_with(model, state, durability, &[])
+}
+
+fn serve_with(model: &Path, state: &Path, durability: &str, extra: &[&str]) -> Inferd {
+    let mut args = vec![
         "serve",
         "--listen",
         "127.0.0.1:0",
@@ -97,7 +101,9 @@ fn serve(model: &Path, state: &Path, durability: &str) -> Inferd {
         state.to_str().expect("UTF-8 path"),
         "--durability",
         durability,
-    ])
+    ];
+    args.extend_from_slice(extra);
+    Inferd::start(&args)
 }
 
 /// A call whose outcome the client did not learn (the server died).
@@ -412,4 +418,43 @@ fn a_second_server_on_the_same_state_directory_is_refused() {
         stderr.contains("in use by another inferd process"),
         "{stderr}"
     );
+}
+
+#[test]
+fn sessions_that_do_not_fit_at_start_come_back_spilled_and_are_fed_when_called() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let (_reference_server, reference) = reference_server();
+    let history = |k: u32| -> Vec<u32> { (0..200).map(|i| (i * 13 + k) % VOCAB).collect() };
+    let mut server = serve(&model, &state, "sync");
+    let client = Client::connect(&server.addr);
+    let ids: Vec<String> = (0..4).map(|_| client.create()).collect();
+    for (k, id) in ids.iter().enumerate() {
+        client.append(id, &history(k as u32)).expect("append");
+    }
+    server.signal("TERM");
+    server.wait_exit(Duration::from_secs(30)).expect("exits");
+
+    // 200 positions are 13 pages of 16: room for two sessions only.
+    let server = serve_with(&model, &state, "sync", &["--kv-pages", "30"]);
+    let client = Client::connect(&server.addr);
+    let mut pages = Vec::new();
+    for id in &ids {
+        let info = restored(&client, id);
+        assert_eq!(info.get_history_length(), 200, "every session is back");
+        pages.push(info.get_kv_pages_held());
+    }
+    assert_eq!(pages.iter().filter(|&&p| p == 0).count(), 2, "{pages:?}");
+    // Each one called is fed again (spilling others) and has its bits.
+    for (k, id) in ids.iter().enumerate() {
+        let mut more = history(k as u32);
+        client
+            .append(id, &[k as u32 + 1])
+            .expect("append to a spilled session");
+        more.push(k as u32 + 1);
+        let info = restored(&client, id);
+        assert_eq!(info.get_history_length(), 201);
+        assert_eq!(info.get_logits_digest(), cold_digest(&reference, &more));
+    }
 }

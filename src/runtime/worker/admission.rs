@@ -74,28 +74,47 @@ impl Worker {
         if self.sessions.contains_key(&id) {
             return refuse("a session with its id exists");
         }
-        if !self.claim_session() {
-            self.shared
-                .counters
-                .restore_refused
-                .fetch_add(1, Ordering::Relaxed);
-            return refuse("the session limit is reached");
-        }
-        let mut kv = SessionKv::new(Arc::clone(&self.kv_pool));
-        if let Err(e) = kv.reserve(history.len()) {
-            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
-            self.shared
-                .counters
-                .restore_refused
-                .fetch_add(1, Ordering::Relaxed);
-            return refuse(&format!("no KV room for its {} tokens: {e}", history.len()));
-        }
         if torn_bytes > 0 {
             tracing::warn!(session = %id, torn_bytes, "a torn last journal write was dropped");
         }
+        let mut kv = SessionKv::new(Arc::clone(&self.kv_pool));
+        let resident = self.claim_session();
+        if resident && kv.reserve(history.len()).is_err() {
+            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        }
+        let resident = resident && kv.capacity() >= history.len();
+        let tokens = history.len();
         let mut slot = SessionSlot::new(kv, label, eos);
         slot.journal = Some(journal);
-        let tokens = history.len();
+        if !resident {
+            // No place or pages now: kept spilled, fed when first called.
+            let spilled = self
+                .shared
+                .spilled_sessions
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < self.cfg.max_spilled_sessions).then_some(n + 1)
+                })
+                .is_ok();
+            if !spilled {
+                self.shared
+                    .counters
+                    .restore_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                if let Some(journal) = slot.journal.take() {
+                    journal.keep();
+                }
+                return refuse("no session place or KV pages, and the spilled sessions are full");
+            }
+            slot.history = history;
+            slot.spilled = true;
+            self.add_session(id, slot);
+            self.shared
+                .counters
+                .sessions_restored
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(session = %id, worker = self.index, tokens, "session restored spilled");
+            return;
+        }
         if !history.is_empty() {
             slot.active = Some(Active {
                 work: Work::Restore,
@@ -181,11 +200,16 @@ impl Worker {
             eos_token_ids: slot.eos.clone(),
             truncated_token_count: slot.truncated,
             busy,
-            logits_digest: slot.logits_digest.get().unwrap_or_else(|| {
-                let d = digest(&slot.next_logits);
-                slot.logits_digest.set(Some(d));
-                d
-            }),
+            logits_digest: match slot.logits_digest.get() {
+                Some(d) => d,
+                // Restored spilled at start: its logits were never computed.
+                None if slot.spilled => 0,
+                None => {
+                    let d = digest(&slot.next_logits);
+                    slot.logits_digest.set(Some(d));
+                    d
+                }
+            },
         })
     }
 
