@@ -6,28 +6,6 @@
 
 use super::*;
 
-/// What must match between a fork and a session fed its history: the
-/// digest, a greedy continuation, a seeded one, and the digest after.
-#[derive(Debug, PartialEq, Eq)]
-struct Continuation {
-    digest: u64,
-    greedy: Vec<u32>,
-    seeded: Vec<u32>,
-    digest_after: u64,
-}
-
-fn continuation(served: &Served, id: &str) -> Continuation {
-    let digest = served.digest(id);
-    let greedy = served.run(gen_req(id, 8)).0;
-    let seeded = served.run(seeded_req(id, 8, Some(99))).0;
-    Continuation {
-        digest,
-        greedy,
-        seeded,
-        digest_after: served.digest(id),
-    }
-}
-
 /// A session fed `history` in one append (none when it is empty).
 fn fed(served: &Served, history: &[u32]) -> String {
     let id = served.create("independent", &[]);

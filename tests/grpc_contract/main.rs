@@ -418,6 +418,28 @@ fn seeded_req(id: &str, max_tokens: u32, seed: Option<u64>) -> pb::GenerateReque
     req
 }
 
+/// What two sessions with the same history must agree on: the digest, a
+/// greedy continuation, a seeded one, and the digest after them.
+#[derive(Debug, PartialEq, Eq)]
+struct Continuation {
+    digest: u64,
+    greedy: Vec<u32>,
+    seeded: Vec<u32>,
+    digest_after: u64,
+}
+
+fn continuation(served: &Served, id: &str) -> Continuation {
+    let digest = served.digest(id);
+    let greedy = served.run(gen_req(id, 8)).0;
+    let seeded = served.run(seeded_req(id, 8, Some(99))).0;
+    Continuation {
+        digest,
+        greedy,
+        seeded,
+        digest_after: served.digest(id),
+    }
+}
+
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32).map(|i| (i * 37 + salt) % 300).collect()
 }

@@ -13,27 +13,6 @@ use inferd::runtime::RuntimeStats;
 const LAYERS: u64 = 2;
 const PAGE: usize = 16;
 
-/// What must match: digest, greedy and seeded tokens, digest after.
-#[derive(Debug, PartialEq, Eq)]
-struct Continuation {
-    digest: u64,
-    greedy: Vec<u32>,
-    seeded: Vec<u32>,
-    digest_after: u64,
-}
-
-fn continuation(served: &Served, id: &str) -> Continuation {
-    let digest = served.digest(id);
-    let greedy = served.run(gen_req(id, 6)).0;
-    let seeded = served.run(seeded_req(id, 6, Some(5))).0;
-    Continuation {
-        digest,
-        greedy,
-        seeded,
-        digest_after: served.digest(id),
-    }
-}
-
 /// The continuation of `history` on a fresh server: nothing to map.
 fn cold(history: &[u32]) -> Continuation {
     let served = Served::tiny(1);

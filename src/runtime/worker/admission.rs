@@ -88,14 +88,7 @@ impl Worker {
         slot.journal = Some(journal);
         if !resident {
             // No place or pages now: kept spilled, fed when first called.
-            let spilled = self
-                .shared
-                .spilled_sessions
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < self.cfg.max_spilled_sessions).then_some(n + 1)
-                })
-                .is_ok();
-            if !spilled {
+            if !self.claim_spilled_place() {
                 self.shared
                     .counters
                     .restore_refused
@@ -116,13 +109,7 @@ impl Worker {
             return;
         }
         if !history.is_empty() {
-            slot.active = Some(Active {
-                work: Work::Restore,
-                pending: history,
-                fed: 0,
-                prefill_started: Instant::now(),
-                undo: None,
-            });
+            slot.active = Some(Active::restore(history));
         }
         self.add_session(id, slot);
         self.shared
@@ -160,6 +147,16 @@ impl Worker {
             }
         }
         self.waiting_creates.len() != before
+    }
+
+    /// Takes one place among the spilled sessions, if one is left.
+    pub(super) fn claim_spilled_place(&self) -> bool {
+        self.shared
+            .spilled_sessions
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.cfg.max_spilled_sessions).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// Takes one place under the session limit, if one is left.

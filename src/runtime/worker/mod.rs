@@ -688,6 +688,17 @@ fn finish_with_error(active: Active, err: RuntimeError) {
 }
 
 impl Active {
+    /// Feeding `history` again into a session whose KV it no longer has.
+    fn restore(history: Vec<u32>) -> Active {
+        Active {
+            work: Work::Restore,
+            pending: history,
+            fed: 0,
+            prefill_started: Instant::now(),
+            undo: None,
+        }
+    }
+
     /// Why the call must stop before its next step, if it must: a cancelled
     /// Generate, or a deadline that passed. A restore never stops.
     fn stopped(&self) -> Option<Result<StopReason, RuntimeError>> {

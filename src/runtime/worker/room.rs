@@ -32,13 +32,7 @@ impl Worker {
     /// `max_spilled_sessions` are, removed otherwise.
     pub(super) fn evict(&mut self, id: SessionId) -> bool {
         let journaled = self.sessions.get(&id).is_some_and(|s| s.journal.is_some());
-        let room = self
-            .shared
-            .spilled_sessions
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.cfg.max_spilled_sessions).then_some(n + 1)
-            })
-            .is_ok();
+        let room = self.claim_spilled_place();
         if !(journaled && room) {
             if room {
                 self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
@@ -96,13 +90,7 @@ impl Worker {
         slot.spilled = false;
         let history = std::mem::take(&mut slot.history);
         if !history.is_empty() {
-            slot.active = Some(Active {
-                work: Work::Restore,
-                pending: history,
-                fed: 0,
-                prefill_started: Instant::now(),
-                undo: None,
-            });
+            slot.active = Some(Active::restore(history));
         }
         tracing::info!(session = %id, worker = self.index, tokens = positions, "spilled session back");
         Ok(Got::Now)
@@ -451,13 +439,7 @@ impl Worker {
         }
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if let Some(history) = recompute {
-            slot.active = Some(Active {
-                work: Work::Restore,
-                pending: history,
-                fed: 0,
-                prefill_started: Instant::now(),
-                undo: None,
-            });
+            slot.active = Some(Active::restore(history));
         }
         // The one deliberate decrease of the committed length (INV-2).
         slot.high_water = slot.kv.len();
