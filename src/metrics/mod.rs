@@ -222,6 +222,12 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         stats.spilled_now,
     );
     e.single(
+        "session_journal_failures_total",
+        "counter",
+        "Session journal writes that failed; each such session went on without a journal.",
+        stats.journal_failures,
+    );
+    e.single(
         "session_restore_refused_total",
         "counter",
         "Session journals not restored at start (untrusted, or no place or KV room).",
@@ -432,6 +438,7 @@ mod tests {
             prefix_reused_tokens: 64,
             sessions_restored: 3,
             sessions_spilled: 6,
+            journal_failures: 1,
             spilled_now: 2,
             restore_refused: 1,
             prefix_entries: 5,
@@ -646,6 +653,7 @@ mod tests {
         assert_eq!(get("inferd_session_total", &[("outcome", "restored")]), 3.0);
         assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
         assert_eq!(get("inferd_session_spilled_total", &[]), 6.0);
+        assert_eq!(get("inferd_session_journal_failures_total", &[]), 1.0);
         assert_eq!(get("inferd_session_spilled", &[]), 2.0);
         assert_eq!(get("inferd_prefix_entries", &[]), 5.0);
         assert_eq!(get("inferd_prefix_cached_pages", &[]), 4.0);

@@ -405,6 +405,7 @@ impl Runtime {
             prefix_reused_tokens: load(&c.prefix_reused_tokens),
             sessions_restored: load(&c.sessions_restored),
             sessions_spilled: load(&c.sessions_spilled),
+            journal_failures: load(&c.journal_failures),
             spilled_now: self.shared.spilled_sessions.load(Ordering::Relaxed) as u64,
             restore_refused: load(&c.restore_refused),
             prefix_entries: prefix.entries as u64,

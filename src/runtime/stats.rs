@@ -99,6 +99,8 @@ pub struct Counters {
     pub sessions_restored: AtomicU64,
     /// LRU evictions that spilled the session instead of ending it.
     pub sessions_spilled: AtomicU64,
+    /// Journal writes that failed (the session went on without one).
+    pub journal_failures: AtomicU64,
     /// Journals that were read but found no place or pages.
     pub restore_refused: AtomicU64,
     /// Sessions removed after an invariant violation or a failed step.
@@ -153,6 +155,8 @@ pub struct RuntimeStats {
     pub sessions_spilled: u64,
     /// Sessions spilled now (not counted in `sessions_active`).
     pub spilled_now: u64,
+    /// Journal writes that failed (the session went on without one).
+    pub journal_failures: u64,
     /// Journals not restored: unreadable or untrusted (renamed `*.refused`),
     /// or without a place or pages (left for a later start).
     pub restore_refused: u64,

@@ -142,7 +142,7 @@ impl Worker {
                     .map(|added| Record::Append(added.to_vec()))
             };
             if let Some(record) = record {
-                slot.journal(record);
+                slot.journal(record, &self.shared.counters);
             }
         }
         let event = match end {
@@ -225,7 +225,7 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
         Work::Append { .. } | Work::Restore | Work::Fork { .. } => {
             slot.last_used = Instant::now();
             if let Some(record) = record {
-                slot.journal(record);
+                slot.journal(record, counters);
             }
             match slot.active.take().map(|active| active.work) {
                 Some(Work::Append { reply, dropped, .. }) => {

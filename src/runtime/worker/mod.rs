@@ -425,12 +425,14 @@ impl SessionSlot {
 
     /// Journals a completed change of the history. A journal that cannot be
     /// written is deleted (a restart must not bring back a stale history)
-    /// and the session goes on without one; the failure is logged.
-    fn journal(&mut self, record: Record) {
+    /// and the session goes on without one; the failure is logged and
+    /// counted.
+    fn journal(&mut self, record: Record, counters: &Counters) {
         let Some(journal) = &mut self.journal else {
             return;
         };
         if let Err(e) = journal.append(&record) {
+            counters.journal_failures.fetch_add(1, Ordering::Relaxed);
             tracing::error!(
                 label = %self.label,
                 "session journal write failed, the session is no longer durable: {e}"
