@@ -1115,3 +1115,36 @@ fn with_a_state_directory_an_evicted_session_is_spilled_and_its_next_call_brings
     assert_eq!(info(&rt, b).expect_err("closed"), RuntimeError::NotFound);
     assert_eq!(rt.stats().spilled_now, 0);
 }
+
+#[test]
+fn a_spilled_session_maps_the_shared_pages_another_session_holds_when_it_comes_back() {
+    use inferd::durable::{Durability, SessionStore};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SessionStore::open(dir.path(), [1; 32], Durability::None).expect("store");
+    let rt = start(RuntimeConfig {
+        kv_bytes: 6 * PAGE_BYTES,
+        state: Some(Arc::new(store)),
+        ..config(1)
+    });
+    let shared = prompt(48, 1); // three full pages
+    let a = create(&rt, &[]);
+    append(&rt, a, &[shared.clone(), vec![7]].concat()).expect("4 pages");
+    let b = create(&rt, &[]);
+    append(&rt, b, &[shared.clone(), vec![8]].concat()).expect("maps 3, holds 1");
+    append(&rt, b, &[9]).expect("b used after a");
+    assert_eq!(rt.stats().prefix_reused_tokens, 48);
+    let c = create(&rt, &[]);
+    append(&rt, c, &prompt(20, 5)).expect("room made by spilling a");
+    assert_eq!(info(&rt, a).expect("spilled").pages_held, 0);
+    // a's next call maps the three pages b still holds and feeds one token.
+    append(&rt, a, &[10]).expect("a back");
+    assert_eq!(rt.stats().prefix_reused_tokens, 96);
+    let cold = {
+        let rt = start(config(1));
+        let id = create(&rt, &[]);
+        append(&rt, id, &[shared.clone(), vec![7, 10]].concat()).expect("append");
+        info(&rt, id).expect("info").logits_digest
+    };
+    let back = info(&rt, a).expect("info");
+    assert_eq!((back.history_length, back.logits_digest), (50, cold));
+}

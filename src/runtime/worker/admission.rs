@@ -178,8 +178,9 @@ impl Worker {
             Some(Active {
                 work: Work::Restore,
                 pending,
+                fed,
                 ..
-            }) => pending.len(),
+            }) => slot.history.len() + pending.len() - fed,
             _ => slot.history.len(),
         };
         Ok(SessionInfo {

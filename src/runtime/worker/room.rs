@@ -77,10 +77,21 @@ impl Worker {
                 Wait::GiveUp => return Err(sessions_exhausted()),
             }
         }
-        let positions = self.sessions.get(&id).map_or(0, |s| s.history.len());
-        match self.reserve(id, positions) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+            return Err(RuntimeError::NotFound);
+        };
+        // Pages other sessions hold for its history's start are mapped; only
+        // the rest is fed again.
+        let history = std::mem::take(&mut slot.history);
+        let mapped = self.map_prefix(id, &history);
+        match self.reserve(id, history.len()) {
             Ok(Got::Now) => {}
             other => {
+                self.unmap_prefix(id, 0);
+                if let Some(slot) = self.sessions.get_mut(&id) {
+                    slot.history = history;
+                }
                 self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                 return other;
             }
@@ -88,11 +99,11 @@ impl Worker {
         self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.spilled = false;
-        let history = std::mem::take(&mut slot.history);
-        if !history.is_empty() {
-            slot.active = Some(Active::restore(history));
+        let tokens = history.len();
+        if mapped < tokens {
+            slot.active = Some(Active::restore(history[mapped..].to_vec()));
         }
-        tracing::info!(session = %id, worker = self.index, tokens = positions, "spilled session back");
+        tracing::info!(session = %id, worker = self.index, tokens, mapped, "spilled session back");
         Ok(Got::Now)
     }
 
