@@ -194,11 +194,15 @@ impl PrefixIndex {
             },
         );
         trie.children.insert(key, id);
-        self.trim_locked(&mut trie, self.cache_pages, usize::MAX);
+        // No trim here: the caller holds these pages, so listing them adds
+        // nothing to the cache (pages only join it when sessions let go).
         Ok(Some(id))
     }
 
-    /// Drops cached pages beyond the budget (after sessions let go).
+    /// Drops cached pages beyond the budget: called after a session let go
+    /// of pages (its removal or spill), the only way pages join the cache.
+    /// Pages a rollback or truncation let go wait for the next call, or are
+    /// reclaimed first when the pool is short.
     pub fn trim(&self) {
         let mut trie = self.lock();
         self.trim_locked(&mut trie, self.cache_pages, usize::MAX);

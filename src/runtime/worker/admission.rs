@@ -57,8 +57,9 @@ impl Worker {
 
     /// Adds a session read back from the state directory, its history to be
     /// fed again as its first work (calls on it wait behind that). Nothing
-    /// is evicted for it: one that finds no place or no pages is left in
-    /// the directory for a later start, and reported.
+    /// is evicted for it: one that finds no place or no pages is added
+    /// spilled (fed when first called), and one that finds no spilled place
+    /// either is left in the directory for a later start, and reported.
     pub(super) fn restore(&mut self, session: Recovered) {
         let Recovered {
             id,
@@ -78,37 +79,27 @@ impl Worker {
             tracing::warn!(session = %id, torn_bytes, "a torn last journal write was dropped");
         }
         let mut kv = SessionKv::new(Arc::clone(&self.kv_pool));
-        let resident = self.claim_session();
-        if resident && kv.reserve(history.len()).is_err() {
-            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+        let resident = self.claim_session()
+            && (kv.reserve(history.len()).is_ok() || {
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                false
+            });
+        if !resident && !self.claim_spilled_place() {
+            self.shared
+                .counters
+                .restore_refused
+                .fetch_add(1, Ordering::Relaxed);
+            journal.keep();
+            return refuse("no session place or KV pages, and the spilled sessions are full");
         }
-        let resident = resident && kv.capacity() >= history.len();
         let tokens = history.len();
         let mut slot = SessionSlot::new(kv, label, eos);
         slot.journal = Some(journal);
         if !resident {
             // No place or pages now: kept spilled, fed when first called.
-            if !self.claim_spilled_place() {
-                self.shared
-                    .counters
-                    .restore_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                if let Some(journal) = slot.journal.take() {
-                    journal.keep();
-                }
-                return refuse("no session place or KV pages, and the spilled sessions are full");
-            }
             slot.history = history;
             slot.spilled = true;
-            self.add_session(id, slot);
-            self.shared
-                .counters
-                .sessions_restored
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::info!(session = %id, worker = self.index, tokens, "session restored spilled");
-            return;
-        }
-        if !history.is_empty() {
+        } else if !history.is_empty() {
             slot.active = Some(Active::restore(history));
         }
         self.add_session(id, slot);
@@ -116,7 +107,7 @@ impl Worker {
             .counters
             .sessions_restored
             .fetch_add(1, Ordering::Relaxed);
-        tracing::info!(session = %id, worker = self.index, tokens, "session restored");
+        tracing::info!(session = %id, worker = self.index, tokens, spilled = !resident, "session restored");
     }
 
     /// The count a session's place is in: live, or spilled.

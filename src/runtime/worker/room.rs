@@ -32,11 +32,7 @@ impl Worker {
     /// `max_spilled_sessions` are, removed otherwise.
     pub(super) fn evict(&mut self, id: SessionId) -> bool {
         let journaled = self.sessions.get(&id).is_some_and(|s| s.journal.is_some());
-        let room = self.claim_spilled_place();
-        if !(journaled && room) {
-            if room {
-                self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
-            }
+        if !journaled || !self.claim_spilled_place() {
             return self.remove(id, Removal::Lru).is_some();
         }
         let Some(slot) = self.sessions.get_mut(&id) else {
