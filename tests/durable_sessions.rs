@@ -238,6 +238,20 @@ fn settle(server: &Client, reference: &Client, t: &mut Track, check_digest: bool
     false
 }
 
+/// The records of a journal's bytes: start, end and kind of each.
+fn records(bytes: &[u8]) -> Vec<(usize, usize, u8)> {
+    let mut at = inferd::durable::journal::replay(bytes)
+        .expect("a journal")
+        .header_len;
+    let mut found = Vec::new();
+    while at < bytes.len() {
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        found.push((at, at + 13 + len, bytes[at + 12]));
+        at += 13 + len;
+    }
+    found
+}
+
 fn journals(state: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(state.join("sessions"))
         .expect("sessions dir")
@@ -331,12 +345,19 @@ fn damaged_truncated_and_foreign_journals_are_refused_with_reasons_and_the_rest_
 
     // 0: a bit flipped in its first record (another follows): refused.
     let mut bytes = std::fs::read(path(&ids[0])).unwrap();
-    let header_len = bytes.len() - 2 * 13 - 4 * 2 - 4 * 40;
-    bytes[header_len + 20] ^= 0x04;
+    let first = records(&bytes)[0];
+    assert_eq!(first.2, 1, "an Append comes first");
+    bytes[first.0 + 20] ^= 0x04;
     std::fs::write(path(&ids[0]), bytes).unwrap();
-    // 1: its last record cut short (a torn write): restored without it.
+    // 1: its second Append cut short (a torn write; the page hint after it
+    // never written): restored without it.
     let bytes = std::fs::read(path(&ids[1])).unwrap();
-    std::fs::write(path(&ids[1]), &bytes[..bytes.len() - 3]).unwrap();
+    let second = records(&bytes)
+        .into_iter()
+        .filter(|r| r.2 == 1)
+        .nth(1)
+        .expect("two appends");
+    std::fs::write(path(&ids[1]), &bytes[..second.1 - 3]).unwrap();
     // 2: written for another model file: refused.
     let other = dir.path().join("other.gguf");
     std::fs::write(
@@ -457,4 +478,202 @@ fn sessions_that_do_not_fit_at_start_come_back_spilled_and_are_fed_when_called()
         assert_eq!(info.get_history_length(), 201);
         assert_eq!(info.get_logits_digest(), cold_digest(&reference, &more));
     }
+}
+
+/// The restore counters of a server started with `--metrics-listen`.
+fn restore_metrics(server: &Inferd) -> (f64, f64) {
+    let text = support::scrape(server.metrics.as_deref().expect("metrics address"));
+    (
+        support::sample(&text, "inferd_restore_kept_tokens_total").expect("kept tokens"),
+        support::sample(&text, "inferd_restore_pages_rejected_total").expect("rejected pages"),
+    )
+}
+
+#[test]
+fn a_restart_takes_back_every_page_that_verifies_and_computes_only_the_rest() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let (_reference_server, reference) = reference_server();
+    let metrics = ["--metrics-listen", "127.0.0.1:0"];
+    let history = |k: u32, n: u32| -> Vec<u32> { (0..n).map(|i| (i * 11 + k) % VOCAB).collect() };
+    let mut server = serve_with(&model, &state, "sync", &metrics);
+    let client = Client::connect(&server.addr);
+    // A long session, one sharing its first 500 tokens through a fork, and
+    // one grown by a Generate.
+    let long = client.create();
+    client.append(&long, &history(1, 1000)).expect("append");
+    let fork = client.fork(&long, 500);
+    client
+        .append(&fork, &history(2, 300))
+        .expect("append to the fork");
+    let generated = client.create();
+    client.append(&generated, &history(3, 100)).expect("append");
+    let got = client.generate(&support::greedy(&generated, 60, 0));
+    assert!(got.error.is_none(), "{got:?}");
+    let mut truths = vec![
+        (long.clone(), history(1, 1000)),
+        (
+            fork.clone(),
+            [&history(1, 1000)[..500], &history(2, 300)].concat(),
+        ),
+        (generated.clone(), [history(3, 100), got.tokens].concat()),
+    ];
+    // Killed: the pages are where the last run wrote them.
+    server.kill();
+    let server = serve_with(&model, &state, "sync", &metrics);
+    let client = Client::connect(&server.addr);
+    for (id, truth) in &truths {
+        let info = restored(&client, id);
+        assert_eq!(info.get_history_length() as usize, truth.len());
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, truth),
+            "{id}"
+        );
+    }
+    // Every full page below each last token's page comes back.
+    let whole: usize = truths.iter().map(|(_, t)| (t.len() - 1) / 16 * 16).sum();
+    assert_eq!(restore_metrics(&server), (whole as f64, 0.0));
+    // Calls go on from the taken-back pages as from computed ones.
+    client
+        .append(&long, &[5, 6, 7])
+        .expect("append after the restart");
+    truths[0].1.extend([5, 6, 7]);
+    let info = client.info(&long).expect("info");
+    assert_eq!(
+        info.get_logits_digest(),
+        cold_digest(&reference, &truths[0].1)
+    );
+    drop(client);
+    drop(server);
+
+    // Damage every page file byte in a stretch: those pages fail their
+    // checksums and are computed again; the sessions still hold their bits.
+    let pages = state.join("kv.pages");
+    let mut bytes = std::fs::read(&pages).expect("page file");
+    for b in &mut bytes[..64 << 10] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&pages, &bytes).expect("damage");
+    let server = serve_with(&model, &state, "sync", &metrics);
+    let client = Client::connect(&server.addr);
+    for (id, truth) in &truths {
+        let info = restored(&client, id);
+        assert_eq!(info.get_history_length() as usize, truth.len());
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, truth),
+            "{id}"
+        );
+    }
+    let (kept, rejected) = restore_metrics(&server);
+    assert!(rejected > 0.0, "damaged pages are rejected");
+    assert!(kept < whole as f64, "{kept} tokens kept of {whole}");
+    drop(client);
+    drop(server);
+
+    // A page file swapped for an empty one: every page is computed again.
+    std::fs::write(&pages, b"").expect("truncate");
+    let server = serve_with(&model, &state, "sync", &metrics);
+    let client = Client::connect(&server.addr);
+    for (id, truth) in &truths {
+        let info = restored(&client, id);
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, truth),
+            "{id}"
+        );
+    }
+    let (kept, rejected) = restore_metrics(&server);
+    assert_eq!(kept, 0.0);
+    assert!(rejected > 0.0);
+}
+
+/// The spill counters of a server started with `--metrics-listen`: bytes
+/// written out now, and tokens read back so far.
+fn spill_metrics(server: &Inferd) -> (f64, f64) {
+    let text = support::scrape(server.metrics.as_deref().expect("metrics address"));
+    (
+        support::sample(&text, "inferd_session_spill_bytes").expect("spill bytes"),
+        support::sample(&text, "inferd_session_spill_read_tokens_total").expect("read tokens"),
+    )
+}
+
+fn spill_files(state: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(state.join("spill"))
+        .expect("spill dir")
+        .map(|e| e.expect("entry").path())
+        .collect()
+}
+
+#[test]
+fn a_spilled_session_reads_its_pages_back_and_a_damaged_spill_file_costs_only_a_recompute() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let (_reference_server, reference) = reference_server();
+    let history = |k: u32| -> Vec<u32> { (0..200).map(|i| (i * 17 + k) % VOCAB).collect() };
+    // Room for two sessions of 200 positions: a third spills the oldest.
+    let server = serve_with(
+        &model,
+        &state,
+        "sync",
+        &["--kv-pages", "30", "--metrics-listen", "127.0.0.1:0"],
+    );
+    let client = Client::connect(&server.addr);
+    let ids: Vec<String> = (0..3).map(|_| client.create()).collect();
+    let mut truths: Vec<Vec<u32>> = (0..3).map(history).collect();
+    for (id, truth) in ids.iter().zip(&truths) {
+        client.append(id, truth).expect("append");
+    }
+    // The first was spilled for the third: its 12 full pages below its
+    // last token's page are on disk.
+    assert_eq!(client.info(&ids[0]).expect("info").get_kv_pages_held(), 0);
+    let files = spill_files(&state);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let (bytes, read) = spill_metrics(&server);
+    assert!(bytes > 0.0 && read == 0.0, "{bytes} {read}");
+
+    // Called again, it reads them back (spilling the second) and feeds
+    // only its last page's positions and the new token.
+    client
+        .append(&ids[0], &[7])
+        .expect("append to a spilled session");
+    truths[0].push(7);
+    let info = client.info(&ids[0]).expect("info");
+    assert_eq!(
+        info.get_logits_digest(),
+        cold_digest(&reference, &truths[0])
+    );
+    assert_eq!(spill_metrics(&server).1, 192.0);
+    assert!(!files[0].exists(), "a file read back is deleted");
+
+    // The second's file, damaged in its page bytes: pages from the damage
+    // on are computed; the session still holds its bits.
+    let files = spill_files(&state);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let mut bytes = std::fs::read(&files[0]).expect("spill file");
+    let end = bytes.len();
+    for b in &mut bytes[end - 8000..end - 4000] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&files[0], &bytes).expect("damage");
+    client
+        .append(&ids[1], &[8])
+        .expect("append to a spilled session");
+    truths[1].push(8);
+    let info = client.info(&ids[1]).expect("info");
+    assert_eq!(
+        info.get_logits_digest(),
+        cold_digest(&reference, &truths[1])
+    );
+    let read = spill_metrics(&server).1 - 192.0;
+    assert!(read < 192.0, "{read} tokens read back from a damaged file");
+    // Closing every session deletes every spill file.
+    for id in &ids {
+        client.close(id).expect("close");
+    }
+    assert!(spill_files(&state).is_empty());
+    assert_eq!(spill_metrics(&server).0, 0.0);
 }

@@ -137,6 +137,11 @@ pub struct ServeArgs {
     /// are kept so [default: 4096].
     #[arg(long, env = "INFERD_MAX_SPILLED_SESSIONS")]
     pub max_spilled_sessions: Option<usize>,
+    /// With --state-dir, MiB of KV pages spilled sessions may write out, so
+    /// that their next call reads them back instead of computing them; a
+    /// session spilled beyond it keeps only its history [default: 16384].
+    #[arg(long, env = "INFERD_MAX_SPILL_MIB")]
+    pub max_spill_mib: Option<u64>,
     /// When a session's change is on disk, with --state-dir [default: sync].
     #[arg(long, value_enum, env = "INFERD_DURABILITY")]
     pub durability: Option<DurabilityArg>,
@@ -214,6 +219,7 @@ struct FileConfig {
     drain_timeout: Option<f64>,
     state_dir: Option<PathBuf>,
     max_spilled_sessions: Option<usize>,
+    max_spill_mib: Option<u64>,
     durability: Option<DurabilityArg>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
@@ -269,6 +275,7 @@ pub struct Settings {
     pub drain_timeout: Duration,
     pub state_dir: Option<PathBuf>,
     pub max_spilled_sessions: usize,
+    pub max_spill_bytes: u64,
     pub durability: DurabilityArg,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
@@ -387,6 +394,11 @@ impl ServeArgs {
                 .max_spilled_sessions
                 .or(file.max_spilled_sessions)
                 .unwrap_or(4096),
+            max_spill_bytes: self
+                .max_spill_mib
+                .or(file.max_spill_mib)
+                .unwrap_or(16 << 10)
+                .saturating_mul(1 << 20),
             durability: self
                 .durability
                 .or(file.durability)
@@ -479,6 +491,7 @@ impl Settings {
             kv_bytes,
             max_sessions: self.max_sessions,
             max_spilled_sessions: self.max_spilled_sessions,
+            max_spill_bytes: self.max_spill_bytes,
             prefix_cache_pages: usize::try_from(
                 self.prefix_cache_pages
                     .saturating_mul(layout.n_layers as u64),

@@ -12,9 +12,19 @@
 //!         | crc32c u32 (of everything before it)
 //! record  payload length u32 | its bitwise complement u32
 //!         | crc32c u32 (of kind and payload) | kind u8
-//!         | payload: token count u32 | token ids u32...
-//! kinds   1 Append (the tokens follow the history), 2 Reset (they replace it)
+//!         | payload (by kind)
+//! kinds   1 Append: token count u32 | token ids u32... (they follow the history)
+//!         2 Reset: the same payload (the tokens replace the history)
+//!         3 Pages: first block u32 | block count u32 | layers u32
+//!                  | (pool page u32 | checksum u64) per layer per block
 //! ```
+//!
+//! A Pages record is a hint, not history: where the KV of the history's
+//! full pages (blocks of `page_positions` positions) lies in the state
+//! directory's page file, each page with a checksum that binds its bytes to
+//! the tokens up to its end (see `pages.rs`). It replaces the hints from its
+//! first block on. Hints are written without waiting for the disk: a lost
+//! or stale one only means that page is computed again.
 
 use thiserror::Error;
 
@@ -36,7 +46,7 @@ pub struct Header {
     pub label: String,
 }
 
-/// One change to the committed history.
+/// One change to the committed history, or a hint about its pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     /// Tokens appended (by an append or a Generate).
@@ -44,7 +54,42 @@ pub enum Record {
     /// The whole history, replacing the old one (a truncation, or the
     /// first record of a fork).
     Reset(Vec<u32>),
+    /// Where full pages of the history lie in the page file.
+    Pages(PageHints),
 }
+
+/// The pool pages of consecutive full blocks of a history, one per layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageHints {
+    /// The block (`history[block * page_positions..]`) the first row is for.
+    pub first_block: u32,
+    /// Layers per block: the length of every row.
+    pub n_layers: u32,
+    /// One row per block, in block order.
+    pub blocks: Vec<Box<[PageHint]>>,
+}
+
+/// Where one layer's page of one block lies, and what its bytes hash to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageHint {
+    /// The page's index in the pool, or [`PageHint::ABSENT`] when a
+    /// sliding-window layer had given it back.
+    pub page: u32,
+    pub checksum: u64,
+}
+
+impl PageHint {
+    /// The `page` of a layer that holds no page for the block.
+    pub const ABSENT: u32 = u32::MAX;
+}
+
+/// Most blocks one history can have hints for (a context of 2^20 tokens in
+/// pages of one position).
+pub const MAX_HINTED_BLOCKS: usize = 1 << 20;
+/// Bytes of one hint in a Pages record.
+const HINT_BYTES: usize = 12;
+/// Most hints one Pages record carries; writers split longer runs.
+pub const MAX_HINTS_PER_RECORD: usize = (MAX_PAYLOAD - 12) / HINT_BYTES;
 
 /// Why a journal's bytes cannot be read (the session is not restored).
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -65,6 +110,9 @@ pub struct Replayed {
     pub header: Header,
     /// The committed history the records add up to.
     pub history: Vec<u32>,
+    /// Page hints for the history's first blocks, in block order (only a
+    /// run from block 0 is kept: a block after a gap cannot be used).
+    pub hints: Vec<Box<[PageHint]>>,
     /// Bytes of whole, verified records (header included): where the next
     /// record goes.
     pub good_len: usize,
@@ -96,13 +144,17 @@ pub fn encode_header(header: &Header) -> Vec<u8> {
     out
 }
 
-/// One record's bytes.
+/// One record's bytes. A Pages record must hold at most
+/// [`MAX_HINTS_PER_RECORD`] hints.
 pub fn encode_record(record: &Record) -> Vec<u8> {
-    let (kind, tokens) = match record {
-        Record::Append(t) => (1u8, t),
-        Record::Reset(t) => (2u8, t),
+    let (kind, payload_len) = match record {
+        Record::Append(t) => (1u8, 4 + 4 * t.len()),
+        Record::Reset(t) => (2u8, 4 + 4 * t.len()),
+        Record::Pages(h) => (
+            3u8,
+            12 + HINT_BYTES * h.blocks.iter().map(|b| b.len()).sum::<usize>(),
+        ),
     };
-    let payload_len = 4 + 4 * tokens.len();
     let mut out = Vec::with_capacity(RECORD_HEAD + payload_len);
     put_u32(&mut out, payload_len as u32);
     // A length with a flipped bit must read as damage, not as a record
@@ -110,9 +162,22 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
     put_u32(&mut out, !(payload_len as u32));
     put_u32(&mut out, 0);
     out.push(kind);
-    put_u32(&mut out, tokens.len() as u32);
-    for &t in tokens {
-        put_u32(&mut out, t);
+    match record {
+        Record::Append(tokens) | Record::Reset(tokens) => {
+            put_u32(&mut out, tokens.len() as u32);
+            for &t in tokens {
+                put_u32(&mut out, t);
+            }
+        }
+        Record::Pages(hints) => {
+            put_u32(&mut out, hints.first_block);
+            put_u32(&mut out, hints.blocks.len() as u32);
+            put_u32(&mut out, hints.n_layers);
+            for hint in hints.blocks.iter().flat_map(|b| b.iter()) {
+                put_u32(&mut out, hint.page);
+                out.extend_from_slice(&hint.checksum.to_le_bytes());
+            }
+        }
     }
     let crc = crc32c::crc32c(&out[12..]);
     out[8..12].copy_from_slice(&crc.to_le_bytes());
@@ -136,6 +201,11 @@ impl Reader<'_> {
     fn u32(&mut self) -> Option<u32> {
         self.take(4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
     }
 
     fn tokens(&mut self, count: usize) -> Option<Vec<u32>> {
@@ -187,20 +257,22 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
     let header = parse_header(&mut r)?;
     let header_len = r.at;
     let mut history = Vec::new();
+    let mut hints: Vec<Box<[PageHint]>> = Vec::new();
     loop {
         let start = r.at;
         if start == bytes.len() {
             break;
         }
-        let torn = |history: Vec<u32>, header: Header| Replayed {
+        let torn = |history: Vec<u32>, hints: Vec<Box<[PageHint]>>, header: Header| Replayed {
             header,
             history,
+            hints,
             good_len: start,
             header_len,
             torn_bytes: bytes.len() - start,
         };
         let (Some(len), Some(check), Some(crc)) = (r.u32(), r.u32(), r.u32()) else {
-            return Ok(torn(history, header));
+            return Ok(torn(history, hints, header));
         };
         let len = len as usize;
         if check != !(len as u32) || len > MAX_PAYLOAD {
@@ -208,21 +280,34 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
         }
         let Some(body) = r.take(1 + len) else {
             // A length past the end: the write was cut short.
-            return Ok(torn(history, header));
+            return Ok(torn(history, hints, header));
         };
         let record = (crc32c::crc32c(body) == crc)
             .then(|| decode_body(body))
             .flatten();
         match record {
             Some(Record::Append(tokens)) => history.extend_from_slice(&tokens),
-            Some(Record::Reset(tokens)) => history = tokens,
-            None if r.at == bytes.len() => return Ok(torn(history, header)),
+            Some(Record::Reset(tokens)) => {
+                history = tokens;
+                hints.clear();
+            }
+            Some(Record::Pages(run)) => {
+                // A run that starts past the hints held leaves a gap: the
+                // blocks after it could never be adopted.
+                let first = run.first_block as usize;
+                if first <= hints.len() {
+                    hints.truncate(first);
+                    hints.extend(run.blocks);
+                }
+            }
+            None if r.at == bytes.len() => return Ok(torn(history, hints, header)),
             None => return Err(JournalError::DamagedRecord { offset: start }),
         }
     }
     Ok(Replayed {
         header,
         history,
+        hints,
         good_len: bytes.len(),
         header_len,
         torn_bytes: 0,
@@ -236,16 +321,53 @@ fn decode_body(body: &[u8]) -> Option<Record> {
         bytes: payload,
         at: 0,
     };
-    let count = r.u32()? as usize;
-    let tokens = r.tokens(count)?;
-    if r.at != payload.len() {
+    let record = match kind {
+        1 | 2 => {
+            let count = r.u32()? as usize;
+            let tokens = r.tokens(count)?;
+            if kind == 1 {
+                Record::Append(tokens)
+            } else {
+                Record::Reset(tokens)
+            }
+        }
+        3 => Record::Pages(decode_hints(&mut r)?),
+        _ => return None,
+    };
+    (r.at == payload.len()).then_some(record)
+}
+
+/// A Pages record's payload, checked for shape and bounds.
+fn decode_hints(r: &mut Reader<'_>) -> Option<PageHints> {
+    let first_block = r.u32()?;
+    let n_blocks = r.u32()? as usize;
+    let n_layers = r.u32()?;
+    if n_layers == 0 || (first_block as usize).checked_add(n_blocks)? > MAX_HINTED_BLOCKS {
         return None;
     }
-    match kind {
-        1 => Some(Record::Append(tokens)),
-        2 => Some(Record::Reset(tokens)),
-        _ => None,
+    let count = n_blocks.checked_mul(n_layers as usize)?;
+    // The payload length was bounded before: this cannot allocate more
+    // than it holds.
+    if r.bytes.len() - r.at != count.checked_mul(HINT_BYTES)? {
+        return None;
     }
+    let blocks = (0..n_blocks)
+        .map(|_| {
+            (0..n_layers)
+                .map(|_| {
+                    Some(PageHint {
+                        page: r.u32()?,
+                        checksum: r.u64()?,
+                    })
+                })
+                .collect::<Option<Box<[PageHint]>>>()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(PageHints {
+        first_block,
+        n_layers,
+        blocks,
+    })
 }
 
 #[cfg(test)]
@@ -314,6 +436,75 @@ mod tests {
                 "flip at {at}"
             );
         }
+    }
+
+    fn hints(first_block: u32, blocks: usize, page: u32) -> Record {
+        Record::Pages(PageHints {
+            first_block,
+            n_layers: 2,
+            blocks: (0..blocks as u32)
+                .map(|b| {
+                    [page + 2 * b, PageHint::ABSENT]
+                        .map(|page| PageHint {
+                            page,
+                            checksum: u64::from(page) << 40 | 0xabcd,
+                        })
+                        .into()
+                })
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn page_hints_replace_from_their_first_block_and_a_gap_is_not_kept() {
+        let row = |page| -> Box<[PageHint]> {
+            [page, PageHint::ABSENT]
+                .map(|page| PageHint {
+                    page,
+                    checksum: u64::from(page) << 40 | 0xabcd,
+                })
+                .into()
+        };
+        let bytes = journal(&[
+            Record::Append((0..64).collect()),
+            hints(0, 3, 10),
+            // Blocks 2 and 3 from elsewhere: block 2 is replaced.
+            hints(2, 2, 50),
+            // A run starting past the end leaves a gap: dropped.
+            hints(9, 1, 90),
+        ]);
+        let got = replay(&bytes).unwrap();
+        assert_eq!(got.history.len(), 64);
+        assert_eq!(got.hints, vec![row(10), row(12), row(50), row(52)]);
+        // A reset starts the hints over.
+        let bytes = journal(&[hints(0, 2, 10), Record::Reset(vec![1]), hints(0, 1, 70)]);
+        assert_eq!(replay(&bytes).unwrap().hints, vec![row(70)]);
+    }
+
+    #[test]
+    fn misshapen_page_hints_are_damage_like_any_bad_record() {
+        let good = encode_record(&hints(0, 2, 10));
+        // A layer count that does not match the payload, with a valid CRC.
+        let mut bad = good.clone();
+        bad[13 + 8..13 + 12].copy_from_slice(&3u32.to_le_bytes());
+        let crc = crc32c::crc32c(&bad[12..]);
+        bad[8..12].copy_from_slice(&crc.to_le_bytes());
+        let mut bytes = journal(&[Record::Append(vec![1])]);
+        bytes.extend(&bad);
+        bytes.extend(encode_record(&Record::Append(vec![2])));
+        assert!(matches!(
+            replay(&bytes),
+            Err(JournalError::DamagedRecord { .. })
+        ));
+        // Past the most blocks a history can have.
+        let far = encode_record(&hints(MAX_HINTED_BLOCKS as u32, 1, 10));
+        let mut bytes = journal(&[]);
+        bytes.extend(&far);
+        bytes.extend(encode_record(&Record::Append(vec![2])));
+        assert!(matches!(
+            replay(&bytes),
+            Err(JournalError::DamagedRecord { .. })
+        ));
     }
 
     #[test]

@@ -6,9 +6,13 @@
 //! state directory ([`journal`] says its bytes, [`store`] where it lives and
 //! when it is on disk); the workers write it as calls complete, and
 //! `Runtime::start` reads every journal back and feeds each history again
-//! before the session takes new calls.
+//! before the session takes new calls. The KV pages themselves live in a
+//! file there too ([`pages`]): a restart takes back every page whose bytes
+//! still verify and computes only the rest.
 
 pub mod journal;
+pub mod pages;
+pub mod spill;
 mod store;
 
 pub use store::{

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::journal::{self, Header, JournalError, Record};
+use super::journal::{self, Header, JournalError, PageHint, Record};
 use crate::runtime::SessionId;
 
 /// How long `batch` durability lets writes wait for their flush.
@@ -62,6 +62,12 @@ pub struct Recovered {
     pub label: String,
     pub eos: Vec<u32>,
     pub history: Vec<u32>,
+    /// What the journal says of where the history's full pages lie.
+    pub hints: Vec<Box<[PageHint]>>,
+    /// The pages verified against `hints` and claimed for this session, one
+    /// row per block from block 0, `None` for a sliding-window layer's page
+    /// no later position reads (filled in by `pages::adopt_verified`).
+    pub pages: Vec<Box<[Option<u32>]>>,
     pub journal: JournalFile,
     /// Bytes of a torn last write dropped from the end.
     pub torn_bytes: usize,
@@ -113,6 +119,8 @@ pub struct JournalFile {
     path: PathBuf,
     /// The header's bytes, for rewriting the file at a reset.
     header: Vec<u8>,
+    /// Bytes in the file (whole records only).
+    len: u64,
     shared: Arc<SharedHandle>,
 }
 
@@ -135,8 +143,20 @@ impl JournalFile {
         if let Record::Reset(_) = record {
             return self.rewrite(record);
         }
-        (&*self.file).write_all(&journal::encode_record(record))?;
-        self.shared.0.commit(&self.file)
+        let bytes = journal::encode_record(record);
+        (&*self.file).write_all(&bytes)?;
+        self.len += bytes.len() as u64;
+        match record {
+            // A hint is never waited for: losing one costs a recompute.
+            Record::Pages(_) => Ok(()),
+            _ => self.shared.0.commit(&self.file),
+        }
+    }
+
+    /// Bytes in the file: what a caller weighs against what the history
+    /// needs, to rewrite a journal that hints made long.
+    pub fn file_bytes(&self) -> u64 {
+        self.len
     }
 
     fn rewrite(&mut self, reset: &Record) -> std::io::Result<()> {
@@ -160,6 +180,7 @@ impl JournalFile {
         match written {
             Ok(file) => {
                 self.file = Arc::new(file);
+                self.len = (self.header.len() + journal::encode_record(reset).len()) as u64;
                 if self.shared.0.durability == Durability::Batch {
                     self.shared.0.commit(&self.file)?;
                 }
@@ -186,6 +207,8 @@ impl JournalFile {
 /// The state directory's journals.
 pub struct SessionStore {
     shared: Arc<SharedHandle>,
+    /// The state directory itself (journals are in its `sessions/`).
+    root: PathBuf,
     model_sha256: [u8; 32],
     _lock: File,
     flusher_thread: Option<JoinHandle<()>>,
@@ -219,6 +242,8 @@ impl SessionStore {
     ) -> Result<Self, StoreError> {
         let sessions = dir.join("sessions");
         std::fs::create_dir_all(&sessions).map_err(io_error(&sessions))?;
+        let spill = dir.join("spill");
+        std::fs::create_dir_all(&spill).map_err(io_error(&spill))?;
         let lock_path = dir.join("lock");
         let lock = OpenOptions::new()
             .create(true)
@@ -232,6 +257,14 @@ impl SessionStore {
                 return Err(StoreError::Locked(dir.display().to_string()))
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io_error(&lock_path)(e)),
+        }
+        // Pages spilled by an earlier run: its sessions come back from the
+        // page file and their histories, not from these.
+        for stale in std::fs::read_dir(&spill)
+            .map_err(io_error(&spill))?
+            .flatten()
+        {
+            let _ = std::fs::remove_file(stale.path());
         }
         let flusher = (durability == Durability::Batch).then(|| {
             Arc::new(Flusher {
@@ -257,6 +290,7 @@ impl SessionStore {
                 durability,
                 flusher,
             })),
+            root: dir.to_owned(),
             model_sha256,
             _lock: lock,
             flusher_thread,
@@ -266,6 +300,17 @@ impl SessionStore {
     /// The durability policy in force.
     pub fn durability(&self) -> Durability {
         self.shared.0.durability
+    }
+
+    /// Where a spilled session's KV pages are written out.
+    pub fn spill_path(&self, id: SessionId) -> PathBuf {
+        self.root.join("spill").join(format!("{id}.kv"))
+    }
+
+    /// The file that backs the KV page pool, so that pages outlive the
+    /// process (the journals' hints say which page holds what).
+    pub fn page_file(&self) -> PathBuf {
+        self.root.join("kv.pages")
     }
 
     fn path_of(&self, id: SessionId) -> PathBuf {
@@ -302,6 +347,7 @@ impl SessionStore {
             file,
             path,
             header,
+            len: bytes.len() as u64,
             shared: Arc::clone(&self.shared),
         };
         let committed = written
@@ -398,10 +444,13 @@ impl SessionStore {
             label: header.label.clone(),
             eos: header.eos.clone(),
             history: replayed.history,
+            hints: replayed.hints,
+            pages: Vec::new(),
             journal: JournalFile {
                 file: Arc::new(file),
                 path: path.to_owned(),
                 header: bytes[..replayed.header_len].to_vec(),
+                len: replayed.good_len as u64,
                 shared: Arc::clone(&self.shared),
             },
             torn_bytes: replayed.torn_bytes,
@@ -482,6 +531,21 @@ mod tests {
                 let now = std::fs::metadata(&journal.path).unwrap().len();
                 assert_eq!(now as usize, expected);
                 assert!(now < grown);
+                assert_eq!(journal.file_bytes(), now);
+                journal
+                    .append(&Record::Pages(journal::PageHints {
+                        first_block: 0,
+                        n_layers: 1,
+                        blocks: vec![[PageHint {
+                            page: 4,
+                            checksum: 9,
+                        }]
+                        .into()],
+                    }))
+                    .unwrap();
+                let hinted = std::fs::metadata(&journal.path).unwrap().len();
+                assert_eq!(journal.file_bytes(), hinted);
+                assert!(hinted > now);
                 journal.path.clone()
             };
             // A rewrite cut off before its rename leaves a stray file.
@@ -495,6 +559,18 @@ mod tests {
             let session = back.pop().unwrap();
             assert_eq!(session.id, id);
             assert_eq!(session.history, vec![7, 8, 9, 10]);
+            assert_eq!(
+                session.hints,
+                vec![[PageHint {
+                    page: 4,
+                    checksum: 9
+                }]
+                .into()]
+            );
+            assert_eq!(
+                session.journal.file_bytes(),
+                std::fs::metadata(&path).unwrap().len()
+            );
             assert_eq!(
                 (session.label.as_str(), session.eos.as_slice()),
                 ("l", &[2][..])

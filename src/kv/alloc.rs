@@ -108,6 +108,37 @@ impl PageAllocator {
         })
     }
 
+    /// An allocator over `refs.len()` pages where page `i` already has
+    /// `refs[i]` holders (0: free): the pool a restart builds around the
+    /// pages it took back from the page file. The free pages are handed out
+    /// lowest index first.
+    pub fn with_references(refs: &[u32]) -> Result<Self, KvError> {
+        let n_pages = refs.len();
+        if n_pages > MAX_PAGES {
+            return Err(KvError::InvalidConfig {
+                reason: format!("{n_pages} pages is more than the allocator limit of {MAX_PAGES}"),
+            });
+        }
+        let free: Vec<u32> = (0..n_pages as u32)
+            .filter(|&i| refs[i as usize] == 0)
+            .collect();
+        let mut links = vec![NIL; n_pages];
+        for pair in free.windows(2) {
+            links[pair[0] as usize] = pair[1];
+        }
+        Ok(PageAllocator {
+            head: CachePadded::new(AtomicU64::new(pack(
+                0,
+                free.first().copied().unwrap_or(NIL),
+            ))),
+            available: CachePadded::new(AtomicUsize::new(free.len())),
+            next: links.into_iter().map(AtomicU32::new).collect(),
+            refs: refs.iter().map(|&n| AtomicU32::new(n)).collect(),
+            #[cfg(loom)]
+            tag_step: 1,
+        })
+    }
+
     /// A deliberately broken allocator whose ABA tag never changes. It exists
     /// only under `--cfg loom`, for the test that proves the checker bites.
     #[cfg(loom)]
@@ -345,6 +376,31 @@ mod tests {
     use std::sync::{Arc, Barrier};
 
     use super::*;
+
+    #[test]
+    fn pages_claimed_at_start_are_never_handed_out_until_every_holder_lets_go() {
+        let a = PageAllocator::with_references(&[0, 2, 0, 1, 0]).unwrap();
+        assert_eq!((a.total(), a.free_count()), (5, 3));
+        assert_eq!(a.references(1).unwrap(), 2);
+        let mut got = a.alloc_many(3).unwrap();
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 2, 4]);
+        assert!(matches!(a.alloc(), Err(KvError::Exhausted { .. })));
+        a.free(1).unwrap();
+        assert!(a.alloc().is_err(), "page 1 still has a holder");
+        a.free(1).unwrap();
+        a.free(3).unwrap();
+        let mut back = a.alloc_many(2).unwrap();
+        back.sort_unstable();
+        assert_eq!(back, vec![1, 3]);
+        assert!(matches!(
+            a.free(3).and_then(|()| a.free(3)),
+            Err(KvError::DoubleFree { page: 3 })
+        ));
+        let none = PageAllocator::with_references(&[1, 1]).unwrap();
+        assert_eq!(none.free_count(), 0);
+        assert!(none.alloc().is_err());
+    }
 
     #[test]
     fn hands_out_every_page_once_then_reports_exhaustion() {

@@ -46,6 +46,10 @@ pub enum KvError {
     /// Shared-prefix pages that do not have one pool page per layer.
     #[error("shared pages come {pages} to a position range, the cache has {layers} layers")]
     AdoptLayerMismatch { pages: usize, layers: usize },
+    /// Kept pages of a layer with a missing page after a held one, or
+    /// missing leading pages on a layer that sees every position.
+    #[error("kept pages of layer {layer} leave a gap the layer would read")]
+    KeptPagesGap { layer: usize },
     /// A write into a page another session also holds (a fork or a shared
     /// prefix): it must be copied first ([`SessionKv::reserve`] does).
     ///

@@ -119,6 +119,11 @@ pub enum KvBacking {
     /// A file, created or truncated and sized to the pool. Nothing else may
     /// touch the file while the pool lives.
     File(PathBuf),
+    /// A file kept across runs (the state directory's page file): created
+    /// when missing, otherwise opened as it is and sized to the pool, so its
+    /// pages hold what the last run wrote until they are handed out again.
+    /// Nothing else may touch the file while the pool lives.
+    Kept(PathBuf),
 }
 
 /// Everything needed to build a [`KvPool`].
@@ -161,6 +166,9 @@ pub struct KvPool {
     /// Per layer, the sliding window it attends over (`None`: every
     /// position); empty when no layer has one.
     layer_windows: Box<[Option<usize>]>,
+    /// Positions a window layer keeps before its window (see
+    /// [`KvPool::with_window_slack`]).
+    window_slack: usize,
 }
 
 impl KvPool {
@@ -198,6 +206,7 @@ impl KvPool {
             allocator: PageAllocator::new(n_pages)?,
             backing,
             layer_windows: Box::new([]),
+            window_slack: 0,
         })
     }
 
@@ -228,6 +237,7 @@ impl KvPool {
             allocator: PageAllocator::new(n_pages)?,
             backing: KvBacking::Anonymous,
             layer_windows: Box::new([]),
+            window_slack: 0,
         })
     }
 
@@ -262,6 +272,19 @@ impl KvPool {
             windows.into_boxed_slice()
         };
         Ok(self)
+    }
+
+    /// Has window layers keep `positions` more positions than their window
+    /// reads: a restart that feeds a session's last page again (its pages
+    /// kept in the state directory) reads that far back.
+    pub fn with_window_slack(mut self, positions: usize) -> Self {
+        self.window_slack = positions;
+        self
+    }
+
+    /// Positions a window layer keeps before what its window reads.
+    pub fn window_slack(&self) -> usize {
+        self.window_slack
     }
 
     /// Per layer, its sliding window; empty when every layer sees every
@@ -320,6 +343,47 @@ impl KvPool {
     /// The allocator, for callers that manage raw page indices.
     pub fn allocator(&self) -> &PageAllocator {
         &self.allocator
+    }
+
+    /// The checksum of page `page`'s K and V (padding excluded) under
+    /// `seed`, or `None` for a ledger or an index the pool does not have.
+    /// `&mut self` proves that no session holds the pool yet, so no page is
+    /// being written: this is for reading back a kept page file at start.
+    pub fn checksum_unheld_page(&mut self, page: u32, seed: u64) -> Option<u64> {
+        self.checksum_page(page, seed)
+    }
+
+    /// The checksum of a page the caller holds and nobody writes (a full
+    /// page of a committed history).
+    pub(super) fn checksum_page(&self, page: u32, seed: u64) -> Option<u64> {
+        let start = self.page_ptr(page)?;
+        let bytes = self.layout.page_values() * F16_BYTES;
+        // SAFETY: `page_ptr` is valid for `page_stride >= bytes` bytes; the
+        // callers guarantee that no thread writes the page meanwhile.
+        let page_bytes = unsafe { std::slice::from_raw_parts(start.cast_const(), bytes) };
+        Some(xxhash_rust::xxh3::xxh3_64_with_seed(page_bytes, seed))
+    }
+
+    /// Rebuilds the allocator so that page `i` has `refs[i]` holders (one
+    /// entry per page): the pages a restart verified in a kept page file and
+    /// hands to the sessions it restores. Only while no page is handed out.
+    pub fn claim_pages(&mut self, refs: &[u32]) -> Result<(), KvError> {
+        if refs.len() != self.allocator.total() {
+            return Err(KvError::InvalidConfig {
+                reason: format!(
+                    "{} page references for a pool of {} pages",
+                    refs.len(),
+                    self.allocator.total()
+                ),
+            });
+        }
+        if self.allocator.free_count() != self.allocator.total() {
+            return Err(KvError::InvalidConfig {
+                reason: "pages are claimed only before any is handed out".to_string(),
+            });
+        }
+        self.allocator = PageAllocator::with_references(refs)?;
+        Ok(())
     }
 
     /// Copies page `from` over page `to` (both held by the caller, `to`
@@ -393,20 +457,20 @@ fn map_backing(backing: &KvBacking, total_bytes: usize) -> Result<MmapMut, KvErr
             .len(total_bytes)
             .map_anon()
             .map_err(map_error(None)),
-        KvBacking::File(path) => {
+        KvBacking::File(path) | KvBacking::Kept(path) => {
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
-                .truncate(true)
+                .truncate(matches!(backing, KvBacking::File(_)))
                 .open(path)
                 .map_err(map_error(Some(path.clone())))?;
             file.set_len(total_bytes as u64)
                 .map_err(map_error(Some(path.clone())))?;
-            // SAFETY: the file was just created or truncated and sized by us;
-            // the documented contract of `KvBacking::File` is that nothing
-            // else modifies or truncates it while the pool lives, so the
-            // mapping stays valid and only this process writes it.
+            // SAFETY: the file was just sized by us; the documented contract
+            // of `KvBacking::File` and `KvBacking::Kept` is that nothing else
+            // modifies or truncates it while the pool lives, so the mapping
+            // stays valid and only this process writes it.
             unsafe { MmapOptions::new().len(total_bytes).map_mut(&file) }
                 .map_err(map_error(Some(path.clone())))
         }

@@ -60,6 +60,9 @@ struct LayerPages {
     pages: VecDeque<u32>,
 }
 
+/// A page and the checksum of its bytes.
+pub type PageSum = (u32, u64);
+
 /// A session's page tables and committed length.
 pub struct SessionKv {
     pool: Arc<KvPool>,
@@ -343,6 +346,157 @@ impl SessionKv {
         Ok(())
     }
 
+    /// The pages of a restored session's first blocks, taken back from a
+    /// kept page file (one row per block from block 0, one entry per layer,
+    /// a reference already taken for this session), as committed positions.
+    /// `None` marks a sliding-window layer's page that no later position
+    /// reads: per layer, the `None`s must all come before its pages. Only on
+    /// an empty session; on an error nothing changed and the references are
+    /// still the caller's.
+    pub fn adopt_kept(&mut self, blocks: &[Box<[Option<u32>]>]) -> Result<(), KvError> {
+        if self.end_page != 0 || self.len != 0 {
+            return Err(KvError::AdoptNotAtPageEnd {
+                len: self.len,
+                capacity: self.capacity(),
+            });
+        }
+        if let Some(bad) = blocks.iter().find(|b| b.len() != self.n_layers) {
+            return Err(KvError::AdoptLayerMismatch {
+                pages: bad.len(),
+                layers: self.n_layers,
+            });
+        }
+        let mut dropped = vec![0usize; self.n_layers];
+        for (layer, first_held) in dropped.iter_mut().enumerate() {
+            *first_held = blocks.iter().take_while(|b| b[layer].is_none()).count();
+            let gap = blocks[*first_held..].iter().any(|b| b[layer].is_none());
+            let windowed = self
+                .pool
+                .layer_windows()
+                .get(layer)
+                .is_some_and(Option::is_some);
+            if gap || (*first_held > 0 && !windowed) {
+                return Err(KvError::KeptPagesGap { layer });
+            }
+        }
+        for (layer, (table, first_held)) in self.layers.iter_mut().zip(dropped).enumerate() {
+            table.dropped = first_held;
+            table
+                .pages
+                .extend(blocks[first_held..].iter().filter_map(|b| b[layer]));
+        }
+        self.end_page = blocks.len();
+        self.len = self.end_page << self.page_shift;
+        Ok(())
+    }
+
+    /// Per layer, the page holding block `block` (`None` where a window
+    /// layer gave it back) and its checksum under the seed `seed(layer)`,
+    /// or `None` when the block is not all committed.
+    pub fn block_checksums(
+        &self,
+        block: usize,
+        seed: impl Fn(usize) -> u64,
+    ) -> Option<Box<[Option<PageSum>]>> {
+        if (block + 1) << self.page_shift > self.len || !self.pool.holds_rows() {
+            return None;
+        }
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(layer, table)| match block.checked_sub(table.dropped) {
+                None => Some(None),
+                Some(i) => {
+                    let page = *table.pages.get(i)?;
+                    // A committed full page is written by nobody: positions
+                    // are written only from the committed length on.
+                    let sum = self.pool.checksum_page(page, seed(layer))?;
+                    Some(Some((page, sum)))
+                }
+            })
+            .collect()
+    }
+
+    /// The page holding block `block` of `layer`, if this session holds it.
+    fn block_page(&self, block: usize, layer: usize) -> Option<u32> {
+        let table = self.layers.get(layer)?;
+        table.pages.get(block.checked_sub(table.dropped)?).copied()
+    }
+
+    /// The K and V bytes (padding excluded) of `layer`'s page for block
+    /// `block`, when the block is all committed and the layer holds it: what
+    /// a spill writes out.
+    pub fn page_bytes(&self, block: usize, layer: usize) -> Option<&[u8]> {
+        if (block + 1) << self.page_shift > self.len {
+            return None;
+        }
+        let start = self.pool.page_ptr(self.block_page(block, layer)?)?;
+        let bytes = self.pool.layout().page_values() * 2;
+        // SAFETY: the page is this session's (held), valid for at least
+        // `bytes` bytes; it is all committed, so nobody writes it (positions
+        // are written only from the committed length on), and mutable
+        // access to this session's pages needs `&mut self`.
+        Some(unsafe { std::slice::from_raw_parts(start.cast_const(), bytes) })
+    }
+
+    /// Fills `layer`'s page for block `block`, beyond the committed length
+    /// and reserved in a page this session holds alone, with `bytes` (a
+    /// whole page, as [`SessionKv::page_bytes`] gives): reading a spilled
+    /// session's pages back. The positions still need a commit.
+    pub fn load_page(&mut self, block: usize, layer: usize, bytes: &[u8]) -> Result<(), KvError> {
+        let len = self.pool.layout().page_values() * 2;
+        if bytes.len() != len {
+            return Err(KvError::RowLength {
+                expected: len,
+                got: bytes.len(),
+            });
+        }
+        let pos = block << self.page_shift;
+        if pos < self.len || block >= self.end_page {
+            return Err(KvError::PositionOutOfRange {
+                pos,
+                capacity: self.capacity(),
+            });
+        }
+        let page = self
+            .block_page(block, layer)
+            .ok_or(KvError::PositionOutOfRange {
+                pos,
+                capacity: self.capacity(),
+            })?;
+        if self.pool.allocator().references(page)? > 1 {
+            return Err(KvError::WriteToSharedPage { page });
+        }
+        let start = self.pool.page_ptr(page).ok_or(KvError::NoStorage)?;
+        // SAFETY: the page is held by this session alone (checked above) and
+        // not committed, `&mut self` excludes every other slice of it, and
+        // it is valid for at least `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), start, len) };
+        Ok(())
+    }
+
+    /// Gives back the pages of a sliding-window layer before block `block`
+    /// (at most up to the committed length): pages the caller knows no
+    /// later position reads, such as those a spill did not keep.
+    pub fn give_back_before(&mut self, layer: usize, block: usize) -> Result<(), KvError> {
+        let windowed = self
+            .pool
+            .layer_windows()
+            .get(layer)
+            .is_some_and(Option::is_some);
+        let committed = self.len >> self.page_shift;
+        let Some(table) = self.layers.get_mut(layer) else {
+            return Err(KvError::KeptPagesGap { layer });
+        };
+        if !windowed {
+            return Err(KvError::KeptPagesGap { layer });
+        }
+        let surplus = block.min(committed).saturating_sub(table.dropped);
+        let freed: Vec<u32> = table.pages.drain(..surplus).collect();
+        table.dropped += surplus;
+        self.pool.allocator().free_many(&freed)
+    }
+
     /// Pages this session holds that another session holds too.
     pub fn shared_pages(&self) -> usize {
         let allocator = self.pool.allocator();
@@ -383,7 +537,7 @@ impl SessionKv {
         let mut first_error = Ok(());
         for (layer, window) in self.pool.layer_windows().iter().enumerate() {
             let Some(window) = *window else { continue };
-            let oldest_seen = (self.len + 1).saturating_sub(window);
+            let oldest_seen = (self.len + 1).saturating_sub(window + self.pool.window_slack());
             let Some(pages) = self.layers.get_mut(layer) else {
                 continue;
             };

@@ -222,6 +222,18 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         stats.spilled_now,
     );
     e.single(
+        "session_spill_bytes",
+        "gauge",
+        "Bytes of KV pages spilled sessions hold written out to the state directory.",
+        stats.spill_bytes,
+    );
+    e.single(
+        "session_spill_read_tokens_total",
+        "counter",
+        "Tokens of spilled sessions whose KV was read back from disk instead of computed.",
+        stats.spill_read_tokens,
+    );
+    e.single(
         "session_journal_failures_total",
         "counter",
         "Session journal writes that failed; each such session went on without a journal.",
@@ -232,6 +244,18 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "counter",
         "Session journals not restored at start (untrusted, or no place or KV room).",
         stats.restore_refused,
+    );
+    e.single(
+        "restore_kept_tokens_total",
+        "counter",
+        "Restored history tokens whose KV was taken back from the state directory's page file.",
+        stats.restore_kept_tokens,
+    );
+    e.single(
+        "restore_pages_rejected_total",
+        "counter",
+        "Kept KV pages that failed their checksum at start and were computed again.",
+        stats.restore_pages_rejected,
     );
     e.single(
         "prefix_reused_tokens_total",
@@ -437,9 +461,13 @@ mod tests {
             sessions_forked: 2,
             prefix_reused_tokens: 64,
             sessions_restored: 3,
+            restore_kept_tokens: 4080,
+            restore_pages_rejected: 5,
             sessions_spilled: 6,
             journal_failures: 1,
             spilled_now: 2,
+            spill_bytes: 1 << 20,
+            spill_read_tokens: 992,
             restore_refused: 1,
             prefix_entries: 5,
             prefix_cached_pages: 4,
@@ -650,6 +678,10 @@ mod tests {
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);
+        assert_eq!(get("inferd_restore_kept_tokens_total", &[]), 4080.0);
+        assert_eq!(get("inferd_session_spill_bytes", &[]), 1048576.0);
+        assert_eq!(get("inferd_session_spill_read_tokens_total", &[]), 992.0);
+        assert_eq!(get("inferd_restore_pages_rejected_total", &[]), 5.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "restored")]), 3.0);
         assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
         assert_eq!(get("inferd_session_spilled_total", &[]), 6.0);

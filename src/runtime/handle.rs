@@ -38,6 +38,33 @@ pub struct Runtime {
     vocab: usize,
 }
 
+/// Takes back the recovered sessions' pages that still verify in the kept
+/// page file. A failure only costs speed: every session is then fed again
+/// from its history alone.
+/// Returns how many hinted pages failed their checksum.
+fn take_back_pages(pool: &mut KvPool, recovered: &mut [crate::durable::Recovered]) -> usize {
+    let started = Instant::now();
+    match crate::durable::pages::take_back(pool, recovered) {
+        Ok(found) => {
+            tracing::info!(
+                pages = found.pages,
+                positions = found.positions,
+                rejected = found.rejected,
+                took_ms = started.elapsed().as_secs_f64() * 1e3,
+                "KV pages taken back from the state directory"
+            );
+            found.rejected
+        }
+        Err(e) => {
+            tracing::error!("cannot take KV pages back, every session is computed again: {e}");
+            for session in recovered.iter_mut() {
+                session.pages.clear();
+            }
+            0
+        }
+    }
+}
+
 impl Runtime {
     /// Maps the KV pool and spawns `cfg.workers` worker threads, pinned one
     /// per core when asked (a failed pin is logged, not fatal).
@@ -48,7 +75,20 @@ impl Runtime {
         cfg.stream_capacity = cfg.stream_capacity.max(4);
         cfg.worker_queue = cfg.worker_queue.max(1);
         let layers = Arc::clone(&cfg.layers);
-        let kv_pool = Arc::new(layers.kv_pool(&model, &mut cfg)?);
+        let mut kv_pool = layers.kv_pool(&model, &mut cfg)?;
+        // Sessions of the state directory come back before any worker
+        // runs: the pages they take back from the kept page file are
+        // claimed while nothing else can be handed out.
+        let (recovered, refused, pages_rejected) = match &cfg.state {
+            Some(store) => {
+                let (mut recovered, refused) =
+                    store.recover(model.config.vocab, model.config.context);
+                let rejected = take_back_pages(&mut kv_pool, &mut recovered);
+                (recovered, refused, rejected)
+            }
+            None => (Vec::new(), Vec::new(), 0),
+        };
+        let kv_pool = Arc::new(kv_pool);
         let kv_page_bytes = layers.kv_page_bytes(&model, &kv_pool);
         // Asked before any thread is pinned: a pinned thread sees only its core.
         let cores = if cfg.pin_cores {
@@ -96,8 +136,11 @@ impl Runtime {
                 thread: Some(thread),
             });
         }
-        if let Some(store) = &cfg.state {
-            let (recovered, refused) = store.recover(model.config.vocab, model.config.context);
+        if cfg.state.is_some() {
+            shared
+                .counters
+                .restore_pages_rejected
+                .fetch_add(pages_rejected as u64, Ordering::Relaxed);
             for r in &refused {
                 tracing::error!(journal = %r.path.display(), reason = %r.reason, "session not restored");
             }
@@ -404,9 +447,13 @@ impl Runtime {
             sessions_forked: load(&c.sessions_forked),
             prefix_reused_tokens: load(&c.prefix_reused_tokens),
             sessions_restored: load(&c.sessions_restored),
+            restore_kept_tokens: load(&c.restore_kept_tokens),
+            restore_pages_rejected: load(&c.restore_pages_rejected),
             sessions_spilled: load(&c.sessions_spilled),
             journal_failures: load(&c.journal_failures),
             spilled_now: self.shared.spilled_sessions.load(Ordering::Relaxed) as u64,
+            spill_bytes: self.shared.spill_bytes.load(Ordering::Relaxed),
+            spill_read_tokens: load(&c.spill_read_tokens),
             restore_refused: load(&c.restore_refused),
             prefix_entries: prefix.entries as u64,
             prefix_cached_pages: prefix.cached_pages as u64,

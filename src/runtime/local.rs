@@ -20,10 +20,22 @@ impl Layers for LocalLayers {
         let pool = KvPool::new(KvPoolConfig {
             layout,
             n_pages: KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(n_layers),
-            backing: KvBacking::Anonymous,
+            // With a state directory the pages outlive the process, so a
+            // restart can take back what still verifies.
+            backing: match &cfg.state {
+                Some(store) => KvBacking::Kept(store.page_file()),
+                None => KvBacking::Anonymous,
+            },
             prefault: false,
         })?
-        .with_layer_windows(model.kv_layer_windows(0..n_layers))?;
+        .with_layer_windows(model.kv_layer_windows(0..n_layers))?
+        // A restart feeds a restored session's last page again: its window
+        // layers must still hold what that page's positions read.
+        .with_window_slack(if cfg.state.is_some() {
+            cfg.page_positions
+        } else {
+            0
+        });
         Ok(pool)
     }
 

@@ -97,6 +97,15 @@ pub struct Counters {
     pub prefix_reused_tokens: AtomicU64,
     /// Sessions read back from the state directory at start.
     pub sessions_restored: AtomicU64,
+    /// Restored history tokens whose KV was taken back from the kept page
+    /// file instead of computed.
+    pub restore_kept_tokens: AtomicU64,
+    /// Hinted pages of the kept page file that failed their checksum at
+    /// start (computed again).
+    pub restore_pages_rejected: AtomicU64,
+    /// Tokens of spilled sessions whose KV was read back from their spill
+    /// file instead of computed.
+    pub spill_read_tokens: AtomicU64,
     /// LRU evictions that spilled the session instead of ending it.
     pub sessions_spilled: AtomicU64,
     /// Journal writes that failed (the session went on without one).
@@ -151,10 +160,18 @@ pub struct RuntimeStats {
     pub prefix_reused_tokens: u64,
     /// Sessions read back from the state directory at start.
     pub sessions_restored: u64,
+    /// Restored history tokens whose KV was taken back from the page file.
+    pub restore_kept_tokens: u64,
+    /// Kept pages that failed their checksum at start.
+    pub restore_pages_rejected: u64,
     /// LRU evictions that spilled the session instead of ending it.
     pub sessions_spilled: u64,
     /// Sessions spilled now (not counted in `sessions_active`).
     pub spilled_now: u64,
+    /// Bytes of KV pages spilled sessions hold written out now.
+    pub spill_bytes: u64,
+    /// Spilled sessions' tokens read back from their spill files.
+    pub spill_read_tokens: u64,
     /// Journal writes that failed (the session went on without one).
     pub journal_failures: u64,
     /// Journals not restored: unreadable or untrusted (renamed `*.refused`),

@@ -74,6 +74,10 @@ pub struct RuntimeConfig {
     /// given back, its history kept, to be fed again by its next call)
     /// instead of ending it, while fewer than this many are spilled.
     pub max_spilled_sessions: usize,
+    /// Bytes of KV pages spilled sessions may have written out to the state
+    /// directory in all; a session spilled beyond it keeps only its history
+    /// (computed again when called).
+    pub max_spill_bytes: u64,
     /// Pool pages (one layer's page each) of shared-prefix pages kept after
     /// the last session holding them let go, for a later session with the
     /// same history prefix; they give way when the pool is short.
@@ -115,6 +119,7 @@ impl Default for RuntimeConfig {
             prefill_step_budget: Duration::from_millis(200),
             max_sessions: 1024,
             max_spilled_sessions: 4096,
+            max_spill_bytes: 16 << 30,
             prefix_cache_pages: 0,
             idle_ttl: Duration::from_secs(1800),
             overflow: OverflowPolicy::Truncate { sink: 4 },

@@ -22,6 +22,7 @@ use std::collections::HashSet;
 
 use inferd::kv::{KvError, PageAllocator};
 use loom::cell::UnsafeCell;
+use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
@@ -272,6 +273,69 @@ fn holders_sharing_and_releasing_at_once_free_the_page_exactly_once() {
         fork_and_drop(&allocator);
         other.join().unwrap_or_else(|_| panic!("holder panicked"));
         assert_conserved(&allocator, &[], 2);
+    });
+}
+
+#[test]
+fn pages_claimed_at_a_restart_come_back_once_their_restored_holders_let_go() {
+    // A restart builds the allocator around pages two restored sessions
+    // took back (page 1 held by both, page 3 by one): while they release
+    // them, another worker allocates. A claimed page is handed out only
+    // after every holder let go (each counts its release first, so a page
+    // handed out early would show a count short), and every page ends up
+    // free exactly once.
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    builder.check(|| {
+        let allocator = Arc::new(
+            PageAllocator::with_references(&[0, 2, 0, 1]).unwrap_or_else(|err| panic!("{err}")),
+        );
+        let released = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+        let release = |allocator: &PageAllocator, released: &[AtomicUsize; 2], page: u32| {
+            released[usize::from(page == 3)].fetch_add(1, Ordering::Relaxed);
+            free_one(allocator, page);
+        };
+        let restored = {
+            let (allocator, released) = (Arc::clone(&allocator), Arc::clone(&released));
+            thread::spawn(move || {
+                release(&allocator, &released, 1);
+                release(&allocator, &released, 3);
+            })
+        };
+        let newcomer = {
+            let (allocator, released) = (Arc::clone(&allocator), Arc::clone(&released));
+            thread::spawn(move || {
+                let mut pages = match allocator.alloc_many(2) {
+                    Ok(pages) => pages,
+                    Err(err) => panic!("two pages were free from the start: {err}"),
+                };
+                match allocator.alloc() {
+                    Ok(page) => pages.push(page),
+                    Err(KvError::Exhausted { .. }) => {}
+                    Err(err) => panic!("unexpected error: {err}"),
+                }
+                for &page in &pages {
+                    let holders = match page {
+                        1 => released[0].load(Ordering::Relaxed),
+                        3 => released[1].load(Ordering::Relaxed),
+                        _ => continue,
+                    };
+                    let claimed = if page == 1 { 2 } else { 1 };
+                    assert_eq!(holders, claimed, "page {page} handed out while held");
+                }
+                for page in pages {
+                    free_one(&allocator, page);
+                }
+            })
+        };
+        release(&allocator, &released, 1);
+        restored
+            .join()
+            .unwrap_or_else(|_| panic!("restored session panicked"));
+        newcomer
+            .join()
+            .unwrap_or_else(|_| panic!("newcomer panicked"));
+        assert_conserved(&allocator, &[], 4);
     });
 }
 

@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use grpcio::{CallOption, ChannelBuilder, EnvBuilder, Environment, RpcStatusCode};
 
+use inferd::proto::inferd_session_v1::session_service as ext;
+use inferd::proto::inferd_session_v1::session_service_grpc::SessionServiceClient;
 use inferd::proto::kakeya_v1::runtime as pb;
 use inferd::proto::kakeya_v1::runtime_grpc::RuntimeServiceClient;
 
@@ -254,6 +256,8 @@ pub struct Generated {
 #[derive(Clone)]
 pub struct Client {
     pub rpc: RuntimeServiceClient,
+    /// The extension service (ForkSession) on the same channel.
+    pub sessions: SessionServiceClient,
     _env: Arc<Environment>,
 }
 
@@ -262,7 +266,8 @@ impl Client {
         let env = Arc::new(EnvBuilder::new().cq_count(1).build());
         let channel = ChannelBuilder::new(Arc::clone(&env)).connect(addr);
         Client {
-            rpc: RuntimeServiceClient::new(channel),
+            rpc: RuntimeServiceClient::new(channel.clone()),
+            sessions: SessionServiceClient::new(channel),
             _env: env,
         }
     }
@@ -288,6 +293,17 @@ impl Client {
             .append_tokens_opt(&req, Self::opt())
             .map(|r| r.get_history_length())
             .map_err(status_of)
+    }
+
+    /// ForkSession of `id`'s first `at` tokens; the fork's id.
+    pub fn fork(&self, id: &str, at: u64) -> String {
+        let mut req = ext::ForkSessionRequest::new();
+        req.set_session_id(id.into());
+        req.set_at_length(at);
+        self.sessions
+            .fork_session_opt(&req, Self::opt())
+            .expect("session forked")
+            .take_session_id()
     }
 
     pub fn info(&self, id: &str) -> Result<pb::GetSessionInfoResponse, Status> {

@@ -66,8 +66,10 @@ impl Worker {
             label,
             eos,
             history,
+            pages,
             journal,
             torn_bytes,
+            ..
         } = session;
         let refuse = |why: &str| {
             tracing::error!(session = %id, "not restored: {why}; its journal stays for a later start");
@@ -79,11 +81,23 @@ impl Worker {
             tracing::warn!(session = %id, torn_bytes, "a torn last journal write was dropped");
         }
         let mut kv = SessionKv::new(Arc::clone(&self.kv_pool));
+        // The pages taken back from the page file are this session's now;
+        // dropping `kv` gives them back.
+        if let Err(e) = kv.adopt_kept(&pages) {
+            tracing::error!(session = %id, "taking back kept pages: {e}");
+            let allocator = self.kv_pool.allocator();
+            for &page in pages.iter().flat_map(|row| row.iter()).flatten() {
+                let _ = allocator.free(page);
+            }
+        }
         let resident = self.claim_session()
             && (kv.reserve(history.len()).is_ok() || {
                 self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                 false
             });
+        if !resident {
+            kv = SessionKv::new(Arc::clone(&self.kv_pool));
+        }
         if !resident && !self.claim_spilled_place() {
             self.shared
                 .counters
@@ -93,6 +107,7 @@ impl Worker {
             return refuse("no session place or KV pages, and the spilled sessions are full");
         }
         let tokens = history.len();
+        let kept = kv.len();
         let mut slot = SessionSlot::new(kv, label, eos);
         slot.journal = Some(journal);
         if !resident {
@@ -100,14 +115,25 @@ impl Worker {
             slot.history = history;
             slot.spilled = true;
         } else if !history.is_empty() {
-            slot.active = Some(Active::restore(history));
+            // The journal already holds the hints of the pages taken back.
+            let page = self.kv_pool.layout().page_positions;
+            slot.hinted = crate::durable::pages::chain(&history, page, kept / page);
+            slot.history = history[..kept].to_vec();
+            slot.high_water = kept;
+            slot.active = Some(Active::restore(history[kept..].to_vec()));
+        }
+        if kept > 0 {
+            self.shared
+                .counters
+                .restore_kept_tokens
+                .fetch_add(kept as u64, Ordering::Relaxed);
         }
         self.add_session(id, slot);
         self.shared
             .counters
             .sessions_restored
             .fetch_add(1, Ordering::Relaxed);
-        tracing::info!(session = %id, worker = self.index, tokens, spilled = !resident, "session restored");
+        tracing::info!(session = %id, worker = self.index, tokens, kept, spilled = !resident, "session restored");
     }
 
     /// The count a session's place is in: live, or spilled.
@@ -212,6 +238,10 @@ impl Worker {
             if let Err(e) = journal.remove() {
                 tracing::error!(session = %id, "deleting the session's journal: {e}");
             }
+        }
+        if let Some((path, bytes)) = slot.spill_file.take() {
+            let _ = std::fs::remove_file(path);
+            self.shared.spill_bytes.fetch_sub(bytes, Ordering::Relaxed);
         }
         self.trim_prefix_cache();
         self.runner.release(id);

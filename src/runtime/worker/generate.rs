@@ -144,6 +144,7 @@ impl Worker {
             if let Some(record) = record {
                 slot.journal(record, &self.shared.counters);
             }
+            slot.journal_pages(&self.shared.counters);
         }
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
@@ -227,6 +228,7 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
             if let Some(record) = record {
                 slot.journal(record, counters);
             }
+            slot.journal_pages(counters);
             match slot.active.take().map(|active| active.work) {
                 Some(Work::Append { reply, dropped, .. }) => {
                     let _ = reply.send(Ok(AppendReply {

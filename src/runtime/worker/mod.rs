@@ -23,7 +23,7 @@
 //! events).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -135,6 +135,9 @@ pub(crate) struct WorkersState {
     pub(crate) live_sessions: AtomicUsize,
     /// Sessions spilled over all workers (`max_spilled_sessions`).
     pub(crate) spilled_sessions: AtomicUsize,
+    /// Bytes of KV pages spilled sessions hold written out now
+    /// (`max_spill_bytes`).
+    pub(crate) spill_bytes: AtomicU64,
     pub(crate) board: EvictionBoard,
     /// KV pages held by each worker's idle sessions, as it last published:
     /// what evicting could free, so nothing is evicted for a request that
@@ -178,6 +181,7 @@ impl WorkersState {
             counters: Counters::default(),
             live_sessions: AtomicUsize::new(0),
             spilled_sessions: AtomicUsize::new(0),
+            spill_bytes: AtomicU64::new(0),
             board: EvictionBoard::new(wakers.len()),
             idle_pages: wakers.iter().map(|_| AtomicUsize::new(0)).collect(),
             wakers,
@@ -375,6 +379,11 @@ struct SessionSlot {
     prefix: Option<PrefixCursor>,
     /// The session's journal in the state directory (`None` without one).
     journal: Option<JournalFile>,
+    /// The chain hashes of the blocks whose page hints the journal holds,
+    /// so a history changed below them is hinted again.
+    hinted: Vec<u64>,
+    /// Spilled with its pages written out: the file and its bytes.
+    spill_file: Option<(std::path::PathBuf, u64)>,
     /// Evicted to make room but kept: no KV and no logits (their digest is
     /// kept), the history to be fed again before its next call.
     spilled: bool,
@@ -419,6 +428,8 @@ impl SessionSlot {
             feed_logits: LogitsWanted::None,
             prefix: Some(PrefixCursor::START),
             journal: None,
+            hinted: Vec::new(),
+            spill_file: None,
             spilled: false,
         }
     }
@@ -440,6 +451,54 @@ impl SessionSlot {
             if let Some(journal) = self.journal.take() {
                 let _ = journal.remove();
             }
+        }
+        if let Record::Reset(_) = record {
+            // The rewritten file holds no hints.
+            self.hinted.clear();
+        }
+    }
+
+    /// Journals where the history's newly full pages lie in the kept page
+    /// file (after the history itself is journaled), so a restart can take
+    /// them back instead of computing them.
+    fn journal_pages(&mut self, counters: &Counters) {
+        if self.journal.is_none() || !self.kv.pool().holds_rows() {
+            return;
+        }
+        let page = self.kv.pool().layout().page_positions;
+        let full = self.kv.len().min(self.history.len()) / page;
+        let chain = crate::durable::pages::chain(&self.history, page, full);
+        let same = self
+            .hinted
+            .iter()
+            .zip(&chain)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.hinted.truncate(same);
+        if same == full {
+            return;
+        }
+        // Hints written again (after a spill moved the pages, say) pile up
+        // until a reset: past twice what the history and one set of hints
+        // need, the journal is rewritten as the history alone.
+        let n_layers = self.kv.pool().layout().n_layers as u64;
+        let needed = 4 * self.history.len() as u64 + (12 * n_layers + 13) * full as u64;
+        if self
+            .journal
+            .as_ref()
+            .is_some_and(|j| j.file_bytes() > 2 * needed + (1 << 20))
+        {
+            self.journal(Record::Reset(self.history.clone()), counters);
+            return self.journal_pages(counters);
+        }
+        let Some(records) = crate::durable::pages::hint_records(&self.kv, &chain, same) else {
+            return;
+        };
+        for hints in records {
+            self.journal(Record::Pages(hints), counters);
+        }
+        if self.journal.is_some() {
+            self.hinted = chain;
         }
     }
 

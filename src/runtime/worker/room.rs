@@ -46,6 +46,17 @@ impl Worker {
         slot.prefix = Some(PrefixCursor::START);
         slot.high_water = 0;
         slot.spilled = true;
+        // The pages move: hints of where they were are stale.
+        slot.hinted.clear();
+        if let Some(store) = &self.cfg.state {
+            slot.spill_file = spill_out(
+                store,
+                id,
+                slot,
+                &self.shared.spill_bytes,
+                self.cfg.max_spill_bytes,
+            );
+        }
         let released = slot.kv.release();
         self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
         self.runner.release(id);
@@ -96,10 +107,30 @@ impl Worker {
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.spilled = false;
         let tokens = history.len();
-        if mapped < tokens {
-            slot.active = Some(Active::restore(history[mapped..].to_vec()));
+        // What the spill wrote out is read back, checked page by page.
+        let mut read = 0;
+        if let Some((path, bytes)) = slot.spill_file.take() {
+            match crate::durable::spill::read(&path, &mut slot.kv, &history) {
+                Ok(n) => read = n,
+                Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
+            }
+            let _ = std::fs::remove_file(&path);
+            self.shared.spill_bytes.fetch_sub(bytes, Ordering::Relaxed);
         }
-        tracing::info!(session = %id, worker = self.index, tokens, mapped, "spilled session back");
+        if read > 0 {
+            slot.history
+                .extend_from_slice(&history[mapped..mapped + read]);
+            slot.high_water = slot.kv.len();
+            self.shared
+                .counters
+                .spill_read_tokens
+                .fetch_add(read as u64, Ordering::Relaxed);
+        }
+        let done = mapped + read;
+        if done < tokens {
+            slot.active = Some(Active::restore(history[done..].to_vec()));
+        }
+        tracing::info!(session = %id, worker = self.index, tokens, mapped, read, "spilled session back");
         Ok(Got::Now)
     }
 
@@ -505,5 +536,44 @@ impl Worker {
             active.undo = Some(undo);
         }
         true
+    }
+}
+
+/// Writes a session being spilled's pages out, within the bytes spilled
+/// sessions may hold on disk in all. Returns the file and its bytes, or
+/// `None` when nothing was written (the session is computed again when
+/// called).
+fn spill_out(
+    store: &crate::durable::SessionStore,
+    id: SessionId,
+    slot: &SessionSlot,
+    spill_bytes: &AtomicU64,
+    max_spill_bytes: u64,
+) -> Option<(std::path::PathBuf, u64)> {
+    let pool = slot.kv.pool();
+    let page = pool.layout().page_positions;
+    if !pool.holds_rows() || slot.history.len() <= page {
+        return None;
+    }
+    // Claimed before writing, so workers spilling at once stay within it.
+    let estimate = (slot.kv.pages_held() * pool.layout().page_values() * 2) as u64 + 4096;
+    spill_bytes
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            (held.saturating_add(estimate) <= max_spill_bytes).then_some(held + estimate)
+        })
+        .ok()?;
+    let path = store.spill_path(id);
+    match crate::durable::spill::write(&path, &slot.kv, &slot.history) {
+        Ok(bytes) => {
+            spill_bytes.fetch_add(bytes, Ordering::AcqRel);
+            spill_bytes.fetch_sub(estimate, Ordering::AcqRel);
+            Some((path, bytes))
+        }
+        Err(e) => {
+            tracing::warn!(session = %id, "writing spilled pages out: {e}");
+            let _ = std::fs::remove_file(&path);
+            spill_bytes.fetch_sub(estimate, Ordering::AcqRel);
+            None
+        }
     }
 }
