@@ -461,9 +461,15 @@ fn sessions_that_do_not_fit_at_start_come_back_spilled_and_are_fed_when_called()
     let server = serve_with(&model, &state, "sync", &["--kv-pages", "30"]);
     let client = Client::connect(&server.addr);
     let mut pages = Vec::new();
-    for id in &ids {
+    for (k, id) in ids.iter().enumerate() {
         let info = restored(&client, id);
         assert_eq!(info.get_history_length(), 200, "every session is back");
+        // Spilled or not, each reports its digest (a spilled one, the one
+        // its journal recorded).
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, &history(k as u32))
+        );
         pages.push(info.get_kv_pages_held());
     }
     assert_eq!(pages.iter().filter(|&&p| p == 0).count(), 2, "{pages:?}");

@@ -17,6 +17,7 @@
 //!         2 Reset: the same payload (the tokens replace the history)
 //!         3 Pages: first block u32 | block count u32 | layers u32
 //!                  | (pool page u32 | checksum u64) per layer per block
+//!         4 Digest: the logits digest u64 of the history so far
 //! ```
 //!
 //! A Pages record is a hint, not history: where the KV of the history's
@@ -56,6 +57,10 @@ pub enum Record {
     Reset(Vec<u32>),
     /// Where full pages of the history lie in the page file.
     Pages(PageHints),
+    /// The digest of the next-token logits of the history so far (what
+    /// GetSessionInfo reports), so a session restored without computing
+    /// them reports it too; any later history record voids it.
+    Digest(u64),
 }
 
 /// The pool pages of consecutive full blocks of a history, one per layer.
@@ -113,6 +118,9 @@ pub struct Replayed {
     /// Page hints for the history's first blocks, in block order (only a
     /// run from block 0 is kept: a block after a gap cannot be used).
     pub hints: Vec<Box<[PageHint]>>,
+    /// The logits digest of `history`, if the journal recorded it after
+    /// the history's last change.
+    pub digest: Option<u64>,
     /// Bytes of whole, verified records (header included): where the next
     /// record goes.
     pub good_len: usize,
@@ -154,6 +162,7 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
             3u8,
             12 + HINT_BYTES * h.blocks.iter().map(|b| b.len()).sum::<usize>(),
         ),
+        Record::Digest(_) => (4u8, 8),
     };
     let mut out = Vec::with_capacity(RECORD_HEAD + payload_len);
     put_u32(&mut out, payload_len as u32);
@@ -178,6 +187,7 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
                 out.extend_from_slice(&hint.checksum.to_le_bytes());
             }
         }
+        Record::Digest(digest) => out.extend_from_slice(&digest.to_le_bytes()),
     }
     let crc = crc32c::crc32c(&out[12..]);
     out[8..12].copy_from_slice(&crc.to_le_bytes());
@@ -258,6 +268,7 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
     let header_len = r.at;
     let mut history = Vec::new();
     let mut hints: Vec<Box<[PageHint]>> = Vec::new();
+    let mut digest = None;
     loop {
         let start = r.at;
         if start == bytes.len() {
@@ -267,6 +278,7 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
             header,
             history,
             hints,
+            digest,
             good_len: start,
             header_len,
             torn_bytes: bytes.len() - start,
@@ -286,11 +298,16 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
             .then(|| decode_body(body))
             .flatten();
         match record {
-            Some(Record::Append(tokens)) => history.extend_from_slice(&tokens),
+            Some(Record::Append(tokens)) => {
+                history.extend_from_slice(&tokens);
+                digest = None;
+            }
             Some(Record::Reset(tokens)) => {
                 history = tokens;
                 hints.clear();
+                digest = None;
             }
+            Some(Record::Digest(d)) => digest = Some(d),
             Some(Record::Pages(run)) => {
                 // A run that starts past the hints held leaves a gap: the
                 // blocks after it could never be adopted.
@@ -308,6 +325,7 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
         header,
         history,
         hints,
+        digest,
         good_len: bytes.len(),
         header_len,
         torn_bytes: 0,
@@ -332,6 +350,7 @@ fn decode_body(body: &[u8]) -> Option<Record> {
             }
         }
         3 => Record::Pages(decode_hints(&mut r)?),
+        4 => Record::Digest(r.u64()?),
         _ => return None,
     };
     (r.at == payload.len()).then_some(record)
@@ -476,9 +495,25 @@ mod tests {
         let got = replay(&bytes).unwrap();
         assert_eq!(got.history.len(), 64);
         assert_eq!(got.hints, vec![row(10), row(12), row(50), row(52)]);
+        assert_eq!(got.digest, None);
         // A reset starts the hints over.
         let bytes = journal(&[hints(0, 2, 10), Record::Reset(vec![1]), hints(0, 1, 70)]);
         assert_eq!(replay(&bytes).unwrap().hints, vec![row(70)]);
+    }
+
+    #[test]
+    fn a_digest_stands_until_the_history_changes() {
+        let got = replay(&journal(&[Record::Append(vec![1]), Record::Digest(77)])).unwrap();
+        assert_eq!(got.digest, Some(77));
+        let got = replay(&journal(&[
+            Record::Digest(77),
+            Record::Append(vec![1]),
+            hints(0, 1, 3),
+        ]))
+        .unwrap();
+        assert_eq!(got.digest, None);
+        let got = replay(&journal(&[Record::Digest(5), Record::Reset(vec![2])])).unwrap();
+        assert_eq!(got.digest, None);
     }
 
     #[test]

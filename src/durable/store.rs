@@ -64,6 +64,8 @@ pub struct Recovered {
     pub history: Vec<u32>,
     /// What the journal says of where the history's full pages lie.
     pub hints: Vec<Box<[PageHint]>>,
+    /// The history's logits digest, if the journal recorded it.
+    pub digest: Option<u64>,
     /// The pages verified against `hints` and claimed for this session, one
     /// row per block from block 0, `None` for a sliding-window layer's page
     /// no later position reads (filled in by `pages::adopt_verified`).
@@ -148,7 +150,7 @@ impl JournalFile {
         self.len += bytes.len() as u64;
         match record {
             // A hint is never waited for: losing one costs a recompute.
-            Record::Pages(_) => Ok(()),
+            Record::Pages(_) | Record::Digest(_) => Ok(()),
             _ => self.shared.0.commit(&self.file),
         }
     }
@@ -445,6 +447,7 @@ impl SessionStore {
             eos: header.eos.clone(),
             history: replayed.history,
             hints: replayed.hints,
+            digest: replayed.digest,
             pages: Vec::new(),
             journal: JournalFile {
                 file: Arc::new(file),

@@ -67,6 +67,7 @@ impl Worker {
             eos,
             history,
             pages,
+            digest: journaled_digest,
             journal,
             torn_bytes,
             ..
@@ -111,9 +112,11 @@ impl Worker {
         let mut slot = SessionSlot::new(kv, label, eos);
         slot.journal = Some(journal);
         if !resident {
-            // No place or pages now: kept spilled, fed when first called.
+            // No place or pages now: kept spilled, fed when first called;
+            // until then it reports the digest its journal recorded.
             slot.history = history;
             slot.spilled = true;
+            slot.logits_digest.set(journaled_digest);
         } else if !history.is_empty() {
             // The journal already holds the hints of the pages taken back.
             let page = self.kv_pool.layout().page_positions;
@@ -217,7 +220,8 @@ impl Worker {
             busy,
             logits_digest: match slot.logits_digest.get() {
                 Some(d) => d,
-                // Restored spilled at start: its logits were never computed.
+                // Restored spilled at start from a journal that recorded no
+                // digest: its logits were never computed.
                 None if slot.spilled => 0,
                 None => {
                     let d = digest(&slot.next_logits);

@@ -458,11 +458,24 @@ impl SessionSlot {
         }
     }
 
-    /// Journals where the history's newly full pages lie in the kept page
-    /// file (after the history itself is journaled), so a restart can take
-    /// them back instead of computing them.
+    /// Journals the history's logits digest and where its newly full pages
+    /// lie in the kept page file (after the history itself is journaled),
+    /// so a restart can take them back instead of computing them.
     fn journal_pages(&mut self, counters: &Counters) {
-        if self.journal.is_none() || !self.kv.pool().holds_rows() {
+        if self.journal.is_none() {
+            return;
+        }
+        // What GetSessionInfo reports, for a restart that does not compute
+        // it (a session that comes back spilled).
+        if !self.next_logits.is_empty() {
+            let d = self
+                .logits_digest
+                .get()
+                .unwrap_or_else(|| digest(&self.next_logits));
+            self.logits_digest.set(Some(d));
+            self.journal(Record::Digest(d), counters);
+        }
+        if !self.kv.pool().holds_rows() {
             return;
         }
         let page = self.kv.pool().layout().page_positions;
