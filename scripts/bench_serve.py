@@ -27,6 +27,12 @@ Sections (each alternates the binaries given, median of --runs runs):
               its cold prefill (the append) against its restore after a
               SIGKILL (spawn to the session answering idle, minus spawn to
               the first CreateSession answered with nothing to restore).
+  spill       two 4,096-token sessions (--restore-tokens) in a KV cache that
+              holds one: the second's append spills the first, then one more
+              token appended to the first brings it back (spilling the
+              second). That append's time with the spilled pages written out
+              and read back (the default) against --max-spill-mib 0 (the
+              session keeps only its history and is computed again).
 
 The server runs with its defaults (one worker per core) unless --workers is
 given. Stubs are generated from protos/ at run time, as in the interop tests.
@@ -382,6 +388,43 @@ def restore(args, pb, rpc):
     print(f"| {p:.2f} | {r:.2f} | {s0:.2f} | {r - s0:.2f} | {p / max(r - s0, 1e-9):.2f} |")
 
 
+def spill(args, pb, rpc):
+    b = args.binaries[0]
+    n = args.restore_tokens
+    # Pages of 16 positions: one session and a little more.
+    pages = str(n // 16 + 40)
+    modes = [("written out, read back", []),
+             ("recomputed (--max-spill-mib 0)", ["--max-spill-mib", "0"])]
+    times = {mode: [] for mode, _ in modes}
+    for _ in range(args.runs):
+        for mode, extra in modes:
+            state = tempfile.mkdtemp(prefix="inferd-state-")
+            flags = ["--state-dir", state, "--kv-pages", pages] + extra
+            with Server(b, args.model, args.workers, flags) as srv:
+                channel, client = connect(srv.addr, pb, rpc)
+                first = client.create(label="first").session_id
+                client.append(first, prompt_ids(n, salt=5))
+                second = client.create(label="second").session_id
+                client.append(second, prompt_ids(n, salt=6))
+                assert client.info(first).kv_pages_held == 0, "the first was not spilled"
+                t0 = time.monotonic()
+                client.append(first, [1234])
+                times[mode].append(time.monotonic() - t0)
+                digest = client.info(first).logits_digest
+                client.close(first)
+                check = client.create(label="check").session_id
+                client.append(check, prompt_ids(n, salt=5) + [1234])
+                assert client.info(check).logits_digest == digest, "read back differs"
+                channel.close()
+    print(f"\nbringing a spilled {n}-token session back (an append of 1 token), {b}, "
+          f"median of {args.runs}")
+    print("| spilled pages | append s (median) | min | max |")
+    print("|---|---|---|---|")
+    for mode, xs in times.items():
+        m, lo, hi = median_spread(xs)
+        print(f"| {mode} | {m:.3f} | {lo:.3f} | {hi:.3f} |")
+
+
 def percentile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -441,7 +484,7 @@ def main():
     ap.add_argument("binaries", nargs="+", help="inferd binaries to compare")
     ap.add_argument("--model", default=str(REPO / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--only", choices=["single", "concurrent", "coldstart", "soak",
-                                       "durability", "prefix", "restore"],
+                                       "durability", "prefix", "restore", "spill"],
                     action="append")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", type=int)

@@ -486,6 +486,20 @@ fn sessions_that_do_not_fit_at_start_come_back_spilled_and_are_fed_when_called()
     }
 }
 
+/// Every session is back with its history and the digest a cold prefill
+/// of it computes.
+fn assert_all_restored(server: &Client, reference: &Client, truths: &[(String, Vec<u32>)]) {
+    for (id, truth) in truths {
+        let info = restored(server, id);
+        assert_eq!(info.get_history_length() as usize, truth.len(), "{id}");
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(reference, truth),
+            "{id}"
+        );
+    }
+}
+
 /// The restore counters of a server started with `--metrics-listen`.
 fn restore_metrics(server: &Inferd) -> (f64, f64) {
     let text = support::scrape(server.metrics.as_deref().expect("metrics address"));
@@ -529,15 +543,7 @@ fn a_restart_takes_back_every_page_that_verifies_and_computes_only_the_rest() {
     server.kill();
     let server = serve_with(&model, &state, "sync", &metrics);
     let client = Client::connect(&server.addr);
-    for (id, truth) in &truths {
-        let info = restored(&client, id);
-        assert_eq!(info.get_history_length() as usize, truth.len());
-        assert_eq!(
-            info.get_logits_digest(),
-            cold_digest(&reference, truth),
-            "{id}"
-        );
-    }
+    assert_all_restored(&client, &reference, &truths);
     // Every full page below each last token's page comes back.
     let whole: usize = truths.iter().map(|(_, t)| (t.len() - 1) / 16 * 16).sum();
     assert_eq!(restore_metrics(&server), (whole as f64, 0.0));
@@ -564,15 +570,7 @@ fn a_restart_takes_back_every_page_that_verifies_and_computes_only_the_rest() {
     std::fs::write(&pages, &bytes).expect("damage");
     let server = serve_with(&model, &state, "sync", &metrics);
     let client = Client::connect(&server.addr);
-    for (id, truth) in &truths {
-        let info = restored(&client, id);
-        assert_eq!(info.get_history_length() as usize, truth.len());
-        assert_eq!(
-            info.get_logits_digest(),
-            cold_digest(&reference, truth),
-            "{id}"
-        );
-    }
+    assert_all_restored(&client, &reference, &truths);
     let (kept, rejected) = restore_metrics(&server);
     assert!(rejected > 0.0, "damaged pages are rejected");
     assert!(kept < whole as f64, "{kept} tokens kept of {whole}");
@@ -583,14 +581,7 @@ fn a_restart_takes_back_every_page_that_verifies_and_computes_only_the_rest() {
     std::fs::write(&pages, b"").expect("truncate");
     let server = serve_with(&model, &state, "sync", &metrics);
     let client = Client::connect(&server.addr);
-    for (id, truth) in &truths {
-        let info = restored(&client, id);
-        assert_eq!(
-            info.get_logits_digest(),
-            cold_digest(&reference, truth),
-            "{id}"
-        );
-    }
+    assert_all_restored(&client, &reference, &truths);
     let (kept, rejected) = restore_metrics(&server);
     assert_eq!(kept, 0.0);
     assert!(rejected > 0.0);

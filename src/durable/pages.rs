@@ -157,7 +157,9 @@ pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenB
             }
             verified.push(row);
         }
-        let blocks = usable_blocks(&verified, &windows, page);
+        let blocks = longest_run(0, verified.len(), &windows, page, |b, layer| {
+            verified[b][layer].is_some()
+        });
         let rows: Vec<Box<[Option<u32>]>> = verified
             .iter()
             .take(blocks)
@@ -185,28 +187,34 @@ pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenB
 
 /// The first block a layer with a window of `window` positions still reads
 /// when the next position fed is `len`.
-fn first_seen_block(len: usize, window: usize, page: usize) -> usize {
+pub(super) fn first_seen_block(len: usize, window: usize, page: usize) -> usize {
     (len + 1).saturating_sub(window) / page
 }
 
-/// The most leading blocks of `verified` a session can take back: every
-/// window layer must hold every block its window sees at that length.
-fn usable_blocks(verified: &[Vec<Option<u32>>], windows: &[Option<usize>], page: usize) -> usize {
-    (0..=verified.len())
+/// The most blocks `k` in `start..=most` such that, for every block from
+/// `start` to `k`, every layer `has` its page, except window layers for
+/// blocks their window no longer reads once `k` blocks are held.
+pub(super) fn longest_run(
+    start: usize,
+    most: usize,
+    windows: &[Option<usize>],
+    page: usize,
+    has: impl Fn(usize, usize) -> bool,
+) -> usize {
+    (start..=most)
         .rev()
         .find(|&blocks| {
-            windows
-                .iter()
-                .enumerate()
-                .all(|(layer, window)| match window {
-                    None => true,
-                    Some(w) => verified
-                        [first_seen_block(blocks * page, *w, page).min(blocks)..blocks]
-                        .iter()
-                        .all(|row| row[layer].is_some()),
-                })
+            (start..blocks).all(|b| {
+                windows
+                    .iter()
+                    .enumerate()
+                    .all(|(layer, window)| match window {
+                        Some(w) if b < first_seen_block(blocks * page, *w, page) => true,
+                        _ => has(b, layer),
+                    })
+            })
         })
-        .unwrap_or(0)
+        .unwrap_or(start)
 }
 
 #[cfg(test)]

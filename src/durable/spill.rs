@@ -21,7 +21,7 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::pages::{chain, layer_seed};
+use super::pages::{chain, first_seen_block, layer_seed, longest_run};
 use crate::kv::SessionKv;
 
 const MAGIC: &[u8; 8] = b"INFERDS1";
@@ -136,23 +136,11 @@ pub fn read(path: &Path, kv: &mut SessionKv, history: &[u32]) -> Result<usize, S
     };
     let start = kv.len() / page;
     let most = blocks_below_last(history.len(), page).min(file_blocks);
-    let first_seen =
-        |blocks: usize, window: usize| (blocks * page + 1).saturating_sub(window) / page;
+    let first_seen = |blocks: usize, window: usize| first_seen_block(blocks * page, window, page);
     // The most blocks whose needed pages the file has.
-    let usable = (start..=most)
-        .rev()
-        .find(|&blocks| {
-            (start..blocks).all(|b| {
-                windows
-                    .iter()
-                    .enumerate()
-                    .all(|(layer, window)| match window {
-                        Some(w) if b < first_seen(blocks, *w) => true,
-                        _ => entry(b, layer).is_some(),
-                    })
-            })
-        })
-        .unwrap_or(start);
+    let usable = longest_run(start, most, &windows, page, |b, layer| {
+        entry(b, layer).is_some()
+    });
     if usable == start {
         return Ok(0);
     }
@@ -190,22 +178,11 @@ pub fn read(path: &Path, kv: &mut SessionKv, history: &[u32]) -> Result<usize, S
         loaded = block + 1;
     }
     // A shorter run than planned may leave a window layer short of what its
-    // window reads at the end of it: keep only the run that holds up.
-    let loaded = (start..=loaded)
-        .rev()
-        .find(|&blocks| {
-            (start..blocks).all(|b| {
-                windows
-                    .iter()
-                    .enumerate()
-                    .all(|(layer, window)| match window {
-                        Some(w) if b < first_seen(blocks, *w) => true,
-                        Some(w) => b >= first_seen(usable, *w) && entry(b, layer).is_some(),
-                        None => true,
-                    })
-            })
-        })
-        .unwrap_or(start);
+    // window reads at the end of it (it loaded only what `usable` needed):
+    // keep only the run that holds up.
+    let loaded = longest_run(start, loaded, &windows, page, |b, layer| {
+        windows[layer].is_none_or(|w| b >= first_seen(usable, w) && entry(b, layer).is_some())
+    });
     if loaded == start {
         return Ok(0);
     }
