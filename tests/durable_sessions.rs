@@ -674,3 +674,29 @@ fn a_spilled_session_reads_its_pages_back_and_a_damaged_spill_file_costs_only_a_
     assert!(spill_files(&state).is_empty());
     assert_eq!(spill_metrics(&server).0, 0.0);
 }
+
+#[test]
+fn sessions_taking_turns_in_room_for_one_spill_each_other_every_time() {
+    // Each call needs the other session (idle, maybe on the other worker)
+    // spilled: the call must find it evictable however soon it comes after
+    // the other's reply.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let history = |k: u32| -> Vec<u32> { (0..300).map(|i| (i * 19 + k) % VOCAB).collect() };
+    // 300 positions are 19 pages of 16: room for one session.
+    let server = serve_with(&model, &state, "none", &["--kv-pages", "30"]);
+    let client = Client::connect(&server.addr);
+    let ids: Vec<String> = (0..2).map(|_| client.create()).collect();
+    for round in 0..40u32 {
+        let k = (round % 2) as usize;
+        let tokens = if round < 2 {
+            history(round)
+        } else {
+            vec![round]
+        };
+        client
+            .append(&ids[k], &tokens)
+            .unwrap_or_else(|e| panic!("round {round}: {e:?}"));
+    }
+}

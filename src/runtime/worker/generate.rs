@@ -158,6 +158,9 @@ impl Worker {
             }),
             Err(e) => GenerateEvent::Error(e),
         };
+        if let Some(slot) = self.sessions.get(&id) {
+            announce_idle(slot, &self.shared, self.index);
+        }
         // Room for it was checked before the last token; a gone reader is fine.
         let _ = gen.events.try_send(event);
     }
@@ -177,7 +180,7 @@ impl Worker {
             .as_ref()
             .is_some_and(|a| a.fed < a.pending.len())
         {
-            return prompt_fed(slot, n_fed, &self.shared.counters);
+            return prompt_fed(slot, n_fed, &self.shared, self.index);
         }
         let Some(token) = last else {
             return;
@@ -191,7 +194,8 @@ impl Worker {
 /// `n_fed` more prompt tokens of the session's call are in. Once all are,
 /// the call can no longer be undone: an append or a fork is answered, a Generate
 /// reports a truncation it made and starts decoding.
-fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
+fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, shared: &WorkersState, worker: usize) {
+    let counters = &shared.counters;
     let history_length = slot.history.len() as u64;
     let Some(active) = slot.active.as_mut() else {
         return;
@@ -229,7 +233,9 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
                 slot.journal(record, counters);
             }
             slot.journal_pages(counters);
-            match slot.active.take().map(|active| active.work) {
+            let work = slot.active.take().map(|active| active.work);
+            announce_idle(slot, shared, worker);
+            match work {
                 Some(Work::Append { reply, dropped, .. }) => {
                     let _ = reply.send(Ok(AppendReply {
                         history_length,
@@ -254,6 +260,33 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, counters: &Counters) {
                 });
             }
         }
+    }
+}
+
+/// Adds a session that just became idle to what this worker publishes (its
+/// idle pages, and its oldest idle session on the eviction board) before
+/// its caller hears back: a next call that needs it evicted, from another
+/// worker right after the reply, must not find it missing until this
+/// worker's loop publishes again (on two cores it may not run for a
+/// while).
+fn announce_idle(slot: &SessionSlot, shared: &WorkersState, worker: usize) {
+    if !slot.idle() || slot.spilled {
+        return;
+    }
+    if let Some(pages) = shared.idle_pages.get(worker) {
+        pages.fetch_add(slot.kv.pages_held(), Ordering::Relaxed);
+    }
+    let stamp = slot
+        .last_used
+        .saturating_duration_since(shared.epoch)
+        .as_nanos() as u64;
+    // Only this worker publishes its own stamp.
+    if shared
+        .board
+        .oldest_idle(worker)
+        .is_none_or(|oldest| stamp < oldest)
+    {
+        shared.board.publish(worker, Some(stamp));
     }
 }
 
