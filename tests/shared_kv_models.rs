@@ -1,8 +1,8 @@
-//! Shared prefixes and forks on real models, through the runtime: the
-//! reference model, and Gemma 3 270M, whose sliding-window layers give
-//! pages back as a session grows (CONTRACT §2.11, §2.12). Every digest is
-//! compared with a runtime that computed the same history from scratch
-//! and never shared a page.
+//! Shared prefixes, forks and pages taken back after a restart on real
+//! models, through the runtime: the reference model, and Gemma 3 270M,
+//! whose sliding-window layers give pages back as a session grows
+//! (CONTRACT §2.11, §2.12, §2.13). Every digest is compared with a runtime
+//! that computed the same history from scratch and never shared a page.
 //!
 //! Without the model files the tests say so loudly and pass, unless
 //! INFERD_REQUIRE_MODELS is set (scripts/test sets it).
@@ -10,6 +10,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use inferd::durable::{Durability, SessionStore};
 use inferd::model::Model;
 use inferd::runtime::{
     AppendTokens, CreateSession, ForkSession, Runtime, RuntimeConfig, RuntimeError, SessionId,
@@ -147,5 +148,77 @@ fn the_reference_model_shares_prefixes_and_forks_with_the_bits_of_a_cold_prefill
 fn gemma_with_sliding_windows_shares_prefixes_and_forks_with_the_bits_of_a_cold_prefill() {
     if let Some(model) = load("models/gemma-3-270m-q4_k_m.gguf") {
         check(&model);
+    }
+}
+
+/// A runtime whose sessions live in `dir` (journals and the page file).
+fn durable_runtime(model: &Arc<Model>, dir: &Path) -> Runtime {
+    let store = SessionStore::open(dir, [5; 32], Durability::None).expect("state dir");
+    Runtime::start(
+        Arc::clone(model),
+        RuntimeConfig {
+            workers: 2,
+            pin_cores: false,
+            kv_bytes: 256 << 20,
+            state: Some(Arc::new(store)),
+            ..RuntimeConfig::default()
+        },
+    )
+    .expect("runtime starts")
+}
+
+/// A 1,000-token session (longer than Gemma's 512-position window) comes
+/// back after a restart with every page below its last token's page taken
+/// back from the page file, and the bits of a cold prefill, before and
+/// after it grows.
+fn check_restore(model: &Arc<Model>) {
+    let vocab = model.config.vocab;
+    let mut history = tokens(1000, 3, vocab);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let id = {
+        let rt = durable_runtime(model, dir.path());
+        session(&rt, &history)
+    };
+    let rt = durable_runtime(model, dir.path());
+    let t0 = std::time::Instant::now();
+    while rt
+        .session_info(id, None)
+        .expect("queued")
+        .wait()
+        .expect("info")
+        .busy
+    {
+        assert!(t0.elapsed().as_secs() < 300, "still restoring");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(rt.stats().restore_kept_tokens, 992, "62 full pages kept");
+    assert_eq!(rt.stats().restore_pages_rejected, 0);
+    assert_eq!(digest(&rt, id), cold(model, &history));
+    let more = tokens(40, 4, vocab);
+    rt.append_tokens(
+        AppendTokens {
+            id,
+            tokens: more.clone(),
+        },
+        None,
+    )
+    .expect("queued")
+    .wait()
+    .expect("appended");
+    history.extend(more);
+    assert_eq!(digest(&rt, id), cold(model, &history));
+}
+
+#[test]
+fn the_reference_model_restores_from_kept_pages_with_the_bits_of_a_cold_prefill() {
+    if let Some(model) = load("models/SmolLM2-135M-Instruct.Q4_1.gguf") {
+        check_restore(&model);
+    }
+}
+
+#[test]
+fn gemma_restores_window_layers_from_kept_pages_with_the_bits_of_a_cold_prefill() {
+    if let Some(model) = load("models/gemma-3-270m-q4_k_m.gguf") {
+        check_restore(&model);
     }
 }
