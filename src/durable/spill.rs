@@ -27,6 +27,11 @@ use crate::kv::SessionKv;
 const MAGIC: &[u8; 8] = b"INFERDS1";
 /// Bytes per table entry: a presence flag and a checksum.
 const ENTRY: usize = 9;
+/// [`ENTRY`], for callers that bound a file's size.
+pub const ENTRY_BYTES: usize = ENTRY;
+/// Bytes of a file besides its table and pages: the fixed header and the
+/// table's checksum.
+pub const HEADER_BYTES: u64 = 28;
 
 /// The blocks a session of `len` tokens can have written out or read back:
 /// every full page below the page of its last token.

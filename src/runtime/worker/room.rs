@@ -555,8 +555,12 @@ fn spill_out(
     if !pool.holds_rows() || slot.history.len() <= page {
         return None;
     }
-    // Claimed before writing, so workers spilling at once stay within it.
-    let estimate = (slot.kv.pages_held() * pool.layout().page_values() * 2) as u64 + 4096;
+    // Claimed before writing, so workers spilling at once stay within it:
+    // at most every page held, each with its table entry.
+    let page_bytes = pool.layout().page_values() * 2;
+    let estimate = (slot.kv.pages_held() * (page_bytes + crate::durable::spill::ENTRY_BYTES))
+        as u64
+        + crate::durable::spill::HEADER_BYTES;
     spill_bytes
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
             (held.saturating_add(estimate) <= max_spill_bytes).then_some(held + estimate)
@@ -565,9 +569,9 @@ fn spill_out(
     let path = store.spill_path(id);
     match crate::durable::spill::write(&path, &slot.kv, &slot.history) {
         Ok(bytes) => {
-            spill_bytes.fetch_add(bytes, Ordering::AcqRel);
-            spill_bytes.fetch_sub(estimate, Ordering::AcqRel);
-            Some((path, bytes))
+            // The claim becomes what was written (never more).
+            spill_bytes.fetch_sub(estimate.saturating_sub(bytes), Ordering::AcqRel);
+            Some((path, bytes.min(estimate)))
         }
         Err(e) => {
             tracing::warn!(session = %id, "writing spilled pages out: {e}");
