@@ -700,3 +700,61 @@ fn sessions_taking_turns_in_room_for_one_spill_each_other_every_time() {
             .unwrap_or_else(|e| panic!("round {round}: {e:?}"));
     }
 }
+
+#[test]
+fn a_session_spilled_when_the_server_died_reads_its_spill_file_after_the_restart() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let (_reference_server, reference) = reference_server();
+    let history = |k: u32| -> Vec<u32> { (0..300).map(|i| (i * 23 + k) % VOCAB).collect() };
+    // Room for one session of 300 positions.
+    let args = ["--kv-pages", "30", "--metrics-listen", "127.0.0.1:0"];
+    let mut server = serve_with(&model, &state, "sync", &args);
+    let client = Client::connect(&server.addr);
+    let ids: Vec<String> = (0..2).map(|_| client.create()).collect();
+    let mut truths: Vec<Vec<u32>> = (0..2).map(history).collect();
+    for (id, truth) in ids.iter().zip(&truths) {
+        client.append(id, truth).expect("append");
+    }
+    // The first is spilled, its pages in its spill file, and the second
+    // took its pages in the page file.
+    assert_eq!(spill_files(&state).len(), 1);
+    server.kill();
+
+    // Started again with room for both: the first reads its 18 full pages
+    // (below its last token's) back from its spill file, the second takes
+    // its pages back from the page file.
+    let roomy = ["--kv-pages", "60", "--metrics-listen", "127.0.0.1:0"];
+    let server = serve_with(&model, &state, "sync", &roomy);
+    let client = Client::connect(&server.addr);
+    for (k, id) in ids.iter().enumerate() {
+        let info = restored(&client, id);
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, &truths[k])
+        );
+    }
+    assert_eq!(
+        spill_metrics(&server).1,
+        288.0,
+        "read back from the spill file"
+    );
+    // (The first's hints are stale: the second took those pages.)
+    let (kept, rejected) = restore_metrics(&server);
+    assert_eq!(kept, 288.0, "taken back from the page file");
+    assert!(rejected > 0.0);
+    assert!(
+        spill_files(&state).is_empty(),
+        "a file read back is deleted"
+    );
+    for (k, id) in ids.iter().enumerate() {
+        client.append(id, &[k as u32 + 3]).expect("append");
+        truths[k].push(k as u32 + 3);
+        let info = client.info(id).expect("info");
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&reference, &truths[k])
+        );
+    }
+}

@@ -66,6 +66,8 @@ pub struct Recovered {
     pub hints: Vec<Box<[PageHint]>>,
     /// The history's logits digest, if the journal recorded it.
     pub digest: Option<u64>,
+    /// The session's spill file from the last run, and its bytes.
+    pub spill: Option<(PathBuf, u64)>,
     /// The pages verified against `hints` and claimed for this session, one
     /// row per block from block 0, `None` for a sliding-window layer's page
     /// no later position reads (filled in by `pages::adopt_verified`).
@@ -260,14 +262,6 @@ impl SessionStore {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io_error(&lock_path)(e)),
         }
-        // Pages spilled by an earlier run: its sessions come back from the
-        // page file and their histories, not from these.
-        for stale in std::fs::read_dir(&spill)
-            .map_err(io_error(&spill))?
-            .flatten()
-        {
-            let _ = std::fs::remove_file(stale.path());
-        }
         let flusher = (durability == Durability::Batch).then(|| {
             Arc::new(Flusher {
                 pending: Mutex::new((Vec::new(), false)),
@@ -406,6 +400,26 @@ impl SessionStore {
                 }
             }
         }
+        // A session spilled when the last run ended reads its pages back
+        // from its spill file; files of no session restored are deleted.
+        let spill_dir = self.root.join("spill");
+        for session in &mut recovered {
+            let path = self.spill_path(session.id);
+            if let Ok(meta) = std::fs::metadata(&path) {
+                session.spill = Some((path, meta.len()));
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(&spill_dir) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let owned = recovered
+                    .iter()
+                    .any(|s| s.spill.as_ref().is_some_and(|(p, _)| *p == path));
+                if !owned {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
         (recovered, refused)
     }
 
@@ -448,6 +462,7 @@ impl SessionStore {
             history: replayed.history,
             hints: replayed.hints,
             digest: replayed.digest,
+            spill: None,
             pages: Vec::new(),
             journal: JournalFile {
                 file: Arc::new(file),

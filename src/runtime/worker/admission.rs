@@ -68,6 +68,7 @@ impl Worker {
             history,
             pages,
             digest: journaled_digest,
+            spill,
             journal,
             torn_bytes,
             ..
@@ -99,11 +100,31 @@ impl Worker {
         if !resident {
             kv = SessionKv::new(Arc::clone(&self.kv_pool));
         }
+        let from_page_file = kv.len();
+        // A session spilled when the last run ended: what its spill file
+        // holds beyond the pages taken back is read back now (resident),
+        // or when it is first called (spilled).
+        let mut spill = spill;
+        if resident {
+            if let Some((path, _)) = spill.take() {
+                match crate::durable::spill::read(&path, &mut kv, &history) {
+                    Ok(read) => {
+                        self.shared
+                            .counters
+                            .spill_read_tokens
+                            .fetch_add(read as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
+                }
+                let _ = std::fs::remove_file(&path);
+            }
+        }
         if !resident && !self.claim_spilled_place() {
             self.shared
                 .counters
                 .restore_refused
                 .fetch_add(1, Ordering::Relaxed);
+            // Its spill file stays with it, for the start that restores it.
             journal.keep();
             return refuse("no session place or KV pages, and the spilled sessions are full");
         }
@@ -117,19 +138,23 @@ impl Worker {
             slot.history = history;
             slot.spilled = true;
             slot.logits_digest.set(journaled_digest);
+            if let Some((path, bytes)) = spill {
+                self.shared.spill_bytes.fetch_add(bytes, Ordering::Relaxed);
+                slot.spill_file = Some((path, bytes));
+            }
         } else if !history.is_empty() {
             // The journal already holds the hints of the pages taken back.
             let page = self.kv_pool.layout().page_positions;
-            slot.hinted = crate::durable::pages::chain(&history, page, kept / page);
+            slot.hinted = crate::durable::pages::chain(&history, page, from_page_file / page);
             slot.history = history[..kept].to_vec();
             slot.high_water = kept;
             slot.active = Some(Active::restore(history[kept..].to_vec()));
         }
-        if kept > 0 {
+        if from_page_file > 0 {
             self.shared
                 .counters
                 .restore_kept_tokens
-                .fetch_add(kept as u64, Ordering::Relaxed);
+                .fetch_add(from_page_file as u64, Ordering::Relaxed);
         }
         self.add_session(id, slot);
         self.shared
