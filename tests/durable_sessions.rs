@@ -501,8 +501,13 @@ fn assert_all_restored(server: &Client, reference: &Client, truths: &[(String, V
 }
 
 /// The restore counters of a server started with `--metrics-listen`.
+/// Every restored session so far computed the digest its journal recorded.
 fn restore_metrics(server: &Inferd) -> (f64, f64) {
     let text = support::scrape(server.metrics.as_deref().expect("metrics address"));
+    assert_eq!(
+        support::sample(&text, "inferd_restore_digest_mismatches_total"),
+        Some(0.0)
+    );
     (
         support::sample(&text, "inferd_restore_kept_tokens_total").expect("kept tokens"),
         support::sample(&text, "inferd_restore_pages_rejected_total").expect("rejected pages"),
@@ -591,6 +596,10 @@ fn a_restart_takes_back_every_page_that_verifies_and_computes_only_the_rest() {
 /// written out now, and tokens read back so far.
 fn spill_metrics(server: &Inferd) -> (f64, f64) {
     let text = support::scrape(server.metrics.as_deref().expect("metrics address"));
+    assert_eq!(
+        support::sample(&text, "inferd_restore_digest_mismatches_total"),
+        Some(0.0)
+    );
     (
         support::sample(&text, "inferd_session_spill_bytes").expect("spill bytes"),
         support::sample(&text, "inferd_session_spill_read_tokens_total").expect("read tokens"),

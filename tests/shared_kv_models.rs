@@ -194,6 +194,7 @@ fn check_restore(model: &Arc<Model>) {
     assert_eq!(rt.stats().restore_kept_tokens, 992, "62 full pages kept");
     assert_eq!(rt.stats().restore_pages_rejected, 0);
     assert_eq!(digest(&rt, id), cold(model, &history));
+    assert_eq!(rt.stats().restore_digest_mismatches, 0);
     let more = tokens(40, 4, vocab);
     rt.append_tokens(
         AppendTokens {

@@ -258,6 +258,12 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         stats.restore_pages_rejected,
     );
     e.single(
+        "restore_digest_mismatches_total",
+        "counter",
+        "Restored sessions whose logits did not hash to the digest their journal recorded.",
+        stats.restore_digest_mismatches,
+    );
+    e.single(
         "prefix_reused_tokens_total",
         "counter",
         "History tokens whose KV was mapped from shared-prefix pages instead of computed.",
@@ -463,6 +469,7 @@ mod tests {
             sessions_restored: 3,
             restore_kept_tokens: 4080,
             restore_pages_rejected: 5,
+            restore_digest_mismatches: 1,
             sessions_spilled: 6,
             journal_failures: 1,
             spilled_now: 2,
@@ -682,6 +689,7 @@ mod tests {
         assert_eq!(get("inferd_session_spill_bytes", &[]), 1048576.0);
         assert_eq!(get("inferd_session_spill_read_tokens_total", &[]), 992.0);
         assert_eq!(get("inferd_restore_pages_rejected_total", &[]), 5.0);
+        assert_eq!(get("inferd_restore_digest_mismatches_total", &[]), 1.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "restored")]), 3.0);
         assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
         assert_eq!(get("inferd_session_spilled_total", &[]), 6.0);

@@ -449,6 +449,7 @@ impl Runtime {
             sessions_restored: load(&c.sessions_restored),
             restore_kept_tokens: load(&c.restore_kept_tokens),
             restore_pages_rejected: load(&c.restore_pages_rejected),
+            restore_digest_mismatches: load(&c.restore_digest_mismatches),
             sessions_spilled: load(&c.sessions_spilled),
             journal_failures: load(&c.journal_failures),
             spilled_now: self.shared.spilled_sessions.load(Ordering::Relaxed) as u64,

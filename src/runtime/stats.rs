@@ -103,6 +103,9 @@ pub struct Counters {
     /// Hinted pages of the kept page file that failed their checksum at
     /// start (computed again).
     pub restore_pages_rejected: AtomicU64,
+    /// Restored sessions whose logits, once computed, did not hash to the
+    /// digest their journal recorded (the KV is not what it was).
+    pub restore_digest_mismatches: AtomicU64,
     /// Tokens of spilled sessions whose KV was read back from their spill
     /// file instead of computed.
     pub spill_read_tokens: AtomicU64,
@@ -164,6 +167,8 @@ pub struct RuntimeStats {
     pub restore_kept_tokens: u64,
     /// Kept pages that failed their checksum at start.
     pub restore_pages_rejected: u64,
+    /// Restored sessions whose digest differed from the journaled one.
+    pub restore_digest_mismatches: u64,
     /// LRU evictions that spilled the session instead of ending it.
     pub sessions_spilled: u64,
     /// Sessions spilled now (not counted in `sessions_active`).

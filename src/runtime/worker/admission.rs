@@ -148,6 +148,7 @@ impl Worker {
             slot.hinted = crate::durable::pages::chain(&history, page, from_page_file / page);
             slot.history = history[..kept].to_vec();
             slot.high_water = kept;
+            slot.expected_digest = journaled_digest;
             slot.active = Some(Active::restore(history[kept..].to_vec()));
         }
         if from_page_file > 0 {

@@ -384,6 +384,9 @@ struct SessionSlot {
     hinted: Vec<u64>,
     /// Spilled with its pages written out: the file and its bytes.
     spill_file: Option<(std::path::PathBuf, u64)>,
+    /// Restored: the digest its journal recorded, checked once its logits
+    /// are computed again.
+    expected_digest: Option<u64>,
     /// Evicted to make room but kept: no KV and no logits (their digest is
     /// kept), the history to be fed again before its next call.
     spilled: bool,
@@ -430,6 +433,7 @@ impl SessionSlot {
             journal: None,
             hinted: Vec::new(),
             spill_file: None,
+            expected_digest: None,
             spilled: false,
         }
     }
@@ -473,6 +477,19 @@ impl SessionSlot {
                 .get()
                 .unwrap_or_else(|| digest(&self.next_logits));
             self.logits_digest.set(Some(d));
+            if let Some(expected) = self.expected_digest.take() {
+                if expected != d {
+                    counters
+                        .restore_digest_mismatches
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(
+                        label = %self.label,
+                        expected,
+                        computed = d,
+                        "a restored session's logits differ from what its journal recorded"
+                    );
+                }
+            }
             self.journal(Record::Digest(d), counters);
         }
         if !self.kv.pool().holds_rows() {

@@ -106,6 +106,8 @@ impl Worker {
         self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.spilled = false;
+        // What it reported while spilled is what its KV must compute again.
+        slot.expected_digest = slot.logits_digest.get();
         let tokens = history.len();
         // What the spill wrote out is read back, checked page by page.
         let mut read = 0;
