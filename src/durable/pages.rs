@@ -108,9 +108,7 @@ pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenB
     }
     let layout = *pool.layout();
     let page = layout.page_positions;
-    let windows: Vec<Option<usize>> = (0..layout.n_layers)
-        .map(|l| pool.layer_windows().get(l).copied().flatten())
-        .collect();
+    let windows: Vec<Option<usize>> = (0..layout.n_layers).map(|l| pool.layer_window(l)).collect();
     let total = pool.total_pages();
     let mut refs = vec![0u32; total];
     // Shared pages (forks, shared prefixes) are hinted by every holder.

@@ -103,9 +103,7 @@ pub fn read(path: &Path, kv: &mut SessionKv, history: &[u32]) -> Result<usize, S
     let page = layout.page_positions;
     let n_layers = layout.n_layers;
     let page_bytes = layout.page_values() * 2;
-    let windows: Vec<Option<usize>> = (0..n_layers)
-        .map(|l| kv.pool().layer_windows().get(l).copied().flatten())
-        .collect();
+    let windows: Vec<Option<usize>> = (0..n_layers).map(|l| kv.pool().layer_window(l)).collect();
     let mut file = File::open(path)?;
     let mut head = [0u8; 24];
     file.read_exact(&mut head)?;

@@ -287,6 +287,11 @@ impl KvPool {
         self.window_slack
     }
 
+    /// The sliding window `layer` attends over (`None`: every position).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.layer_windows.get(layer).copied().flatten()
+    }
+
     /// Per layer, its sliding window; empty when every layer sees every
     /// position.
     pub fn layer_windows(&self) -> &[Option<usize>] {

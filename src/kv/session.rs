@@ -370,11 +370,7 @@ impl SessionKv {
         for (layer, first_held) in dropped.iter_mut().enumerate() {
             *first_held = blocks.iter().take_while(|b| b[layer].is_none()).count();
             let gap = blocks[*first_held..].iter().any(|b| b[layer].is_none());
-            let windowed = self
-                .pool
-                .layer_windows()
-                .get(layer)
-                .is_some_and(Option::is_some);
+            let windowed = self.pool.layer_window(layer).is_some();
             if gap || (*first_held > 0 && !windowed) {
                 return Err(KvError::KeptPagesGap { layer });
             }
@@ -401,13 +397,10 @@ impl SessionKv {
         if (block + 1) << self.page_shift > self.len || !self.pool.holds_rows() {
             return None;
         }
-        self.layers
-            .iter()
-            .enumerate()
-            .map(|(layer, table)| match block.checked_sub(table.dropped) {
+        (0..self.n_layers)
+            .map(|layer| match self.block_page(block, layer) {
                 None => Some(None),
-                Some(i) => {
-                    let page = *table.pages.get(i)?;
+                Some(page) => {
                     // A committed full page is written by nobody: positions
                     // are written only from the committed length on.
                     let sum = self.pool.checksum_page(page, seed(layer))?;
@@ -479,11 +472,7 @@ impl SessionKv {
     /// (at most up to the committed length): pages the caller knows no
     /// later position reads, such as those a spill did not keep.
     pub fn give_back_before(&mut self, layer: usize, block: usize) -> Result<(), KvError> {
-        let windowed = self
-            .pool
-            .layer_windows()
-            .get(layer)
-            .is_some_and(Option::is_some);
+        let windowed = self.pool.layer_window(layer).is_some();
         let committed = self.len >> self.page_shift;
         let Some(table) = self.layers.get_mut(layer) else {
             return Err(KvError::KeptPagesGap { layer });
