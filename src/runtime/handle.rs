@@ -40,8 +40,8 @@ pub struct Runtime {
 
 /// Takes back the recovered sessions' pages that still verify in the kept
 /// page file. A failure only costs speed: every session is then fed again
-/// from its history alone.
-/// Returns how many hinted pages failed their checksum.
+/// from its history alone. Returns how many hinted pages failed their
+/// checksum.
 fn take_back_pages(pool: &mut KvPool, recovered: &mut [crate::durable::Recovered]) -> usize {
     let started = Instant::now();
     match crate::durable::pages::take_back(pool, recovered) {
