@@ -687,3 +687,97 @@ fn a_release_owed_to_a_shard_behind_a_broken_link_is_sent_when_the_link_is_back(
         s.shutdown();
     }
 }
+
+/// `inferd shard` for `layers` with its pages kept in `dir`.
+fn kept_shard(layers: &str, listen: &str, dir: &str) -> Inferd {
+    let mut args = support::shard_args(layers, listen);
+    args.extend(["--state-dir", dir]);
+    Inferd::start(&args)
+}
+
+/// The coordinator's counters of what its rebuilds fed again and what the
+/// shards kept: (`rebuilt_tokens`, `resumed_positions`).
+fn rebuild_counts(metrics: &str) -> (f64, f64) {
+    let text = scrape(metrics);
+    let get = |name: &str| sample(&text, name).unwrap_or(0.0);
+    (
+        get("inferd_shard_rebuilt_tokens_total"),
+        get("inferd_shard_resumed_positions_total"),
+    )
+}
+
+/// One more turn of `id` (after whatever restart came before), which must
+/// equal one host's answer for the same history; `history` grows by it.
+fn next_turn_like_one_host(client: &Client, one_host: &Client, id: &str, history: &mut Vec<u32>) {
+    let twin = one_host.create();
+    one_host.append(&twin, history).expect("append");
+    let expected = one_host.generate(&greedy(&twin, 6, 2));
+    let got = retry_unavailable(Duration::from_secs(10), || {
+        client.generate(&greedy(id, 6, 2))
+    });
+    assert_eq!(got, expected, "continues as one host would");
+    assert_eq!(digest(client, id), digest(one_host, &twin));
+    one_host.close(&twin).expect("close");
+    history.extend(&got.tokens);
+}
+
+#[test]
+fn a_shard_restarted_with_its_state_dir_takes_its_pages_back_and_verifies_them() {
+    if !have_reference() {
+        return;
+    }
+    let reference = serve(&[]);
+    let one_host = Client::connect(&reference.addr);
+    let dirs: Vec<tempfile::TempDir> = (0..2)
+        .map(|_| tempfile::tempdir().expect("temp dir"))
+        .collect();
+    let dir = |i: usize| dirs[i].path().to_str().expect("utf-8 path").to_owned();
+    let (first_dir, second_dir) = (dir(0), dir(1));
+    let _first = kept_shard("0..15", "127.0.0.1:0", &first_dir);
+    let mut second = kept_shard("15..30", "127.0.0.1:0", &second_dir);
+    let second_listen = second.addr.clone();
+    let list = format!("{},{}", _first.addr, second_listen);
+    let coordinator = serve(&["--shards", &list, "--metrics-listen", "127.0.0.1:0"]);
+    let metrics = coordinator.metrics.clone().expect("metrics address");
+    let client = Client::connect(&coordinator.addr);
+
+    // A history of 300 prompt tokens (18 full pages of 16) and a reply.
+    let mut history: Vec<u32> = (0..300u32).map(|i| 200 + (i * 7919) % 40000).collect();
+    let id = client.create();
+    client.append(&id, &history).expect("append");
+    next_turn_like_one_host(&client, &one_host, &id, &mut history);
+    assert_eq!(rebuild_counts(&metrics), (0.0, 0.0));
+
+    // Killed and started again on its state dir, the shard takes its pages
+    // back: the rebuild feeds only what lies past the last full page that
+    // every shard kept.
+    second.kill();
+    let mut second = kept_shard("15..30", &second_listen, &second_dir);
+    next_turn_like_one_host(&client, &one_host, &id, &mut history);
+    let (fed, kept) = rebuild_counts(&metrics);
+    assert!(kept >= 288.0, "the prompt's full pages were kept: {kept}");
+    assert!(fed < 16.0, "less than a page fed again: {fed}");
+    assert_eq!((fed + kept) % 16.0, fed % 16.0);
+
+    // Pages that no longer verify (every page of the file damaged while
+    // the shard was down) are computed again, and the answers stay exact.
+    second.kill();
+    let pages = std::path::Path::new(&second_dir).join("kv.pages");
+    let mut bytes = std::fs::read(&pages).expect("page file");
+    for at in (0..bytes.len()).step_by(4096) {
+        bytes[at] ^= 0x5a;
+    }
+    std::fs::write(&pages, &bytes).expect("damage the page file");
+    let _second = kept_shard("15..30", &second_listen, &second_dir);
+    let before = rebuild_counts(&metrics);
+    let length = history.len();
+    next_turn_like_one_host(&client, &one_host, &id, &mut history);
+    let (fed, kept) = rebuild_counts(&metrics);
+    assert_eq!(kept, before.1, "nothing damaged was kept");
+    assert!(
+        fed - before.0 >= (length - 16) as f64,
+        "the history was fed again: {} of {length}",
+        fed - before.0
+    );
+    client.close(&id).expect("close");
+}

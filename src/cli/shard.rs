@@ -45,6 +45,12 @@ pub struct ShardArgs {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub max_frame_rows: u32,
+    /// Directory where this shard's KV pages and their log live, so that a
+    /// restarted shard (or a restarted coordinator) takes back the pages
+    /// its sessions had instead of having them fed again. Locked while the
+    /// shard runs; a directory of another model or layer range is not used.
+    #[arg(long, env = "INFERD_SHARD_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Listen on a non-loopback address. The shard protocol carries no
     /// credentials: only do this on a network that admits nothing but the
     /// coordinator (and relays).
@@ -86,6 +92,7 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
         cfg.threads = threads.max(1);
     }
     cfg.max_frame_rows = args.max_frame_rows;
+    cfg.state_dir = args.state_dir.clone();
     let server = ShardServer::start(Arc::new(model), fingerprint, &cfg)
         .map_err(|e| CliError::Usage(e.to_string()))?;
     {

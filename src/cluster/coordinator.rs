@@ -27,6 +27,7 @@ use super::fingerprint::Fingerprint;
 use super::frame::{unix_nanos, ErrorKind, Run, WireSessionId};
 use super::link::{LinkError, LinkOptions, ShardCapacity, ShardLink};
 use super::payload::Encoding;
+use crate::durable::pages;
 use crate::kv::KvError;
 use crate::model::{LogitRows, Model, ModelError, Scratch};
 use crate::runtime::StepFeed;
@@ -330,6 +331,7 @@ impl ShardPlan {
                         (0, m) | (m, 0) => m,
                         (a, b) => a.min(b),
                     },
+                    keeps_pages: l.keeps_pages && c.keeps_pages,
                 },
             });
         }
@@ -430,6 +432,9 @@ pub struct ShardStats {
     pub rebuilds: AtomicU64,
     /// Tokens fed again by those rebuilds.
     pub rebuilt_tokens: AtomicU64,
+    /// Positions of rebuilt sessions every shard kept (shards with a state
+    /// directory), not fed again.
+    pub resumed_positions: AtomicU64,
 }
 
 impl ShardStats {
@@ -447,6 +452,7 @@ impl ShardStats {
                 .collect(),
             rebuilds: AtomicU64::new(0),
             rebuilt_tokens: AtomicU64::new(0),
+            resumed_positions: AtomicU64::new(0),
         }
     }
 }
@@ -473,6 +479,7 @@ impl ShardStats {
                 .collect(),
             rebuilds: load(&self.rebuilds),
             rebuilt_tokens: load(&self.rebuilt_tokens),
+            resumed_positions: load(&self.resumed_positions),
         }
     }
 }
@@ -506,6 +513,9 @@ pub struct ShardChain {
     /// held before is gone from it.
     lineage: u64,
     held: HashMap<WireSessionId, Held>,
+    /// Per session, the hash chain of each full page of its history fed so
+    /// far: what shards that keep pages name their pages by.
+    chains: HashMap<WireSessionId, Vec<u64>>,
     hidden: Vec<f32>,
     rows: Vec<f32>,
 }
@@ -530,6 +540,7 @@ impl ShardChain {
             slots,
             lineage: 0,
             held: HashMap::new(),
+            chains: HashMap::new(),
             hidden: Vec::new(),
             rows: Vec::new(),
         }
@@ -639,6 +650,7 @@ impl ShardChain {
     pub fn release(&mut self, sessions: &[WireSessionId]) {
         for id in sessions {
             self.held.remove(id);
+            self.chains.remove(id);
         }
         for index in 0..self.slots.len() {
             let sent = match self.slots[index].link.as_mut() {
@@ -691,17 +703,20 @@ impl ShardChain {
             .min()
             .unwrap_or(usize::MAX);
         let h = hidden.len() / runs.iter().map(|r| r.rows as usize).sum::<usize>().max(1);
+        let page = self.page_positions();
+        let chained = self.keeping_pages().any(|k| k);
         for (piece, rows) in frame_pieces(runs, max_rows) {
             let hidden = &mut hidden[rows.start * h..rows.end * h];
+            let chains: Vec<Vec<u64>> = if chained {
+                piece.iter().map(|run| self.page_chains(run, page)).collect()
+            } else {
+                Vec::new()
+            };
             for index in 0..self.slots.len() {
                 let Some(link) = self.slots[index].link.as_mut() else {
-                    return Err(ShardFailure {
-                        shard: self.plan.shards[index].label(),
-                        kind: FailureKind::Transport,
-                        message: "the link is down".into(),
-                    });
+                    return Err(self.link_down(index));
                 };
-                if let Err(e) = link.forward(&piece, hidden, deadline) {
+                if let Err(e) = link.forward_chained(&piece, &chains, hidden, deadline) {
                     return Err(self.failure(index, &e));
                 }
             }
@@ -709,7 +724,97 @@ impl ShardChain {
         Ok(())
     }
 
-    /// Releases a session everywhere and feeds its history again.
+    fn link_down(&self, index: usize) -> ShardFailure {
+        ShardFailure {
+            shard: self.plan.shards[index].label(),
+            kind: FailureKind::Transport,
+            message: "the link is down".into(),
+        }
+    }
+
+    /// Whether each shard keeps pages (a link that is down counts as one
+    /// that does not).
+    fn keeping_pages(&self) -> impl Iterator<Item = bool> + '_ {
+        self.slots
+            .iter()
+            .map(|s| s.link.as_ref().is_some_and(|l| l.capacity().keeps_pages))
+    }
+
+    /// Positions per page, as the shards agreed at the handshake.
+    fn page_positions(&self) -> usize {
+        self.slots
+            .iter()
+            .filter_map(|s| s.link.as_ref())
+            .map(|l| l.capacity().page_positions as usize)
+            .next()
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// The chains of the pages `run` fills, from the session's chain.
+    fn page_chains(&self, run: &Run, page: usize) -> Vec<u64> {
+        let start = run.position as usize;
+        let blocks = start / page..(start + run.rows as usize) / page;
+        self.chains
+            .get(&run.session)
+            .and_then(|chain| chain.get(blocks))
+            .map(<[u64]>::to_vec)
+            .unwrap_or_default()
+    }
+
+    /// Asks every shard to keep what it holds of `id` that matches
+    /// `history`, then each that kept more than the least to keep only
+    /// that, and returns the least: the positions every shard now holds.
+    fn resume_everywhere(
+        &mut self,
+        id: WireSessionId,
+        history: &[u32],
+        deadline: u64,
+    ) -> Result<usize, ShardFailure> {
+        let page = self.page_positions();
+        let chain = pages::chain(history, page, history.len() / page);
+        let length = history.len() as u64;
+        let mut kept = Vec::with_capacity(self.slots.len());
+        for index in 0..self.slots.len() {
+            let Some(link) = self.slots[index].link.as_mut() else {
+                return Err(self.link_down(index));
+            };
+            match link.resume(id, length, &chain, deadline) {
+                Ok(k) => kept.push(k),
+                Err(e) => return Err(self.failure(index, &e)),
+            }
+        }
+        let least = kept.iter().copied().min().unwrap_or(0);
+        let blocks = least as usize / page;
+        for (index, &k) in kept.iter().enumerate() {
+            if k == least {
+                continue;
+            }
+            let Some(link) = self.slots[index].link.as_mut() else {
+                return Err(self.link_down(index));
+            };
+            match link.resume(id, least, &chain[..blocks], deadline) {
+                Ok(again) if again == least => {}
+                Ok(again) => {
+                    return Err(ShardFailure {
+                        shard: self.plan.shards[index].label(),
+                        kind: FailureKind::Protocol(ErrorKind::Internal),
+                        message: format!(
+                            "asked to keep {least} of the {k} positions it had kept, it kept {again}"
+                        ),
+                    })
+                }
+                Err(e) => return Err(self.failure(index, &e)),
+            }
+        }
+        self.chains.insert(id, chain);
+        Ok(least as usize)
+    }
+
+    /// Brings a session's KV on every shard in step with its history: when
+    /// every shard keeps pages, each keeps what matches the history
+    /// (Resume) and only the positions after what all of them kept are fed
+    /// again; otherwise it is released everywhere and fed again whole.
     fn rebuild(
         &mut self,
         model: &Model,
@@ -718,19 +823,29 @@ impl ShardChain {
         chunk: usize,
         deadline: u64,
     ) -> Result<(), ChainError> {
-        for index in 0..self.slots.len() {
-            if let Some(Err(e)) = self.slots[index]
-                .link
-                .as_mut()
-                .map(|link| link.release(&[id]))
-            {
-                return Err(self.failure(index, &e).into());
+        let start = if self.keeping_pages().all(|k| k) {
+            self.resume_everywhere(id, history, deadline)?
+        } else {
+            for index in 0..self.slots.len() {
+                if let Some(Err(e)) = self.slots[index]
+                    .link
+                    .as_mut()
+                    .map(|link| link.release(&[id]))
+                {
+                    return Err(self.failure(index, &e).into());
+                }
             }
-        }
+            if self.keeping_pages().any(|k| k) {
+                let page = self.page_positions();
+                let chain = pages::chain(history, page, history.len() / page);
+                self.chains.insert(id, chain);
+            }
+            0
+        };
         let h = model.config.hidden;
         let mut rows = std::mem::take(&mut self.rows);
-        let mut position = 0u64;
-        for part in history.chunks(chunk.max(1)) {
+        let mut position = start as u64;
+        for part in history[start..].chunks(chunk.max(1)) {
             rows.clear();
             rows.resize(part.len() * h, 0.0);
             model.embed(part, &mut rows)?;
@@ -754,8 +869,15 @@ impl ShardChain {
         stats.rebuilds.fetch_add(1, Ordering::Relaxed);
         stats
             .rebuilt_tokens
-            .fetch_add(history.len() as u64, Ordering::Relaxed);
-        tracing::info!(tokens = history.len(), "session rebuilt on the shards");
+            .fetch_add((history.len() - start) as u64, Ordering::Relaxed);
+        stats
+            .resumed_positions
+            .fetch_add(start as u64, Ordering::Relaxed);
+        tracing::info!(
+            fed = history.len() - start,
+            kept = start,
+            "session rebuilt on the shards"
+        );
         Ok(())
     }
 
@@ -828,6 +950,20 @@ impl ShardChain {
                     prefill_chunk,
                     deadline,
                 )?,
+            }
+        }
+        if self.keeping_pages().any(|k| k) {
+            let page = self.page_positions();
+            for f in feeds.iter() {
+                let n = f.kv.len();
+                let chain = self.chains.entry(f.session.bytes()).or_default();
+                // Blocks past the committed length may be from a step that
+                // failed: hashed again from the history and the new tokens.
+                chain.truncate(n / page);
+                let from = chain.len() * page;
+                let mut rest = f.history[from..n].to_vec();
+                rest.extend_from_slice(f.tokens);
+                pages::extend_chain(chain, &rest, page);
             }
         }
         let h = model.config.hidden;

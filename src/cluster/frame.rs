@@ -45,9 +45,9 @@ pub type WireSessionId = [u8; 16];
 /// Which way frames travel on a stream; each direction carries its own bodies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
-    /// Prefill, decode, release, cancel.
+    /// Prefill, decode, release, cancel, resume.
     ToShard,
-    /// Output, credit, error.
+    /// Output, credit, error, resumed.
     ToCoordinator,
 }
 
@@ -61,6 +61,10 @@ pub enum FrameKind {
     Cancel,
     Credit,
     Error,
+    /// Keep what matches a history (to a shard that keeps pages).
+    Resume,
+    /// What a Resume kept.
+    Resumed,
 }
 
 impl FrameKind {
@@ -79,6 +83,10 @@ impl FrameKind {
             FrameKind::Credit
         } else if frame.has_error() {
             FrameKind::Error
+        } else if frame.has_resume() {
+            FrameKind::Resume
+        } else if frame.has_resumed() {
+            FrameKind::Resumed
         } else {
             return None;
         })
@@ -86,10 +94,14 @@ impl FrameKind {
 
     fn direction(self) -> Direction {
         match self {
-            FrameKind::Prefill | FrameKind::Decode | FrameKind::Release | FrameKind::Cancel => {
-                Direction::ToShard
+            FrameKind::Prefill
+            | FrameKind::Decode
+            | FrameKind::Release
+            | FrameKind::Cancel
+            | FrameKind::Resume => Direction::ToShard,
+            FrameKind::Output | FrameKind::Credit | FrameKind::Error | FrameKind::Resumed => {
+                Direction::ToCoordinator
             }
-            FrameKind::Output | FrameKind::Credit | FrameKind::Error => Direction::ToCoordinator,
         }
     }
 
@@ -587,6 +599,35 @@ impl Inbound {
             if kind == FrameKind::Credit && frame.get_credit().get_frames() == 0 {
                 return Err("a credit of 0 frames".into());
             }
+            let one_id;
+            let ids: &[Vec<u8>] = match kind {
+                FrameKind::Resume => {
+                    let resume = frame.get_resume();
+                    let encoding = Encoding::from_wire(resume.get_encoding())
+                        .map_err(|e| format!("a Resume frame: {e}"))?;
+                    if !self.encodings.contains(&encoding) {
+                        return Err(format!("a Resume for encoding {encoding:?}, not agreed"));
+                    }
+                    let pages = resume.get_page_chains().len() as u64;
+                    if pages > resume.get_length() {
+                        return Err(format!(
+                            "a Resume of {} positions with {pages} page chains",
+                            resume.get_length()
+                        ));
+                    }
+                    one_id = [resume.get_session_id().to_vec()];
+                    &one_id
+                }
+                FrameKind::Resumed => {
+                    let resumed = frame.get_resumed();
+                    if resumed.get_answers_sequence() == 0 {
+                        return Err("a Resumed frame answering no frame".into());
+                    }
+                    one_id = [resumed.get_session_id().to_vec()];
+                    &one_id
+                }
+                _ => ids,
+            };
             let sessions = ids
                 .iter()
                 .map(|id| session_id(id))

@@ -76,6 +76,8 @@ pub struct ShardCapacity {
     pub max_sessions: u32,
     /// Rows one hidden-state frame may carry (the agreed limit; 0: none).
     pub max_frame_rows: u32,
+    /// The shard keeps pages by their chains and answers Resume frames.
+    pub keeps_pages: bool,
 }
 
 impl Default for LinkOptions {
@@ -269,6 +271,7 @@ impl ShardLink {
                 page_positions: response.get_page_positions(),
                 max_sessions: limits.get_max_sessions(),
                 max_frame_rows: limits.get_max_frame_rows(),
+                keeps_pages: response.get_keeps_pages(),
             },
             hashes: options.record_hashes.then(|| (Vec::new(), Vec::new())),
             _client: client,
@@ -441,6 +444,19 @@ impl ShardLink {
         hidden: &mut [f32],
         deadline_unix_nanos: u64,
     ) -> Result<(), LinkError> {
+        self.forward_chained(runs, &[], hidden, deadline_unix_nanos)
+    }
+
+    /// [`ShardLink::forward`], with each run's page chains (one per page
+    /// it fills; `page_chains[i]` for `runs[i]`, none when shorter), sent
+    /// only to a shard that keeps pages.
+    pub fn forward_chained(
+        &mut self,
+        runs: &[Run],
+        page_chains: &[Vec<u64>],
+        hidden: &mut [f32],
+        deadline_unix_nanos: u64,
+    ) -> Result<(), LinkError> {
         // Answers are awaited until the frame's deadline (plus a grace);
         // 0 means none.
         let answer_by = (deadline_unix_nanos != 0).then(|| {
@@ -455,7 +471,12 @@ impl ShardLink {
                 return Err(self.refused(checked.frame.get_error()));
             }
         }
-        let body = super::frame::hidden_body(runs);
+        let mut body = super::frame::hidden_body(runs);
+        if self.capacity.keeps_pages {
+            for (rows, chains) in body.mut_runs().iter_mut().zip(page_chains) {
+                rows.set_page_chains(chains.clone());
+            }
+        }
         let mut frame = pb::Frame::new();
         frame.set_payload(
             encode_rows(self.encoding, self.hidden_size, hidden)
@@ -525,6 +546,65 @@ impl ShardLink {
                     .map_err(|e| self.transport(e.to_string()))?;
                     hidden.copy_from_slice(&values);
                     return Ok(());
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    /// Asks a shard that keeps pages to keep what it holds of `session`
+    /// that matches a history of `length` positions whose full pages have
+    /// these chains, and returns the positions it kept (a multiple of the
+    /// page size, at most `length`).
+    pub fn resume(
+        &mut self,
+        session: WireSessionId,
+        length: u64,
+        page_chains: &[u64],
+        deadline_unix_nanos: u64,
+    ) -> Result<u64, LinkError> {
+        let answer_by = (deadline_unix_nanos != 0).then(|| {
+            let left =
+                deadline_unix_nanos.saturating_sub(super::frame::unix_nanos(SystemTime::now()));
+            Instant::now() + Duration::from_nanos(left) + ANSWER_GRACE
+        });
+        let mut body = pb::Resume::new();
+        body.set_session_id(session.to_vec());
+        body.set_length(length);
+        body.set_page_chains(page_chains.to_vec());
+        body.set_encoding(self.encoding.to_wire());
+        let mut frame = pb::Frame::new();
+        frame.set_resume(body);
+        let sequence = self.send(frame, None, deadline_unix_nanos)?;
+        loop {
+            let checked = self.next_frame_until(answer_by)?;
+            match checked.kind {
+                FrameKind::Error if self.answers_earlier(&checked, sequence) => continue,
+                FrameKind::Error => return Err(self.refused(checked.frame.get_error())),
+                FrameKind::Resumed => {
+                    let resumed = checked.frame.get_resumed();
+                    let page = u64::from(self.capacity.page_positions.max(1));
+                    let kept = resumed.get_kept();
+                    let fits = resumed.get_answers_sequence() == sequence
+                        && resumed.get_session_id() == session
+                        && kept <= length
+                        && kept % page == 0;
+                    if !fits {
+                        return Err(LinkError::BadReply {
+                            addr: self.addr.clone(),
+                            error: FrameError {
+                                kind: ErrorKind::Malformed,
+                                message: format!(
+                                    "a Resumed keeping {kept} positions for frame {}, while \
+                                     frame {sequence} resumes {length} positions in pages of {page}",
+                                    resumed.get_answers_sequence()
+                                ),
+                                sessions: vec![session],
+                                sequence: Some(checked.sequence),
+                            },
+                        });
+                    }
+                    return Ok(kept);
                 }
                 _ => continue,
             }

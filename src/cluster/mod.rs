@@ -18,6 +18,8 @@ pub mod coordinator;
 pub mod fingerprint;
 pub mod frame;
 pub mod handshake;
+pub mod keeper;
+pub mod kept;
 pub mod layers;
 pub mod link;
 pub mod payload;

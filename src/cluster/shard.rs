@@ -25,6 +25,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -46,9 +47,11 @@ use super::frame::{
     WireSessionId,
 };
 use super::handshake::{agree, limits_to_wire, Agreed};
+use super::keeper::{self, Keeper, SessionKey};
+use super::kept::{Identity, KeptError, StateDir};
 use super::payload::{decode_rows, encode_rows, Encoding};
 use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
-use crate::kv::{KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
+use crate::kv::{KvBacking, KvError, KvPool, KvPoolConfig, SessionKv, DEFAULT_PAGE_POSITIONS};
 use crate::model::{LayerFeed, Model, Scratch};
 use crate::proto::inferd_shard_v1::shard_runtime as pb;
 use crate::threads::ThreadPool;
@@ -89,6 +92,9 @@ pub struct ShardConfig {
     /// with RESOURCE_EXHAUSTED. A coordinator opens one per worker.
     pub max_streams: usize,
     pub encodings: Vec<Encoding>,
+    /// Where the KV page pool and its log live so that sessions' pages
+    /// outlive the process (`None`: in memory only).
+    pub state_dir: Option<PathBuf>,
 }
 
 impl ShardConfig {
@@ -105,6 +111,7 @@ impl ShardConfig {
             max_frame_rows: DEFAULT_MAX_FRAME_ROWS,
             max_streams: 256,
             encodings: vec![Encoding::F32, Encoding::F16, Encoding::Q8_0],
+            state_dir: None,
         }
     }
 }
@@ -120,12 +127,11 @@ pub enum ShardStartError {
     },
     #[error("KV pool: {0}")]
     Kv(#[from] KvError),
+    #[error(transparent)]
+    StateDir(#[from] KeptError),
     #[error("cannot listen on {addr}: {message}")]
     Listen { addr: String, message: String },
 }
-
-/// A session's KV on this shard, keyed by the coordinator epoch that made it.
-type SessionKey = (u64, WireSessionId);
 
 /// What the shard computes with; one frame at a time holds it.
 struct Core {
@@ -136,6 +142,9 @@ struct Core {
     pool: ThreadPool,
     scratch: Scratch,
     max_sessions: usize,
+    /// With a state directory: the sessions' page chains and the detached
+    /// sessions.
+    keeper: Option<Keeper>,
 }
 
 /// State every handler shares.
@@ -159,6 +168,8 @@ struct ShardState {
     /// KV pages of the pool, and positions per page.
     kv_pages: u64,
     page_positions: u32,
+    /// Whether the shard keeps pages by their chains (has a state dir).
+    keeps_pages: bool,
 }
 
 /// One open session stream, counted in `ShardState::streams` while it lives.
@@ -211,15 +222,56 @@ impl ShardState {
         let context = model.config.context as u64;
         let layout = model.kv_layout(cfg.layers.len(), DEFAULT_PAGE_POSITIONS);
         let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers);
-        let kv_pool = Arc::new(
-            KvPool::new(KvPoolConfig {
-                layout,
-                n_pages,
-                backing: crate::kv::KvBacking::Anonymous,
-                prefault: false,
-            })?
-            .with_layer_windows(model.kv_layer_windows(cfg.layers.clone()))?,
-        );
+        let identity = Identity {
+            gguf_sha256: fingerprint.gguf_sha256,
+            layer_begin: cfg.layers.start as u32,
+            layer_end: cfg.layers.end as u32,
+            page_positions: layout.page_positions as u32,
+            kv_dim: layout.kv_dim as u32,
+        };
+        let state = match &cfg.state_dir {
+            Some(dir) => Some(StateDir::open(dir, identity)?),
+            None => None,
+        };
+        let backing = match &state {
+            Some((dir, _)) => KvBacking::Kept(dir.page_file()),
+            None => KvBacking::Anonymous,
+        };
+        let mut kv_pool = KvPool::new(KvPoolConfig {
+            layout,
+            n_pages,
+            backing,
+            prefault: false,
+        })?
+        .with_layer_windows(model.kv_layer_windows(cfg.layers.clone()))?;
+        let verified = match state {
+            Some((dir, opened)) => {
+                // A window layer keeps a page of slack, so that a session
+                // cut back to a page boundary still has what it reads.
+                kv_pool = kv_pool.with_window_slack(layout.page_positions);
+                let verified = keeper::verify(&identity, opened, &mut kv_pool)?;
+                Some((dir, verified))
+            }
+            None => None,
+        };
+        let kv_pool = Arc::new(kv_pool);
+        let keeper = verified.map(|(dir, verified)| {
+            let report = &verified.report;
+            if let Some(why) = &report.refused {
+                tracing::warn!(reason = %why, "the state directory's page log is not this shard's: starting without kept pages");
+            }
+            if let Some(offset) = report.damaged_at {
+                tracing::warn!(offset, "the page log is damaged there: what follows is not used");
+            }
+            tracing::info!(
+                sessions = report.sessions,
+                positions = report.taken.positions,
+                pages_rejected = report.taken.rejected,
+                "pages kept from the state directory"
+            );
+            Keeper::new(dir, verified, &kv_pool)
+        });
+        let keeps_pages = keeper.is_some();
         // Told to the coordinator in pages of positions over all the
         // shard's layers (a pool page holds one layer), as its ledger counts.
         let kv_pages = (kv_pool.total_pages() / cfg.layers.len().max(1)) as u64;
@@ -233,6 +285,7 @@ impl ShardState {
                 pool: ThreadPool::new(cfg.threads.max(1)),
                 scratch: Scratch::default(),
                 max_sessions: cfg.max_sessions as usize,
+                keeper,
             }),
             fingerprint,
             epoch: random_epoch(),
@@ -257,6 +310,7 @@ impl ShardState {
             stopping: AtomicBool::new(false),
             kv_pages,
             page_positions,
+            keeps_pages,
         })
     }
 }
@@ -391,6 +445,15 @@ impl ShardServer {
         lock(&self.shared.core).sessions.len()
     }
 
+    /// Sessions kept for no coordinator (with a state dir), and the
+    /// positions they hold.
+    pub fn detached(&self) -> (usize, usize) {
+        let core = lock(&self.shared.core);
+        core.keeper
+            .as_ref()
+            .map_or((0, 0), |k| (k.detached(), k.detached_positions()))
+    }
+
     /// Sessions named by cancel frames so far.
     pub fn cancelled_sessions(&self) -> u64 {
         self.shared
@@ -456,6 +519,7 @@ fn handshake(shared: &ShardState, ctx: RpcContext<'_>, body: &[u8], sink: UnaryS
             // Read without the core's lock, which a computation holds.
             response.set_kv_pages(shared.kv_pages);
             response.set_page_positions(shared.page_positions);
+            response.set_keeps_pages(shared.keeps_pages);
             let mut limits = limits_to_wire(
                 agreed.max_frame_bytes,
                 agreed.credit_window,
@@ -486,7 +550,23 @@ fn handshake(shared: &ShardState, ctx: RpcContext<'_>, body: &[u8], sink: UnaryS
                 all.insert(coordinator, agreed);
                 if !stale.is_empty() {
                     let mut core = lock(&shared.core);
-                    core.sessions.retain(|(epoch, _), _| *epoch == coordinator);
+                    let core = &mut *core;
+                    let gone: Vec<SessionKey> = core
+                        .sessions
+                        .keys()
+                        .filter(|(epoch, _)| *epoch != coordinator)
+                        .copied()
+                        .collect();
+                    for key in gone {
+                        let Some(kv) = core.sessions.remove(&key) else {
+                            continue;
+                        };
+                        // Kept for the new coordinator to resume, with a
+                        // state dir; freed (dropped) otherwise.
+                        if let Some(keeper) = core.keeper.as_mut() {
+                            keeper.detach(key, kv);
+                        }
+                    }
                 }
             }
             tracing::info!(
@@ -850,9 +930,13 @@ fn answer(
                 if let Some(mut kv) = core.sessions.remove(&(coordinator, *id)) {
                     let _ = kv.release();
                 }
+                if let Some(keeper) = core.keeper.as_mut() {
+                    keeper.forget((coordinator, *id));
+                }
             }
             Answered::Computed
         }
+        FrameKind::Resume => answer_resume(shared, coordinator, &checked, replies),
         FrameKind::Cancel => {
             // Frames are answered in order, so nothing of these sessions
             // sent before the cancel is still waiting: counting the cancel
@@ -867,7 +951,9 @@ fn answer(
             answer_hidden(shared, coordinator, hidden_size, &checked, replies, state)
         }
         // Checked frames of the other kinds cannot travel to a shard.
-        FrameKind::Output | FrameKind::Credit | FrameKind::Error => Answered::Computed,
+        FrameKind::Output | FrameKind::Credit | FrameKind::Error | FrameKind::Resumed => {
+            Answered::Computed
+        }
     }
 }
 
@@ -912,6 +998,28 @@ fn answer_hidden(
             rows: r.get_count(),
         })
         .collect();
+    // The page chains a coordinator sends along: exactly one per page a
+    // run fills, or none.
+    let page = u64::from(shared.page_positions.max(1));
+    let mut chains: HashMap<WireSessionId, &[u64]> = HashMap::new();
+    for (r, run) in body.get_runs().iter().zip(&runs) {
+        let sent = r.get_page_chains();
+        let filled = (run.position + u64::from(run.rows)) / page - run.position / page;
+        if !sent.is_empty() && sent.len() as u64 != filled {
+            let message = format!(
+                "a run of positions {}..{} fills {filled} pages and names {} page chains",
+                run.position,
+                run.position + u64::from(run.rows),
+                sent.len()
+            );
+            return refuse_frame(replies, checked, ErrorKind::Malformed, message);
+        }
+        chains.insert(run.session, sent);
+    }
+    let chained = Chained {
+        chains: &chains,
+        encoding,
+    };
     // Checked before every step of the computation.
     let mut interrupt = || {
         if shared.stopping.load(Ordering::Acquire) {
@@ -922,8 +1030,14 @@ fn answer_hidden(
         }
         past_deadline(deadline).map(|late| (ErrorKind::Deadline, late))
     };
-    let outcome =
-        lock(&shared.core).compute(coordinator, &runs, values, hidden_size, &mut interrupt);
+    let outcome = lock(&shared.core).compute(
+        coordinator,
+        &runs,
+        &chained,
+        values,
+        hidden_size,
+        &mut interrupt,
+    );
     let mut alive = true;
     let refused = !outcome.failed.is_empty();
     if refused {
@@ -949,6 +1063,66 @@ fn answer_hidden(
         alive &= replies.send(reply, Some(encoding));
     }
     Answered::from_sent(alive, refused)
+}
+
+/// A Resume: the session cut back to what matches the coordinator's
+/// history, answered with a Resumed frame saying how much that is.
+fn answer_resume(
+    shared: &ShardState,
+    coordinator: u64,
+    checked: &FrameCheck,
+    replies: &mut Replies,
+) -> Answered {
+    let resume = checked.frame.get_resume();
+    let Some(&id) = checked.sessions.first() else {
+        return Answered::Computed;
+    };
+    let length = resume.get_length();
+    if length > shared.context {
+        let message = format!(
+            "a Resume of {length} positions, past the model's context of {}",
+            shared.context
+        );
+        return refuse_frame(replies, checked, ErrorKind::TooLarge, message);
+    }
+    let page = u64::from(shared.page_positions.max(1));
+    let chains = resume.get_page_chains();
+    if chains.len() as u64 != length / page {
+        let message = format!(
+            "a Resume of {length} positions names {} page chains, not {}",
+            chains.len(),
+            length / page
+        );
+        return refuse_frame(replies, checked, ErrorKind::Malformed, message);
+    }
+    let encoding = match Encoding::from_wire(resume.get_encoding()) {
+        Ok(encoding) => encoding,
+        Err(e) => return refuse_frame(replies, checked, ErrorKind::Malformed, e.to_string()),
+    };
+    let kept = {
+        let mut core = lock(&shared.core);
+        let core = &mut *core;
+        core.keeper.as_mut().map(|keeper| {
+            let key = (coordinator, id);
+            let held = core.sessions.remove(&key);
+            let (kv, kept) = keeper.resume(key, held, chains, encoding);
+            if let Some(kv) = kv {
+                core.sessions.insert(key, kv);
+            }
+            kept
+        })
+    };
+    let Some(kept) = kept else {
+        let message = "a Resume to a shard that keeps no pages (it has no state directory)";
+        return refuse_frame(replies, checked, ErrorKind::Malformed, message.into());
+    };
+    let mut body = pb::Resumed::new();
+    body.set_session_id(id.to_vec());
+    body.set_kept(kept as u64);
+    body.set_answers_sequence(checked.sequence);
+    let mut frame = pb::Frame::new();
+    frame.set_resumed(body);
+    Answered::from_sent(replies.send(frame, None), false)
 }
 
 /// Answers a whole frame with one error frame of `kind`.
@@ -977,6 +1151,13 @@ fn past_deadline(deadline: u64) -> Option<String> {
 /// Why a computation stops before its next step, if it must.
 type Interrupt<'a> = &'a mut dyn FnMut() -> Option<(ErrorKind, String)>;
 
+/// The page chains a frame's runs carry (by session) and the encoding of
+/// its hidden states: what a keeper records of the pages the runs fill.
+struct Chained<'a> {
+    chains: &'a HashMap<WireSessionId, &'a [u64]>,
+    encoding: Encoding,
+}
+
 /// What one hidden-state frame produced: the rows computed and the sessions
 /// that failed, by kind.
 struct Computed {
@@ -996,6 +1177,7 @@ impl Core {
         &mut self,
         coordinator: u64,
         runs: &[Run],
+        chained: &Chained<'_>,
         values: Vec<f32>,
         hidden_size: usize,
         interrupt: Interrupt<'_>,
@@ -1018,9 +1200,20 @@ impl Core {
             Ok(()) => {
                 // A shard never rolls a session back (a stopped frame frees
                 // it instead), so window pages can go as soon as a frame is in.
-                for (key, mut kv) in kvs {
+                for ((key, mut kv), run) in kvs.into_iter().zip(&accepted) {
                     if let Err(e) = kv.settle() {
                         tracing::error!("shard KV: giving back window pages: {e}");
+                    }
+                    if let Some(keeper) = self.keeper.as_mut() {
+                        let chains = chained.chains.get(&run.session).copied().unwrap_or(&[]);
+                        keeper.record(
+                            key,
+                            &kv,
+                            run.position as usize,
+                            run.rows as usize,
+                            chains,
+                            chained.encoding,
+                        );
                     }
                     self.sessions.insert(key, kv);
                 }
@@ -1034,8 +1227,11 @@ impl Core {
                 // Nothing of a stopped frame stays: its sessions' KV is
                 // freed, and the coordinator rebuilds them from history.
                 let ids: Vec<WireSessionId> = kvs.iter().map(|(k, _)| k.1).collect();
-                for (_, mut kv) in kvs {
+                for (key, mut kv) in kvs {
                     let _ = kv.release();
+                    if let Some(keeper) = self.keeper.as_mut() {
+                        keeper.forget(key);
+                    }
                 }
                 failed.push((
                     kind,
@@ -1121,8 +1317,19 @@ impl Core {
             .sessions
             .entry(key)
             .or_insert_with(|| SessionKv::new(Arc::clone(kv_pool)));
-        kv.reserve(position as usize + rows as usize)
-            .map_err(|e| (ErrorKind::Internal, format!("KV: {e}")))
+        loop {
+            match kv.reserve(position as usize + rows as usize) {
+                Ok(()) => return Ok(()),
+                // Detached sessions give their pages back before a held one
+                // goes without.
+                Err(KvError::Exhausted { .. })
+                    if self
+                        .keeper
+                        .as_mut()
+                        .is_some_and(|k| k.free_oldest_detached()) => {}
+                Err(e) => return Err((ErrorKind::Internal, format!("KV: {e}"))),
+            }
+        }
     }
 
     /// Runs the layers over `x` (the accepted runs' rows, in order): a

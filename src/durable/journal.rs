@@ -158,19 +158,11 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
     let (kind, payload_len) = match record {
         Record::Append(t) => (1u8, 4 + 4 * t.len()),
         Record::Reset(t) => (2u8, 4 + 4 * t.len()),
-        Record::Pages(h) => (
-            3u8,
-            12 + HINT_BYTES * h.blocks.iter().map(|b| b.len()).sum::<usize>(),
-        ),
+        Record::Pages(h) => (3u8, hints_bytes(h)),
         Record::Digest(_) => (4u8, 8),
     };
     let mut out = Vec::with_capacity(RECORD_HEAD + payload_len);
-    put_u32(&mut out, payload_len as u32);
-    // A length with a flipped bit must read as damage, not as a record
-    // running past the end (a torn write).
-    put_u32(&mut out, !(payload_len as u32));
-    put_u32(&mut out, 0);
-    out.push(kind);
+    start_record(&mut out, kind, payload_len);
     match record {
         Record::Append(tokens) | Record::Reset(tokens) => {
             put_u32(&mut out, tokens.len() as u32);
@@ -178,42 +170,110 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
                 put_u32(&mut out, t);
             }
         }
-        Record::Pages(hints) => {
-            put_u32(&mut out, hints.first_block);
-            put_u32(&mut out, hints.blocks.len() as u32);
-            put_u32(&mut out, hints.n_layers);
-            for hint in hints.blocks.iter().flat_map(|b| b.iter()) {
-                put_u32(&mut out, hint.page);
-                out.extend_from_slice(&hint.checksum.to_le_bytes());
-            }
-        }
+        Record::Pages(hints) => encode_hints(&mut out, hints),
         Record::Digest(digest) => out.extend_from_slice(&digest.to_le_bytes()),
     }
-    let crc = crc32c::crc32c(&out[12..]);
-    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    seal_record(&mut out);
     out
 }
 
-/// Reads little-endian words off a byte slice.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
+/// Bytes of a Pages payload (or of the hints that end another log's
+/// record) holding `hints`.
+pub(crate) fn hints_bytes(hints: &PageHints) -> usize {
+    12 + HINT_BYTES * hints.blocks.iter().map(|b| b.len()).sum::<usize>()
 }
 
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
+/// Writes a Pages payload.
+pub(crate) fn encode_hints(out: &mut Vec<u8>, hints: &PageHints) {
+    put_u32(out, hints.first_block);
+    put_u32(out, hints.blocks.len() as u32);
+    put_u32(out, hints.n_layers);
+    for hint in hints.blocks.iter().flat_map(|b| b.iter()) {
+        put_u32(out, hint.page);
+        out.extend_from_slice(&hint.checksum.to_le_bytes());
+    }
+}
+
+/// Starts a record of `kind` whose payload of `payload_len` bytes the
+/// caller appends next; [`seal_record`] then fills in its checksum.
+pub(crate) fn start_record(out: &mut Vec<u8>, kind: u8, payload_len: usize) {
+    out.clear();
+    put_u32(out, payload_len as u32);
+    // A length with a flipped bit must read as damage, not as a record
+    // running past the end (a torn write).
+    put_u32(out, !(payload_len as u32));
+    put_u32(out, 0);
+    out.push(kind);
+}
+
+/// Fills in the checksum of a record started by [`start_record`] whose
+/// payload is complete.
+pub(crate) fn seal_record(out: &mut [u8]) {
+    let crc = crc32c::crc32c(&out[12..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// What the bytes at a reader's position hold.
+pub(crate) enum NextRecord<'a> {
+    /// Nothing: the end of the file.
+    End,
+    /// A record cut short, or failing its checksum, with nothing after it:
+    /// a write a crash tore.
+    Torn,
+    /// A bad record with more bytes after it.
+    Damaged,
+    /// A whole record: its kind and payload.
+    Record(u8, &'a [u8]),
+}
+
+/// Reads the record at `r`'s position and moves past it.
+pub(crate) fn next_record<'a>(r: &mut Reader<'a>) -> NextRecord<'a> {
+    let bytes = r.bytes;
+    if r.at == bytes.len() {
+        return NextRecord::End;
+    }
+    let (Some(len), Some(check), Some(crc)) = (r.u32(), r.u32(), r.u32()) else {
+        return NextRecord::Torn;
+    };
+    let len = len as usize;
+    if check != !(len as u32) || len > MAX_PAYLOAD {
+        return NextRecord::Damaged;
+    }
+    let Some(body) = r.take(1 + len) else {
+        // A length past the end: the write was cut short.
+        return NextRecord::Torn;
+    };
+    match body.split_first() {
+        Some((&kind, payload)) if crc32c::crc32c(body) == crc => NextRecord::Record(kind, payload),
+        _ if r.at == bytes.len() => NextRecord::Torn,
+        _ => NextRecord::Damaged,
+    }
+}
+
+/// Reads little-endian words off a byte slice.
+pub(crate) struct Reader<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) at: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
+        Reader { bytes, at: 0 }
+    }
+
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let end = self.at.checked_add(n)?;
         let got = self.bytes.get(self.at..end)?;
         self.at = end;
         Some(got)
     }
 
-    fn u32(&mut self) -> Option<u32> {
+    pub(crate) fn u32(&mut self) -> Option<u32> {
         self.take(4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
-    fn u64(&mut self) -> Option<u64> {
+    pub(crate) fn u64(&mut self) -> Option<u64> {
         self.take(8)
             .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
     }
@@ -271,9 +331,6 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
     let mut digest = None;
     loop {
         let start = r.at;
-        if start == bytes.len() {
-            break;
-        }
         let torn = |history: Vec<u32>, hints: Vec<Box<[PageHint]>>, header: Header| Replayed {
             header,
             history,
@@ -283,20 +340,12 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
             header_len,
             torn_bytes: bytes.len() - start,
         };
-        let (Some(len), Some(check), Some(crc)) = (r.u32(), r.u32(), r.u32()) else {
-            return Ok(torn(history, hints, header));
+        let record = match next_record(&mut r) {
+            NextRecord::End => break,
+            NextRecord::Torn => return Ok(torn(history, hints, header)),
+            NextRecord::Damaged => return Err(JournalError::DamagedRecord { offset: start }),
+            NextRecord::Record(kind, payload) => decode_body(kind, payload),
         };
-        let len = len as usize;
-        if check != !(len as u32) || len > MAX_PAYLOAD {
-            return Err(JournalError::DamagedRecord { offset: start });
-        }
-        let Some(body) = r.take(1 + len) else {
-            // A length past the end: the write was cut short.
-            return Ok(torn(history, hints, header));
-        };
-        let record = (crc32c::crc32c(body) == crc)
-            .then(|| decode_body(body))
-            .flatten();
         match record {
             Some(Record::Append(tokens)) => {
                 history.extend_from_slice(&tokens);
@@ -333,12 +382,8 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
 }
 
 /// A record's kind and payload, checked for shape.
-fn decode_body(body: &[u8]) -> Option<Record> {
-    let (&kind, payload) = body.split_first()?;
-    let mut r = Reader {
-        bytes: payload,
-        at: 0,
-    };
+fn decode_body(kind: u8, payload: &[u8]) -> Option<Record> {
+    let mut r = Reader::new(payload);
     let record = match kind {
         1 | 2 => {
             let count = r.u32()? as usize;
@@ -356,8 +401,9 @@ fn decode_body(body: &[u8]) -> Option<Record> {
     (r.at == payload.len()).then_some(record)
 }
 
-/// A Pages record's payload, checked for shape and bounds.
-fn decode_hints(r: &mut Reader<'_>) -> Option<PageHints> {
+/// A Pages record's payload (the rest of `r`), checked for shape and
+/// bounds.
+pub(crate) fn decode_hints(r: &mut Reader<'_>) -> Option<PageHints> {
     let first_block = r.u32()?;
     let n_blocks = r.u32()? as usize;
     let n_layers = r.u32()?;

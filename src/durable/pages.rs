@@ -27,16 +27,21 @@ const CHAIN_START: u64 = 0x696e_6665_7264_6b76;
 /// (`page_positions` tokens each): entry `b` covers `history[..(b + 1) *
 /// page_positions]`.
 pub fn chain(history: &[u32], page_positions: usize, blocks: usize) -> Vec<u64> {
-    let mut at = CHAIN_START;
-    history
-        .chunks_exact(page_positions)
-        .take(blocks)
-        .map(|block| {
-            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
-            at = xxh3_64_with_seed(&bytes, at);
-            at
-        })
-        .collect()
+    let mut chain = Vec::with_capacity(blocks);
+    let end = (blocks * page_positions).min(history.len());
+    extend_chain(&mut chain, &history[..end], page_positions);
+    chain
+}
+
+/// Extends `chain` by the hash of each full block of `rest`: the tokens
+/// that follow the blocks `chain` covers.
+pub fn extend_chain(chain: &mut Vec<u64>, rest: &[u32], page_positions: usize) {
+    let mut at = chain.last().copied().unwrap_or(CHAIN_START);
+    for block in rest.chunks_exact(page_positions) {
+        let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+        at = xxh3_64_with_seed(&bytes, at);
+        chain.push(at);
+    }
 }
 
 /// The seed a page of `layer` is hashed under, for a block whose chain hash
@@ -102,9 +107,52 @@ pub struct TakenBack {
 /// state too. A sliding-window layer needs only the pages its window still
 /// sees at the restored length; the others need every page.
 pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenBack, KvError> {
+    let page = pool.layout().page_positions;
+    let chains: Vec<Vec<u64>> = sessions
+        .iter()
+        .map(|session| match session.history.len().checked_sub(1) {
+            Some(last) => chain(&session.history, page, (last / page).min(session.hints.len())),
+            None => Vec::new(),
+        })
+        .collect();
+    let kept: Vec<KeptHints<'_>> = sessions
+        .iter()
+        .zip(&chains)
+        .map(|(session, keys)| KeptHints {
+            keys,
+            hints: &session.hints,
+        })
+        .collect();
+    let (rows, report) = take_back_keyed(pool, &kept)?;
+    for (session, rows) in sessions.iter_mut().zip(rows) {
+        session.pages = rows;
+    }
+    Ok(report)
+}
+
+/// The hints of one history's first blocks, and the key each block's
+/// checksums are seeded by (its chain hash, or what a shard derives from
+/// it); only blocks that have both are looked at.
+pub struct KeptHints<'a> {
+    pub keys: &'a [u64],
+    pub hints: &'a [Box<[PageHint]>],
+}
+
+/// Taken-back pages of one history: one row per block from block 0, one
+/// entry per layer (`None`: a window layer's page no later position reads).
+pub type KeptRows = Vec<Box<[Option<u32>]>>;
+
+/// [`take_back`] for histories named by their keys: verifies each one's
+/// hinted pages in `pool` (held by no session yet), returns per history
+/// the longest run of blocks it takes back, and claims those pages, one
+/// reference per history that holds each.
+pub fn take_back_keyed(
+    pool: &mut KvPool,
+    histories: &[KeptHints<'_>],
+) -> Result<(Vec<KeptRows>, TakenBack), KvError> {
     let mut report = TakenBack::default();
     if !pool.holds_rows() {
-        return Ok(report);
+        return Ok((histories.iter().map(|_| Vec::new()).collect(), report));
     }
     let layout = *pool.layout();
     let page = layout.page_positions;
@@ -113,15 +161,13 @@ pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenB
     let mut refs = vec![0u32; total];
     // Shared pages (forks, shared prefixes) are hinted by every holder.
     let mut checked: HashMap<(u32, u64), Option<u64>> = HashMap::new();
-    for session in sessions.iter_mut() {
-        let Some(last) = session.history.len().checked_sub(1) else {
-            continue;
-        };
-        let most = (last / page).min(session.hints.len());
-        let chain = chain(&session.history, page, most);
+    let mut taken = Vec::with_capacity(histories.len());
+    for history in histories {
+        let most = history.keys.len().min(history.hints.len());
+        let chain = history.keys;
         // Per block, per layer: the page, if its bytes verify.
         let mut verified: Vec<Vec<Option<u32>>> = Vec::with_capacity(most);
-        for (block, hints) in session.hints.iter().take(most).enumerate() {
+        for (block, hints) in history.hints.iter().take(most).enumerate() {
             if hints.len() != layout.n_layers {
                 break;
             }
@@ -177,10 +223,10 @@ pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenB
             report.pages += 1;
         }
         report.positions += blocks * page;
-        session.pages = rows;
+        taken.push(rows);
     }
     pool.claim_pages(&refs)?;
-    Ok(report)
+    Ok((taken, report))
 }
 
 /// The first block a layer with a window of `window` positions still reads

@@ -625,6 +625,30 @@ impl SessionKv {
         self.pool.allocator().free_many(&surplus)
     }
 
+    /// Forgets every position from `len` on, below the settled length too:
+    /// a shard told that only its first `len` positions are in step with
+    /// its coordinator's history. Every sliding-window layer must still hold
+    /// the pages its window reads from `len` on; otherwise it is a
+    /// `RollBackPastSettled` and nothing changes.
+    pub fn cut_back_to(&mut self, len: usize) -> Result<(), KvError> {
+        if len >= self.len {
+            return Ok(());
+        }
+        let windows = self.pool.layer_windows().iter().zip(&self.layers);
+        for (window, table) in windows {
+            let Some(window) = *window else { continue };
+            let first_read = (len + 1).saturating_sub(window) >> self.page_shift;
+            if table.dropped > first_read {
+                return Err(KvError::RollBackPastSettled {
+                    requested: len,
+                    settled: self.settled,
+                });
+            }
+        }
+        self.settled = self.settled.min(len);
+        self.roll_back_to(len)
+    }
+
     /// Give every page back to the pool and forget everything committed. The
     /// session stays usable (empty). Every page is returned even if one
     /// fails; the first failure is reported.

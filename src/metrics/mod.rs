@@ -382,6 +382,12 @@ fn render_shards(e: &mut Exposition, stats: &crate::runtime::ShardStatsSnapshot)
         "History tokens fed again by those rebuilds.",
         stats.rebuilt_tokens,
     );
+    e.single(
+        "shard_resumed_positions_total",
+        "counter",
+        "Positions of rebuilt sessions that every shard kept (pages kept by shards with a state directory), so they were not fed again.",
+        stats.resumed_positions,
+    );
 }
 
 /// One per-worker metric family: name, type, help, and how to read a worker's value.
@@ -521,6 +527,7 @@ mod tests {
                 }],
                 rebuilds: 3,
                 rebuilt_tokens: 96,
+                resumed_positions: 32,
             }),
         }
     }

@@ -118,4 +118,5 @@ pub struct ShardStatsSnapshot {
     pub shards: Vec<ShardSnapshot>,
     pub rebuilds: u64,
     pub rebuilt_tokens: u64,
+    pub resumed_positions: u64,
 }
