@@ -1,7 +1,9 @@
 //! Captured shard-protocol vectors (CONTRACT §4): serialized frames of every
 //! kind, and bad ones (corrupted checksum, repeat and gap sequence numbers,
 //! stale epoch, over the size limit, malformed, wrong direction, expired
-//! deadline, no credit, an encoding not agreed), kept as golden files under
+//! deadline, no credit, an encoding not agreed, a Resume with more page
+//! chains than positions or for an encoding not agreed), kept as golden
+//! files under
 //! `tests/vectors/shard/` with `manifest.json` naming each case's receiver
 //! and expected outcome.
 //!
@@ -98,6 +100,29 @@ fn output() -> (pb::Frame, Encoding) {
     (f, Encoding::F32)
 }
 
+/// A Resume of session A's first `length` positions, with `chains` page
+/// chains.
+fn resume(length: u64, chains: u64, encoding: Encoding) -> pb::Frame {
+    let mut body = pb::Resume::new();
+    body.set_session_id(SESSION_A.to_vec());
+    body.set_length(length);
+    body.set_page_chains((0..chains).map(|i| 0x1234_5678_9abc_0000 | i).collect());
+    body.set_encoding(encoding.to_wire());
+    let mut f = pb::Frame::new();
+    f.set_resume(body);
+    f
+}
+
+fn resumed() -> pb::Frame {
+    let mut body = pb::Resumed::new();
+    body.set_session_id(SESSION_A.to_vec());
+    body.set_kept(32);
+    body.set_answers_sequence(6);
+    let mut f = pb::Frame::new();
+    f.set_resumed(body);
+    f
+}
+
 fn credit(frames: u32) -> pb::Frame {
     let mut body = pb::Credit::new();
     body.set_frames(frames);
@@ -163,6 +188,7 @@ fn cases() -> Vec<Case> {
             hidden_frame(decode(Encoding::Q8_0), FAR_DEADLINE),
             plain(release()),
             plain(cancel()),
+            plain(resume(40, 2, Encoding::F32)),
         ],
     );
     let to_coordinator = seal_all(
@@ -171,6 +197,7 @@ fn cases() -> Vec<Case> {
             hidden_frame(output(), FAR_DEADLINE),
             plain(credit(4)),
             plain(error_frame()),
+            plain(resumed()),
         ],
     );
     let named = |prefix: &str, frames: &[Vec<u8>], outcomes: &[&'static str]| {
@@ -208,6 +235,13 @@ fn cases() -> Vec<Case> {
         EPOCHS,
         vec![hidden_frame(prefill(3, Encoding::F32), PAST_DEADLINE)],
     );
+    let bad_resumes = seal_all(
+        EPOCHS,
+        vec![
+            plain(resume(2, 3, Encoding::F32)),
+            plain(resume(40, 2, Encoding::F16)),
+        ],
+    );
     let mut truncated = to_shard[0].clone();
     truncated.truncate(truncated.len() - 7);
     vec![
@@ -216,14 +250,14 @@ fn cases() -> Vec<Case> {
             direction: Direction::ToShard,
             credits: 8,
             encodings: all_encodings(),
-            frames: named("to_shard", &to_shard, &["ok", "ok", "ok", "ok", "ok"]),
+            frames: named("to_shard", &to_shard, &["ok", "ok", "ok", "ok", "ok", "ok"]),
         },
         Case {
             name: "to_coordinator",
             direction: Direction::ToCoordinator,
             credits: 0,
             encodings: all_encodings(),
-            frames: named("to_coordinator", &to_coordinator, &["ok", "ok", "ok"]),
+            frames: named("to_coordinator", &to_coordinator, &["ok", "ok", "ok", "ok"]),
         },
         Case {
             name: "corrupted_checksum",
@@ -277,6 +311,24 @@ fn cases() -> Vec<Case> {
                 ("truncated".into(), truncated, "malformed"),
                 ("garbage".into(), vec![0xff; 40], "malformed"),
                 ("short_payload".into(), short[0].clone(), "malformed"),
+            ],
+        },
+        Case {
+            name: "malformed_resume",
+            direction: Direction::ToShard,
+            credits: 8,
+            encodings: vec![Encoding::F32],
+            frames: vec![
+                (
+                    "resume_more_chains".into(),
+                    bad_resumes[0].clone(),
+                    "malformed",
+                ),
+                (
+                    "resume_encoding".into(),
+                    bad_resumes[1].clone(),
+                    "malformed",
+                ),
             ],
         },
         Case {

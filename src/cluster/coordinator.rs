@@ -708,7 +708,10 @@ impl ShardChain {
         for (piece, rows) in frame_pieces(runs, max_rows) {
             let hidden = &mut hidden[rows.start * h..rows.end * h];
             let chains: Vec<Vec<u64>> = if chained {
-                piece.iter().map(|run| self.page_chains(run, page)).collect()
+                piece
+                    .iter()
+                    .map(|run| self.page_chains(run, page))
+                    .collect()
             } else {
                 Vec::new()
             };
@@ -795,15 +798,13 @@ impl ShardChain {
             };
             match link.resume(id, least, &chain[..blocks], deadline) {
                 Ok(again) if again == least => {}
-                Ok(again) => {
-                    return Err(ShardFailure {
-                        shard: self.plan.shards[index].label(),
-                        kind: FailureKind::Protocol(ErrorKind::Internal),
-                        message: format!(
-                            "asked to keep {least} of the {k} positions it had kept, it kept {again}"
-                        ),
-                    })
-                }
+                Ok(again) => return Err(ShardFailure {
+                    shard: self.plan.shards[index].label(),
+                    kind: FailureKind::Protocol(ErrorKind::Internal),
+                    message: format!(
+                        "asked to keep {least} of the {k} positions it had kept, it kept {again}"
+                    ),
+                }),
                 Err(e) => return Err(self.failure(index, &e)),
             }
         }

@@ -154,7 +154,12 @@ impl Keeper {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "a kept session's pages could not be adopted");
-                    let pages: Vec<u32> = rows.iter().flat_map(|r| r.iter()).flatten().copied().collect();
+                    let pages: Vec<u32> = rows
+                        .iter()
+                        .flat_map(|r| r.iter())
+                        .flatten()
+                        .copied()
+                        .collect();
                     let _ = pool.allocator().free_many(&pages);
                 }
             }
@@ -297,10 +302,7 @@ impl Keeper {
         let page = self.page_positions;
         let found = match held {
             Some(kv) => Some((kv, self.held.remove(&key))),
-            None => self
-                .detached
-                .remove(&key.1)
-                .map(|d| (d.kv, Some(d.kept))),
+            None => self.detached.remove(&key.1).map(|d| (d.kv, Some(d.kept))),
         };
         let Some((mut kv, kept)) = found else {
             return (None, 0);

@@ -111,7 +111,11 @@ pub fn take_back(pool: &mut KvPool, sessions: &mut [Recovered]) -> Result<TakenB
     let chains: Vec<Vec<u64>> = sessions
         .iter()
         .map(|session| match session.history.len().checked_sub(1) {
-            Some(last) => chain(&session.history, page, (last / page).min(session.hints.len())),
+            Some(last) => chain(
+                &session.history,
+                page,
+                (last / page).min(session.hints.len()),
+            ),
             None => Vec::new(),
         })
         .collect();

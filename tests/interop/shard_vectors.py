@@ -7,8 +7,9 @@ For every frame in tests/vectors/shard/manifest.json it checks, on its own:
 frames expected to pass parse, carry the manifest's epochs, number 1, 2, 3
 ... in their stream, have a payload whose CRC32C (computed here) matches the
 header and whose length is what the runs and encoding say; frames expected
-to be refused as `checksum`, `malformed` (unparseable), `stale_epoch` or
-`too_large` are seen to be bad for that reason. Every good frame also
+to be refused as `checksum`, `malformed` (unparseable, or a resume naming
+more page chains than positions or an encoding not agreed), `stale_epoch`
+or `too_large` are seen to be bad for that reason. Every good frame also
 survives a Python encode/decode round trip (the bytes may differ: the Rust
 encoder writes the oneof body after the payload field).
 
@@ -79,6 +80,16 @@ def main():
                     failures.append(f"{name}: CRC32C mismatch")
                 if not epochs_ok:
                     failures.append(f"{name}: epochs differ from the manifest")
+                if frame.WhichOneof("body") == "resume":
+                    resume = frame.resume
+                    agreed = [getattr(pb, "ENCODING_" + e.upper()) for e in case["encodings"]]
+                    sound = (len(resume.page_chains) <= resume.length
+                             and resume.encoding in agreed
+                             and len(resume.session_id) == 16)
+                    if sound != (expect == "ok"):
+                        failures.append(f"{name}: a resume of {resume.length} positions, "
+                                        f"{len(resume.page_chains)} chains, encoding "
+                                        f"{resume.encoding}: expected {expect}")
                 if expect == "ok":
                     if header.sequence != expected_sequence:
                         failures.append(f"{name}: sequence {header.sequence}, expected {expected_sequence}")
