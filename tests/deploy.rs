@@ -686,7 +686,11 @@ fn a_split_model_runs_from_the_shipped_service_files() {
     // The shard unit's environment, twice (two hosts' halves), the relay's
     // in front of the second, as the files ship apart from addresses and
     // the model's place.
-    let shard_env = |layers: &str| {
+    let states: Vec<tempfile::TempDir> = (0..3)
+        .map(|_| tempfile::tempdir().expect("tempdir"))
+        .collect();
+    let state = |i: usize| states[i].path().display().to_string();
+    let shard_env = |layers: &str, state: &str| {
         env_with(
             SHARD_ENV,
             &[
@@ -694,11 +698,12 @@ fn a_split_model_runs_from_the_shipped_service_files() {
                 ("INFERD_SHARD_LAYERS", layers),
                 ("INFERD_SHARD_LISTEN", "127.0.0.1:0"),
                 ("INFERD_SHARD_KV_MIB", "32"),
+                ("INFERD_SHARD_STATE_DIR", state),
             ],
         )
     };
-    let first = support::Inferd::start_full(&[], &["shard"], &shard_env("0..15"));
-    let second = support::Inferd::start_full(&[], &["shard"], &shard_env("15..30"));
+    let first = support::Inferd::start_full(&[], &["shard"], &shard_env("0..15", &state(0)));
+    let second = support::Inferd::start_full(&[], &["shard"], &shard_env("15..30", &state(1)));
     let relay = support::Inferd::start_full(
         &[],
         &["relay"],
@@ -713,10 +718,12 @@ fn a_split_model_runs_from_the_shipped_service_files() {
     // The plists run the same commands: the shard plist's arguments, with
     // its model and address swapped, make a shard that listens too.
     let mut plist_args = plist_program_arguments(&plist_dict_of(SHARD_PLIST));
+    let plist_state = state(2);
     for (flag, value) in [
         ("--model", model.as_str()),
         ("--listen", "127.0.0.1:0"),
         ("--kv-mib", "32"),
+        ("--state-dir", plist_state.as_str()),
     ] {
         let at = plist_args
             .iter()

@@ -722,22 +722,30 @@ fn next_turn_like_one_host(client: &Client, one_host: &Client, id: &str, history
 }
 
 #[test]
-fn a_shard_restarted_with_its_state_dir_takes_its_pages_back_and_verifies_them() {
+fn shards_with_a_state_dir_keep_their_pages_across_their_restart_and_the_coordinators() {
     if !have_reference() {
         return;
     }
     let reference = serve(&[]);
     let one_host = Client::connect(&reference.addr);
-    let dirs: Vec<tempfile::TempDir> = (0..2)
+    let dirs: Vec<tempfile::TempDir> = (0..3)
         .map(|_| tempfile::tempdir().expect("temp dir"))
         .collect();
     let dir = |i: usize| dirs[i].path().to_str().expect("utf-8 path").to_owned();
-    let (first_dir, second_dir) = (dir(0), dir(1));
+    let (first_dir, second_dir, coordinator_dir) = (dir(0), dir(1), dir(2));
     let _first = kept_shard("0..15", "127.0.0.1:0", &first_dir);
     let mut second = kept_shard("15..30", "127.0.0.1:0", &second_dir);
     let second_listen = second.addr.clone();
     let list = format!("{},{}", _first.addr, second_listen);
-    let coordinator = serve(&["--shards", &list, "--metrics-listen", "127.0.0.1:0"]);
+    let coordinator_args = [
+        "--shards",
+        &list,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        &coordinator_dir,
+    ];
+    let mut coordinator = serve(&coordinator_args);
     let metrics = coordinator.metrics.clone().expect("metrics address");
     let client = Client::connect(&coordinator.addr);
 
@@ -778,6 +786,26 @@ fn a_shard_restarted_with_its_state_dir_takes_its_pages_back_and_verifies_them()
         fed - before.0 >= (length - 16) as f64,
         "the history was fed again: {} of {length}",
         fed - before.0
+    );
+
+    // The coordinator killed and started again on its state dir restores
+    // the session from its journal; the shards kept its pages for the
+    // coordinator's successor, so the restore feeds only the positions
+    // after the last full page before the history's last token.
+    coordinator.kill();
+    let coordinator = serve(&coordinator_args);
+    let metrics = coordinator.metrics.clone().expect("metrics address");
+    let client = Client::connect(&coordinator.addr);
+    let length = history.len();
+    next_turn_like_one_host(&client, &one_host, &id, &mut history);
+    let (fed, kept) = rebuild_counts(&metrics);
+    let resumed = ((length - 1) / 16 * 16) as f64;
+    assert_eq!(kept, resumed, "of {length}");
+    assert_eq!(fed, 0.0, "a restore is no rebuild");
+    // And the restore did not feed them.
+    assert_eq!(
+        sample(&scrape(&metrics), "inferd_restore_kept_tokens_total"),
+        Some(resumed)
     );
     client.close(&id).expect("close");
 }

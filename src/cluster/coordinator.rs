@@ -671,6 +671,41 @@ impl ShardChain {
         }
     }
 
+    /// For a session the coordinator restored from its journal: when every
+    /// shard keeps pages, has each keep what matches `history` without its
+    /// last token (which is fed again for its logits), and returns the
+    /// positions every shard now holds; 0 when a shard keeps no pages or
+    /// cannot be reached (the whole history is then fed as before).
+    pub fn resume(&mut self, id: WireSessionId, history: &[u32]) -> usize {
+        let Some(head) = history.len().checked_sub(1) else {
+            return 0;
+        };
+        if self.connect_all().is_err() || !self.keeping_pages().all(|k| k) {
+            return 0;
+        }
+        let deadline = unix_nanos(SystemTime::now() + STEP_DEADLINE);
+        match self.resume_everywhere(id, &history[..head], deadline) {
+            Ok(kept) => {
+                self.held.insert(id, Held::InStep(self.lineage));
+                self.plan
+                    .stats
+                    .resumed_positions
+                    .fetch_add(kept as u64, Ordering::Relaxed);
+                tracing::info!(
+                    kept,
+                    tokens = history.len(),
+                    "restored session resumed on the shards"
+                );
+                kept
+            }
+            Err(failure) => {
+                tracing::warn!(%failure, "resuming a restored session on the shards; feeding it whole");
+                self.held.insert(id, Held::Doubtful);
+                0
+            }
+        }
+    }
+
     /// Tells every shard the sessions' generations were cancelled.
     pub fn cancel(&mut self, sessions: &[WireSessionId]) {
         for index in 0..self.slots.len() {
@@ -798,13 +833,15 @@ impl ShardChain {
             };
             match link.resume(id, least, &chain[..blocks], deadline) {
                 Ok(again) if again == least => {}
-                Ok(again) => return Err(ShardFailure {
-                    shard: self.plan.shards[index].label(),
-                    kind: FailureKind::Protocol(ErrorKind::Internal),
-                    message: format!(
+                Ok(again) => {
+                    return Err(ShardFailure {
+                        shard: self.plan.shards[index].label(),
+                        kind: FailureKind::Protocol(ErrorKind::Internal),
+                        message: format!(
                         "asked to keep {least} of the {k} positions it had kept, it kept {again}"
                     ),
-                }),
+                    })
+                }
                 Err(e) => return Err(self.failure(index, &e)),
             }
         }

@@ -119,6 +119,10 @@ impl StepRunner for ShardRunner {
         self.chain.cancel(&[session.bytes()]);
     }
 
+    fn resume(&mut self, session: SessionId, history: &[u32]) -> usize {
+        self.chain.resume(session.bytes(), history)
+    }
+
     /// Every layer of every committed position, over the shards together.
     fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {
         kv.len() as u64 * self.kv_bytes_per_position

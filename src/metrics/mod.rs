@@ -248,7 +248,7 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     e.single(
         "restore_kept_tokens_total",
         "counter",
-        "Restored history tokens whose KV was taken back from the state directory's page file.",
+        "Restored history tokens not fed again: their KV taken back from the state directory's page file, or kept by shards with a state directory.",
         stats.restore_kept_tokens,
     );
     e.single(

@@ -57,6 +57,15 @@ pub trait StepRunner: Send {
     /// The session's Generate was cancelled by its client.
     fn cancel(&mut self, _session: SessionId) {}
 
+    /// A session restored at start is about to be fed its whole `history`
+    /// again: how many of its first positions the layers still hold (in
+    /// step with it, kept by shards with a state directory), which the
+    /// caller commits instead of feeding. Less than the history, so that
+    /// its last token is fed and its logits computed; 0 by default.
+    fn resume(&mut self, _session: SessionId, _history: &[u32]) -> usize {
+        0
+    }
+
     /// Bytes of K and V the session's committed positions hold, wherever
     /// they are.
     fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {

@@ -101,6 +101,18 @@ impl Worker {
             kv = SessionKv::new(Arc::clone(&self.kv_pool));
         }
         let from_page_file = kv.len();
+        // Layers run by shards may still hold (or have kept on disk) the
+        // history's first positions: those are not fed again.
+        if resident && from_page_file == 0 {
+            let held = self.runner.resume(id, &history);
+            if held > 0 {
+                if let Err(e) = kv.commit(held) {
+                    tracing::error!(session = %id, "committing resumed positions: {e}");
+                    self.runner.release(id);
+                }
+            }
+        }
+        let taken_back = kv.len();
         // A session spilled when the last run ended: what its spill file
         // holds beyond the pages taken back is read back now (resident),
         // or when it is first called (spilled).
@@ -151,11 +163,11 @@ impl Worker {
             slot.expected_digest = journaled_digest;
             slot.active = Some(Active::restore(history[kept..].to_vec()));
         }
-        if from_page_file > 0 {
+        if taken_back > 0 {
             self.shared
                 .counters
                 .restore_kept_tokens
-                .fetch_add(from_page_file as u64, Ordering::Relaxed);
+                .fetch_add(taken_back as u64, Ordering::Relaxed);
         }
         self.add_session(id, slot);
         self.shared
