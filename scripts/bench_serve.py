@@ -33,6 +33,15 @@ Sections (each alternates the binaries given, median of --runs runs):
               second). That append's time with the spilled pages written out
               and read back (the default) against --max-spill-mib 0 (the
               session keeps only its history and is computed again).
+  shards      the model split over two `inferd shard` processes (layers
+              0..15 and 15..30) behind a coordinator, a 4,096-token session
+              (--restore-tokens): the second shard killed (SIGKILL) and
+              started again, then the time of the session's next one-token
+              append (which rebuilds it on the shards), with the shards'
+              --state-dir (pages kept) and without (the history fed again);
+              then the coordinator killed and started on its --state-dir,
+              spawn to the session restored, with and without the shards'
+              state dirs.
 
 The server runs with its defaults (one worker per core) unless --workers is
 given. Stubs are generated from protos/ at run time, as in the interop tests.
@@ -79,14 +88,16 @@ def cpu_line():
 
 
 class Server:
-    """`BIN serve` on a free loopback port, stopped on exit."""
+    """`BIN serve` on a free loopback port (or `cmd` as given), stopped on
+    exit."""
 
-    def __init__(self, binary, model, workers=None, extra=()):
+    def __init__(self, binary, model, workers=None, extra=(), cmd=None):
         self.log = tempfile.NamedTemporaryFile("w+", delete=False)
-        cmd = [binary, "serve", "--model", model, "--listen", "127.0.0.1:0"]
-        if workers:
-            cmd += ["--workers", str(workers)]
-        cmd += list(extra)
+        if cmd is None:
+            cmd = [binary, "serve", "--model", model, "--listen", "127.0.0.1:0"]
+            if workers:
+                cmd += ["--workers", str(workers)]
+            cmd += list(extra)
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.DEVNULL)
         self.addr = None
@@ -397,6 +408,93 @@ def restore(args, pb, rpc):
           f"| {p / max(r - s0, 1e-9):.2f} |")
 
 
+def shard(binary, model, layers, listen, state):
+    """`BIN shard` for `layers` on `listen`, its pages in `state` if given."""
+    cmd = [binary, "shard", "--model", model, "--layers", layers, "--listen", listen,
+           "--kv-mib", "256"]
+    if state:
+        cmd += ["--state-dir", state]
+    return Server(binary, model, cmd=cmd)
+
+
+def kill(srv):
+    srv.proc.kill()
+    srv.proc.wait()
+    srv.stop()
+
+
+def until_served(call):
+    """Calls `call` until it is not refused as UNAVAILABLE (a shard that is
+    back is found at the coordinator's next connect)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+
+
+def shards(args, pb, rpc):
+    b = args.binaries[0]
+    n = args.restore_tokens
+    modes = [("pages kept (--state-dir)", True), ("fed again (no state dir)", False)]
+    rebuild = {m: [] for m, _ in modes}
+    restore = {m: [] for m, _ in modes}
+    cold = []
+    digests = set()
+    for _ in range(args.runs):
+        for mode, kept in modes:
+            dirs = [tempfile.mkdtemp(prefix="inferd-shard-") if kept else None
+                    for _ in range(2)]
+            first = shard(b, args.model, "0..15", "127.0.0.1:0", dirs[0])
+            second = shard(b, args.model, "15..30", "127.0.0.1:0", dirs[1])
+            listen = second.addr
+            state = tempfile.mkdtemp(prefix="inferd-state-")
+            flags = ["--shards", f"{first.addr},{second.addr}", "--state-dir", state]
+            srv = Server(b, args.model, args.workers, flags)
+            channel, client = connect(srv.addr, pb, rpc)
+            sid = client.create(label="shards").session_id
+            t0 = time.monotonic()
+            client.append(sid, prompt_ids(n, salt=7))
+            cold.append(time.monotonic() - t0)
+            # The second shard dies and comes back on the same address.
+            kill(second)
+            second = shard(b, args.model, "15..30", listen, dirs[1])
+            t0 = time.monotonic()
+            until_served(lambda: client.append(sid, [1234]))
+            rebuild[mode].append(time.monotonic() - t0)
+            digests.add(client.info(sid).logits_digest)
+            channel.close()
+            # The coordinator dies and comes back on its state directory.
+            kill(srv)
+            srv = Server(b, args.model, args.workers, flags)
+            channel = grpc.insecure_channel(srv.addr)
+            stub = rpc.RuntimeServiceStub(channel)
+            while True:
+                info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid),
+                                           timeout=600, wait_for_ready=True)
+                if not info.busy:
+                    break
+                time.sleep(0.001)
+            restore[mode].append(time.monotonic() - srv.started)
+            digests.add(info.logits_digest)
+            channel.close()
+            for p in (srv, first, second):
+                p.stop()
+    assert len(digests) == 1, f"the rebuilt sessions' logits differ: {digests}"
+    print(f"
+a {n}-token session over two shards, {b}, median of {args.runs} "
+          f"(its cold prefill through the shards: {statistics.median(cold):.2f} s)")
+    print("| shards | next append after a shard's SIGKILL and restart, s "
+          "| coordinator SIGKILL: spawn to restored, s |")
+    print("|---|---|---|")
+    for mode, _ in modes:
+        print(f"| {mode} | {statistics.median(rebuild[mode]):.3f} "
+              f"| {statistics.median(restore[mode]):.2f} |")
+
+
 def spill(args, pb, rpc):
     b = args.binaries[0]
     n = args.restore_tokens
@@ -493,7 +591,8 @@ def main():
     ap.add_argument("binaries", nargs="+", help="inferd binaries to compare")
     ap.add_argument("--model", default=str(REPO / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--only", choices=["single", "concurrent", "coldstart", "soak",
-                                       "durability", "prefix", "restore", "spill"],
+                                       "durability", "prefix", "restore", "spill",
+                                       "shards"],
                     action="append")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", type=int)

@@ -159,19 +159,9 @@ impl StateDir {
     pub fn open(dir: &Path, identity: Identity) -> Result<(StateDir, Opened), KeptError> {
         std::fs::create_dir_all(dir).map_err(io_error(dir))?;
         let lock_path = dir.join("lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io_error(&lock_path))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(KeptError::Locked(dir.display().to_string()))
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io_error(&lock_path)(e)),
-        }
+        let lock = crate::durable::lock_directory(dir)
+            .map_err(io_error(&lock_path))?
+            .ok_or_else(|| KeptError::Locked(dir.display().to_string()))?;
         let log_path = dir.join("pages.log");
         let opened = match std::fs::read(&log_path) {
             Ok(bytes) => replay(&bytes, &identity),

@@ -18,3 +18,19 @@ mod store;
 pub use store::{
     Durability, JournalFile, Recovered, Refused, SessionStore, StoreError, BATCH_WINDOW,
 };
+
+/// Locks `dir/lock` for as long as the returned file lives, so that one
+/// process at a time writes the directory: `Ok(None)` when another holds
+/// it.
+pub fn lock_directory(dir: &std::path::Path) -> std::io::Result<Option<std::fs::File>> {
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("lock"))?;
+    match lock.try_lock() {
+        Ok(()) => Ok(Some(lock)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
+}

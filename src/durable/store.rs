@@ -249,19 +249,9 @@ impl SessionStore {
         let spill = dir.join("spill");
         std::fs::create_dir_all(&spill).map_err(io_error(&spill))?;
         let lock_path = dir.join("lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io_error(&lock_path))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(StoreError::Locked(dir.display().to_string()))
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io_error(&lock_path)(e)),
-        }
+        let lock = super::lock_directory(dir)
+            .map_err(io_error(&lock_path))?
+            .ok_or_else(|| StoreError::Locked(dir.display().to_string()))?;
         let flusher = (durability == Durability::Batch).then(|| {
             Arc::new(Flusher {
                 pending: Mutex::new((Vec::new(), false)),
