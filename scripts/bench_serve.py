@@ -484,8 +484,7 @@ def shards(args, pb, rpc):
             for p in (srv, first, second):
                 p.stop()
     assert len(digests) == 1, f"the rebuilt sessions' logits differ: {digests}"
-    print(f"
-a {n}-token session over two shards, {b}, median of {args.runs} "
+    print(f"\na {n}-token session over two shards, {b}, median of {args.runs} "
           f"(its cold prefill through the shards: {statistics.median(cold):.2f} s)")
     print("| shards | next append after a shard's SIGKILL and restart, s "
           "| coordinator SIGKILL: spawn to restored, s |")
