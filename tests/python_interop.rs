@@ -50,38 +50,6 @@ impl Drop for ServerGuard {
     }
 }
 
-/// The virtualenv's python, made by scripts/python-env; None (after saying
-/// so loudly) when this machine has no python3 at all.
-fn python_env() -> Option<PathBuf> {
-    let has_python = Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_python {
-        eprintln!(
-            "SKIPPED (LOUDLY): python3 is not installed, so the stock-client interop test \
-             did not run; scripts/setup installs it"
-        );
-        return None;
-    }
-    let out = Command::new("scripts/python-env")
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run scripts/python-env");
-    assert!(
-        out.status.success(),
-        "scripts/python-env failed (exit {:?}); it needs pip access to PyPI the first time",
-        out.status.code()
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let python = PathBuf::from(stdout.lines().next_back().unwrap_or_default().trim());
-    assert!(
-        python.is_file(),
-        "scripts/python-env printed {python:?}, which is not a file"
-    );
-    Some(python)
-}
-
 /// Starts `inferd serve` on a free loopback port and returns it with the
 /// address from its `listening on ADDR` line.
 fn start_server(log_dir: &Path, extra: &[&str]) -> (ServerGuard, String) {
@@ -162,7 +130,7 @@ fn drive_with_python(extra: &[&str]) {
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
         return;
     }
-    let Some(python) = python_env() else {
+    let Some(python) = support::python_env() else {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -200,7 +168,7 @@ fn a_stock_python_clients_session_survives_a_sigkill_and_restart_of_the_server()
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
         return;
     }
-    let Some(python) = python_env() else {
+    let Some(python) = support::python_env() else {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -265,7 +233,7 @@ fn stops_gracefully_on_sigterm(mut server: ServerGuard) {
 /// from the same schema (`tests/interop/shard_vectors.py`).
 #[test]
 fn python_stubs_from_the_shard_schema_decode_the_golden_frames() {
-    let Some(python) = python_env() else {
+    let Some(python) = support::python_env() else {
         return;
     };
     let out = Command::new(&python)
@@ -308,7 +276,7 @@ fn python_stubs_from_the_shard_schema_drive_a_real_shard() {
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
         return;
     }
-    let Some(python) = python_env() else {
+    let Some(python) = support::python_env() else {
         return;
     };
     let mut shard = Command::new(env!("CARGO_BIN_EXE_inferd"))

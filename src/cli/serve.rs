@@ -113,6 +113,12 @@ pub struct ServeArgs {
     /// --listen does.
     #[arg(long, env = "INFERD_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
+    /// Serve the OpenAI-compatible HTTP API (/v1/chat/completions,
+    /// /v1/completions, /v1/models) on ADDR [default: off]. Off loopback it
+    /// needs --auth-token-file (clients send it as their API key) or
+    /// --allow-unauthenticated, as --listen does.
+    #[arg(long, env = "INFERD_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
     /// File holding the access token every call (and every metrics scrape)
     /// must carry as `authorization: Bearer <token>`.
     #[arg(long, env = "INFERD_AUTH_TOKEN_FILE")]
@@ -212,6 +218,7 @@ struct FileConfig {
     overflow: Option<Overflow>,
     overflow_sink: Option<usize>,
     metrics_listen: Option<String>,
+    http_listen: Option<String>,
     auth_token_file: Option<PathBuf>,
     allow_unauthenticated: Option<bool>,
     tls_cert: Option<PathBuf>,
@@ -269,6 +276,7 @@ pub struct Settings {
     pub overflow: Overflow,
     pub overflow_sink: usize,
     pub metrics_listen: Option<String>,
+    pub http_listen: Option<String>,
     pub auth_token_file: Option<PathBuf>,
     pub allow_unauthenticated: bool,
     pub tls: Option<(PathBuf, PathBuf)>,
@@ -381,6 +389,7 @@ impl ServeArgs {
                 .unwrap_or(Overflow::Truncate),
             overflow_sink: self.overflow_sink.or(file.overflow_sink).unwrap_or(4),
             metrics_listen: self.metrics_listen.clone().or(file.metrics_listen),
+            http_listen: self.http_listen.clone().or(file.http_listen),
             auth_token_file: self.auth_token_file.clone().or(file.auth_token_file),
             allow_unauthenticated: self.allow_unauthenticated
                 || file.allow_unauthenticated.unwrap_or(false),
@@ -521,6 +530,11 @@ impl Settings {
         }
         cfg.allow_unauthenticated = self.allow_unauthenticated;
         cfg.metrics_listen = self.metrics_listen.clone();
+        cfg.http_listen = self.http_listen.clone();
+        cfg.model_name = self
+            .model
+            .file_stem()
+            .map_or("inferd".into(), |s| s.to_string_lossy().into_owned());
         if let Some(path) = &self.auth_token_file {
             let token = String::from_utf8(read_file("auth token file", path)?).map_err(|_| {
                 CliError::Usage(format!("auth token file {}: not UTF-8", path.display()))
@@ -649,6 +663,9 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         writeln!(out, "listening on {}", server.addr())?;
         if let Some(addr) = server.metrics_addr() {
             writeln!(out, "metrics on {addr}")?;
+        }
+        if let Some(addr) = server.http_addr() {
+            writeln!(out, "http on {addr}")?;
         }
         out.flush()?;
     }

@@ -195,6 +195,9 @@ pub struct AppendReply {
     pub history_length: u64,
     /// Tokens dropped by the truncate overflow policy (0 normally).
     pub dropped_token_count: u64,
+    /// Of the appended tokens, those whose KV was mapped from pages other
+    /// sessions (or the prefix cache) held instead of computed.
+    pub reused_token_count: u64,
 }
 
 /// ForkSession: a new session on the source's worker holding the source's

@@ -14,6 +14,7 @@ mod auth;
 mod convert;
 mod deadline;
 mod health;
+pub mod http;
 mod service;
 mod stats;
 mod wire;
@@ -73,6 +74,11 @@ pub struct ServeConfig {
     /// it as `Authorization: Bearer <token>`) or `allow_unauthenticated`,
     /// exactly as `listen` does.
     pub metrics_listen: Option<String>,
+    /// Serve the OpenAI-compatible HTTP API on this address (port 0: any
+    /// free port), under the same rules as `listen`.
+    pub http_listen: Option<String>,
+    /// The model's name as the HTTP API's `/v1/models` lists it.
+    pub model_name: String,
 }
 
 impl ServeConfig {
@@ -86,6 +92,8 @@ impl ServeConfig {
             tls: None,
             completion_queues: default_completion_queues(),
             metrics_listen: None,
+            http_listen: None,
+            model_name: "inferd".into(),
         }
     }
 
@@ -104,6 +112,11 @@ impl ServeConfig {
         if let Some(metrics) = &self.metrics_listen {
             if open && !is_loopback(metrics) {
                 return Err(ServeError::OpenMetricsListen(metrics.clone()));
+            }
+        }
+        if let Some(http) = &self.http_listen {
+            if open && !is_loopback(http) {
+                return Err(ServeError::OpenListen(http.clone()));
             }
         }
         Ok(())
@@ -145,6 +158,12 @@ pub enum ServeError {
     /// The metrics endpoint could not be bound.
     #[error("{0}")]
     Metrics(std::io::Error),
+    /// The HTTP front door could not be bound.
+    #[error("cannot serve HTTP on {addr}: {source}")]
+    Http {
+        addr: String,
+        source: std::io::Error,
+    },
     /// The one-token warm-up forward failed, so the server never turned SERVING.
     #[error("warm-up forward failed: {0}")]
     Warmup(RuntimeError),
@@ -153,7 +172,8 @@ pub enum ServeError {
 /// A running server. Dropping it stops it at once; [`Server::shutdown`]
 /// drains first.
 pub struct Server {
-    // Declared first so it is dropped first: it reads the runtime.
+    // Declared first so they are dropped first: they read the runtime.
+    http: Option<http::HttpServer>,
     metrics: Option<MetricsEndpoint>,
     grpc: Option<grpcio::Server>,
     shared: Option<Arc<ServiceState>>,
@@ -179,6 +199,7 @@ impl Server {
         let vocab = u32::try_from(model.config.vocab).unwrap_or(u32::MAX);
         let context = model.config.context as u64;
         let warmup_token = warmup_token(&model);
+        let for_http = Arc::clone(&model);
         let runtime = Runtime::start(model, cfg.runtime.clone())?;
         let page_bytes = runtime.kv_page_bytes();
         let stats = Arc::new(ServerStats::default());
@@ -241,6 +262,25 @@ impl Server {
             ),
             None => None,
         };
+        let http = match &cfg.http_listen {
+            Some(listen) => Some(
+                http_front(&shared, &for_http, &cfg.model_name)
+                    .and_then(|front| {
+                        http::HttpServer::start(
+                            front,
+                            listen,
+                            cfg.auth_token
+                                .as_deref()
+                                .map(|token| auth::http_bearer_check(token.trim())),
+                        )
+                    })
+                    .map_err(|source| ServeError::Http {
+                        addr: listen.clone(),
+                        source,
+                    })?,
+            ),
+            None => None,
+        };
         health.set(ServingStatus::SERVING);
         tracing::info!(
             %addr,
@@ -250,6 +290,7 @@ impl Server {
             "serving kakeya.v1.RuntimeService"
         );
         Ok(Server {
+            http,
             metrics,
             grpc: Some(grpc),
             shared: Some(shared),
@@ -262,6 +303,11 @@ impl Server {
     /// The address actually bound (the real port when 0 was asked).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where the OpenAI-compatible HTTP API is served, when it is.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(http::HttpServer::addr)
     }
 
     /// Where the Prometheus metrics are served, when they are.
@@ -298,6 +344,10 @@ impl Server {
             shared.runtime.drain();
         }
         let mut drained = true;
+        if let Some(http) = self.http.take() {
+            drained &= http.shutdown(drain);
+        }
+        let drain = drain.saturating_sub(began.elapsed());
         if let Some(mut grpc) = self.grpc.take() {
             // The C core stops accepting at once and completes the future
             // when the last call in flight is over.
@@ -385,6 +435,44 @@ fn metrics_renderer(shared: &Arc<ServiceState>, health: &Arc<HealthState>) -> Re
             sampler_adapter: sampler.adapter().unwrap_or_default(),
         };
         metrics::render(&shared.runtime.stats(), &numbers)
+    })
+}
+
+/// What the HTTP front door's handlers read: the runtime, the model's
+/// tokenizer and chat template (a template that does not parse leaves
+/// `/v1/chat/completions` refusing, with the reason logged).
+fn http_front(
+    shared: &Arc<ServiceState>,
+    model: &Model,
+    model_name: &str,
+) -> std::io::Result<http::Front> {
+    let tokenizer = crate::tokenizer::Tokenizer::from_gguf(model.gguf())
+        .map_err(|e| std::io::Error::other(format!("the model's tokenizer: {e}")))?;
+    let text_of = |id: Option<u32>| {
+        id.and_then(|i| tokenizer.token_text(i))
+            .unwrap_or("")
+            .to_owned()
+    };
+    let template = tokenizer.chat_template().and_then(|source| {
+        crate::chat_template::ChatTemplate::new(
+            source,
+            &text_of(tokenizer.bos()),
+            &text_of(tokenizer.eos()),
+        )
+        .map_err(|e| tracing::warn!(error = %e, "the model's chat template does not parse"))
+        .ok()
+    });
+    Ok(http::Front {
+        state: Arc::clone(shared),
+        eos: tokenizer.eog_tokens().to_vec(),
+        tokenizer,
+        template,
+        model_id: model_name.to_owned(),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        vocab: model.config.vocab,
+        context: model.config.context,
     })
 }
 

@@ -64,6 +64,8 @@ pub struct Inferd {
     pub addr: String,
     /// What it printed after `metrics on `, if anything.
     pub metrics: Option<String>,
+    /// What it printed after `http on `, if anything.
+    pub http: Option<String>,
 }
 
 impl Inferd {
@@ -107,12 +109,17 @@ impl Inferd {
             }
         });
         let wants_metrics = args.contains(&"--metrics-listen");
+        let wants_http = args.contains(&"--http-listen");
         let mut process = Inferd {
             child: Some(child),
             addr: String::new(),
             metrics: None,
+            http: None,
         };
-        while process.addr.is_empty() || (wants_metrics && process.metrics.is_none()) {
+        while process.addr.is_empty()
+            || (wants_metrics && process.metrics.is_none())
+            || (wants_http && process.http.is_none())
+        {
             let line = rx
                 .recv_timeout(Duration::from_secs(90))
                 .unwrap_or_else(|_| panic!("inferd {args:?} never said where it listens"));
@@ -120,6 +127,8 @@ impl Inferd {
                 process.addr = addr.to_owned();
             } else if let Some(addr) = line.strip_prefix("metrics on ") {
                 process.metrics = Some(addr.to_owned());
+            } else if let Some(addr) = line.strip_prefix("http on ") {
+                process.http = Some(addr.to_owned());
             }
         }
         process
@@ -437,4 +446,36 @@ pub fn vocabs_required() -> bool {
     ["CI", "INFERD_REQUIRE_VOCABS"]
         .iter()
         .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// The virtualenv's python, made by scripts/python-env; None (after saying
+/// so loudly) when this machine has no python3 at all.
+pub fn python_env() -> Option<std::path::PathBuf> {
+    let has_python = std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_python {
+        eprintln!(
+            "SKIPPED (LOUDLY): python3 is not installed, so the stock-client interop test \
+             did not run; scripts/setup installs it"
+        );
+        return None;
+    }
+    let out = std::process::Command::new("scripts/python-env")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run scripts/python-env");
+    assert!(
+        out.status.success(),
+        "scripts/python-env failed (exit {:?}); it needs pip access to PyPI the first time",
+        out.status.code()
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let python = std::path::PathBuf::from(stdout.lines().next_back().unwrap_or_default().trim());
+    assert!(
+        python.is_file(),
+        "scripts/python-env printed {python:?}, which is not a file"
+    );
+    Some(python)
 }

@@ -394,12 +394,14 @@ impl Worker {
                     let _ = reply.send(Ok(AppendReply {
                         history_length: len as u64,
                         dropped_token_count: 0,
+                        reused_token_count: 0,
                     }));
                     None
                 }
                 Ok(Begin::Prefill {
                     pending,
                     dropped,
+                    reused,
                     undo,
                 }) => {
                     if let Some(slot) = self.sessions.get_mut(&id) {
@@ -407,6 +409,7 @@ impl Worker {
                             work: Work::Append {
                                 reply,
                                 dropped,
+                                reused,
                                 deadline,
                             },
                             pending,
@@ -497,6 +500,7 @@ impl Worker {
             return Ok(Begin::Prefill {
                 pending: tokens[mapped..].to_vec(),
                 dropped: 0,
+                reused: mapped as u64,
                 undo: Undo {
                     kind: UndoKind::Shorten(len),
                     next_logits: slot.next_logits.clone(),
@@ -523,6 +527,7 @@ impl Worker {
                 Begin::Prefill {
                     pending: kept,
                     dropped,
+                    reused: 0,
                     undo,
                 }
             }

@@ -236,10 +236,16 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, shared: &WorkersState, worke
             let work = slot.active.take().map(|active| active.work);
             announce_idle(slot, shared, worker);
             match work {
-                Some(Work::Append { reply, dropped, .. }) => {
+                Some(Work::Append {
+                    reply,
+                    dropped,
+                    reused,
+                    ..
+                }) => {
                     let _ = reply.send(Ok(AppendReply {
                         history_length,
                         dropped_token_count: dropped,
+                        reused_token_count: reused,
                     }));
                 }
                 Some(Work::Fork { fork, reply }) => {

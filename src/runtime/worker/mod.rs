@@ -236,6 +236,7 @@ enum Work {
     Append {
         reply: Reply<AppendReply>,
         dropped: u64,
+        reused: u64,
         /// Checked before every chunk: past it the append is undone.
         deadline: Option<Instant>,
     },
@@ -301,6 +302,8 @@ enum Begin {
     Prefill {
         pending: Vec<u32>,
         dropped: u64,
+        /// Tokens mapped from shared pages rather than fed.
+        reused: u64,
         undo: Undo,
     },
     /// Waiting for another worker to evict; nothing changed.

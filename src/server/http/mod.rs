@@ -1,0 +1,171 @@
+//! The OpenAI-compatible HTTP front door (`inferd serve --http-listen
+//! ADDR`): the same runtime as the gRPC service, in the same process, over
+//! HTTP/1.1 with axum (hyper) on a small tokio runtime of its own, whose
+//! threads only parse, tokenize and stream; the forward passes stay on the
+//! runtime's workers.
+//!
+//! The listen rules are the gRPC service's: loopback unless a bearer token
+//! is configured (then every request must send `Authorization: Bearer
+//! <token>`, else 401) or the server is declared open. Bodies are bounded
+//! ([`MAX_BODY_BYTES`]); an unknown path is a 404 in OpenAI's error shape.
+
+mod completion;
+mod handlers;
+pub mod openai;
+pub mod stop_text;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+use super::service::ServiceState;
+use crate::chat_template::ChatTemplate;
+use crate::metrics::Authorize;
+use crate::tokenizer::Tokenizer;
+use openai::ApiError;
+
+/// Largest request body (a long conversation, as JSON).
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+/// Threads of the HTTP runtime: parsing and streaming only.
+const HTTP_THREADS: usize = 2;
+
+/// What every handler reads.
+pub(crate) struct Front {
+    pub state: Arc<ServiceState>,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    /// The name `/v1/models` lists (the model file's stem). Requests may
+    /// name any model: this server runs one.
+    pub model_id: String,
+    /// When the server started (Unix seconds), as `/v1/models` reports.
+    pub created: u64,
+    /// Ids that end a generation (the vocabulary's end-of-generation set).
+    pub eos: Vec<u32>,
+    pub vocab: usize,
+    pub context: usize,
+}
+
+/// The running front door; dropping it stops it at once.
+pub struct HttpServer {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    done: crossbeam_channel::Receiver<()>,
+}
+
+impl HttpServer {
+    /// Binds `listen` and serves on a thread of its own.
+    pub(crate) fn start(
+        front: Front,
+        listen: &str,
+        authorize: Option<Authorize>,
+    ) -> std::io::Result<HttpServer> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(HTTP_THREADS)
+            .thread_name("inferd-http")
+            .enable_all()
+            .build()?;
+        let listener = runtime.block_on(tokio::net::TcpListener::bind(listen))?;
+        let addr = listener.local_addr()?;
+        let app = router(Arc::new(front), authorize);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        let thread = std::thread::Builder::new()
+            .name("inferd-http".into())
+            .spawn(move || {
+                let served = runtime.block_on(async move {
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(async move {
+                            let _ = stopped.await;
+                        })
+                        .await
+                });
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "the HTTP front door stopped");
+                }
+                let _ = done_tx.send(());
+                // Streams still open past the drain are cut here.
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })?;
+        tracing::info!(%addr, "serving the OpenAI-compatible HTTP API");
+        Ok(HttpServer {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+            done,
+        })
+    }
+
+    /// The address bound (the real port when 0 was asked).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, lets open requests finish for up to `drain`, then
+    /// cuts what is left. Returns whether every request finished.
+    pub fn shutdown(mut self, drain: Duration) -> bool {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let drained = self.done.recv_timeout(drain).is_ok();
+        self.join();
+        drained
+    }
+
+    fn join(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(handlers::chat))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/models", get(handlers::models))
+        .fallback(unknown_path)
+        .with_state(front)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(authorize, check_token))
+}
+
+async fn unknown_path(request: Request) -> Response {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+    .into_response()
+}
+
+/// With a token configured, every request must carry it.
+async fn check_token(
+    State(authorize): State<Option<Authorize>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(authorize) = &authorize {
+        let given = request.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
+        if !authorize(given) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}

@@ -1,0 +1,340 @@
+//! The OpenAI-style wire shapes the HTTP front door reads and writes
+//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), and its
+//! errors in OpenAI's error shape with the HTTP status each one means.
+//!
+//! Fields a request may carry that inferd does not act on (`user`,
+//! `stream_options` beyond `include_usage`, `response_format` "text", ...)
+//! are accepted and ignored, as other OpenAI-compatible servers do; every
+//! field it acts on is checked, and a value it cannot honour (`n` other
+//! than 1, a penalty out of range, a logit bias for a token outside the
+//! vocabulary) is a 400 naming the field.
+
+use std::collections::BTreeMap;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+use crate::runtime::{RuntimeError, StatusKind};
+
+/// Most messages one chat request may carry.
+pub const MAX_MESSAGES: usize = 1024;
+/// Most entries of `logit_bias` (as OpenAI allows).
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// Most `top_logprobs` (as OpenAI allows).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A message's content: a string, or text parts.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+impl Content {
+    /// The text of the message: its string, or its text parts joined. An
+    /// image or audio part is refused (the model reads text only).
+    pub fn text(&self) -> Result<String, ApiError> {
+        match self {
+            Content::Text(text) => Ok(text.clone()),
+            Content::Parts(parts) => parts
+                .iter()
+                .map(|p| match (p.kind.as_str(), &p.text) {
+                    ("text", Some(text)) => Ok(text.as_str()),
+                    (kind, _) => Err(ApiError::invalid(
+                        "messages",
+                        format!("a content part of type {kind:?}: this model reads text only"),
+                    )),
+                })
+                .collect::<Result<Vec<&str>, _>>()
+                .map(|texts| texts.concat()),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// `stop`: one string or several.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn strings(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// What both endpoints take to sample.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Sampling {
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default)]
+    pub logprobs: bool,
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// `prompt`: text, or token ids (one prompt only).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    /// Legacy: how many top log-probabilities to report per token.
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PromptDetails {
+    pub cached_tokens: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+    pub prompt_tokens_details: PromptDetails,
+}
+
+impl Usage {
+    pub fn new(prompt: u64, completion: u64, cached: u64) -> Usage {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: PromptDetails {
+                cached_tokens: cached,
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChoiceLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+/// Why a choice ended, as OpenAI names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+}
+
+/// An error in OpenAI's shape, with its HTTP status.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A request the server will not run as it is (400).
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: Some(param),
+            code: None,
+        }
+    }
+
+    /// A body that is not the JSON this endpoint reads (400).
+    pub fn bad_body(message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: None,
+            ..ApiError::invalid("", message)
+        }
+    }
+
+    /// No or a wrong bearer token (401).
+    pub fn unauthorized() -> ApiError {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            kind: "invalid_request_error",
+            message: "a valid `Authorization: Bearer <token>` header is required".into(),
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    /// A path or method this server does not serve (404).
+    pub fn not_found(what: String) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            message: what,
+            param: None,
+            code: Some("not_found"),
+        }
+    }
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> ApiError {
+        let (status, kind, code) = match e.code() {
+            StatusKind::InvalidArgument => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("invalid_value"),
+            ),
+            StatusKind::NotFound => (StatusCode::NOT_FOUND, "invalid_request_error", None),
+            StatusKind::ResourceExhausted => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("resources_exhausted"),
+            ),
+            StatusKind::DeadlineExceeded => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout_error",
+                Some("timeout"),
+            ),
+            StatusKind::Unavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("unavailable"),
+            ),
+            StatusKind::FailedPrecondition
+            | StatusKind::Internal
+            | StatusKind::DataLoss
+            | StatusKind::Aborted => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        ApiError {
+            status,
+            kind,
+            message: e.to_string(),
+            param: None,
+            code,
+        }
+    }
+}
+
+/// `{"error": {...}}`, the body of every error.
+#[derive(Serialize)]
+pub struct ErrorBody<'a> {
+    pub error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+pub struct ErrorDetail<'a> {
+    pub message: &'a str,
+    #[serde(rename = "type")]
+    pub kind: &'a str,
+    pub param: Option<&'a str>,
+    pub code: Option<&'a str>,
+}
+
+impl ApiError {
+    pub fn body(&self) -> ErrorBody<'_> {
+        ErrorBody {
+            error: ErrorDetail {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.filter(|p| !p.is_empty()),
+                code: self.code,
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}

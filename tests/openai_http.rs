@@ -1,0 +1,148 @@
+//! The OpenAI-compatible HTTP API of a real `inferd serve --http-listen`,
+//! driven by the official `openai` Python package (in the virtualenv
+//! `scripts/python-env` keeps; `tests/interop/openai_client.py` says what
+//! it checks) and by `curl` reading the server-sent events raw, with and
+//! without a bearer token.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+
+use support::{have_reference, Inferd};
+
+const CLIENT: &str = "tests/interop/openai_client.py";
+
+fn serve(extra: &[&str]) -> Inferd {
+    let mut args = vec![
+        "serve",
+        "--model",
+        support::REFERENCE,
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        "--sampler",
+        "cpu",
+        "--prefix-cache-pages",
+        "256",
+    ];
+    args.extend_from_slice(extra);
+    Inferd::start(&args)
+}
+
+fn run_client(python: &Path, server: &Inferd, token: Option<&str>) {
+    let http = server.http.as_deref().expect("an http address");
+    let mut cmd = Command::new(python);
+    cmd.arg(CLIENT).arg(http).arg(&server.addr);
+    if let Some(token) = token {
+        cmd.arg(token);
+    }
+    let out = cmd
+        .env("PYTHONPATH", "tests/interop")
+        .output()
+        .expect("run the openai client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the openai client failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("checks passed"), "{stdout}");
+    eprintln!("{stdout}");
+}
+
+#[test]
+fn the_openai_python_package_drives_the_http_api() {
+    if !have_reference() {
+        return;
+    }
+    let Some(python) = support::python_env() else {
+        return;
+    };
+    let server = serve(&[]);
+    run_client(&python, &server, None);
+}
+
+#[test]
+fn a_bearer_token_guards_the_http_api() {
+    if !have_reference() {
+        return;
+    }
+    let Some(python) = support::python_env() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token\n").expect("token file");
+    let token_path = token_file.to_str().expect("utf-8");
+    let server = serve(&["--auth-token-file", token_path]);
+    run_client(&python, &server, Some("s3cret-token"));
+}
+
+/// `curl -N` sees `data: {...}` chunks, the usage, then `data: [DONE]`.
+#[test]
+fn curl_reads_the_stream_as_server_sent_events() {
+    if !have_reference() {
+        return;
+    }
+    if Command::new("curl").arg("--version").output().is_err() {
+        eprintln!("SKIPPED (LOUDLY): curl is not installed; scripts/setup installs it");
+        assert!(!support::vocabs_required(), "curl is missing in CI");
+        return;
+    }
+    let server = serve(&[]);
+    let http = server.http.clone().expect("an http address");
+    let body = r#"{"model":"any","messages":[{"role":"user","content":"Say hi."}],
+                  "stream":true,"max_tokens":8,"temperature":0}"#;
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "-N",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ])
+        .arg(format!("http://{http}/v1/chat/completions"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("a JSON chunk"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage = &chunks.last().expect("a usage chunk")["usage"];
+    assert_eq!(
+        usage["completion_tokens"].as_u64().map(|n| n > 0),
+        Some(true)
+    );
+    let finish: Vec<&serde_json::Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .map(|c| &c["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish.len(), 1, "{text}");
+
+    // A malformed body is a 400 in OpenAI's error shape.
+    let out = Command::new("curl")
+        .args(["-sS", "-w", "\n%{http_code}", "-d", "{not json"])
+        .arg(format!("http://{http}/v1/chat/completions"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (body, code) = text.rsplit_once('\n').expect("a status line");
+    assert_eq!(code, "400", "{text}");
+    let error: serde_json::Value = serde_json::from_str(body).expect("JSON");
+    assert_eq!(error["error"]["type"], "invalid_request_error", "{body}");
+}
