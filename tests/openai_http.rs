@@ -26,8 +26,6 @@ fn serve(extra: &[&str]) -> Inferd {
         "2",
         "--sampler",
         "cpu",
-        "--prefix-cache-pages",
-        "256",
     ];
     args.extend_from_slice(extra);
     Inferd::start(&args)

@@ -93,7 +93,9 @@ pub struct ServeArgs {
     /// Shared-prefix pages (16 positions over all layers each) kept after
     /// the last session holding them let go, for the next session whose
     /// history starts the same way; they give way first when the KV cache
-    /// is full [default: 0: pages go back as soon as no session holds them].
+    /// is full [default: a quarter of the KV cache with --http-listen, whose
+    /// requests each run in a session of their own; otherwise 0: pages go
+    /// back as soon as no session holds them].
     #[arg(long, env = "INFERD_PREFIX_CACHE_PAGES")]
     pub prefix_cache_pages: Option<u64>,
     /// Seconds a session may stay idle before it is evicted [default: 1800].
@@ -269,8 +271,9 @@ pub struct Settings {
     pub core_lending: bool,
     pub kv: KvSize,
     pub max_sessions: usize,
-    /// Pages of positions over all layers (`--prefix-cache-pages`).
-    pub prefix_cache_pages: u64,
+    /// Pages of positions over all layers (`--prefix-cache-pages`); `None`:
+    /// the default, which depends on `http_listen`.
+    pub prefix_cache_pages: Option<u64>,
     pub idle_ttl: Duration,
     pub eviction: Eviction,
     pub overflow: Overflow,
@@ -374,10 +377,7 @@ impl ServeArgs {
                 "max-sessions",
                 self.max_sessions.or(file.max_sessions).unwrap_or(1024),
             )?,
-            prefix_cache_pages: self
-                .prefix_cache_pages
-                .or(file.prefix_cache_pages)
-                .unwrap_or(0),
+            prefix_cache_pages: self.prefix_cache_pages.or(file.prefix_cache_pages),
             idle_ttl: seconds(
                 "idle-ttl",
                 self.idle_ttl.or(file.idle_ttl).unwrap_or(1800.0),
@@ -475,6 +475,17 @@ impl Settings {
         Ok(Some(Arc::new(store)))
     }
 
+    /// With the HTTP API, whose stateless requests each run in a session of
+    /// their own, a quarter of the KV cache keeps released prefixes for the
+    /// next turn of a conversation; without it, none.
+    fn default_prefix_cache_pages(&self, kv_bytes: u64, layout: &crate::kv::KvLayout) -> u64 {
+        if self.http_listen.is_none() {
+            return 0;
+        }
+        let page = (layout.page_stride() as u64).saturating_mul(layout.n_layers as u64);
+        kv_bytes / page.max(1) / 4
+    }
+
     /// Opens the files the settings name and builds the server's
     /// configuration for `model`.
     fn serve_config(&self, model: &Model) -> Result<ServeConfig, CliError> {
@@ -503,6 +514,7 @@ impl Settings {
             max_spill_bytes: self.max_spill_bytes,
             prefix_cache_pages: usize::try_from(
                 self.prefix_cache_pages
+                    .unwrap_or_else(|| self.default_prefix_cache_pages(kv_bytes, &layout))
                     .saturating_mul(layout.n_layers as u64),
             )
             .unwrap_or(usize::MAX),
