@@ -91,7 +91,7 @@ fn curl_reads_the_stream_as_server_sent_events() {
         assert!(!support::vocabs_required(), "curl is missing in CI");
         return;
     }
-    let server = serve(&[]);
+    let server = serve(&["--metrics-listen", "127.0.0.1:0"]);
     let http = server.http.clone().expect("an http address");
     let body = r#"{"model":"any","messages":[{"role":"user","content":"Say hi."}],
                   "stream":true,"max_tokens":8,"temperature":0}"#;
@@ -143,4 +143,12 @@ fn curl_reads_the_stream_as_server_sent_events() {
     assert_eq!(code, "400", "{text}");
     let error: serde_json::Value = serde_json::from_str(body).expect("JSON");
     assert_eq!(error["error"]["type"], "invalid_request_error", "{body}");
+
+    // Both requests are counted by route and status.
+    let metrics = support::scrape(server.metrics.as_deref().expect("metrics"));
+    for code in ["200", "400"] {
+        let name =
+            format!("inferd_http_requests_total{{route=\"/v1/chat/completions\",code=\"{code}\"}}");
+        assert_eq!(support::sample(&metrics, &name), Some(1.0), "{metrics}");
+    }
 }

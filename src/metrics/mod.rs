@@ -30,6 +30,8 @@ pub struct RequestCount {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServerNumbers {
     pub requests: Vec<RequestCount>,
+    /// HTTP requests (the OpenAI-compatible API) by route and status.
+    pub http_requests: Vec<RequestCount>,
     /// Server-streaming calls (Generate) in progress.
     pub grpc_active_streams: u64,
     /// Whether the health service answers SERVING.
@@ -297,6 +299,20 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
             r.count,
         );
     }
+    if !server.http_requests.is_empty() {
+        e.family(
+            "http_requests_total",
+            "counter",
+            "HTTP requests of the OpenAI-compatible API answered, by route and status.",
+        );
+        for r in &server.http_requests {
+            e.sample(
+                "http_requests_total",
+                &[("route", &r.method), ("code", &r.code)],
+                r.count,
+            );
+        }
+    }
     e.single(
         "grpc_active_streams",
         "gauge",
@@ -546,6 +562,11 @@ mod tests {
                     count: 2,
                 },
             ],
+            http_requests: vec![RequestCount {
+                method: "/v1/chat/completions".into(),
+                code: "200".into(),
+                count: 4,
+            }],
             grpc_active_streams: 1,
             health_serving: true,
             sampler_backend: "wgpu".into(),

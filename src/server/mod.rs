@@ -118,6 +118,10 @@ impl ServeConfig {
             if open && !is_loopback(http) {
                 return Err(ServeError::OpenListen(http.clone()));
             }
+            // Never plain text where the operator asked for TLS.
+            if self.tls.is_some() {
+                return Err(ServeError::HttpWithoutTls(http.clone()));
+            }
         }
         Ok(())
     }
@@ -158,6 +162,12 @@ pub enum ServeError {
     /// The metrics endpoint could not be bound.
     #[error("{0}")]
     Metrics(std::io::Error),
+    /// TLS is configured, and the HTTP front door does not speak it yet.
+    #[error(
+        "--http-listen {0}: the HTTP API does not serve TLS yet, and TLS is configured; \
+         serve it behind a TLS-terminating proxy on loopback, or without --tls-cert"
+    )]
+    HttpWithoutTls(String),
     /// The HTTP front door could not be bound.
     #[error("cannot serve HTTP on {addr}: {source}")]
     Http {
@@ -427,8 +437,18 @@ fn metrics_renderer(shared: &Arc<ServiceState>, health: &Arc<HealthState>) -> Re
                 count: refused,
             });
         }
+        let http_requests = stats
+            .http_calls()
+            .into_iter()
+            .map(|(route, status, count)| RequestCount {
+                method: route.into(),
+                code: status.to_string(),
+                count,
+            })
+            .collect();
         let numbers = ServerNumbers {
             requests,
+            http_requests,
             grpc_active_streams: stats.active_streams(),
             health_serving: health.status() == ServingStatus::SERVING,
             sampler_backend: sampler.backend_name().into(),

@@ -72,12 +72,15 @@ pub fn code_name(code: i32) -> &'static str {
         .unwrap_or("UNRECOGNISED_STATUS")
 }
 
-/// Counters of the gRPC front end.
+/// Counters of the gRPC and HTTP front ends.
 #[derive(Debug, Default)]
 pub struct ServerStats {
     calls: [[AtomicU64; CODES]; Method::ALL.len()],
     unauthenticated: AtomicU64,
     active_streams: AtomicU64,
+    /// HTTP requests answered, by route and status (a lock is fine at the
+    /// HTTP front door's rate: one per request).
+    http: std::sync::Mutex<std::collections::BTreeMap<(&'static str, u16), u64>>,
 }
 
 /// Decrements the open-stream gauge when the stream's task ends.
@@ -116,6 +119,18 @@ impl ServerStats {
             }
         }
         out
+    }
+
+    /// Counts an HTTP request answered with `status` on `route`.
+    pub fn record_http(&self, route: &'static str, status: u16) {
+        let mut http = self.http.lock().unwrap_or_else(|p| p.into_inner());
+        *http.entry((route, status)).or_default() += 1;
+    }
+
+    /// HTTP requests answered so far: (route, status, count).
+    pub fn http_calls(&self) -> Vec<(&'static str, u16, u64)> {
+        let http = self.http.lock().unwrap_or_else(|p| p.into_inner());
+        http.iter().map(|(&(r, s), &n)| (r, s, n)).collect()
     }
 
     /// Calls refused for a missing or wrong bearer token.

@@ -111,6 +111,33 @@ fn an_open_metrics_address_needs_a_token_or_an_explicit_opt_out() {
 }
 
 #[test]
+fn an_open_http_address_needs_a_token_and_tls_is_never_dropped_for_it() {
+    let mut open = loopback(runtime_config(1));
+    open.http_listen = Some("0.0.0.0:0".into());
+    assert!(matches!(
+        open.check_security(),
+        Err(ServeError::OpenListen(ref addr)) if addr == "0.0.0.0:0"
+    ));
+    let mut with_token = open.clone();
+    with_token.auth_token = Some("t".into());
+    assert!(with_token.check_security().is_ok());
+    // The HTTP API does not speak TLS: with TLS configured it refuses to
+    // start rather than serve plain text beside it.
+    let mut tls = with_token;
+    tls.tls = Some(inferd::server::TlsIdentity {
+        cert_pem: b"cert".to_vec(),
+        key_pem: b"key".to_vec(),
+    });
+    assert!(matches!(
+        tls.check_security(),
+        Err(ServeError::HttpWithoutTls(_))
+    ));
+    let mut local = loopback(runtime_config(1));
+    local.http_listen = Some("127.0.0.1:0".into());
+    assert!(local.check_security().is_ok());
+}
+
+#[test]
 fn tls_serves_a_whole_session_and_refuses_plaintext() {
     let certified =
         rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])

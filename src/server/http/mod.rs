@@ -26,6 +26,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use super::service::ServiceState;
+use super::stats::ServerStats;
 use crate::chat_template::ChatTemplate;
 use crate::metrics::Authorize;
 use crate::tokenizer::Tokenizer;
@@ -136,6 +137,7 @@ impl Drop for HttpServer {
 }
 
 fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
+    let stats = Arc::clone(&front.state.stats);
     Router::new()
         .route("/v1/chat/completions", post(handlers::chat))
         .route("/v1/completions", post(handlers::completions))
@@ -144,6 +146,31 @@ fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
         .with_state(front)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(authorize, check_token))
+        .layer(middleware::from_fn_with_state(stats, count_request))
+}
+
+/// The route a request is counted under (a fixed set, so an unknown path
+/// cannot grow the metrics).
+fn route_name(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        "/v1/models" => "/v1/models",
+        _ => "other",
+    }
+}
+
+/// Counts every answered request by route and status
+/// (`inferd_http_requests_total`), refusals included.
+async fn count_request(
+    State(stats): State<Arc<ServerStats>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let route = route_name(request.uri().path());
+    let response = next.run(request).await;
+    stats.record_http(route, response.status().as_u16());
+    response
 }
 
 async fn unknown_path(request: Request) -> Response {
