@@ -42,6 +42,13 @@ Sections (each alternates the binaries given, median of --runs runs):
               then the coordinator killed and started on its --state-dir,
               spawn to the session restored, with and without the shards'
               state dirs.
+  http        the OpenAI-compatible HTTP API through the official openai
+              package: time to the first streamed token of each turn of a
+              5-turn chat (each turn re-sends the conversation), with the
+              default prefix cache (turns reuse the pages of the ones
+              before) and with --prefix-cache-pages 0; and ms per streamed
+              token of one 32-token prompt generating --tokens tokens,
+              HTTP (server-sent events) next to gRPC, in one server.
 
 The server runs with its defaults (one worker per core) unless --workers is
 given. Stubs are generated from protos/ at run time, as in the interop tests.
@@ -494,6 +501,99 @@ def shards(args, pb, rpc):
               f"| {statistics.median(restore[mode]):.2f} |")
 
 
+# Token ids the reference model ends a generation with; banned where a
+# stream must run its full length.
+EOG_IDS = (0, 2)
+
+
+def http_openai(addr):
+    import openai  # noqa: PLC0415  (only this section needs it)
+    return openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0,
+                         timeout=600)
+
+
+def chat_ttft(client, turns, messages):
+    """Streams each turn; returns (ms to the first content, cached tokens) per turn."""
+    out = []
+    conversation = list(messages)
+    for turn in range(turns):
+        conversation.append({"role": "user",
+                             "content": f"Give me fact number {turn + 1} about the ocean."})
+        t0 = time.monotonic()
+        first, text, cached = None, [], 0
+        stream = client.chat.completions.create(
+            model="m", messages=conversation, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                cached = chunk.usage.prompt_tokens_details.cached_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    if first is None:
+                        first = (time.monotonic() - t0) * 1e3
+                    text.append(choice.delta.content)
+        out.append((first if first is not None else (time.monotonic() - t0) * 1e3, cached))
+        conversation.append({"role": "assistant", "content": "".join(text)})
+    return out
+
+
+def http(args, pb, rpc):
+    b = args.binaries[0]
+    turns = 5
+    system = [{"role": "system", "content": "You are a careful assistant. " * 60}]
+    modes = [("prefix reuse (default)", []), ("no reuse (--prefix-cache-pages 0)",
+                                              ["--prefix-cache-pages", "0"])]
+    ttft = {(m, t): [] for m, _ in modes for t in range(turns)}
+    cached = {(m, t): [] for m, _ in modes for t in range(turns)}
+    per_token = {"grpc": [], "http": []}
+    n = args.tokens
+    for _ in range(args.runs):
+        for mode, extra in modes:
+            flags = ["--http-listen", "127.0.0.1:0"] + extra
+            with Server(b, args.model, args.workers, flags) as srv:
+                text = pathlib.Path(srv.log.name).read_text()
+                addr = re.search(r"^http on (\S+)", text, re.M).group(1)
+                for t, (ms, c) in enumerate(chat_ttft(http_openai(addr), turns, system)):
+                    ttft[(mode, t)].append(ms)
+                    cached[(mode, t)].append(c)
+        with Server(b, args.model, args.workers, ["--http-listen", "127.0.0.1:0"]) as srv:
+            text = pathlib.Path(srv.log.name).read_text()
+            addr = re.search(r"^http on (\S+)", text, re.M).group(1)
+            channel, client = connect(srv.addr, pb, rpc)
+            sid = client.create(label="bench").session_id
+            client.append(sid, prompt_ids(32))
+            bias = [pb.LogitBias(token_id=t, bias=-100) for t in EOG_IDS]
+            stream = client.stub.Generate(
+                pb.GenerateRequest(session_id=sid, max_tokens=n, logit_bias=bias), timeout=600)
+            times = [time.monotonic() for m in stream if m.WhichOneof("payload") == "token_id"]
+            per_token["grpc"].append((times[-1] - times[0]) * 1e3 / (len(times) - 1))
+            client.close(sid)
+            channel.close()
+            oai = http_openai(addr)
+            stream = oai.completions.create(
+                model="m", prompt=prompt_ids(32), max_tokens=n, temperature=0, stream=True,
+                logit_bias={str(t): -100 for t in EOG_IDS})
+            times = [time.monotonic() for c in stream if c.choices and c.choices[0].text]
+            per_token["http"].append((times[-1] - times[0]) * 1e3 / (len(times) - 1))
+    print(f"\na {turns}-turn chat through the openai package (a "
+          f"{len(system[0]['content'])}-character system prompt, 24 tokens per reply), "
+          f"{b}, median of {args.runs}")
+    print("| turn | time to first token, reuse | cached tokens | time to first token, "
+          "no reuse | cached tokens |")
+    print("|---|---|---|---|---|")
+    for t in range(turns):
+        row = [f"{statistics.median(ttft[(m, t)]):.0f} ms | "
+               f"{statistics.median(cached[(m, t)]):.0f}" for m, _ in modes]
+        print(f"| {t + 1} | {row[0]} | {row[1]} |")
+    g, h = statistics.median(per_token["grpc"]), statistics.median(per_token["http"])
+    print(f"\none session streaming {n} greedy tokens after a 32-token prompt, median of "
+          f"{args.runs}")
+    print("| front end | ms/token | x gRPC |")
+    print("|---|---|---|")
+    print(f"| gRPC (Generate stream) | {g:.2f} | 1.000 |")
+    print(f"| HTTP (server-sent events) | {h:.2f} | {h / g:.3f} |")
+
+
 def spill(args, pb, rpc):
     b = args.binaries[0]
     n = args.restore_tokens
@@ -591,7 +691,7 @@ def main():
     ap.add_argument("--model", default=str(REPO / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--only", choices=["single", "concurrent", "coldstart", "soak",
                                        "durability", "prefix", "restore", "spill",
-                                       "shards"],
+                                       "shards", "http"],
                     action="append")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", type=int)
