@@ -29,7 +29,14 @@ fn client() -> Option<String> {
         out.status.code()
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    Some(stdout.lines().next_back().unwrap_or_default().trim().to_owned())
+    Some(
+        stdout
+            .lines()
+            .next_back()
+            .unwrap_or_default()
+            .trim()
+            .to_owned(),
+    )
 }
 
 #[test]
