@@ -163,6 +163,31 @@ fn drive_with_python(extra: &[&str]) {
 }
 
 #[test]
+fn a_stock_python_client_sees_seeded_sampling_repeat_and_an_idle_session_evicted() {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let Some(python) = support::python_env() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (server, addr) = start_server(dir.path(), &["--idle-ttl", "2"]);
+    let out = Command::new(&python)
+        .args([CLIENT, &addr, "--idle-ttl", "2"])
+        .output()
+        .expect("run the python client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("interop: every check passed"),
+        "the python client failed (exit {:?}):\n{stdout}\n{}\n--- server log ---\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr),
+        server.log_text()
+    );
+}
+
+#[test]
 fn a_stock_python_clients_session_survives_a_sigkill_and_restart_of_the_server() {
     if !Path::new(REFERENCE).exists() {
         eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");

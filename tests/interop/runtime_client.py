@@ -9,9 +9,12 @@ cancellation (CONTRACT section 2), and inferd's ForkSession extension
 (section 2.11) from stubs of its own schema.
 
 Usage: runtime_client.py HOST:PORT [--max-sessions N] [--eviction none|lru]
+       runtime_client.py HOST:PORT --idle-ttl SECONDS
 
 The server must run with the same `--max-sessions N --eviction POLICY`
-(defaults: 2, none) and hold no other sessions. Exits 0 when every check passes; otherwise
+(defaults: 2, none) and hold no other sessions. With `--idle-ttl` (the
+server's `--idle-ttl`) only seeded sampling (the same seed draws the same
+tokens) and idle-TTL eviction are checked. Exits 0 when every check passes; otherwise
 prints what differed and exits 1.
 """
 
@@ -574,12 +577,52 @@ def check_cancellation(c):
     )
 
 
+def check_seeded(c):
+    """Seeded sampling repeats, reports its seed, and another seed differs."""
+    def sample(seed):
+        sid = c.create(label="seeded").session_id
+        c.append(sid, PROMPT)
+        tokens, done, _ = c.generate(sid, max_tokens=16, temperature=1.0, seed=seed)
+        c.close(sid)
+        return tokens, done
+
+    first, done = sample(1234)
+    again, _ = sample(1234)
+    other, _ = sample(4321)
+    check(first == again, f"seed 1234 twice: {first} then {again}")
+    check(done.seed_used == 1234, f"seed_used {done.seed_used}")
+    check(first != other, "seeds 1234 and 4321 drew the same 16 tokens")
+    print("ok   seeded sampling repeats and reports its seed")
+
+
+def check_idle_ttl(c, ttl):
+    """A session idle for longer than the server's TTL is evicted."""
+    sid = c.create(label="idle").session_id
+    c.append(sid, PROMPT)
+    time.sleep(ttl + 1.5)
+    expect_status(grpc.StatusCode.NOT_FOUND, "GetSessionInfo after the idle TTL",
+                  lambda: c.info(sid))
+    print(f"ok   a session idle past the {ttl} s TTL is evicted")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("address", help="HOST:PORT of a running inferd serve")
     parser.add_argument("--max-sessions", type=int, default=2)
     parser.add_argument("--eviction", choices=["none", "lru"], default="none")
+    parser.add_argument("--idle-ttl", type=float,
+                        help="the server's idle TTL: run only the seeded-sampling and TTL checks")
     args = parser.parse_args()
+    if args.idle_ttl is not None:
+        with tempfile.TemporaryDirectory(prefix="inferd-stubs-") as out_dir:
+            pb, rpc, *_ = generate_stubs(out_dir)
+            with grpc.insecure_channel(args.address) as channel:
+                grpc.channel_ready_future(channel).result(timeout=30)
+                c = Client(channel, pb, rpc)
+                check_seeded(c)
+                check_idle_ttl(c, args.idle_ttl)
+        print("interop: every check passed")
+        return
 
     with tempfile.TemporaryDirectory(prefix="inferd-stubs-") as out_dir:
         pb, rpc, health_pb, health_rpc, ext_pb, ext_rpc = generate_stubs(out_dir)
