@@ -80,6 +80,50 @@ fn a_bearer_token_guards_the_http_api() {
     run_client(&python, &server, Some("s3cret-token"));
 }
 
+/// With the server's TLS certificate the HTTP API is HTTPS only.
+#[test]
+fn with_tls_the_http_api_serves_https_only() {
+    if !have_reference() {
+        return;
+    }
+    if Command::new("curl").arg("--version").output().is_err() {
+        assert!(!support::vocabs_required(), "curl is missing in CI");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("certificate");
+    let cert = dir.path().join("cert.pem");
+    let key = dir.path().join("key.pem");
+    std::fs::write(&cert, certified.cert.pem()).expect("cert");
+    std::fs::write(&key, certified.key_pair.serialize_pem()).expect("key");
+    let (cert, key) = (cert.to_str().expect("utf-8"), key.to_str().expect("utf-8"));
+    let server = serve(&["--tls-cert", cert, "--tls-key", key]);
+    let http = server.http.clone().expect("an http address");
+    let port = http.rsplit_once(':').expect("a port").1;
+    let resolve = format!("localhost:{port}:127.0.0.1");
+    let out = Command::new("curl")
+        .args(["-sS", "--cacert", cert, "--resolve", &resolve])
+        .arg(format!("https://localhost:{port}/v1/models"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let models: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(models["data"][0]["object"], "model", "{text}");
+    // Plain HTTP gets no answer.
+    let plain = Command::new("curl")
+        .args(["-sS", "--max-time", "10"])
+        .arg(format!("http://{http}/v1/models"))
+        .output()
+        .expect("curl");
+    assert!(!plain.status.success(), "plain HTTP was answered");
+}
+
 /// `curl -N` sees `data: {...}` chunks, the usage, then `data: [DONE]`.
 #[test]
 fn curl_reads_the_stream_as_server_sent_events() {

@@ -118,10 +118,6 @@ impl ServeConfig {
             if open && !is_loopback(http) {
                 return Err(ServeError::OpenListen(http.clone()));
             }
-            // Never plain text where the operator asked for TLS.
-            if self.tls.is_some() {
-                return Err(ServeError::HttpWithoutTls(http.clone()));
-            }
         }
         Ok(())
     }
@@ -162,12 +158,6 @@ pub enum ServeError {
     /// The metrics endpoint could not be bound.
     #[error("{0}")]
     Metrics(std::io::Error),
-    /// TLS is configured, and the HTTP front door does not speak it yet.
-    #[error(
-        "--http-listen {0}: the HTTP API does not serve TLS yet, and TLS is configured; \
-         serve it behind a TLS-terminating proxy on loopback, or without --tls-cert"
-    )]
-    HttpWithoutTls(String),
     /// The HTTP front door could not be bound.
     #[error("cannot serve HTTP on {addr}: {source}")]
     Http {
@@ -282,6 +272,7 @@ impl Server {
                             cfg.auth_token
                                 .as_deref()
                                 .map(|token| auth::http_bearer_check(token.trim())),
+                            cfg.tls.as_ref(),
                         )
                     })
                     .map_err(|source| ServeError::Http {

@@ -111,7 +111,7 @@ fn an_open_metrics_address_needs_a_token_or_an_explicit_opt_out() {
 }
 
 #[test]
-fn an_open_http_address_needs_a_token_and_tls_is_never_dropped_for_it() {
+fn an_open_http_address_needs_a_token_as_grpc_does() {
     let mut open = loopback(runtime_config(1));
     open.http_listen = Some("0.0.0.0:0".into());
     assert!(matches!(
@@ -121,17 +121,19 @@ fn an_open_http_address_needs_a_token_and_tls_is_never_dropped_for_it() {
     let mut with_token = open.clone();
     with_token.auth_token = Some("t".into());
     assert!(with_token.check_security().is_ok());
-    // The HTTP API does not speak TLS: with TLS configured it refuses to
-    // start rather than serve plain text beside it.
+    // A certificate and key that are not PEM fail the start: nothing is
+    // served with them, on either listener.
     let mut tls = with_token;
+    tls.http_listen = Some("127.0.0.1:0".into());
     tls.tls = Some(inferd::server::TlsIdentity {
         cert_pem: b"cert".to_vec(),
         key_pem: b"key".to_vec(),
     });
-    assert!(matches!(
-        tls.check_security(),
-        Err(ServeError::HttpWithoutTls(_))
-    ));
+    assert!(tls.check_security().is_ok());
+    assert!(
+        Server::start(tiny_model(), tls).is_err(),
+        "a garbage certificate was served"
+    );
     let mut local = loopback(runtime_config(1));
     local.http_listen = Some("127.0.0.1:0".into());
     assert!(local.check_security().is_ok());

@@ -6,7 +6,9 @@
 //!
 //! The listen rules are the gRPC service's: loopback unless a bearer token
 //! is configured (then every request must send `Authorization: Bearer
-//! <token>`, else 401) or the server is declared open. Bodies are bounded
+//! <token>`, else 401) or the server is declared open; with the server's
+//! TLS certificate and key it serves HTTPS only (rustls, ring), each
+//! connection's handshake bounded in time. Bodies are bounded
 //! ([`MAX_BODY_BYTES`]); an unknown path is a 404 in OpenAI's error shape.
 
 mod completion;
@@ -36,6 +38,8 @@ use openai::ApiError;
 pub const MAX_BODY_BYTES: usize = 8 << 20;
 /// Threads of the HTTP runtime: parsing and streaming only.
 const HTTP_THREADS: usize = 2;
+/// A TLS handshake that takes longer than this is dropped.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What every handler reads.
 pub(crate) struct Front {
@@ -67,7 +71,9 @@ impl HttpServer {
         front: Front,
         listen: &str,
         authorize: Option<Authorize>,
+        tls: Option<&super::TlsIdentity>,
     ) -> std::io::Result<HttpServer> {
+        let acceptor = tls.map(tls_acceptor).transpose()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(HTTP_THREADS)
             .thread_name("inferd-http")
@@ -82,11 +88,19 @@ impl HttpServer {
             .name("inferd-http".into())
             .spawn(move || {
                 let served = runtime.block_on(async move {
-                    axum::serve(listener, app)
-                        .with_graceful_shutdown(async move {
-                            let _ = stopped.await;
-                        })
-                        .await
+                    match acceptor {
+                        Some(acceptor) => {
+                            serve_tls(listener, app, acceptor, stopped).await;
+                            Ok(())
+                        }
+                        None => {
+                            axum::serve(listener, app)
+                                .with_graceful_shutdown(async move {
+                                    let _ = stopped.await;
+                                })
+                                .await
+                        }
+                    }
                 });
                 if let Err(e) = served {
                     tracing::error!(error = %e, "the HTTP front door stopped");
@@ -134,6 +148,67 @@ impl Drop for HttpServer {
     fn drop(&mut self) {
         self.join();
     }
+}
+
+/// A rustls acceptor presenting the server's certificate chain.
+fn tls_acceptor(tls: &super::TlsIdentity) -> std::io::Result<tokio_rustls::TlsAcceptor> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio_rustls::rustls;
+    let bad = |what: &str, e: &dyn std::fmt::Display| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {e}"))
+    };
+    let certs = CertificateDer::pem_slice_iter(&tls.cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad("the TLS certificate", &e))?;
+    let key = PrivateKeyDer::from_pem_slice(&tls.key_pem).map_err(|e| bad("the TLS key", &e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS", &e))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| bad("the TLS certificate and key", &e))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves `app` over TLS until `stopped` fires, then lets the open
+/// connections finish their requests.
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    acceptor: tokio_rustls::TlsAcceptor,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (tcp, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting an HTTPS connection");
+                    continue;
+                }
+            },
+            _ = &mut stopped => break,
+        };
+        let acceptor = acceptor.clone();
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
+            let Ok(Ok(tls)) = handshake.await else {
+                return;
+            };
+            let connection = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), service);
+            if let Err(e) = watcher.watch(connection).await {
+                tracing::debug!(error = %e, "an HTTPS connection ended");
+            }
+        });
+    }
+    graceful.shutdown().await;
 }
 
 fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
