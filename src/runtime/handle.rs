@@ -387,6 +387,28 @@ impl Runtime {
         })
     }
 
+    /// The session's committed token history, read in its order: after the
+    /// operations already queued on it (the HTTP API's bound sessions).
+    pub fn session_history(
+        &self,
+        id: SessionId,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<Vec<u32>>, RuntimeError> {
+        let (tx, rx) = notify::channel(1);
+        self.send(
+            id.worker_index(self.workers.len()),
+            Command::Enqueue {
+                id,
+                op: Op::History { reply: tx },
+                deadline,
+            },
+        )?;
+        Ok(Pending {
+            reply: rx,
+            deadline,
+        })
+    }
+
     /// GetSessionInfo: answered at once, even while the session is busy.
     pub fn session_info(
         &self,

@@ -58,6 +58,38 @@ def check_twin(client, ids, grpc_addr):
     assert "".join(lp.tokens) == text.choices[0].text, (lp.tokens, text.choices[0].text)
 
 
+def check_bound(client, ids, grpc_addr):
+    # A request bound to the client's own session (x-inferd-session) runs in
+    # it: only the prompt past its history is appended, and it stays open.
+    prompt_ids = [1, 504, 3575, 282, 4649, 314, 9, 45, 2, 17, 330]
+    with tempfile.TemporaryDirectory() as tmp:
+        pb, rpc, *_ = generate_stubs(tmp)
+        channel = grpc.insecure_channel(grpc_addr)
+        grpc_client = Client(channel, pb, rpc)
+        sid = grpc_client.create(label="bound").session_id
+        grpc_client.append(sid, prompt_ids[:6])
+        bound = {"x-inferd-session": sid}
+        text = client.completions.create(
+            model=ids[0], prompt=prompt_ids, max_tokens=5, temperature=0, extra_headers=bound)
+        assert text.usage.prompt_tokens_details.cached_tokens >= 6, text.usage
+        length = grpc_client.info(sid).history_length
+        assert length == len(prompt_ids) + text.usage.completion_tokens, (length, text.usage)
+        try:
+            client.completions.create(model=ids[0], prompt=[7, 8, 9], max_tokens=2,
+                                      extra_headers=bound)
+            raise AssertionError("a prompt that does not continue the session was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["code"] == "session_history_mismatch", e.body
+        grpc_client.close(sid)
+        try:
+            client.completions.create(model=ids[0], prompt=prompt_ids, max_tokens=2,
+                                      extra_headers=bound)
+            raise AssertionError("a closed session answered")
+        except openai.NotFoundError as e:
+            assert e.status_code == 404, e
+        channel.close()
+
+
 def main():
     http_addr, grpc_addr = sys.argv[1], sys.argv[2]
     token = sys.argv[3] if len(sys.argv) > 3 else "unused"
@@ -109,7 +141,8 @@ def main():
     # compares.)
     if len(sys.argv) <= 3:
         check_twin(client, ids, grpc_addr)
-        checks += 1
+        check_bound(client, ids, grpc_addr)
+        checks += 2
 
     # Seeded sampling repeats; stop strings cut the text.
     sampled = [client.completions.create(

@@ -334,7 +334,7 @@ impl Worker {
             let needs_kv = slot
                 .queue
                 .front()
-                .is_some_and(|q| !matches!(q.op, Op::Close { .. }));
+                .is_some_and(|q| !matches!(q.op, Op::Close { .. } | Op::History { .. }));
             if slot.spilled && needs_kv {
                 match self.unspill(id) {
                     Ok(Got::Now) => {
@@ -382,6 +382,11 @@ impl Worker {
                 let _ = reply.send(Ok(CloseReply {
                     final_history_length: len,
                 }));
+                None
+            }
+            Op::History { reply } => {
+                let history = self.sessions.get(&id).map(|s| s.history.clone());
+                let _ = reply.send(history.ok_or(RuntimeError::NotFound));
                 None
             }
             Op::Append { tokens, reply } => match self.start_append(id, &tokens) {

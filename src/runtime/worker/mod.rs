@@ -94,6 +94,11 @@ pub(crate) enum Op {
         events: NotifySender<GenerateEvent>,
         cancel: Arc<AtomicBool>,
     },
+    /// The committed history, in the session's order (after what is queued
+    /// before it).
+    History {
+        reply: Reply<Vec<u32>>,
+    },
     Close {
         reply: Reply<CloseReply>,
     },
@@ -113,6 +118,7 @@ impl Op {
         match self {
             Op::Append { reply, .. } => drop(reply.send(Err(err))),
             Op::Close { reply } => drop(reply.send(Err(err))),
+            Op::History { reply } => drop(reply.send(Err(err))),
             Op::Fork { reply, .. } => drop(reply.send(Err(err))),
             Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
         }

@@ -5,6 +5,11 @@
 //! text), and what the response reports: text pieces with their
 //! log-probabilities, why it finished, and the usage counts.
 //!
+//! A request that names a session (`x-inferd-session: ID`, a kakeya
+//! session id) runs in that session instead and leaves it open: its
+//! history must begin the request's prompt (else a 400
+//! `session_history_mismatch`), and only the rest is appended.
+//!
 //! The API is stateless, the server is not: the prompt is appended to a
 //! fresh session, and the runtime maps every full page of it that another
 //! session, or the prefix cache (`--prefix-cache-pages`), already holds
@@ -37,6 +42,8 @@ pub struct Job {
     /// Report each token's log-probability (and `sampling.top_logprobs`
     /// alternatives).
     pub logprobs: bool,
+    /// The client's own session to run in (`x-inferd-session`), if any.
+    pub session: Option<SessionId>,
 }
 
 /// What a running job sends, in order: pieces of text, then one `Done` or
@@ -121,25 +128,48 @@ pub struct Gathered {
 
 async fn run(front: &Arc<Front>, job: Job, tx: &mpsc::Sender<Piece>) -> Result<(), ApiError> {
     let runtime = &front.state.runtime;
-    let create = CreateSession {
-        client_label: "http".into(),
-        eos_token_ids: front.eos.clone(),
-    };
-    let id = runtime.create_session(create, None)?.await?;
-    let _guard = SessionGuard {
-        front: Arc::clone(front),
-        id,
-    };
     let prompt_tokens = job.prompt.len() as u64;
-    let appended = runtime
-        .append_tokens(
-            AppendTokens {
+    let (id, held, _guard) = match job.session {
+        Some(id) => {
+            let history = runtime.session_history(id, None)?.await?;
+            if !job.prompt.starts_with(&history) {
+                return Err(ApiError {
+                    code: Some("session_history_mismatch"),
+                    ..ApiError::invalid(
+                        "x-inferd-session",
+                        format!(
+                            "the session's history ({} tokens) does not begin this request's \
+                             prompt ({} tokens)",
+                            history.len(),
+                            job.prompt.len()
+                        ),
+                    )
+                });
+            }
+            (id, history.len(), None)
+        }
+        None => {
+            let create = CreateSession {
+                client_label: "http".into(),
+                eos_token_ids: front.eos.clone(),
+            };
+            let id = runtime.create_session(create, None)?.await?;
+            let guard = SessionGuard {
+                front: Arc::clone(front),
                 id,
-                tokens: job.prompt,
-            },
-            None,
-        )?
-        .await?;
+            };
+            (id, 0, Some(guard))
+        }
+    };
+    let fresh = job.prompt[held..].to_vec();
+    let reused = if fresh.is_empty() {
+        0
+    } else {
+        runtime
+            .append_tokens(AppendTokens { id, tokens: fresh }, None)?
+            .await?
+            .reused_token_count
+    };
     let mut sampling = job.sampling;
     if !job.logprobs {
         sampling.top_logprobs = 0;
@@ -233,7 +263,7 @@ async fn run(front: &Arc<Front>, job: Job, tx: &mpsc::Sender<Piece>) -> Result<(
             let _ = tx.send(piece).await;
         }
     }
-    let usage = Usage::new(prompt_tokens, generated, appended.reused_token_count);
+    let usage = Usage::new(prompt_tokens, generated, held as u64 + reused);
     let _ = tx.send(Piece::Done { finish, usage }).await;
     Ok(())
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -44,19 +45,38 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(front): State<Arc<Front>>, body: Bytes) -> Response {
-    match chat_job(&front, &body) {
+pub async fn chat(State(front): State<Arc<Front>>, headers: HeaderMap, body: Bytes) -> Response {
+    match chat_job(&front, &body).and_then(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, job, stream, Kind::Chat).await,
         Err(e) => e.into_response(),
     }
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(front): State<Arc<Front>>, body: Bytes) -> Response {
-    match completion_job(&front, &body) {
+pub async fn completions(
+    State(front): State<Arc<Front>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match completion_job(&front, &body).and_then(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, job, stream, Kind::Text).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// The header that runs a request in the client's own kakeya session.
+pub const SESSION_HEADER: &str = "x-inferd-session";
+
+/// Binds the job to the session `x-inferd-session` names, if any (an id
+/// that is not one the server holds is a 404 when the request runs).
+fn bound((mut job, stream): (Job, bool), headers: &HeaderMap) -> Result<(Job, bool), ApiError> {
+    if let Some(value) = headers.get(SESSION_HEADER) {
+        let text = value.to_str().unwrap_or_default();
+        job.session = Some(crate::runtime::SessionId::parse_or_never_issued(
+            text.trim(),
+        ));
+    }
+    Ok((job, stream))
 }
 
 fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, bool), ApiError> {
@@ -284,6 +304,7 @@ fn job_of(
         sampling,
         stops,
         logprobs,
+        session: None,
     })
 }
 
