@@ -33,14 +33,14 @@ use std::fmt::Write as _;
 
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind, Output, State, UndefinedBehavior, Value};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// The name the template is registered under (it shows in no message).
 const NAME: &str = "chat_template";
 
 /// One turn of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant`, or whatever the template knows.
     pub role: String,

@@ -162,6 +162,130 @@ fn chat_answers_each_line_of_stdin() {
     assert!(text.contains("Berlin"), "{text}");
 }
 
+/// `inferd chat` with these lines on stdin (and `--threads 2`).
+fn chat_child(extra: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "chat",
+            "--threads",
+            "2",
+            "--system",
+            "You are a helpful assistant.",
+        ])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn chat")
+}
+
+#[test]
+fn chat_saves_loads_and_resets_conversations_and_reports_its_speed() {
+    if !have_model() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let saved = dir.path().join("conversation.json");
+    let mut child = chat_child(&["-n", "24"]);
+    let script = format!(
+        "What is the capital of France?\n/save {0}\n/reset\n/load {0}\nAnd of Germany?\n/help\n",
+        saved.display()
+    );
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(script.as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("chat exits");
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Paris"), "{text}");
+    assert!(
+        text.contains("Berlin"),
+        "the loaded conversation goes on: {text}"
+    );
+    let messages: Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).expect("saved")).expect("JSON");
+    let roles: Vec<&str> = messages
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|m| m["role"].as_str().expect("a role"))
+        .collect();
+    assert_eq!(roles, ["system", "user", "assistant"]);
+    assert!(messages[2]["content"]
+        .as_str()
+        .is_some_and(|c| c.contains("Paris")));
+    for said in [
+        "saved 3 messages",
+        "a new conversation",
+        "loaded 3 messages",
+        "tokens/s",
+        "/reset",
+    ] {
+        assert!(err.contains(said), "stderr lacks {said:?}: {err}");
+    }
+}
+
+#[test]
+fn ctrl_c_stops_a_chat_reply_and_the_chat_goes_on() {
+    if !have_model() {
+        return;
+    }
+    use std::io::Read;
+    let mut child = chat_child(&["-n", "400"]);
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin
+        .write_all(b"Tell me a long story about a brave knight and a dragon.\n")
+        .expect("write");
+    // Read the reply as it streams; once it has begun, Ctrl-C.
+    let mut stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let mut buf = [0u8; 256];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.extend_from_slice(&buf[..n]);
+            let _ = tx.send(all.len());
+        }
+        all
+    });
+    let t0 = std::time::Instant::now();
+    while rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the reply streams")
+        < 40
+    {
+        assert!(t0.elapsed().as_secs() < 60, "no reply");
+    }
+    // SAFETY: signalling our own child process.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    stdin
+        .write_all(b"What is the capital of France?\n")
+        .expect("write");
+    drop(stdin);
+    let status = child.wait().expect("chat exits");
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    let text = String::from_utf8_lossy(&reader.join().expect("reader")).into_owned();
+    assert!(status.success(), "{err}");
+    assert!(err.contains("(stopped: "), "the reply was stopped: {err}");
+    assert!(text.contains("Paris"), "the chat went on: {text}");
+}
+
 /// Where `scripts/fetch-vocabs` puts llama.cpp's vocabulary-only files.
 fn vocab_dir() -> std::path::PathBuf {
     match std::env::var_os("INFERD_VOCAB_DIR") {

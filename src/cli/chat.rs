@@ -3,11 +3,22 @@
 //! turn feeds only the tokens that are new since the last one. The session
 //! lives in this process, or with `--server` on an inferd server; the
 //! template and the tokenizer always run here.
+//!
+//! At a terminal the line is edited with history (`chat_input`); `/reset`,
+//! `/save FILE`, `/load FILE`, `/help` and `/quit` are commands; a long
+//! prompt is fed in chunks with its progress shown; each reply ends with
+//! its tokens per second; Ctrl-C stops a reply (a second one ends the
+//! process), and at the prompt ends the chat, whose server-side session is
+//! closed on the way out.
 
-use std::io::{BufRead, Write};
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 use clap::Args;
 
+use super::chat_input::{ChatInput, Line};
 use super::client::{generate_request, RemoteClient};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
@@ -68,6 +79,8 @@ pub struct Conversation<'t> {
     tokenizer: &'t Tokenizer,
     template: ChatTemplate,
     messages: Vec<Message>,
+    /// What a new conversation starts with (the system prompt).
+    initial: Vec<Message>,
     /// The rendered text the session's history holds, ending where the
     /// last reply ended.
     rendered: String,
@@ -114,9 +127,28 @@ impl<'t> Conversation<'t> {
         Ok(Self {
             tokenizer,
             template,
+            initial: messages.clone(),
             messages,
             rendered: String::new(),
         })
+    }
+
+    /// The messages so far.
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// Replaces the conversation (a `/load`, or `/reset` with the initial
+    /// messages); the caller starts a fresh session, which the next turn
+    /// then feeds from the start.
+    pub fn replace(&mut self, messages: Vec<Message>) {
+        self.messages = messages;
+        self.rendered.clear();
+    }
+
+    /// Back to how the conversation started.
+    pub fn reset(&mut self) {
+        self.replace(self.initial.clone());
     }
 
     /// Adds a user message and returns the tokens the session lacks: the
@@ -205,44 +237,163 @@ trait ChatBackend {
     fn reply(&mut self, on_token: &mut dyn FnMut(u32) -> bool) -> Result<Vec<u32>, CliError>;
 }
 
-/// The conversation loop shared by every backend: a line of stdin is a
-/// user turn; an empty line or end of input ends the chat.
+/// Tokens fed per append of a turn; a longer prompt shows its progress.
+const PREFILL_CHUNK: usize = 512;
+
+const HELP: &str = "commands: /reset (a new conversation), /save FILE, /load FILE (the \
+conversation as JSON messages), /help, /quit; Ctrl-C stops a reply; an empty line, Ctrl-D \
+or Ctrl-C at the prompt ends the chat";
+
+/// A line that is a chat command.
+#[derive(Debug, PartialEq, Eq)]
+enum Command<'a> {
+    Reset,
+    Save(&'a str),
+    Load(&'a str),
+    Help,
+    Quit,
+}
+
+/// The command `line` is, if it is one (anything else is a message).
+fn command(line: &str) -> Option<Command<'_>> {
+    let line = line.trim();
+    let (word, rest) = line.split_once(' ').unwrap_or((line, ""));
+    let rest = rest.trim();
+    Some(match (word, rest.is_empty()) {
+        ("/reset", true) => Command::Reset,
+        ("/help", true) => Command::Help,
+        ("/quit", true) | ("/exit", true) => Command::Quit,
+        ("/save", false) => Command::Save(rest),
+        ("/load", false) => Command::Load(rest),
+        _ => return None,
+    })
+}
+
+/// Set by Ctrl-C (SIGINT) while a reply runs: the reply stops at its next
+/// token. A second Ctrl-C while it is set ends the process.
+fn interrupt_flag() -> Result<Arc<AtomicBool>, CliError> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let signal = signal_hook::consts::SIGINT;
+    signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&flag))?;
+    signal_hook::flag::register(signal, Arc::clone(&flag))?;
+    Ok(flag)
+}
+
+/// The conversation loop shared by every backend: a line is a user turn
+/// or a command; an empty line or end of input ends the chat.
 fn converse(
     tokenizer: &Tokenizer,
     system: Option<&str>,
     backend: &mut dyn ChatBackend,
 ) -> Result<(), CliError> {
     let mut conversation = Conversation::new(tokenizer, system)?;
-    let stdin = std::io::stdin();
+    let mut input = ChatInput::new();
+    let interrupted = interrupt_flag()?;
+    let show_progress = std::io::stderr().is_terminal();
     let mut out = std::io::stdout();
-    eprintln!("(type a message; an empty line or end of input quits)");
+    eprintln!("(type a message; /help lists the commands; an empty line or end of input quits)");
     loop {
-        write!(out, "> ")?;
-        out.flush()?;
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            break;
+        let line = match input.read("> ")? {
+            Line::Text(text) if !text.trim().is_empty() => text,
+            Line::Text(_) | Line::End | Line::Interrupted => break,
+        };
+        match command(&line) {
+            Some(Command::Quit) => break,
+            Some(Command::Help) => {
+                eprintln!("({HELP})");
+                continue;
+            }
+            Some(Command::Reset) => {
+                conversation.reset();
+                backend.restart()?;
+                eprintln!("(a new conversation)");
+                continue;
+            }
+            Some(Command::Save(path)) => {
+                let json = serde_json::to_string_pretty(conversation.messages())
+                    .map_err(|e| CliError::Usage(e.to_string()))?;
+                match std::fs::write(path, json + "\n") {
+                    Ok(()) => eprintln!(
+                        "(saved {} messages to {path})",
+                        conversation.messages().len()
+                    ),
+                    Err(e) => eprintln!("(cannot save to {path}: {e})"),
+                }
+                continue;
+            }
+            Some(Command::Load(path)) => {
+                let loaded = std::fs::read_to_string(path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|text| {
+                        serde_json::from_str::<Vec<Message>>(&text).map_err(|e| e.to_string())
+                    });
+                match loaded {
+                    Ok(messages) => {
+                        let n = messages.len();
+                        conversation.replace(messages);
+                        backend.restart()?;
+                        eprintln!(
+                            "(loaded {n} messages from {path}; they are fed with the next turn)"
+                        );
+                    }
+                    Err(e) => eprintln!("(cannot load {path}: {e})"),
+                }
+                continue;
+            }
+            None => {}
         }
         let turn = conversation.user_turn(line.trim_end())?;
         if turn.fresh_session {
             backend.restart()?;
         }
-        backend.append(&turn.tokens)?;
+        feed(backend, &turn.tokens, show_progress)?;
 
+        interrupted.store(false, Ordering::Release);
         let mut printer = ReplyPrinter::new(tokenizer, &mut out);
         let mut write_error = None;
-        let generated = backend.reply(&mut |id| match printer.push(id) {
-            Ok(()) => true,
-            Err(e) => {
+        let mut first_token: Option<Instant> = None;
+        let mut count = 0usize;
+        let generated = backend.reply(&mut |id| {
+            first_token.get_or_insert_with(Instant::now);
+            count += 1;
+            if let Err(e) = printer.push(id) {
                 write_error = Some(e);
-                false
+                return false;
             }
+            !interrupted.load(Ordering::Acquire)
         })?;
         if let Some(e) = write_error {
             return Err(e.into());
         }
+        let stopped = interrupted.swap(false, Ordering::AcqRel);
         let reply = printer.finish()?;
         conversation.assistant_replied(reply, &generated)?;
+        let rate = first_token
+            .map(|t| t.elapsed().as_secs_f64())
+            .filter(|&s| s > 0.0 && count > 1)
+            .map_or(String::new(), |s| {
+                format!(", {:.1} tokens/s", (count - 1) as f64 / s)
+            });
+        let how = if stopped { "stopped: " } else { "" };
+        eprintln!("({how}{count} tokens{rate})");
+    }
+    input.save_history();
+    Ok(())
+}
+
+/// Appends a turn in chunks, showing how far a long one got.
+fn feed(backend: &mut dyn ChatBackend, tokens: &[u32], show: bool) -> Result<(), CliError> {
+    let show = show && tokens.len() > PREFILL_CHUNK;
+    let mut done = 0;
+    for chunk in tokens.chunks(PREFILL_CHUNK) {
+        backend.append(chunk)?;
+        done += chunk.len();
+        if show {
+            eprint!("\r(reading the prompt: {done}/{} tokens)", tokens.len());
+        }
+    }
+    if show {
+        eprint!("\r\x1b[K");
     }
     Ok(())
 }
@@ -502,6 +653,19 @@ mod tests {
             .err()
             .expect("an unknown filter is an error");
         assert!(err.to_string().contains("unknown_filter"), "{err}");
+    }
+
+    #[test]
+    fn commands_are_known_words_and_everything_else_is_a_message() {
+        assert_eq!(command("/reset"), Some(Command::Reset));
+        assert_eq!(command(" /save  chat.json "), Some(Command::Save("chat.json")));
+        assert_eq!(command("/load a b.json"), Some(Command::Load("a b.json")));
+        assert_eq!(command("/quit"), Some(Command::Quit));
+        assert_eq!(command("/help"), Some(Command::Help));
+        assert_eq!(command("/save"), None, "a file is needed");
+        assert_eq!(command("/reset now"), None);
+        assert_eq!(command("/etc/hosts holds what?"), None);
+        assert_eq!(command("hello /reset"), None);
     }
 
     #[test]

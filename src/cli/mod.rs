@@ -5,6 +5,7 @@
 //! tokenizer and the sampler, or by a server reached over gRPC.
 
 mod chat;
+mod chat_input;
 mod client;
 mod generate;
 mod memory;
