@@ -9,7 +9,7 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use inferd::cluster::fingerprint::sha256_of_file;
 use support::{have_reference, Inferd};
@@ -19,30 +19,17 @@ const VECTORS: &str = "tests/vectors/shard";
 /// The built client, or `None` (after saying so loudly) outside CI on a
 /// machine without the C++ gRPC packages.
 fn client() -> Option<String> {
-    let out = Command::new("scripts/cpp-client")
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run scripts/cpp-client");
-    if !out.status.success() {
+    let built = support::script_output("cpp-client");
+    if built.is_none() {
         assert!(
             !support::vocabs_required(),
-            "scripts/cpp-client failed in CI (exit {:?})",
-            out.status.code()
+            "scripts/cpp-client failed in CI"
         );
         eprintln!(
             "SKIPPED (LOUDLY): the C++ client did not build; scripts/setup installs its packages"
         );
-        return None;
     }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    Some(
-        stdout
-            .lines()
-            .next_back()
-            .unwrap_or_default()
-            .trim()
-            .to_owned(),
-    )
+    built
 }
 
 fn run(client: &str, args: &[&str]) -> String {

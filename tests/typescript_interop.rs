@@ -7,7 +7,7 @@
 
 mod support;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use support::{have_reference, Inferd};
 
@@ -19,24 +19,12 @@ fn client() -> Option<String> {
         assert!(!support::vocabs_required(), "Node.js is missing in CI");
         return None;
     }
-    let out = Command::new("scripts/node-env")
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run scripts/node-env");
+    let built = support::script_output("node-env");
     assert!(
-        out.status.success(),
-        "scripts/node-env failed (exit {:?}); it needs the npm registry the first time",
-        out.status.code()
+        built.is_some(),
+        "scripts/node-env failed; it needs the npm registry the first time"
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    Some(
-        stdout
-            .lines()
-            .next_back()
-            .unwrap_or_default()
-            .trim()
-            .to_owned(),
-    )
+    built
 }
 
 #[test]

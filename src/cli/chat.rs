@@ -658,7 +658,10 @@ mod tests {
     #[test]
     fn commands_are_known_words_and_everything_else_is_a_message() {
         assert_eq!(command("/reset"), Some(Command::Reset));
-        assert_eq!(command(" /save  chat.json "), Some(Command::Save("chat.json")));
+        assert_eq!(
+            command(" /save  chat.json "),
+            Some(Command::Save("chat.json"))
+        );
         assert_eq!(command("/load a b.json"), Some(Command::Load("a b.json")));
         assert_eq!(command("/quit"), Some(Command::Quit));
         assert_eq!(command("/help"), Some(Command::Help));

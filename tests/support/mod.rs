@@ -479,3 +479,25 @@ pub fn python_env() -> Option<std::path::PathBuf> {
     );
     Some(python)
 }
+
+/// Runs `scripts/NAME` (its progress goes to stderr) and returns the last
+/// line it printed on stdout (a path), or `None` when it failed.
+pub fn script_output(name: &str) -> Option<String> {
+    let out = std::process::Command::new(format!("scripts/{name}"))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("run scripts/{name}: {e}"));
+    if !out.status.success() {
+        eprintln!("scripts/{name} failed (exit {:?})", out.status.code());
+        return None;
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Some(
+        stdout
+            .lines()
+            .next_back()
+            .unwrap_or_default()
+            .trim()
+            .to_owned(),
+    )
+}
