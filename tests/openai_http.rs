@@ -80,6 +80,15 @@ fn a_bearer_token_guards_the_http_api() {
     run_client(&python, &server, Some("s3cret-token"));
 }
 
+/// A file of `bytes` in a fresh temporary directory (kept alive by the
+/// returned guard).
+fn dir_file(name: &str, bytes: &[u8]) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(name);
+    std::fs::write(&path, bytes).expect("write");
+    (dir, path)
+}
+
 /// With the server's TLS certificate the HTTP API is HTTPS only.
 #[test]
 fn with_tls_the_http_api_serves_https_only() {
@@ -188,9 +197,32 @@ fn curl_reads_the_stream_as_server_sent_events() {
     let error: serde_json::Value = serde_json::from_str(body).expect("JSON");
     assert_eq!(error["error"]["type"], "invalid_request_error", "{body}");
 
-    // Both requests are counted by route and status.
+    // A body over 8 MiB is a 413 and a wrong method a 405, both in
+    // OpenAI's error shape.
+    let big = dir_file("big.json", &vec![b' '; 9 << 20]);
+    for (args, want) in [
+        (
+            vec!["-d".to_string(), format!("@{}", big.1.display())],
+            "413",
+        ),
+        (vec!["-X".to_string(), "GET".to_string()], "405"),
+    ] {
+        let out = Command::new("curl")
+            .args(["-sS", "-w", "\n%{http_code}"])
+            .args(&args)
+            .arg(format!("http://{http}/v1/chat/completions"))
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (body, code) = text.rsplit_once('\n').expect("a status line");
+        assert_eq!(code, want, "{text}");
+        let error: serde_json::Value = serde_json::from_str(body).expect("JSON");
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{body}");
+    }
+
+    // Every request is counted by route and status.
     let metrics = support::scrape(server.metrics.as_deref().expect("metrics"));
-    for code in ["200", "400"] {
+    for code in ["200", "400", "405", "413"] {
         let name =
             format!("inferd_http_requests_total{{route=\"/v1/chat/completions\",code=\"{code}\"}}");
         assert_eq!(support::sample(&metrics, &name), Some(1.0), "{metrics}");

@@ -9,6 +9,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -45,8 +46,28 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(front): State<Arc<Front>>, headers: HeaderMap, body: Bytes) -> Response {
-    match chat_job(&front, &body).and_then(|job| bound(job, &headers)) {
+/// The body, or why it could not be read (over the limit: 413), as an
+/// OpenAI error.
+fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(format!(
+                "the request body: {e} (at most {} bytes)",
+                super::MAX_BODY_BYTES
+            ))
+        } else {
+            ApiError::bad_body(format!("the request body: {e}"))
+        }
+    })
+}
+
+pub async fn chat(
+    State(front): State<Arc<Front>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let job = body_of(body).and_then(|body| chat_job(&front, &body));
+    match job.and_then(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, job, stream, Kind::Chat).await,
         Err(e) => e.into_response(),
     }
@@ -56,9 +77,10 @@ pub async fn chat(State(front): State<Arc<Front>>, headers: HeaderMap, body: Byt
 pub async fn completions(
     State(front): State<Arc<Front>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match completion_job(&front, &body).and_then(|job| bound(job, &headers)) {
+    let job = body_of(body).and_then(|body| completion_job(&front, &body));
+    match job.and_then(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, job, stream, Kind::Text).await,
         Err(e) => e.into_response(),
     }

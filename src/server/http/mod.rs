@@ -218,6 +218,7 @@ fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/models", get(handlers::models))
         .fallback(unknown_path)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(front)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(authorize, check_token))
@@ -246,6 +247,15 @@ async fn count_request(
     let response = next.run(request).await;
     stats.record_http(route, response.status().as_u16());
     response
+}
+
+async fn wrong_method(request: Request) -> Response {
+    ApiError::method_not_allowed(format!(
+        "{} does not take {}",
+        request.uri().path(),
+        request.method()
+    ))
+    .into_response()
 }
 
 async fn unknown_path(request: Request) -> Response {

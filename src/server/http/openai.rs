@@ -254,6 +254,28 @@ impl ApiError {
         }
     }
 
+    /// A body over the limit (413).
+    pub fn too_large(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: None,
+            code: Some("request_too_large"),
+        }
+    }
+
+    /// A method the route does not take (405).
+    pub fn method_not_allowed(message: String) -> ApiError {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            kind: "invalid_request_error",
+            message,
+            param: None,
+            code: Some("method_not_allowed"),
+        }
+    }
+
     /// A path or method this server does not serve (404).
     pub fn not_found(what: String) -> ApiError {
         ApiError {
