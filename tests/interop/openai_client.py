@@ -144,6 +144,22 @@ def main():
         check_bound(client, ids, grpc_addr)
         checks += 2
 
+    # Completions streamed: the same greedy text, piece by piece, with the
+    # usage in the last chunk.
+    whole_text = client.completions.create(
+        model=ids[0], prompt="The three primary colors are", max_tokens=20, temperature=0)
+    pieces, streamed_usage = [], None
+    for chunk in client.completions.create(
+            model=ids[0], prompt="The three primary colors are", max_tokens=20, temperature=0,
+            stream=True):
+        assert chunk.object == "text_completion", chunk
+        if chunk.usage is not None:
+            streamed_usage = chunk.usage
+        pieces.extend(c.text for c in chunk.choices)
+    assert "".join(pieces) == whole_text.choices[0].text, (pieces, whole_text)
+    assert streamed_usage.completion_tokens == whole_text.usage.completion_tokens, streamed_usage
+    checks += 1
+
     # Seeded sampling repeats; stop strings cut the text.
     sampled = [client.completions.create(
         model=ids[0], prompt="Once upon a time", max_tokens=16, temperature=0.9, seed=42,
