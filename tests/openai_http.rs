@@ -80,6 +80,96 @@ fn a_bearer_token_guards_the_http_api() {
     run_client(&python, &server, Some("s3cret-token"));
 }
 
+/// With a worker pinned to the first core, the HTTP threads are pinned to
+/// the others, off the worker's core.
+#[cfg(target_os = "linux")]
+#[test]
+fn http_threads_stay_off_the_workers_cores() {
+    if !have_reference() {
+        return;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores < 2 {
+        eprintln!("SKIPPED: one core, nothing to keep the HTTP threads apart on");
+        return;
+    }
+    let server = Inferd::start(&[
+        "serve",
+        "--model",
+        support::REFERENCE,
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+    ]);
+    let pid = server.pid().expect("running");
+    // "0-2,5" -> [0, 1, 2, 5]
+    let cpus_of = |list: &str| -> Vec<usize> {
+        list.split(',')
+            .filter(|part| !part.is_empty())
+            .flat_map(|part| {
+                let (a, b) = part.split_once('-').unwrap_or((part, part));
+                let (a, b): (usize, usize) = (a.parse().expect("cpu"), b.parse().expect("cpu"));
+                a..=b
+            })
+            .collect()
+    };
+    // Threads pin themselves as they start: look until they have.
+    let t0 = std::time::Instant::now();
+    loop {
+        let (worker, http) = threads(pid, &cpus_of);
+        let worker = worker.expect("the worker thread");
+        assert_eq!(
+            worker.len(),
+            1,
+            "the worker is pinned to one core: {worker:?}"
+        );
+        assert!(!http.is_empty(), "no inferd-http thread");
+        let off = http
+            .iter()
+            .all(|cpus| !cpus.is_empty() && !cpus.contains(&worker[0]));
+        if off {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "an HTTP thread may run on the worker's core {}: {http:?}",
+            worker[0]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Per thread of process `pid`: the cores `inferd-worker-0` and the
+/// `inferd-http` threads may run on.
+type Cores = Vec<usize>;
+fn threads(pid: u32, cpus_of: &dyn Fn(&str) -> Cores) -> (Option<Cores>, Vec<Cores>) {
+    let (mut worker, mut http) = (None, Vec::new());
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("tasks")
+        .flatten()
+    {
+        let path = task.path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+        let Some(list) = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        else {
+            continue;
+        };
+        let cpus = cpus_of(list.trim());
+        match comm.trim() {
+            "inferd-http" => http.push(cpus),
+            "inferd-worker-0" => worker = Some(cpus),
+            _ => {}
+        }
+    }
+    (worker, http)
+}
+
 /// A file of `bytes` in a fresh temporary directory (kept alive by the
 /// returned guard).
 fn dir_file(name: &str, bytes: &[u8]) -> (tempfile::TempDir, std::path::PathBuf) {

@@ -2,7 +2,8 @@
 //! ADDR`): the same runtime as the gRPC service, in the same process, over
 //! HTTP/1.1 with axum (hyper) on a small tokio runtime of its own, whose
 //! threads only parse, tokenize and stream; the forward passes stay on the
-//! runtime's workers.
+//! runtime's workers. When the workers are pinned and leave cores free,
+//! the HTTP threads are pinned to those, off the workers' cores.
 //!
 //! The listen rules are the gRPC service's: loopback unless a bearer token
 //! is configured (then every request must send `Authorization: Bearer
@@ -74,9 +75,23 @@ impl HttpServer {
         tls: Option<&super::TlsIdentity>,
     ) -> std::io::Result<HttpServer> {
         let acceptor = tls.map(tls_acceptor).transpose()?;
+        let cores = free_cores(&front.state);
+        // The thread that accepts connections, on the first free core.
+        let accept_core = cores.first().copied();
+        let next_core = std::sync::atomic::AtomicUsize::new(0);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(HTTP_THREADS)
             .thread_name("inferd-http")
+            .on_thread_start(move || {
+                if cores.is_empty() {
+                    return;
+                }
+                let n = next_core.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let core = cores[n % cores.len()];
+                if !core_affinity::set_for_current(core) {
+                    tracing::warn!(core = core.id, "could not pin an HTTP thread");
+                }
+            })
             .enable_all()
             .build()?;
         let listener = runtime.block_on(tokio::net::TcpListener::bind(listen))?;
@@ -87,6 +102,11 @@ impl HttpServer {
         let thread = std::thread::Builder::new()
             .name("inferd-http".into())
             .spawn(move || {
+                if let Some(core) = accept_core {
+                    if !core_affinity::set_for_current(core) {
+                        tracing::warn!(core = core.id, "could not pin the HTTP accept thread");
+                    }
+                }
                 let served = runtime.block_on(async move {
                     match acceptor {
                         Some(acceptor) => {
@@ -148,6 +168,17 @@ impl Drop for HttpServer {
     fn drop(&mut self) {
         self.join();
     }
+}
+
+/// The cores no runtime worker is pinned to (workers take the first ones);
+/// none when the workers are not pinned or take every core.
+fn free_cores(state: &ServiceState) -> Vec<core_affinity::CoreId> {
+    let cfg = state.runtime.config();
+    if !cfg.pin_cores {
+        return Vec::new();
+    }
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    cores.into_iter().skip(cfg.workers).collect()
 }
 
 /// A rustls acceptor presenting the server's certificate chain.
