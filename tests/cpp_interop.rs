@@ -33,19 +33,9 @@ fn client() -> Option<String> {
 }
 
 fn run(client: &str, args: &[&str]) -> String {
-    let out = Command::new(client)
-        .args(args)
-        .output()
-        .expect("run the C++ client");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the C++ client failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("checks passed"), "{stdout}");
-    eprintln!("{stdout}");
-    stdout
+    let mut command = Command::new(client);
+    command.args(args);
+    support::run_client("C++ client", &mut command, "checks passed")
 }
 
 #[test]

@@ -38,18 +38,8 @@ fn run_client(python: &Path, server: &Inferd, token: Option<&str>) {
     if let Some(token) = token {
         cmd.arg(token);
     }
-    let out = cmd
-        .env("PYTHONPATH", "tests/interop")
-        .output()
-        .expect("run the openai client");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the openai client failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("checks passed"), "{stdout}");
-    eprintln!("{stdout}");
+    cmd.env("PYTHONPATH", "tests/interop");
+    support::run_client("openai client", &mut cmd, "checks passed");
 }
 
 #[test]

@@ -52,17 +52,7 @@ fn a_stock_typescript_client_runs_every_scenario() {
         "--idle-ttl",
         "3",
     ]);
-    let out = Command::new("node")
-        .arg(&client)
-        .arg(&server.addr)
-        .output()
-        .expect("run the TypeScript client");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the TypeScript client failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("scenarios passed"), "{stdout}");
-    eprintln!("{stdout}");
+    let mut node = Command::new("node");
+    node.arg(&client).arg(&server.addr);
+    support::run_client("TypeScript client", &mut node, "scenarios passed");
 }

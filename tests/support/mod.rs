@@ -501,3 +501,20 @@ pub fn script_output(name: &str) -> Option<String> {
             .to_owned(),
     )
 }
+
+/// Runs a client program to its end; it must exit 0 and print `done`.
+/// Returns its stdout (also shown, for the test log).
+pub fn run_client(what: &str, command: &mut std::process::Command, done: &str) -> String {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("run the {what}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the {what} failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains(done), "{stdout}");
+    eprintln!("{stdout}");
+    stdout
+}
