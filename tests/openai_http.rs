@@ -252,7 +252,15 @@ fn curl_reads_the_stream_as_server_sent_events() {
         .map(|e| serde_json::from_str(e).expect("a JSON chunk"))
         .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let usage = &chunks.last().expect("a usage chunk")["usage"];
+    // No include_usage: every chunk has a choice; the usage rides on the
+    // last one, which says why the reply finished.
+    assert!(
+        chunks.iter().all(|c| c["choices"].get(0).is_some()),
+        "{text}"
+    );
+    let last = chunks.last().expect("a last chunk");
+    assert!(!last["choices"][0]["finish_reason"].is_null(), "{text}");
+    let usage = &last["usage"];
     assert_eq!(
         usage["completion_tokens"].as_u64().map(|n| n > 0),
         Some(true)

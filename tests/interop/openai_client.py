@@ -122,6 +122,8 @@ def main():
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk", chunk
         if chunk.usage is not None:
+            # Asked for with include_usage: a chunk of its own, no choices.
+            assert not chunk.choices, chunk
             streamed_usage = chunk.usage
         for choice in chunk.choices:
             if choice.delta.role:
@@ -153,7 +155,11 @@ def main():
             model=ids[0], prompt="The three primary colors are", max_tokens=20, temperature=0,
             stream=True):
         assert chunk.object == "text_completion", chunk
+        # Without include_usage every chunk has a choice (code that reads
+        # chunk.choices[0] works), the usage rides on the finishing one.
+        assert chunk.choices, chunk
         if chunk.usage is not None:
+            assert chunk.choices[0].finish_reason, chunk
             streamed_usage = chunk.usage
         pieces.extend(c.text for c in chunk.choices)
     assert "".join(pieces) == whole_text.choices[0].text, (pieces, whole_text)

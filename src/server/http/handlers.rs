@@ -2,8 +2,10 @@
 //! the model's chat template), `POST /v1/completions` (a prompt as text or
 //! token ids), `GET /v1/models`, each answering whole or, with `stream:
 //! true`, as server-sent events (`data: {...}` chunks, then `data:
-//! [DONE]`). Every answer carries the usage counts; a streamed one in a
-//! last chunk with no choices, as OpenAI sends with `include_usage`.
+//! [DONE]`). Every answer carries the usage counts: a streamed one in a
+//! last chunk with no choices when `stream_options.include_usage` asks for
+//! it (as OpenAI sends it), otherwise on the chunk that says why it
+//! finished, so that every chunk of such a stream has a choice.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -91,7 +93,10 @@ pub const SESSION_HEADER: &str = "x-inferd-session";
 
 /// Binds the job to the session `x-inferd-session` names, if any (an id
 /// that is not one the server holds is a 404 when the request runs).
-fn bound((mut job, stream): (Job, bool), headers: &HeaderMap) -> Result<(Job, bool), ApiError> {
+fn bound(
+    (mut job, stream): (Job, Streaming),
+    headers: &HeaderMap,
+) -> Result<(Job, Streaming), ApiError> {
     if let Some(value) = headers.get(SESSION_HEADER) {
         let text = value.to_str().unwrap_or_default();
         job.session = Some(crate::runtime::SessionId::parse_or_never_issued(
@@ -101,7 +106,28 @@ fn bound((mut job, stream): (Job, bool), headers: &HeaderMap) -> Result<(Job, bo
     Ok((job, stream))
 }
 
-fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, bool), ApiError> {
+/// Whether and how a response streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Streaming {
+    Whole,
+    /// Server-sent events; `usage_chunk`: the usage in a chunk of its own.
+    Events {
+        usage_chunk: bool,
+    },
+}
+
+impl Streaming {
+    fn of(s: &Sampling) -> Streaming {
+        if !s.stream {
+            return Streaming::Whole;
+        }
+        Streaming::Events {
+            usage_chunk: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        }
+    }
+}
+
+fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     let req: ChatRequest = parse(body)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
@@ -151,12 +177,12 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, bool), ApiError> {
         }
         (_, top) => top.unwrap_or(0),
     };
-    let stream = req.sampling.stream;
+    let stream = Streaming::of(&req.sampling);
     let job = job_of(front, req.sampling, prompt, req.logprobs, top, "messages")?;
     Ok((job, stream))
 }
 
-fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, bool), ApiError> {
+fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     let req: CompletionRequest = parse(body)?;
     if req.echo {
         return Err(ApiError::invalid("echo", "echo is not supported"));
@@ -196,7 +222,7 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, bool), ApiError> 
         ));
     }
     let top = req.logprobs.unwrap_or(0);
-    let stream = req.sampling.stream;
+    let stream = Streaming::of(&req.sampling);
     let job = job_of(
         front,
         req.sampling,
@@ -357,11 +383,11 @@ impl Kind {
     }
 }
 
-async fn respond(front: Arc<Front>, job: Job, stream: bool, kind: Kind) -> Response {
+async fn respond(front: Arc<Front>, job: Job, stream: Streaming, kind: Kind) -> Response {
     let logprobs = job.logprobs;
     let rx = completion::start(Arc::clone(&front), job);
-    if stream {
-        return Sse::new(events(front, rx, kind, logprobs))
+    if let Streaming::Events { usage_chunk } = stream {
+        return Sse::new(events(front, rx, kind, logprobs, usage_chunk))
             .keep_alive(KeepAlive::default())
             .into_response();
     }
@@ -431,13 +457,15 @@ fn now() -> u64 {
 }
 
 /// A streamed answer: a chunk per piece of text, a last chunk with the
-/// finish reason, one with the usage, then `[DONE]`; an error mid-stream is
-/// sent as an `{"error": ...}` event and ends it.
+/// finish reason (and the usage, unless `usage_chunk` puts it in a chunk of
+/// its own after it), then `[DONE]`; an error mid-stream is sent as an
+/// `{"error": ...}` event and ends it.
 fn events(
     front: Arc<Front>,
     rx: tokio::sync::mpsc::Receiver<Piece>,
     kind: Kind,
     logprobs: bool,
+    usage_chunk: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let id = kind.id();
     let created = now();
@@ -487,11 +515,18 @@ fn events(
                         Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": Value::Null, "finish_reason": finish}),
                         Kind::Text => json!({"index": 0, "text": "", "logprobs": Value::Null, "finish_reason": finish}),
                     };
-                    vec![
-                        chunk(json!([last]), None),
-                        chunk(json!([]), Some(&usage)),
-                        Event::default().data("[DONE]"),
-                    ]
+                    if usage_chunk {
+                        vec![
+                            chunk(json!([last]), None),
+                            chunk(json!([]), Some(&usage)),
+                            Event::default().data("[DONE]"),
+                        ]
+                    } else {
+                        vec![
+                            chunk(json!([last]), Some(&usage)),
+                            Event::default().data("[DONE]"),
+                        ]
+                    }
                 }
                 Piece::Failed(e) => vec![Event::default().data(json!(e.body()).to_string())],
             };
