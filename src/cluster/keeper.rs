@@ -135,8 +135,6 @@ pub struct Keeper {
     held: HashMap<SessionKey, Kept>,
     detached: HashMap<WireSessionId, Detached>,
     next_since: u64,
-    /// Records appended since the last look at the log's size.
-    appended: usize,
 }
 
 impl Keeper {
@@ -171,7 +169,6 @@ impl Keeper {
             held: HashMap::new(),
             detached,
             next_since: since + 1,
-            appended: 0,
         }
     }
 
@@ -234,7 +231,6 @@ impl Keeper {
             kept.logged.hints.extend(hints.blocks.iter().cloned());
             self.dir
                 .log_blocks(&key.1, encoding, &kept.logged.chains[from..to], &hints);
-            self.appended += 1;
         }
         self.maybe_rewrite();
     }
@@ -250,7 +246,6 @@ impl Keeper {
         }
         if logged || was_detached {
             self.dir.log_cut(&key.1, 0);
-            self.appended += 1;
         }
     }
 
@@ -321,13 +316,11 @@ impl Keeper {
         let (Some(mut kept), true) = (usable, cut) else {
             let _ = kv.release();
             self.dir.log_cut(&key.1, 0);
-            self.appended += 1;
             return (None, 0);
         };
         if blocks < kept.keys.len() {
             kept.truncate(blocks);
             self.dir.log_cut(&key.1, blocks);
-            self.appended += 1;
         }
         self.held.insert(key, kept);
         (Some(kv), blocks * page)
@@ -347,17 +340,15 @@ impl Keeper {
             let _ = d.kv.release();
         }
         self.dir.log_cut(&id, 0);
-        self.appended += 1;
         true
     }
 
     /// Rewrites the log once it holds more than twice what it must (looked
-    /// at every so many records).
+    /// at only when [`StateDir::due`]: the log grew since the last look).
     fn maybe_rewrite(&mut self) {
-        if self.appended < 256 {
+        if !self.dir.due() {
             return;
         }
-        self.appended = 0;
         let needed: u64 = self
             .held
             .values()

@@ -45,6 +45,8 @@ const KIND_BLOCKS: u8 = 1;
 const KIND_CUT: u8 = 2;
 /// A log this much larger than what it must hold is rewritten.
 const COMPACT_SLACK: u64 = 1 << 20;
+/// How much the log grows between two looks at whether to rewrite it.
+const LOOK_EVERY: u64 = 64 << 10;
 
 /// What computed the pages: a log of any other shard is not used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,6 +145,8 @@ pub struct StateDir {
     identity: Identity,
     log: Option<File>,
     log_bytes: u64,
+    /// Log size at which [`StateDir::due`] says to look again.
+    next_look: u64,
     _lock: File,
 }
 
@@ -173,6 +177,7 @@ impl StateDir {
             identity,
             log: None,
             log_bytes: 0,
+            next_look: 0,
             _lock: lock,
         };
         Ok((state, opened))
@@ -222,6 +227,7 @@ impl StateDir {
             Ok((file, len)) => {
                 self.log = Some(file);
                 self.log_bytes = len;
+                self.next_look = len + LOOK_EVERY;
             }
             Err(e) => {
                 tracing::error!(path = %path.display(), error = %e, "cannot write the shard's page log: pages will not be kept past a restart");
@@ -254,9 +260,16 @@ impl StateDir {
         self.append(&record);
     }
 
+    /// Whether the log grew enough since the last look to be worth
+    /// comparing with what it must hold.
+    pub fn due(&self) -> bool {
+        self.log.is_some() && self.log_bytes >= self.next_look
+    }
+
     /// Whether the log holds more than twice `needed` bytes (plus slack):
     /// time to [`StateDir::rewrite`] it.
-    pub fn wants_rewrite(&self, needed: u64) -> bool {
+    pub fn wants_rewrite(&mut self, needed: u64) -> bool {
+        self.next_look = self.log_bytes + LOOK_EVERY;
         self.log.is_some() && self.log_bytes > 2 * needed + COMPACT_SLACK
     }
 
@@ -526,6 +539,29 @@ mod tests {
         let (_state, opened) = StateDir::open(dir, identity()).expect("opens");
         assert_eq!(opened.damaged_at, Some(second));
         assert_eq!(opened.sessions[&a].hints[0][0].page, 5);
+    }
+
+    #[test]
+    fn the_log_is_looked_at_again_only_once_it_grew() {
+        let temp = temp_dir();
+        let (mut state, _) = StateDir::open(temp.path(), identity()).expect("opens");
+        assert!(!state.due(), "no log yet");
+        state.rewrite(std::iter::empty());
+        assert!(!state.due(), "just rewritten");
+        let a = [1u8; 16];
+        let mut block = 0;
+        while !state.due() {
+            state.log_blocks(&a, Encoding::F32, &[block], &hints(block as u32, &[5]));
+            block += 1;
+        }
+        assert!(state.log_bytes >= LOOK_EVERY, "{} bytes", state.log_bytes);
+        // Small next to what it must hold: kept, and not looked at again
+        // until it grows once more.
+        assert!(!state.wants_rewrite(state.log_bytes));
+        assert!(!state.due());
+        // Under the slack a log is kept even when it must hold nothing.
+        assert!(state.log_bytes < COMPACT_SLACK);
+        assert!(!state.wants_rewrite(0));
     }
 
     #[test]
