@@ -69,7 +69,7 @@ pub async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = body_of(body).and_then(|body| chat_job(&front, &body));
-    match job.and_then(|job| bound(job, &headers)) {
+    match job.map(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, job, stream, Kind::Chat).await,
         Err(e) => e.into_response(),
     }
@@ -82,7 +82,7 @@ pub async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = body_of(body).and_then(|body| completion_job(&front, &body));
-    match job.and_then(|job| bound(job, &headers)) {
+    match job.map(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, job, stream, Kind::Text).await,
         Err(e) => e.into_response(),
     }
@@ -93,17 +93,14 @@ pub const SESSION_HEADER: &str = "x-inferd-session";
 
 /// Binds the job to the session `x-inferd-session` names, if any (an id
 /// that is not one the server holds is a 404 when the request runs).
-fn bound(
-    (mut job, stream): (Job, Streaming),
-    headers: &HeaderMap,
-) -> Result<(Job, Streaming), ApiError> {
+fn bound((mut job, stream): (Job, Streaming), headers: &HeaderMap) -> (Job, Streaming) {
     if let Some(value) = headers.get(SESSION_HEADER) {
         let text = value.to_str().unwrap_or_default();
         job.session = Some(crate::runtime::SessionId::parse_or_never_issued(
             text.trim(),
         ));
     }
-    Ok((job, stream))
+    (job, stream)
 }
 
 /// Whether and how a response streams.
