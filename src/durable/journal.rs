@@ -24,8 +24,19 @@
 //! full pages (blocks of `page_positions` positions) lies in the state
 //! directory's page file, each page with a checksum that binds its bytes to
 //! the tokens up to its end (see `pages.rs`). It replaces the hints from its
-//! first block on. Hints are written without waiting for the disk: a lost
-//! or stale one only means that page is computed again.
+//! first block on. Hints and digests are written without waiting for the
+//! disk, so they live in a file of their own beside the journal
+//! (`hints.rs`): a journal holds only records that were synced in order,
+//! and a hint lost, torn or stale only means that page is computed again.
+//! Journals written before that split hold kinds 3 and 4 too; they are
+//! still read.
+//!
+//! A bad record (cut short, failing its checksum, or misshapen) with no
+//! record that passes its checks anywhere after it is a torn tail: what a
+//! crash or a power cut leaves at the end of a file (a write cut short,
+//! zeros from a block the file system allocated but never filled, garbage).
+//! It is dropped. A bad record followed by a good one is damage in the
+//! middle: the history after it is unknown and the journal is refused.
 
 use thiserror::Error;
 
@@ -250,6 +261,23 @@ pub(crate) fn next_record<'a>(r: &mut Reader<'a>) -> NextRecord<'a> {
     }
 }
 
+/// Whether a record that passes every check (framing, checksum, and the
+/// shape `decode` asks of its kind) begins anywhere in `bytes[from..]`.
+/// After a bad record, none means the rest is a torn tail; one means the
+/// bad record is damage in the middle. A random position passes the
+/// length's complement check once in 2^32, so the scan costs about one
+/// comparison per byte.
+pub(crate) fn good_record_after<T>(
+    bytes: &[u8],
+    from: usize,
+    decode: impl Fn(u8, &[u8]) -> Option<T>,
+) -> bool {
+    (from..bytes.len()).any(|at| {
+        let mut r = Reader { bytes, at };
+        matches!(next_record(&mut r), NextRecord::Record(kind, payload) if decode(kind, payload).is_some())
+    })
+}
+
 /// Reads little-endian words off a byte slice.
 pub(crate) struct Reader<'a> {
     pub(crate) bytes: &'a [u8],
@@ -319,9 +347,10 @@ fn parse_header(r: &mut Reader<'_>) -> Result<Header, JournalError> {
 }
 
 /// Replays a journal: its header and the history its records add up to. A
-/// record that is cut short or fails its checksum is a torn tail when
-/// nothing follows it (dropped, and reported in `torn_bytes`), and damage
-/// (the whole journal refused) when more bytes do.
+/// record that is cut short, fails its checksum or is misshapen is a torn
+/// tail when no good record follows it (dropped with everything after it,
+/// and reported in `torn_bytes`), and damage (the whole journal refused)
+/// when one does.
 pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
     let mut r = Reader { bytes, at: 0 };
     let header = parse_header(&mut r)?;
@@ -342,8 +371,7 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
         };
         let record = match next_record(&mut r) {
             NextRecord::End => break,
-            NextRecord::Torn => return Ok(torn(history, hints, header)),
-            NextRecord::Damaged => return Err(JournalError::DamagedRecord { offset: start }),
+            NextRecord::Torn | NextRecord::Damaged => None,
             NextRecord::Record(kind, payload) => decode_body(kind, payload),
         };
         match record {
@@ -366,8 +394,10 @@ pub fn replay(bytes: &[u8]) -> Result<Replayed, JournalError> {
                     hints.extend(run.blocks);
                 }
             }
-            None if r.at == bytes.len() => return Ok(torn(history, hints, header)),
-            None => return Err(JournalError::DamagedRecord { offset: start }),
+            None if good_record_after(bytes, start + 1, decode_body) => {
+                return Err(JournalError::DamagedRecord { offset: start })
+            }
+            None => return Ok(torn(history, hints, header)),
         }
     }
     Ok(Replayed {
@@ -486,6 +516,59 @@ mod tests {
         let mut flipped = whole.clone();
         *flipped.last_mut().unwrap() ^= 1;
         assert_eq!(replay(&flipped).unwrap().history, vec![1, 2]);
+    }
+
+    /// Tails a crash or a power cut leaves, of every length up to a page:
+    /// zeros (blocks allocated and never filled), garbage, and a record
+    /// cut short. Each is dropped and the history before it kept.
+    #[test]
+    fn any_tail_with_no_good_record_in_it_is_torn_and_dropped() {
+        use rand::{Rng, SeedableRng};
+        let whole = journal(&[Record::Append(vec![1, 2]), Record::Append(vec![3, 4, 5])]);
+        let next = encode_record(&Record::Append((0..2000).collect()));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(28);
+        for n in 1..=4096 {
+            let random: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+            let tails = [vec![0u8; n], random, next[..n.min(next.len() - 1)].to_vec()];
+            for (kind, tail) in ["zeros", "random", "a cut record"].iter().zip(tails) {
+                let mut bytes = whole.clone();
+                bytes.extend_from_slice(&tail);
+                let got = replay(&bytes).unwrap_or_else(|e| panic!("{kind} x{n}: {e}"));
+                assert_eq!(got.history, vec![1, 2, 3, 4, 5], "{kind} x{n}");
+                assert_eq!((got.good_len, got.torn_bytes), (whole.len(), tail.len()));
+            }
+        }
+        // The last record zeroed in place, and a torn write padded with
+        // zeros to the end of its 4 KiB block.
+        let last = encode_record(&Record::Append(vec![3, 4, 5])).len();
+        let mut zeroed = whole.clone();
+        let end = zeroed.len();
+        zeroed[end - last..].fill(0);
+        assert_eq!(replay(&zeroed).unwrap().history, vec![1, 2]);
+        let mut padded = whole.clone();
+        padded.extend_from_slice(&next[..100]);
+        padded.resize(4096, 0);
+        let got = replay(&padded).unwrap();
+        assert_eq!((got.history.len(), got.good_len), (5, whole.len()));
+    }
+
+    #[test]
+    fn a_bad_record_with_a_good_one_anywhere_after_it_is_damage() {
+        let first = journal(&[Record::Append(vec![1, 2])]);
+        let good = encode_record(&Record::Append(vec![9]));
+        for gap in [0usize, 1, 12, 13, 100, 4000] {
+            let mut bytes = first.clone();
+            bytes.extend(std::iter::repeat_n(0u8, gap.max(1)));
+            bytes.extend(&good);
+            bytes.extend([0u8; 7]);
+            assert_eq!(
+                replay(&bytes),
+                Err(JournalError::DamagedRecord {
+                    offset: first.len()
+                }),
+                "gap {gap}"
+            );
+        }
     }
 
     #[test]
