@@ -10,11 +10,14 @@
 //! file there too ([`pages`]): a restart takes back every page whose bytes
 //! still verify and computes only the rest.
 
+mod health;
+pub mod hints;
 pub mod journal;
 pub mod pages;
 pub mod spill;
 mod store;
 
+pub use health::{HealthListener, StateHealth, PROBE_INTERVAL};
 pub use store::{
     Durability, JournalFile, Recovered, Refused, SessionStore, StoreError, BATCH_WINDOW,
 };

@@ -271,7 +271,6 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::durable::journal::Record;
     use crate::durable::{Durability, SessionStore};
     use crate::kv::{KvBacking, KvLayout, KvPoolConfig};
     use crate::runtime::SessionId;
@@ -326,7 +325,7 @@ mod tests {
         let full = history.len() / PAGE;
         let chain = chain(history, PAGE, full);
         for hints in hint_records(&kv, &chain, 0).expect("all committed") {
-            journal.append(&Record::Pages(hints)).unwrap();
+            journal.hint_pages(&hints).unwrap();
         }
         kv
     }

@@ -8,17 +8,27 @@
 //!
 //! The directory is locked (`DIR/lock`) for as long as the store is open,
 //! so two servers never write one directory.
+//!
+//! A write that fails (a full disk, an I/O error, a failed sync) is taken
+//! back before the error goes to the caller: the file is cut back to its
+//! last whole record, and since a failed sync may have let the kernel drop
+//! what it held unwritten, the journal's next change rewrites it whole from
+//! the history in memory. The failure is reported to [`StateHealth`].
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use thiserror::Error;
 
-use super::journal::{self, Header, JournalError, PageHint, Record};
+use super::health::StateHealth;
+use super::hints::{self, HintsFile};
+use super::journal::{self, Header, JournalError, PageHint, PageHints, Record};
 use crate::runtime::SessionId;
 
 /// How long `batch` durability lets writes wait for their flush.
@@ -77,9 +87,13 @@ pub struct Recovered {
     pub torn_bytes: usize,
 }
 
+/// A journal written and waiting for the `batch` flusher, with the flag
+/// that tells its journal a flush failed.
+type PendingFlush = (Arc<File>, Arc<AtomicBool>);
+
 /// Flushes written journals in groups (`batch`).
 struct Flusher {
-    pending: Mutex<(Vec<Arc<File>>, bool)>,
+    pending: Mutex<(Vec<PendingFlush>, bool)>,
     wake: Condvar,
 }
 
@@ -88,17 +102,19 @@ struct Shared {
     dir: PathBuf,
     durability: Durability,
     flusher: Option<Arc<Flusher>>,
+    health: Arc<StateHealth>,
 }
 
 impl Shared {
-    /// Makes `file`'s writes durable as the policy says.
-    fn commit(&self, file: &Arc<File>) -> std::io::Result<()> {
+    /// Makes `file`'s writes durable as the policy says (`flush_failed` is
+    /// set if a later `batch` flush of it fails).
+    fn commit(&self, file: &Arc<File>, flush_failed: &Arc<AtomicBool>) -> std::io::Result<()> {
         match self.durability {
             Durability::Sync => file.sync_data(),
             Durability::Batch => {
                 if let Some(flusher) = &self.flusher {
                     let mut pending = flusher.pending.lock().unwrap_or_else(|p| p.into_inner());
-                    pending.0.push(Arc::clone(file));
+                    pending.0.push((Arc::clone(file), Arc::clone(flush_failed)));
                     flusher.wake.notify_one();
                 }
                 Ok(())
@@ -125,6 +141,13 @@ pub struct JournalFile {
     header: Vec<u8>,
     /// Bytes in the file (whole records only).
     len: u64,
+    /// A write or sync failed: what is on disk is not known to be the
+    /// history, so the next change writes the file whole.
+    rewrite_next: bool,
+    /// Set by the `batch` flusher when a flush of this file failed.
+    flush_failed: Arc<AtomicBool>,
+    /// The page hints and digests beside it.
+    hints: HintsFile,
     shared: Arc<SharedHandle>,
 }
 
@@ -138,67 +161,122 @@ impl std::fmt::Debug for SharedHandle {
 }
 
 impl JournalFile {
-    /// Adds a record, durable as the store's policy says. A reset holds the
-    /// whole history, so nothing before it is needed any more: the file is
-    /// replaced (a new file renamed over it) by the header and the reset
-    /// alone, which keeps a journal within about twice its history however
-    /// often a long session's window moves.
-    pub fn append(&mut self, record: &Record) -> std::io::Result<()> {
-        if let Record::Reset(_) = record {
-            return self.rewrite(record);
-        }
-        let bytes = journal::encode_record(record);
-        (&*self.file).write_all(&bytes)?;
-        self.len += bytes.len() as u64;
-        match record {
-            // A hint is never waited for: losing one costs a recompute.
-            Record::Pages(_) | Record::Digest(_) => Ok(()),
-            _ => self.shared.0.commit(&self.file),
-        }
-    }
-
-    /// Bytes in the file: what a caller weighs against what the history
-    /// needs, to rewrite a journal that hints made long.
-    pub fn file_bytes(&self) -> u64 {
-        self.len
-    }
-
-    fn rewrite(&mut self, reset: &Record) -> std::io::Result<()> {
-        let mut tmp = self.path.clone().into_os_string();
-        tmp.push(".new");
-        let tmp = PathBuf::from(tmp);
-        let written = (|| {
-            let mut file = OpenOptions::new()
-                .create(true)
-                .truncate(true)
-                .write(true)
-                .open(&tmp)?;
-            file.write_all(&self.header)?;
-            file.write_all(&journal::encode_record(reset))?;
-            if self.shared.0.durability == Durability::Sync {
-                file.sync_data()?;
-            }
-            std::fs::rename(&tmp, &self.path)?;
-            OpenOptions::new().append(true).open(&self.path)
-        })();
-        match written {
-            Ok(file) => {
-                self.file = Arc::new(file);
-                self.len = (self.header.len() + journal::encode_record(reset).len()) as u64;
-                if self.shared.0.durability == Durability::Batch {
-                    self.shared.0.commit(&self.file)?;
-                }
-                self.shared.0.commit_dir()
+    /// Adds a history record, durable as the store's policy says;
+    /// `history` is the whole history with the record applied. A reset
+    /// holds the whole history, so nothing before it is needed any more:
+    /// the file is replaced (a new file renamed over it) by the header and
+    /// the reset alone, which keeps a journal within about twice its
+    /// history however often a long session's window moves. So is a
+    /// journal whose last write or flush failed.
+    ///
+    /// On an error nothing of the record stays in the file (unless cutting
+    /// it back failed too; then the next change rewrites the file before
+    /// anything can follow it), and the caller must not acknowledge the
+    /// change.
+    pub fn append(&mut self, record: &Record, history: &[u32]) -> std::io::Result<()> {
+        let flush_failed = self.flush_failed.swap(false, Ordering::AcqRel);
+        let result = if flush_failed || self.rewrite_next || matches!(record, Record::Reset(_)) {
+            self.rewrite(history)
+        } else {
+            self.add(record)
+        };
+        match &result {
+            Ok(()) => {
+                self.rewrite_next = false;
+                self.shared.0.health.succeeded();
             }
             Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
+                self.rewrite_next = true;
+                self.shared.0.health.failed("writing a session journal", e);
+            }
+        }
+        result
+    }
+
+    /// Appends one record and commits it; on an error, cuts the file back.
+    fn add(&mut self, record: &Record) -> std::io::Result<()> {
+        let bytes = journal::encode_record(record);
+        let written = (&*self.file)
+            .write_all(&bytes)
+            .and_then(|()| self.shared.0.commit(&self.file, &self.flush_failed));
+        match written {
+            Ok(()) => {
+                self.len += bytes.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                // A restart must not read back a change the caller is told
+                // failed (a kill leaves the page cache as it is).
+                let _ = self.file.set_len(self.len);
                 Err(e)
             }
         }
     }
 
+    /// Bytes in the file.
+    pub fn file_bytes(&self) -> u64 {
+        self.len
+    }
+
+    /// Records where full pages of the history lie (a hint: not synced,
+    /// and losing it costs only a recompute).
+    pub fn hint_pages(&mut self, hints: &PageHints) -> std::io::Result<()> {
+        self.hints.pages(hints)
+    }
+
+    /// Records the logits digest of `history` (a hint, like pages).
+    pub fn hint_digest(&mut self, history: &[u32], digest: u64) -> std::io::Result<()> {
+        self.hints.digest(history, digest)
+    }
+
+    /// Bytes of hints written since they were last cleared.
+    pub fn hint_bytes(&self) -> u64 {
+        self.hints.file_bytes()
+    }
+
+    /// Throws the hints away: the next ones start afresh.
+    pub fn clear_hints(&mut self) {
+        self.hints.clear();
+    }
+
+    fn rewrite(&mut self, history: &[u32]) -> std::io::Result<()> {
+        let mut tmp = self.path.clone().into_os_string();
+        tmp.push(".new");
+        let tmp = PathBuf::from(tmp);
+        let reset = journal::encode_record(&Record::Reset(history.to_vec()));
+        let written = (|| {
+            let mut file = create_file(&tmp)?;
+            file.write_all(&self.header)?;
+            file.write_all(&reset)?;
+            if self.shared.0.durability == Durability::Sync {
+                file.sync_data()?;
+            }
+            std::fs::rename(&tmp, &self.path)?;
+            OpenOptions::new()
+                .append(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&self.path)
+        })();
+        let file = match written {
+            Ok(file) => file,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        self.file = Arc::new(file);
+        self.len = (self.header.len() + reset.len()) as u64;
+        // The hints described the history the file held before.
+        self.hints.clear();
+        if self.shared.0.durability == Durability::Batch {
+            self.shared.0.commit(&self.file, &self.flush_failed)?;
+        }
+        self.shared.0.commit_dir()
+    }
+
     /// Deletes the journal: the session is gone for good.
-    pub fn remove(self) -> std::io::Result<()> {
+    pub fn remove(mut self) -> std::io::Result<()> {
+        self.hints.clear();
         std::fs::remove_file(&self.path)?;
         self.shared.0.commit_dir()
     }
@@ -206,6 +284,18 @@ impl JournalFile {
     /// Closes the journal and leaves it on disk (the session goes on
     /// existing there, to be restored by a later start).
     pub fn keep(self) {}
+}
+
+/// Creates (or empties) a file of the state directory, readable by its
+/// owner alone and never through a symbolic link.
+fn create_file(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
 }
 
 /// The state directory's journals.
@@ -216,6 +306,7 @@ pub struct SessionStore {
     model_sha256: [u8; 32],
     _lock: File,
     flusher_thread: Option<JoinHandle<()>>,
+    probe_thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for SessionStore {
@@ -258,34 +349,48 @@ impl SessionStore {
                 wake: Condvar::new(),
             })
         });
+        let health = StateHealth::new();
         let flusher_thread = match &flusher {
             Some(f) => {
                 let f = Arc::clone(f);
+                let health = Arc::clone(&health);
                 Some(
                     std::thread::Builder::new()
                         .name("inferd-journal-flush".into())
-                        .spawn(move || flush_loop(&f))
+                        .spawn(move || flush_loop(&f, &health))
                         .map_err(io_error(dir))?,
                 )
             }
             None => None,
         };
+        let probe_thread = Some(
+            health
+                .start_probe(sessions.clone())
+                .map_err(io_error(dir))?,
+        );
         Ok(SessionStore {
             shared: Arc::new(SharedHandle(Shared {
                 dir: sessions,
                 durability,
                 flusher,
+                health,
             })),
             root: dir.to_owned(),
             model_sha256,
             _lock: lock,
             flusher_thread,
+            probe_thread,
         })
     }
 
     /// The durability policy in force.
     pub fn durability(&self) -> Durability {
         self.shared.0.durability
+    }
+
+    /// Whether the directory takes writes right now.
+    pub fn health(&self) -> &Arc<StateHealth> {
+        &self.shared.0.health
     }
 
     /// Where a spilled session's KV pages are written out.
@@ -303,8 +408,14 @@ impl SessionStore {
         self.shared.0.dir.join(format!("{id}.journal"))
     }
 
+    fn hints_of(&self, id: SessionId) -> HintsFile {
+        let path = self.shared.0.dir.join(format!("{id}.hints"));
+        HintsFile::new(path, id.bytes(), 0)
+    }
+
     /// Starts the journal of a new session (with `history` as its first
-    /// record when it has one: a fork).
+    /// record when it has one: a fork). Refused at once, with the last
+    /// failure's reason, while the directory is failing writes.
     pub fn create(
         &self,
         id: SessionId,
@@ -312,11 +423,16 @@ impl SessionStore {
         eos: &[u32],
         history: &[u32],
     ) -> std::io::Result<JournalFile> {
+        let health = &self.shared.0.health;
+        health.check().map_err(std::io::Error::other)?;
         let path = self.path_of(id);
         let file = OpenOptions::new()
             .create_new(true)
             .append(true)
-            .open(&path)?;
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .inspect_err(|e| health.failed("creating a session journal", e))?;
         let header = journal::encode_header(&Header {
             model_sha256: self.model_sha256,
             session: id.bytes(),
@@ -334,14 +450,21 @@ impl SessionStore {
             path,
             header,
             len: bytes.len() as u64,
+            rewrite_next: false,
+            flush_failed: Arc::new(AtomicBool::new(false)),
+            hints: self.hints_of(id),
             shared: Arc::clone(&self.shared),
         };
         let committed = written
-            .and_then(|()| self.shared.0.commit(&journal.file))
+            .and_then(|()| self.shared.0.commit(&journal.file, &journal.flush_failed))
             .and_then(|()| self.shared.0.commit_dir());
         match committed {
-            Ok(()) => Ok(journal),
+            Ok(()) => {
+                health.succeeded();
+                Ok(journal)
+            }
             Err(e) => {
+                health.failed("creating a session journal", &e);
                 let _ = journal.remove();
                 Err(e)
             }
@@ -374,6 +497,13 @@ impl SessionStore {
         {
             let _ = std::fs::remove_file(unfinished);
         }
+        // Hints of a session whose journal is gone (or refused) describe
+        // nothing.
+        for orphan in all.iter().filter(|p| {
+            p.extension().is_some_and(|x| x == "hints") && !p.with_extension("journal").exists()
+        }) {
+            let _ = std::fs::remove_file(orphan);
+        }
         let mut paths: Vec<PathBuf> = all
             .into_iter()
             .filter(|p| p.extension().is_some_and(|x| x == "journal"))
@@ -386,6 +516,7 @@ impl SessionStore {
                     let mut kept = path.clone().into_os_string();
                     kept.push(".refused");
                     let _ = std::fs::rename(&path, &kept);
+                    let _ = std::fs::remove_file(path.with_extension("hints"));
                     refused.push(Refused { path, reason });
                 }
             }
@@ -438,20 +569,43 @@ impl SessionStore {
         }
         let file = OpenOptions::new()
             .append(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| format!("cannot open for writing: {e}"))?;
+        // A torn tail is cut off before anything is appended after it (it
+        // would turn into damage in the middle). Cutting it may need no
+        // space, but if it fails the session still comes back: its next
+        // change rewrites the file whole.
+        let mut rewrite_next = false;
         if replayed.torn_bytes > 0 {
-            file.set_len(replayed.good_len as u64)
+            if let Err(e) = file
+                .set_len(replayed.good_len as u64)
                 .and_then(|()| file.sync_data())
-                .map_err(|e| format!("cannot cut the torn tail: {e}"))?;
+            {
+                tracing::warn!(journal = %path.display(), "cannot cut the torn tail yet: {e}");
+                rewrite_next = true;
+            }
         }
+        // Hints and the digest: from the file beside the journal, or, for a
+        // journal written before they moved there, from the journal.
+        let mut hints_file = self.hints_of(id);
+        let (hints, digest) = match std::fs::read(path.with_extension("hints")) {
+            Ok(side) => {
+                let hinted = hints::read(&side, &id.bytes());
+                let digest = hinted.digest_of(&replayed.history);
+                hints_file =
+                    HintsFile::new(path.with_extension("hints"), id.bytes(), side.len() as u64);
+                (hinted.hints, digest)
+            }
+            Err(_) => (replayed.hints, replayed.digest),
+        };
         Ok(Recovered {
             id,
             label: header.label.clone(),
             eos: header.eos.clone(),
             history: replayed.history,
-            hints: replayed.hints,
-            digest: replayed.digest,
+            hints,
+            digest,
             spill: None,
             pages: Vec::new(),
             journal: JournalFile {
@@ -459,6 +613,9 @@ impl SessionStore {
                 path: path.to_owned(),
                 header: bytes[..replayed.header_len].to_vec(),
                 len: replayed.good_len as u64,
+                rewrite_next,
+                flush_failed: Arc::new(AtomicBool::new(false)),
+                hints: hints_file,
                 shared: Arc::clone(&self.shared),
             },
             torn_bytes: replayed.torn_bytes,
@@ -468,6 +625,10 @@ impl SessionStore {
 
 impl Drop for SessionStore {
     fn drop(&mut self) {
+        self.shared.0.health.stop_probe();
+        if let Some(thread) = self.probe_thread.take() {
+            let _ = thread.join();
+        }
         if let Some(flusher) = &self.shared.0.flusher {
             let mut pending = flusher.pending.lock().unwrap_or_else(|p| p.into_inner());
             pending.1 = true;
@@ -480,8 +641,11 @@ impl Drop for SessionStore {
 }
 
 /// The `batch` flusher: waits for written journals, lets a window's worth
-/// gather, and syncs each once.
-fn flush_loop(flusher: &Flusher) {
+/// gather, and syncs each once. A sync that fails cannot be retried (the
+/// kernel may have dropped what it could not write): the journal is told,
+/// and its next change rewrites it whole; until then the changes of that
+/// window survive a killed process but not a power cut.
+fn flush_loop(flusher: &Flusher, health: &StateHealth) {
     loop {
         let (files, stop) = {
             let mut pending = flusher.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -494,14 +658,18 @@ fn flush_loop(flusher: &Flusher) {
             (std::mem::take(&mut pending.0), pending.1)
         };
         let mut seen: Vec<*const File> = Vec::new();
-        for file in &files {
+        for (file, failed) in &files {
             let key = Arc::as_ptr(file);
             if seen.contains(&key) {
                 continue;
             }
             seen.push(key);
-            if let Err(e) = file.sync_data() {
-                tracing::error!("flushing a session journal: {e}");
+            match file.sync_data() {
+                Ok(()) => health.succeeded(),
+                Err(e) => {
+                    failed.store(true, Ordering::Release);
+                    health.failed("flushing a session journal", &e);
+                }
             }
         }
         if stop {
@@ -523,16 +691,25 @@ mod tests {
     fn journals_come_back_and_a_reset_rewrites_the_file_to_itself() {
         let dir = tempfile::tempdir().unwrap();
         let id = SessionId::random().unwrap();
+        let hint = |page| -> Box<[PageHint]> { [PageHint { page, checksum: 9 }].into() };
         for durability in [Durability::Sync, Durability::Batch, Durability::None] {
             let path = {
                 let store = store(dir.path(), durability);
                 let mut journal = store.create(id, "l", &[2], &[]).unwrap();
+                let mut history = Vec::new();
                 for k in 0..50u32 {
-                    journal.append(&Record::Append(vec![k, k + 1])).unwrap();
+                    history.extend([k, k + 1]);
+                    journal
+                        .append(&Record::Append(vec![k, k + 1]), &history)
+                        .unwrap();
                 }
                 let grown = std::fs::metadata(&journal.path).unwrap().len();
-                journal.append(&Record::Reset(vec![7, 8, 9])).unwrap();
-                journal.append(&Record::Append(vec![10])).unwrap();
+                journal
+                    .append(&Record::Reset(vec![7, 8, 9]), &[7, 8, 9])
+                    .unwrap();
+                journal
+                    .append(&Record::Append(vec![10]), &[7, 8, 9, 10])
+                    .unwrap();
                 let expected = journal.header.len()
                     + journal::encode_record(&Record::Reset(vec![7, 8, 9])).len()
                     + journal::encode_record(&Record::Append(vec![10])).len();
@@ -540,20 +717,17 @@ mod tests {
                 assert_eq!(now as usize, expected);
                 assert!(now < grown);
                 assert_eq!(journal.file_bytes(), now);
+                // Hints and digests go beside the journal, not into it.
                 journal
-                    .append(&Record::Pages(journal::PageHints {
+                    .hint_pages(&PageHints {
                         first_block: 0,
                         n_layers: 1,
-                        blocks: vec![[PageHint {
-                            page: 4,
-                            checksum: 9,
-                        }]
-                        .into()],
-                    }))
+                        blocks: vec![hint(4)],
+                    })
                     .unwrap();
-                let hinted = std::fs::metadata(&journal.path).unwrap().len();
-                assert_eq!(journal.file_bytes(), hinted);
-                assert!(hinted > now);
+                journal.hint_digest(&[7, 8, 9, 10], 1234).unwrap();
+                assert_eq!(std::fs::metadata(&journal.path).unwrap().len(), now);
+                assert!(journal.hint_bytes() > 0);
                 journal.path.clone()
             };
             // A rewrite cut off before its rename leaves a stray file.
@@ -567,14 +741,8 @@ mod tests {
             let session = back.pop().unwrap();
             assert_eq!(session.id, id);
             assert_eq!(session.history, vec![7, 8, 9, 10]);
-            assert_eq!(
-                session.hints,
-                vec![[PageHint {
-                    page: 4,
-                    checksum: 9
-                }]
-                .into()]
-            );
+            assert_eq!(session.hints, vec![hint(4)]);
+            assert_eq!(session.digest, Some(1234));
             assert_eq!(
                 session.journal.file_bytes(),
                 std::fs::metadata(&path).unwrap().len()
@@ -585,7 +753,87 @@ mod tests {
             );
             assert!(!PathBuf::from(stray).exists());
             session.journal.remove().unwrap();
+            assert!(!path.with_extension("hints").exists());
         }
+    }
+
+    /// Hints written unsynced and then lost, torn or garbled never cost
+    /// the history: the journal comes back whole, the hints up to the
+    /// damage.
+    #[test]
+    fn damaged_hints_cost_only_the_hints() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = SessionId::random().unwrap();
+        let path = {
+            let store = store(dir.path(), Durability::Sync);
+            let mut journal = store.create(id, "l", &[], &[]).unwrap();
+            journal
+                .append(&Record::Append(vec![1, 2]), &[1, 2])
+                .unwrap();
+            journal
+                .hint_pages(&PageHints {
+                    first_block: 0,
+                    n_layers: 1,
+                    blocks: vec![[PageHint {
+                        page: 3,
+                        checksum: 4,
+                    }]
+                    .into()],
+                })
+                .unwrap();
+            journal.hint_digest(&[1, 2], 77).unwrap();
+            journal.path.clone()
+        };
+        let side = path.with_extension("hints");
+        let mut bytes = std::fs::read(&side).unwrap();
+        let n = bytes.len();
+        bytes[n - 5] ^= 0xff;
+        bytes.extend([0u8; 300]);
+        std::fs::write(&side, &bytes).unwrap();
+        let store = store(dir.path(), Durability::Sync);
+        let (back, refused) = store.recover(100, 100);
+        assert!(refused.is_empty());
+        assert_eq!(back[0].history, vec![1, 2]);
+        assert_eq!(back[0].hints.len(), 1);
+        assert_eq!(back[0].digest, None);
+    }
+
+    /// A write the disk refused is taken back: the file holds what it held
+    /// before, the directory is reported failing (new journals refused with
+    /// the reason), and the next change writes the journal whole.
+    #[test]
+    fn a_failed_write_leaves_the_file_as_it_was_and_the_next_change_rewrites_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = SessionId::random().unwrap();
+        let store = store(dir.path(), Durability::Sync);
+        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        journal
+            .append(&Record::Append(vec![1, 2]), &[1, 2])
+            .unwrap();
+        let before = std::fs::read(&journal.path).unwrap();
+        // A file that takes no writes stands for a disk that takes none.
+        let good = std::mem::replace(
+            &mut journal.file,
+            Arc::new(File::open(&journal.path).unwrap()),
+        );
+        assert!(journal
+            .append(&Record::Append(vec![3]), &[1, 2, 3])
+            .is_err());
+        assert_eq!(std::fs::read(&journal.path).unwrap(), before);
+        assert!(store.health().check().is_err());
+        let other = SessionId::random().unwrap();
+        assert!(store.create(other, "x", &[], &[]).is_err());
+        journal.file = good;
+        journal
+            .append(&Record::Append(vec![4]), &[1, 2, 4])
+            .unwrap();
+        assert!(store.health().check().is_ok());
+        // Written whole: the header and one reset.
+        let now = std::fs::read(&journal.path).unwrap();
+        let reset = journal::encode_record(&Record::Reset(vec![1, 2, 4]));
+        assert_eq!(now.len(), journal.header.len() + reset.len());
+        assert_eq!(journal::replay(&now).unwrap().history, vec![1, 2, 4]);
+        assert_eq!(store.health().failures(), 1);
     }
 
     #[test]

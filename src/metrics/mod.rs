@@ -238,9 +238,23 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     e.single(
         "session_journal_failures_total",
         "counter",
-        "Session journal writes that failed; each such session went on without a journal.",
+        "Session journal writes that failed; each such call was undone and failed UNAVAILABLE.",
         stats.journal_failures,
     );
+    if let Some(writable) = stats.state_dir_writable {
+        e.single(
+            "state_dir_writable",
+            "gauge",
+            "1 while the state directory takes writes; 0 while it fails them (durable work refused).",
+            u8::from(writable),
+        );
+        e.single(
+            "state_dir_write_failures_total",
+            "counter",
+            "Writes, syncs and batch flushes to the state directory that failed.",
+            stats.state_dir_write_failures,
+        );
+    }
     e.single(
         "session_restore_refused_total",
         "counter",
@@ -494,6 +508,8 @@ mod tests {
             restore_digest_mismatches: 1,
             sessions_spilled: 6,
             journal_failures: 1,
+            state_dir_writable: Some(false),
+            state_dir_write_failures: 4,
             spilled_now: 2,
             spill_bytes: 1 << 20,
             spill_read_tokens: 992,
@@ -722,6 +738,8 @@ mod tests {
         assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
         assert_eq!(get("inferd_session_spilled_total", &[]), 6.0);
         assert_eq!(get("inferd_session_journal_failures_total", &[]), 1.0);
+        assert_eq!(get("inferd_state_dir_writable", &[]), 0.0);
+        assert_eq!(get("inferd_state_dir_write_failures_total", &[]), 4.0);
         assert_eq!(get("inferd_session_spilled", &[]), 2.0);
         assert_eq!(get("inferd_prefix_entries", &[]), 5.0);
         assert_eq!(get("inferd_prefix_cached_pages", &[]), 4.0);

@@ -50,6 +50,10 @@ pub enum RuntimeError {
     /// A bug reached the top; the message says where.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The state directory did not take the call's change (a full or
+    /// failing disk): the change is undone and nothing was kept.
+    #[error("not made durable, nothing changed: {0}")]
+    NotDurable(String),
     /// A shard of a split model failed this step (`inferd serve --shards`):
     /// the status says how, the message names the shard. The session is
     /// kept and rebuilt on the shards on its next call unless the message
@@ -67,7 +71,7 @@ impl RuntimeError {
             RuntimeError::ResourceExhausted { .. } => StatusKind::ResourceExhausted,
             RuntimeError::FailedPrecondition(_) => StatusKind::FailedPrecondition,
             RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
-            RuntimeError::Unavailable => StatusKind::Unavailable,
+            RuntimeError::Unavailable | RuntimeError::NotDurable(_) => StatusKind::Unavailable,
             RuntimeError::Internal(_) => StatusKind::Internal,
             RuntimeError::Shard { status, .. } => *status,
         }

@@ -474,6 +474,8 @@ impl Runtime {
             restore_digest_mismatches: load(&c.restore_digest_mismatches),
             sessions_spilled: load(&c.sessions_spilled),
             journal_failures: load(&c.journal_failures),
+            state_dir_writable: self.cfg.state.as_ref().map(|s| s.health().writable()),
+            state_dir_write_failures: self.cfg.state.as_ref().map_or(0, |s| s.health().failures()),
             spilled_now: self.shared.spilled_sessions.load(Ordering::Relaxed) as u64,
             spill_bytes: self.shared.spill_bytes.load(Ordering::Relaxed),
             spill_read_tokens: load(&c.spill_read_tokens),

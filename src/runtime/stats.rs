@@ -177,8 +177,14 @@ pub struct RuntimeStats {
     pub spill_bytes: u64,
     /// Spilled sessions' tokens read back from their spill files.
     pub spill_read_tokens: u64,
-    /// Journal writes that failed (the session went on without one).
+    /// Journal writes that failed (each call undone and refused).
     pub journal_failures: u64,
+    /// Whether the state directory takes writes now (`None`: no state
+    /// directory).
+    pub state_dir_writable: Option<bool>,
+    /// Writes to the state directory that failed: journal writes and
+    /// syncs, and `batch` flushes.
+    pub state_dir_write_failures: u64,
     /// Journals not restored: unreadable or untrusted (renamed `*.refused`),
     /// or without a place or pages (left for a later start).
     pub restore_refused: u64,

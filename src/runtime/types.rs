@@ -507,6 +507,9 @@ pub struct SessionInfo {
     /// FNV-1a over the bits of the logits predicting the next token, for
     /// checking determinism from outside.
     pub logits_digest: u64,
+    /// Journaled in the state directory: its acknowledged history survives
+    /// a restart.
+    pub durable: bool,
 }
 
 /// A unary reply on its way from a worker.

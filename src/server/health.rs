@@ -1,9 +1,9 @@
 //! The standard `grpc.health.v1.Health` service. The server starts
 //! NOT_SERVING, turns SERVING once the model answered a one-token forward,
-//! and NOT_SERVING again when it starts draining. `Watch` streams every
-//! change.
+//! and NOT_SERVING again when it starts draining, and while its state
+//! directory fails writes. `Watch` streams every change.
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures_channel::mpsc;
@@ -22,10 +22,13 @@ pub const SERVICES: [&str; 3] = [
     "inferd.session.v1.SessionService",
 ];
 
-/// The serving status, shared by the server and every health call.
+/// The serving status, shared by the server and every health call: what
+/// the server set (starting, serving, draining), read as NOT_SERVING while
+/// the state directory fails writes (durable work is refused then).
 #[derive(Default)]
 pub struct HealthState {
     status: AtomicI32,
+    state_dir_failing: AtomicBool,
     watchers: Mutex<Vec<mpsc::Sender<Status>>>,
 }
 
@@ -40,6 +43,7 @@ impl HealthState {
 
     pub fn status(&self) -> Status {
         match self.status.load(Ordering::Acquire) {
+            1 if self.state_dir_failing.load(Ordering::Acquire) => Status::NOT_SERVING,
             1 => Status::SERVING,
             2 => Status::NOT_SERVING,
             _ => Status::UNKNOWN,
@@ -50,6 +54,17 @@ impl HealthState {
     /// it still sees the latest status on its next read).
     pub fn set(&self, status: Status) {
         self.status.store(status as i32, Ordering::Release);
+        self.tell();
+    }
+
+    /// The state directory stopped (`false`) or resumed taking writes.
+    pub fn set_state_dir_writable(&self, writable: bool) {
+        self.state_dir_failing.store(!writable, Ordering::Release);
+        self.tell();
+    }
+
+    fn tell(&self) {
+        let status = self.status();
         let mut watchers = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
         watchers.retain_mut(|w| match w.try_send(status) {
             Ok(()) => true,

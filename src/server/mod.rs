@@ -282,6 +282,13 @@ impl Server {
             ),
             None => None,
         };
+        if let Some(store) = &cfg.runtime.state {
+            let told = Arc::clone(&health);
+            told.set_state_dir_writable(store.health().writable());
+            store.health().listen(Box::new(move |writable| {
+                told.set_state_dir_writable(writable)
+            }));
+        }
         health.set(ServingStatus::SERVING);
         tracing::info!(
             %addr,

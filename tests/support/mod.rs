@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+pub mod durable;
 pub mod golden;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -286,12 +287,17 @@ impl Client {
     }
 
     pub fn create(&self) -> String {
+        self.try_create().expect("session created")
+    }
+
+    /// CreateSession, its failure returned.
+    pub fn try_create(&self) -> Result<String, Status> {
         let mut req = pb::CreateSessionRequest::new();
         req.set_client_label("split-model test".into());
         self.rpc
             .create_session_opt(&req, Self::opt())
-            .expect("session created")
-            .take_session_id()
+            .map(|mut reply| reply.take_session_id())
+            .map_err(status_of)
     }
 
     pub fn append(&self, id: &str, tokens: &[u32]) -> Result<u64, Status> {

@@ -38,7 +38,9 @@ impl Worker {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
-                    let _ = w.reply.send(Err(RuntimeError::Internal(format!(
+                    tracing::error!(session = %id, "cannot start the session's journal: {e}");
+                    counters_failed(&self.shared.counters);
+                    let _ = w.reply.send(Err(RuntimeError::NotDurable(format!(
                         "cannot start the session's journal: {e}"
                     ))));
                     return None;
@@ -267,6 +269,7 @@ impl Worker {
                     d
                 }
             },
+            durable: slot.journal.is_some(),
         })
     }
 
@@ -583,6 +586,7 @@ impl Worker {
             shift_dropped: None,
             history_start: slot.history.len(),
             rewritten: false,
+            before_rewrite: None,
         };
         slot.active = Some(Active {
             work: Work::Generate(Box::new(gen)),

@@ -138,8 +138,10 @@ impl Worker {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                    tracing::error!(session = %fork, "cannot start the fork's journal: {e}");
+                    counters_failed(&self.shared.counters);
                     let err =
-                        RuntimeError::Internal(format!("cannot start the fork's journal: {e}"));
+                        RuntimeError::NotDurable(format!("cannot start the fork's journal: {e}"));
                     match slot.active.take() {
                         Some(active) => finish_with_error(active, err),
                         None => drop(answer_now.map(|reply| reply.send(Err(err)))),

@@ -131,7 +131,9 @@ impl Worker {
         if matches!(end, Ok(StopReason::Cancelled)) {
             self.runner.cancel(id);
         }
-        // What the call added is journaled before its end is told.
+        // What the call added is journaled before its end is told; if the
+        // journal does not take it, the call is taken back and fails.
+        let mut end = end;
         if let Some(slot) = self.sessions.get_mut(&id) {
             let record = if gen.rewritten {
                 Some(Record::Reset(slot.history.clone()))
@@ -141,11 +143,32 @@ impl Worker {
                     .filter(|added| !added.is_empty())
                     .map(|added| Record::Append(added.to_vec()))
             };
-            if let Some(record) = record {
-                slot.journal(record, &self.shared.counters);
+            let journaled = match record {
+                Some(record) => slot.journal(record, &self.shared.counters),
+                None => Ok(()),
+            };
+            match journaled {
+                Ok(()) => slot.journal_pages(&self.shared.counters),
+                Err(e) => {
+                    if let Err(undo) = self.take_back_generate(id, &gen) {
+                        tracing::error!(session = %id, "taking back a call not journaled: {undo}");
+                        self.fail_session(id, undo);
+                    }
+                    end = Err(e);
+                }
             }
-            slot.journal_pages(&self.shared.counters);
         }
+        let history_length = self
+            .sessions
+            .get(&id)
+            .map_or(history_length, |s| match &s.active {
+                Some(Active {
+                    work: Work::Restore,
+                    pending,
+                    ..
+                }) => (s.history.len() + pending.len()) as u64,
+                _ => s.history.len() as u64,
+            });
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
                 stop_reason,
@@ -165,6 +188,48 @@ impl Worker {
         let _ = gen.events.try_send(event);
     }
 
+    /// Takes back every token of a Generate whose end the journal did not
+    /// take: the session holds its history from before the call again (the
+    /// journal's), and its last position (or, after a window shift, its
+    /// whole history) is fed again before its next call, to the same bits.
+    fn take_back_generate(&mut self, id: SessionId, gen: &Generating) -> Result<(), RuntimeError> {
+        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+        let start = gen.history_start;
+        // Its last position's logits were not kept: cut back before it and
+        // feed it again. The KV was settled past there as tokens came; a
+        // sliding-window layer may have given back pages the shorter
+        // history reads, and then the history is computed again.
+        let cut = start.saturating_sub(1);
+        let recompute = match gen.before_rewrite.clone() {
+            Some(before) => Some(before),
+            None if slot.kv.cut_back_to(cut).is_err() => {
+                Some((slot.history[..start].to_vec(), slot.truncated))
+            }
+            None => None,
+        };
+        if let Some((history, truncated)) = recompute {
+            let undo = Undo {
+                kind: UndoKind::Recompute { history },
+                next_logits: Vec::new(),
+                truncated,
+            };
+            return self.apply_undo(id, undo);
+        }
+        let last = start
+            .checked_sub(1)
+            .and_then(|at| slot.history.get(at).copied());
+        let undo = Undo {
+            kind: UndoKind::Shorten(cut),
+            next_logits: Vec::new(),
+            truncated: slot.truncated,
+        };
+        self.apply_undo(id, undo)?;
+        if let (Some(last), Some(slot)) = (last, self.sessions.get_mut(&id)) {
+            slot.active = Some(Active::restore(vec![last]));
+        }
+        Ok(())
+    }
+
     /// Bookkeeping after the session's feed went through the model: a
     /// prompt chunk counted (and the call answered once all of it is in),
     /// or a generated token emitted and the stop conditions checked.
@@ -180,7 +245,11 @@ impl Worker {
             .as_ref()
             .is_some_and(|a| a.fed < a.pending.len())
         {
-            return prompt_fed(slot, n_fed, &self.shared, self.index);
+            if let Err(e) = prompt_fed(slot, n_fed, &self.shared, self.index) {
+                // Not journaled: the call is undone as if it had failed.
+                self.abandon(id, Err(e));
+            }
+            return;
         }
         let Some(token) = last else {
             return;
@@ -192,13 +261,21 @@ impl Worker {
 }
 
 /// `n_fed` more prompt tokens of the session's call are in. Once all are,
-/// the call can no longer be undone: an append or a fork is answered, a Generate
-/// reports a truncation it made and starts decoding.
-fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, shared: &WorkersState, worker: usize) {
+/// an append's change is journaled, and from then on the call can no longer
+/// be undone: an append or a fork is answered, a Generate reports a
+/// truncation it made and starts decoding. An error: the journal did not
+/// take the change, and the caller undoes the call (its undo is still
+/// there).
+fn prompt_fed(
+    slot: &mut SessionSlot,
+    n_fed: usize,
+    shared: &WorkersState,
+    worker: usize,
+) -> Result<(), RuntimeError> {
     let counters = &shared.counters;
     let history_length = slot.history.len() as u64;
     let Some(active) = slot.active.as_mut() else {
-        return;
+        return Ok(());
     };
     // What an append changed, for the journal: tokens after the length it
     // started from, or a whole new history after a truncation.
@@ -218,8 +295,14 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, shared: &WorkersState, worke
         .prefill_tokens
         .fetch_add(n_fed as u64, Ordering::Relaxed);
     if active.fed < active.pending.len() {
-        return;
+        return Ok(());
     }
+    if let Some(record) = record {
+        slot.journal(record, counters)?;
+    }
+    let Some(active) = slot.active.as_mut() else {
+        return Ok(());
+    };
     active.pending = Vec::new();
     active.fed = 0;
     // All in: from here on the call's effect stands.
@@ -229,9 +312,6 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, shared: &WorkersState, worke
     match &mut active.work {
         Work::Append { .. } | Work::Restore | Work::Fork { .. } => {
             slot.last_used = Instant::now();
-            if let Some(record) = record {
-                slot.journal(record, counters);
-            }
             slot.journal_pages(counters);
             let work = slot.active.take().map(|active| active.work);
             announce_idle(slot, shared, worker);
@@ -267,6 +347,7 @@ fn prompt_fed(slot: &mut SessionSlot, n_fed: usize, shared: &WorkersState, worke
             }
         }
     }
+    Ok(())
 }
 
 /// Adds a session that just became idle to what this worker publishes (its

@@ -236,6 +236,9 @@ struct Generating {
     /// shift rewrote it since: what the journal records at the end.
     history_start: usize,
     rewritten: bool,
+    /// The history (and truncation count) before the call, kept from its
+    /// first window shift on.
+    before_rewrite: Option<(Vec<u32>, u64)>,
 }
 
 enum Work {
@@ -447,36 +450,53 @@ impl SessionSlot {
         }
     }
 
-    /// Journals a completed change of the history. A journal that cannot be
-    /// written is deleted (a restart must not bring back a stale history)
-    /// and the session goes on without one; the failure is logged and
-    /// counted.
-    fn journal(&mut self, record: Record, counters: &Counters) {
+    /// Journals a change of the history (`self.history` already holds it),
+    /// durable as the store's policy says, before the call that made it is
+    /// answered. An error means the change is not kept: the caller must
+    /// undo it and fail the call (the journal still holds the history
+    /// before it). Counted and logged here.
+    fn journal(&mut self, record: Record, counters: &Counters) -> Result<(), RuntimeError> {
         let Some(journal) = &mut self.journal else {
-            return;
+            return Ok(());
         };
-        if let Err(e) = journal.append(&record) {
-            counters.journal_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(
-                label = %self.label,
-                "session journal write failed, the session is no longer durable: {e}"
-            );
-            if let Some(journal) = self.journal.take() {
-                let _ = journal.remove();
-            }
-        }
+        let result = journal.append(&record, &self.history);
         if let Record::Reset(_) = record {
-            // The rewritten file holds no hints.
+            // A rewritten file starts its hints over.
             self.hinted.clear();
         }
+        result.map_err(|e| {
+            counters_failed(counters);
+            tracing::error!(
+                label = %self.label,
+                "session journal write failed, the call is undone: {e}"
+            );
+            // A rewrite (after a failure, or a reset) starts the hints over.
+            self.hinted.clear();
+            RuntimeError::NotDurable(e.to_string())
+        })
     }
 
     /// Journals the history's logits digest and where its newly full pages
-    /// lie in the kept page file (after the history itself is journaled),
-    /// so a restart can take them back instead of computing them.
+    /// lie in the kept page file, beside the journal (hints: not synced, and
+    /// one lost costs only a recompute).
     fn journal_pages(&mut self, counters: &Counters) {
-        if self.journal.is_none() {
+        let Some(journal) = &mut self.journal else {
             return;
+        };
+        let rows = self.kv.pool().holds_rows();
+        let page = self.kv.pool().layout().page_positions;
+        let full = if rows {
+            self.kv.len().min(self.history.len()) / page
+        } else {
+            0
+        };
+        // Hints written again (after a spill moved the pages, say) pile up:
+        // past twice what one set for the history needs, they start over.
+        let n_layers = self.kv.pool().layout().n_layers as u64;
+        let needed = (12 * n_layers + 13) * full as u64 + 40;
+        if journal.hint_bytes() > 2 * needed + (1 << 20) {
+            journal.clear_hints();
+            self.hinted.clear();
         }
         // What GetSessionInfo reports, for a restart that does not compute
         // it (a session that comes back spilled).
@@ -499,13 +519,13 @@ impl SessionSlot {
                     );
                 }
             }
-            self.journal(Record::Digest(d), counters);
+            if let Err(e) = journal.hint_digest(&self.history, d) {
+                tracing::debug!(label = %self.label, "a logits digest hint was not written: {e}");
+            }
         }
-        if !self.kv.pool().holds_rows() {
+        if !rows {
             return;
         }
-        let page = self.kv.pool().layout().page_positions;
-        let full = self.kv.len().min(self.history.len()) / page;
         let chain = crate::durable::pages::chain(&self.history, page, full);
         let same = self
             .hinted
@@ -517,33 +537,28 @@ impl SessionSlot {
         if same == full {
             return;
         }
-        // Hints written again (after a spill moved the pages, say) pile up
-        // until a reset: past twice what the history and one set of hints
-        // need, the journal is rewritten as the history alone.
-        let n_layers = self.kv.pool().layout().n_layers as u64;
-        let needed = 4 * self.history.len() as u64 + (12 * n_layers + 13) * full as u64;
-        if self
-            .journal
-            .as_ref()
-            .is_some_and(|j| j.file_bytes() > 2 * needed + (1 << 20))
-        {
-            self.journal(Record::Reset(self.history.clone()), counters);
-            return self.journal_pages(counters);
-        }
         let Some(records) = crate::durable::pages::hint_records(&self.kv, &chain, same) else {
             return;
         };
         for hints in records {
-            self.journal(Record::Pages(hints), counters);
+            if let Err(e) = journal.hint_pages(&hints) {
+                tracing::debug!(label = %self.label, "page hints were not written: {e}");
+                // Whatever was half written went with the file.
+                self.hinted.clear();
+                return;
+            }
         }
-        if self.journal.is_some() {
-            self.hinted = chain;
-        }
+        self.hinted = chain;
     }
 
     fn idle(&self) -> bool {
         self.active.is_none() && self.queue.is_empty()
     }
+}
+
+/// Counts a journal that could not be started or written.
+fn counters_failed(counters: &Counters) {
+    counters.journal_failures.fetch_add(1, Ordering::Relaxed);
 }
 
 pub(crate) struct Worker {

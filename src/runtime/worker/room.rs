@@ -514,6 +514,10 @@ impl Worker {
         let shift = still_wanted.clamp(1, half_window);
         let kept = keep_window(&slot.history, sink, context.saturating_sub(shift));
         let dropped = (slot.history.len() - kept.len()) as u64;
+        // The history before the call's first shift, for taking the whole
+        // call back if its end cannot be journaled.
+        let before =
+            (!gen.rewritten).then(|| (slot.history[..gen.history_start].to_vec(), slot.truncated));
         let undo = match self.restart_kv(id, kept.len()) {
             Ok(Restarted::Now(undo)) => undo,
             Ok(Restarted::Later) => return false,
@@ -530,6 +534,9 @@ impl Worker {
             if let Work::Generate(gen) = &mut active.work {
                 gen.shift_dropped = Some(dropped);
                 gen.rewritten = true;
+                if gen.before_rewrite.is_none() {
+                    gen.before_rewrite = before;
+                }
                 gen.prefill_tokens += kept.len() as u64;
             }
             active.pending = kept;
