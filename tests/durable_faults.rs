@@ -227,8 +227,12 @@ fn a_full_disk_fails_the_call_changes_nothing_and_recovers_when_space_returns() 
     let Some(disk) = Tmpfs::mount(&state.join("sessions"), "512k") else {
         return;
     };
+    let Some(spill_disk) = Tmpfs::mount(&state.join("spill"), "64k") else {
+        return;
+    };
     let (_reference_server, reference) = reference_server();
-    let extra = ["--metrics-listen", "127.0.0.1:0"];
+    // Room for three sessions: a fourth spills the oldest idle one.
+    let extra = ["--metrics-listen", "127.0.0.1:0", "--max-sessions", "3"];
     let mut server = serve_with(&model, &state, "sync", &extra);
     let client = Client::connect(&server.addr);
     let a = client.create();
@@ -241,6 +245,11 @@ fn a_full_disk_fails_the_call_changes_nothing_and_recovers_when_space_returns() 
     let digest_a = client.info(&a).unwrap().get_logits_digest();
     let digest_b = client.info(&b).unwrap().get_logits_digest();
     let filler = disk.fill();
+
+    // A new session: its journal cannot be created.
+    let refused = client.try_create().expect_err("a full disk");
+    assert_eq!(refused.0, RpcStatusCode::UNAVAILABLE, "{refused:?}");
+    assert!(refused.1.contains("No space left"), "{}", refused.1);
 
     // An append: UNAVAILABLE, and nothing changed.
     let err = client
@@ -291,11 +300,32 @@ fn a_full_disk_fails_the_call_changes_nothing_and_recovers_when_space_returns() 
     let c = client.create();
     client.append(&c, &long[..20]).expect("append");
 
+    // A spill that finds its disk full: the session evicted keeps only its
+    // history, and is computed again, to the same bits, when called.
+    spill_disk.fill();
+    let d = client.create();
+    client.append(&d, &long[..10]).expect("append");
+    assert_eq!(metric(&server, "inferd_session_spilled_total"), 1.0);
+    assert_eq!(metric(&server, "inferd_session_spill_bytes"), 0.0);
+    let mut truths = vec![
+        (a.clone(), long[..60].to_vec()),
+        (b.clone(), long.clone()),
+        (c.clone(), long[..20].to_vec()),
+    ];
+    for (id, truth) in &mut truths {
+        truth.push(7);
+        client
+            .append(id, &[7])
+            .expect("append to a spilled or resident session");
+        let info = client.info(id).unwrap();
+        assert_eq!(info.get_logits_digest(), cold_digest(&reference, truth));
+    }
+
     // Nothing acknowledged is lost, nothing refused is kept.
     server.kill();
     let server = serve_with(&model, &state, "sync", &[]);
     let client = Client::connect(&server.addr);
-    for (id, truth) in [(&a, &long[..60]), (&b, &long[..]), (&c, &long[..20])] {
+    for (id, truth) in &truths {
         let info = restored(&client, id);
         assert_eq!(info.get_history_length(), truth.len() as u64);
         assert_eq!(info.get_logits_digest(), cold_digest(&reference, truth));

@@ -86,6 +86,7 @@ const EXTENSION_FIELDS: &[&str] = &[
     "GetSessionInfoResponse.truncated_token_count = 21: uint64",
     "GetSessionInfoResponse.logits_digest = 22: fixed64",
     "GetSessionInfoResponse.busy = 23: bool",
+    "GetSessionInfoResponse.durable = 24: bool",
 ];
 
 /// Messages this project adds (any field numbers).

@@ -47,6 +47,7 @@ def second(stub, pb, sid, digest):
     check(info.history_length == 5, f"history {info.history_length} after the restart, want 5")
     check(info.client_label == "survivor", f"label {info.client_label!r} after the restart")
     check(info.logits_digest == digest, "the logits differ from before the restart")
+    check(info.durable, "a restored session says it is journaled")
     reply = stub.AppendTokens(
         pb.AppendTokensRequest(session_id=sid, token_ids=PROMPT[5:]), timeout=CALL_TIMEOUT
     )
