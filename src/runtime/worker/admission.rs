@@ -38,9 +38,9 @@ impl Worker {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
-                    let _ = w.reply.send(Err(RuntimeError::Internal(format!(
-                        "cannot start the session's journal: {e}"
-                    ))));
+                    let _ = w
+                        .reply
+                        .send(Err(RuntimeError::file("the session's journal", &e)));
                     return None;
                 }
             }

@@ -138,8 +138,7 @@ impl Worker {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
-                    let err =
-                        RuntimeError::Internal(format!("cannot start the fork's journal: {e}"));
+                    let err = RuntimeError::file("the fork's journal", &e);
                     match slot.active.take() {
                         Some(active) => finish_with_error(active, err),
                         None => drop(answer_now.map(|reply| reply.send(Err(err)))),
