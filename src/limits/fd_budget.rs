@@ -170,6 +170,8 @@ fn plan(needed: u64, soft: u64, hard: u64) -> Plan {
 }
 
 /// `RLIMIT_NOFILE` as (soft, hard); unlimited reads as `u64::MAX`.
+// `rlim_t` is 64 bits on most targets but not all (32-bit glibc).
+#[allow(clippy::useless_conversion)]
 pub fn nofile_limit() -> io::Result<(u64, u64)> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
@@ -190,6 +192,7 @@ pub fn nofile_limit() -> io::Result<(u64, u64)> {
     Ok((value(limit.rlim_cur), value(limit.rlim_max)))
 }
 
+#[allow(clippy::useless_conversion)]
 fn set_soft_limit(soft: u64, hard: u64) -> io::Result<()> {
     let raw = |v: u64| {
         if v == u64::MAX {
