@@ -27,6 +27,8 @@
 //! - [`sync`]: the one loom switch: atomics, `Arc`, waker and channel that
 //!   shared code imports (loom's under `--cfg loom`).
 //! - [`listen`]: the socket address a bound listen string names.
+//! - [`limits`]: what keeps the listeners alive under pressure: accept
+//!   back-off, rate-limited log lines, the file-descriptor budget.
 //! - [`chat_template`]: a conversation -> prompt text through the model's own
 //!   Jinja chat template, rendered as transformers renders it.
 //! - [`cli`]: the command-line front end (`inferd generate`, `chat`,
@@ -43,6 +45,8 @@ pub mod durable;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
+#[cfg(not(loom))]
+pub mod limits;
 pub mod listen;
 #[cfg(not(loom))]
 pub mod metrics;

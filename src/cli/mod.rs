@@ -4,6 +4,7 @@
 //! Flags become plain values here; the work is done by the engine, the
 //! tokenizer and the sampler, or by a server reached over gRPC.
 
+mod budget;
 mod chat;
 mod chat_input;
 mod client;

@@ -23,7 +23,11 @@ use crate::durable::{Durability, SessionStore};
 use crate::model::Model;
 use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
 use crate::sampler::SamplerChoice;
+use crate::server::http::HttpLimits;
 use crate::server::{ServeConfig, Server, TlsIdentity};
+
+/// `--grpc-connections` when not given.
+pub const DEFAULT_GRPC_CONNECTIONS: usize = 256;
 
 /// Which idle session makes room when memory or the session limit runs out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
@@ -121,6 +125,25 @@ pub struct ServeArgs {
     /// --allow-unauthenticated, as --listen does.
     #[arg(long, env = "INFERD_HTTP_LISTEN")]
     pub http_listen: Option<String>,
+    /// HTTP API connections open at once; past it, new ones wait in the
+    /// listen backlog until one closes [default: 512].
+    #[arg(long, env = "INFERD_HTTP_MAX_CONNECTIONS")]
+    pub http_max_connections: Option<usize>,
+    /// Seconds an HTTP API connection has from its accept to send its
+    /// first request head whole (TLS handshake included), else it is
+    /// closed [default: 10].
+    #[arg(long, env = "INFERD_HTTP_HEADER_TIMEOUT")]
+    pub http_header_timeout: Option<f64>,
+    /// Seconds an HTTP API connection may wait between requests (until the
+    /// next request head is whole) before it is closed; at least
+    /// --http-header-timeout [default: 60].
+    #[arg(long, env = "INFERD_HTTP_IDLE_TIMEOUT")]
+    pub http_idle_timeout: Option<f64>,
+    /// gRPC connections the file-descriptor budget leaves room for; the
+    /// gRPC core cannot cap them, this only sizes the budget checked
+    /// against RLIMIT_NOFILE at start [default: 256].
+    #[arg(long, env = "INFERD_GRPC_CONNECTIONS")]
+    pub grpc_connections: Option<usize>,
     /// File holding the access token every call (and every metrics scrape)
     /// must carry as `authorization: Bearer <token>`.
     #[arg(long, env = "INFERD_AUTH_TOKEN_FILE")]
@@ -221,6 +244,10 @@ struct FileConfig {
     overflow_sink: Option<usize>,
     metrics_listen: Option<String>,
     http_listen: Option<String>,
+    http_max_connections: Option<usize>,
+    http_header_timeout: Option<f64>,
+    http_idle_timeout: Option<f64>,
+    grpc_connections: Option<usize>,
     auth_token_file: Option<PathBuf>,
     allow_unauthenticated: Option<bool>,
     tls_cert: Option<PathBuf>,
@@ -280,6 +307,10 @@ pub struct Settings {
     pub overflow_sink: usize,
     pub metrics_listen: Option<String>,
     pub http_listen: Option<String>,
+    /// The HTTP API's connection limit and timeouts.
+    pub http_limits: HttpLimits,
+    /// gRPC connections the descriptor budget leaves room for.
+    pub grpc_connections: usize,
     pub auth_token_file: Option<PathBuf>,
     pub allow_unauthenticated: bool,
     pub tls: Option<(PathBuf, PathBuf)>,
@@ -343,6 +374,7 @@ impl ServeArgs {
                 "the KV cache size must be at least 1".into(),
             ));
         }
+        let http_limits = self.http_limits(&file)?;
         let tls = match (
             self.tls_cert.clone().or(file.tls_cert),
             self.tls_key.clone().or(file.tls_key),
@@ -390,6 +422,11 @@ impl ServeArgs {
             overflow_sink: self.overflow_sink.or(file.overflow_sink).unwrap_or(4),
             metrics_listen: self.metrics_listen.clone().or(file.metrics_listen),
             http_listen: self.http_listen.clone().or(file.http_listen),
+            http_limits,
+            grpc_connections: self
+                .grpc_connections
+                .or(file.grpc_connections)
+                .unwrap_or(DEFAULT_GRPC_CONNECTIONS),
             auth_token_file: self.auth_token_file.clone().or(file.auth_token_file),
             allow_unauthenticated: self.allow_unauthenticated
                 || file.allow_unauthenticated.unwrap_or(false),
@@ -431,6 +468,48 @@ impl ServeArgs {
                 .or(file.shard_encoding)
                 .unwrap_or_default(),
         })
+    }
+}
+
+impl ServeArgs {
+    /// The HTTP API's limits: flags over the file over defaults. The idle
+    /// timeout may not be shorter than the header timeout: hyper times
+    /// every request head after the first with it.
+    fn http_limits(&self, file: &FileConfig) -> Result<HttpLimits, CliError> {
+        let default = HttpLimits::default();
+        let timeout = |name: &str, value: Option<f64>, default: Duration| match value {
+            Some(v) if v > 0.0 => seconds(name, v),
+            Some(v) => Err(CliError::Usage(format!(
+                "{name} must be a number of seconds > 0, got {v}"
+            ))),
+            None => Ok(default),
+        };
+        let limits = HttpLimits {
+            max_connections: positive(
+                "http-max-connections",
+                self.http_max_connections
+                    .or(file.http_max_connections)
+                    .unwrap_or(default.max_connections),
+            )?,
+            header_timeout: timeout(
+                "http-header-timeout",
+                self.http_header_timeout.or(file.http_header_timeout),
+                default.header_timeout,
+            )?,
+            idle_timeout: timeout(
+                "http-idle-timeout",
+                self.http_idle_timeout.or(file.http_idle_timeout),
+                default.idle_timeout,
+            )?,
+        };
+        if limits.idle_timeout < limits.header_timeout {
+            return Err(CliError::Usage(format!(
+                "http-idle-timeout ({} s) must be at least http-header-timeout ({} s)",
+                limits.idle_timeout.as_secs_f64(),
+                limits.header_timeout.as_secs_f64()
+            )));
+        }
+        Ok(limits)
     }
 }
 
@@ -543,6 +622,7 @@ impl Settings {
         cfg.allow_unauthenticated = self.allow_unauthenticated;
         cfg.metrics_listen = self.metrics_listen.clone();
         cfg.http_listen = self.http_listen.clone();
+        cfg.http_limits = self.http_limits;
         cfg.model_name = self
             .model
             .file_stem()
@@ -612,12 +692,36 @@ pub(super) fn notify_systemd(state: &[sd_notify::NotifyState]) {
     }
 }
 
+/// Checks the settings' file-descriptor budget against RLIMIT_NOFILE,
+/// raising the soft limit when the budget needs it; refuses to start when
+/// even the hard limit is too low (a server that started would fail with
+/// EMFILE later, at its busiest).
+fn check_fd_budget(settings: &Settings) -> Result<(), CliError> {
+    let budget = settings.fd_budget();
+    match budget.ensure() {
+        Ok(crate::limits::FdFit::Fits { needed, soft }) => {
+            tracing::info!(needed, limit = soft, "file-descriptor budget: {budget}");
+        }
+        Ok(crate::limits::FdFit::Raised { needed, from, to }) => {
+            tracing::info!(
+                needed,
+                from,
+                to,
+                "file-descriptor budget {budget}: raised the soft RLIMIT_NOFILE"
+            );
+        }
+        Err(e) => return Err(CliError::Usage(e.to_string())),
+    }
+    Ok(())
+}
+
 /// Runs `inferd serve`.
 pub fn run(args: ServeArgs) -> Result<(), CliError> {
     // Registered first, so a signal that arrives during start-up is not the
     // default (fatal) action but a drain right after it.
     let mut signals = Signals::new([SIGTERM, SIGINT])?;
     let settings = args.settings()?;
+    check_fd_budget(&settings)?;
     let t0 = Instant::now();
     let model = Model::load(&settings.model).map_err(|source| CliError::ModelLoad {
         path: settings.model.display().to_string(),
@@ -757,6 +861,74 @@ mod tests {
             .settings()
             .expect("valid");
         assert!(s.core_lending, "the flag wins over the file");
+    }
+
+    #[test]
+    fn http_limits_come_from_flags_or_the_file_and_are_checked() {
+        let s = parse(&[]).settings().expect("valid");
+        assert_eq!(s.http_limits, HttpLimits::default());
+        assert_eq!(s.grpc_connections, DEFAULT_GRPC_CONNECTIONS);
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("inferd.toml");
+        std::fs::write(
+            &path,
+            "http_max_connections = 8\nhttp_header_timeout = 2.5\nhttp_idle_timeout = 30\n\
+             grpc_connections = 4\n",
+        )
+        .expect("write config");
+        let config = path.to_str().expect("utf-8 path");
+        let s = parse(&["--config", config, "--http-idle-timeout", "5"])
+            .settings()
+            .expect("valid");
+        assert_eq!(s.http_limits.max_connections, 8);
+        assert_eq!(s.http_limits.header_timeout, Duration::from_millis(2500));
+        assert_eq!(s.http_limits.idle_timeout, Duration::from_secs(5));
+        assert_eq!(s.grpc_connections, 4);
+        for bad in [
+            &["--http-max-connections", "0"][..],
+            &["--http-header-timeout", "0"],
+            &["--http-header-timeout", "20", "--http-idle-timeout", "10"],
+        ] {
+            let err = parse(bad).settings().expect_err("refused");
+            assert!(err.to_string().contains("http-"), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_descriptor_budget_counts_what_the_settings_allow() {
+        let s = parse(&["--completion-queues", "1"])
+            .settings()
+            .expect("valid");
+        let base = s.fd_budget().total();
+        let s = parse(&[
+            "--completion-queues",
+            "1",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--http-max-connections",
+            "100",
+        ])
+        .settings()
+        .expect("valid");
+        assert_eq!(s.fd_budget().total(), base + 101);
+        let s = parse(&[
+            "--completion-queues",
+            "1",
+            "--state-dir",
+            "/nonexistent",
+            "--max-sessions",
+            "10",
+            "--max-spilled-sessions",
+            "20",
+            "--workers",
+            "2",
+        ])
+        .settings()
+        .expect("valid");
+        assert_eq!(
+            s.fd_budget().total(),
+            base + 10 + 20 + 2 * super::super::budget::PER_WORKER_WITH_STATE
+        );
     }
 
     #[test]

@@ -432,7 +432,12 @@ impl SessionStore {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
-            .inspect_err(|e| health.failed("creating a session journal", e))?;
+            .inspect_err(|e| {
+                // Out of descriptors says nothing of the directory.
+                if !matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+                    health.failed("creating a session journal", e);
+                }
+            })?;
         let header = journal::encode_header(&Header {
             model_sha256: self.model_sha256,
             session: id.bytes(),

@@ -23,17 +23,25 @@
 //! With an access check ([`Authorize`]), every request must carry an
 //! `Authorization` header the check accepts, else `401 Unauthorized`
 //! (before the path is even looked at).
+//!
+//! A failed accept that is not the connection's own (out of descriptors:
+//! the connection stays in the backlog and the listener stays readable)
+//! takes the listener out of the poll set for a back-off delay
+//! ([`AcceptBackoff`]) instead of spinning on it, and is logged at most once
+//! a second ([`LogLimit`]).
 
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::RenderFn;
+use crate::limits::{AcceptBackoff, LogLimit};
 
 /// Connections served at once; a new one beyond this evicts an idle one.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -67,6 +75,17 @@ impl MetricsEndpoint {
         render: RenderFn,
         authorize: Option<Authorize>,
     ) -> Result<MetricsEndpoint, io::Error> {
+        Self::bind_counted(addr, render, authorize, Arc::new(AtomicU64::new(0)))
+    }
+
+    /// [`MetricsEndpoint::bind`], counting failed accepts in
+    /// `accept_errors`.
+    pub fn bind_counted(
+        addr: &str,
+        render: RenderFn,
+        authorize: Option<Authorize>,
+        accept_errors: Arc<AtomicU64>,
+    ) -> Result<MetricsEndpoint, io::Error> {
         let cannot =
             |e: io::Error| io::Error::new(e.kind(), format!("cannot serve metrics on {addr}: {e}"));
         let listener = TcpListener::bind(addr).map_err(cannot)?;
@@ -80,6 +99,9 @@ impl MetricsEndpoint {
             conns: Vec::with_capacity(MAX_CONNECTIONS),
             render,
             authorize,
+            backoff: AcceptBackoff::new(),
+            accept_paused_until: None,
+            accept_errors,
         };
         let thread = std::thread::Builder::new()
             .name("inferd-metrics".into())
@@ -118,6 +140,11 @@ struct HttpServer {
     conns: Vec<Conn>,
     render: RenderFn,
     authorize: Option<Authorize>,
+    backoff: AcceptBackoff,
+    /// After a failed accept: the listener is left out of the poll set
+    /// until then.
+    accept_paused_until: Option<Instant>,
+    accept_errors: Arc<AtomicU64>,
 }
 
 /// Where a connection is in its one exchange.
@@ -146,20 +173,32 @@ enum Next {
 
 impl HttpServer {
     fn run(&mut self) {
+        static POLL_FAILED: LogLimit = LogLimit::per_second();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(MAX_CONNECTIONS + 2);
         loop {
             let now = Instant::now();
             self.conns.retain(|c| c.deadline > now);
+            if self.accept_paused_until.is_some_and(|until| until <= now) {
+                self.accept_paused_until = None;
+            }
             fds.clear();
             fds.push(poll_fd(self.woken.as_raw_fd(), libc::POLLIN));
-            fds.push(poll_fd(self.listener.as_raw_fd(), libc::POLLIN));
+            // A negative descriptor is skipped by poll(2): the listener
+            // rests while accepting backs off.
+            let listening = match self.accept_paused_until {
+                Some(_) => -1,
+                None => self.listener.as_raw_fd(),
+            };
+            fds.push(poll_fd(listening, libc::POLLIN));
             for conn in &self.conns {
                 fds.push(poll_fd(conn.stream.as_raw_fd(), conn.interest()));
             }
             let timeout = self
                 .conns
                 .iter()
-                .map(|c| c.deadline.saturating_duration_since(now))
+                .map(|c| c.deadline)
+                .chain(self.accept_paused_until)
+                .map(|deadline| deadline.saturating_duration_since(now))
                 .min()
                 .map_or(-1, |left| {
                     // Rounded up, so the deadline has passed on waking.
@@ -172,7 +211,9 @@ impl HttpServer {
             if ready < 0 {
                 let err = io::Error::last_os_error();
                 if err.kind() != ErrorKind::Interrupted {
-                    tracing::error!(error = %err, "metrics endpoint: poll failed");
+                    if let Some(suppressed) = POLL_FAILED.allow() {
+                        tracing::error!(error = %err, suppressed, "metrics endpoint: poll failed");
+                    }
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 continue;
@@ -198,15 +239,34 @@ impl HttpServer {
 
     /// Takes every connection waiting (at most a table's worth per turn).
     fn accept(&mut self) {
+        static ACCEPT_FAILED: LogLimit = LogLimit::per_second();
         for _ in 0..MAX_CONNECTIONS {
             let stream = match self.listener.accept() {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    self.backoff.succeeded();
+                    stream
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // Out of descriptors, or a connection reset before it
-                    // was taken: nothing to do but try again next turn.
-                    tracing::warn!(error = %e, "metrics endpoint: accept failed");
+                    self.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    let wait = self.backoff.failed(&e);
+                    if let Some(suppressed) = ACCEPT_FAILED.allow() {
+                        tracing::warn!(
+                            error = %e,
+                            retry_in_ms = wait.as_millis() as u64,
+                            suppressed,
+                            "metrics endpoint: accept failed"
+                        );
+                    }
+                    if wait.is_zero() {
+                        // That connection's own failure: take the next.
+                        continue;
+                    }
+                    // Out of descriptors: the connection stays in the
+                    // backlog, and the listener out of the poll set for a
+                    // while (the connections served meanwhile may free some).
+                    self.accept_paused_until = Some(Instant::now() + wait);
                     return;
                 }
             };

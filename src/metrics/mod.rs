@@ -14,6 +14,20 @@ pub use http::{
     RESPONSE_TIMEOUT,
 };
 
+/// The HTTP API's connections (`serve --http-listen` only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HttpConnections {
+    pub open: u64,
+    /// `--http-max-connections`.
+    pub limit: u64,
+    /// Closed without a whole first request head in time.
+    pub header_timeouts: u64,
+    /// Closed idle between requests.
+    pub idle_timeouts: u64,
+    /// Times the listener stopped accepting at the limit.
+    pub limit_reached: u64,
+}
+
 use crate::runtime::RuntimeStats;
 
 /// Calls finished by one gRPC method with one status code.
@@ -32,6 +46,10 @@ pub struct ServerNumbers {
     pub requests: Vec<RequestCount>,
     /// HTTP requests (the OpenAI-compatible API) by route and status.
     pub http_requests: Vec<RequestCount>,
+    /// The HTTP API's connections, when it is served.
+    pub http_connections: Option<HttpConnections>,
+    /// Failed accepts by listener (`http`, `metrics`).
+    pub accept_errors: Vec<(&'static str, u64)>,
     /// Server-streaming calls (Generate) in progress.
     pub grpc_active_streams: u64,
     /// Whether the health service answers SERVING.
@@ -327,6 +345,19 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
             );
         }
     }
+    if let Some(c) = &server.http_connections {
+        render_http_connections(&mut e, c);
+    }
+    if !server.accept_errors.is_empty() {
+        e.family(
+            "accept_errors_total",
+            "counter",
+            "Failed accepts by listener (each waits before the next: EMFILE and the like).",
+        );
+        for (listener, n) in &server.accept_errors {
+            e.sample("accept_errors_total", &[("listener", listener)], n);
+        }
+    }
     e.single(
         "grpc_active_streams",
         "gauge",
@@ -353,6 +384,45 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         1,
     );
     e.out
+}
+
+/// The HTTP API's connections: open, the limit, closed for timeouts.
+fn render_http_connections(e: &mut Exposition, c: &HttpConnections) {
+    e.single(
+        "http_connections_open",
+        "gauge",
+        "HTTP API connections open now.",
+        c.open,
+    );
+    e.single(
+        "http_connections_max",
+        "gauge",
+        "HTTP API connections allowed open at once (--http-max-connections).",
+        c.limit,
+    );
+    e.family(
+        "http_connections_timed_out_total",
+        "counter",
+        "HTTP API connections the server closed: no whole request head in time \
+         (phase header) or idle too long between requests (phase idle).",
+    );
+    e.sample(
+        "http_connections_timed_out_total",
+        &[("phase", "header")],
+        c.header_timeouts,
+    );
+    e.sample(
+        "http_connections_timed_out_total",
+        &[("phase", "idle")],
+        c.idle_timeouts,
+    );
+    e.single(
+        "http_connection_limit_reached_total",
+        "counter",
+        "Times the HTTP API stopped accepting at its connection limit (new connections \
+         wait in the listen backlog until one closes).",
+        c.limit_reached,
+    );
 }
 
 /// The coordinator's view of its shards (`serve --shards` only).
@@ -583,6 +653,14 @@ mod tests {
                 code: "200".into(),
                 count: 4,
             }],
+            http_connections: Some(HttpConnections {
+                open: 3,
+                limit: 512,
+                header_timeouts: 2,
+                idle_timeouts: 1,
+                limit_reached: 4,
+            }),
+            accept_errors: vec![("http", 5), ("metrics", 0)],
             grpc_active_streams: 1,
             health_serving: true,
             sampler_backend: "wgpu".into(),
@@ -788,6 +866,20 @@ mod tests {
             2.0
         );
         assert_eq!(get("inferd_health_serving", &[]), 1.0);
+        assert_eq!(get("inferd_http_connections_open", &[]), 3.0);
+        assert_eq!(get("inferd_http_connections_max", &[]), 512.0);
+        assert_eq!(
+            get(
+                "inferd_http_connections_timed_out_total",
+                &[("phase", "header")]
+            ),
+            2.0
+        );
+        assert_eq!(get("inferd_http_connection_limit_reached_total", &[]), 4.0);
+        assert_eq!(
+            get("inferd_accept_errors_total", &[("listener", "http")]),
+            5.0
+        );
         assert_eq!(
             get(
                 "inferd_sampler_backend_info",

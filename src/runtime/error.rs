@@ -80,6 +80,24 @@ impl RuntimeError {
     pub(crate) fn invalid(what: impl Into<String>) -> Self {
         RuntimeError::InvalidArgument(what.into())
     }
+
+    /// A file a call needed (`what`: the session's journal) could not be
+    /// opened: out of file descriptors is RESOURCE_EXHAUSTED, which a client
+    /// may retry once connections or sessions close; anything else (a full
+    /// or failing disk) is UNAVAILABLE with the system's reason: the call
+    /// could not be made durable.
+    pub(crate) fn file(what: &str, err: &std::io::Error) -> Self {
+        // (libc is not linked in loom runs, which open no files.)
+        #[cfg(not(loom))]
+        if matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+            return RuntimeError::ResourceExhausted {
+                what: format!("file descriptors (for {what})"),
+                asked: 1,
+                free: 0,
+            };
+        }
+        RuntimeError::NotDurable(format!("cannot start {what}: {err}"))
+    }
 }
 
 impl From<SamplerError> for RuntimeError {
@@ -143,6 +161,26 @@ mod tests {
         ];
         let codes: std::collections::HashSet<_> = all.iter().map(|e| e.code()).collect();
         assert_eq!(codes.len(), all.len());
+    }
+
+    #[cfg(not(loom))]
+    #[test]
+    fn out_of_descriptors_is_exhaustion_not_a_bug() {
+        let e = RuntimeError::file(
+            "the session's journal",
+            &std::io::Error::from_raw_os_error(libc::EMFILE),
+        );
+        assert_eq!(e.code(), StatusKind::ResourceExhausted);
+        assert_eq!(
+            e.to_string(),
+            "file descriptors (for the session's journal) exhausted: 1 asked, 0 free"
+        );
+        let e = RuntimeError::file(
+            "the session's journal",
+            &std::io::Error::from_raw_os_error(libc::EACCES),
+        );
+        assert_eq!(e.code(), StatusKind::Unavailable);
+        assert!(e.to_string().contains("cannot start the session's journal"));
     }
 
     #[test]

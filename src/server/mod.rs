@@ -79,6 +79,8 @@ pub struct ServeConfig {
     pub http_listen: Option<String>,
     /// The model's name as the HTTP API's `/v1/models` lists it.
     pub model_name: String,
+    /// The HTTP API's connection limit and timeouts.
+    pub http_limits: http::HttpLimits,
 }
 
 impl ServeConfig {
@@ -94,6 +96,7 @@ impl ServeConfig {
             metrics_listen: None,
             http_listen: None,
             model_name: "inferd".into(),
+            http_limits: http::HttpLimits::default(),
         }
     }
 
@@ -123,9 +126,14 @@ impl ServeConfig {
     }
 }
 
+/// How long a gRPC connection may take over its TLS and HTTP/2 handshake
+/// before the C core closes it (the core's default is 120 s): a client
+/// that connects and sends nothing holds a descriptor this long at most.
+pub const GRPC_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One completion-queue thread per four cores: they only decode and hand
 /// over, the cores belong to the workers.
-fn default_completion_queues() -> usize {
+pub fn default_completion_queues() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().div_ceil(4))
 }
 
@@ -218,7 +226,17 @@ impl Server {
                 .name_prefix("inferd-grpc")
                 .build(),
         );
+        // The C core (1.56) has no cap on connections; what it can bound is
+        // the handshake. On EMFILE it leaves connections in the backlog and
+        // retries once a second, logging at most once a second.
+        let channel_args = grpcio::ChannelBuilder::new(Arc::clone(&env))
+            .raw_cfg_int(
+                std::ffi::CString::from(c"grpc.server_handshake_timeout_ms"),
+                i32::try_from(GRPC_HANDSHAKE_TIMEOUT.as_millis()).unwrap_or(i32::MAX),
+            )
+            .build_args();
         let mut builder = grpcio::ServerBuilder::new(env)
+            .channel_args(channel_args)
             .register_service(service::runtime_service(RuntimeServiceImpl {
                 shared: Arc::clone(&shared),
             }))
@@ -251,12 +269,13 @@ impl Server {
         warm_up(&shared.runtime, warmup_token).map_err(ServeError::Warmup)?;
         let metrics = match &cfg.metrics_listen {
             Some(listen) => Some(
-                MetricsEndpoint::bind(
+                MetricsEndpoint::bind_counted(
                     listen,
-                    metrics_renderer(&shared, &health),
+                    metrics_renderer(&shared, &health, cfg.http_listen.is_some()),
                     cfg.auth_token
                         .as_deref()
                         .map(|token| auth::http_bearer_check(token.trim())),
+                    Arc::clone(&stats.metrics_accept_errors),
                 )
                 .map_err(ServeError::Metrics)?,
             ),
@@ -273,6 +292,7 @@ impl Server {
                                 .as_deref()
                                 .map(|token| auth::http_bearer_check(token.trim())),
                             cfg.tls.as_ref(),
+                            cfg.http_limits,
                         )
                     })
                     .map_err(|source| ServeError::Http {
@@ -408,7 +428,12 @@ impl Drop for Server {
 
 /// Renders the runtime's and the front end's numbers for one scrape. Holds
 /// the runtime weakly: a scrape racing shutdown gets an empty snapshot.
-fn metrics_renderer(shared: &Arc<ServiceState>, health: &Arc<HealthState>) -> RenderFn {
+/// `http_front`: the HTTP API is served, so its connections are reported.
+fn metrics_renderer(
+    shared: &Arc<ServiceState>,
+    health: &Arc<HealthState>,
+    http_front: bool,
+) -> RenderFn {
     let shared = Arc::downgrade(shared);
     let health = Arc::clone(health);
     Arc::new(move || {
@@ -447,6 +472,28 @@ fn metrics_renderer(shared: &Arc<ServiceState>, health: &Arc<HealthState>) -> Re
         let numbers = ServerNumbers {
             requests,
             http_requests,
+            http_connections: http_front.then(|| {
+                let c = stats.http_connections.snapshot();
+                metrics::HttpConnections {
+                    open: c.open,
+                    limit: c.limit,
+                    header_timeouts: c.header_timeouts,
+                    idle_timeouts: c.idle_timeouts,
+                    limit_reached: c.limit_reached,
+                }
+            }),
+            accept_errors: {
+                let mut errors = vec![(
+                    "metrics",
+                    stats
+                        .metrics_accept_errors
+                        .load(std::sync::atomic::Ordering::Relaxed),
+                )];
+                if http_front {
+                    errors.push(("http", stats.http_connections.snapshot().accept_errors));
+                }
+                errors
+            },
             grpc_active_streams: stats.active_streams(),
             health_serving: health.status() == ServingStatus::SERVING,
             sampler_backend: sampler.backend_name().into(),

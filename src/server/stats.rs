@@ -81,6 +81,10 @@ pub struct ServerStats {
     /// HTTP requests answered, by route and status (a lock is fine at the
     /// HTTP front door's rate: one per request).
     http: std::sync::Mutex<std::collections::BTreeMap<(&'static str, u16), u64>>,
+    /// The HTTP front door's connections: open, timed out, limit reached.
+    pub http_connections: std::sync::Arc<super::http::ConnStats>,
+    /// Failed accepts of the metrics endpoint.
+    pub metrics_accept_errors: std::sync::Arc<AtomicU64>,
 }
 
 /// Decrements the open-stream gauge when the stream's task ends.

@@ -40,9 +40,9 @@ impl Worker {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!(session = %id, "cannot start the session's journal: {e}");
                     counters_failed(&self.shared.counters);
-                    let _ = w.reply.send(Err(RuntimeError::NotDurable(format!(
-                        "cannot start the session's journal: {e}"
-                    ))));
+                    let _ = w
+                        .reply
+                        .send(Err(RuntimeError::file("the session's journal", &e)));
                     return None;
                 }
             }

@@ -140,8 +140,7 @@ impl Worker {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!(session = %fork, "cannot start the fork's journal: {e}");
                     counters_failed(&self.shared.counters);
-                    let err =
-                        RuntimeError::NotDurable(format!("cannot start the fork's journal: {e}"));
+                    let err = RuntimeError::file("the fork's journal", &e);
                     match slot.active.take() {
                         Some(active) => finish_with_error(active, err),
                         None => drop(answer_now.map(|reply| reply.send(Err(err)))),

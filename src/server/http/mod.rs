@@ -8,12 +8,14 @@
 //! The listen rules are the gRPC service's: loopback unless a bearer token
 //! is configured (then every request must send `Authorization: Bearer
 //! <token>`, else 401) or the server is declared open; with the server's
-//! TLS certificate and key it serves HTTPS only (rustls, ring), each
-//! connection's handshake bounded in time. Bodies are bounded
-//! ([`MAX_BODY_BYTES`]); an unknown path is a 404 in OpenAI's error shape.
+//! TLS certificate and key it serves HTTPS only (rustls, ring). Connections
+//! are limited in number and each request head in time ([`listener`]).
+//! Bodies are bounded ([`MAX_BODY_BYTES`]); an unknown path is a 404 in
+//! OpenAI's error shape.
 
 mod completion;
 mod handlers;
+pub mod listener;
 pub mod openai;
 pub mod stop_text;
 
@@ -33,14 +35,13 @@ use super::stats::ServerStats;
 use crate::chat_template::ChatTemplate;
 use crate::metrics::Authorize;
 use crate::tokenizer::Tokenizer;
+pub use listener::{ConnNumbers, ConnStats, HttpLimits};
 use openai::ApiError;
 
 /// Largest request body (a long conversation, as JSON).
 pub const MAX_BODY_BYTES: usize = 8 << 20;
 /// Threads of the HTTP runtime: parsing and streaming only.
 const HTTP_THREADS: usize = 2;
-/// A TLS handshake that takes longer than this is dropped.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What every handler reads.
 pub(crate) struct Front {
@@ -67,12 +68,13 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
-    /// Binds `listen` and serves on a thread of its own.
+    /// Binds `listen` and serves on a thread of its own, within `limits`.
     pub(crate) fn start(
         front: Front,
         listen: &str,
         authorize: Option<Authorize>,
         tls: Option<&super::TlsIdentity>,
+        limits: HttpLimits,
     ) -> std::io::Result<HttpServer> {
         let acceptor = tls.map(tls_acceptor).transpose()?;
         let cores = free_cores(&front.state);
@@ -94,8 +96,9 @@ impl HttpServer {
             })
             .enable_all()
             .build()?;
-        let listener = runtime.block_on(tokio::net::TcpListener::bind(listen))?;
+        let listener = runtime.block_on(listener::bind(listen))?;
         let addr = listener.local_addr()?;
+        let conn_stats = Arc::clone(&front.state.stats.http_connections);
         let app = router(Arc::new(front), authorize);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (done_tx, done) = crossbeam_channel::bounded(1);
@@ -107,24 +110,9 @@ impl HttpServer {
                         tracing::warn!(core = core.id, "could not pin the HTTP accept thread");
                     }
                 }
-                let served = runtime.block_on(async move {
-                    match acceptor {
-                        Some(acceptor) => {
-                            serve_tls(listener, app, acceptor, stopped).await;
-                            Ok(())
-                        }
-                        None => {
-                            axum::serve(listener, app)
-                                .with_graceful_shutdown(async move {
-                                    let _ = stopped.await;
-                                })
-                                .await
-                        }
-                    }
-                });
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "the HTTP front door stopped");
-                }
+                runtime.block_on(listener::serve(
+                    listener, app, acceptor, limits, conn_stats, stopped,
+                ));
                 let _ = done_tx.send(());
                 // Streams still open past the drain are cut here.
                 runtime.shutdown_timeout(Duration::from_secs(1));
@@ -202,44 +190,6 @@ fn tls_acceptor(tls: &super::TlsIdentity) -> std::io::Result<tokio_rustls::TlsAc
         .map_err(|e| bad("the TLS certificate and key", &e))?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
-}
-
-/// Serves `app` over TLS until `stopped` fires, then lets the open
-/// connections finish their requests.
-async fn serve_tls(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    acceptor: tokio_rustls::TlsAcceptor,
-    mut stopped: tokio::sync::oneshot::Receiver<()>,
-) {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    loop {
-        let (tcp, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting an HTTPS connection");
-                    continue;
-                }
-            },
-            _ = &mut stopped => break,
-        };
-        let acceptor = acceptor.clone();
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
-            let Ok(Ok(tls)) = handshake.await else {
-                return;
-            };
-            let connection = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(tls), service);
-            if let Err(e) = watcher.watch(connection).await {
-                tracing::debug!(error = %e, "an HTTPS connection ended");
-            }
-        });
-    }
-    graceful.shutdown().await;
 }
 
 fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
