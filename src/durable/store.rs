@@ -7,9 +7,11 @@
 //! operating system.
 //!
 //! The directory is locked (`DIR/lock`) for as long as the store is open,
-//! so two servers never write one directory.
+//! so two servers never write one directory. Its directories and files are
+//! the server user's alone ([`super::private`]), and what its journals and
+//! spill files hold is counted against its [`Budget`].
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
@@ -18,7 +20,9 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::budget::{self, Budget, Limits, Refusal};
 use super::journal::{self, Header, JournalError, PageHint, Record};
+use super::private::{self, PermissionError};
 use crate::runtime::SessionId;
 
 /// How long `batch` durability lets writes wait for their flush.
@@ -46,6 +50,8 @@ pub enum StoreError {
     },
     #[error("state directory {0} is in use by another inferd process")]
     Locked(String),
+    #[error("state directory: {0}")]
+    Permissions(#[from] PermissionError),
 }
 
 /// A session's journal that could not be restored, and why.
@@ -88,6 +94,8 @@ struct Shared {
     dir: PathBuf,
     durability: Durability,
     flusher: Option<Arc<Flusher>>,
+    /// Journal bytes are counted here as they are written and removed.
+    budget: Budget,
 }
 
 impl Shared {
@@ -150,6 +158,7 @@ impl JournalFile {
         let bytes = journal::encode_record(record);
         (&*self.file).write_all(&bytes)?;
         self.len += bytes.len() as u64;
+        self.shared.0.budget.grew(bytes.len() as u64);
         match record {
             // A hint is never waited for: losing one costs a recompute.
             Record::Pages(_) | Record::Digest(_) => Ok(()),
@@ -168,7 +177,7 @@ impl JournalFile {
         tmp.push(".new");
         let tmp = PathBuf::from(tmp);
         let written = (|| {
-            let mut file = OpenOptions::new()
+            let mut file = private::options()
                 .create(true)
                 .truncate(true)
                 .write(true)
@@ -179,12 +188,14 @@ impl JournalFile {
                 file.sync_data()?;
             }
             std::fs::rename(&tmp, &self.path)?;
-            OpenOptions::new().append(true).open(&self.path)
+            private::options().append(true).open(&self.path)
         })();
         match written {
             Ok(file) => {
                 self.file = Arc::new(file);
+                self.shared.0.budget.shrank(self.len);
                 self.len = (self.header.len() + journal::encode_record(reset).len()) as u64;
+                self.shared.0.budget.grew(self.len);
                 if self.shared.0.durability == Durability::Batch {
                     self.shared.0.commit(&self.file)?;
                 }
@@ -200,6 +211,7 @@ impl JournalFile {
     /// Deletes the journal: the session is gone for good.
     pub fn remove(self) -> std::io::Result<()> {
         std::fs::remove_file(&self.path)?;
+        self.shared.0.budget.shrank(self.len);
         self.shared.0.commit_dir()
     }
 
@@ -238,16 +250,30 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
 
 impl SessionStore {
     /// Opens (creating) `dir` for sessions of the model whose file hashes
-    /// to `model_sha256`, and locks it.
+    /// to `model_sha256`, and locks it, with the default [`Limits`].
     pub fn open(
         dir: &Path,
         model_sha256: [u8; 32],
         durability: Durability,
     ) -> Result<Self, StoreError> {
+        Self::open_limited(dir, model_sha256, durability, Limits::default())
+    }
+
+    /// Opens (creating, private) `dir` for sessions of the model whose
+    /// file hashes to `model_sha256`, and locks it; what its sessions hold
+    /// on disk is kept within `limits`. A directory another user owns or
+    /// may write is refused.
+    pub fn open_limited(
+        dir: &Path,
+        model_sha256: [u8; 32],
+        durability: Durability,
+        limits: Limits,
+    ) -> Result<Self, StoreError> {
+        private::state_dir(dir)?;
         let sessions = dir.join("sessions");
-        std::fs::create_dir_all(&sessions).map_err(io_error(&sessions))?;
+        private::inner_dir(&sessions)?;
         let spill = dir.join("spill");
-        std::fs::create_dir_all(&spill).map_err(io_error(&spill))?;
+        private::inner_dir(&spill)?;
         let lock_path = dir.join("lock");
         let lock = super::lock_directory(dir)
             .map_err(io_error(&lock_path))?
@@ -270,11 +296,14 @@ impl SessionStore {
             }
             None => None,
         };
+        let budget = Budget::new(dir, limits);
+        budget.set_used(budget::measure(&[sessions.clone(), spill]));
         Ok(SessionStore {
             shared: Arc::new(SharedHandle(Shared {
                 dir: sessions,
                 durability,
                 flusher,
+                budget,
             })),
             root: dir.to_owned(),
             model_sha256,
@@ -286,6 +315,17 @@ impl SessionStore {
     /// The durability policy in force.
     pub fn durability(&self) -> Durability {
         self.shared.0.durability
+    }
+
+    /// What the directory's sessions hold on disk, against its limits.
+    pub fn budget(&self) -> &Budget {
+        &self.shared.0.budget
+    }
+
+    /// Whether new durable work that writes about `bytes` (0: not known)
+    /// may start ([`Budget::admit`]).
+    pub fn admit(&self, bytes: u64) -> Result<(), Refusal> {
+        self.shared.0.budget.admit(bytes)
     }
 
     /// Where a spilled session's KV pages are written out.
@@ -313,7 +353,7 @@ impl SessionStore {
         history: &[u32],
     ) -> std::io::Result<JournalFile> {
         let path = self.path_of(id);
-        let file = OpenOptions::new()
+        let file = private::options()
             .create_new(true)
             .append(true)
             .open(&path)?;
@@ -336,6 +376,8 @@ impl SessionStore {
             len: bytes.len() as u64,
             shared: Arc::clone(&self.shared),
         };
+        // Counted now: a failed write's `remove` below gives it back.
+        self.shared.0.budget.grew(journal.len);
         let committed = written
             .and_then(|()| self.shared.0.commit(&journal.file))
             .and_then(|()| self.shared.0.commit_dir());
@@ -410,6 +452,14 @@ impl SessionStore {
                 }
             }
         }
+        // Refused journals are kept for inspection, but not without end.
+        for gone in budget::trim_refused(&self.shared.0.dir) {
+            tracing::info!(path = %gone.display(), kept = budget::KEEP_REFUSED, "deleted an old refused journal");
+        }
+        self.shared
+            .0
+            .budget
+            .set_used(budget::measure(&[self.shared.0.dir.clone(), spill_dir]));
         (recovered, refused)
     }
 
@@ -436,7 +486,7 @@ impl SessionStore {
                 replayed.history.len()
             ));
         }
-        let file = OpenOptions::new()
+        let file = private::options()
             .append(true)
             .open(path)
             .map_err(|e| format!("cannot open for writing: {e}"))?;
@@ -586,6 +636,83 @@ mod tests {
             assert!(!PathBuf::from(stray).exists());
             session.journal.remove().unwrap();
         }
+    }
+
+    #[test]
+    fn files_are_private_and_a_link_planted_at_a_rewrite_is_not_followed() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: umask has no preconditions; 022 is the usual default.
+        unsafe { libc::umask(0o022) };
+        let root = dir.path().join("state");
+        let store = store(&root, Durability::Sync);
+        let id = SessionId::random().unwrap();
+        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        journal.append(&Record::Append(vec![1, 2])).unwrap();
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o777;
+        for d in [&root, &root.join("sessions"), &root.join("spill")] {
+            assert_eq!(mode(d), 0o700, "{}", d.display());
+        }
+        for f in [&journal.path, &root.join("lock")] {
+            assert_eq!(mode(f), 0o600, "{}", f.display());
+        }
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, b"keep").unwrap();
+        let mut new = journal.path.clone().into_os_string();
+        new.push(".new");
+        std::os::unix::fs::symlink(&target, &new).unwrap();
+        assert!(journal.append(&Record::Reset(vec![3])).is_err());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        assert_eq!(
+            std::fs::metadata(&target).unwrap().permissions().mode() & 0o777,
+            0o644
+        );
+        // The journal is as it was.
+        drop(journal);
+        drop(store);
+        let store = super::SessionStore::open(&root, [3; 32], Durability::Sync).unwrap();
+        let (back, refused) = store.recover(100, 100);
+        assert!(refused.is_empty(), "{refused:?}");
+        assert_eq!(back[0].history, vec![1, 2]);
+    }
+
+    #[test]
+    fn journals_and_spill_files_are_counted_against_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits {
+            max_bytes: Some(1 << 20),
+            min_free_bytes: 0,
+        };
+        let store =
+            SessionStore::open_limited(dir.path(), [3; 32], Durability::None, limits).unwrap();
+        assert_eq!(store.budget().used(), 0);
+        let id = SessionId::random().unwrap();
+        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        journal.append(&Record::Append(vec![1; 100])).unwrap();
+        assert_eq!(store.budget().used(), journal.file_bytes());
+        journal.append(&Record::Reset(vec![2; 10])).unwrap();
+        assert_eq!(store.budget().used(), journal.file_bytes());
+        std::fs::write(store.spill_path(id), vec![0; 1000]).unwrap();
+        std::fs::write(dir.path().join("sessions/x.journal.refused"), vec![0; 500]).unwrap();
+        let held = journal.file_bytes();
+        drop(journal);
+        drop(store);
+        // A start counts what it finds.
+        let store =
+            SessionStore::open_limited(dir.path(), [3; 32], Durability::None, limits).unwrap();
+        assert_eq!(store.budget().used(), held + 1500);
+        let (mut back, _) = store.recover(100, 100);
+        assert_eq!(store.budget().used(), held + 1500);
+        back.pop().unwrap().journal.remove().unwrap();
+        assert_eq!(store.budget().used(), 1500);
+        assert!(store.admit((1 << 20) - 1500).is_ok());
+        assert_eq!(
+            store.admit((1 << 20) - 1499),
+            Err(Refusal::Budget {
+                used: 1500,
+                max: 1 << 20
+            })
+        );
     }
 
     #[test]
