@@ -19,6 +19,7 @@ use crate::cluster::coordinator::{ShardPlan, ShardSpec};
 use crate::cluster::fingerprint::sha256_of_file;
 use crate::cluster::layers::ShardLayers;
 use crate::cluster::payload::Encoding;
+use crate::durable::budget::{Limits, DEFAULT_MIN_FREE_BYTES};
 use crate::durable::{Durability, SessionStore};
 use crate::model::Model;
 use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
@@ -173,6 +174,19 @@ pub struct ServeArgs {
     /// session spilled beyond it keeps only its history [default: 16384].
     #[arg(long, env = "INFERD_MAX_SPILL_MIB")]
     pub max_spill_mib: Option<u64>,
+    /// With --state-dir, MiB that session journals, spill files and refused
+    /// journals may take there in all (the page file, reserved whole at
+    /// start, is not counted). Once reached, new sessions and appends,
+    /// Generates and forks of journaled sessions are refused
+    /// (RESOURCE_EXHAUSTED) and a spill keeps only the history
+    /// [default: no limit].
+    #[arg(long, env = "INFERD_MAX_STATE_MIB")]
+    pub max_state_mib: Option<u64>,
+    /// With --state-dir, MiB that must stay free on its filesystem: below
+    /// it new durable work is refused as past --max-state-mib, before the
+    /// disk is full; 0 turns the floor off [default: 64].
+    #[arg(long, env = "INFERD_MIN_FREE_MIB")]
+    pub min_free_mib: Option<u64>,
     /// When a session's change is on disk, with --state-dir [default: sync].
     #[arg(long, value_enum, env = "INFERD_DURABILITY")]
     pub durability: Option<DurabilityArg>,
@@ -256,6 +270,8 @@ struct FileConfig {
     state_dir: Option<PathBuf>,
     max_spilled_sessions: Option<usize>,
     max_spill_mib: Option<u64>,
+    max_state_mib: Option<u64>,
+    min_free_mib: Option<u64>,
     durability: Option<DurabilityArg>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
@@ -318,6 +334,8 @@ pub struct Settings {
     pub state_dir: Option<PathBuf>,
     pub max_spilled_sessions: usize,
     pub max_spill_bytes: u64,
+    /// What the state directory may take of the disk.
+    pub state_limits: Limits,
     pub durability: DurabilityArg,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
@@ -445,6 +463,18 @@ impl ServeArgs {
                 .or(file.max_spill_mib)
                 .unwrap_or(16 << 10)
                 .saturating_mul(1 << 20),
+            state_limits: Limits {
+                max_bytes: match self.max_state_mib.or(file.max_state_mib) {
+                    Some(mib) => Some(
+                        (positive("max-state-mib", mib as usize)? as u64).saturating_mul(1 << 20),
+                    ),
+                    None => None,
+                },
+                min_free_bytes: match self.min_free_mib.or(file.min_free_mib) {
+                    Some(mib) => mib.saturating_mul(1 << 20),
+                    None => DEFAULT_MIN_FREE_BYTES,
+                },
+            },
             durability: self
                 .durability
                 .or(file.durability)
@@ -549,7 +579,7 @@ impl Settings {
             DurabilityArg::Batch => Durability::Batch,
             DurabilityArg::None => Durability::None,
         };
-        let store = SessionStore::open(dir, hash, durability)
+        let store = SessionStore::open_limited(dir, hash, durability, self.state_limits)
             .map_err(|e| CliError::Usage(e.to_string()))?;
         Ok(Some(Arc::new(store)))
     }
@@ -944,5 +974,37 @@ mod tests {
         assert!(err.to_string().contains("idle-ttl"), "{err}");
         let err = parse(&["--workers", "0"]).settings().expect_err("zero");
         assert!(err.to_string().contains("workers"), "{err}");
+        let err = parse(&["--max-state-mib", "0"])
+            .settings()
+            .expect_err("zero");
+        assert!(err.to_string().contains("max-state-mib"), "{err}");
+    }
+
+    #[test]
+    fn the_state_directory_limits_come_from_flags_or_the_file() {
+        let s = parse(&[]).settings().expect("valid");
+        assert_eq!(s.state_limits, Limits::default());
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("inferd.toml");
+        std::fs::write(
+            &path,
+            "max_state_mib = 100
+min_free_mib = 0
+",
+        )
+        .expect("write");
+        let config = path.to_str().expect("utf-8 path");
+        let s = parse(&["--config", config]).settings().expect("valid");
+        assert_eq!(
+            s.state_limits,
+            Limits {
+                max_bytes: Some(100 << 20),
+                min_free_bytes: 0
+            }
+        );
+        let s = parse(&["--config", config, "--min-free-mib", "5"])
+            .settings()
+            .expect("valid");
+        assert_eq!(s.state_limits.min_free_bytes, 5 << 20);
     }
 }

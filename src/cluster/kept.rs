@@ -26,7 +26,7 @@
 //! verified, and again whenever it grows past twice what it must hold.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -38,6 +38,7 @@ use crate::durable::journal::{
     decode_hints, encode_hints, hints_bytes, next_record, seal_record, start_record, NextRecord,
     PageHint, PageHints, Reader,
 };
+use crate::durable::private;
 
 const MAGIC: &[u8; 8] = b"INFERDS1";
 const VERSION: u32 = 1;
@@ -123,6 +124,8 @@ pub enum KeptError {
     },
     #[error("shard state directory {0} is in use by another process")]
     Locked(String),
+    #[error("shard state directory: {0}")]
+    Permissions(#[from] crate::durable::private::PermissionError),
 }
 
 /// What opening the directory found in its log.
@@ -161,7 +164,8 @@ impl StateDir {
     /// Opens (creating) `dir`, locks it and reads its log. A log written
     /// for another identity is reported in `refused` and not used.
     pub fn open(dir: &Path, identity: Identity) -> Result<(StateDir, Opened), KeptError> {
-        std::fs::create_dir_all(dir).map_err(io_error(dir))?;
+        // Private to this user, as a server's state directory is.
+        crate::durable::private::state_dir(dir)?;
         let lock_path = dir.join("lock");
         let lock = crate::durable::lock_directory(dir)
             .map_err(io_error(&lock_path))?
@@ -217,10 +221,14 @@ impl StateDir {
                 blocks_record(&mut record, id, session.encoding, &session.chains, &hints);
                 bytes.extend_from_slice(&record);
             }
-            let mut file = File::create(&fresh)?;
+            let mut file = private::options()
+                .create(true)
+                .truncate(true)
+                .write(true)
+                .open(&fresh)?;
             file.write_all(&bytes)?;
             std::fs::rename(&fresh, &path)?;
-            let file = OpenOptions::new().append(true).open(&path)?;
+            let file = private::options().append(true).open(&path)?;
             Ok((file, bytes.len() as u64))
         })();
         match result {

@@ -6,7 +6,6 @@
 //! once space is back (a journal write that succeeds says so too).
 
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -163,12 +162,10 @@ impl StateHealth {
 /// Writes and syncs a file of [`PROBE_BYTES`], then deletes it.
 fn probe(path: &std::path::Path) -> std::io::Result<()> {
     let written = (|| {
-        let mut file = std::fs::OpenOptions::new()
+        let mut file = super::private::options()
             .create(true)
             .truncate(true)
             .write(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
             .open(path)?;
         file.write_all(&[0u8; PROBE_BYTES])?;
         file.sync_data()

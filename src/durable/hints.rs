@@ -16,9 +16,8 @@
 //! A digest names the history it is of (its length and an xxh3 of its
 //! tokens), since nothing here is ordered with the journal's records.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::journal::{
@@ -186,11 +185,9 @@ impl HintsFile {
 /// Opens `path` to append, creating it readable by its owner alone and
 /// never through a symbolic link.
 fn open_append(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new()
+    super::private::options()
         .create(true)
         .append(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
 }
 

@@ -8,12 +8,16 @@
 //! `Runtime::start` reads every journal back and feeds each history again
 //! before the session takes new calls. The KV pages themselves live in a
 //! file there too ([`pages`]): a restart takes back every page whose bytes
-//! still verify and computes only the rest.
+//! still verify and computes only the rest. Only the server's user may
+//! read or write any of it ([`private`]), and [`budget`] bounds what it
+//! takes of the disk.
 
+pub mod budget;
 mod health;
 pub mod hints;
 pub mod journal;
 pub mod pages;
+pub mod private;
 pub mod spill;
 mod store;
 
@@ -26,7 +30,7 @@ pub use store::{
 /// process at a time writes the directory: `Ok(None)` when another holds
 /// it.
 pub fn lock_directory(dir: &std::path::Path) -> std::io::Result<Option<std::fs::File>> {
-    let lock = std::fs::OpenOptions::new()
+    let lock = private::options()
         .create(true)
         .truncate(false)
         .write(true)

@@ -72,7 +72,13 @@ pub fn write(path: &Path, kv: &SessionKv, history: &[u32]) -> std::io::Result<u6
     }
     let crc = crc32c::crc32c(&header);
     header.extend_from_slice(&crc.to_le_bytes());
-    let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
+    // Private, and never through a link planted at the path.
+    let file = super::private::options()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(path)?;
+    let mut out = BufWriter::with_capacity(1 << 20, file);
     out.write_all(&header)?;
     for bytes in &present {
         out.write_all(bytes)?;
@@ -263,6 +269,27 @@ mod tests {
                 "v {layer} {pos}"
             );
         }
+    }
+
+    #[test]
+    fn a_spill_file_is_private_and_a_link_at_its_path_is_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(None);
+        let history: Vec<u32> = (0..19).map(|i| i * 7 + 3).collect();
+        let source = computed(&pool, &history);
+        // SAFETY: umask has no preconditions; 022 is the usual default.
+        unsafe { libc::umask(0o022) };
+        let path = dir.path().join("s.kv");
+        write(&path, &source, &history).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = dir.path().join("t.kv");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(write(&link, &source, &history).is_err());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! operating system.
 //!
 //! The directory is locked (`DIR/lock`) for as long as the store is open,
-//! so two servers never write one directory.
+//! so two servers never write one directory. Its directories and files are
+//! the server user's alone ([`super::private`]), and what its journals and
+//! spill files hold is counted against its [`Budget`].
 //!
 //! A write that fails (a full disk, an I/O error, a failed sync) is taken
 //! back before the error goes to the caller: the file is cut back to its
@@ -15,9 +17,8 @@
 //! what it held unwritten, the journal's next change rewrites it whole from
 //! the history in memory. The failure is reported to [`StateHealth`].
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -26,9 +27,11 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::budget::{self, Budget, Limits, Refusal};
 use super::health::StateHealth;
 use super::hints::{self, HintsFile};
 use super::journal::{self, Header, JournalError, PageHint, PageHints, Record};
+use super::private::{self, PermissionError};
 use crate::runtime::SessionId;
 
 /// How long `batch` durability lets writes wait for their flush.
@@ -56,6 +59,8 @@ pub enum StoreError {
     },
     #[error("state directory {0} is in use by another inferd process")]
     Locked(String),
+    #[error("state directory: {0}")]
+    Permissions(#[from] PermissionError),
 }
 
 /// A session's journal that could not be restored, and why.
@@ -103,6 +108,8 @@ struct Shared {
     durability: Durability,
     flusher: Option<Arc<Flusher>>,
     health: Arc<StateHealth>,
+    /// Journal bytes are counted here as they are written and removed.
+    budget: Budget,
 }
 
 impl Shared {
@@ -202,6 +209,7 @@ impl JournalFile {
         match written {
             Ok(()) => {
                 self.len += bytes.len() as u64;
+                self.shared.0.budget.grew(bytes.len() as u64);
                 Ok(())
             }
             Err(e) => {
@@ -221,12 +229,12 @@ impl JournalFile {
     /// Records where full pages of the history lie (a hint: not synced,
     /// and losing it costs only a recompute).
     pub fn hint_pages(&mut self, hints: &PageHints) -> std::io::Result<()> {
-        self.hints.pages(hints)
+        self.with_hints(|file| file.pages(hints))
     }
 
     /// Records the logits digest of `history` (a hint, like pages).
     pub fn hint_digest(&mut self, history: &[u32], digest: u64) -> std::io::Result<()> {
-        self.hints.digest(history, digest)
+        self.with_hints(|file| file.digest(history, digest))
     }
 
     /// Bytes of hints written since they were last cleared.
@@ -236,7 +244,25 @@ impl JournalFile {
 
     /// Throws the hints away: the next ones start afresh.
     pub fn clear_hints(&mut self) {
-        self.hints.clear();
+        let _ = self.with_hints(|file| {
+            file.clear();
+            Ok(())
+        });
+    }
+
+    /// Does `what` to the hints file, its change of size counted in the
+    /// budget like the journal's.
+    fn with_hints(
+        &mut self,
+        what: impl FnOnce(&mut HintsFile) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let before = self.hints.file_bytes();
+        let done = what(&mut self.hints);
+        let after = self.hints.file_bytes();
+        let budget = &self.shared.0.budget;
+        budget.grew(after.saturating_sub(before));
+        budget.shrank(before.saturating_sub(after));
+        done
     }
 
     fn rewrite(&mut self, history: &[u32]) -> std::io::Result<()> {
@@ -252,10 +278,7 @@ impl JournalFile {
                 file.sync_data()?;
             }
             std::fs::rename(&tmp, &self.path)?;
-            OpenOptions::new()
-                .append(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&self.path)
+            private::options().append(true).open(&self.path)
         })();
         let file = match written {
             Ok(file) => file,
@@ -265,9 +288,11 @@ impl JournalFile {
             }
         };
         self.file = Arc::new(file);
+        self.shared.0.budget.shrank(self.len);
         self.len = (self.header.len() + reset.len()) as u64;
+        self.shared.0.budget.grew(self.len);
         // The hints described the history the file held before.
-        self.hints.clear();
+        self.clear_hints();
         if self.shared.0.durability == Durability::Batch {
             self.shared.0.commit(&self.file, &self.flush_failed)?;
         }
@@ -276,8 +301,9 @@ impl JournalFile {
 
     /// Deletes the journal: the session is gone for good.
     pub fn remove(mut self) -> std::io::Result<()> {
-        self.hints.clear();
+        self.clear_hints();
         std::fs::remove_file(&self.path)?;
+        self.shared.0.budget.shrank(self.len);
         self.shared.0.commit_dir()
     }
 
@@ -289,12 +315,10 @@ impl JournalFile {
 /// Creates (or empties) a file of the state directory, readable by its
 /// owner alone and never through a symbolic link.
 fn create_file(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new()
+    private::options()
         .create(true)
         .truncate(true)
         .write(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
 }
 
@@ -329,16 +353,30 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
 
 impl SessionStore {
     /// Opens (creating) `dir` for sessions of the model whose file hashes
-    /// to `model_sha256`, and locks it.
+    /// to `model_sha256`, and locks it, with the default [`Limits`].
     pub fn open(
         dir: &Path,
         model_sha256: [u8; 32],
         durability: Durability,
     ) -> Result<Self, StoreError> {
+        Self::open_limited(dir, model_sha256, durability, Limits::default())
+    }
+
+    /// Opens (creating, private) `dir` for sessions of the model whose
+    /// file hashes to `model_sha256`, and locks it; what its sessions hold
+    /// on disk is kept within `limits`. A directory another user owns or
+    /// may write is refused.
+    pub fn open_limited(
+        dir: &Path,
+        model_sha256: [u8; 32],
+        durability: Durability,
+        limits: Limits,
+    ) -> Result<Self, StoreError> {
+        private::state_dir(dir)?;
         let sessions = dir.join("sessions");
-        std::fs::create_dir_all(&sessions).map_err(io_error(&sessions))?;
+        private::inner_dir(&sessions)?;
         let spill = dir.join("spill");
-        std::fs::create_dir_all(&spill).map_err(io_error(&spill))?;
+        private::inner_dir(&spill)?;
         let lock_path = dir.join("lock");
         let lock = super::lock_directory(dir)
             .map_err(io_error(&lock_path))?
@@ -368,12 +406,15 @@ impl SessionStore {
                 .start_probe(sessions.clone())
                 .map_err(io_error(dir))?,
         );
+        let budget = Budget::new(dir, limits);
+        budget.set_used(budget::measure(&[sessions.clone(), spill]));
         Ok(SessionStore {
             shared: Arc::new(SharedHandle(Shared {
                 dir: sessions,
                 durability,
                 flusher,
                 health,
+                budget,
             })),
             root: dir.to_owned(),
             model_sha256,
@@ -391,6 +432,17 @@ impl SessionStore {
     /// Whether the directory takes writes right now.
     pub fn health(&self) -> &Arc<StateHealth> {
         &self.shared.0.health
+    }
+
+    /// What the directory's sessions hold on disk, against its limits.
+    pub fn budget(&self) -> &Budget {
+        &self.shared.0.budget
+    }
+
+    /// Whether new durable work that writes about `bytes` (0: not known)
+    /// may start ([`Budget::admit`]).
+    pub fn admit(&self, bytes: u64) -> Result<(), Refusal> {
+        self.shared.0.budget.admit(bytes)
     }
 
     /// Where a spilled session's KV pages are written out.
@@ -426,11 +478,9 @@ impl SessionStore {
         let health = &self.shared.0.health;
         health.check().map_err(std::io::Error::other)?;
         let path = self.path_of(id);
-        let file = OpenOptions::new()
+        let file = private::options()
             .create_new(true)
             .append(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .inspect_err(|e| {
                 // Out of descriptors says nothing of the directory.
@@ -460,6 +510,8 @@ impl SessionStore {
             hints: self.hints_of(id),
             shared: Arc::clone(&self.shared),
         };
+        // Counted now: a failed write's `remove` below gives it back.
+        self.shared.0.budget.grew(journal.len);
         let committed = written
             .and_then(|()| self.shared.0.commit(&journal.file, &journal.flush_failed))
             .and_then(|()| self.shared.0.commit_dir());
@@ -546,6 +598,14 @@ impl SessionStore {
                 }
             }
         }
+        // Refused journals are kept for inspection, but not without end.
+        for gone in budget::trim_refused(&self.shared.0.dir) {
+            tracing::info!(path = %gone.display(), kept = budget::KEEP_REFUSED, "deleted an old refused journal");
+        }
+        self.shared
+            .0
+            .budget
+            .set_used(budget::measure(&[self.shared.0.dir.clone(), spill_dir]));
         (recovered, refused)
     }
 
@@ -572,9 +632,8 @@ impl SessionStore {
                 replayed.history.len()
             ));
         }
-        let file = OpenOptions::new()
+        let file = private::options()
             .append(true)
-            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| format!("cannot open for writing: {e}"))?;
         // A torn tail is cut off before anything is appended after it (it
@@ -839,6 +898,89 @@ mod tests {
         assert_eq!(now.len(), journal.header.len() + reset.len());
         assert_eq!(journal::replay(&now).unwrap().history, vec![1, 2, 4]);
         assert_eq!(store.health().failures(), 1);
+    }
+
+    #[test]
+    fn files_are_private_and_a_link_planted_at_a_rewrite_is_not_followed() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: umask has no preconditions; 022 is the usual default.
+        unsafe { libc::umask(0o022) };
+        let root = dir.path().join("state");
+        let store = store(&root, Durability::Sync);
+        let id = SessionId::random().unwrap();
+        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        journal
+            .append(&Record::Append(vec![1, 2]), &[1, 2])
+            .unwrap();
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o777;
+        for d in [&root, &root.join("sessions"), &root.join("spill")] {
+            assert_eq!(mode(d), 0o700, "{}", d.display());
+        }
+        for f in [&journal.path, &root.join("lock")] {
+            assert_eq!(mode(f), 0o600, "{}", f.display());
+        }
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, b"keep").unwrap();
+        let mut new = journal.path.clone().into_os_string();
+        new.push(".new");
+        std::os::unix::fs::symlink(&target, &new).unwrap();
+        assert!(journal.append(&Record::Reset(vec![3]), &[3]).is_err());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        assert_eq!(
+            std::fs::metadata(&target).unwrap().permissions().mode() & 0o777,
+            0o644
+        );
+        // The journal is as it was.
+        drop(journal);
+        drop(store);
+        let store = super::SessionStore::open(&root, [3; 32], Durability::Sync).unwrap();
+        let (back, refused) = store.recover(100, 100);
+        assert!(refused.is_empty(), "{refused:?}");
+        assert_eq!(back[0].history, vec![1, 2]);
+    }
+
+    #[test]
+    fn journals_and_spill_files_are_counted_against_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits {
+            max_bytes: Some(1 << 20),
+            min_free_bytes: 0,
+        };
+        let store =
+            SessionStore::open_limited(dir.path(), [3; 32], Durability::None, limits).unwrap();
+        assert_eq!(store.budget().used(), 0);
+        let id = SessionId::random().unwrap();
+        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        journal
+            .append(&Record::Append(vec![1; 100]), &[1; 100])
+            .unwrap();
+        assert_eq!(store.budget().used(), journal.file_bytes());
+        journal
+            .append(&Record::Reset(vec![2; 10]), &[2; 10])
+            .unwrap();
+        assert_eq!(store.budget().used(), journal.file_bytes());
+        std::fs::write(store.spill_path(id), vec![0; 1000]).unwrap();
+        std::fs::write(dir.path().join("sessions/x.journal.refused"), vec![0; 500]).unwrap();
+        let held = journal.file_bytes();
+        drop(journal);
+        drop(store);
+        // A start counts what it finds.
+        let store =
+            SessionStore::open_limited(dir.path(), [3; 32], Durability::None, limits).unwrap();
+        assert_eq!(store.budget().used(), held + 1500);
+        let (mut back, _) = store.recover(100, 100);
+        assert_eq!(store.budget().used(), held + 1500);
+        back.pop().unwrap().journal.remove().unwrap();
+        assert_eq!(store.budget().used(), 1500);
+        assert!(store.admit((1 << 20) - 1500).is_ok());
+        assert_eq!(
+            store.admit((1 << 20) - 1499),
+            Err(Refusal::Budget {
+                used: 1500,
+                max: 1 << 20
+            })
+        );
     }
 
     #[test]

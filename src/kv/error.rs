@@ -87,6 +87,21 @@ pub enum KvError {
     /// its pages count positions whose K and V live elsewhere.
     #[error("this KV pool is a ledger of positions: its pages hold no K or V rows")]
     NoStorage,
+    /// The page file's blocks could not all be allocated (a full disk, a
+    /// quota): writing its pages later would kill the process (SIGBUS).
+    #[error(
+        "cannot reserve the {bytes} bytes of the KV page file {} on disk: {needed} more are \
+         needed, {} free on its filesystem ({source}); free space there or lower --kv-mib",
+        .path.display(), free_text(.free)
+    )]
+    Reserve {
+        path: PathBuf,
+        bytes: u64,
+        needed: u64,
+        free: Option<u64>,
+        #[source]
+        source: std::io::Error,
+    },
     /// Creating, sizing or mapping the backing memory failed.
     #[error("cannot map {bytes} bytes of KV memory{}: {source}", path_suffix(.path))]
     Map {
@@ -95,6 +110,13 @@ pub enum KvError {
         #[source]
         source: std::io::Error,
     },
+}
+
+fn free_text(free: &Option<u64>) -> String {
+    free.map_or_else(
+        || "an unknown number of bytes".into(),
+        |f| format!("{f} bytes"),
+    )
 }
 
 fn path_suffix(path: &Option<PathBuf>) -> String {

@@ -17,6 +17,9 @@
 mod alloc;
 mod error;
 pub mod pool;
+// Needs libc, which loom builds leave out; they never map a file.
+#[cfg(not(loom))]
+mod reserve;
 // The index is a mutex-guarded map, not part of what loom checks.
 #[cfg(not(loom))]
 mod prefix;

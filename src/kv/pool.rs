@@ -463,15 +463,45 @@ fn map_backing(backing: &KvBacking, total_bytes: usize) -> Result<MmapMut, KvErr
             .map_anon()
             .map_err(map_error(None)),
         KvBacking::File(path) | KvBacking::Kept(path) => {
-            let file = OpenOptions::new()
+            #[cfg(not(loom))]
+            let existed = path.exists();
+            let mut options = OpenOptions::new();
+            // Only this user may read the pages (they are the sessions'
+            // KV), and a link planted at the path is not followed.
+            #[cfg(not(loom))]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                options.mode(0o600).custom_flags(libc::O_NOFOLLOW);
+            }
+            let file = options
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(matches!(backing, KvBacking::File(_)))
                 .open(path)
                 .map_err(map_error(Some(path.clone())))?;
+            // A file an earlier version left readable by others is made
+            // private too.
+            #[cfg(not(loom))]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let meta = file.metadata().map_err(map_error(Some(path.clone())))?;
+                if meta.permissions().mode() & 0o077 != 0 {
+                    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                        .map_err(map_error(Some(path.clone())))?;
+                }
+            }
             file.set_len(total_bytes as u64)
                 .map_err(map_error(Some(path.clone())))?;
+            // Every block now, so that no write through the map can find
+            // the disk full (SIGBUS).
+            #[cfg(not(loom))]
+            if let Err(e) = super::reserve::reserve_blocks(&file, path, total_bytes as u64) {
+                if !existed {
+                    let _ = std::fs::remove_file(path);
+                }
+                return Err(e);
+            }
             // SAFETY: the file was just sized by us; the documented contract
             // of `KvBacking::File` and `KvBacking::Kept` is that nothing else
             // modifies or truncates it while the pool lives, so the mapping
@@ -617,6 +647,40 @@ mod tests {
         let err = KvPool::new(config).unwrap_err();
         assert!(matches!(err, KvError::Map { bytes: 12_288, .. }));
         assert!(err.to_string().contains("kv.slab"), "{err}");
+    }
+
+    #[test]
+    fn a_kept_page_file_is_private_whole_on_disk_and_never_a_link() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let layout = KvLayout {
+            n_layers: 2,
+            kv_dim: 8,
+            page_positions: 4,
+        };
+        let config = |path: &std::path::Path| KvPoolConfig {
+            layout,
+            n_pages: 64,
+            backing: KvBacking::Kept(path.to_owned()),
+            prefault: false,
+        };
+        let path = dir.path().join("kv.pages");
+        // A file an earlier version left readable by others.
+        std::fs::write(&path, b"").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        drop(KvPool::new(config(&path)).unwrap());
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        assert_eq!(meta.len(), 64 * 128);
+        assert!(meta.blocks() * 512 >= 64 * 128, "every block is allocated");
+        // A link planted where the page file goes is not written through.
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = dir.path().join("linked.pages");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = KvPool::new(config(&link)).unwrap_err();
+        assert!(matches!(err, KvError::Map { .. }), "{err}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
     }
 
     #[test]

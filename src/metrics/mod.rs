@@ -274,6 +274,27 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         );
     }
     e.single(
+        "state_bytes",
+        "gauge",
+        "Bytes of session journals, spill files and refused journals in the state directory (what --max-state-mib bounds; the page file is reserved apart).",
+        stats.state_bytes,
+    );
+    e.family(
+        "state_refused_total",
+        "counter",
+        "New durable work (a session, an append, a Generate, a fork, a spill) refused by the state directory's limits, by reason: its budget (--max-state-mib) or free space below the floor (--min-free-mib).",
+    );
+    e.sample(
+        "state_refused_total",
+        &[("reason", "budget")],
+        stats.state_refused_budget,
+    );
+    e.sample(
+        "state_refused_total",
+        &[("reason", "free_space")],
+        stats.state_refused_free_space,
+    );
+    e.single(
         "session_restore_refused_total",
         "counter",
         "Session journals not restored at start (untrusted, or no place or KV room).",
@@ -584,6 +605,9 @@ mod tests {
             spill_bytes: 1 << 20,
             spill_read_tokens: 992,
             restore_refused: 1,
+            state_bytes: 8192,
+            state_refused_budget: 2,
+            state_refused_free_space: 3,
             prefix_entries: 5,
             prefix_cached_pages: 4,
             kv_used_bytes: 4096,
@@ -818,6 +842,15 @@ mod tests {
         assert_eq!(get("inferd_session_journal_failures_total", &[]), 1.0);
         assert_eq!(get("inferd_state_dir_writable", &[]), 0.0);
         assert_eq!(get("inferd_state_dir_write_failures_total", &[]), 4.0);
+        assert_eq!(get("inferd_state_bytes", &[]), 8192.0);
+        assert_eq!(
+            get("inferd_state_refused_total", &[("reason", "budget")]),
+            2.0
+        );
+        assert_eq!(
+            get("inferd_state_refused_total", &[("reason", "free_space")]),
+            3.0
+        );
         assert_eq!(get("inferd_session_spilled", &[]), 2.0);
         assert_eq!(get("inferd_prefix_entries", &[]), 5.0);
         assert_eq!(get("inferd_prefix_cached_pages", &[]), 4.0);

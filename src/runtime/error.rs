@@ -44,6 +44,12 @@ pub enum RuntimeError {
     /// The call's deadline passed while it waited or ran.
     #[error("deadline exceeded")]
     DeadlineExceeded,
+    /// The state directory may not grow: its budget is spent or its
+    /// filesystem is below the free-space floor (`--max-state-mib`,
+    /// `--min-free-mib`). New durable work is refused before it changes
+    /// anything; the message says which limit and its numbers.
+    #[error("{0}")]
+    StateDirFull(String),
     /// The runtime is draining for shutdown and takes no new work.
     #[error("runtime is shutting down")]
     Unavailable,
@@ -68,7 +74,9 @@ impl RuntimeError {
         match self {
             RuntimeError::NotFound => StatusKind::NotFound,
             RuntimeError::InvalidArgument(_) => StatusKind::InvalidArgument,
-            RuntimeError::ResourceExhausted { .. } => StatusKind::ResourceExhausted,
+            RuntimeError::ResourceExhausted { .. } | RuntimeError::StateDirFull(_) => {
+                StatusKind::ResourceExhausted
+            }
             RuntimeError::FailedPrecondition(_) => StatusKind::FailedPrecondition,
             RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
             RuntimeError::Unavailable | RuntimeError::NotDurable(_) => StatusKind::Unavailable,

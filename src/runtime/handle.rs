@@ -244,6 +244,26 @@ impl Runtime {
         req: CreateSession,
         deadline: Option<Instant>,
     ) -> Result<Pending<SessionId>, RuntimeError> {
+        self.create(req, deadline, false)
+    }
+
+    /// A session that is never journaled, even with a state directory: it
+    /// does not survive a restart, and it needs nothing of the disk (the
+    /// server's warm-up runs in one, so a full disk does not stop a start).
+    pub fn create_transient_session(
+        &self,
+        req: CreateSession,
+        deadline: Option<Instant>,
+    ) -> Result<Pending<SessionId>, RuntimeError> {
+        self.create(req, deadline, true)
+    }
+
+    fn create(
+        &self,
+        req: CreateSession,
+        deadline: Option<Instant>,
+        transient: bool,
+    ) -> Result<Pending<SessionId>, RuntimeError> {
         req.validate()?;
         let worker = self.pick_worker();
         let id = self.draw_id(worker)?;
@@ -255,6 +275,7 @@ impl Runtime {
                 req,
                 reply: tx,
                 deadline,
+                transient,
             },
         )?;
         Ok(Pending {
@@ -463,6 +484,12 @@ impl Runtime {
                 }
             })
             .collect();
+        let state = self
+            .cfg
+            .state
+            .as_ref()
+            .map(|s| s.budget().stats())
+            .unwrap_or_default();
         RuntimeStats {
             sessions_active: self.shared.live_sessions.load(Ordering::Relaxed) as u64,
             sessions_created: load(&c.sessions_created),
@@ -480,6 +507,9 @@ impl Runtime {
             spill_bytes: self.shared.spill_bytes.load(Ordering::Relaxed),
             spill_read_tokens: load(&c.spill_read_tokens),
             restore_refused: load(&c.restore_refused),
+            state_bytes: state.used_bytes,
+            state_refused_budget: state.refused_budget,
+            state_refused_free_space: state.refused_free_space,
             prefix_entries: prefix.entries as u64,
             prefix_cached_pages: prefix.cached_pages as u64,
             kv_used_bytes: self

@@ -188,6 +188,13 @@ pub struct RuntimeStats {
     /// Journals not restored: unreadable or untrusted (renamed `*.refused`),
     /// or without a place or pages (left for a later start).
     pub restore_refused: u64,
+    /// Bytes of journals, spill files and refused journals in the state
+    /// directory (its budget's count; the page file is not in it).
+    pub state_bytes: u64,
+    /// Durable work refused because the state directory's budget was spent.
+    pub state_refused_budget: u64,
+    /// Durable work refused because its filesystem was below the floor.
+    pub state_refused_free_space: u64,
     /// Pages of positions the shared-prefix index lists.
     pub prefix_entries: u64,
     /// Pool pages only the prefix cache holds.

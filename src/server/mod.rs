@@ -552,8 +552,9 @@ fn warmup_token(model: &Model) -> u32 {
 /// One token through a real worker's forward pass, in a throwaway session.
 fn warm_up(runtime: &Runtime, token: u32) -> Result<(), RuntimeError> {
     let deadline = Some(Instant::now() + Duration::from_secs(120));
+    // Not journaled: a start on a full disk still warms up.
     let id = runtime
-        .create_session(
+        .create_transient_session(
             CreateSession {
                 client_label: "inferd-warmup".into(),
                 eos_token_ids: Vec::new(),

@@ -33,7 +33,15 @@ impl Worker {
         let id = w.id;
         let kv = SessionKv::new(Arc::clone(&self.kv_pool));
         let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids);
-        if let Some(store) = &self.cfg.state {
+        let store = self.cfg.state.as_ref().filter(|_| !w.transient);
+        if let Some(store) = store {
+            if let Err(refusal) = store.admit(0) {
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                let _ = w
+                    .reply
+                    .send(Err(RuntimeError::StateDirFull(refusal.to_string())));
+                return None;
+            }
             match store.create(id, &slot.label, &slot.eos, &[]) {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
@@ -120,7 +128,7 @@ impl Worker {
         // or when it is first called (spilled).
         let mut spill = spill;
         if resident {
-            if let Some((path, _)) = spill.take() {
+            if let Some((path, bytes)) = spill.take() {
                 match crate::durable::spill::read(&path, &mut kv, &history) {
                     Ok(read) => {
                         self.shared
@@ -130,7 +138,7 @@ impl Worker {
                     }
                     Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
                 }
-                let _ = std::fs::remove_file(&path);
+                spill_gone(self.cfg.state.as_deref(), &path, bytes);
             }
         }
         if !resident && !self.claim_spilled_place() {
@@ -285,7 +293,7 @@ impl Worker {
             }
         }
         if let Some((path, bytes)) = slot.spill_file.take() {
-            let _ = std::fs::remove_file(path);
+            spill_gone(self.cfg.state.as_deref(), &path, bytes);
             self.shared.spill_bytes.fetch_sub(bytes, Ordering::Relaxed);
         }
         self.trim_prefix_cache();
@@ -332,6 +340,22 @@ impl Worker {
             if slot.active.is_some() {
                 return moved;
             }
+            // New durable work is refused while the state directory may
+            // not grow, before anything (even bringing a spilled session
+            // back) is done for it.
+            let journaled = slot.journal.is_some();
+            if journaled && slot.queue.front().is_some_and(|q| q.op.grows_state()) {
+                if let Some(Err(refusal)) = self.cfg.state.as_ref().map(|s| s.admit(0)) {
+                    if let Some(q) = self.sessions.get_mut(&id).and_then(|s| s.queue.pop_front()) {
+                        q.op.fail(RuntimeError::StateDirFull(refusal.to_string()));
+                    }
+                    moved = true;
+                    continue;
+                }
+            }
+            let Some(slot) = self.sessions.get_mut(&id) else {
+                return moved;
+            };
             // A spilled session is fed its history again before any call
             // but a close.
             let needs_kv = slot
@@ -613,6 +637,20 @@ impl Worker {
             .collect();
         for id in expired {
             self.remove(id, Removal::Ttl);
+        }
+    }
+}
+
+/// Deletes a spill file that was read back or whose session ended, giving
+/// its bytes back to the state directory's budget.
+pub(super) fn spill_gone(
+    store: Option<&crate::durable::SessionStore>,
+    path: &std::path::Path,
+    bytes: u64,
+) {
+    if std::fs::remove_file(path).is_ok() {
+        if let Some(store) = store {
+            store.budget().shrank(bytes);
         }
     }
 }

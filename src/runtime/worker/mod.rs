@@ -46,6 +46,7 @@ use crate::sampler::{
     CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
 };
 use crate::threads::{CoreGroup, ThreadPool, Wake};
+use admission::spill_gone;
 use fork::Forking;
 
 mod admission;
@@ -66,6 +67,9 @@ pub(crate) enum Command {
         req: CreateSession,
         reply: Reply<SessionId>,
         deadline: Option<Instant>,
+        /// Never journaled, whatever the state directory (the server's
+        /// warm-up session).
+        transient: bool,
     },
     /// An operation that joins the session's FIFO.
     Enqueue {
@@ -113,6 +117,16 @@ pub(crate) enum Op {
 }
 
 impl Op {
+    /// Whether the op writes a session's journal (or starts one): new
+    /// durable work, which the state directory's limits may refuse.
+    fn grows_state(&self) -> bool {
+        match self {
+            Op::Append { tokens, .. } => !tokens.is_empty(),
+            Op::Generate { .. } | Op::Fork { .. } => true,
+            Op::History { .. } | Op::Close { .. } => false,
+        }
+    }
+
     fn fail(self, err: RuntimeError) {
         // A caller that went away no longer needs the answer.
         match self {
@@ -208,6 +222,7 @@ struct WaitingCreate {
     reply: Reply<SessionId>,
     deadline: Option<Instant>,
     since: Instant,
+    transient: bool,
 }
 
 /// A Generate in progress.
@@ -758,6 +773,7 @@ impl Worker {
                 req,
                 reply,
                 deadline,
+                transient,
             } => {
                 let waiting = WaitingCreate {
                     id,
@@ -765,6 +781,7 @@ impl Worker {
                     reply,
                     deadline,
                     since: Instant::now(),
+                    transient,
                 };
                 if let Some(w) = self.try_create(waiting) {
                     self.waiting_creates.push_back(w);

@@ -116,7 +116,7 @@ impl Worker {
                 Ok(n) => read = n,
                 Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
             }
-            let _ = std::fs::remove_file(&path);
+            spill_gone(self.cfg.state.as_deref(), &path, bytes);
             self.shared.spill_bytes.fetch_sub(bytes, Ordering::Relaxed);
         }
         if read > 0 {
@@ -570,6 +570,12 @@ fn spill_out(
     let estimate = (slot.kv.pages_held() * (page_bytes + crate::durable::spill::ENTRY_BYTES))
         as u64
         + crate::durable::spill::HEADER_BYTES;
+    // Within the state directory's limits too; past them only the history
+    // is kept, as past `max_spill_bytes`.
+    if let Err(refusal) = store.admit(estimate) {
+        tracing::debug!(session = %id, "spilling its history only: {refusal}");
+        return None;
+    }
     spill_bytes
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
             (held.saturating_add(estimate) <= max_spill_bytes).then_some(held + estimate)
@@ -580,6 +586,7 @@ fn spill_out(
         Ok(bytes) => {
             // The claim becomes what was written (never more).
             spill_bytes.fetch_sub(estimate.saturating_sub(bytes), Ordering::AcqRel);
+            store.budget().grew(bytes.min(estimate));
             Some((path, bytes.min(estimate)))
         }
         Err(e) => {

@@ -43,6 +43,7 @@ fn new_session(w: &mut Worker) -> SessionId {
         req: CreateSession::default(),
         reply: tx,
         deadline: None,
+        transient: false,
     });
     rx.recv().expect("reply").expect("created")
 }
