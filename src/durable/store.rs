@@ -19,7 +19,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use super::journal::{self, Header, JournalError, PageHint, Record};
-use crate::runtime::SessionId;
+use crate::runtime::{SessionId, Tenant};
 
 /// How long `batch` durability lets writes wait for their flush.
 pub const BATCH_WINDOW: Duration = Duration::from_millis(5);
@@ -61,6 +61,9 @@ pub struct Recovered {
     pub id: SessionId,
     pub label: String,
     pub eos: Vec<u32>,
+    /// The tenant it belongs to (none for a journal written before
+    /// sessions had owners).
+    pub owner: Tenant,
     pub history: Vec<u32>,
     /// What the journal says of where the history's full pages lie.
     pub hints: Vec<Box<[PageHint]>>,
@@ -303,13 +306,14 @@ impl SessionStore {
         self.shared.0.dir.join(format!("{id}.journal"))
     }
 
-    /// Starts the journal of a new session (with `history` as its first
-    /// record when it has one: a fork).
+    /// Starts the journal of a new session of `owner` (with `history` as
+    /// its first record when it has one: a fork).
     pub fn create(
         &self,
         id: SessionId,
         label: &str,
         eos: &[u32],
+        owner: &Tenant,
         history: &[u32],
     ) -> std::io::Result<JournalFile> {
         let path = self.path_of(id);
@@ -322,6 +326,7 @@ impl SessionStore {
             session: id.bytes(),
             eos: eos.to_vec(),
             label: label.to_owned(),
+            owner: owner.clone(),
         });
         let mut bytes = header.clone();
         if !history.is_empty() {
@@ -449,6 +454,7 @@ impl SessionStore {
             id,
             label: header.label.clone(),
             eos: header.eos.clone(),
+            owner: header.owner.clone(),
             history: replayed.history,
             hints: replayed.hints,
             digest: replayed.digest,
@@ -526,7 +532,7 @@ mod tests {
         for durability in [Durability::Sync, Durability::Batch, Durability::None] {
             let path = {
                 let store = store(dir.path(), durability);
-                let mut journal = store.create(id, "l", &[2], &[]).unwrap();
+                let mut journal = store.create(id, "l", &[2], &Tenant::NONE, &[]).unwrap();
                 for k in 0..50u32 {
                     journal.append(&Record::Append(vec![k, k + 1])).unwrap();
                 }

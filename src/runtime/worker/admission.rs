@@ -32,9 +32,9 @@ impl Worker {
         }
         let id = w.id;
         let kv = SessionKv::new(Arc::clone(&self.kv_pool));
-        let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids);
+        let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids, w.owner);
         if let Some(store) = &self.cfg.state {
-            match store.create(id, &slot.label, &slot.eos, &[]) {
+            match store.create(id, &slot.label, &slot.eos, &slot.owner, &[]) {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
@@ -65,6 +65,7 @@ impl Worker {
             id,
             label,
             eos,
+            owner,
             history,
             pages,
             digest: journaled_digest,
@@ -142,7 +143,7 @@ impl Worker {
         }
         let tokens = history.len();
         let kept = kv.len();
-        let mut slot = SessionSlot::new(kv, label, eos);
+        let mut slot = SessionSlot::new(kv, label, eos, owner);
         slot.journal = Some(journal);
         if !resident {
             // No place or pages now: kept spilled, fed when first called;
@@ -226,48 +227,6 @@ impl Worker {
                 (n < max).then_some(n + 1)
             })
             .is_ok()
-    }
-
-    pub(super) fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
-        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
-        let busy = !slot.idle();
-        // A history being fed again (a restore) is the session's history.
-        let history_length = match &slot.active {
-            Some(Active {
-                work: Work::Restore,
-                pending,
-                fed,
-                ..
-            }) => slot.history.len() + pending.len() - fed,
-            _ => slot.history.len(),
-        };
-        Ok(SessionInfo {
-            history_length: history_length as u64,
-            kv_live_bytes: self.runner.kv_live_bytes(&slot.kv),
-            inv1_violations: slot.inv1_violations,
-            inv2_violations: slot.inv2_violations,
-            idle_seconds: if busy {
-                0.0
-            } else {
-                slot.last_used.elapsed().as_secs_f64()
-            },
-            pages_held: slot.kv.pages_held() as u64,
-            client_label: slot.label.clone(),
-            eos_token_ids: slot.eos.clone(),
-            truncated_token_count: slot.truncated,
-            busy,
-            logits_digest: match slot.logits_digest.get() {
-                Some(d) => d,
-                // Restored spilled at start from a journal that recorded no
-                // digest: its logits were never computed.
-                None if slot.spilled => 0,
-                None => {
-                    let d = digest(&slot.next_logits);
-                    slot.logits_digest.set(Some(d));
-                    d
-                }
-            },
-        })
     }
 
     /// Removes a session and frees its KV, counting the reason.
@@ -432,6 +391,7 @@ impl Worker {
             },
             Op::Fork {
                 fork,
+                owner,
                 at_length,
                 client_label,
                 reply,
@@ -439,6 +399,7 @@ impl Worker {
                 Ok(Forking::Later) => Some(Queued {
                     op: Op::Fork {
                         fork,
+                        owner,
                         at_length,
                         client_label,
                         reply,
@@ -446,7 +407,7 @@ impl Worker {
                     deadline,
                 }),
                 Ok(Forking::Ready { kv, at }) => {
-                    self.add_fork(id, fork, kv, at, client_label, reply);
+                    self.add_fork(id, fork, owner, kv, at, client_label, reply);
                     None
                 }
                 Err(e) => {
@@ -610,5 +571,47 @@ impl Worker {
         for id in expired {
             self.remove(id, Removal::Ttl);
         }
+    }
+}
+
+/// What GetSessionInfo reports of `slot`.
+pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
+    let busy = !slot.idle();
+    // A history being fed again (a restore) is the session's history.
+    let history_length = match &slot.active {
+        Some(Active {
+            work: Work::Restore,
+            pending,
+            fed,
+            ..
+        }) => slot.history.len() + pending.len() - fed,
+        _ => slot.history.len(),
+    };
+    SessionInfo {
+        history_length: history_length as u64,
+        kv_live_bytes: runner.kv_live_bytes(&slot.kv),
+        inv1_violations: slot.inv1_violations,
+        inv2_violations: slot.inv2_violations,
+        idle_seconds: if busy {
+            0.0
+        } else {
+            slot.last_used.elapsed().as_secs_f64()
+        },
+        pages_held: slot.kv.pages_held() as u64,
+        client_label: slot.label.clone(),
+        eos_token_ids: slot.eos.clone(),
+        truncated_token_count: slot.truncated,
+        busy,
+        logits_digest: match slot.logits_digest.get() {
+            Some(d) => d,
+            // Restored spilled at start from a journal that recorded no
+            // digest: its logits were never computed.
+            None if slot.spilled => 0,
+            None => {
+                let d = digest(&slot.next_logits);
+                slot.logits_digest.set(Some(d));
+                d
+            }
+        },
     }
 }

@@ -7,7 +7,8 @@
 //!
 //! The listen rules are the gRPC service's: loopback unless a bearer token
 //! is configured (then every request must send `Authorization: Bearer
-//! <token>`, else 401) or the server is declared open; with the server's
+//! <token>`, else 401, and the request runs as that token's tenant:
+//! CONTRACT §2.10) or the server is declared open; with the server's
 //! TLS certificate and key it serves HTTPS only (rustls, ring), each
 //! connection's handshake bounded in time. Bodies are bounded
 //! ([`MAX_BODY_BYTES`]); an unknown path is a 404 in OpenAI's error shape.
@@ -30,8 +31,9 @@ use axum::Router;
 
 use super::service::ServiceState;
 use super::stats::ServerStats;
+use super::tokens::AccessTokens;
 use crate::chat_template::ChatTemplate;
-use crate::metrics::Authorize;
+use crate::runtime::Tenant;
 use crate::tokenizer::Tokenizer;
 use openai::ApiError;
 
@@ -71,7 +73,7 @@ impl HttpServer {
     pub(crate) fn start(
         front: Front,
         listen: &str,
-        authorize: Option<Authorize>,
+        authorize: Option<AccessTokens>,
         tls: Option<&super::TlsIdentity>,
     ) -> std::io::Result<HttpServer> {
         let acceptor = tls.map(tls_acceptor).transpose()?;
@@ -242,7 +244,7 @@ async fn serve_tls(
     graceful.shutdown().await;
 }
 
-fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
+fn router(front: Arc<Front>, authorize: Option<AccessTokens>) -> Router {
     let stats = Arc::clone(&front.state.stats);
     Router::new()
         .route("/v1/chat/completions", post(handlers::chat))
@@ -298,17 +300,24 @@ async fn unknown_path(request: Request) -> Response {
     .into_response()
 }
 
-/// With a token configured, every request must carry it.
+/// With tokens configured, every request must carry one. The request's
+/// [`Tenant`] (none without tokens) goes with it as an extension, which
+/// the handlers that run sessions require.
 async fn check_token(
-    State(authorize): State<Option<Authorize>>,
-    request: Request,
+    State(authorize): State<Option<AccessTokens>>,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if let Some(authorize) = &authorize {
-        let given = request.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
-        if !authorize(given) {
-            return ApiError::unauthorized().into_response();
+    let caller = match &authorize {
+        Some(tokens) => {
+            let given = request.headers().get_all(AUTHORIZATION);
+            match tokens.caller(given.iter().map(|v| v.as_bytes())) {
+                Some(tenant) => tenant,
+                None => return ApiError::unauthorized().into_response(),
+            }
         }
-    }
+        None => Tenant::NONE,
+    };
+    request.extensions_mut().insert(caller);
     next.run(request).await
 }
