@@ -477,7 +477,7 @@ fn greedy_keeping_everything(model: &Model, history: &[u32], n: usize) -> Vec<u3
 /// every position generates.
 #[test]
 fn a_long_sliding_window_session_holds_only_its_window() {
-    use inferd::runtime::{AppendTokens, CreateSession, GenerateEvent, GenerateRequest};
+    use inferd::runtime::{AppendTokens, CreateSession, GenerateEvent, GenerateRequest, Tenant};
     use inferd::runtime::{Runtime, RuntimeConfig, SamplingOptions};
 
     let model = Arc::new(gemma3(Some(8)));
@@ -493,6 +493,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
     .expect("runtime starts");
     let id = rt
         .create_session(
+            &Tenant::NONE,
             CreateSession {
                 client_label: "window".into(),
                 eos_token_ids: Vec::new(),
@@ -508,6 +509,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
     for (i, chunk) in history.chunks(16).enumerate() {
         let len = 16 * (i + 1);
         rt.append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id,
                 tokens: chunk.to_vec(),
@@ -518,7 +520,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
         .wait()
         .expect("appended");
         let info = rt
-            .session_info(id, None)
+            .session_info(&Tenant::NONE, id, None)
             .expect("queued")
             .wait()
             .expect("info");
@@ -540,6 +542,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
     }
     let events: Vec<GenerateEvent> = rt
         .generate(
+            &Tenant::NONE,
             GenerateRequest {
                 id,
                 max_tokens: 24,
@@ -564,7 +567,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
     );
     assert_eq!(tokens, greedy_keeping_everything(&model, &history, 24));
     let info = rt
-        .session_info(id, None)
+        .session_info(&Tenant::NONE, id, None)
         .expect("queued")
         .wait()
         .expect("info");

@@ -8,7 +8,7 @@ use inferd::metrics::{render, MetricsEndpoint, ServerNumbers};
 use inferd::runtime::{
     AppendTokens, CreateSession, EvictionPolicy, GenerateDone, GenerateEvent, GenerateRequest,
     OverflowPolicy, Runtime, RuntimeConfig, RuntimeError, RuntimeStats, SamplingOptions, SessionId,
-    StatusKind, StopReason,
+    StatusKind, StopReason, Tenant,
 };
 
 mod support;
@@ -31,6 +31,7 @@ fn start(cfg: RuntimeConfig) -> Runtime {
 
 fn create(rt: &Runtime, eos: &[u32]) -> SessionId {
     rt.create_session(
+        &Tenant::NONE,
         CreateSession {
             client_label: "test".into(),
             eos_token_ids: eos.to_vec(),
@@ -44,6 +45,7 @@ fn create(rt: &Runtime, eos: &[u32]) -> SessionId {
 
 fn append(rt: &Runtime, id: SessionId, tokens: &[u32]) -> Result<u64, RuntimeError> {
     rt.append_tokens(
+        &Tenant::NONE,
         AppendTokens {
             id,
             tokens: tokens.to_vec(),
@@ -87,7 +89,7 @@ fn split(events: Vec<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {
 
 fn generate(rt: &Runtime, id: SessionId, max: u32, s: SamplingOptions) -> (Vec<u32>, GenerateDone) {
     let events = rt
-        .generate(request(id, max, s), None)
+        .generate(&Tenant::NONE, request(id, max, s), None)
         .expect("queued")
         .collect();
     match split(events) {
@@ -97,7 +99,7 @@ fn generate(rt: &Runtime, id: SessionId, max: u32, s: SamplingOptions) -> (Vec<u
 }
 
 fn info(rt: &Runtime, id: SessionId) -> Result<inferd::runtime::SessionInfo, RuntimeError> {
-    rt.session_info(id, None)?.wait()
+    rt.session_info(&Tenant::NONE, id, None)?.wait()
 }
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
@@ -118,7 +120,11 @@ fn stalled_at_most(
     max_tokens: u32,
 ) -> inferd::runtime::GenerateStream {
     let s = rt
-        .generate(request(id, max_tokens, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(id, max_tokens, SamplingOptions::default()),
+            None,
+        )
         .expect("queued");
     // The first token proves it left the queue; then the stream fills.
     assert!(matches!(s.recv(None), Some(GenerateEvent::Token(_))));
@@ -177,7 +183,11 @@ fn a_stop_sequence_ends_the_generation_after_it_is_emitted() {
     append(&rt, id, &[9, 8]).expect("append");
     let mut req = request(id, 8, seeded());
     req.stop_sequences = vec![vec![319, 319, 319], stop];
-    let (tokens, done) = split(rt.generate(req, None).expect("queued").collect());
+    let (tokens, done) = split(
+        rt.generate(&Tenant::NONE, req, None)
+            .expect("queued")
+            .collect(),
+    );
     assert_eq!(tokens, free[..first_end].to_vec());
     match done {
         GenerateEvent::Done(d) => assert!(matches!(d.stop_reason, StopReason::StopSequence { .. })),
@@ -194,9 +204,13 @@ fn bad_arguments_are_invalid_and_change_nothing() {
     let rt = start(config(1));
     let id = create(&rt, &[]);
     let empty = split(
-        rt.generate(request(id, 4, SamplingOptions::default()), None)
-            .expect("q")
-            .collect(),
+        rt.generate(
+            &Tenant::NONE,
+            request(id, 4, SamplingOptions::default()),
+            None,
+        )
+        .expect("q")
+        .collect(),
     );
     assert!(
         matches!(
@@ -245,7 +259,8 @@ fn bad_arguments_are_invalid_and_change_nothing() {
     // for an id no session has just the same.
     for (max, sampling) in bad {
         for target in [id, SessionId::NEVER_ISSUED] {
-            let Err(err) = rt.generate(request(target, max, sampling.clone()), None) else {
+            let Err(err) = rt.generate(&Tenant::NONE, request(target, max, sampling.clone()), None)
+            else {
                 panic!("{sampling:?} was accepted");
             };
             assert_eq!(err.code(), StatusKind::InvalidArgument, "{sampling:?}");
@@ -274,6 +289,7 @@ fn unknown_closed_and_twice_closed_ids_are_not_found() {
     );
     let (tokens, end) = split(
         rt.generate(
+            &Tenant::NONE,
             request(SessionId::NEVER_ISSUED, 4, SamplingOptions::default()),
             None,
         )
@@ -288,12 +304,12 @@ fn unknown_closed_and_twice_closed_ids_are_not_found() {
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     let closed = rt
-        .close_session(id, None)
+        .close_session(&Tenant::NONE, id, None)
         .expect("q")
         .wait()
         .expect("closed");
     assert_eq!(closed.final_history_length, 3);
-    let again = rt.close_session(id, None).expect("q").wait();
+    let again = rt.close_session(&Tenant::NONE, id, None).expect("q").wait();
     assert_eq!(again.expect_err("second close"), RuntimeError::NotFound);
     assert_eq!(info(&rt, id).expect_err("closed"), RuntimeError::NotFound);
     let stats = rt.stats();
@@ -344,7 +360,7 @@ fn reference_run(rt: &Runtime, appends: &[&[u32]], neighbours: usize) -> (Vec<u3
             let id = create(rt, &[]);
             append(rt, id, &prompt(20 + k * 7, k as u32)).expect("append");
             let stream = rt
-                .generate(request(id, 100, seeded()), None)
+                .generate(&Tenant::NONE, request(id, 100, seeded()), None)
                 .expect("queued");
             std::thread::spawn(move || loop {
                 match stream.recv(None) {
@@ -403,7 +419,11 @@ fn a_reader_that_does_not_read_does_not_stall_another_session() {
     let slow = create(&rt, &[]);
     append(&rt, slow, &[1, 2, 3]).expect("append");
     let unread = rt
-        .generate(request(slow, 50, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(slow, 50, SamplingOptions::default()),
+            None,
+        )
         .expect("q");
     std::thread::sleep(Duration::from_millis(50));
     let fast = create(&rt, &[]);
@@ -436,7 +456,11 @@ fn cancellation_stops_within_a_step_and_keeps_the_session_usable() {
     let id = create(&rt, &[]);
     append(&rt, id, &[1, 2, 3]).expect("append");
     let stream = rt
-        .generate(request(id, 200, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(id, 200, SamplingOptions::default()),
+            None,
+        )
         .expect("q");
     for _ in 0..2 {
         assert!(matches!(stream.recv(None), Some(GenerateEvent::Token(_))));
@@ -463,7 +487,11 @@ fn cancellation_stops_within_a_step_and_keeps_the_session_usable() {
     );
     // Dropping the stream cancels too.
     let dropped = rt
-        .generate(request(id, 200, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(id, 200, SamplingOptions::default()),
+            None,
+        )
         .expect("q");
     assert!(matches!(dropped.recv(None), Some(GenerateEvent::Token(_))));
     drop(dropped);
@@ -483,6 +511,7 @@ fn operations_on_one_session_run_in_arrival_order() {
     append(&rt, id, &[1, 2, 3]).expect("append");
     let a1 = rt
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id,
                 tokens: vec![10],
@@ -491,10 +520,15 @@ fn operations_on_one_session_run_in_arrival_order() {
         )
         .expect("q");
     let g = rt
-        .generate(request(id, 5, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(id, 5, SamplingOptions::default()),
+            None,
+        )
         .expect("q");
     let a2 = rt
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id,
                 tokens: vec![11, 12],
@@ -502,7 +536,7 @@ fn operations_on_one_session_run_in_arrival_order() {
             None,
         )
         .expect("q");
-    let closed = rt.close_session(id, None).expect("q");
+    let closed = rt.close_session(&Tenant::NONE, id, None).expect("q");
     assert_eq!(a1.wait().expect("a1").history_length, 4);
     let (tokens, done) = split(g.collect());
     assert_eq!(tokens.len(), 5);
@@ -529,6 +563,7 @@ fn a_full_session_queue_is_resource_exhausted() {
     let _busy = stalled(&rt, id);
     let _waiting = rt
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id,
                 tokens: vec![7],
@@ -554,12 +589,14 @@ fn deadlines_end_waiting_and_running_calls() {
     append(&rt, id, &[1, 2, 3]).expect("append");
     let busy = rt
         .generate(
+            &Tenant::NONE,
             request(id, 200, SamplingOptions::default()),
             Some(Instant::now() + Duration::from_millis(300)),
         )
         .expect("q");
     let waiting = rt
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id,
                 tokens: vec![9],
@@ -619,7 +656,7 @@ fn the_session_limit_evicts_the_least_recently_used_idle_session() {
     let _ga = stalled(&rt, a);
     let _gc = stalled(&rt, c);
     let err = rt
-        .create_session(CreateSession::default(), None)
+        .create_session(&Tenant::NONE, CreateSession::default(), None)
         .expect("q")
         .wait()
         .expect_err("all busy");
@@ -664,7 +701,11 @@ fn overflow_truncates_to_sink_plus_recent_once_the_context_fills() {
     let id = create(&rt, &[]);
     append(&rt, id, &history).expect("append");
     let events = rt
-        .generate(request(id, 20, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(id, 20, SamplingOptions::default()),
+            None,
+        )
         .expect("q")
         .collect();
     // Six tokens fill the context; then the 14 still wanted are made room
@@ -695,6 +736,7 @@ fn overflow_truncates_to_sink_plus_recent_once_the_context_fills() {
     // An append past the context truncates too and says how much.
     let r = rt
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id: direct,
                 tokens: prompt(10, 6),
@@ -839,7 +881,11 @@ fn a_truncating_generate_under_pressure_reuses_the_sessions_own_pages() {
     // When the context fills (after 6 tokens) the kept window (16 pages)
     // fits only in the session's own pages.
     let events = rt
-        .generate(request(id, 20, SamplingOptions::default()), None)
+        .generate(
+            &Tenant::NONE,
+            request(id, 20, SamplingOptions::default()),
+            None,
+        )
         .expect("q")
         .collect();
     assert_eq!(
@@ -933,7 +979,11 @@ fn the_session_limit_evicts_an_idle_session_of_another_worker() {
 fn a_create_whose_deadline_passed_creates_nothing() {
     let rt = start(config(1));
     let late = rt
-        .create_session(CreateSession::default(), Some(Instant::now()))
+        .create_session(
+            &Tenant::NONE,
+            CreateSession::default(),
+            Some(Instant::now()),
+        )
         .expect("queued");
     assert_eq!(
         late.wait().expect_err("late"),
@@ -961,7 +1011,7 @@ fn the_none_eviction_policy_never_evicts() {
     assert_eq!(err.code(), StatusKind::ResourceExhausted);
     assert_eq!(err.to_string(), "KV pages exhausted: 6 asked, 2 free");
     let err = rt
-        .create_session(CreateSession::default(), None)
+        .create_session(&Tenant::NONE, CreateSession::default(), None)
         .expect("q")
         .wait()
         .expect_err("limit");
@@ -981,7 +1031,7 @@ fn stats_count_sessions_tokens_prefill_and_queues() {
     generate(&rt, a, 5, SamplingOptions::default());
     let b = create(&rt, &[]);
     append(&rt, b, &[1, 2]).expect("append");
-    rt.close_session(b, None)
+    rt.close_session(&Tenant::NONE, b, None)
         .expect("q")
         .wait()
         .expect("closed");
@@ -1004,6 +1054,7 @@ fn stats_count_sessions_tokens_prefill_and_queues() {
     let _busy = stalled(&rt, a);
     let _waiting = rt
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id: a,
                 tokens: vec![3],
@@ -1109,7 +1160,7 @@ fn with_a_state_directory_an_evicted_session_is_spilled_and_its_next_call_brings
     let stats = rt.stats();
     assert_eq!((stats.sessions_spilled, stats.spilled_now), (2, 1));
     // Closing a spilled session ends it as any other.
-    rt.close_session(b, None)
+    rt.close_session(&Tenant::NONE, b, None)
         .and_then(|p| p.wait())
         .expect("close");
     assert_eq!(info(&rt, b).expect_err("closed"), RuntimeError::NotFound);

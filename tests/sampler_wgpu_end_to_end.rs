@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 
 use inferd::runtime::{
     AppendTokens, CreateSession, GenerateEvent, GenerateRequest, Runtime, RuntimeConfig,
-    SamplingOptions,
+    SamplingOptions, Tenant,
 };
 use inferd::sampler::gpu::GpuError;
 use inferd::sampler::{SamplerChoice, SelectedSampler, TokenLogprobs};
@@ -51,6 +51,7 @@ fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<(Vec<u32>, Vec<T
     for s in 0..sessions {
         let id = rt
             .create_session(
+                &Tenant::NONE,
                 CreateSession {
                     client_label: "wgpu".into(),
                     eos_token_ids: Vec::new(),
@@ -61,7 +62,7 @@ fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<(Vec<u32>, Vec<T
             .wait()
             .expect("created");
         let prompt: Vec<u32> = (0..20).map(|i| (i * 37 + s * 11) % 300).collect();
-        rt.append_tokens(AppendTokens { id, tokens: prompt }, None)
+        rt.append_tokens(&Tenant::NONE, AppendTokens { id, tokens: prompt }, None)
             .expect("queued")
             .wait()
             .expect("appended");
@@ -87,7 +88,7 @@ fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<(Vec<u32>, Vec<T
             sampling,
             stop_sequences: Vec::new(),
         };
-        streams.push(rt.generate(request, None).expect("queued"));
+        streams.push(rt.generate(&Tenant::NONE, request, None).expect("queued"));
     }
     streams
         .into_iter()

@@ -14,6 +14,7 @@ use inferd::durable::{Durability, SessionStore};
 use inferd::model::Model;
 use inferd::runtime::{
     AppendTokens, CreateSession, ForkSession, Runtime, RuntimeConfig, RuntimeError, SessionId,
+    Tenant,
 };
 
 fn load(path: &str) -> Option<Arc<Model>> {
@@ -43,11 +44,12 @@ fn runtime(model: &Arc<Model>) -> Runtime {
 
 fn session(rt: &Runtime, history: &[u32]) -> SessionId {
     let id = rt
-        .create_session(CreateSession::default(), None)
+        .create_session(&Tenant::NONE, CreateSession::default(), None)
         .expect("queued")
         .wait()
         .expect("created");
     rt.append_tokens(
+        &Tenant::NONE,
         AppendTokens {
             id,
             tokens: history.to_vec(),
@@ -61,7 +63,7 @@ fn session(rt: &Runtime, history: &[u32]) -> SessionId {
 }
 
 fn digest(rt: &Runtime, id: SessionId) -> u64 {
-    rt.session_info(id, None)
+    rt.session_info(&Tenant::NONE, id, None)
         .expect("queued")
         .wait()
         .expect("info")
@@ -70,6 +72,7 @@ fn digest(rt: &Runtime, id: SessionId) -> u64 {
 
 fn fork(rt: &Runtime, source: SessionId, at: u64) -> Result<SessionId, RuntimeError> {
     rt.fork_session(
+        &Tenant::NONE,
         ForkSession {
             source,
             at_length: Some(at),
@@ -182,7 +185,7 @@ fn check_restore(model: &Arc<Model>) {
     let rt = durable_runtime(model, dir.path());
     let t0 = std::time::Instant::now();
     while rt
-        .session_info(id, None)
+        .session_info(&Tenant::NONE, id, None)
         .expect("queued")
         .wait()
         .expect("info")
@@ -197,6 +200,7 @@ fn check_restore(model: &Arc<Model>) {
     assert_eq!(rt.stats().restore_digest_mismatches, 0);
     let more = tokens(40, 4, vocab);
     rt.append_tokens(
+        &Tenant::NONE,
         AppendTokens {
             id,
             tokens: more.clone(),

@@ -25,6 +25,7 @@ use crate::model::Model;
 use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
 use crate::sampler::SamplerChoice;
 use crate::server::http::HttpLimits;
+use crate::server::tokens::AccessTokens;
 use crate::server::{ServeConfig, Server, TlsIdentity};
 
 /// `--grpc-connections` when not given.
@@ -145,8 +146,10 @@ pub struct ServeArgs {
     /// against RLIMIT_NOFILE at start [default: 256].
     #[arg(long, env = "INFERD_GRPC_CONNECTIONS")]
     pub grpc_connections: Option<usize>,
-    /// File holding the access token every call (and every metrics scrape)
-    /// must carry as `authorization: Bearer <token>`.
+    /// File of access tokens, one a line, each optionally named (`name:
+    /// token`); every call (and every metrics scrape) must carry one as
+    /// `authorization: Bearer <token>`. With several tokens each session
+    /// belongs to the token that created it: other tokens get NOT_FOUND.
     #[arg(long, env = "INFERD_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
     /// Accept a non-loopback --listen or --metrics-listen without an access
@@ -662,7 +665,10 @@ impl Settings {
                 CliError::Usage(format!("auth token file {}: not UTF-8", path.display()))
             })?;
             warn_if_readable_by_others(path);
-            cfg.auth_token = Some(token.trim().to_owned());
+            // Parsed here too, so that a bad line is reported with the path.
+            AccessTokens::parse(&token)
+                .map_err(|e| CliError::Usage(format!("auth token file {}: {e}", path.display())))?;
+            cfg.auth_token = Some(token);
         }
         if let Some((cert, key)) = &self.tls {
             cfg.tls = Some(TlsIdentity {
@@ -774,10 +780,12 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 format!("{} MiB", cfg.runtime.kv_bytes >> 20)
             },
             if cfg.tls.is_some() { "on" } else { "off" },
-            if cfg.auth_token.is_some() {
-                "required"
-            } else {
-                "none"
+            match cfg.access_tokens().ok().flatten() {
+                Some(tokens) if tokens.has_tenants() => {
+                    format!("required (tenants: {})", tokens.len())
+                }
+                Some(_) => "required".into(),
+                None => "none".into(),
             },
             match cfg.runtime.sampler.adapter() {
                 Some(adapter) => format!("wgpu on {adapter}"),

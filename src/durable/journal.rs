@@ -9,6 +9,7 @@
 //! ```text
 //! header  "INFERDJ1" | version u32 | model sha256 [32] | session id [16]
 //!         | eos count u32 | eos ids u32... | label length u32 | label bytes
+//!         | owner length u32 | owner bytes (version 2 on; 0 bytes: no owner)
 //!         | crc32c u32 (of everything before it)
 //! record  payload length u32 | its bitwise complement u32
 //!         | crc32c u32 (of kind and payload) | kind u8
@@ -37,13 +38,23 @@
 //! zeros from a block the file system allocated but never filled, garbage).
 //! It is dropped. A bad record followed by a good one is damage in the
 //! middle: the history after it is unknown and the journal is refused.
+//!
+//! The owner is the tenant the session belongs to (CONTRACT §2.10): a
+//! token's name or a digest of it, never a token. Version 1 journals,
+//! written before sessions had owners, are still read: their sessions have
+//! no owner.
 
 use thiserror::Error;
 
+use crate::runtime::Tenant;
+
 /// The first bytes of every journal file.
 pub const MAGIC: &[u8; 8] = b"INFERDJ1";
-/// The format of the records after the magic; a reader refuses others.
-pub const VERSION: u32 = 1;
+/// The format of the records after the magic; a reader refuses others
+/// except [`VERSION_WITHOUT_OWNER`].
+pub const VERSION: u32 = 2;
+/// The format before headers named an owner: read, never written.
+pub const VERSION_WITHOUT_OWNER: u32 = 1;
 /// Most bytes of one record's payload: a full context of 2^20 tokens.
 const MAX_PAYLOAD: usize = 4 + 4 * (1 << 20);
 /// Bytes before a record's payload: length twice, checksum, kind.
@@ -56,6 +67,8 @@ pub struct Header {
     pub session: [u8; 16],
     pub eos: Vec<u32>,
     pub label: String,
+    /// The tenant the session belongs to ([`Tenant::NONE`]: anyone's).
+    pub owner: Tenant,
 }
 
 /// One change to the committed history, or a hint about its pages.
@@ -147,7 +160,8 @@ fn put_u32(out: &mut Vec<u8>, v: u32) {
 
 /// The header's bytes.
 pub fn encode_header(header: &Header) -> Vec<u8> {
-    let mut out = Vec::with_capacity(96 + header.label.len() + 4 * header.eos.len());
+    let owner = header.owner.identity().unwrap_or_default();
+    let mut out = Vec::with_capacity(100 + header.label.len() + owner.len() + 4 * header.eos.len());
     out.extend_from_slice(MAGIC);
     put_u32(&mut out, VERSION);
     out.extend_from_slice(&header.model_sha256);
@@ -158,6 +172,8 @@ pub fn encode_header(header: &Header) -> Vec<u8> {
     }
     put_u32(&mut out, header.label.len() as u32);
     out.extend_from_slice(header.label.as_bytes());
+    put_u32(&mut out, owner.len() as u32);
+    out.extend_from_slice(owner.as_bytes());
     let crc = crc32c::crc32c(&out);
     put_u32(&mut out, crc);
     out
@@ -322,7 +338,7 @@ fn parse_header(r: &mut Reader<'_>) -> Result<Header, JournalError> {
         return Err(JournalError::BadMagic);
     }
     let version = r.u32().ok_or(JournalError::BadHeader)?;
-    if version != VERSION {
+    if version != VERSION && version != VERSION_WITHOUT_OWNER {
         return Err(JournalError::Version(version));
     }
     let bad = || JournalError::BadHeader;
@@ -332,17 +348,31 @@ fn parse_header(r: &mut Reader<'_>) -> Result<Header, JournalError> {
     let eos = r.tokens(eos_count).ok_or_else(bad)?;
     let label_len = r.u32().ok_or_else(bad)? as usize;
     let label = r.take(label_len).ok_or_else(bad)?.to_vec();
+    let owner = if version == VERSION_WITHOUT_OWNER {
+        &[][..]
+    } else {
+        let owner_len = r.u32().ok_or_else(bad)? as usize;
+        r.take(owner_len).ok_or_else(bad)?
+    };
     let covered = r.at;
     let crc = r.u32().ok_or_else(bad)?;
     if crc != crc32c::crc32c(&r.bytes[..covered]) {
         return Err(bad());
     }
     let label = String::from_utf8(label).map_err(|_| bad())?;
+    let owner = match owner {
+        [] => Tenant::NONE,
+        bytes => std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| Tenant::new(text).ok())
+            .ok_or_else(bad)?,
+    };
     Ok(Header {
         model_sha256,
         session,
         eos,
         label,
+        owner,
     })
 }
 
@@ -475,6 +505,7 @@ mod tests {
             session: [9; 16],
             eos: vec![2, 3],
             label: "agent ü".into(),
+            owner: Tenant::new("alice").unwrap(),
         }
     }
 
@@ -680,9 +711,38 @@ mod tests {
             assert!(replay(&bad).is_err(), "flip at {at}");
         }
         let mut other = whole.clone();
-        other[8..12].copy_from_slice(&2u32.to_le_bytes());
-        assert_eq!(replay(&other), Err(JournalError::Version(2)));
+        other[8..12].copy_from_slice(&3u32.to_le_bytes());
+        assert_eq!(replay(&other), Err(JournalError::Version(3)));
         assert_eq!(replay(b"hello"), Err(JournalError::BadMagic));
         assert_eq!(replay(&whole[..20]), Err(JournalError::BadHeader));
+    }
+    #[test]
+    fn the_owner_is_read_back_and_a_header_without_one_is_anyones() {
+        let back = replay(&journal(&[Record::Append(vec![1, 2])])).unwrap();
+        assert_eq!(back.header, header());
+        let unowned = Header {
+            owner: Tenant::NONE,
+            ..header()
+        };
+        let back = replay(&encode_header(&unowned)).unwrap();
+        assert_eq!(back.header.owner, Tenant::NONE);
+        // A version 1 header: the same fields, no owner length.
+        let mut v1 = encode_header(&unowned);
+        v1.truncate(v1.len() - 8);
+        v1[8..12].copy_from_slice(&VERSION_WITHOUT_OWNER.to_le_bytes());
+        let crc = crc32c::crc32c(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        v1.extend(encode_record(&Record::Append(vec![5])));
+        let back = replay(&v1).unwrap();
+        assert_eq!(back.header, unowned);
+        assert_eq!(back.history, vec![5]);
+        // An owner that is no tenant identity is a damaged header.
+        let mut odd = encode_header(&header());
+        let at = odd.len() - 4 - "alice".len();
+        odd[at] = b' ';
+        odd.truncate(odd.len() - 4);
+        let crc = crc32c::crc32c(&odd);
+        odd.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(replay(&odd), Err(JournalError::BadHeader));
     }
 }

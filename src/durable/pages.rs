@@ -273,7 +273,7 @@ mod tests {
     use super::*;
     use crate::durable::{Durability, SessionStore};
     use crate::kv::{KvBacking, KvLayout, KvPoolConfig};
-    use crate::runtime::SessionId;
+    use crate::runtime::{SessionId, Tenant};
 
     const PAGE: usize = 4;
     const LAYERS: usize = 3;
@@ -321,7 +321,7 @@ mod tests {
         kv.commit(history.len()).unwrap();
         kv.settle().unwrap();
         let id = SessionId::random().unwrap();
-        let mut journal = store.create(id, "t", &[], history).unwrap();
+        let mut journal = store.create(id, "t", &[], &Tenant::NONE, history).unwrap();
         let full = history.len() / PAGE;
         let chain = chain(history, PAGE, full);
         for hints in hint_records(&kv, &chain, 0).expect("all committed") {

@@ -32,7 +32,7 @@ use super::health::StateHealth;
 use super::hints::{self, HintsFile};
 use super::journal::{self, Header, JournalError, PageHint, PageHints, Record};
 use super::private::{self, PermissionError};
-use crate::runtime::SessionId;
+use crate::runtime::{SessionId, Tenant};
 
 /// How long `batch` durability lets writes wait for their flush.
 pub const BATCH_WINDOW: Duration = Duration::from_millis(5);
@@ -76,6 +76,9 @@ pub struct Recovered {
     pub id: SessionId,
     pub label: String,
     pub eos: Vec<u32>,
+    /// The tenant it belongs to (none for a journal written before
+    /// sessions had owners).
+    pub owner: Tenant,
     pub history: Vec<u32>,
     /// What the journal says of where the history's full pages lie.
     pub hints: Vec<Box<[PageHint]>>,
@@ -465,14 +468,15 @@ impl SessionStore {
         HintsFile::new(path, id.bytes(), 0)
     }
 
-    /// Starts the journal of a new session (with `history` as its first
-    /// record when it has one: a fork). Refused at once, with the last
-    /// failure's reason, while the directory is failing writes.
+    /// Starts the journal of a new session of `owner` (with `history` as
+    /// its first record when it has one: a fork). Refused at once, with the
+    /// last failure's reason, while the directory is failing writes.
     pub fn create(
         &self,
         id: SessionId,
         label: &str,
         eos: &[u32],
+        owner: &Tenant,
         history: &[u32],
     ) -> std::io::Result<JournalFile> {
         let health = &self.shared.0.health;
@@ -493,6 +497,7 @@ impl SessionStore {
             session: id.bytes(),
             eos: eos.to_vec(),
             label: label.to_owned(),
+            owner: owner.clone(),
         });
         let mut bytes = header.clone();
         if !history.is_empty() {
@@ -667,6 +672,7 @@ impl SessionStore {
             id,
             label: header.label.clone(),
             eos: header.eos.clone(),
+            owner: header.owner.clone(),
             history: replayed.history,
             hints,
             digest,
@@ -759,7 +765,7 @@ mod tests {
         for durability in [Durability::Sync, Durability::Batch, Durability::None] {
             let path = {
                 let store = store(dir.path(), durability);
-                let mut journal = store.create(id, "l", &[2], &[]).unwrap();
+                let mut journal = store.create(id, "l", &[2], &Tenant::NONE, &[]).unwrap();
                 let mut history = Vec::new();
                 for k in 0..50u32 {
                     history.extend([k, k + 1]);
@@ -830,7 +836,7 @@ mod tests {
         let id = SessionId::random().unwrap();
         let path = {
             let store = store(dir.path(), Durability::Sync);
-            let mut journal = store.create(id, "l", &[], &[]).unwrap();
+            let mut journal = store.create(id, "l", &[], &Tenant::NONE, &[]).unwrap();
             journal
                 .append(&Record::Append(vec![1, 2]), &[1, 2])
                 .unwrap();
@@ -870,7 +876,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let id = SessionId::random().unwrap();
         let store = store(dir.path(), Durability::Sync);
-        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        let mut journal = store.create(id, "l", &[], &Tenant::NONE, &[]).unwrap();
         journal
             .append(&Record::Append(vec![1, 2]), &[1, 2])
             .unwrap();
@@ -886,7 +892,7 @@ mod tests {
         assert_eq!(std::fs::read(&journal.path).unwrap(), before);
         assert!(store.health().check().is_err());
         let other = SessionId::random().unwrap();
-        assert!(store.create(other, "x", &[], &[]).is_err());
+        assert!(store.create(other, "x", &[], &Tenant::NONE, &[]).is_err());
         journal.file = good;
         journal
             .append(&Record::Append(vec![4]), &[1, 2, 4])
@@ -909,7 +915,7 @@ mod tests {
         let root = dir.path().join("state");
         let store = store(&root, Durability::Sync);
         let id = SessionId::random().unwrap();
-        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        let mut journal = store.create(id, "l", &[], &Tenant::NONE, &[]).unwrap();
         journal
             .append(&Record::Append(vec![1, 2]), &[1, 2])
             .unwrap();
@@ -951,7 +957,7 @@ mod tests {
             SessionStore::open_limited(dir.path(), [3; 32], Durability::None, limits).unwrap();
         assert_eq!(store.budget().used(), 0);
         let id = SessionId::random().unwrap();
-        let mut journal = store.create(id, "l", &[], &[]).unwrap();
+        let mut journal = store.create(id, "l", &[], &Tenant::NONE, &[]).unwrap();
         journal
             .append(&Record::Append(vec![1; 100]), &[1; 100])
             .unwrap();

@@ -14,7 +14,7 @@ use super::worker::{AdmittedGenerate, Command, Op, Worker, WorkersState};
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply,
     ForkSession, GenerateRequest, GenerateStream, Pending, RuntimeConfig, RuntimeError,
-    RuntimeStats, SessionId, SessionInfo, WorkerGauges, WorkerStats,
+    RuntimeStats, SessionId, SessionInfo, Tenant, WorkerGauges, WorkerStats,
 };
 use crate::kv::{KvPool, PrefixIndex};
 use crate::model::Model;
@@ -237,14 +237,20 @@ impl Runtime {
             .unwrap_or(0)
     }
 
-    /// CreateSession: a fresh, empty session on the least-loaded worker. A
-    /// request still waiting when `deadline` passes creates nothing.
+    /// CreateSession: a fresh, empty session on the least-loaded worker,
+    /// owned by `caller`. A request still waiting when `deadline` passes
+    /// creates nothing.
+    ///
+    /// Every call that names a session takes the caller's tenant: the
+    /// session's worker answers `NotFound` to a caller the session does not
+    /// belong to (CONTRACT §2.10), as for an id it never issued.
     pub fn create_session(
         &self,
+        caller: &Tenant,
         req: CreateSession,
         deadline: Option<Instant>,
     ) -> Result<Pending<SessionId>, RuntimeError> {
-        self.create(req, deadline, false)
+        self.create(caller, req, deadline, false)
     }
 
     /// A session that is never journaled, even with a state directory: it
@@ -252,14 +258,16 @@ impl Runtime {
     /// server's warm-up runs in one, so a full disk does not stop a start).
     pub fn create_transient_session(
         &self,
+        caller: &Tenant,
         req: CreateSession,
         deadline: Option<Instant>,
     ) -> Result<Pending<SessionId>, RuntimeError> {
-        self.create(req, deadline, true)
+        self.create(caller, req, deadline, true)
     }
 
     fn create(
         &self,
+        caller: &Tenant,
         req: CreateSession,
         deadline: Option<Instant>,
         transient: bool,
@@ -272,6 +280,7 @@ impl Runtime {
             worker,
             Command::Create {
                 id,
+                owner: caller.clone(),
                 req,
                 reply: tx,
                 deadline,
@@ -299,9 +308,11 @@ impl Runtime {
     /// waiting there; the fork is made on the source's worker, where its
     /// pages are (any worker could read them, but the source's history and
     /// logits are only consistent between two of its operations, which only
-    /// its worker sees).
+    /// its worker sees). The fork belongs to `caller`, who must be allowed
+    /// the source.
     pub fn fork_session(
         &self,
+        caller: &Tenant,
         req: ForkSession,
         deadline: Option<Instant>,
     ) -> Result<Pending<ForkReply>, RuntimeError> {
@@ -313,8 +324,10 @@ impl Runtime {
             worker,
             Command::Enqueue {
                 id: req.source,
+                caller: caller.clone(),
                 op: Op::Fork {
                     fork,
+                    owner: caller.clone(),
                     at_length: req.at_length,
                     client_label: req.client_label,
                     reply: tx,
@@ -331,6 +344,7 @@ impl Runtime {
     /// AppendTokens: runs after any operation already queued on the session.
     pub fn append_tokens(
         &self,
+        caller: &Tenant,
         req: AppendTokens,
         deadline: Option<Instant>,
     ) -> Result<Pending<AppendReply>, RuntimeError> {
@@ -341,6 +355,7 @@ impl Runtime {
             worker,
             Command::Enqueue {
                 id: req.id,
+                caller: caller.clone(),
                 op: Op::Append {
                     tokens: req.tokens,
                     reply: tx,
@@ -357,6 +372,7 @@ impl Runtime {
     /// Generate: the tokens stream back as [`GenerateEvent`]s.
     pub fn generate(
         &self,
+        caller: &Tenant,
         req: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<GenerateStream, RuntimeError> {
@@ -368,6 +384,7 @@ impl Runtime {
             worker,
             Command::Enqueue {
                 id: req.id,
+                caller: caller.clone(),
                 op: Op::Generate {
                     gen: Box::new(AdmittedGenerate {
                         req,
@@ -390,6 +407,7 @@ impl Runtime {
     /// CloseSession: runs after what is already queued, then frees the KV.
     pub fn close_session(
         &self,
+        caller: &Tenant,
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<CloseReply>, RuntimeError> {
@@ -398,6 +416,7 @@ impl Runtime {
             id.worker_index(self.workers.len()),
             Command::Enqueue {
                 id,
+                caller: caller.clone(),
                 op: Op::Close { reply: tx },
                 deadline,
             },
@@ -412,6 +431,7 @@ impl Runtime {
     /// operations already queued on it (the HTTP API's bound sessions).
     pub fn session_history(
         &self,
+        caller: &Tenant,
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<Vec<u32>>, RuntimeError> {
@@ -420,6 +440,7 @@ impl Runtime {
             id.worker_index(self.workers.len()),
             Command::Enqueue {
                 id,
+                caller: caller.clone(),
                 op: Op::History { reply: tx },
                 deadline,
             },
@@ -433,13 +454,18 @@ impl Runtime {
     /// GetSessionInfo: answered at once, even while the session is busy.
     pub fn session_info(
         &self,
+        caller: &Tenant,
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<SessionInfo>, RuntimeError> {
         let (tx, rx) = notify::channel(1);
         self.send(
             id.worker_index(self.workers.len()),
-            Command::Info { id, reply: tx },
+            Command::Info {
+                id,
+                caller: caller.clone(),
+                reply: tx,
+            },
         )?;
         Ok(Pending {
             reply: rx,

@@ -19,6 +19,7 @@ pub mod notify;
 mod notify;
 mod rate;
 mod stats;
+mod tenant;
 mod types;
 // Under loom only the concurrency primitives above are built and checked.
 #[cfg(not(loom))]
@@ -44,6 +45,7 @@ pub use stats::{
 };
 #[cfg(not(loom))]
 pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, StepRunner};
+pub use tenant::{BadTenant, Tenant};
 pub use types::{
     AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
     GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,

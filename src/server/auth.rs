@@ -1,7 +1,9 @@
 //! Who may call: the listen-address policy (loopback unless the operator
 //! configured a token or said out loud that the server is open), the
-//! bearer-token check run on every call before its handler, and the same
-//! check for the metrics endpoint's scrapes.
+//! bearer-token check run on every call before its handler, the same check
+//! for the metrics endpoint's scrapes, and the caller's tenant, which a
+//! handler reads again from the same header (grpcio's checker cannot pass
+//! it on).
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -9,6 +11,8 @@ use std::sync::Arc;
 use grpcio::{CheckResult, RpcContext, RpcStatus, RpcStatusCode, ServerChecker};
 
 use super::stats::ServerStats;
+use super::tokens::AccessTokens;
+use crate::runtime::{RuntimeError, Tenant};
 
 /// Whether every address `listen` names is a loopback address. Unknown or
 /// unresolvable names count as not loopback (fail closed).
@@ -34,26 +38,41 @@ pub fn is_loopback(listen: &str) -> bool {
 /// else.
 #[derive(Clone)]
 pub struct BearerAuth {
-    expected: Arc<[u8]>,
+    tokens: AccessTokens,
     stats: Arc<ServerStats>,
 }
 
 const HEALTH_PREFIX: &[u8] = b"/grpc.health.v1.Health/";
 
 impl BearerAuth {
-    pub fn new(token: &str, stats: Arc<ServerStats>) -> Self {
-        Self {
-            expected: format!("Bearer {token}").into_bytes().into(),
-            stats,
-        }
+    pub fn new(tokens: AccessTokens, stats: Arc<ServerStats>) -> Self {
+        Self { tokens, stats }
     }
 
     fn authorized(&self, ctx: &RpcContext) -> bool {
-        ctx.request_headers()
-            .iter()
-            .filter(|(key, _)| key.eq_ignore_ascii_case("authorization"))
-            .any(|(_, value)| constant_time_eq(value, &self.expected))
+        grpc_caller(Some(&self.tokens), ctx).is_ok()
     }
+}
+
+/// The tenant a gRPC call comes from: [`Tenant::NONE`] on a server without
+/// tokens, else its token's tenant. The checker has already refused a call
+/// without an accepted token; one that gets here without one anyway is
+/// refused again rather than served as no tenant.
+pub fn grpc_caller(
+    tokens: Option<&AccessTokens>,
+    ctx: &RpcContext,
+) -> Result<Tenant, RuntimeError> {
+    let Some(tokens) = tokens else {
+        return Ok(Tenant::NONE);
+    };
+    let headers = ctx.request_headers();
+    let values = headers
+        .iter()
+        .filter(|(key, _)| key.eq_ignore_ascii_case("authorization"))
+        .map(|(_, value)| value);
+    tokens
+        .caller(values)
+        .ok_or_else(|| RuntimeError::Internal("the call's bearer token is not accepted".into()))
 }
 
 impl ServerChecker for BearerAuth {
@@ -74,20 +93,11 @@ impl ServerChecker for BearerAuth {
     }
 }
 
-/// The metrics endpoint's check of a scrape's `Authorization` header: the
-/// same token, compared the same way, as on every gRPC call.
-pub fn http_bearer_check(token: &str) -> crate::metrics::Authorize {
-    let expected: Arc<[u8]> = format!("Bearer {token}").into_bytes().into();
-    Arc::new(move |value: Option<&[u8]>| value.is_some_and(|v| constant_time_eq(v, &expected)))
-}
-
-/// Compares without an early exit, so the time taken says nothing about how
-/// much of a guessed token was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The metrics endpoint's check of a scrape's `Authorization` header: any
+/// accepted token, compared the same way as on every gRPC call (the
+/// metrics are totals over every tenant and name no session).
+pub fn http_bearer_check(tokens: AccessTokens) -> crate::metrics::Authorize {
+    Arc::new(move |value: Option<&[u8]>| value.is_some_and(|v| tokens.caller([v]).is_some()))
 }
 
 #[cfg(test)]
@@ -116,18 +126,21 @@ mod tests {
     }
 
     #[test]
-    fn the_http_check_wants_the_whole_bearer_header() {
-        let check = http_bearer_check("abc");
+    fn the_http_check_wants_the_whole_bearer_header_of_any_token() {
+        let check = http_bearer_check(AccessTokens::parse("abc").unwrap());
         assert!(check(Some(b"Bearer abc")));
         assert!(!check(Some(b"Bearer abd")));
         assert!(!check(Some(b"abc")));
         assert!(!check(None));
-    }
-
-    #[test]
-    fn token_comparison_needs_every_byte() {
-        assert!(constant_time_eq(b"Bearer abc", b"Bearer abc"));
-        assert!(!constant_time_eq(b"Bearer abd", b"Bearer abc"));
-        assert!(!constant_time_eq(b"Bearer ab", b"Bearer abc"));
+        let check = http_bearer_check(
+            AccessTokens::parse(
+                "a: abc
+b: xyz",
+            )
+            .unwrap(),
+        );
+        assert!(check(Some(b"Bearer abc")));
+        assert!(check(Some(b"Bearer xyz")));
+        assert!(!check(Some(b"Bearer a")));
     }
 }

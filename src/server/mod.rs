@@ -17,6 +17,7 @@ mod health;
 pub mod http;
 mod service;
 mod stats;
+pub mod tokens;
 mod wire;
 
 use std::net::SocketAddr;
@@ -34,9 +35,10 @@ use crate::model::Model;
 use crate::proto::grpc_health_v1::health::HealthCheckResponse_ServingStatus as ServingStatus;
 use crate::proto::grpc_health_v1::health_grpc::create_health;
 use crate::runtime::{
-    AppendTokens, CreateSession, Runtime, RuntimeConfig, RuntimeError, RuntimeStats,
+    AppendTokens, CreateSession, Runtime, RuntimeConfig, RuntimeError, RuntimeStats, Tenant,
 };
 use service::{RuntimeServiceImpl, ServiceState};
+use tokens::{AccessTokens, TokenFileError};
 
 /// A PEM certificate chain and its private key.
 #[derive(Clone)]
@@ -62,7 +64,11 @@ pub struct ServeConfig {
     /// `IP:PORT` (port 0 picks a free one) or `localhost:PORT`.
     pub listen: String,
     pub runtime: RuntimeConfig,
-    /// Required on every RuntimeService call as `authorization: Bearer <token>`.
+    /// The access-token file's text (`--auth-token-file`, format in
+    /// [`tokens`]): one bare token, or several, each with an optional
+    /// name. Every RuntimeService call must then send one as
+    /// `authorization: Bearer <token>`, and with several tokens each
+    /// session belongs to the tenant of the token that created it.
     pub auth_token: Option<String>,
     /// Allows a non-loopback `listen` without a token.
     pub allow_unauthenticated: bool,
@@ -100,14 +106,10 @@ impl ServeConfig {
         }
     }
 
-    /// Refuses an open non-loopback server or metrics endpoint, and an
-    /// empty token.
+    /// Refuses an open non-loopback server or metrics endpoint, and a
+    /// token file that does not parse (an empty one included).
     pub fn check_security(&self) -> Result<(), ServeError> {
-        if let Some(token) = &self.auth_token {
-            if token.trim().is_empty() {
-                return Err(ServeError::EmptyToken);
-            }
-        }
+        self.access_tokens()?;
         let open = self.auth_token.is_none() && !self.allow_unauthenticated;
         if open && !is_loopback(&self.listen) {
             return Err(ServeError::OpenListen(self.listen.clone()));
@@ -123,6 +125,15 @@ impl ServeConfig {
             }
         }
         Ok(())
+    }
+
+    /// The parsed token file, if one is configured.
+    pub fn access_tokens(&self) -> Result<Option<AccessTokens>, ServeError> {
+        self.auth_token
+            .as_deref()
+            .map(AccessTokens::parse)
+            .transpose()
+            .map_err(ServeError::TokenFile)
     }
 }
 
@@ -154,9 +165,9 @@ pub enum ServeError {
          <token>`), or --allow-unauthenticated to accept open metrics"
     )]
     OpenMetricsListen(String),
-    /// The token file held nothing but whitespace.
-    #[error("the access token is empty")]
-    EmptyToken,
+    /// The token file is empty or malformed (the error names the line).
+    #[error("the access-token file: {0}")]
+    TokenFile(TokenFileError),
     /// The address could not be bound.
     #[error("cannot listen on {addr}: {reason}")]
     Bind { addr: String, reason: String },
@@ -204,6 +215,7 @@ impl Server {
     /// one session labelled `inferd-warmup` (it shows in the counters).
     pub fn start(model: Arc<Model>, cfg: ServeConfig) -> Result<Server, ServeError> {
         cfg.check_security()?;
+        let tokens = cfg.access_tokens()?;
         let vocab = u32::try_from(model.config.vocab).unwrap_or(u32::MAX);
         let context = model.config.context as u64;
         let warmup_token = warmup_token(&model);
@@ -214,6 +226,7 @@ impl Server {
         let health = HealthState::new();
         let shared = Arc::new(ServiceState {
             runtime,
+            tokens: tokens.clone(),
             stats: Arc::clone(&stats),
             vocab,
             context,
@@ -246,8 +259,9 @@ impl Server {
             .register_service(create_health(health::HealthService {
                 state: Arc::clone(&health),
             }));
-        if let Some(token) = &cfg.auth_token {
-            builder = builder.add_checker(auth::BearerAuth::new(token.trim(), Arc::clone(&stats)));
+        if let Some(tokens) = &tokens {
+            builder =
+                builder.add_checker(auth::BearerAuth::new(tokens.clone(), Arc::clone(&stats)));
         }
         let bind_error = |reason: String| ServeError::Bind {
             addr: cfg.listen.clone(),
@@ -272,9 +286,7 @@ impl Server {
                 MetricsEndpoint::bind_counted(
                     listen,
                     metrics_renderer(&shared, &health, cfg.http_listen.is_some()),
-                    cfg.auth_token
-                        .as_deref()
-                        .map(|token| auth::http_bearer_check(token.trim())),
+                    tokens.clone().map(auth::http_bearer_check),
                     Arc::clone(&stats.metrics_accept_errors),
                 )
                 .map_err(ServeError::Metrics)?,
@@ -288,9 +300,7 @@ impl Server {
                         http::HttpServer::start(
                             front,
                             listen,
-                            cfg.auth_token
-                                .as_deref()
-                                .map(|token| auth::http_bearer_check(token.trim())),
+                            tokens.clone(),
                             cfg.tls.as_ref(),
                             cfg.http_limits,
                         )
@@ -314,7 +324,8 @@ impl Server {
             %addr,
             workers = shared.runtime.workers(),
             tls = cfg.tls.is_some(),
-            auth = cfg.auth_token.is_some(),
+            auth = tokens.is_some(),
+            tenants = tokens.as_ref().is_some_and(AccessTokens::has_tenants),
             "serving kakeya.v1.RuntimeService"
         );
         Ok(Server {
@@ -555,6 +566,7 @@ fn warm_up(runtime: &Runtime, token: u32) -> Result<(), RuntimeError> {
     // Not journaled: a start on a full disk still warms up.
     let id = runtime
         .create_transient_session(
+            &Tenant::NONE,
             CreateSession {
                 client_label: "inferd-warmup".into(),
                 eos_token_ids: Vec::new(),
@@ -564,6 +576,7 @@ fn warm_up(runtime: &Runtime, token: u32) -> Result<(), RuntimeError> {
         .wait()?;
     let appended = runtime
         .append_tokens(
+            &Tenant::NONE,
             AppendTokens {
                 id,
                 tokens: vec![token],
@@ -571,7 +584,9 @@ fn warm_up(runtime: &Runtime, token: u32) -> Result<(), RuntimeError> {
             deadline,
         )
         .and_then(|p| p.wait());
-    let closed = runtime.close_session(id, deadline).and_then(|p| p.wait());
+    let closed = runtime
+        .close_session(&Tenant::NONE, id, deadline)
+        .and_then(|p| p.wait());
     appended?;
     closed?;
     Ok(())

@@ -6,6 +6,10 @@
 //! through the runtime's bounded channels, and spawns a small future that
 //! forwards the reply. No handler ever blocks a completion-queue thread: the
 //! futures are woken by the worker's send (see `runtime::notify`).
+//!
+//! Every handler reads the caller's tenant from its bearer token first
+//! ([`RuntimeServiceImpl::caller`]): the runtime's calls that name or make
+//! a session cannot be made without it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,17 +21,21 @@ use futures_util::future::{select, Either};
 use futures_util::{Sink, SinkExt, StreamExt};
 use grpcio::{RpcContext, ServerStreamingSink, UnarySink, WriteFlags};
 
+use super::auth::grpc_caller;
 use super::convert::{self, status_of};
 use super::deadline::call_deadline;
 use super::stats::{Method, ServerStats};
+use super::tokens::AccessTokens;
 use super::wire::{self, Incoming};
 use crate::proto::inferd_session_v1::session_service as ext;
 use crate::proto::kakeya_v1::runtime as pb;
-use crate::runtime::{GenerateEvent, Pending, Runtime, RuntimeError};
+use crate::runtime::{GenerateEvent, Pending, Runtime, RuntimeError, Tenant};
 
 /// What every handler shares: the runtime and the numbers it reports.
 pub(crate) struct ServiceState {
     pub runtime: Runtime,
+    /// The accepted tokens and their tenants (`None`: no token required).
+    pub tokens: Option<AccessTokens>,
     pub stats: Arc<ServerStats>,
     pub vocab: u32,
     pub context: u64,
@@ -41,6 +49,11 @@ pub(crate) struct RuntimeServiceImpl {
 }
 
 impl RuntimeServiceImpl {
+    /// The tenant the call comes from (CONTRACT §2.10).
+    fn caller(&self, ctx: &RpcContext) -> Result<Tenant, RuntimeError> {
+        grpc_caller(self.shared.tokens.as_ref(), ctx)
+    }
+
     /// Forwards a unary reply once the worker answers.
     fn reply<T, R>(
         &self,
@@ -132,7 +145,8 @@ impl RuntimeServiceImpl {
         let deadline = call_deadline(ctx.deadline());
         let started = req.message().and_then(|mut req| {
             let request = convert::create_request(&mut req);
-            shared.runtime.create_session(request, deadline)
+            let caller = self.caller(&ctx)?;
+            shared.runtime.create_session(&caller, request, deadline)
         });
         let (vocab, context, workers) = (shared.vocab, shared.context, shared.runtime.workers());
         self.reply(&ctx, sink, Method::CreateSession, started, move |id| {
@@ -155,7 +169,10 @@ impl RuntimeServiceImpl {
         let deadline = call_deadline(ctx.deadline());
         let started = req.message().and_then(|mut req| {
             let request = convert::append_request(&mut req);
-            self.shared.runtime.append_tokens(request, deadline)
+            let caller = self.caller(&ctx)?;
+            self.shared
+                .runtime
+                .append_tokens(&caller, request, deadline)
         });
         self.reply(&ctx, sink, Method::AppendTokens, started, |reply| {
             let mut msg = pb::AppendTokensResponse::new();
@@ -174,7 +191,8 @@ impl RuntimeServiceImpl {
         let deadline = call_deadline(ctx.deadline());
         let started = req.message().and_then(|req| {
             let request = convert::generate_request(&req);
-            self.shared.runtime.generate(request, deadline)
+            let caller = self.caller(&ctx)?;
+            self.shared.runtime.generate(&caller, request, deadline)
         });
         let stats = Arc::clone(&self.shared.stats);
         ctx.spawn(stream_generate(started, sink, stats));
@@ -190,7 +208,10 @@ impl RuntimeServiceImpl {
         let started = req
             .message()
             .and_then(|req| convert::session_id(req.get_session_id()))
-            .and_then(|id| self.shared.runtime.close_session(id, deadline));
+            .and_then(|id| {
+                let caller = self.caller(&ctx)?;
+                self.shared.runtime.close_session(&caller, id, deadline)
+            });
         self.reply(&ctx, sink, Method::CloseSession, started, move |reply| {
             let mut msg = pb::CloseSessionResponse::new();
             msg.set_final_history_length(reply.final_history_length);
@@ -211,9 +232,10 @@ impl RuntimeServiceImpl {
             .message()
             .and_then(|req| convert::session_id(req.get_session_id()))
             .and_then(|id| {
+                let caller = self.caller(&ctx)?;
                 self.shared
                     .runtime
-                    .session_info(id, deadline)
+                    .session_info(&caller, id, deadline)
                     .map(|pending| (id, pending))
             });
         let (worker, started) = match started {
@@ -249,7 +271,8 @@ impl RuntimeServiceImpl {
         let deadline = call_deadline(ctx.deadline());
         let started = req.message().and_then(|mut req| {
             let request = convert::fork_request(&mut req);
-            self.shared.runtime.fork_session(request, deadline)
+            let caller = self.caller(&ctx)?;
+            self.shared.runtime.fork_session(&caller, request, deadline)
         });
         let workers = self.shared.runtime.workers();
         self.reply(&ctx, sink, Method::ForkSession, started, move |reply| {

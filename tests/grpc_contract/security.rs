@@ -2,6 +2,7 @@
 //! and TLS.
 
 use super::*;
+use inferd::server::tokens::TokenFileError;
 
 // --------------------------------------------------------------- §2.10 --
 
@@ -76,7 +77,7 @@ fn an_open_listen_address_needs_a_token_or_an_explicit_opt_out() {
     blank.auth_token = Some("  ".into());
     assert!(matches!(
         blank.check_security(),
-        Err(ServeError::EmptyToken)
+        Err(ServeError::TokenFile(TokenFileError::Empty))
     ));
     let mut opted_out = open;
     opted_out.allow_unauthenticated = true;

@@ -32,7 +32,7 @@ impl Worker {
         }
         let id = w.id;
         let kv = SessionKv::new(Arc::clone(&self.kv_pool));
-        let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids);
+        let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids, w.owner);
         let store = self.cfg.state.as_ref().filter(|_| !w.transient);
         if let Some(store) = store {
             if let Err(refusal) = store.admit(0) {
@@ -42,7 +42,7 @@ impl Worker {
                     .send(Err(RuntimeError::StateDirFull(refusal.to_string())));
                 return None;
             }
-            match store.create(id, &slot.label, &slot.eos, &[]) {
+            match store.create(id, &slot.label, &slot.eos, &slot.owner, &[]) {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
@@ -75,6 +75,7 @@ impl Worker {
             id,
             label,
             eos,
+            owner,
             history,
             pages,
             digest: journaled_digest,
@@ -152,7 +153,7 @@ impl Worker {
         }
         let tokens = history.len();
         let kept = kv.len();
-        let mut slot = SessionSlot::new(kv, label, eos);
+        let mut slot = SessionSlot::new(kv, label, eos, owner);
         slot.journal = Some(journal);
         if !resident {
             // No place or pages now: kept spilled, fed when first called;
@@ -236,49 +237,6 @@ impl Worker {
                 (n < max).then_some(n + 1)
             })
             .is_ok()
-    }
-
-    pub(super) fn info(&self, id: SessionId) -> Result<SessionInfo, RuntimeError> {
-        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
-        let busy = !slot.idle();
-        // A history being fed again (a restore) is the session's history.
-        let history_length = match &slot.active {
-            Some(Active {
-                work: Work::Restore,
-                pending,
-                fed,
-                ..
-            }) => slot.history.len() + pending.len() - fed,
-            _ => slot.history.len(),
-        };
-        Ok(SessionInfo {
-            history_length: history_length as u64,
-            kv_live_bytes: self.runner.kv_live_bytes(&slot.kv),
-            inv1_violations: slot.inv1_violations,
-            inv2_violations: slot.inv2_violations,
-            idle_seconds: if busy {
-                0.0
-            } else {
-                slot.last_used.elapsed().as_secs_f64()
-            },
-            pages_held: slot.kv.pages_held() as u64,
-            client_label: slot.label.clone(),
-            eos_token_ids: slot.eos.clone(),
-            truncated_token_count: slot.truncated,
-            busy,
-            logits_digest: match slot.logits_digest.get() {
-                Some(d) => d,
-                // Restored spilled at start from a journal that recorded no
-                // digest: its logits were never computed.
-                None if slot.spilled => 0,
-                None => {
-                    let d = digest(&slot.next_logits);
-                    slot.logits_digest.set(Some(d));
-                    d
-                }
-            },
-            durable: slot.journal.is_some(),
-        })
     }
 
     /// Removes a session and frees its KV, counting the reason.
@@ -459,6 +417,7 @@ impl Worker {
             },
             Op::Fork {
                 fork,
+                owner,
                 at_length,
                 client_label,
                 reply,
@@ -466,6 +425,7 @@ impl Worker {
                 Ok(Forking::Later) => Some(Queued {
                     op: Op::Fork {
                         fork,
+                        owner,
                         at_length,
                         client_label,
                         reply,
@@ -473,7 +433,7 @@ impl Worker {
                     deadline,
                 }),
                 Ok(Forking::Ready { kv, at }) => {
-                    self.add_fork(id, fork, kv, at, client_label, reply);
+                    self.add_fork(id, fork, owner, kv, at, client_label, reply);
                     None
                 }
                 Err(e) => {
@@ -652,5 +612,48 @@ pub(super) fn spill_gone(
         if let Some(store) = store {
             store.budget().shrank(bytes);
         }
+    }
+}
+
+/// What GetSessionInfo reports of `slot`.
+pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
+    let busy = !slot.idle();
+    // A history being fed again (a restore) is the session's history.
+    let history_length = match &slot.active {
+        Some(Active {
+            work: Work::Restore,
+            pending,
+            fed,
+            ..
+        }) => slot.history.len() + pending.len() - fed,
+        _ => slot.history.len(),
+    };
+    SessionInfo {
+        history_length: history_length as u64,
+        kv_live_bytes: runner.kv_live_bytes(&slot.kv),
+        inv1_violations: slot.inv1_violations,
+        inv2_violations: slot.inv2_violations,
+        idle_seconds: if busy {
+            0.0
+        } else {
+            slot.last_used.elapsed().as_secs_f64()
+        },
+        pages_held: slot.kv.pages_held() as u64,
+        client_label: slot.label.clone(),
+        eos_token_ids: slot.eos.clone(),
+        truncated_token_count: slot.truncated,
+        busy,
+        logits_digest: match slot.logits_digest.get() {
+            Some(d) => d,
+            // Restored spilled at start from a journal that recorded no
+            // digest: its logits were never computed.
+            None if slot.spilled => 0,
+            None => {
+                let d = digest(&slot.next_logits);
+                slot.logits_digest.set(Some(d));
+                d
+            }
+        },
+        durable: slot.journal.is_some(),
     }
 }

@@ -96,10 +96,12 @@ impl Worker {
 
     /// Adds the fork prepared from `source`: answered at once when its KV
     /// holds all `at` tokens, else once the token fed again is in.
+    #[allow(clippy::too_many_arguments)] // the prepared fork and its request, passed through
     pub(super) fn add_fork(
         &mut self,
         source: SessionId,
         fork: SessionId,
+        owner: Tenant,
         kv: SessionKv,
         at: usize,
         client_label: Option<String>,
@@ -112,7 +114,7 @@ impl Worker {
             return;
         };
         let label = client_label.unwrap_or_else(|| src.label.clone());
-        let mut slot = SessionSlot::new(kv, label, src.eos.clone());
+        let mut slot = SessionSlot::new(kv, label, src.eos.clone(), owner);
         let kept = slot.kv.len();
         slot.history.extend_from_slice(&src.history[..kept]);
         slot.truncated = src.truncated;
@@ -134,7 +136,13 @@ impl Worker {
             None
         };
         if let Some(store) = &self.cfg.state {
-            match store.create(fork, &slot.label, &slot.eos, &src.history[..at]) {
+            match store.create(
+                fork,
+                &slot.label,
+                &slot.eos,
+                &slot.owner,
+                &src.history[..at],
+            ) {
                 Ok(journal) => slot.journal = Some(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);

@@ -36,7 +36,7 @@ use super::step::{StepError, StepFeed, StepRunner};
 use super::{
     AppendReply, CloseReply, CreateSession, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
-    StopReason,
+    StopReason, Tenant,
 };
 use crate::durable::journal::Record;
 use crate::durable::{JournalFile, Recovered};
@@ -60,10 +60,14 @@ mod tests;
 
 type Reply<T> = NotifySender<Result<T, RuntimeError>>;
 
-/// A message to a worker.
+/// A message to a worker. Every command that names an existing session
+/// carries the caller's tenant, and the worker finds the session only
+/// through [`session_for`], which checks it.
 pub(crate) enum Command {
     Create {
         id: SessionId,
+        /// Who the new session belongs to.
+        owner: Tenant,
         req: CreateSession,
         reply: Reply<SessionId>,
         deadline: Option<Instant>,
@@ -74,11 +78,13 @@ pub(crate) enum Command {
     /// An operation that joins the session's FIFO.
     Enqueue {
         id: SessionId,
+        caller: Tenant,
         op: Op,
         deadline: Option<Instant>,
     },
     Info {
         id: SessionId,
+        caller: Tenant,
         reply: Reply<SessionInfo>,
     },
     /// A session read back from the state directory: add it and feed its
@@ -110,6 +116,8 @@ pub(crate) enum Op {
     /// `at_length` tokens.
     Fork {
         fork: SessionId,
+        /// Who the fork belongs to: the caller.
+        owner: Tenant,
         at_length: Option<u64>,
         client_label: Option<String>,
         reply: Reply<ForkReply>,
@@ -218,6 +226,7 @@ struct Queued {
 /// A CreateSession waiting for another worker to evict a session.
 struct WaitingCreate {
     id: SessionId,
+    owner: Tenant,
     req: CreateSession,
     reply: Reply<SessionId>,
     deadline: Option<Instant>,
@@ -382,6 +391,8 @@ struct SessionSlot {
     logits_digest: std::cell::Cell<Option<u64>>,
     label: String,
     eos: Vec<u32>,
+    /// The tenant the session belongs to (CONTRACT §2.10).
+    owner: Tenant,
     /// INV-1 violations seen on this session (cached positions against
     /// history length).
     inv1_violations: u64,
@@ -436,10 +447,11 @@ impl PrefixCursor {
 }
 
 impl SessionSlot {
-    /// A session holding `kv`, with an empty history unless the caller
-    /// fills it in.
-    fn new(kv: SessionKv, label: String, eos: Vec<u32>) -> Self {
+    /// A session of `owner` holding `kv`, with an empty history unless the
+    /// caller fills it in.
+    fn new(kv: SessionKv, label: String, eos: Vec<u32>, owner: Tenant) -> Self {
         SessionSlot {
+            owner,
             high_water: kv.len(),
             kv,
             history: Vec::new(),
@@ -770,6 +782,7 @@ impl Worker {
         match cmd {
             Command::Create {
                 id,
+                owner,
                 req,
                 reply,
                 deadline,
@@ -777,6 +790,7 @@ impl Worker {
             } => {
                 let waiting = WaitingCreate {
                     id,
+                    owner,
                     req,
                     reply,
                     deadline,
@@ -787,13 +801,22 @@ impl Worker {
                     self.waiting_creates.push_back(w);
                 }
             }
-            Command::Info { id, reply } => {
-                let _ = reply.send(self.info(id));
+            Command::Info { id, caller, reply } => {
+                let info = match session_for(&mut self.sessions, id, &caller) {
+                    Some(slot) => Ok(admission::info(&*self.runner, slot)),
+                    None => Err(RuntimeError::NotFound),
+                };
+                let _ = reply.send(info);
             }
             Command::Restore(session) => self.restore(*session),
-            Command::Enqueue { id, op, deadline } => {
+            Command::Enqueue {
+                id,
+                caller,
+                op,
+                deadline,
+            } => {
                 let limit = self.cfg.session_queue;
-                let Some(slot) = self.sessions.get_mut(&id) else {
+                let Some(slot) = session_for(&mut self.sessions, id, &caller) else {
                     return op.fail(RuntimeError::NotFound);
                 };
                 if slot.queue.len() >= limit {
@@ -808,6 +831,19 @@ impl Worker {
             Command::Shutdown => {}
         }
     }
+}
+
+/// The session `id` names, if `caller` may use it: the one way a command
+/// finds an existing session. A session of another tenant is `None`, like
+/// one that does not exist, so the answer cannot tell the two apart.
+fn session_for<'a>(
+    sessions: &'a mut HashMap<SessionId, SessionSlot>,
+    id: SessionId,
+    caller: &Tenant,
+) -> Option<&'a mut SessionSlot> {
+    sessions
+        .get_mut(&id)
+        .filter(|slot| caller.may_use(&slot.owner))
 }
 
 fn finish_with_error(active: Active, err: RuntimeError) {

@@ -40,6 +40,7 @@ fn new_session(w: &mut Worker) -> SessionId {
     let (tx, rx) = notify::channel(1);
     w.handle(Command::Create {
         id,
+        owner: Tenant::NONE,
         req: CreateSession::default(),
         reply: tx,
         deadline: None,
@@ -52,6 +53,7 @@ fn append(w: &mut Worker, id: SessionId, tokens: &[u32]) -> Result<AppendReply, 
     let (tx, rx) = notify::channel(1);
     w.handle(Command::Enqueue {
         id,
+        caller: Tenant::NONE,
         op: Op::Append {
             tokens: tokens.to_vec(),
             reply: tx,
@@ -75,6 +77,7 @@ fn a_prefill_is_fed_in_chunks_one_step_each() {
     let (tx, rx) = notify::channel(1);
     w.handle(Command::Enqueue {
         id,
+        caller: Tenant::NONE,
         op: Op::Append {
             tokens: (1..=10).collect(),
             reply: tx,
@@ -113,6 +116,7 @@ fn an_append_past_its_deadline_is_undone_before_the_next_chunk() {
     let (tx, rx) = notify::channel(1);
     w.handle(Command::Enqueue {
         id,
+        caller: Tenant::NONE,
         op: Op::Append {
             tokens: (10..40).collect(),
             reply: tx,
@@ -145,6 +149,7 @@ fn cancel_in_the_middle_of_a_shift(w: &mut Worker, id: SessionId) -> Vec<Generat
     let cancel = Arc::new(AtomicBool::new(false));
     w.handle(Command::Enqueue {
         id,
+        caller: Tenant::NONE,
         op: Op::Generate {
             gen: Box::new(admitted(
                 w.model.config.vocab,
@@ -299,6 +304,7 @@ fn an_eviction_request_takes_the_lru_idle_session_never_a_busy_one() {
     let (tx, _rx) = notify::channel(1);
     w.handle(Command::Enqueue {
         id: busy,
+        caller: Tenant::NONE,
         op: Op::Append {
             tokens: vec![4],
             reply: tx,
@@ -356,4 +362,121 @@ fn admitted(vocab: usize, req: GenerateRequest) -> AdmittedGenerate {
         params,
         seed_used,
     }
+}
+
+/// Runs `op` on session `id` as `caller` and steps until `rx` answers.
+fn run_as<T>(
+    w: &mut Worker,
+    id: SessionId,
+    caller: &Tenant,
+    op: Op,
+    rx: &notify::NotifyReceiver<Result<T, RuntimeError>>,
+) -> Result<T, RuntimeError> {
+    w.handle(Command::Enqueue {
+        id,
+        caller: caller.clone(),
+        op,
+        deadline: None,
+    });
+    for _ in 0..100 {
+        if let Ok(r) = rx.try_recv() {
+            return r;
+        }
+        w.step();
+    }
+    Err(RuntimeError::Internal("no reply".into()))
+}
+
+fn info_as(w: &mut Worker, id: SessionId, caller: &Tenant) -> Result<SessionInfo, RuntimeError> {
+    let (tx, rx) = notify::channel(1);
+    w.handle(Command::Info {
+        id,
+        caller: caller.clone(),
+        reply: tx,
+    });
+    rx.recv().expect("reply")
+}
+
+#[test]
+fn a_session_is_found_only_by_its_own_tenant() {
+    let mut w = worker();
+    let alice = Tenant::new("alice").expect("tenant");
+    let bob = Tenant::new("bob").expect("tenant");
+    let id = SessionId::random().expect("id");
+    let (tx, rx) = notify::channel(1);
+    w.handle(Command::Create {
+        id,
+        owner: alice.clone(),
+        req: CreateSession::default(),
+        reply: tx,
+        deadline: None,
+        transient: false,
+    });
+    rx.recv().expect("reply").expect("created");
+    let append = |tokens: Vec<u32>| {
+        let (tx, rx) = notify::channel(1);
+        (Op::Append { tokens, reply: tx }, rx)
+    };
+    let (op, rx) = append(vec![1, 2, 3]);
+    assert_eq!(
+        run_as(&mut w, id, &alice, op, &rx)
+            .expect("owner")
+            .history_length,
+        3
+    );
+    let (op, rx) = append(vec![4]);
+    assert_eq!(
+        run_as(&mut w, id, &bob, op, &rx),
+        Err(RuntimeError::NotFound)
+    );
+    assert_eq!(info_as(&mut w, id, &bob), Err(RuntimeError::NotFound));
+    let (tx, rx) = notify::channel(1);
+    let close = Op::Close { reply: tx };
+    assert_eq!(
+        run_as(&mut w, id, &bob, close, &rx),
+        Err(RuntimeError::NotFound)
+    );
+    let (tx, rx) = notify::channel(1);
+    let fork = SessionId::random().expect("id");
+    let op = Op::Fork {
+        fork,
+        owner: bob.clone(),
+        at_length: None,
+        client_label: None,
+        reply: tx,
+    };
+    assert_eq!(
+        run_as(&mut w, id, &bob, op, &rx),
+        Err(RuntimeError::NotFound)
+    );
+    // Nothing of that touched the session; its owner, and a server
+    // without tenants, still find it.
+    assert_eq!(
+        info_as(&mut w, id, &alice).expect("owner").history_length,
+        3
+    );
+    assert_eq!(
+        info_as(&mut w, id, &Tenant::NONE)
+            .expect("no tenants")
+            .history_length,
+        3
+    );
+    // A fork belongs to the caller that made it.
+    let (tx, rx) = notify::channel(1);
+    let op = Op::Fork {
+        fork,
+        owner: alice.clone(),
+        at_length: None,
+        client_label: None,
+        reply: tx,
+    };
+    assert_eq!(
+        run_as(&mut w, id, &alice, op, &rx).expect("forked").id,
+        fork
+    );
+    assert_eq!(info_as(&mut w, fork, &bob), Err(RuntimeError::NotFound));
+    assert_eq!(
+        info_as(&mut w, fork, &alice).expect("fork").history_length,
+        3
+    );
 }

@@ -10,6 +10,10 @@
 //! history must begin the request's prompt (else a 400
 //! `session_history_mismatch`), and only the rest is appended.
 //!
+//! Every runtime call runs as the request's caller (its token's tenant,
+//! CONTRACT §2.10): a session of another tenant is a 404 like an unknown
+//! one, and the request's own session is the caller's.
+//!
 //! The API is stateless, the server is not: the prompt is appended to a
 //! fresh session, and the runtime maps every full page of it that another
 //! session, or the prefix cache (`--prefix-cache-pages`), already holds
@@ -27,7 +31,7 @@ use super::openai::{ApiError, FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::stop_text::StopText;
 use super::Front;
 use crate::runtime::{
-    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, SamplingOptions, SessionId,
+    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, SamplingOptions, SessionId, Tenant,
 };
 use crate::stop::StopReason;
 use crate::tokenizer::StreamDecoder;
@@ -67,6 +71,7 @@ pub enum Piece {
 /// included).
 struct SessionGuard {
     front: Arc<Front>,
+    caller: Tenant,
     id: SessionId,
 }
 
@@ -74,16 +79,21 @@ impl Drop for SessionGuard {
     fn drop(&mut self) {
         // The close runs after what is queued on the session; nobody waits
         // for its reply.
-        let _ = self.front.state.runtime.close_session(self.id, None);
+        let _ = self
+            .front
+            .state
+            .runtime
+            .close_session(&self.caller, self.id, None);
     }
 }
 
-/// Starts `job` on the HTTP runtime; its pieces arrive on the returned
-/// channel. Dropping the receiver stops the generation within a step.
-pub fn start(front: Arc<Front>, job: Job) -> mpsc::Receiver<Piece> {
+/// Starts `job` on the HTTP runtime for `caller`; its pieces arrive on the
+/// returned channel. Dropping the receiver stops the generation within a
+/// step.
+pub fn start(front: Arc<Front>, caller: Tenant, job: Job) -> mpsc::Receiver<Piece> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
-        if let Err(e) = run(&front, job, &tx).await {
+        if let Err(e) = run(&front, &caller, job, &tx).await {
             let _ = tx.send(Piece::Failed(e)).await;
         }
     });
@@ -126,21 +136,27 @@ pub struct Gathered {
     pub usage: Usage,
 }
 
-async fn run(front: &Arc<Front>, job: Job, tx: &mpsc::Sender<Piece>) -> Result<(), ApiError> {
+async fn run(
+    front: &Arc<Front>,
+    caller: &Tenant,
+    job: Job,
+    tx: &mpsc::Sender<Piece>,
+) -> Result<(), ApiError> {
     let runtime = &front.state.runtime;
     let prompt_tokens = job.prompt.len() as u64;
     let (id, held, _guard) = match job.session {
         Some(id) => {
-            let history = runtime.session_history(id, None)?.await?;
+            let history = runtime.session_history(caller, id, None)?.await?;
             if !job.prompt.starts_with(&history) {
+                // Nothing about the session's history (not even its
+                // length) is told: only that it is not this prompt's start.
                 return Err(ApiError {
                     code: Some("session_history_mismatch"),
                     ..ApiError::invalid(
                         "x-inferd-session",
                         format!(
-                            "the session's history ({} tokens) does not begin this request's \
-                             prompt ({} tokens)",
-                            history.len(),
+                            "the session's history does not begin this request's prompt \
+                             ({} tokens)",
                             job.prompt.len()
                         ),
                     )
@@ -153,9 +169,10 @@ async fn run(front: &Arc<Front>, job: Job, tx: &mpsc::Sender<Piece>) -> Result<(
                 client_label: "http".into(),
                 eos_token_ids: front.eos.clone(),
             };
-            let id = runtime.create_session(create, None)?.await?;
+            let id = runtime.create_session(caller, create, None)?.await?;
             let guard = SessionGuard {
                 front: Arc::clone(front),
+                caller: caller.clone(),
                 id,
             };
             (id, 0, Some(guard))
@@ -166,7 +183,7 @@ async fn run(front: &Arc<Front>, job: Job, tx: &mpsc::Sender<Piece>) -> Result<(
         0
     } else {
         runtime
-            .append_tokens(AppendTokens { id, tokens: fresh }, None)?
+            .append_tokens(caller, AppendTokens { id, tokens: fresh }, None)?
             .await?
             .reused_token_count
     };
@@ -180,7 +197,7 @@ async fn run(front: &Arc<Front>, job: Job, tx: &mpsc::Sender<Piece>) -> Result<(
         sampling,
         stop_sequences: Vec::new(),
     };
-    let mut stream = runtime.generate(request, None)?;
+    let mut stream = runtime.generate(caller, request, None)?;
     let tokenizer = &front.tokenizer;
     let mut decoder = StreamDecoder::new();
     let mut stop = StopText::new(job.stops);

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -28,7 +28,7 @@ use super::openai::{
 use super::stop_text::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
 use super::Front;
 use crate::chat_template::Message;
-use crate::runtime::SamplingOptions;
+use crate::runtime::{SamplingOptions, Tenant};
 
 /// `GET /v1/models`: the one model this server runs.
 pub async fn models(State(front): State<Arc<Front>>) -> Json<Value> {
@@ -65,12 +65,13 @@ fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
 
 pub async fn chat(
     State(front): State<Arc<Front>>,
+    Extension(caller): Extension<Tenant>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = body_of(body).and_then(|body| chat_job(&front, &body));
     match job.map(|job| bound(job, &headers)) {
-        Ok((job, stream)) => respond(front, job, stream, Kind::Chat).await,
+        Ok((job, stream)) => respond(front, caller, job, stream, Kind::Chat).await,
         Err(e) => e.into_response(),
     }
 }
@@ -78,12 +79,13 @@ pub async fn chat(
 /// `POST /v1/completions`.
 pub async fn completions(
     State(front): State<Arc<Front>>,
+    Extension(caller): Extension<Tenant>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = body_of(body).and_then(|body| completion_job(&front, &body));
     match job.map(|job| bound(job, &headers)) {
-        Ok((job, stream)) => respond(front, job, stream, Kind::Text).await,
+        Ok((job, stream)) => respond(front, caller, job, stream, Kind::Text).await,
         Err(e) => e.into_response(),
     }
 }
@@ -92,7 +94,8 @@ pub async fn completions(
 pub const SESSION_HEADER: &str = "x-inferd-session";
 
 /// Binds the job to the session `x-inferd-session` names, if any (an id
-/// that is not one the server holds is a 404 when the request runs).
+/// that is not one the server holds, or not one of the caller's tenant, is
+/// a 404 when the request runs).
 fn bound((mut job, stream): (Job, Streaming), headers: &HeaderMap) -> (Job, Streaming) {
     if let Some(value) = headers.get(SESSION_HEADER) {
         let text = value.to_str().unwrap_or_default();
@@ -380,9 +383,15 @@ impl Kind {
     }
 }
 
-async fn respond(front: Arc<Front>, job: Job, stream: Streaming, kind: Kind) -> Response {
+async fn respond(
+    front: Arc<Front>,
+    caller: Tenant,
+    job: Job,
+    stream: Streaming,
+    kind: Kind,
+) -> Response {
     let logprobs = job.logprobs;
-    let rx = completion::start(Arc::clone(&front), job);
+    let rx = completion::start(Arc::clone(&front), caller, job);
     if let Streaming::Events { usage_chunk } = stream {
         return Sse::new(events(front, rx, kind, logprobs, usage_chunk))
             .keep_alive(KeepAlive::default())

@@ -7,7 +7,8 @@
 //!
 //! The listen rules are the gRPC service's: loopback unless a bearer token
 //! is configured (then every request must send `Authorization: Bearer
-//! <token>`, else 401) or the server is declared open; with the server's
+//! <token>`, else 401, and the request runs as that token's tenant:
+//! CONTRACT §2.10) or the server is declared open; with the server's
 //! TLS certificate and key it serves HTTPS only (rustls, ring). Connections
 //! are limited in number and each request head in time ([`listener`]).
 //! Bodies are bounded ([`MAX_BODY_BYTES`]); an unknown path is a 404 in
@@ -32,8 +33,9 @@ use axum::Router;
 
 use super::service::ServiceState;
 use super::stats::ServerStats;
+use super::tokens::AccessTokens;
 use crate::chat_template::ChatTemplate;
-use crate::metrics::Authorize;
+use crate::runtime::Tenant;
 use crate::tokenizer::Tokenizer;
 pub use listener::{ConnNumbers, ConnStats, HttpLimits};
 use openai::ApiError;
@@ -72,7 +74,7 @@ impl HttpServer {
     pub(crate) fn start(
         front: Front,
         listen: &str,
-        authorize: Option<Authorize>,
+        authorize: Option<AccessTokens>,
         tls: Option<&super::TlsIdentity>,
         limits: HttpLimits,
     ) -> std::io::Result<HttpServer> {
@@ -192,7 +194,7 @@ fn tls_acceptor(tls: &super::TlsIdentity) -> std::io::Result<tokio_rustls::TlsAc
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
-fn router(front: Arc<Front>, authorize: Option<Authorize>) -> Router {
+fn router(front: Arc<Front>, authorize: Option<AccessTokens>) -> Router {
     let stats = Arc::clone(&front.state.stats);
     Router::new()
         .route("/v1/chat/completions", post(handlers::chat))
@@ -248,17 +250,24 @@ async fn unknown_path(request: Request) -> Response {
     .into_response()
 }
 
-/// With a token configured, every request must carry it.
+/// With tokens configured, every request must carry one. The request's
+/// [`Tenant`] (none without tokens) goes with it as an extension, which
+/// the handlers that run sessions require.
 async fn check_token(
-    State(authorize): State<Option<Authorize>>,
-    request: Request,
+    State(authorize): State<Option<AccessTokens>>,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if let Some(authorize) = &authorize {
-        let given = request.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
-        if !authorize(given) {
-            return ApiError::unauthorized().into_response();
+    let caller = match &authorize {
+        Some(tokens) => {
+            let given = request.headers().get_all(AUTHORIZATION);
+            match tokens.caller(given.iter().map(|v| v.as_bytes())) {
+                Some(tenant) => tenant,
+                None => return ApiError::unauthorized().into_response(),
+            }
         }
-    }
+        None => Tenant::NONE,
+    };
+    request.extensions_mut().insert(caller);
     next.run(request).await
 }
