@@ -333,12 +333,16 @@ fn sessions_belong_to_the_token_that_made_them_on_grpc_http_and_after_a_restart(
     let sessions = state.join("sessions");
     let mut journals = 0;
     for entry in std::fs::read_dir(&sessions).expect("sessions dir") {
-        let bytes = std::fs::read(entry.expect("entry").path()).expect("journal");
+        let path = entry.expect("entry").path();
+        // Hints files come and go as sessions change.
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
         let text = String::from_utf8_lossy(&bytes);
         for token in [ALICE, BOB, CAROL] {
-            assert!(!text.contains(token), "a journal holds a token");
+            assert!(!text.contains(token), "{} holds a token", path.display());
         }
-        journals += 1;
+        journals += usize::from(path.extension().is_some_and(|x| x == "journal"));
     }
     assert_eq!(journals, 3, "alice's session, her fork and bob's");
 
