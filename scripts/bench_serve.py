@@ -16,7 +16,8 @@ Sections (each alternates the binaries given, median of --runs runs):
               --soak-seconds: p50, p99 and max of each phase.
   durability  the same 16 clients looping append(16) / Generate(32) on one
               session each for --soak-seconds, with no --state-dir and with
-              each --durability: aggregate generated tokens/s.
+              each --durability: aggregate generated tokens/s, for every
+              binary given, alternating.
   prefix      64 sessions (--prefix-sessions) whose histories share a
               2,000-token prefix (--prefix-tokens) then 16 tokens of their
               own, appended one session after another, against 64 with
@@ -58,6 +59,7 @@ import argparse
 import os
 import pathlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -287,43 +289,47 @@ def durability(args, pb, rpc):
     modes = [("no state dir", [])] + [
         (f"--durability {m}", ["--durability", m]) for m in ["none", "batch", "sync"]
     ]
-    rates = {name: [] for name, _ in modes}
-    b = args.binaries[0]
+    # Every binary given, alternating run by run, so a build is compared
+    # with another under the same conditions.
+    rates = {(b, name): [] for b in args.binaries for name, _ in modes}
     for _ in range(args.runs):
-        for name, extra in modes:
-            state = tempfile.mkdtemp(prefix="inferd-state-")
-            flags = ["--state-dir", state, *extra] if extra else []
-            with Server(b, args.model, args.workers, flags) as srv:
-                channel, client = connect(srv.addr, pb, rpc)
-                made = [0] * args.soak_clients
-                stop_at = time.monotonic() + args.soak_seconds
+        for b in args.binaries:
+            for name, extra in modes:
+                state = tempfile.mkdtemp(prefix="inferd-state-")
+                flags = ["--state-dir", state, *extra] if extra else []
+                with Server(b, args.model, args.workers, flags) as srv:
+                    channel, client = connect(srv.addr, pb, rpc)
+                    made = [0] * args.soak_clients
+                    stop_at = time.monotonic() + args.soak_seconds
 
-                def loop(i):
-                    sid = client.create(label=f"d{i}").session_id
-                    n = 0
-                    while time.monotonic() < stop_at:
-                        client.append(sid, prompt_ids(16, salt=i * 1000 + n))
-                        made[i] += len(stream_times(client, sid, 32))
-                        n += 1
-                    client.close(sid)
+                    def loop(i):
+                        sid = client.create(label=f"d{i}").session_id
+                        n = 0
+                        while time.monotonic() < stop_at:
+                            client.append(sid, prompt_ids(16, salt=i * 1000 + n))
+                            made[i] += len(stream_times(client, sid, 32))
+                            n += 1
+                        client.close(sid)
 
-                threads = [threading.Thread(target=loop, args=(i,))
-                           for i in range(args.soak_clients)]
-                t0 = time.monotonic()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                rates[name].append(sum(made) / (time.monotonic() - t0))
-                channel.close()
+                    threads = [threading.Thread(target=loop, args=(i,))
+                               for i in range(args.soak_clients)]
+                    t0 = time.monotonic()
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    rates[(b, name)].append(sum(made) / (time.monotonic() - t0))
+                    channel.close()
+                shutil.rmtree(state, ignore_errors=True)
     print(f"\n{args.soak_clients} sessions looping append(16) / Generate(32) for "
-          f"{args.soak_seconds} s, {b}; generated tokens/s, median of {args.runs}")
-    print("| state | tokens/s | x no state dir |")
-    print("|---|---|---|")
-    base = statistics.median(rates["no state dir"])
-    for name, _ in modes:
-        m, lo, hi = median_spread(rates[name])
-        print(f"| {name} | {m:.1f} ({lo:.1f}-{hi:.1f}) | {m / base:.3f} |")
+          f"{args.soak_seconds} s; generated tokens/s, median of {args.runs}")
+    print("| binary | state | tokens/s | x no state dir |")
+    print("|---|---|---|---|")
+    for b in args.binaries:
+        base = statistics.median(rates[(b, "no state dir")])
+        for name, _ in modes:
+            m, lo, hi = median_spread(rates[(b, name)])
+            print(f"| {b} | {name} | {m:.1f} ({lo:.1f}-{hi:.1f}) | {m / base:.3f} |")
 
 
 def prefix(args, pb, rpc):
