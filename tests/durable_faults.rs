@@ -27,7 +27,9 @@ use inferd::proto::grpc_health_v1::health::{
 };
 use inferd::proto::grpc_health_v1::health_grpc::HealthClient;
 use rand::{Rng, SeedableRng};
-use support::durable::{cold_digest, records, reference_server, restored, serve_with, write_model};
+use support::durable::{
+    cold_digest, records, reference_server, restored, serve_env, serve_with, write_model,
+};
 use support::{Client, Inferd};
 
 const VOCAB: u32 = 320;
@@ -348,37 +350,56 @@ fn fault_shim(dir: &Path) -> PathBuf {
     out
 }
 
-fn serve_failing(
-    model: &Path,
-    state: &Path,
-    durability: &str,
-    shim: &Path,
-    control: &Path,
-) -> Inferd {
-    let state_arg = state.to_str().unwrap();
-    let model_arg = model.to_str().unwrap();
-    Inferd::start_full(
-        &[],
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--workers",
-            "2",
-            "--model",
-            model_arg,
-            "--state-dir",
-            state_arg,
-            "--durability",
-            durability,
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ],
-        &[
-            ("LD_PRELOAD".into(), shim.display().to_string()),
-            ("INFERD_FAULTS".into(), control.display().to_string()),
-        ],
-    )
+/// A server whose state directory's disk fails on command: the preload
+/// shim, steered by writing words to `control` (tests/faults/fail_io.c).
+struct FailingDisk {
+    _dir: tempfile::TempDir,
+    model: PathBuf,
+    state: PathBuf,
+    control: PathBuf,
+    _reference_server: inferd::server::Server,
+    reference: Client,
+    server: Inferd,
+}
+
+impl FailingDisk {
+    fn start(durability: &str) -> FailingDisk {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let model = write_model(dir.path());
+        let state = dir.path().join("state");
+        let shim = fault_shim(dir.path());
+        let control = dir.path().join("faults");
+        let (reference_server, reference) = reference_server();
+        let envs = [
+            ("LD_PRELOAD".to_owned(), shim.display().to_string()),
+            ("INFERD_FAULTS".to_owned(), control.display().to_string()),
+        ];
+        let extra = ["--metrics-listen", "127.0.0.1:0"];
+        let server = serve_env(&model, &state, durability, &extra, &envs);
+        FailingDisk {
+            _dir: dir,
+            model,
+            state,
+            control,
+            _reference_server: reference_server,
+            reference,
+            server,
+        }
+    }
+
+    /// Kills the server and starts one without the shim on the same
+    /// directory: `session` must hold `truth`, to the bit.
+    fn restart_and_check(&mut self, session: &str, truth: &[u32]) {
+        self.server.kill();
+        let server = serve_with(&self.model, &self.state, "sync", &[]);
+        let client = Client::connect(&server.addr);
+        let info = restored(&client, session);
+        assert_eq!(info.get_history_length(), truth.len() as u64);
+        assert_eq!(
+            info.get_logits_digest(),
+            cold_digest(&self.reference, truth)
+        );
+    }
 }
 
 /// A disk that fails fsync or write (`sync`): the call fails UNAVAILABLE
@@ -387,20 +408,14 @@ fn serve_failing(
 /// after it loses nothing acknowledged.
 #[test]
 fn a_failing_sync_or_write_fails_the_call_and_the_journal_is_written_whole_after() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let model = write_model(dir.path());
-    let state = dir.path().join("state");
-    let shim = fault_shim(dir.path());
-    let control = dir.path().join("faults");
-    let (_reference_server, reference) = reference_server();
-    let mut server = serve_failing(&model, &state, "sync", &shim, &control);
-    let client = Client::connect(&server.addr);
+    let mut disk = FailingDisk::start("sync");
+    let client = Client::connect(&disk.server.addr);
     let a = client.create();
     let h = history(4, 200);
     client.append(&a, &h[..20]).expect("append");
     let digest = client.info(&a).unwrap().get_logits_digest();
     for fault in ["fsync", "write-eio", "write-enospc"] {
-        std::fs::write(&control, fault).unwrap();
+        std::fs::write(&disk.control, fault).unwrap();
         let err = client.append(&a, &h[20..40]).expect_err(fault);
         assert_eq!(err.0, RpcStatusCode::UNAVAILABLE, "{fault}: {err:?}");
         let got = client.generate(&support::greedy(&a, 8, 0));
@@ -415,29 +430,24 @@ fn a_failing_sync_or_write_fails_the_call_and_the_journal_is_written_whole_after
             (20, digest),
             "{fault}"
         );
-        assert_eq!(health(&server.addr), Serving::NOT_SERVING, "{fault}");
+        assert_eq!(health(&disk.server.addr), Serving::NOT_SERVING, "{fault}");
         let refused = client.try_create().expect_err(fault);
         assert_eq!(refused.0, RpcStatusCode::UNAVAILABLE);
-        std::fs::remove_file(&control).unwrap();
+        std::fs::remove_file(&disk.control).unwrap();
         wait_for("health SERVING again", Duration::from_secs(10), || {
-            health(&server.addr) == Serving::SERVING
+            health(&disk.server.addr) == Serving::SERVING
         });
     }
     client
         .append(&a, &h[20..40])
         .expect("append once the disk works");
     // Written whole: the header and one reset holding the history.
-    let bytes = std::fs::read(journal_path(&state, &a)).unwrap();
+    let bytes = std::fs::read(journal_path(&disk.state, &a)).unwrap();
     let kinds: Vec<u8> = records(&bytes).iter().map(|r| r.2).collect();
     assert_eq!(kinds, vec![2], "one reset");
     client.append(&a, &h[40..50]).expect("append");
-    assert!(metric(&server, "inferd_session_journal_failures_total") >= 6.0);
-    server.kill();
-    let server = serve_with(&model, &state, "sync", &[]);
-    let client = Client::connect(&server.addr);
-    let info = restored(&client, &a);
-    assert_eq!(info.get_history_length(), 50);
-    assert_eq!(info.get_logits_digest(), cold_digest(&reference, &h[..50]));
+    assert!(metric(&disk.server, "inferd_session_journal_failures_total") >= 6.0);
+    disk.restart_and_check(&a, &h[..50]);
 }
 
 /// `batch`: a flush that fails cannot fail calls already answered; it is
@@ -445,40 +455,29 @@ fn a_failing_sync_or_write_fails_the_call_and_the_journal_is_written_whole_after
 /// journal whole. A SIGKILL (the page cache survives it) loses nothing.
 #[test]
 fn a_failed_batch_flush_is_not_forgotten() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let model = write_model(dir.path());
-    let state = dir.path().join("state");
-    let shim = fault_shim(dir.path());
-    let control = dir.path().join("faults");
-    let (_reference_server, reference) = reference_server();
-    let mut server = serve_failing(&model, &state, "batch", &shim, &control);
-    let client = Client::connect(&server.addr);
+    let mut disk = FailingDisk::start("batch");
+    let client = Client::connect(&disk.server.addr);
     let a = client.create();
     let h = history(5, 100);
     client.append(&a, &h[..20]).expect("append");
-    std::fs::write(&control, "fsync").unwrap();
-    let failures = metric(&server, "inferd_state_dir_write_failures_total");
+    std::fs::write(&disk.control, "fsync").unwrap();
+    let failures = metric(&disk.server, "inferd_state_dir_write_failures_total");
     client
         .append(&a, &h[20..30])
         .expect("batch: answered before the flush");
     wait_for("the failed flush seen", Duration::from_secs(5), || {
-        health(&server.addr) == Serving::NOT_SERVING
+        health(&disk.server.addr) == Serving::NOT_SERVING
     });
-    assert_eq!(metric(&server, "inferd_state_dir_writable"), 0.0);
-    std::fs::remove_file(&control).unwrap();
+    assert_eq!(metric(&disk.server, "inferd_state_dir_writable"), 0.0);
+    std::fs::remove_file(&disk.control).unwrap();
     wait_for("health SERVING again", Duration::from_secs(10), || {
-        health(&server.addr) == Serving::SERVING
+        health(&disk.server.addr) == Serving::SERVING
     });
     client.append(&a, &h[30..40]).expect("append");
-    let bytes = std::fs::read(journal_path(&state, &a)).unwrap();
+    let bytes = std::fs::read(journal_path(&disk.state, &a)).unwrap();
     let kinds: Vec<u8> = records(&bytes).iter().map(|r| r.2).collect();
     assert_eq!(kinds, vec![2], "written whole after the failed flush");
-    assert!(metric(&server, "inferd_state_dir_write_failures_total") > failures);
+    assert!(metric(&disk.server, "inferd_state_dir_write_failures_total") > failures);
     std::thread::sleep(Duration::from_millis(50));
-    server.kill();
-    let server = serve_with(&model, &state, "sync", &[]);
-    let client = Client::connect(&server.addr);
-    let info = restored(&client, &a);
-    assert_eq!(info.get_history_length(), 40);
-    assert_eq!(info.get_logits_digest(), cold_digest(&reference, &h[..40]));
+    disk.restart_and_check(&a, &h[..40]);
 }

@@ -74,6 +74,17 @@ pub fn serve(model: &Path, state: &Path, durability: &str) -> Inferd {
 }
 
 pub fn serve_with(model: &Path, state: &Path, durability: &str, extra: &[&str]) -> Inferd {
+    serve_env(model, state, durability, extra, &[])
+}
+
+/// As [`serve_with`], with these environment variables set.
+pub fn serve_env(
+    model: &Path,
+    state: &Path,
+    durability: &str,
+    extra: &[&str],
+    envs: &[(String, String)],
+) -> Inferd {
     let mut args = vec![
         "serve",
         "--listen",
@@ -88,7 +99,7 @@ pub fn serve_with(model: &Path, state: &Path, durability: &str, extra: &[&str]) 
         durability,
     ];
     args.extend_from_slice(extra);
-    Inferd::start(&args)
+    Inferd::start_full(&[], &args, envs)
 }
 
 /// The session's info once its history is fed again after a start.
