@@ -272,13 +272,12 @@ fn bearer_metadata(path: &std::path::Path) -> Result<Metadata, RemoteError> {
         path: shown(),
         source,
     })?;
-    let token = text.trim();
-    if token.is_empty() {
-        return Err(RemoteError::BadToken {
-            path: shown(),
-            reason: "the file is empty".into(),
-        });
-    }
+    // The server's format: a tenant may be handed its line of the server's
+    // file, name and all.
+    let token = crate::server::tokens::client_token(&text).map_err(|e| RemoteError::BadToken {
+        path: shown(),
+        reason: e.to_string(),
+    })?;
     let mut builder = MetadataBuilder::with_capacity(1);
     builder
         .add_str("authorization", &format!("Bearer {token}"))

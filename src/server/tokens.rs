@@ -122,6 +122,29 @@ fn digest_tenant(token: &str) -> Tenant {
     Tenant::new(&format!("sha256:{hex}")).unwrap_or(Tenant::NONE)
 }
 
+/// The one token a client's token file holds, written as a server's is
+/// (`TOKEN` or `NAME: TOKEN`, blank lines and `#` comments skipped), so
+/// that a tenant can be handed its own line of the server's file.
+pub fn client_token(text: &str) -> Result<&str, TokenFileError> {
+    let mut found = None;
+    for (index, raw) in text.lines().enumerate() {
+        let line = index + 1;
+        let text = raw.trim();
+        if text.is_empty() || text.starts_with('#') {
+            continue;
+        }
+        let (_, token) = parse_line(text, line)?;
+        if found.is_some() {
+            return Err(TokenFileError::BadLine {
+                line,
+                what: "a client's token file holds one token",
+            });
+        }
+        found = Some(token);
+    }
+    found.ok_or(TokenFileError::Empty)
+}
+
 impl AccessTokens {
     /// Reads a token file's text (format in the module documentation).
     pub fn parse(text: &str) -> Result<AccessTokens, TokenFileError> {
@@ -232,6 +255,18 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_reads_its_one_token_bare_or_named() {
+        assert_eq!(client_token("s3cret\n"), Ok("s3cret"));
+        assert_eq!(client_token("# mine\n\nalice: s3cret\n"), Ok("s3cret"));
+        assert_eq!(client_token("user:pass"), Ok("user:pass"));
+        assert_eq!(client_token(" \n# none\n"), Err(TokenFileError::Empty));
+        assert!(matches!(
+            client_token("a: one\nb: two\n"),
+            Err(TokenFileError::BadLine { line: 2, .. })
+        ));
+    }
 
     fn caller(tokens: &AccessTokens, header: &str) -> Option<Tenant> {
         tokens.caller([header.as_bytes()])
