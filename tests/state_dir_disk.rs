@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use grpcio::RpcStatusCode;
 use inferd::gguf::synthetic::SyntheticLlama;
-use inferd::proto::inferd_session_v1::session_service as ext;
 use inferd::proto::kakeya_v1::runtime as pb;
 use inferd::quant::GgmlType;
 use support::{Client, Inferd};
@@ -166,38 +165,6 @@ fn settled(client: &Client, id: &str) -> pb::GetSessionInfoResponse {
         assert!(t0.elapsed() < support::CALL_TIMEOUT, "{id} still busy");
         std::thread::sleep(Duration::from_millis(5));
     }
-}
-
-fn try_create(client: &Client) -> Result<String, support::Status> {
-    let mut req = pb::CreateSessionRequest::new();
-    req.set_client_label("disk test".into());
-    client
-        .rpc
-        .create_session_opt(
-            &req,
-            grpcio::CallOption::default().timeout(support::CALL_TIMEOUT),
-        )
-        .map(|mut r| r.take_session_id())
-        .map_err(|e| match e {
-            grpcio::Error::RpcFailure(s) => (s.code(), s.message().to_owned()),
-            other => (RpcStatusCode::UNKNOWN, other.to_string()),
-        })
-}
-
-fn try_fork(client: &Client, id: &str) -> Result<String, support::Status> {
-    let mut req = ext::ForkSessionRequest::new();
-    req.set_session_id(id.into());
-    client
-        .sessions
-        .fork_session_opt(
-            &req,
-            grpcio::CallOption::default().timeout(support::CALL_TIMEOUT),
-        )
-        .map(|mut r| r.take_session_id())
-        .map_err(|e| match e {
-            grpcio::Error::RpcFailure(s) => (s.code(), s.message().to_owned()),
-            other => (RpcStatusCode::UNKNOWN, other.to_string()),
-        })
 }
 
 fn history(k: u32, n: u32) -> Vec<u32> {
@@ -391,7 +358,7 @@ fn a_restart_on_a_full_disk_serves_its_restored_sessions_and_refuses_new_work_ty
         "{got:?}"
     );
     assert!(got.tokens.is_empty());
-    let (code, _) = try_create(&client).expect_err("refused");
+    let (code, _) = client.try_create().expect_err("refused");
     assert_eq!(code, RpcStatusCode::RESOURCE_EXHAUSTED);
     for id in &ids {
         assert_eq!(settled(&client, id).get_history_length(), 100);
@@ -406,7 +373,7 @@ fn a_restart_on_a_full_disk_serves_its_restored_sessions_and_refuses_new_work_ty
     // Space back: the same server takes the work.
     std::fs::remove_file(filler).expect("free the disk");
     assert_eq!(client.append(&ids[0], &[1, 2, 3]).expect("append"), 103);
-    assert!(try_create(&client).is_ok());
+    assert!(client.try_create().is_ok());
 }
 
 #[test]
@@ -454,9 +421,9 @@ fn the_state_budget_refuses_new_durable_work_typed_changing_nothing_until_room_i
         Some(RpcStatusCode::RESOURCE_EXHAUSTED.into()),
         "{got:?}"
     );
-    let (code, _) = try_fork(&client, &id).expect_err("refused");
+    let (code, _) = client.try_fork(&id, None).expect_err("refused");
     assert_eq!(code, RpcStatusCode::RESOURCE_EXHAUSTED);
-    let (code, message) = try_create(&client).expect_err("refused");
+    let (code, message) = client.try_create().expect_err("refused");
     assert_eq!(code, RpcStatusCode::RESOURCE_EXHAUSTED, "{message}");
     // Nothing changed: the history, the journal, the sessions on disk.
     assert_eq!(settled(&client, &id).get_history_length(), 1000);
@@ -474,7 +441,7 @@ fn the_state_budget_refuses_new_durable_work_typed_changing_nothing_until_room_i
 
     // Closing the session gives its bytes back: a new one fits.
     client.close(&id).expect("close");
-    let fresh = try_create(&client).expect("room again");
+    let fresh = client.try_create().expect("room again");
     client.append(&fresh, &[1, 2, 3]).expect("append");
 }
 

@@ -312,13 +312,21 @@ impl Client {
 
     /// ForkSession of `id`'s first `at` tokens; the fork's id.
     pub fn fork(&self, id: &str, at: u64) -> String {
+        self.try_fork(id, Some(at)).expect("session forked")
+    }
+
+    /// ForkSession of `id`'s first `at` tokens (all of them when `None`),
+    /// its failure returned.
+    pub fn try_fork(&self, id: &str, at: Option<u64>) -> Result<String, Status> {
         let mut req = ext::ForkSessionRequest::new();
         req.set_session_id(id.into());
-        req.set_at_length(at);
+        if let Some(at) = at {
+            req.set_at_length(at);
+        }
         self.sessions
             .fork_session_opt(&req, Self::opt())
-            .expect("session forked")
-            .take_session_id()
+            .map(|mut reply| reply.take_session_id())
+            .map_err(status_of)
     }
 
     pub fn info(&self, id: &str) -> Result<pb::GetSessionInfoResponse, Status> {
