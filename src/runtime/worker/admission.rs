@@ -618,18 +618,8 @@ pub(super) fn spill_gone(
 /// What GetSessionInfo reports of `slot`.
 pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
     let busy = !slot.idle();
-    // A history being fed again (a restore) is the session's history.
-    let history_length = match &slot.active {
-        Some(Active {
-            work: Work::Restore,
-            pending,
-            fed,
-            ..
-        }) => slot.history.len() + pending.len() - fed,
-        _ => slot.history.len(),
-    };
     SessionInfo {
-        history_length: history_length as u64,
+        history_length: slot.committed_len() as u64,
         kv_live_bytes: runner.kv_live_bytes(&slot.kv),
         inv1_violations: slot.inv1_violations,
         inv2_violations: slot.inv2_violations,

@@ -76,21 +76,12 @@ impl Worker {
             Some(undo) => self.apply_undo(id, undo),
             None => Ok(()),
         };
-        // A session being restored will hold its old history again.
-        let history_length = self.sessions.get(&id).map_or(0, |s| match &s.active {
-            Some(Active {
-                work: Work::Restore,
-                pending,
-                ..
-            }) => pending.len(),
-            _ => s.history.len(),
-        }) as u64;
         match active.work {
             Work::Append { reply, .. } => {
                 let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
                 let _ = reply.send(Err(err));
             }
-            Work::Generate(gen) => self.end_generate(id, gen, end, history_length),
+            Work::Generate(gen) => self.end_generate(id, gen, end),
             Work::Fork { reply, .. } => {
                 let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
                 let _ = reply.send(Err(err));
@@ -109,7 +100,6 @@ impl Worker {
             return;
         };
         slot.last_used = Instant::now();
-        let history_length = slot.history.len() as u64;
         let Some(active) = slot.active.take() else {
             return;
         };
@@ -117,7 +107,7 @@ impl Worker {
             slot.active = Some(active);
             return;
         };
-        self.end_generate(id, gen, end, history_length);
+        self.end_generate(id, gen, end);
     }
 
     /// Sends a Generate's terminal event.
@@ -126,7 +116,6 @@ impl Worker {
         id: SessionId,
         gen: Box<Generating>,
         end: Result<StopReason, RuntimeError>,
-        history_length: u64,
     ) {
         if matches!(end, Ok(StopReason::Cancelled)) {
             self.runner.cancel(id);
@@ -158,17 +147,11 @@ impl Worker {
                 }
             }
         }
+        // A session being restored (an undone call) holds its old history.
         let history_length = self
             .sessions
             .get(&id)
-            .map_or(history_length, |s| match &s.active {
-                Some(Active {
-                    work: Work::Restore,
-                    pending,
-                    ..
-                }) => (s.history.len() + pending.len()) as u64,
-                _ => s.history.len() as u64,
-            });
+            .map_or(0, |s| s.committed_len() as u64);
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
                 stop_reason,

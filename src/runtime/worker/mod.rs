@@ -578,6 +578,20 @@ impl SessionSlot {
         self.hinted = chain;
     }
 
+    /// The committed history's length: a history being fed again (a
+    /// restore) counts whole, fed or not.
+    fn committed_len(&self) -> usize {
+        match &self.active {
+            Some(Active {
+                work: Work::Restore,
+                pending,
+                fed,
+                ..
+            }) => self.history.len() + pending.len() - fed,
+            _ => self.history.len(),
+        }
+    }
+
     fn idle(&self) -> bool {
         self.active.is_none() && self.queue.is_empty()
     }
