@@ -34,6 +34,7 @@
 //! - [`cli`]: the command-line front end (`inferd generate`, `chat`,
 //!   `bench`, `serve`, `session`, `shard`, `relay`, `tokenize`).
 
+pub mod base;
 #[cfg(not(loom))]
 pub mod chat_template;
 #[cfg(not(loom))]

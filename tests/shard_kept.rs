@@ -17,7 +17,7 @@ use inferd::cluster::frame::Run;
 use inferd::cluster::link::{LinkError, LinkOptions, ShardLink};
 use inferd::cluster::shard::{ShardConfig, ShardServer};
 use inferd::cluster::{Encoding, ErrorKind, WireSessionId};
-use inferd::durable::pages::chain;
+use inferd::durable::page_chain as chain;
 use inferd::model::Model;
 
 const LAYERS: (usize, usize) = (0, 4);

@@ -34,11 +34,11 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::frame::WireSessionId;
 use super::payload::Encoding;
-use crate::durable::journal::{
-    decode_hints, encode_hints, hints_bytes, next_record, seal_record, start_record, NextRecord,
-    PageHint, PageHints, Reader,
+use crate::durable::{
+    decode_hints, encode_hints, hints_bytes, next_record, private_file_options, private_state_dir,
+    seal_record, start_record, NextRecord, PageHint, PageHints, PermissionError,
+    RecordReader as Reader,
 };
-use crate::durable::private;
 
 const MAGIC: &[u8; 8] = b"INFERDS1";
 const VERSION: u32 = 1;
@@ -125,7 +125,7 @@ pub enum KeptError {
     #[error("shard state directory {0} is in use by another process")]
     Locked(String),
     #[error("shard state directory: {0}")]
-    Permissions(#[from] crate::durable::private::PermissionError),
+    Permissions(#[from] PermissionError),
 }
 
 /// What opening the directory found in its log.
@@ -165,7 +165,7 @@ impl StateDir {
     /// for another identity is reported in `refused` and not used.
     pub fn open(dir: &Path, identity: Identity) -> Result<(StateDir, Opened), KeptError> {
         // Private to this user, as a server's state directory is.
-        crate::durable::private::state_dir(dir)?;
+        private_state_dir(dir)?;
         let lock_path = dir.join("lock");
         let lock = crate::durable::lock_directory(dir)
             .map_err(io_error(&lock_path))?
@@ -221,14 +221,14 @@ impl StateDir {
                 blocks_record(&mut record, id, session.encoding, &session.chains, &hints);
                 bytes.extend_from_slice(&record);
             }
-            let mut file = private::options()
+            let mut file = private_file_options()
                 .create(true)
                 .truncate(true)
                 .write(true)
                 .open(&fresh)?;
             file.write_all(&bytes)?;
             std::fs::rename(&fresh, &path)?;
-            let file = private::options().append(true).open(&path)?;
+            let file = private_file_options().append(true).open(&path)?;
             Ok((file, bytes.len() as u64))
         })();
         match result {

@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use thiserror::Error;
 
+use crate::base::free_bytes;
+
 /// The free-space floor unless set: enough for the journal records of the
 /// calls in flight and for the filesystem's own needs.
 pub const DEFAULT_MIN_FREE_BYTES: u64 = 64 << 20;
@@ -172,21 +174,6 @@ impl Budget {
             refused_free_space: self.refused_free_space.load(Ordering::Relaxed),
         }
     }
-}
-
-/// Bytes an unprivileged user may still write on the filesystem of `path`.
-pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    // SAFETY: an all-zero statvfs is a valid value of the plain C struct.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    #[allow(clippy::unnecessary_cast)] // the field types differ by platform
-    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// Bytes of the plain files directly in each of `dirs` (what a start

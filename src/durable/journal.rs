@@ -46,7 +46,7 @@
 
 use thiserror::Error;
 
-use crate::runtime::Tenant;
+use crate::base::Tenant;
 
 /// The first bytes of every journal file.
 pub const MAGIC: &[u8; 8] = b"INFERDJ1";

@@ -271,9 +271,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::base::{SessionId, Tenant};
     use crate::durable::{Durability, SessionStore};
     use crate::kv::{KvBacking, KvLayout, KvPoolConfig};
-    use crate::runtime::{SessionId, Tenant};
 
     const PAGE: usize = 4;
     const LAYERS: usize = 3;

@@ -27,11 +27,16 @@ use crate::kv::SessionKv;
 const MAGIC: &[u8; 8] = b"INFERDS1";
 /// Bytes per table entry: a presence flag and a checksum.
 const ENTRY: usize = 9;
-/// [`ENTRY`], for callers that bound a file's size.
-pub const ENTRY_BYTES: usize = ENTRY;
 /// Bytes of a file besides its table and pages: the fixed header and the
 /// table's checksum.
-pub const HEADER_BYTES: u64 = 28;
+const HEADER_BYTES: u64 = 28;
+
+/// The most bytes a spill file of `pages` pages of `page_bytes` each can
+/// take (every page written, each with its table entry): what a caller
+/// claims against its limits before writing.
+pub fn estimate(pages: usize, page_bytes: usize) -> u64 {
+    (pages * (page_bytes + ENTRY)) as u64 + HEADER_BYTES
+}
 
 /// The blocks a session of `len` tokens can have written out or read back:
 /// every full page below the page of its last token.

@@ -32,22 +32,10 @@ use super::health::StateHealth;
 use super::hints::{self, HintsFile};
 use super::journal::{self, Header, JournalError, PageHint, PageHints, Record};
 use super::private::{self, PermissionError};
-use crate::runtime::{SessionId, Tenant};
+use crate::base::{Durability, SessionId, Tenant};
 
 /// How long `batch` durability lets writes wait for their flush.
 pub const BATCH_WINDOW: Duration = Duration::from_millis(5);
-
-/// When a journal write is on disk.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Durability {
-    /// Before the call is answered: nothing acknowledged is ever lost.
-    #[default]
-    Sync,
-    /// Within [`BATCH_WINDOW`] after it (group commit).
-    Batch,
-    /// When the operating system writes it back.
-    None,
-}
 
 /// Why the state directory cannot be used.
 #[derive(Debug, Error)]

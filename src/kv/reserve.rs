@@ -22,7 +22,7 @@ pub(super) fn reserve_blocks(file: &File, path: &Path, len: u64) -> Result<(), K
             path: path.to_owned(),
             bytes: len,
             needed: len.saturating_sub(allocated),
-            free: crate::durable::budget::free_bytes(path.parent().unwrap_or(path)).ok(),
+            free: crate::base::free_bytes(path.parent().unwrap_or(path)).ok(),
             source,
         }
     })
@@ -50,7 +50,7 @@ fn allocate(file: &File, _path: &Path, len: u64) -> std::io::Result<()> {
 #[cfg(not(target_os = "linux"))]
 fn allocate(file: &File, path: &Path, len: u64) -> std::io::Result<()> {
     let lacking = len.saturating_sub(allocated_bytes(file));
-    match crate::durable::budget::free_bytes(path.parent().unwrap_or(path)) {
+    match crate::base::free_bytes(path.parent().unwrap_or(path)) {
         Ok(free) if free < lacking => Err(std::io::Error::from_raw_os_error(libc::ENOSPC)),
         _ => Ok(()),
     }

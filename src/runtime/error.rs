@@ -4,6 +4,7 @@
 
 use thiserror::Error;
 
+use crate::base::{NoRandomness, NotAnId};
 use crate::kv::KvError;
 use crate::model::ModelError;
 use crate::sampler::SamplerError;
@@ -105,6 +106,18 @@ impl RuntimeError {
             };
         }
         RuntimeError::NotDurable(format!("cannot start {what}: {err}"))
+    }
+}
+
+impl From<NotAnId> for RuntimeError {
+    fn from(_: NotAnId) -> Self {
+        RuntimeError::NotFound
+    }
+}
+
+impl From<NoRandomness> for RuntimeError {
+    fn from(err: NoRandomness) -> Self {
+        RuntimeError::Internal(err.to_string())
     }
 }
 

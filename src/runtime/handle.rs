@@ -44,7 +44,7 @@ pub struct Runtime {
 /// checksum.
 fn take_back_pages(pool: &mut KvPool, recovered: &mut [crate::durable::Recovered]) -> usize {
     let started = Instant::now();
-    match crate::durable::pages::take_back(pool, recovered) {
+    match crate::durable::take_back(pool, recovered) {
         Ok(found) => {
             tracing::info!(
                 pages = found.pages,

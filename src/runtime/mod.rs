@@ -11,7 +11,6 @@
 
 mod board;
 mod error;
-mod id;
 pub mod limits;
 #[cfg(loom)]
 pub mod notify;
@@ -19,7 +18,6 @@ pub mod notify;
 mod notify;
 mod rate;
 mod stats;
-mod tenant;
 mod types;
 // Under loom only the concurrency primitives above are built and checked.
 #[cfg(not(loom))]
@@ -31,11 +29,11 @@ mod step;
 #[cfg(not(loom))]
 mod worker;
 
+pub use crate::base::{BadTenant, SessionId, Tenant};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
 pub use error::{RuntimeError, StatusKind};
 #[cfg(not(loom))]
 pub use handle::Runtime;
-pub use id::SessionId;
 #[cfg(not(loom))]
 pub use local::LocalLayers;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
@@ -45,7 +43,6 @@ pub use stats::{
 };
 #[cfg(not(loom))]
 pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, StepRunner};
-pub use tenant::{BadTenant, Tenant};
 pub use types::{
     AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
     GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,

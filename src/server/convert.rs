@@ -33,7 +33,7 @@ pub fn status_of(err: &RuntimeError) -> RpcStatus {
 /// (the empty string included) is an id the server never issued:
 /// NOT_FOUND, like an unknown, closed or evicted one (CONTRACT §2.4).
 pub fn session_id(text: &str) -> Result<SessionId, RuntimeError> {
-    SessionId::parse(text)
+    Ok(SessionId::parse(text)?)
 }
 
 /// A CreateSession request (the runtime checks its bounds).

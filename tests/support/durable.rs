@@ -122,7 +122,7 @@ pub fn restored(
 
 /// The records of a journal's bytes: start, end and kind of each.
 pub fn records(bytes: &[u8]) -> Vec<(usize, usize, u8)> {
-    let mut at = inferd::durable::journal::replay(bytes)
+    let mut at = inferd::durable::replay_journal(bytes)
         .expect("a journal")
         .header_len;
     let mut found = Vec::new();

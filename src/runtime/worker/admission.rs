@@ -130,7 +130,7 @@ impl Worker {
         let mut spill = spill;
         if resident {
             if let Some((path, bytes)) = spill.take() {
-                match crate::durable::spill::read(&path, &mut kv, &history) {
+                match crate::durable::read_spill(&path, &mut kv, &history) {
                     Ok(read) => {
                         self.shared
                             .counters
@@ -168,7 +168,7 @@ impl Worker {
         } else if !history.is_empty() {
             // The journal already holds the hints of the pages taken back.
             let page = self.kv_pool.layout().page_positions;
-            slot.hinted = crate::durable::pages::chain(&history, page, from_page_file / page);
+            slot.hinted = crate::durable::page_chain(&history, page, from_page_file / page);
             slot.history = history[..kept].to_vec();
             slot.high_water = kept;
             slot.expected_digest = journaled_digest;

@@ -38,8 +38,7 @@ use super::{
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
     StopReason, Tenant,
 };
-use crate::durable::journal::Record;
-use crate::durable::{JournalFile, Recovered};
+use crate::durable::{JournalFile, Record, Recovered};
 use crate::kv::{EntryId, KvError, KvPool, PrefixIndex, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
@@ -553,7 +552,7 @@ impl SessionSlot {
         if !rows {
             return;
         }
-        let chain = crate::durable::pages::chain(&self.history, page, full);
+        let chain = crate::durable::page_chain(&self.history, page, full);
         let same = self
             .hinted
             .iter()
@@ -564,7 +563,7 @@ impl SessionSlot {
         if same == full {
             return;
         }
-        let Some(records) = crate::durable::pages::hint_records(&self.kv, &chain, same) else {
+        let Some(records) = crate::durable::hint_records(&self.kv, &chain, same) else {
             return;
         };
         for hints in records {

@@ -112,7 +112,7 @@ impl Worker {
         // What the spill wrote out is read back, checked page by page.
         let mut read = 0;
         if let Some((path, bytes)) = slot.spill_file.take() {
-            match crate::durable::spill::read(&path, &mut slot.kv, &history) {
+            match crate::durable::read_spill(&path, &mut slot.kv, &history) {
                 Ok(n) => read = n,
                 Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
             }
@@ -567,9 +567,7 @@ fn spill_out(
     // Claimed before writing, so workers spilling at once stay within it:
     // at most every page held, each with its table entry.
     let page_bytes = pool.layout().page_values() * 2;
-    let estimate = (slot.kv.pages_held() * (page_bytes + crate::durable::spill::ENTRY_BYTES))
-        as u64
-        + crate::durable::spill::HEADER_BYTES;
+    let estimate = crate::durable::spill_estimate(slot.kv.pages_held(), page_bytes);
     // Within the state directory's limits too; past them only the history
     // is kept, as past `max_spill_bytes`.
     if let Err(refusal) = store.admit(estimate) {
@@ -582,7 +580,7 @@ fn spill_out(
         })
         .ok()?;
     let path = store.spill_path(id);
-    match crate::durable::spill::write(&path, &slot.kv, &slot.history) {
+    match crate::durable::write_spill(&path, &slot.kv, &slot.history) {
         Ok(bytes) => {
             // The claim becomes what was written (never more).
             spill_bytes.fetch_sub(estimate.saturating_sub(bytes), Ordering::AcqRel);

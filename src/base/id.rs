@@ -8,7 +8,18 @@
 
 use std::fmt;
 
-use super::RuntimeError;
+use thiserror::Error;
+
+/// Text that names no session the server could have issued (the runtime
+/// answers it `NotFound`, like any id it does not hold).
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+#[error("no such session")]
+pub struct NotAnId;
+
+/// The operating system's random source failed.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("OS random source failed: {0}")]
+pub struct NoRandomness(pub String);
 
 /// A server-owned, unguessable session id.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -22,11 +33,10 @@ impl SessionId {
     pub const NEVER_ISSUED: SessionId = SessionId([0; 16]);
 
     /// Draws a fresh id from the operating system's random source.
-    pub fn random() -> Result<Self, RuntimeError> {
+    pub fn random() -> Result<Self, NoRandomness> {
         loop {
             let mut bytes = [0u8; 16];
-            getrandom::getrandom(&mut bytes)
-                .map_err(|e| RuntimeError::Internal(format!("OS random source failed: {e}")))?;
+            getrandom::getrandom(&mut bytes).map_err(|e| NoRandomness(e.to_string()))?;
             if bytes != Self::NEVER_ISSUED.0 {
                 return Ok(SessionId(bytes));
             }
@@ -44,16 +54,16 @@ impl SessionId {
     /// wrong length, upper case, other characters) names no session the
     /// server ever issued: `NotFound`, indistinguishable from an unknown,
     /// closed or evicted id.
-    pub fn parse(text: &str) -> Result<Self, RuntimeError> {
+    pub fn parse(text: &str) -> Result<Self, NotAnId> {
         let digits = text.as_bytes();
         if digits.len() != 32 {
-            return Err(RuntimeError::NotFound);
+            return Err(NotAnId);
         }
         let mut bytes = [0u8; 16];
         for (byte, pair) in bytes.iter_mut().zip(digits.chunks_exact(2)) {
             match (hex_value(pair[0]), hex_value(pair[1])) {
                 (Some(hi), Some(lo)) => *byte = hi << 4 | lo,
-                _ => return Err(RuntimeError::NotFound),
+                _ => return Err(NotAnId),
             }
         }
         Ok(SessionId(bytes))
@@ -94,7 +104,7 @@ impl fmt::Debug for SessionId {
 }
 
 impl std::str::FromStr for SessionId {
-    type Err = RuntimeError;
+    type Err = NotAnId;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::parse(s)
     }
@@ -137,7 +147,7 @@ mod tests {
             "sess-does-not-exist",
         ] {
             let err = SessionId::parse(bad).expect_err(bad);
-            assert_eq!(err, RuntimeError::NotFound, "{bad}");
+            assert_eq!(err, NotAnId, "{bad}");
         }
     }
 
