@@ -25,6 +25,8 @@ mod handle;
 #[cfg(not(loom))]
 mod local;
 #[cfg(not(loom))]
+mod session;
+#[cfg(not(loom))]
 mod step;
 #[cfg(not(loom))]
 mod worker;

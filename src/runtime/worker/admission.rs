@@ -32,7 +32,7 @@ impl Worker {
         }
         let id = w.id;
         let kv = SessionKv::new(Arc::clone(&self.kv_pool));
-        let mut slot = SessionSlot::new(kv, w.req.client_label, w.req.eos_token_ids, w.owner);
+        let mut session = Session::new(kv, w.req.client_label, w.req.eos_token_ids, w.owner);
         let store = self.cfg.state.as_ref().filter(|_| !w.transient);
         if let Some(store) = store {
             if let Err(refusal) = store.admit(0) {
@@ -42,12 +42,12 @@ impl Worker {
                     .send(Err(RuntimeError::StateDirFull(refusal.to_string())));
                 return None;
             }
-            match store.create(id, &slot.label, &slot.eos, &slot.owner, &[]) {
-                Ok(journal) => slot.journal = Some(journal),
+            match store.create(id, session.label(), session.eos(), session.owner(), &[]) {
+                Ok(journal) => session.attach_journal(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!(session = %id, "cannot start the session's journal: {e}");
-                    counters_failed(&self.shared.counters);
+                    count_journal_failure(&self.shared.counters);
                     let _ = w
                         .reply
                         .send(Err(RuntimeError::file("the session's journal", &e)));
@@ -55,7 +55,7 @@ impl Worker {
                 }
             }
         }
-        self.add_session(id, slot);
+        self.add_session(id, SessionSlot::new(session));
         self.shared
             .counters
             .sessions_created
@@ -129,17 +129,13 @@ impl Worker {
         // or when it is first called (spilled).
         let mut spill = spill;
         if resident {
-            if let Some((path, bytes)) = spill.take() {
-                match crate::durable::read_spill(&path, &mut kv, &history) {
-                    Ok(read) => {
-                        self.shared
-                            .counters
-                            .spill_read_tokens
-                            .fetch_add(read as u64, Ordering::Relaxed);
-                    }
-                    Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
-                }
-                spill_gone(self.cfg.state.as_deref(), &path, bytes);
+            if let Some(file) = spill.take() {
+                let state = self.cfg.state.as_deref();
+                let read = read_spill_at_start(id, &mut kv, &history, file, state);
+                self.shared
+                    .counters
+                    .spill_read_tokens
+                    .fetch_add(read as u64, Ordering::Relaxed);
             }
         }
         if !resident && !self.claim_spilled_place() {
@@ -153,27 +149,21 @@ impl Worker {
         }
         let tokens = history.len();
         let kept = kv.len();
-        let mut slot = SessionSlot::new(kv, label, eos, owner);
-        slot.journal = Some(journal);
-        if !resident {
-            // No place or pages now: kept spilled, fed when first called;
-            // until then it reports the digest its journal recorded.
-            slot.history = history;
-            slot.spilled = true;
-            slot.logits_digest.set(journaled_digest);
-            if let Some((path, bytes)) = spill {
-                self.shared.spill_bytes.fetch_add(bytes, Ordering::Relaxed);
-                slot.spill_file = Some((path, bytes));
-            }
+        let mut session = Session::new(kv, label, eos, owner);
+        session.attach_journal(journal);
+        let slot = if !resident {
+            // No place or pages now: kept spilled, fed when first called.
+            let bytes = session.restored_spilled(history, journaled_digest, spill);
+            self.shared.spill_bytes.fetch_add(bytes, Ordering::Relaxed);
+            SessionSlot::new(session)
         } else if !history.is_empty() {
-            // The journal already holds the hints of the pages taken back.
-            let page = self.kv_pool.layout().page_positions;
-            slot.hinted = crate::durable::page_chain(&history, page, from_page_file / page);
-            slot.history = history[..kept].to_vec();
-            slot.high_water = kept;
-            slot.expected_digest = journaled_digest;
-            slot.active = Some(Active::restore(history[kept..].to_vec()));
-        }
+            let rest = session.restored_resident(&history, from_page_file, journaled_digest);
+            let mut slot = SessionSlot::new(session);
+            slot.active = Some(Active::restore(rest));
+            slot
+        } else {
+            SessionSlot::new(session)
+        };
         if taken_back > 0 {
             self.shared
                 .counters
@@ -190,7 +180,7 @@ impl Worker {
 
     /// The count a session's place is in: live, or spilled.
     pub(super) fn place_counter(&self, slot: &SessionSlot) -> &AtomicUsize {
-        if slot.spilled {
+        if slot.session.is_spilled() {
             &self.shared.spilled_sessions
         } else {
             &self.shared.live_sessions
@@ -242,18 +232,13 @@ impl Worker {
     /// Removes a session and frees its KV, counting the reason.
     pub(super) fn remove(&mut self, id: SessionId, reason: Removal) -> Option<SessionSlot> {
         let mut slot = self.sessions.remove(&id)?;
-        if let Err(e) = slot.kv.release() {
+        if let Err(e) = slot.session.release_kv() {
             tracing::error!(session = %id, "freeing KV: {e}");
         }
-        if let Some(journal) = slot.journal.take() {
-            if let Err(e) = journal.remove() {
-                tracing::error!(session = %id, "deleting the session's journal: {e}");
-            }
-        }
-        if let Some((path, bytes)) = slot.spill_file.take() {
-            spill_gone(self.cfg.state.as_deref(), &path, bytes);
-            self.shared.spill_bytes.fetch_sub(bytes, Ordering::Relaxed);
-        }
+        let spilled_bytes = slot.session.discard_files(id, self.cfg.state.as_deref());
+        self.shared
+            .spill_bytes
+            .fetch_sub(spilled_bytes, Ordering::Relaxed);
         self.trim_prefix_cache();
         self.runner.release(id);
         self.place_counter(&slot).fetch_sub(1, Ordering::AcqRel);
@@ -301,7 +286,7 @@ impl Worker {
             // New durable work is refused while the state directory may
             // not grow, before anything (even bringing a spilled session
             // back) is done for it.
-            let journaled = slot.journal.is_some();
+            let journaled = slot.session.is_durable();
             if journaled && slot.queue.front().is_some_and(|q| q.op.grows_state()) {
                 if let Some(Err(refusal)) = self.cfg.state.as_ref().map(|s| s.admit(0)) {
                     if let Some(q) = self.sessions.get_mut(&id).and_then(|s| s.queue.pop_front()) {
@@ -320,7 +305,7 @@ impl Worker {
                 .queue
                 .front()
                 .is_some_and(|q| !matches!(q.op, Op::Close { .. } | Op::History { .. }));
-            if slot.spilled && needs_kv {
+            if slot.session.is_spilled() && needs_kv {
                 match self.unspill(id) {
                     Ok(Got::Now) => {
                         moved = true;
@@ -362,7 +347,10 @@ impl Worker {
         let Queued { op, deadline } = queued;
         match op {
             Op::Close { reply } => {
-                let len = self.sessions.get(&id).map_or(0, |s| s.history.len()) as u64;
+                let len = self
+                    .sessions
+                    .get(&id)
+                    .map_or(0, |s| s.session.history().len()) as u64;
                 self.remove(id, Removal::Close);
                 let _ = reply.send(Ok(CloseReply {
                     final_history_length: len,
@@ -370,7 +358,7 @@ impl Worker {
                 None
             }
             Op::History { reply } => {
-                let history = self.sessions.get(&id).map(|s| s.history.clone());
+                let history = self.sessions.get(&id).map(|s| s.session.history().to_vec());
                 let _ = reply.send(history.ok_or(RuntimeError::NotFound));
                 None
             }
@@ -380,7 +368,10 @@ impl Worker {
                     deadline,
                 }),
                 Ok(Begin::Empty) => {
-                    let len = self.sessions.get(&id).map_or(0, |s| s.history.len());
+                    let len = self
+                        .sessions
+                        .get(&id)
+                        .map_or(0, |s| s.session.history().len());
                     let _ = reply.send(Ok(AppendReply {
                         history_length: len as u64,
                         dropped_token_count: 0,
@@ -471,12 +462,16 @@ impl Worker {
             .sessions
             .get(&id)
             .ok_or(RuntimeError::NotFound)?
-            .history
+            .session
+            .history()
             .len();
         if len + tokens.len() <= context {
             // Pages other sessions computed for these tokens first: only
             // the rest is reserved and fed.
-            let mapped = self.map_prefix(id, tokens);
+            let mapped = match self.sessions.get_mut(&id) {
+                Some(slot) => room::map_prefix(&self.shared, id, &mut slot.session, tokens),
+                None => 0,
+            };
             match self.reserve(id, len + tokens.len()) {
                 Ok(Got::Now) => {}
                 Ok(Got::Later) => {
@@ -489,15 +484,14 @@ impl Worker {
                 }
             }
             let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
+            // The undo cuts back to `len`, below the mapped pages too.
+            let mut undo = slot.session.undo_to_here();
+            undo.kind = UndoKind::Shorten(len);
             return Ok(Begin::Prefill {
                 pending: tokens[mapped..].to_vec(),
                 dropped: 0,
                 reused: mapped as u64,
-                undo: Undo {
-                    kind: UndoKind::Shorten(len),
-                    next_logits: slot.next_logits.clone(),
-                    truncated: slot.truncated,
-                },
+                undo,
             });
         }
         let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
@@ -507,14 +501,14 @@ impl Worker {
             )));
         };
         let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
-        let mut all = slot.history.clone();
+        let mut all = slot.session.history().to_vec();
         all.extend_from_slice(tokens);
         let kept = keep_window(&all, sink, context);
         let dropped = (all.len() - kept.len()) as u64;
         Ok(match self.restart_kv(id, kept.len())? {
             Restarted::Now(undo) => {
                 if let Some(slot) = self.sessions.get_mut(&id) {
-                    slot.truncated += dropped;
+                    slot.session.add_truncated(dropped);
                 }
                 Begin::Prefill {
                     pending: kept,
@@ -547,11 +541,7 @@ impl Worker {
             seed_used,
         } = admitted;
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-        if slot.history.is_empty() || slot.next_logits.is_empty() {
-            return Err(RuntimeError::invalid(
-                "cannot generate from an empty history: append tokens first",
-            ));
-        }
+        slot.session.check_can_generate()?;
         let started = Instant::now();
         let gen = Generating {
             params,
@@ -568,7 +558,7 @@ impl Worker {
             top_logprobs: req.sampling.top_logprobs as usize,
             pending_logprobs: None,
             shift_dropped: None,
-            history_start: slot.history.len(),
+            history_start: slot.session.history().len(),
             rewritten: false,
             before_rewrite: None,
         };
@@ -601,49 +591,14 @@ impl Worker {
     }
 }
 
-/// Deletes a spill file that was read back or whose session ended, giving
-/// its bytes back to the state directory's budget.
-pub(super) fn spill_gone(
-    store: Option<&crate::durable::SessionStore>,
-    path: &std::path::Path,
-    bytes: u64,
-) {
-    if std::fs::remove_file(path).is_ok() {
-        if let Some(store) = store {
-            store.budget().shrank(bytes);
-        }
-    }
-}
-
 /// What GetSessionInfo reports of `slot`.
 pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
     let busy = !slot.idle();
-    SessionInfo {
-        history_length: slot.committed_len() as u64,
-        kv_live_bytes: runner.kv_live_bytes(&slot.kv),
-        inv1_violations: slot.inv1_violations,
-        inv2_violations: slot.inv2_violations,
-        idle_seconds: if busy {
-            0.0
-        } else {
-            slot.last_used.elapsed().as_secs_f64()
-        },
-        pages_held: slot.kv.pages_held() as u64,
-        client_label: slot.label.clone(),
-        eos_token_ids: slot.eos.clone(),
-        truncated_token_count: slot.truncated,
-        busy,
-        logits_digest: match slot.logits_digest.get() {
-            Some(d) => d,
-            // Restored spilled at start from a journal that recorded no
-            // digest: its logits were never computed.
-            None if slot.spilled => 0,
-            None => {
-                let d = digest(&slot.next_logits);
-                slot.logits_digest.set(Some(d));
-                d
-            }
-        },
-        durable: slot.journal.is_some(),
-    }
+    let idle_seconds = if busy {
+        0.0
+    } else {
+        slot.last_used.elapsed().as_secs_f64()
+    };
+    slot.session
+        .info(runner, slot.committed_len(), busy, idle_seconds)
 }

@@ -28,7 +28,7 @@ impl Worker {
         let Some(slot) = self.sessions.get(&id) else {
             return false;
         };
-        let chunk = self.chunk_at(slot.history.len());
+        let chunk = self.chunk_at(slot.session.history().len());
         let Some(slot) = self.sessions.get_mut(&id) else {
             return false;
         };
@@ -56,7 +56,7 @@ impl Worker {
         let Work::Generate(gen) = &mut active.work else {
             return false;
         };
-        let full = slot.history.len() >= context;
+        let full = slot.session.history().len() >= context;
         if full && self.cfg.overflow == OverflowPolicy::Stop {
             self.finish_generate(id, Ok(StopReason::Truncated));
             return true;
@@ -75,7 +75,7 @@ impl Worker {
         }
         // Pages first: a session waiting for another worker's eviction sits
         // out the step and samples the same token next time.
-        let total = slot.history.len() + 1;
+        let total = slot.session.history().len() + 1;
         match self.reserve(id, total) {
             Ok(Got::Now) => {}
             Ok(Got::Later) => return false,
@@ -128,14 +128,8 @@ impl Worker {
         for (id, slot) in self.sessions.iter_mut() {
             if !slot.feed.is_empty() {
                 ids.push(*id);
-                fed.push((slot.feed.len(), slot.history.len()));
-                feeds.push(StepFeed {
-                    session: *id,
-                    history: &slot.history,
-                    kv: &mut slot.kv,
-                    tokens: &slot.feed,
-                    logits: slot.feed_logits,
-                });
+                fed.push((slot.feed.len(), slot.session.history().len()));
+                feeds.push(slot.session.step_feed(*id, &slot.feed, slot.feed_logits));
             }
         }
         if feeds.is_empty() {
@@ -221,22 +215,20 @@ impl Worker {
             let Some(slot) = self.sessions.get_mut(&id) else {
                 continue;
             };
-            let fed = std::mem::take(&mut slot.feed);
-            slot.history.extend_from_slice(&fed);
-            if slot.feed_logits != LogitsWanted::None {
-                if let Some(r) = rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1)) {
-                    slot.next_logits.clear();
-                    slot.logits_digest.set(None);
-                    slot.next_logits
-                        .extend_from_slice(&self.scratch.logits[r * vocab..][..vocab]);
-                }
-            }
-            slot.feed = fed;
-            if let Err(e) = check_invariants(slot, &self.shared.counters) {
+            let logits = (slot.feed_logits != LogitsWanted::None)
+                .then(|| rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1)))
+                .flatten()
+                .map(|r| &self.scratch.logits[r * vocab..][..vocab]);
+            let committed = slot
+                .session
+                .commit_fed(&slot.feed, logits, &self.shared.counters);
+            if let Err(e) = committed {
                 self.fail_session(id, e);
                 continue;
             }
-            self.list_full_pages(id);
+            if let Some(index) = &self.shared.prefix {
+                slot.session.list_full_pages(id, index);
+            }
             self.after_feed(id);
             self.settle_kv(id);
         }
@@ -252,7 +244,7 @@ impl Worker {
         if slot.active.as_ref().is_some_and(|a| a.undo.is_some()) {
             return;
         }
-        if let Err(e) = slot.kv.settle() {
+        if let Err(e) = slot.session.settle() {
             tracing::error!(session = %id, "giving back window pages: {e}");
             self.fail_session(id, e.into());
         }
@@ -269,29 +261,4 @@ impl Worker {
             }
         }
     }
-}
-
-/// INV-1 (cached positions = history length, within the pages held) and
-/// INV-2 (the committed length never went down).
-fn check_invariants(slot: &mut SessionSlot, counters: &Counters) -> Result<(), RuntimeError> {
-    let kv_len = slot.kv.len();
-    if kv_len < slot.high_water {
-        slot.inv2_violations += 1;
-        counters.inv2_violations.fetch_add(1, Ordering::Relaxed);
-        return Err(RuntimeError::FailedPrecondition(format!(
-            "INV-2: KV length went from {} down to {kv_len}",
-            slot.high_water
-        )));
-    }
-    if kv_len != slot.history.len() || kv_len > slot.kv.capacity() {
-        slot.inv1_violations += 1;
-        counters.inv1_violations.fetch_add(1, Ordering::Relaxed);
-        return Err(RuntimeError::FailedPrecondition(format!(
-            "INV-1: {kv_len} cached positions for a history of {} ({} reserved)",
-            slot.history.len(),
-            slot.kv.capacity()
-        )));
-    }
-    slot.high_water = kv_len;
-    Ok(())
 }

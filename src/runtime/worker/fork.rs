@@ -31,7 +31,7 @@ impl Worker {
     ) -> Result<Forking, RuntimeError> {
         loop {
             let slot = self.sessions.get(&source).ok_or(RuntimeError::NotFound)?;
-            let len = slot.history.len();
+            let len = slot.session.history().len();
             let at = match at_length {
                 None => len,
                 Some(asked) => usize::try_from(asked)
@@ -46,7 +46,7 @@ impl Worker {
             // Short of the end, the logits after `at` tokens are not kept:
             // keep one position less and feed that token again.
             let kept = if at < len { at.saturating_sub(1) } else { at };
-            let made = slot.kv.fork(kept).and_then(|mut kv| {
+            let made = slot.session.kv().fork(kept).and_then(|mut kv| {
                 kv.reserve(at)?;
                 Ok(kv)
             });
@@ -113,16 +113,8 @@ impl Worker {
             let _ = reply.send(Err(RuntimeError::NotFound));
             return;
         };
-        let label = client_label.unwrap_or_else(|| src.label.clone());
-        let mut slot = SessionSlot::new(kv, label, src.eos.clone(), owner);
-        let kept = slot.kv.len();
-        slot.history.extend_from_slice(&src.history[..kept]);
-        slot.truncated = src.truncated;
-        let refeed = src.history[kept..at].to_vec();
-        if refeed.is_empty() && at == src.history.len() {
-            slot.next_logits.clone_from(&src.next_logits);
-            slot.logits_digest.set(src.logits_digest.get());
-        }
+        let (session, refeed) = src.session.fork(kv, at, client_label, owner);
+        let mut slot = SessionSlot::new(session);
         let answer_now = if refeed.is_empty() {
             Some(reply)
         } else {
@@ -136,18 +128,20 @@ impl Worker {
             None
         };
         if let Some(store) = &self.cfg.state {
+            let session = &slot.session;
+            let history = &src.session.history()[..at];
             match store.create(
                 fork,
-                &slot.label,
-                &slot.eos,
-                &slot.owner,
-                &src.history[..at],
+                session.label(),
+                session.eos(),
+                session.owner(),
+                history,
             ) {
-                Ok(journal) => slot.journal = Some(journal),
+                Ok(journal) => slot.session.attach_journal(journal),
                 Err(e) => {
                     self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!(session = %fork, "cannot start the fork's journal: {e}");
-                    counters_failed(&self.shared.counters);
+                    count_journal_failure(&self.shared.counters);
                     let err = RuntimeError::file("the fork's journal", &e);
                     match slot.active.take() {
                         Some(active) => finish_with_error(active, err),
@@ -157,7 +151,7 @@ impl Worker {
                 }
             }
         }
-        let shared_pages = slot.kv.shared_pages();
+        let shared_pages = slot.session.kv().shared_pages();
         self.add_session(fork, slot);
         self.shared
             .counters

@@ -26,10 +26,10 @@ impl Worker {
             requests.push((
                 *id,
                 SampleRequest {
-                    logits: &slot.next_logits,
+                    logits: slot.session.next_logits(),
                     params: &gen.params,
-                    history: &slot.history,
-                    position: slot.history.len() as u64,
+                    history: slot.session.history(),
+                    position: slot.session.history().len() as u64,
                     top_logprobs: gen.top_logprobs,
                 },
             ));
@@ -124,20 +124,21 @@ impl Worker {
         // journal does not take it, the call is taken back and fails.
         let mut end = end;
         if let Some(slot) = self.sessions.get_mut(&id) {
+            let history = slot.session.history();
             let record = if gen.rewritten {
-                Some(Record::Reset(slot.history.clone()))
+                Some(Record::Reset(history.to_vec()))
             } else {
-                slot.history
+                history
                     .get(gen.history_start..)
                     .filter(|added| !added.is_empty())
                     .map(|added| Record::Append(added.to_vec()))
             };
             let journaled = match record {
-                Some(record) => slot.journal(record, &self.shared.counters),
+                Some(record) => slot.session.journal(record, &self.shared.counters),
                 None => Ok(()),
             };
             match journaled {
-                Ok(()) => slot.journal_pages(&self.shared.counters),
+                Ok(()) => slot.session.journal_pages(&self.shared.counters),
                 Err(e) => {
                     if let Err(undo) = self.take_back_generate(id, &gen) {
                         tracing::error!(session = %id, "taking back a call not journaled: {undo}");
@@ -177,37 +178,11 @@ impl Worker {
     /// whole history) is fed again before its next call, to the same bits.
     fn take_back_generate(&mut self, id: SessionId, gen: &Generating) -> Result<(), RuntimeError> {
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-        let start = gen.history_start;
-        // Its last position's logits were not kept: cut back before it and
-        // feed it again. The KV was settled past there as tokens came; a
-        // sliding-window layer may have given back pages the shorter
-        // history reads, and then the history is computed again.
-        let cut = start.saturating_sub(1);
-        let recompute = match gen.before_rewrite.clone() {
-            Some(before) => Some(before),
-            None if slot.kv.cut_back_to(cut).is_err() => {
-                Some((slot.history[..start].to_vec(), slot.truncated))
-            }
-            None => None,
-        };
-        if let Some((history, truncated)) = recompute {
-            let undo = Undo {
-                kind: UndoKind::Recompute { history },
-                next_logits: Vec::new(),
-                truncated,
-            };
-            return self.apply_undo(id, undo);
-        }
-        let last = start
-            .checked_sub(1)
-            .and_then(|at| slot.history.get(at).copied());
-        let undo = Undo {
-            kind: UndoKind::Shorten(cut),
-            next_logits: Vec::new(),
-            truncated: slot.truncated,
-        };
+        let (undo, refeed) = slot
+            .session
+            .take_back_undo(gen.history_start, gen.before_rewrite.clone());
         self.apply_undo(id, undo)?;
-        if let (Some(last), Some(slot)) = (last, self.sessions.get_mut(&id)) {
+        if let (Some(last), Some(slot)) = (refeed, self.sessions.get_mut(&id)) {
             slot.active = Some(Active::restore(vec![last]));
         }
         Ok(())
@@ -256,7 +231,7 @@ fn prompt_fed(
     worker: usize,
 ) -> Result<(), RuntimeError> {
     let counters = &shared.counters;
-    let history_length = slot.history.len() as u64;
+    let history_length = slot.session.history().len() as u64;
     let Some(active) = slot.active.as_mut() else {
         return Ok(());
     };
@@ -269,8 +244,8 @@ fn prompt_fed(
                 kind: UndoKind::Shorten(len),
                 ..
             }),
-        ) => Some(Record::Append(slot.history[*len..].to_vec())),
-        (Work::Append { .. }, Some(_)) => Some(Record::Reset(slot.history.clone())),
+        ) => Some(Record::Append(slot.session.history()[*len..].to_vec())),
+        (Work::Append { .. }, Some(_)) => Some(Record::Reset(slot.session.history().to_vec())),
         _ => None,
     };
     active.fed += n_fed;
@@ -281,7 +256,7 @@ fn prompt_fed(
         return Ok(());
     }
     if let Some(record) = record {
-        slot.journal(record, counters)?;
+        slot.session.journal(record, counters)?;
     }
     let Some(active) = slot.active.as_mut() else {
         return Ok(());
@@ -295,7 +270,7 @@ fn prompt_fed(
     match &mut active.work {
         Work::Append { .. } | Work::Restore | Work::Fork { .. } => {
             slot.last_used = Instant::now();
-            slot.journal_pages(counters);
+            slot.session.journal_pages(counters);
             let work = slot.active.take().map(|active| active.work);
             announce_idle(slot, shared, worker);
             match work {
@@ -340,11 +315,11 @@ fn prompt_fed(
 /// worker's loop publishes again (on two cores it may not run for a
 /// while).
 fn announce_idle(slot: &SessionSlot, shared: &WorkersState, worker: usize) {
-    if !slot.idle() || slot.spilled {
+    if !slot.idle() || slot.session.is_spilled() {
         return;
     }
     if let Some(pages) = shared.idle_pages.get(worker) {
-        pages.fetch_add(slot.kv.pages_held(), Ordering::Relaxed);
+        pages.fetch_add(slot.session.kv().pages_held(), Ordering::Relaxed);
     }
     let stamp = slot
         .last_used
@@ -369,7 +344,7 @@ fn token_fed(
     shared: &WorkersState,
     gauges: &WorkerGauges,
 ) -> Option<StopReason> {
-    let eos_hit = slot.eos.contains(&token);
+    let eos_hit = slot.session.eos().contains(&token);
     let Some(Active {
         work: Work::Generate(gen),
         ..

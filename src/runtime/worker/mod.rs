@@ -31,28 +31,29 @@ use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use super::board::{EvictionBoard, EvictionTicket};
 use super::notify::NotifySender;
+use super::session::{
+    count_journal_failure, keep_window, read_spill_at_start, Session, Undo, UndoKind,
+};
 use super::stats::{Counters, WorkerGauges};
-use super::step::{StepError, StepFeed, StepRunner};
+use super::step::{StepError, StepRunner};
 use super::{
     AppendReply, CloseReply, CreateSession, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
     GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
     StopReason, Tenant,
 };
-use crate::durable::{JournalFile, Record, Recovered};
-use crate::kv::{EntryId, KvError, KvPool, PrefixIndex, SessionKv};
+use crate::durable::{Record, Recovered};
+use crate::kv::{KvError, KvPool, PrefixIndex, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{
     CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
 };
 use crate::threads::{CoreGroup, ThreadPool, Wake};
-use admission::spill_gone;
 use fork::Forking;
 
 mod admission;
 mod batch;
 mod fork;
 mod generate;
-mod prefix;
 mod room;
 #[cfg(test)]
 mod tests;
@@ -298,26 +299,6 @@ struct Active {
     undo: Option<Undo>,
 }
 
-/// The session as it was before a call began to change it, so that a call
-/// that fails, expires or is cancelled halfway leaves nothing half-done
-/// (the history is append-only to clients, so cutting the KV back is safe).
-struct Undo {
-    kind: UndoKind,
-    next_logits: Vec<f32>,
-    truncated: u64,
-}
-
-enum UndoKind {
-    /// Tokens were only added: cut the history and KV back to this length.
-    Shorten(usize),
-    /// A truncation re-prefills into fresh pages; the session's own pages
-    /// and history wait here until it is done.
-    SwapBack { kv: SessionKv, history: Vec<u32> },
-    /// A truncation re-prefills into the session's own pages (nothing else
-    /// could be had): the old history has to be computed again.
-    Recompute { history: Vec<u32> },
-}
-
 /// What restarting a session's KV did.
 enum Restarted {
     /// Emptied, with the pages for the kept window reserved.
@@ -380,29 +361,11 @@ enum Removal {
     Failed,
 }
 
-/// A session and its queue.
+/// A session as its worker schedules it: the session itself, the
+/// operation running on it and the ones queued behind, and what this step
+/// feeds it.
 struct SessionSlot {
-    kv: SessionKv,
-    history: Vec<u32>,
-    next_logits: Vec<f32>,
-    /// `digest(next_logits)`, computed on the first GetSessionInfo after the
-    /// logits changed (hashing 49k logits costs ~0.2 ms of worker time).
-    logits_digest: std::cell::Cell<Option<u64>>,
-    label: String,
-    eos: Vec<u32>,
-    /// The tenant the session belongs to (CONTRACT §2.10).
-    owner: Tenant,
-    /// INV-1 violations seen on this session (cached positions against
-    /// history length).
-    inv1_violations: u64,
-    /// INV-2 violations seen on this session (a cached length that went
-    /// down).
-    inv2_violations: u64,
-    /// Tokens dropped so far by context-overflow truncation.
-    truncated: u64,
-    /// Committed KV length after the last mutation; it must never decrease
-    /// except through a deliberate truncation, which resets it.
-    high_water: usize,
+    session: Session,
     last_used: Instant,
     active: Option<Active>,
     queue: VecDeque<Queued>,
@@ -411,170 +374,19 @@ struct SessionSlot {
     /// What this step feeds for the session.
     feed: Vec<u32>,
     feed_logits: LogitsWanted,
-    /// How far the history's full pages are listed in the shared-prefix
-    /// index (`None`: they are not, and will not be).
-    prefix: Option<PrefixCursor>,
-    /// The session's journal in the state directory (`None` without one).
-    journal: Option<JournalFile>,
-    /// The chain hashes of the blocks whose page hints the journal holds,
-    /// so a history changed below them is hinted again.
-    hinted: Vec<u64>,
-    /// Spilled with its pages written out: the file and its bytes.
-    spill_file: Option<(std::path::PathBuf, u64)>,
-    /// Restored: the digest its journal recorded, checked once its logits
-    /// are computed again.
-    expected_digest: Option<u64>,
-    /// Evicted to make room but kept: no KV and no logits (their digest is
-    /// kept), the history to be fed again before its next call.
-    spilled: bool,
-}
-
-/// The first `pages` full pages of a session's history are listed in the
-/// shared-prefix index, the last of them as `entry`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct PrefixCursor {
-    entry: EntryId,
-    pages: usize,
-}
-
-impl PrefixCursor {
-    /// Nothing listed yet: listing walks the index from its root.
-    const START: PrefixCursor = PrefixCursor {
-        entry: PrefixIndex::ROOT,
-        pages: 0,
-    };
 }
 
 impl SessionSlot {
-    /// A session of `owner` holding `kv`, with an empty history unless the
-    /// caller fills it in.
-    fn new(kv: SessionKv, label: String, eos: Vec<u32>, owner: Tenant) -> Self {
+    fn new(session: Session) -> Self {
         SessionSlot {
-            owner,
-            high_water: kv.len(),
-            kv,
-            history: Vec::new(),
-            next_logits: Vec::new(),
-            logits_digest: std::cell::Cell::new(None),
-            label,
-            eos,
-            inv1_violations: 0,
-            inv2_violations: 0,
-            truncated: 0,
+            session,
             last_used: Instant::now(),
             active: None,
             queue: VecDeque::new(),
             short_since: None,
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
-            prefix: Some(PrefixCursor::START),
-            journal: None,
-            hinted: Vec::new(),
-            spill_file: None,
-            expected_digest: None,
-            spilled: false,
         }
-    }
-
-    /// Journals a change of the history (`self.history` already holds it),
-    /// durable as the store's policy says, before the call that made it is
-    /// answered. An error means the change is not kept: the caller must
-    /// undo it and fail the call (the journal still holds the history
-    /// before it). Counted and logged here.
-    fn journal(&mut self, record: Record, counters: &Counters) -> Result<(), RuntimeError> {
-        let Some(journal) = &mut self.journal else {
-            return Ok(());
-        };
-        let result = journal.append(&record, &self.history);
-        if let Record::Reset(_) = record {
-            // A rewritten file starts its hints over.
-            self.hinted.clear();
-        }
-        result.map_err(|e| {
-            counters_failed(counters);
-            tracing::error!(
-                label = %self.label,
-                "session journal write failed, the call is undone: {e}"
-            );
-            // A rewrite (after a failure, or a reset) starts the hints over.
-            self.hinted.clear();
-            RuntimeError::NotDurable(e.to_string())
-        })
-    }
-
-    /// Journals the history's logits digest and where its newly full pages
-    /// lie in the kept page file, beside the journal (hints: not synced, and
-    /// one lost costs only a recompute).
-    fn journal_pages(&mut self, counters: &Counters) {
-        let Some(journal) = &mut self.journal else {
-            return;
-        };
-        let rows = self.kv.pool().holds_rows();
-        let page = self.kv.pool().layout().page_positions;
-        let full = if rows {
-            self.kv.len().min(self.history.len()) / page
-        } else {
-            0
-        };
-        // Hints written again (after a spill moved the pages, say) pile up:
-        // past twice what one set for the history needs, they start over.
-        let n_layers = self.kv.pool().layout().n_layers as u64;
-        let needed = (12 * n_layers + 13) * full as u64 + 40;
-        if journal.hint_bytes() > 2 * needed + (1 << 20) {
-            journal.clear_hints();
-            self.hinted.clear();
-        }
-        // What GetSessionInfo reports, for a restart that does not compute
-        // it (a session that comes back spilled).
-        if !self.next_logits.is_empty() {
-            let d = self
-                .logits_digest
-                .get()
-                .unwrap_or_else(|| digest(&self.next_logits));
-            self.logits_digest.set(Some(d));
-            if let Some(expected) = self.expected_digest.take() {
-                if expected != d {
-                    counters
-                        .restore_digest_mismatches
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(
-                        label = %self.label,
-                        expected,
-                        computed = d,
-                        "a restored session's logits differ from what its journal recorded"
-                    );
-                }
-            }
-            if let Err(e) = journal.hint_digest(&self.history, d) {
-                tracing::debug!(label = %self.label, "a logits digest hint was not written: {e}");
-            }
-        }
-        if !rows {
-            return;
-        }
-        let chain = crate::durable::page_chain(&self.history, page, full);
-        let same = self
-            .hinted
-            .iter()
-            .zip(&chain)
-            .take_while(|(a, b)| a == b)
-            .count();
-        self.hinted.truncate(same);
-        if same == full {
-            return;
-        }
-        let Some(records) = crate::durable::hint_records(&self.kv, &chain, same) else {
-            return;
-        };
-        for hints in records {
-            if let Err(e) = journal.hint_pages(&hints) {
-                tracing::debug!(label = %self.label, "page hints were not written: {e}");
-                // Whatever was half written went with the file.
-                self.hinted.clear();
-                return;
-            }
-        }
-        self.hinted = chain;
     }
 
     /// The committed history's length: a history being fed again (a
@@ -586,19 +398,14 @@ impl SessionSlot {
                 pending,
                 fed,
                 ..
-            }) => self.history.len() + pending.len() - fed,
-            _ => self.history.len(),
+            }) => self.session.history().len() + pending.len() - fed,
+            _ => self.session.history().len(),
         }
     }
 
     fn idle(&self) -> bool {
         self.active.is_none() && self.queue.is_empty()
     }
-}
-
-/// Counts a journal that could not be started or written.
-fn counters_failed(counters: &Counters) {
-    counters.journal_failures.fetch_add(1, Ordering::Relaxed);
 }
 
 pub(crate) struct Worker {
@@ -856,7 +663,7 @@ fn session_for<'a>(
 ) -> Option<&'a mut SessionSlot> {
     sessions
         .get_mut(&id)
-        .filter(|slot| caller.may_use(&slot.owner))
+        .filter(|slot| caller.may_use(slot.session.owner()))
 }
 
 fn finish_with_error(active: Active, err: RuntimeError) {
@@ -909,27 +716,4 @@ impl Active {
 fn depth_weight(depth: usize) -> f64 {
     const DEPTH_OF_EQUAL_COST: f64 = 2048.0;
     1.0 + depth as f64 / DEPTH_OF_EQUAL_COST
-}
-
-/// The first `sink` tokens plus the most recent ones, `keep` in all.
-fn keep_window(history: &[u32], sink: usize, keep: usize) -> Vec<u32> {
-    if history.len() <= keep {
-        return history.to_vec();
-    }
-    let sink = sink.min(keep);
-    let mut kept = history[..sink].to_vec();
-    kept.extend_from_slice(&history[history.len() - (keep - sink)..]);
-    kept
-}
-
-/// FNV-1a over the bits of `values`.
-fn digest(values: &[f32]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in values {
-        for b in v.to_bits().to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
 }

@@ -15,7 +15,7 @@ impl Worker {
     pub(super) fn lru_idle(&self, keep: Option<SessionId>) -> Option<(SessionId, Instant)> {
         self.sessions
             .iter()
-            .filter(|(id, s)| s.idle() && !s.spilled && Some(**id) != keep)
+            .filter(|(id, s)| s.idle() && !s.session.is_spilled() && Some(**id) != keep)
             .min_by_key(|(_, s)| s.last_used)
             .map(|(id, s)| (*id, s.last_used))
     }
@@ -31,7 +31,10 @@ impl Worker {
     /// Evicts an idle session: spilled when it has a journal and fewer than
     /// `max_spilled_sessions` are, removed otherwise.
     pub(super) fn evict(&mut self, id: SessionId) -> bool {
-        let journaled = self.sessions.get(&id).is_some_and(|s| s.journal.is_some());
+        let journaled = self
+            .sessions
+            .get(&id)
+            .is_some_and(|s| s.session.is_durable());
         if !journaled || !self.claim_spilled_place() {
             return self.remove(id, Removal::Lru).is_some();
         }
@@ -39,25 +42,12 @@ impl Worker {
             self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
             return false;
         };
-        if slot.logits_digest.get().is_none() {
-            slot.logits_digest.set(Some(digest(&slot.next_logits)));
-        }
-        slot.next_logits = Vec::new();
-        slot.prefix = Some(PrefixCursor::START);
-        slot.high_water = 0;
-        slot.spilled = true;
-        // The pages move: hints of where they were are stale.
-        slot.hinted.clear();
-        if let Some(store) = &self.cfg.state {
-            slot.spill_file = spill_out(
-                store,
-                id,
-                slot,
-                &self.shared.spill_bytes,
-                self.cfg.max_spill_bytes,
-            );
-        }
-        let released = slot.kv.release();
+        let released = slot.session.spill(
+            id,
+            self.cfg.state.as_deref(),
+            &self.shared.spill_bytes,
+            self.cfg.max_spill_bytes,
+        );
         self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
         self.runner.release(id);
         self.trim_prefix_cache();
@@ -90,14 +80,14 @@ impl Worker {
         };
         // Pages other sessions hold for its history's start are mapped; only
         // the rest is fed again.
-        let history = std::mem::take(&mut slot.history);
-        let mapped = self.map_prefix(id, &history);
+        let history = slot.session.take_history();
+        let mapped = map_prefix(&self.shared, id, &mut slot.session, &history);
         match self.reserve(id, history.len()) {
             Ok(Got::Now) => {}
             other => {
                 self.unmap_prefix(id, 0);
                 if let Some(slot) = self.sessions.get_mut(&id) {
-                    slot.history = history;
+                    slot.session.put_back_history(history);
                 }
                 self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                 return other;
@@ -105,32 +95,18 @@ impl Worker {
         }
         self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-        slot.spilled = false;
-        // What it reported while spilled is what its KV must compute again.
-        slot.expected_digest = slot.logits_digest.get();
         let tokens = history.len();
         // What the spill wrote out is read back, checked page by page.
-        let mut read = 0;
-        if let Some((path, bytes)) = slot.spill_file.take() {
-            match crate::durable::read_spill(&path, &mut slot.kv, &history) {
-                Ok(n) => read = n,
-                Err(e) => tracing::warn!(session = %id, "reading spilled pages back: {e}"),
-            }
-            spill_gone(self.cfg.state.as_deref(), &path, bytes);
-            self.shared.spill_bytes.fetch_sub(bytes, Ordering::Relaxed);
-        }
-        if read > 0 {
-            slot.history
-                .extend_from_slice(&history[mapped..mapped + read]);
-            slot.high_water = slot.kv.len();
-            self.shared
-                .counters
-                .spill_read_tokens
-                .fetch_add(read as u64, Ordering::Relaxed);
-        }
-        let done = mapped + read;
-        if done < tokens {
-            slot.active = Some(Active::restore(history[done..].to_vec()));
+        let (read, rest) = slot.session.unspilled(
+            id,
+            &history,
+            mapped,
+            self.cfg.state.as_deref(),
+            &self.shared.spill_bytes,
+            &self.shared.counters,
+        );
+        if !rest.is_empty() {
+            slot.active = Some(Active::restore(rest));
         }
         tracing::info!(session = %id, worker = self.index, tokens, mapped, read, "spilled session back");
         Ok(Got::Now)
@@ -146,7 +122,7 @@ impl Worker {
             .sessions
             .iter()
             .filter(|(id, s)| s.idle() && **id != keep)
-            .map(|(_, s)| s.kv.pages_held())
+            .map(|(_, s)| s.session.kv().pages_held())
             .sum();
         let others: usize = self
             .shared
@@ -224,12 +200,12 @@ impl Worker {
         let mut oldest: Option<Instant> = None;
         let mut idle_pages = 0;
         for slot in self.sessions.values() {
-            kv_bytes += self.runner.kv_live_bytes(&slot.kv);
-            history += slot.history.len() as u64;
+            kv_bytes += self.runner.kv_live_bytes(slot.session.kv());
+            history += slot.session.history().len() as u64;
             queued += slot.queue.len() as u64;
             // A spilled session holds nothing an eviction could free.
-            if slot.idle() && !slot.spilled {
-                idle_pages += slot.kv.pages_held();
+            if slot.idle() && !slot.session.is_spilled() {
+                idle_pages += slot.session.kv().pages_held();
                 if oldest.is_none_or(|t| slot.last_used < t) {
                     oldest = Some(slot.last_used);
                 }
@@ -286,7 +262,7 @@ impl Worker {
     pub(super) fn reserve(&mut self, id: SessionId, total: usize) -> Result<Got, RuntimeError> {
         loop {
             let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-            match slot.kv.reserve(total) {
+            match slot.session.reserve(total) {
                 Ok(()) => {
                     slot.short_since = None;
                     return Ok(Got::Now);
@@ -338,19 +314,8 @@ impl Worker {
             match fresh.reserve(positions) {
                 Ok(()) => {
                     let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-                    let kv = std::mem::replace(&mut slot.kv, fresh);
-                    let undo = Undo {
-                        kind: UndoKind::SwapBack {
-                            kv,
-                            history: std::mem::take(&mut slot.history),
-                        },
-                        next_logits: std::mem::take(&mut slot.next_logits),
-                        truncated: slot.truncated,
-                    };
-                    slot.logits_digest.set(None);
-                    slot.high_water = 0;
+                    let undo = slot.session.swap_in(fresh);
                     slot.short_since = None;
-                    slot.prefix = Some(PrefixCursor::START);
                     return Ok(Restarted::Now(undo));
                 }
                 Err(KvError::Exhausted { wanted, free }) => {
@@ -361,7 +326,8 @@ impl Worker {
                         .sessions
                         .get(&id)
                         .ok_or(RuntimeError::NotFound)?
-                        .kv
+                        .session
+                        .kv()
                         .pages_held();
                     let evictable = self.evictable_pages(id);
                     let fresh_can_fit = free.saturating_add(evictable) >= wanted;
@@ -394,20 +360,10 @@ impl Worker {
         free: usize,
     ) -> Result<Restarted, RuntimeError> {
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-        if wanted > free + slot.kv.pages_held() {
+        if wanted > free + slot.session.kv().pages_held() {
             return Err(kv_exhausted(wanted, free));
         }
-        slot.kv.release()?;
-        let undo = Undo {
-            kind: UndoKind::Recompute {
-                history: std::mem::take(&mut slot.history),
-            },
-            next_logits: std::mem::take(&mut slot.next_logits),
-            truncated: slot.truncated,
-        };
-        slot.logits_digest.set(None);
-        slot.high_water = 0;
-        slot.prefix = Some(PrefixCursor::START);
+        let undo = slot.session.give_back_pages()?;
         match self.reserve_own_pages_again(id, positions) {
             Ok(()) => Ok(Restarted::Now(undo)),
             Err(e) => {
@@ -427,14 +383,14 @@ impl Worker {
     /// cache, not the pool: they are reclaimed if the pool is short.
     fn reserve_own_pages_again(&mut self, id: SessionId, positions: usize) -> Result<(), KvError> {
         let reserved = match self.sessions.get_mut(&id) {
-            Some(slot) => slot.kv.reserve(positions),
+            Some(slot) => slot.session.reserve(positions),
             None => return Ok(()),
         };
         match reserved {
             Err(KvError::Exhausted { wanted, free }) if self.reclaim_cached(wanted, free) => self
                 .sessions
                 .get_mut(&id)
-                .map_or(Ok(()), |slot| slot.kv.reserve(positions)),
+                .map_or(Ok(()), |slot| slot.session.reserve(positions)),
             other => other,
         }
     }
@@ -445,31 +401,7 @@ impl Worker {
     pub(super) fn apply_undo(&mut self, id: SessionId, undo: Undo) -> Result<(), RuntimeError> {
         let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         slot.feed.clear();
-        slot.truncated = undo.truncated;
-        slot.logits_digest.set(None);
-        // Pages it had listed may be cut off: list again from the start.
-        slot.prefix = Some(PrefixCursor::START);
-        let recompute = match undo.kind {
-            UndoKind::Shorten(len) => {
-                slot.history.truncate(len);
-                slot.kv.roll_back_to(len)?;
-                slot.next_logits = undo.next_logits;
-                None
-            }
-            UndoKind::SwapBack { kv, history } => {
-                let mut partial = std::mem::replace(&mut slot.kv, kv);
-                slot.history = history;
-                slot.next_logits = undo.next_logits;
-                partial.release()?;
-                None
-            }
-            UndoKind::Recompute { history } => {
-                slot.kv.release()?;
-                slot.history.clear();
-                slot.next_logits.clear();
-                Some(history)
-            }
-        };
+        let recompute = slot.session.roll_back(undo)?;
         if let Some(history) = &recompute {
             self.reserve_own_pages_again(id, history.len())
                 .map_err(|e| match e {
@@ -482,7 +414,7 @@ impl Worker {
             slot.active = Some(Active::restore(history));
         }
         // The one deliberate decrease of the committed length (INV-2).
-        slot.high_water = slot.kv.len();
+        slot.session.recommit();
         // What the layers hold beyond the pages (the shards' copies) no
         // longer matches.
         self.runner.release(id);
@@ -512,12 +444,17 @@ impl Worker {
         let still_wanted = (gen.max_tokens as usize).saturating_sub(gen.generated.len());
         let half_window = (context.saturating_sub(sink) / 2).max(1);
         let shift = still_wanted.clamp(1, half_window);
-        let kept = keep_window(&slot.history, sink, context.saturating_sub(shift));
-        let dropped = (slot.history.len() - kept.len()) as u64;
+        let history = slot.session.history();
+        let kept = keep_window(history, sink, context.saturating_sub(shift));
+        let dropped = (history.len() - kept.len()) as u64;
         // The history before the call's first shift, for taking the whole
         // call back if its end cannot be journaled.
-        let before =
-            (!gen.rewritten).then(|| (slot.history[..gen.history_start].to_vec(), slot.truncated));
+        let before = (!gen.rewritten).then(|| {
+            (
+                history[..gen.history_start].to_vec(),
+                slot.session.truncated(),
+            )
+        });
         let undo = match self.restart_kv(id, kept.len()) {
             Ok(Restarted::Now(undo)) => undo,
             Ok(Restarted::Later) => return false,
@@ -529,7 +466,7 @@ impl Worker {
         let Some(slot) = self.sessions.get_mut(&id) else {
             return true;
         };
-        slot.truncated += dropped;
+        slot.session.add_truncated(dropped);
         if let Some(active) = slot.active.as_mut() {
             if let Work::Generate(gen) = &mut active.work {
                 gen.shift_dropped = Some(dropped);
@@ -546,52 +483,59 @@ impl Worker {
         }
         true
     }
+
+    /// Gives back what [`map_prefix`] mapped after `len` tokens, when the
+    /// append it was for could not start (a session that cannot give them
+    /// back is removed).
+    pub(super) fn unmap_prefix(&mut self, id: SessionId, len: usize) {
+        let Some(slot) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if let Err(e) = slot.session.unmap_prefix(len) {
+            tracing::error!(session = %id, "giving back shared pages: {e}");
+            self.fail_session(id, e.into());
+        }
+    }
+
+    /// Frees pages only the prefix cache holds, toward `wanted` more free
+    /// pages than `free`. Returns whether any were freed.
+    pub(super) fn reclaim_cached(&self, wanted: usize, free: usize) -> bool {
+        self.shared
+            .prefix
+            .as_ref()
+            .is_some_and(|index| index.reclaim(wanted.saturating_sub(free)) > 0)
+    }
+
+    /// Pages the prefix cache could free.
+    pub(super) fn cached_pages(&self) -> usize {
+        self.shared
+            .prefix
+            .as_ref()
+            .map_or(0, |index| index.stats().cached_pages)
+    }
+
+    /// Lets the prefix cache drop what is over its budget once a session
+    /// let go of pages.
+    pub(super) fn trim_prefix_cache(&self) {
+        if let Some(index) = &self.shared.prefix {
+            index.trim();
+        }
+    }
 }
 
-/// Writes a session being spilled's pages out, within the bytes spilled
-/// sessions may hold on disk in all. Returns the file and its bytes, or
-/// `None` when nothing was written (the session is computed again when
-/// called).
-fn spill_out(
-    store: &crate::durable::SessionStore,
+/// Maps the pages the shared-prefix index lists for `tokens` after the
+/// session's history (see [`Session::map_prefix`]); nothing where the
+/// workers keep no index. Mapping is part of an append's reservation: it
+/// happens before the rest is reserved, and is given back with it when the
+/// append cannot start.
+pub(super) fn map_prefix(
+    shared: &WorkersState,
     id: SessionId,
-    slot: &SessionSlot,
-    spill_bytes: &AtomicU64,
-    max_spill_bytes: u64,
-) -> Option<(std::path::PathBuf, u64)> {
-    let pool = slot.kv.pool();
-    let page = pool.layout().page_positions;
-    if !pool.holds_rows() || slot.history.len() <= page {
-        return None;
-    }
-    // Claimed before writing, so workers spilling at once stay within it:
-    // at most every page held, each with its table entry.
-    let page_bytes = pool.layout().page_values() * 2;
-    let estimate = crate::durable::spill_estimate(slot.kv.pages_held(), page_bytes);
-    // Within the state directory's limits too; past them only the history
-    // is kept, as past `max_spill_bytes`.
-    if let Err(refusal) = store.admit(estimate) {
-        tracing::debug!(session = %id, "spilling its history only: {refusal}");
-        return None;
-    }
-    spill_bytes
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-            (held.saturating_add(estimate) <= max_spill_bytes).then_some(held + estimate)
-        })
-        .ok()?;
-    let path = store.spill_path(id);
-    match crate::durable::write_spill(&path, &slot.kv, &slot.history) {
-        Ok(bytes) => {
-            // The claim becomes what was written (never more).
-            spill_bytes.fetch_sub(estimate.saturating_sub(bytes), Ordering::AcqRel);
-            store.budget().grew(bytes.min(estimate));
-            Some((path, bytes.min(estimate)))
-        }
-        Err(e) => {
-            tracing::warn!(session = %id, "writing spilled pages out: {e}");
-            let _ = std::fs::remove_file(&path);
-            spill_bytes.fetch_sub(estimate, Ordering::AcqRel);
-            None
-        }
+    session: &mut Session,
+    tokens: &[u32],
+) -> usize {
+    match &shared.prefix {
+        Some(index) => session.map_prefix(id, index, tokens, &shared.counters),
+        None => 0,
     }
 }

@@ -1,6 +1,7 @@
 //! The worker's own tests: one worker driven by hand, no threads.
 
 use super::super::notify;
+use super::super::session::digest;
 use super::*;
 use crate::gguf::synthetic::SyntheticLlama;
 use crate::gguf::GgufFile;
@@ -87,7 +88,7 @@ fn a_prefill_is_fed_in_chunks_one_step_each() {
     let mut lengths = Vec::new();
     while rx.is_empty() {
         w.step();
-        lengths.push(w.sessions[&id].history.len());
+        lengths.push(w.sessions[&id].session.history().len());
     }
     assert_eq!(lengths, vec![4, 8, 10]);
     assert_eq!(rx.recv().expect("reply").expect("ok").history_length, 10);
@@ -98,10 +99,10 @@ fn a_prefill_is_fed_in_chunks_one_step_each() {
 fn snapshot(w: &Worker, id: SessionId) -> (Vec<u32>, u64, usize, usize) {
     let slot = &w.sessions[&id];
     (
-        slot.history.clone(),
-        digest(&slot.next_logits),
-        slot.kv.len(),
-        slot.kv.pages_held(),
+        slot.session.history().to_vec(),
+        digest(slot.session.next_logits()),
+        slot.session.kv().len(),
+        slot.session.kv().pages_held(),
     )
 }
 
@@ -125,7 +126,7 @@ fn an_append_past_its_deadline_is_undone_before_the_next_chunk() {
     });
     w.step();
     w.step();
-    assert_eq!(w.sessions[&id].history.len(), 11, "two chunks in");
+    assert_eq!(w.sessions[&id].session.history().len(), 11, "two chunks in");
     std::thread::sleep(Duration::from_millis(60));
     w.step();
     assert_eq!(
@@ -222,10 +223,10 @@ fn a_generate_cancelled_while_its_window_shifts_keeps_the_old_window() {
         .iter()
         .any(|e| matches!(e, GenerateEvent::Truncated { .. })));
     let slot = &w.sessions[&id];
-    assert_eq!(slot.history.len(), context);
-    assert_eq!(slot.history[..context - 2], history[..]);
-    assert_eq!(slot.kv.len(), context);
-    assert_eq!(slot.truncated, 0);
+    assert_eq!(slot.session.history().len(), context);
+    assert_eq!(slot.session.history()[..context - 2], history[..]);
+    assert_eq!(slot.session.kv().len(), context);
+    assert_eq!(slot.session.truncated(), 0);
     assert!(slot.idle());
 }
 
@@ -263,7 +264,7 @@ fn an_inv2_violation_fails_the_call_and_frees_the_session() {
     assert!(w.kv_pool.free_pages() < total);
     // Pretend the cache once held more than it does now.
     if let Some(slot) = w.sessions.get_mut(&id) {
-        slot.high_water = 10;
+        slot.session.break_inv2_for_test();
     }
     let err = append(&mut w, id, &[4]).expect_err("violation");
     assert_eq!(err.code(), super::super::StatusKind::FailedPrecondition);
@@ -281,7 +282,7 @@ fn an_inv1_violation_is_caught_after_the_mutation() {
     let id = new_session(&mut w);
     append(&mut w, id, &[1, 2, 3]).expect("append");
     if let Some(slot) = w.sessions.get_mut(&id) {
-        slot.history.push(7);
+        slot.session.break_inv1_for_test();
     }
     let err = append(&mut w, id, &[4]).expect_err("violation");
     assert!(err.to_string().contains("INV-1"), "{err}");
