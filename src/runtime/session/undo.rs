@@ -28,11 +28,11 @@ pub(crate) enum UndoKind {
 }
 
 impl Session {
-    /// The undo of a call that only adds tokens after the history as it is
-    /// now.
-    pub(crate) fn undo_to_here(&self) -> Undo {
+    /// The undo of a call that only adds tokens after the history's first
+    /// `len` (its logits and truncation count are the ones now).
+    pub(crate) fn undo_to(&self, len: usize) -> Undo {
         Undo {
-            kind: UndoKind::Shorten(self.history.len()),
+            kind: UndoKind::Shorten(len),
             next_logits: self.next_logits.clone(),
             truncated: self.truncated,
         }

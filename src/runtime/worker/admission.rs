@@ -229,9 +229,46 @@ impl Worker {
             .is_ok()
     }
 
-    /// Removes a session and frees its KV, counting the reason.
-    pub(super) fn remove(&mut self, id: SessionId, reason: Removal) -> Option<SessionSlot> {
+    /// Runs `op` on session `id`, taken out of the map for as long as the
+    /// operation runs: it is looked up once and passed by reference, and
+    /// whatever else the operation does (evicting other sessions for room,
+    /// adding a fork) can never touch it. A session the operation removed
+    /// does not go back; anything still waiting on it hears `NotFound`.
+    /// `None` when there is no session `id`.
+    pub(super) fn with_session<R>(
+        &mut self,
+        id: SessionId,
+        op: impl FnOnce(&mut Worker, &mut SessionSlot) -> R,
+    ) -> Option<R> {
         let mut slot = self.sessions.remove(&id)?;
+        let result = op(self, &mut slot);
+        if slot.removed {
+            if let Some(active) = slot.active.take() {
+                finish_with_error(active, RuntimeError::NotFound);
+            }
+            for q in slot.queue.drain(..) {
+                q.op.fail(RuntimeError::NotFound);
+            }
+        } else {
+            self.sessions.insert(id, slot);
+        }
+        Some(result)
+    }
+
+    /// Removes session `id` (not held by an operation) and frees its KV,
+    /// counting the reason. Returns whether it was there.
+    pub(super) fn remove(&mut self, id: SessionId, reason: Removal) -> bool {
+        self.with_session(id, |w, slot| w.remove_slot(id, slot, reason))
+            .is_some()
+    }
+
+    /// Removes the session an operation holds: its KV, journal and spill
+    /// file go, its place is given back and the reason counted.
+    pub(super) fn remove_slot(&mut self, id: SessionId, slot: &mut SessionSlot, reason: Removal) {
+        if slot.removed {
+            return;
+        }
+        slot.removed = true;
         if let Err(e) = slot.session.release_kv() {
             tracing::error!(session = %id, "freeing KV: {e}");
         }
@@ -241,7 +278,7 @@ impl Worker {
             .fetch_sub(spilled_bytes, Ordering::Relaxed);
         self.trim_prefix_cache();
         self.runner.release(id);
-        self.place_counter(&slot).fetch_sub(1, Ordering::AcqRel);
+        self.place_counter(slot).fetch_sub(1, Ordering::AcqRel);
         let c = &self.shared.counters;
         let counter = match reason {
             Removal::Ttl => &c.evicted_ttl,
@@ -254,16 +291,12 @@ impl Worker {
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
         tracing::info!(session = %id, worker = self.index, reason = ?reason, "session removed");
-        Some(slot)
     }
 
     /// Starts the session's next queued operation if it is free.
-    pub(super) fn start_next(&mut self, id: SessionId) -> bool {
+    pub(super) fn start_next(&mut self, id: SessionId, slot: &mut SessionSlot) -> bool {
         let mut moved = false;
-        loop {
-            let Some(slot) = self.sessions.get_mut(&id) else {
-                return moved;
-            };
+        while !slot.removed {
             let now = Instant::now();
             // Expired waiters leave the queue wherever they stand, even
             // behind a running operation.
@@ -289,16 +322,13 @@ impl Worker {
             let journaled = slot.session.is_durable();
             if journaled && slot.queue.front().is_some_and(|q| q.op.grows_state()) {
                 if let Some(Err(refusal)) = self.cfg.state.as_ref().map(|s| s.admit(0)) {
-                    if let Some(q) = self.sessions.get_mut(&id).and_then(|s| s.queue.pop_front()) {
+                    if let Some(q) = slot.queue.pop_front() {
                         q.op.fail(RuntimeError::StateDirFull(refusal.to_string()));
                     }
                     moved = true;
                     continue;
                 }
             }
-            let Some(slot) = self.sessions.get_mut(&id) else {
-                return moved;
-            };
             // A spilled session is fed its history again before any call
             // but a close.
             let needs_kv = slot
@@ -306,16 +336,14 @@ impl Worker {
                 .front()
                 .is_some_and(|q| !matches!(q.op, Op::Close { .. } | Op::History { .. }));
             if slot.session.is_spilled() && needs_kv {
-                match self.unspill(id) {
+                match self.unspill(id, slot) {
                     Ok(Got::Now) => {
                         moved = true;
                         continue;
                     }
                     Ok(Got::Later) => return moved,
                     Err(e) => {
-                        if let Some(q) =
-                            self.sessions.get_mut(&id).and_then(|s| s.queue.pop_front())
-                        {
+                        if let Some(q) = slot.queue.pop_front() {
                             q.op.fail(e);
                         }
                         moved = true;
@@ -327,53 +355,49 @@ impl Worker {
                 return moved;
             };
             slot.last_used = now;
-            match self.begin(id, queued) {
+            match self.begin(id, slot, queued) {
+                // Waiting for another worker's eviction: back to the head
+                // of the queue, unchanged.
                 Some(waiting) => {
-                    // Waiting for another worker's eviction: back to the
-                    // head of the queue, unchanged.
-                    if let Some(slot) = self.sessions.get_mut(&id) {
-                        slot.queue.push_front(waiting);
-                    }
+                    slot.queue.push_front(waiting);
                     return moved;
                 }
                 None => moved = true,
             }
         }
+        moved
     }
 
     /// Starts (or ends at once) one operation; hands it back when it must
     /// wait for room.
-    pub(super) fn begin(&mut self, id: SessionId, queued: Queued) -> Option<Queued> {
+    pub(super) fn begin(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        queued: Queued,
+    ) -> Option<Queued> {
         let Queued { op, deadline } = queued;
         match op {
             Op::Close { reply } => {
-                let len = self
-                    .sessions
-                    .get(&id)
-                    .map_or(0, |s| s.session.history().len()) as u64;
-                self.remove(id, Removal::Close);
+                let len = slot.session.history().len() as u64;
+                self.remove_slot(id, slot, Removal::Close);
                 let _ = reply.send(Ok(CloseReply {
                     final_history_length: len,
                 }));
                 None
             }
             Op::History { reply } => {
-                let history = self.sessions.get(&id).map(|s| s.session.history().to_vec());
-                let _ = reply.send(history.ok_or(RuntimeError::NotFound));
+                let _ = reply.send(Ok(slot.session.history().to_vec()));
                 None
             }
-            Op::Append { tokens, reply } => match self.start_append(id, &tokens) {
+            Op::Append { tokens, reply } => match self.start_append(id, slot, &tokens) {
                 Ok(Begin::Later) => Some(Queued {
                     op: Op::Append { tokens, reply },
                     deadline,
                 }),
                 Ok(Begin::Empty) => {
-                    let len = self
-                        .sessions
-                        .get(&id)
-                        .map_or(0, |s| s.session.history().len());
                     let _ = reply.send(Ok(AppendReply {
-                        history_length: len as u64,
+                        history_length: slot.session.history().len() as u64,
                         dropped_token_count: 0,
                         reused_token_count: 0,
                     }));
@@ -385,20 +409,18 @@ impl Worker {
                     reused,
                     undo,
                 }) => {
-                    if let Some(slot) = self.sessions.get_mut(&id) {
-                        slot.active = Some(Active {
-                            work: Work::Append {
-                                reply,
-                                dropped,
-                                reused,
-                                deadline,
-                            },
-                            pending,
-                            fed: 0,
-                            prefill_started: Instant::now(),
-                            undo: Some(undo),
-                        });
-                    }
+                    slot.active = Some(Active {
+                        work: Work::Append {
+                            reply,
+                            dropped,
+                            reused,
+                            deadline,
+                        },
+                        pending,
+                        fed: 0,
+                        prefill_started: Instant::now(),
+                        undo: Some(undo),
+                    });
                     None
                 }
                 Err(e) => {
@@ -412,7 +434,7 @@ impl Worker {
                 at_length,
                 client_label,
                 reply,
-            } => match self.prepare_fork(id, at_length) {
+            } => match self.prepare_fork(id, slot, at_length) {
                 Ok(Forking::Later) => Some(Queued {
                     op: Op::Fork {
                         fork,
@@ -424,7 +446,13 @@ impl Worker {
                     deadline,
                 }),
                 Ok(Forking::Ready { kv, at }) => {
-                    self.add_fork(id, fork, owner, kv, at, client_label, reply);
+                    let asked = fork::Asked {
+                        fork,
+                        owner,
+                        client_label,
+                        reply,
+                    };
+                    self.add_fork(id, slot, asked, kv, at);
                     None
                 }
                 Err(e) => {
@@ -436,13 +464,12 @@ impl Worker {
                 gen,
                 events,
                 cancel,
-            } => match self.start_generate(id, *gen, &events, &cancel, deadline) {
-                Ok(()) => None,
-                Err(e) => {
+            } => {
+                if let Err(e) = start_generate(slot, *gen, &events, &cancel, deadline) {
                     let _ = events.try_send(GenerateEvent::Error(e));
-                    None
                 }
-            },
+                None
+            }
         }
     }
 
@@ -452,46 +479,35 @@ impl Worker {
     pub(super) fn start_append(
         &mut self,
         id: SessionId,
+        slot: &mut SessionSlot,
         tokens: &[u32],
     ) -> Result<Begin, RuntimeError> {
         let context = self.model.config.context;
         if tokens.is_empty() {
             return Ok(Begin::Empty);
         }
-        let len = self
-            .sessions
-            .get(&id)
-            .ok_or(RuntimeError::NotFound)?
-            .session
-            .history()
-            .len();
+        let len = slot.session.history().len();
         if len + tokens.len() <= context {
             // Pages other sessions computed for these tokens first: only
             // the rest is reserved and fed.
-            let mapped = match self.sessions.get_mut(&id) {
-                Some(slot) => room::map_prefix(&self.shared, id, &mut slot.session, tokens),
-                None => 0,
-            };
-            match self.reserve(id, len + tokens.len()) {
+            let mapped = room::map_prefix(&self.shared, id, &mut slot.session, tokens);
+            match self.reserve(id, slot, len + tokens.len()) {
                 Ok(Got::Now) => {}
                 Ok(Got::Later) => {
-                    self.unmap_prefix(id, len);
+                    self.unmap_prefix(id, slot, len);
                     return Ok(Begin::Later);
                 }
                 Err(e) => {
-                    self.unmap_prefix(id, len);
+                    self.unmap_prefix(id, slot, len);
                     return Err(e);
                 }
             }
-            let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
-            // The undo cuts back to `len`, below the mapped pages too.
-            let mut undo = slot.session.undo_to_here();
-            undo.kind = UndoKind::Shorten(len);
             return Ok(Begin::Prefill {
                 pending: tokens[mapped..].to_vec(),
                 dropped: 0,
                 reused: mapped as u64,
-                undo,
+                // Back to `len`: below the mapped pages too.
+                undo: slot.session.undo_to(len),
             });
         }
         let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
@@ -500,16 +516,13 @@ impl Worker {
                 tokens.len()
             )));
         };
-        let slot = self.sessions.get(&id).ok_or(RuntimeError::NotFound)?;
         let mut all = slot.session.history().to_vec();
         all.extend_from_slice(tokens);
         let kept = keep_window(&all, sink, context);
         let dropped = (all.len() - kept.len()) as u64;
-        Ok(match self.restart_kv(id, kept.len())? {
+        Ok(match self.restart_kv(id, slot, kept.len())? {
             Restarted::Now(undo) => {
-                if let Some(slot) = self.sessions.get_mut(&id) {
-                    slot.session.add_truncated(dropped);
-                }
+                slot.session.add_truncated(dropped);
                 Begin::Prefill {
                     pending: kept,
                     dropped,
@@ -519,57 +532,6 @@ impl Worker {
             }
             Restarted::Later => Begin::Later,
         })
-    }
-
-    /// Makes a Generate (its arguments checked at the runtime's boundary)
-    /// the session's active work. The
-    /// context is only made room in once it is full (`plan`): `max_tokens`
-    /// is a cap, never a reservation.
-    pub(super) fn start_generate(
-        &mut self,
-        id: SessionId,
-        admitted: AdmittedGenerate,
-        events: &NotifySender<GenerateEvent>,
-        cancel: &Arc<AtomicBool>,
-        deadline: Option<Instant>,
-    ) -> Result<(), RuntimeError> {
-        // The arguments were checked at the runtime's boundary; only what
-        // needs the session is checked here.
-        let AdmittedGenerate {
-            req,
-            params,
-            seed_used,
-        } = admitted;
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
-        slot.session.check_can_generate()?;
-        let started = Instant::now();
-        let gen = Generating {
-            params,
-            seed_used,
-            max_tokens: req.max_tokens,
-            stop_sequences: req.stop_sequences,
-            generated: Vec::new(),
-            events: events.clone(),
-            cancel: Arc::clone(cancel),
-            deadline,
-            started,
-            prefill_duration: Duration::ZERO,
-            prefill_tokens: 0,
-            top_logprobs: req.sampling.top_logprobs as usize,
-            pending_logprobs: None,
-            shift_dropped: None,
-            history_start: slot.session.history().len(),
-            rewritten: false,
-            before_rewrite: None,
-        };
-        slot.active = Some(Active {
-            work: Work::Generate(Box::new(gen)),
-            pending: Vec::new(),
-            fed: 0,
-            prefill_started: started,
-            undo: None,
-        });
-        Ok(())
     }
 
     pub(super) fn sweep_if_due(&mut self) {
@@ -601,4 +563,53 @@ pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
     };
     slot.session
         .info(runner, slot.committed_len(), busy, idle_seconds)
+}
+
+/// Makes a Generate (its arguments checked at the runtime's boundary)
+/// the session's active work. The
+/// context is only made room in once it is full (`plan`): `max_tokens`
+/// is a cap, never a reservation.
+fn start_generate(
+    slot: &mut SessionSlot,
+    admitted: AdmittedGenerate,
+    events: &NotifySender<GenerateEvent>,
+    cancel: &Arc<AtomicBool>,
+    deadline: Option<Instant>,
+) -> Result<(), RuntimeError> {
+    // The arguments were checked at the runtime's boundary; only what
+    // needs the session is checked here.
+    let AdmittedGenerate {
+        req,
+        params,
+        seed_used,
+    } = admitted;
+    slot.session.check_can_generate()?;
+    let started = Instant::now();
+    let gen = Generating {
+        params,
+        seed_used,
+        max_tokens: req.max_tokens,
+        stop_sequences: req.stop_sequences,
+        generated: Vec::new(),
+        events: events.clone(),
+        cancel: Arc::clone(cancel),
+        deadline,
+        started,
+        prefill_duration: Duration::ZERO,
+        prefill_tokens: 0,
+        top_logprobs: req.sampling.top_logprobs as usize,
+        pending_logprobs: None,
+        shift_dropped: None,
+        history_start: slot.session.history().len(),
+        rewritten: false,
+        before_rewrite: None,
+    };
+    slot.active = Some(Active {
+        work: Work::Generate(Box::new(gen)),
+        pending: Vec::new(),
+        fed: 0,
+        prefill_started: started,
+        undo: None,
+    });
+    Ok(())
 }

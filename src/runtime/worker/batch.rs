@@ -12,10 +12,14 @@ impl Worker {
         let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
         let mut moved = false;
         for &id in &ids {
-            moved |= self.start_next(id);
+            moved |= self
+                .with_session(id, |w, slot| w.start_next(id, slot))
+                .unwrap_or(false);
         }
         for &id in &ids {
-            moved |= self.plan(id);
+            moved |= self
+                .with_session(id, |w, slot| w.plan(id, slot))
+                .unwrap_or(false);
         }
         self.sample_planned();
         moved | self.run_batch()
@@ -23,15 +27,9 @@ impl Worker {
 
     /// Decides what the session feeds this step (a prefill chunk or one
     /// sampled token), or ends its Generate. Returns whether it moved.
-    pub(super) fn plan(&mut self, id: SessionId) -> bool {
+    pub(super) fn plan(&mut self, id: SessionId, slot: &mut SessionSlot) -> bool {
         let context = self.model.config.context;
-        let Some(slot) = self.sessions.get(&id) else {
-            return false;
-        };
         let chunk = self.chunk_at(slot.session.history().len());
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return false;
-        };
         slot.feed.clear();
         let Some(active) = slot.active.as_mut() else {
             return false;
@@ -39,7 +37,7 @@ impl Worker {
         // Checked before every prompt chunk and every decode step, so a call
         // stops within one step (undoing a prompt it had not finished).
         if let Some(end) = active.stopped() {
-            self.abandon(id, end);
+            self.abandon(id, slot, end);
             return true;
         }
         if active.fed < active.pending.len() {
@@ -53,14 +51,21 @@ impl Worker {
             };
             return true;
         }
-        let Work::Generate(gen) = &mut active.work else {
+        if !matches!(active.work, Work::Generate(_)) {
             return false;
-        };
+        }
         let full = slot.session.history().len() >= context;
         if full && self.cfg.overflow == OverflowPolicy::Stop {
-            self.finish_generate(id, Ok(StopReason::Truncated));
+            self.finish_generate(id, slot, Ok(StopReason::Truncated));
             return true;
         }
+        let Some(Active {
+            work: Work::Generate(gen),
+            ..
+        }) = &slot.active
+        else {
+            return false;
+        };
         // Room for a token (and its log-probabilities), a `Truncated` when
         // the window shifts, and a terminal event, or the session sits out.
         let room = gen
@@ -71,16 +76,16 @@ impl Worker {
             return false;
         }
         if full {
-            return self.shift_window(id);
+            return self.shift_window(id, slot);
         }
         // Pages first: a session waiting for another worker's eviction sits
         // out the step and samples the same token next time.
         let total = slot.session.history().len() + 1;
-        match self.reserve(id, total) {
+        match self.reserve(id, slot, total) {
             Ok(Got::Now) => {}
             Ok(Got::Later) => return false,
             Err(e) => {
-                self.finish_generate(id, Err(e));
+                self.finish_generate(id, slot, Err(e));
                 return true;
             }
         }
@@ -147,12 +152,12 @@ impl Worker {
             Err(StepError::SessionsLost(err)) => {
                 tracing::error!(worker = self.index, "batched forward failed: {err}");
                 for id in ids {
-                    self.fail_session(id, err.clone());
+                    self.with_session(id, |w, slot| w.fail_slot(id, slot, err.clone()));
                 }
             }
             Err(StepError::NothingCommitted(err)) => {
                 for id in ids {
-                    self.fail_step(id, err.clone());
+                    self.with_session(id, |w, slot| w.fail_step(id, slot, err.clone()));
                 }
             }
         }
@@ -173,10 +178,7 @@ impl Worker {
     /// `err`, and whatever the call had fed is undone (remote layers
     /// rebuild the session at its next step). Only a restore of a history
     /// whose pages were given back cannot be undone: that session goes.
-    pub(super) fn fail_step(&mut self, id: SessionId, err: RuntimeError) {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return;
-        };
+    pub(super) fn fail_step(&mut self, id: SessionId, slot: &mut SessionSlot, err: RuntimeError) {
         slot.feed.clear();
         slot.last_used = Instant::now();
         let Some(mut active) = slot.active.take() else {
@@ -185,7 +187,7 @@ impl Worker {
         if matches!(active.work, Work::Fork { .. }) {
             // A fork that could not be completed is not kept.
             finish_with_error(active, err.clone());
-            return self.fail_session(id, err);
+            return self.fail_slot(id, slot, err);
         }
         if matches!(active.work, Work::Restore) {
             let removed = match err {
@@ -197,12 +199,12 @@ impl Worker {
                 },
                 other => other,
             };
-            return self.fail_session(id, removed);
+            return self.fail_slot(id, slot, removed);
         }
         if let Some(undo) = active.undo.take() {
-            if let Err(e) = self.apply_undo(id, undo) {
+            if let Err(e) = self.apply_undo(id, slot, undo) {
                 finish_with_error(active, err);
-                return self.fail_session(id, e);
+                return self.fail_slot(id, slot, e);
             }
         }
         finish_with_error(active, err);
@@ -212,53 +214,60 @@ impl Worker {
     pub(super) fn commit_batch(&mut self, ids: Vec<SessionId>, rows: &LogitRows) {
         let vocab = self.model.config.vocab;
         for (i, id) in ids.into_iter().enumerate() {
-            let Some(slot) = self.sessions.get_mut(&id) else {
-                continue;
-            };
-            let logits = (slot.feed_logits != LogitsWanted::None)
-                .then(|| rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1)))
-                .flatten()
-                .map(|r| &self.scratch.logits[r * vocab..][..vocab]);
-            let committed = slot
-                .session
-                .commit_fed(&slot.feed, logits, &self.shared.counters);
-            if let Err(e) = committed {
-                self.fail_session(id, e);
-                continue;
-            }
-            if let Some(index) = &self.shared.prefix {
-                slot.session.list_full_pages(id, index);
-            }
-            self.after_feed(id);
-            self.settle_kv(id);
+            let row = rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1));
+            self.with_session(id, |w, slot| w.commit_one(id, slot, row, vocab));
         }
+    }
+
+    /// Applies one session's part of a successful step: `row` is its last
+    /// fed position's row of logits, if there is one.
+    fn commit_one(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        row: Option<usize>,
+        vocab: usize,
+    ) {
+        let logits = row
+            .filter(|_| slot.feed_logits != LogitsWanted::None)
+            .map(|r| &self.scratch.logits[r * vocab..][..vocab]);
+        let committed = slot
+            .session
+            .commit_fed(&slot.feed, logits, &self.shared.counters);
+        if let Err(e) = committed {
+            return self.fail_slot(id, slot, e);
+        }
+        if let Some(index) = &self.shared.prefix {
+            slot.session.list_full_pages(id, index);
+        }
+        self.after_feed(id, slot);
+        self.settle_kv(id, slot);
     }
 
     /// Once a session's call can no longer be undone (its prompt is all in,
     /// or it has none), gives back the KV pages its sliding-window layers
     /// will not read again.
-    pub(super) fn settle_kv(&mut self, id: SessionId) {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        if slot.active.as_ref().is_some_and(|a| a.undo.is_some()) {
+    pub(super) fn settle_kv(&mut self, id: SessionId, slot: &mut SessionSlot) {
+        if slot.removed || slot.active.as_ref().is_some_and(|a| a.undo.is_some()) {
             return;
         }
         if let Err(e) = slot.session.settle() {
             tracing::error!(session = %id, "giving back window pages: {e}");
-            self.fail_session(id, e.into());
+            self.fail_slot(id, slot, e.into());
         }
     }
 
     /// Removes a session whose call failed, telling every waiter.
-    pub(super) fn fail_session(&mut self, id: SessionId, err: RuntimeError) {
-        if let Some(mut slot) = self.remove(id, Removal::Failed) {
-            if let Some(active) = slot.active.take() {
-                finish_with_error(active, err.clone());
-            }
-            for q in slot.queue.drain(..) {
-                q.op.fail(RuntimeError::NotFound);
-            }
+    pub(super) fn fail_slot(&mut self, id: SessionId, slot: &mut SessionSlot, err: RuntimeError) {
+        if slot.removed {
+            return;
+        }
+        self.remove_slot(id, slot, Removal::Failed);
+        if let Some(active) = slot.active.take() {
+            finish_with_error(active, err);
+        }
+        for q in slot.queue.drain(..) {
+            q.op.fail(RuntimeError::NotFound);
         }
     }
 }

@@ -13,6 +13,15 @@
 
 use super::*;
 
+/// What the caller asked of a fork, carried to where it is added.
+pub(super) struct Asked {
+    pub(super) fork: SessionId,
+    /// Who the fork belongs to: the caller.
+    pub(super) owner: Tenant,
+    pub(super) client_label: Option<String>,
+    pub(super) reply: Reply<ForkReply>,
+}
+
 /// What preparing a fork did.
 pub(super) enum Forking {
     /// The KV is made (with room for a token to feed again) and the place
@@ -27,10 +36,10 @@ impl Worker {
     pub(super) fn prepare_fork(
         &mut self,
         source: SessionId,
+        slot: &mut SessionSlot,
         at_length: Option<u64>,
     ) -> Result<Forking, RuntimeError> {
         loop {
-            let slot = self.sessions.get(&source).ok_or(RuntimeError::NotFound)?;
             let len = slot.session.history().len();
             let at = match at_length {
                 None => len,
@@ -56,7 +65,7 @@ impl Worker {
                         return Ok(Forking::Ready { kv, at });
                     }
                     drop(kv);
-                    match self.room_for(source) {
+                    match self.room_for(source, slot) {
                         Wait::GiveUp => return Err(sessions_exhausted()),
                         wait => wait,
                     }
@@ -67,10 +76,10 @@ impl Worker {
                 Err(KvError::Exhausted { wanted, free }) => {
                     // Evict nothing for a fork that would fail anyway.
                     if free.saturating_add(self.evictable_pages(source)) < wanted {
-                        self.clear_short(source);
+                        slot.short_since = None;
                         return Err(kv_exhausted(wanted, free));
                     }
-                    match self.room_for(source) {
+                    match self.room_for(source, slot) {
                         Wait::GiveUp => return Err(kv_exhausted(wanted, free)),
                         wait => wait,
                     }
@@ -94,25 +103,22 @@ impl Worker {
         }
     }
 
-    /// Adds the fork prepared from `source`: answered at once when its KV
-    /// holds all `at` tokens, else once the token fed again is in.
-    #[allow(clippy::too_many_arguments)] // the prepared fork and its request, passed through
+    /// Adds the fork prepared from `source` (`src`): answered at once when
+    /// its KV holds all `at` tokens, else once the token fed again is in.
     pub(super) fn add_fork(
         &mut self,
         source: SessionId,
-        fork: SessionId,
-        owner: Tenant,
+        src: &SessionSlot,
+        asked: Asked,
         kv: SessionKv,
         at: usize,
-        client_label: Option<String>,
-        reply: Reply<ForkReply>,
     ) {
-        let Some(src) = self.sessions.get(&source) else {
-            // Unreachable: the source was looked up in this same turn.
-            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
-            let _ = reply.send(Err(RuntimeError::NotFound));
-            return;
-        };
+        let Asked {
+            fork,
+            owner,
+            client_label,
+            reply,
+        } = asked;
         let (session, refeed) = src.session.fork(kv, at, client_label, owner);
         let mut slot = SessionSlot::new(session);
         let answer_now = if refeed.is_empty() {

@@ -44,6 +44,8 @@ impl Worker {
         for (id, result) in ids.into_iter().zip(sampled.iter_mut()) {
             match result {
                 Ok(sampled) => {
+                    // Looked up again: the batch's requests borrowed every
+                    // sampled session at once.
                     if let Some(slot) = self.sessions.get_mut(&id) {
                         slot.feed.push(sampled.token);
                         slot.feed_logits = LogitsWanted::Last;
@@ -56,7 +58,10 @@ impl Worker {
                         }
                     }
                 }
-                Err(e) => self.finish_generate(id, Err(e.clone().into())),
+                Err(e) => {
+                    let end = Err(e.clone().into());
+                    self.with_session(id, |w, slot| w.finish_generate(id, slot, end));
+                }
             }
         }
         self.sampled = sampled;
@@ -64,16 +69,18 @@ impl Worker {
 
     /// Stops the session's call (deadline, cancel): undoes a prompt it had
     /// not finished feeding, then answers it.
-    pub(super) fn abandon(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return;
-        };
+    pub(super) fn abandon(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        end: Result<StopReason, RuntimeError>,
+    ) {
         slot.last_used = Instant::now();
         let Some(mut active) = slot.active.take() else {
             return;
         };
         let undone = match active.undo.take() {
-            Some(undo) => self.apply_undo(id, undo),
+            Some(undo) => self.apply_undo(id, slot, undo),
             None => Ok(()),
         };
         match active.work {
@@ -81,7 +88,7 @@ impl Worker {
                 let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
                 let _ = reply.send(Err(err));
             }
-            Work::Generate(gen) => self.end_generate(id, gen, end),
+            Work::Generate(gen) => self.end_generate(id, slot, gen, end),
             Work::Fork { reply, .. } => {
                 let err = end.err().unwrap_or(RuntimeError::DeadlineExceeded);
                 let _ = reply.send(Err(err));
@@ -90,15 +97,17 @@ impl Worker {
         }
         if let Err(e) = undone {
             tracing::error!(session = %id, "undoing a stopped call: {e}");
-            self.fail_session(id, e);
+            self.fail_slot(id, slot, e);
         }
     }
 
     /// Ends the session's Generate with a stop reason or an error.
-    pub(super) fn finish_generate(&mut self, id: SessionId, end: Result<StopReason, RuntimeError>) {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return;
-        };
+    pub(super) fn finish_generate(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        end: Result<StopReason, RuntimeError>,
+    ) {
         slot.last_used = Instant::now();
         let Some(active) = slot.active.take() else {
             return;
@@ -107,13 +116,14 @@ impl Worker {
             slot.active = Some(active);
             return;
         };
-        self.end_generate(id, gen, end);
+        self.end_generate(id, slot, gen, end);
     }
 
     /// Sends a Generate's terminal event.
     pub(super) fn end_generate(
         &mut self,
         id: SessionId,
+        slot: &mut SessionSlot,
         gen: Box<Generating>,
         end: Result<StopReason, RuntimeError>,
     ) {
@@ -123,7 +133,7 @@ impl Worker {
         // What the call added is journaled before its end is told; if the
         // journal does not take it, the call is taken back and fails.
         let mut end = end;
-        if let Some(slot) = self.sessions.get_mut(&id) {
+        if !slot.removed {
             let history = slot.session.history();
             let record = if gen.rewritten {
                 Some(Record::Reset(history.to_vec()))
@@ -140,19 +150,20 @@ impl Worker {
             match journaled {
                 Ok(()) => slot.session.journal_pages(&self.shared.counters),
                 Err(e) => {
-                    if let Err(undo) = self.take_back_generate(id, &gen) {
+                    if let Err(undo) = self.take_back_generate(id, slot, &gen) {
                         tracing::error!(session = %id, "taking back a call not journaled: {undo}");
-                        self.fail_session(id, undo);
+                        self.fail_slot(id, slot, undo);
                     }
                     end = Err(e);
                 }
             }
         }
         // A session being restored (an undone call) holds its old history.
-        let history_length = self
-            .sessions
-            .get(&id)
-            .map_or(0, |s| s.committed_len() as u64);
+        let history_length = if slot.removed {
+            0
+        } else {
+            slot.committed_len() as u64
+        };
         let event = match end {
             Ok(stop_reason) => GenerateEvent::Done(GenerateDone {
                 stop_reason,
@@ -165,7 +176,7 @@ impl Worker {
             }),
             Err(e) => GenerateEvent::Error(e),
         };
-        if let Some(slot) = self.sessions.get(&id) {
+        if !slot.removed {
             announce_idle(slot, &self.shared, self.index);
         }
         // Room for it was checked before the last token; a gone reader is fine.
@@ -176,13 +187,17 @@ impl Worker {
     /// take: the session holds its history from before the call again (the
     /// journal's), and its last position (or, after a window shift, its
     /// whole history) is fed again before its next call, to the same bits.
-    fn take_back_generate(&mut self, id: SessionId, gen: &Generating) -> Result<(), RuntimeError> {
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+    fn take_back_generate(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        gen: &Generating,
+    ) -> Result<(), RuntimeError> {
         let (undo, refeed) = slot
             .session
             .take_back_undo(gen.history_start, gen.before_rewrite.clone());
-        self.apply_undo(id, undo)?;
-        if let (Some(last), Some(slot)) = (refeed, self.sessions.get_mut(&id)) {
+        self.apply_undo(id, slot, undo)?;
+        if let Some(last) = refeed {
             slot.active = Some(Active::restore(vec![last]));
         }
         Ok(())
@@ -191,10 +206,7 @@ impl Worker {
     /// Bookkeeping after the session's feed went through the model: a
     /// prompt chunk counted (and the call answered once all of it is in),
     /// or a generated token emitted and the stop conditions checked.
-    pub(super) fn after_feed(&mut self, id: SessionId) {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return;
-        };
+    pub(super) fn after_feed(&mut self, id: SessionId, slot: &mut SessionSlot) {
         let n_fed = slot.feed.len();
         let last = slot.feed.last().copied();
         slot.feed.clear();
@@ -205,7 +217,7 @@ impl Worker {
         {
             if let Err(e) = prompt_fed(slot, n_fed, &self.shared, self.index) {
                 // Not journaled: the call is undone as if it had failed.
-                self.abandon(id, Err(e));
+                self.abandon(id, slot, Err(e));
             }
             return;
         }
@@ -213,7 +225,7 @@ impl Worker {
             return;
         };
         if let Some(end) = token_fed(slot, token, &self.shared, &self.gauges) {
-            self.finish_generate(id, Ok(end));
+            self.finish_generate(id, slot, Ok(end));
         }
     }
 }

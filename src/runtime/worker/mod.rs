@@ -374,6 +374,9 @@ struct SessionSlot {
     /// What this step feeds for the session.
     feed: Vec<u32>,
     feed_logits: LogitsWanted,
+    /// Removed during the operation that holds it (see
+    /// [`Worker::with_session`]): it does not go back into the map.
+    removed: bool,
 }
 
 impl SessionSlot {
@@ -386,6 +389,7 @@ impl SessionSlot {
             short_since: None,
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
+            removed: false,
         }
     }
 

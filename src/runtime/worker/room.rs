@@ -31,17 +31,14 @@ impl Worker {
     /// Evicts an idle session: spilled when it has a journal and fewer than
     /// `max_spilled_sessions` are, removed otherwise.
     pub(super) fn evict(&mut self, id: SessionId) -> bool {
-        let journaled = self
-            .sessions
-            .get(&id)
-            .is_some_and(|s| s.session.is_durable());
-        if !journaled || !self.claim_spilled_place() {
-            return self.remove(id, Removal::Lru).is_some();
+        self.with_session(id, |w, slot| w.evict_slot(id, slot))
+            .is_some()
+    }
+
+    fn evict_slot(&mut self, id: SessionId, slot: &mut SessionSlot) {
+        if !slot.session.is_durable() || !self.claim_spilled_place() {
+            return self.remove_slot(id, slot, Removal::Lru);
         }
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
-            return false;
-        };
         let released = slot.session.spill(
             id,
             self.cfg.state.as_deref(),
@@ -59,42 +56,38 @@ impl Worker {
         if let Err(e) = released {
             tracing::error!(session = %id, "freeing a spilled session's KV: {e}");
         }
-        true
     }
 
     /// Brings a spilled session back: a place and the pages for its
     /// history (evicting others as any reservation does), then the history
     /// is fed again as its next work. `Later`: another worker was asked to
     /// evict; nothing changed.
-    pub(super) fn unspill(&mut self, id: SessionId) -> Result<Got, RuntimeError> {
+    pub(super) fn unspill(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+    ) -> Result<Got, RuntimeError> {
         while !self.claim_session() {
-            match self.room_for(id) {
+            match self.room_for(id, slot) {
                 Wait::Retry => {}
                 Wait::Later => return Ok(Got::Later),
                 Wait::GiveUp => return Err(sessions_exhausted()),
             }
         }
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
-            return Err(RuntimeError::NotFound);
-        };
         // Pages other sessions hold for its history's start are mapped; only
         // the rest is fed again.
         let history = slot.session.take_history();
         let mapped = map_prefix(&self.shared, id, &mut slot.session, &history);
-        match self.reserve(id, history.len()) {
+        match self.reserve(id, slot, history.len()) {
             Ok(Got::Now) => {}
             other => {
-                self.unmap_prefix(id, 0);
-                if let Some(slot) = self.sessions.get_mut(&id) {
-                    slot.session.put_back_history(history);
-                }
+                self.unmap_prefix(id, slot, 0);
+                slot.session.put_back_history(history);
                 self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                 return other;
             }
         }
         self.shared.spilled_sessions.fetch_sub(1, Ordering::AcqRel);
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         let tokens = history.len();
         // What the spill wrote out is read back, checked page by page.
         let (read, rest) = slot.session.unspilled(
@@ -227,10 +220,7 @@ impl Worker {
 
     /// Whether a session short of pages may go on waiting for another
     /// worker's eviction (starting its clock on the first call).
-    pub(super) fn still_patient(&mut self, id: SessionId) -> bool {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return false;
-        };
+    pub(super) fn still_patient(slot: &mut SessionSlot) -> bool {
         let since = *slot.short_since.get_or_insert_with(Instant::now);
         if since.elapsed() < EVICTION_PATIENCE {
             return true;
@@ -240,28 +230,26 @@ impl Worker {
     }
 
     /// One round of making room for session `id`, within its patience.
-    pub(super) fn room_for(&mut self, id: SessionId) -> Wait {
+    pub(super) fn room_for(&mut self, id: SessionId, slot: &mut SessionSlot) -> Wait {
         match self.make_room(Some(id)) {
             Room::Retry => Wait::Retry,
-            Room::Later if self.still_patient(id) => Wait::Later,
+            Room::Later if Self::still_patient(slot) => Wait::Later,
             Room::Later | Room::Nothing => {
-                self.clear_short(id);
+                slot.short_since = None;
                 Wait::GiveUp
             }
         }
     }
 
-    pub(super) fn clear_short(&mut self, id: SessionId) {
-        if let Some(slot) = self.sessions.get_mut(&id) {
-            slot.short_since = None;
-        }
-    }
-
     /// Reserves KV for `total` positions of `id`, evicting idle sessions
     /// while the pool is short. All or nothing.
-    pub(super) fn reserve(&mut self, id: SessionId, total: usize) -> Result<Got, RuntimeError> {
+    pub(super) fn reserve(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        total: usize,
+    ) -> Result<Got, RuntimeError> {
         loop {
-            let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
             match slot.session.reserve(total) {
                 Ok(()) => {
                     slot.short_since = None;
@@ -275,10 +263,10 @@ impl Worker {
                     // Decide from the numbers first: evict nothing for a
                     // request that would fail anyway.
                     if free.saturating_add(self.evictable_pages(id)) < wanted {
-                        self.clear_short(id);
+                        slot.short_since = None;
                         return Err(kv_exhausted(wanted, free));
                     }
-                    match self.room_for(id) {
+                    match self.room_for(id, slot) {
                         Wait::Retry => {}
                         Wait::Later => return Ok(Got::Later),
                         Wait::GiveUp => return Err(kv_exhausted(wanted, free)),
@@ -307,13 +295,13 @@ impl Worker {
     pub(super) fn restart_kv(
         &mut self,
         id: SessionId,
+        slot: &mut SessionSlot,
         positions: usize,
     ) -> Result<Restarted, RuntimeError> {
         loop {
             let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
             match fresh.reserve(positions) {
                 Ok(()) => {
-                    let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
                     let undo = slot.session.swap_in(fresh);
                     slot.short_since = None;
                     return Ok(Restarted::Now(undo));
@@ -322,27 +310,23 @@ impl Worker {
                     if self.reclaim_cached(wanted, free) {
                         continue;
                     }
-                    let own = self
-                        .sessions
-                        .get(&id)
-                        .ok_or(RuntimeError::NotFound)?
-                        .session
-                        .kv()
-                        .pages_held();
+                    let own = slot.session.kv().pages_held();
                     let evictable = self.evictable_pages(id);
                     let fresh_can_fit = free.saturating_add(evictable) >= wanted;
                     if !fresh_can_fit && free + own >= wanted {
-                        self.clear_short(id);
-                        return self.restart_in_place(id, positions, wanted, free);
+                        slot.short_since = None;
+                        return self.restart_in_place(id, slot, positions, wanted, free);
                     }
                     if !fresh_can_fit && (free + own).saturating_add(evictable) < wanted {
-                        self.clear_short(id);
+                        slot.short_since = None;
                         return Err(kv_exhausted(wanted, free));
                     }
-                    match self.room_for(id) {
+                    match self.room_for(id, slot) {
                         Wait::Retry => {}
                         Wait::Later => return Ok(Restarted::Later),
-                        Wait::GiveUp => return self.restart_in_place(id, positions, wanted, free),
+                        Wait::GiveUp => {
+                            return self.restart_in_place(id, slot, positions, wanted, free)
+                        }
                     }
                 }
                 Err(e) => return Err(e.into()),
@@ -355,16 +339,16 @@ impl Worker {
     pub(super) fn restart_in_place(
         &mut self,
         id: SessionId,
+        slot: &mut SessionSlot,
         positions: usize,
         wanted: usize,
         free: usize,
     ) -> Result<Restarted, RuntimeError> {
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if wanted > free + slot.session.kv().pages_held() {
             return Err(kv_exhausted(wanted, free));
         }
         let undo = slot.session.give_back_pages()?;
-        match self.reserve_own_pages_again(id, positions) {
+        match self.reserve_own_pages_again(&mut slot.session, positions) {
             Ok(()) => Ok(Restarted::Now(undo)),
             Err(e) => {
                 let err = match e {
@@ -372,7 +356,7 @@ impl Worker {
                     e => e.into(),
                 };
                 tracing::warn!(session = %id, "pages taken while truncating: {err}");
-                self.fail_session(id, err.clone());
+                self.fail_slot(id, slot, err.clone());
                 Err(err)
             }
         }
@@ -381,16 +365,15 @@ impl Worker {
     /// Reserves `positions` for a session that just gave its pages back.
     /// Those of its full pages the prefix index also listed went to the
     /// cache, not the pool: they are reclaimed if the pool is short.
-    fn reserve_own_pages_again(&mut self, id: SessionId, positions: usize) -> Result<(), KvError> {
-        let reserved = match self.sessions.get_mut(&id) {
-            Some(slot) => slot.session.reserve(positions),
-            None => return Ok(()),
-        };
-        match reserved {
-            Err(KvError::Exhausted { wanted, free }) if self.reclaim_cached(wanted, free) => self
-                .sessions
-                .get_mut(&id)
-                .map_or(Ok(()), |slot| slot.session.reserve(positions)),
+    fn reserve_own_pages_again(
+        &self,
+        session: &mut Session,
+        positions: usize,
+    ) -> Result<(), KvError> {
+        match session.reserve(positions) {
+            Err(KvError::Exhausted { wanted, free }) if self.reclaim_cached(wanted, free) => {
+                session.reserve(positions)
+            }
             other => other,
         }
     }
@@ -398,18 +381,21 @@ impl Worker {
     /// Puts a session back as `undo` says, after its call stopped halfway.
     /// When its pages were given back for an in-place truncation, the old
     /// history is queued to be fed again as the session's next work.
-    pub(super) fn apply_undo(&mut self, id: SessionId, undo: Undo) -> Result<(), RuntimeError> {
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
+    pub(super) fn apply_undo(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        undo: Undo,
+    ) -> Result<(), RuntimeError> {
         slot.feed.clear();
         let recompute = slot.session.roll_back(undo)?;
         if let Some(history) = &recompute {
-            self.reserve_own_pages_again(id, history.len())
+            self.reserve_own_pages_again(&mut slot.session, history.len())
                 .map_err(|e| match e {
                     KvError::Exhausted { wanted, free } => kv_exhausted(wanted, free),
                     e => e.into(),
                 })?;
         }
-        let slot = self.sessions.get_mut(&id).ok_or(RuntimeError::NotFound)?;
         if let Some(history) = recompute {
             slot.active = Some(Active::restore(history));
         }
@@ -426,14 +412,11 @@ impl Worker {
     /// and at most half the window, and re-prefill the kept window before
     /// the next token. `Truncated` is emitted once it is in. Returns
     /// whether the session moved.
-    pub(super) fn shift_window(&mut self, id: SessionId) -> bool {
+    pub(super) fn shift_window(&mut self, id: SessionId, slot: &mut SessionSlot) -> bool {
         let OverflowPolicy::Truncate { sink } = self.cfg.overflow else {
             return false;
         };
         let context = self.model.config.context;
-        let Some(slot) = self.sessions.get(&id) else {
-            return false;
-        };
         let Some(Active {
             work: Work::Generate(gen),
             ..
@@ -455,17 +438,17 @@ impl Worker {
                 slot.session.truncated(),
             )
         });
-        let undo = match self.restart_kv(id, kept.len()) {
+        let undo = match self.restart_kv(id, slot, kept.len()) {
             Ok(Restarted::Now(undo)) => undo,
             Ok(Restarted::Later) => return false,
             Err(e) => {
-                self.finish_generate(id, Err(e));
+                self.finish_generate(id, slot, Err(e));
                 return true;
             }
         };
-        let Some(slot) = self.sessions.get_mut(&id) else {
+        if slot.removed {
             return true;
-        };
+        }
         slot.session.add_truncated(dropped);
         if let Some(active) = slot.active.as_mut() {
             if let Work::Generate(gen) = &mut active.work {
@@ -487,13 +470,10 @@ impl Worker {
     /// Gives back what [`map_prefix`] mapped after `len` tokens, when the
     /// append it was for could not start (a session that cannot give them
     /// back is removed).
-    pub(super) fn unmap_prefix(&mut self, id: SessionId, len: usize) {
-        let Some(slot) = self.sessions.get_mut(&id) else {
-            return;
-        };
+    pub(super) fn unmap_prefix(&mut self, id: SessionId, slot: &mut SessionSlot, len: usize) {
         if let Err(e) = slot.session.unmap_prefix(len) {
             tracing::error!(session = %id, "giving back shared pages: {e}");
-            self.fail_session(id, e.into());
+            self.fail_slot(id, slot, e.into());
         }
     }
 
