@@ -23,394 +23,45 @@
 //! events).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TrySendError};
+use crossbeam_channel::{Receiver, TrySendError};
 
-use super::board::{EvictionBoard, EvictionTicket};
+use super::board::EvictionTicket;
 use super::notify::NotifySender;
 use super::session::{
     count_journal_failure, keep_window, read_spill_at_start, Session, Undo, UndoKind,
 };
-use super::stats::{Counters, WorkerGauges};
+use super::stats::WorkerGauges;
 use super::step::{StepError, StepRunner};
 use super::{
-    AppendReply, CloseReply, CreateSession, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
-    GenerateRequest, OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo,
-    StopReason, Tenant,
+    AppendReply, CloseReply, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
+    OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo, StopReason, Tenant,
 };
 use crate::durable::{Record, Recovered};
-use crate::kv::{KvError, KvPool, PrefixIndex, SessionKv};
+use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
-use crate::sampler::{
-    CheckedParams, SampleRequest, Sampled, SamplerBackend, SamplerError, TokenLogprobs,
-};
-use crate::threads::{CoreGroup, ThreadPool, Wake};
+use crate::sampler::{SampleRequest, Sampled, SamplerBackend, SamplerError};
+use crate::threads::ThreadPool;
+use commands::Reply;
+pub(crate) use commands::{AdmittedGenerate, Command, Op};
 use fork::Forking;
+pub(crate) use shared::WorkersState;
+use work::*;
 
 mod admission;
 mod batch;
+mod commands;
 mod fork;
 mod generate;
+mod restore;
 mod room;
+mod shared;
 #[cfg(test)]
 mod tests;
-
-type Reply<T> = NotifySender<Result<T, RuntimeError>>;
-
-/// A message to a worker. Every command that names an existing session
-/// carries the caller's tenant, and the worker finds the session only
-/// through [`session_for`], which checks it.
-pub(crate) enum Command {
-    Create {
-        id: SessionId,
-        /// Who the new session belongs to.
-        owner: Tenant,
-        req: CreateSession,
-        reply: Reply<SessionId>,
-        deadline: Option<Instant>,
-        /// Never journaled, whatever the state directory (the server's
-        /// warm-up session).
-        transient: bool,
-    },
-    /// An operation that joins the session's FIFO.
-    Enqueue {
-        id: SessionId,
-        caller: Tenant,
-        op: Op,
-        deadline: Option<Instant>,
-    },
-    Info {
-        id: SessionId,
-        caller: Tenant,
-        reply: Reply<SessionInfo>,
-    },
-    /// A session read back from the state directory: add it and feed its
-    /// history again.
-    Restore(Box<Recovered>),
-    Shutdown,
-}
-
-/// An operation that runs in the session's arrival order.
-pub(crate) enum Op {
-    Append {
-        tokens: Vec<u32>,
-        reply: Reply<AppendReply>,
-    },
-    Generate {
-        gen: Box<AdmittedGenerate>,
-        events: NotifySender<GenerateEvent>,
-        cancel: Arc<AtomicBool>,
-    },
-    /// The committed history, in the session's order (after what is queued
-    /// before it).
-    History {
-        reply: Reply<Vec<u32>>,
-    },
-    Close {
-        reply: Reply<CloseReply>,
-    },
-    /// Make session `fork` (drawn for this worker) from this one's first
-    /// `at_length` tokens.
-    Fork {
-        fork: SessionId,
-        /// Who the fork belongs to: the caller.
-        owner: Tenant,
-        at_length: Option<u64>,
-        client_label: Option<String>,
-        reply: Reply<ForkReply>,
-    },
-}
-
-impl Op {
-    /// Whether the op writes a session's journal (or starts one): new
-    /// durable work, which the state directory's limits may refuse.
-    fn grows_state(&self) -> bool {
-        match self {
-            Op::Append { tokens, .. } => !tokens.is_empty(),
-            Op::Generate { .. } | Op::Fork { .. } => true,
-            Op::History { .. } | Op::Close { .. } => false,
-        }
-    }
-
-    fn fail(self, err: RuntimeError) {
-        // A caller that went away no longer needs the answer.
-        match self {
-            Op::Append { reply, .. } => drop(reply.send(Err(err))),
-            Op::Close { reply } => drop(reply.send(Err(err))),
-            Op::History { reply } => drop(reply.send(Err(err))),
-            Op::Fork { reply, .. } => drop(reply.send(Err(err))),
-            Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
-        }
-    }
-}
-
-/// A Generate the runtime's boundary accepted: the request, and the
-/// sampler parameters checked there once for the whole call.
-pub(crate) struct AdmittedGenerate {
-    pub(crate) req: GenerateRequest,
-    pub(crate) params: CheckedParams,
-    pub(crate) seed_used: u64,
-}
-
-/// What every worker shares; all of it is lock-free.
-pub(crate) struct WorkersState {
-    pub(crate) counters: Counters,
-    /// Live sessions over all workers (the session limit); spilled ones
-    /// are not counted here.
-    pub(crate) live_sessions: AtomicUsize,
-    /// Sessions spilled over all workers (`max_spilled_sessions`).
-    pub(crate) spilled_sessions: AtomicUsize,
-    /// Bytes of KV pages spilled sessions hold written out now
-    /// (`max_spill_bytes`).
-    pub(crate) spill_bytes: AtomicU64,
-    pub(crate) board: EvictionBoard,
-    /// KV pages held by each worker's idle sessions, as it last published:
-    /// what evicting could free, so nothing is evicted for a request that
-    /// would fail anyway.
-    pub(crate) idle_pages: Vec<AtomicUsize>,
-    /// Wakes worker `i` from its wait for commands (a full channel means a
-    /// wake is already pending).
-    pub(crate) wakers: Vec<Sender<()>>,
-    /// Time zero of the board's stamps and the decode-rate seconds.
-    pub(crate) epoch: Instant,
-    /// The workers that lend each other their cores while they wait for
-    /// their own work (`None`: each computes on its own thread alone).
-    pub(crate) lending: Option<Arc<CoreGroup>>,
-    /// Full pages any session computed, by the tokens before and in them
-    /// (`None` where the pool holds no rows: the layers run on shards).
-    pub(crate) prefix: Option<PrefixIndex>,
-}
-
-impl WorkersState {
-    /// State for one worker per waker; with `lend_cores` (and more than
-    /// one worker) they lend each other their cores, woken through the same
-    /// wakers.
-    pub(crate) fn new(wakers: Vec<Sender<()>>, lend_cores: bool) -> Self {
-        let lending = (lend_cores && wakers.len() > 1).then(|| {
-            CoreGroup::new(
-                wakers
-                    .iter()
-                    .map(|waker| {
-                        let waker = waker.clone();
-                        Box::new(move || {
-                            // A full channel means a wake is already pending.
-                            let _ = waker.try_send(());
-                        }) as Wake
-                    })
-                    .collect(),
-            )
-        });
-        WorkersState {
-            lending,
-            prefix: None,
-            counters: Counters::default(),
-            live_sessions: AtomicUsize::new(0),
-            spilled_sessions: AtomicUsize::new(0),
-            spill_bytes: AtomicU64::new(0),
-            board: EvictionBoard::new(wakers.len()),
-            idle_pages: wakers.iter().map(|_| AtomicUsize::new(0)).collect(),
-            wakers,
-            epoch: Instant::now(),
-        }
-    }
-}
-
-struct Queued {
-    op: Op,
-    deadline: Option<Instant>,
-}
-
-/// A CreateSession waiting for another worker to evict a session.
-struct WaitingCreate {
-    id: SessionId,
-    owner: Tenant,
-    req: CreateSession,
-    reply: Reply<SessionId>,
-    deadline: Option<Instant>,
-    since: Instant,
-    transient: bool,
-}
-
-/// A Generate in progress.
-struct Generating {
-    params: CheckedParams,
-    seed_used: u64,
-    max_tokens: u32,
-    stop_sequences: Vec<Vec<u32>>,
-    generated: Vec<u32>,
-    events: NotifySender<GenerateEvent>,
-    cancel: Arc<AtomicBool>,
-    deadline: Option<Instant>,
-    started: Instant,
-    prefill_duration: Duration,
-    /// History tokens computed again before the first sampled token.
-    prefill_tokens: u64,
-    /// Log-probabilities to report with each token (0: none).
-    top_logprobs: usize,
-    /// The report for the token sampled and not yet emitted.
-    pending_logprobs: Option<TokenLogprobs>,
-    /// A window shift in progress: the tokens it dropped, reported as
-    /// `Truncated` once the kept window is in (never if the call stops
-    /// first and the shift is undone).
-    shift_dropped: Option<u64>,
-    /// The history's length when the call began, and whether a window
-    /// shift rewrote it since: what the journal records at the end.
-    history_start: usize,
-    rewritten: bool,
-    /// The history (and truncation count) before the call, kept from its
-    /// first window shift on.
-    before_rewrite: Option<(Vec<u32>, u64)>,
-}
-
-enum Work {
-    Append {
-        reply: Reply<AppendReply>,
-        dropped: u64,
-        reused: u64,
-        /// Checked before every chunk: past it the append is undone.
-        deadline: Option<Instant>,
-    },
-    Generate(Box<Generating>),
-    /// A failed call's truncation gave the session's pages back: its old
-    /// history is fed again (bit-identical by INV-3) before anything else
-    /// runs on it. Nobody waits for it and nothing cuts it short.
-    Restore,
-    /// A fork short of its source's end feeds its last token again for the
-    /// logits after it; the fork is answered once that is in. Nothing cuts
-    /// it short (one token); if the step fails, the fork is removed.
-    Fork {
-        fork: SessionId,
-        reply: Reply<ForkReply>,
-    },
-}
-
-/// The operation a session is running: prompt tokens still to feed (after
-/// an append or a truncation), then, for a Generate, decoding.
-struct Active {
-    work: Work,
-    pending: Vec<u32>,
-    fed: usize,
-    prefill_started: Instant,
-    /// How to put the session back if the call stops before `pending` is
-    /// all in; dropped once it is.
-    undo: Option<Undo>,
-}
-
-/// What restarting a session's KV did.
-enum Restarted {
-    /// Emptied, with the pages for the kept window reserved.
-    Now(Undo),
-    /// Waiting for another worker's eviction; nothing changed.
-    Later,
-}
-
-/// How an append starts.
-enum Begin {
-    /// Nothing to append.
-    Empty,
-    /// Reserved (and truncated, if it had to be): feed these tokens.
-    Prefill {
-        pending: Vec<u32>,
-        dropped: u64,
-        /// Tokens mapped from shared pages rather than fed.
-        reused: u64,
-        undo: Undo,
-    },
-    /// Waiting for another worker to evict; nothing changed.
-    Later,
-}
-
-/// Whether pages or a place were had now, or another worker was asked to
-/// evict and the caller should try again on a later turn.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Got {
-    Now,
-    Later,
-}
-
-/// What making room did.
-enum Room {
-    /// Something was evicted (or a remote request answered): try again now.
-    Retry,
-    /// Another worker was asked to evict; try again on a later turn.
-    Later,
-    /// Nothing idle anywhere may be evicted.
-    Nothing,
-}
-
-/// What a session short of pages does after one round of making room.
-enum Wait {
-    /// Something was freed: try again now.
-    Retry,
-    /// Another worker was asked to evict: try again on a later turn.
-    Later,
-    /// Nothing more can be freed for it, or it waited long enough.
-    GiveUp,
-}
-
-/// Why a session left its worker; each reason has a counter.
-#[derive(Clone, Copy, Debug)]
-enum Removal {
-    Ttl,
-    Lru,
-    Close,
-    /// An invariant broke or the forward pass failed.
-    Failed,
-}
-
-/// A session as its worker schedules it: the session itself, the
-/// operation running on it and the ones queued behind, and what this step
-/// feeds it.
-struct SessionSlot {
-    session: Session,
-    last_used: Instant,
-    active: Option<Active>,
-    queue: VecDeque<Queued>,
-    /// When the session began waiting for another worker to free pages.
-    short_since: Option<Instant>,
-    /// What this step feeds for the session.
-    feed: Vec<u32>,
-    feed_logits: LogitsWanted,
-    /// Removed during the operation that holds it (see
-    /// [`Worker::with_session`]): it does not go back into the map.
-    removed: bool,
-}
-
-impl SessionSlot {
-    fn new(session: Session) -> Self {
-        SessionSlot {
-            session,
-            last_used: Instant::now(),
-            active: None,
-            queue: VecDeque::new(),
-            short_since: None,
-            feed: Vec::new(),
-            feed_logits: LogitsWanted::None,
-            removed: false,
-        }
-    }
-
-    /// The committed history's length: a history being fed again (a
-    /// restore) counts whole, fed or not.
-    fn committed_len(&self) -> usize {
-        match &self.active {
-            Some(Active {
-                work: Work::Restore,
-                pending,
-                fed,
-                ..
-            }) => self.session.history().len() + pending.len() - fed,
-            _ => self.session.history().len(),
-        }
-    }
-
-    fn idle(&self) -> bool {
-        self.active.is_none() && self.queue.is_empty()
-    }
-}
+mod work;
 
 pub(crate) struct Worker {
     index: usize,
@@ -668,49 +319,6 @@ fn session_for<'a>(
     sessions
         .get_mut(&id)
         .filter(|slot| caller.may_use(slot.session.owner()))
-}
-
-fn finish_with_error(active: Active, err: RuntimeError) {
-    match active.work {
-        Work::Append { reply, .. } => drop(reply.send(Err(err))),
-        Work::Generate(gen) => drop(gen.events.try_send(GenerateEvent::Error(err))),
-        Work::Fork { reply, .. } => drop(reply.send(Err(err))),
-        Work::Restore => {}
-    }
-}
-
-impl Active {
-    /// Feeding `history` again into a session whose KV it no longer has.
-    fn restore(history: Vec<u32>) -> Active {
-        Active {
-            work: Work::Restore,
-            pending: history,
-            fed: 0,
-            prefill_started: Instant::now(),
-            undo: None,
-        }
-    }
-
-    /// Why the call must stop before its next step, if it must: a cancelled
-    /// Generate, or a deadline that passed. A restore never stops.
-    fn stopped(&self) -> Option<Result<StopReason, RuntimeError>> {
-        let now = Instant::now();
-        match &self.work {
-            Work::Append { deadline, .. } => deadline
-                .is_some_and(|d| d <= now)
-                .then_some(Err(RuntimeError::DeadlineExceeded)),
-            Work::Generate(gen) => {
-                if gen.cancel.load(Ordering::Acquire) {
-                    Some(Ok(StopReason::Cancelled))
-                } else if gen.deadline.is_some_and(|d| d <= now) {
-                    Some(Err(RuntimeError::DeadlineExceeded))
-                } else {
-                    None
-                }
-            }
-            Work::Restore | Work::Fork { .. } => None,
-        }
-    }
 }
 
 /// How much dearer a prompt token at `depth` is than one at the start of

@@ -1,7 +1,9 @@
-//! The worker's own tests: one worker driven by hand, no threads.
+//! The worker's own tests: one worker driven by hand, no threads, its
+//! sessions looked at directly after each call.
 
 use super::super::notify;
 use super::super::session::digest;
+use super::super::{CreateSession, GenerateRequest};
 use super::*;
 use crate::gguf::synthetic::SyntheticLlama;
 use crate::gguf::GgufFile;
