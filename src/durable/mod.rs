@@ -16,6 +16,7 @@ mod budget;
 mod health;
 mod hints;
 mod journal;
+mod journal_file;
 mod pages;
 mod private;
 mod spill;
