@@ -27,7 +27,7 @@ use super::fingerprint::Fingerprint;
 use super::frame::{unix_nanos, ErrorKind, Run, WireSessionId};
 use super::link::{LinkError, LinkOptions, ShardCapacity, ShardLink};
 use super::payload::Encoding;
-use crate::durable::pages;
+use crate::durable::{extend_page_chain, page_chain};
 use crate::kv::KvError;
 use crate::model::{LogitRows, Model, ModelError, Scratch};
 use crate::runtime::StepFeed;
@@ -810,7 +810,7 @@ impl ShardChain {
         deadline: u64,
     ) -> Result<usize, ShardFailure> {
         let page = self.page_positions();
-        let chain = pages::chain(history, page, history.len() / page);
+        let chain = page_chain(history, page, history.len() / page);
         let length = history.len() as u64;
         let mut kept = Vec::with_capacity(self.slots.len());
         for index in 0..self.slots.len() {
@@ -875,7 +875,7 @@ impl ShardChain {
             }
             if self.keeping_pages().any(|k| k) {
                 let page = self.page_positions();
-                let chain = pages::chain(history, page, history.len() / page);
+                let chain = page_chain(history, page, history.len() / page);
                 self.chains.insert(id, chain);
             }
             0
@@ -1001,7 +1001,7 @@ impl ShardChain {
                 let from = chain.len() * page;
                 let mut rest = f.history[from..n].to_vec();
                 rest.extend_from_slice(f.tokens);
-                pages::extend_chain(chain, &rest, page);
+                extend_page_chain(chain, &rest, page);
             }
         }
         let h = model.config.hidden;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use super::frame::WireSessionId;
 use super::kept::{Identity, LoggedSession, Opened, StateDir};
 use super::payload::Encoding;
-use crate::durable::pages::{hint_records, take_back_keyed, KeptHints, KeptRows, TakenBack};
+use crate::durable::{hint_records, take_back_keyed, KeptHints, KeptRows, TakenBack};
 use crate::kv::{KvError, KvPool, SessionKv};
 
 /// A session's KV on a shard, keyed by the coordinator epoch that made it.

@@ -22,6 +22,16 @@ pub mod spill;
 mod store;
 
 pub use health::{HealthListener, StateHealth, PROBE_INTERVAL};
+pub(crate) use journal::{
+    decode_hints, encode_hints, hints_bytes, next_record, seal_record, start_record, NextRecord,
+    Reader as RecordReader,
+};
+pub use journal::{PageHint, PageHints};
+pub use pages::{
+    chain as page_chain, extend_chain as extend_page_chain, hint_records, take_back_keyed,
+    KeptHints, KeptRows, TakenBack,
+};
+pub use private::{options as private_options, state_dir as private_state_dir, PermissionError};
 pub use store::{
     Durability, JournalFile, Recovered, Refused, SessionStore, StoreError, BATCH_WINDOW,
 };
