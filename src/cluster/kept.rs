@@ -35,9 +35,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use super::frame::WireSessionId;
 use super::payload::Encoding;
 use crate::durable::{
-    decode_hints, encode_hints, hints_bytes, next_record, private_file_options, private_state_dir,
-    seal_record, start_record, NextRecord, PageHint, PageHints, PermissionError,
-    RecordReader as Reader,
+    decode_hints, encode_hints, hints_bytes, lock_directory, next_record, private_options,
+    private_state_dir, seal_record, start_record, NextRecord, PageHint, PageHints, PermissionError,
+    RecordReader,
 };
 
 const MAGIC: &[u8; 8] = b"INFERDS1";
@@ -167,7 +167,7 @@ impl StateDir {
         // Private to this user, as a server's state directory is.
         private_state_dir(dir)?;
         let lock_path = dir.join("lock");
-        let lock = crate::durable::lock_directory(dir)
+        let lock = lock_directory(dir)
             .map_err(io_error(&lock_path))?
             .ok_or_else(|| KeptError::Locked(dir.display().to_string()))?;
         let log_path = dir.join("pages.log");
@@ -221,14 +221,14 @@ impl StateDir {
                 blocks_record(&mut record, id, session.encoding, &session.chains, &hints);
                 bytes.extend_from_slice(&record);
             }
-            let mut file = private_file_options()
+            let mut file = private_options()
                 .create(true)
                 .truncate(true)
                 .write(true)
                 .open(&fresh)?;
             file.write_all(&bytes)?;
             std::fs::rename(&fresh, &path)?;
-            let file = private_file_options().append(true).open(&path)?;
+            let file = private_options().append(true).open(&path)?;
             Ok((file, bytes.len() as u64))
         })();
         match result {
@@ -330,7 +330,7 @@ fn replay(bytes: &[u8], identity: &Identity) -> Opened {
         opened.refused = Some(describe_mismatch(bytes, identity));
         return opened;
     }
-    let mut r = Reader::new(bytes);
+    let mut r = RecordReader::new(bytes);
     r.at = header.len();
     loop {
         let start = r.at;
@@ -359,7 +359,7 @@ fn apply(
     kind: u8,
     payload: &[u8],
 ) -> Option<()> {
-    let mut r = Reader::new(payload);
+    let mut r = RecordReader::new(payload);
     let id: WireSessionId = r.take(16)?.try_into().ok()?;
     match kind {
         KIND_BLOCKS => {
@@ -410,7 +410,7 @@ fn apply(
 
 /// Why a log's header is not this shard's, in words.
 fn describe_mismatch(bytes: &[u8], identity: &Identity) -> String {
-    let mut r = Reader::new(bytes);
+    let mut r = RecordReader::new(bytes);
     if r.take(8) != Some(MAGIC.as_slice()) {
         return "pages.log is not a shard page log".into();
     }

@@ -27,19 +27,18 @@ mod store;
 pub use crate::base::Durability;
 pub use budget::{Limits as StateLimits, DEFAULT_MIN_FREE_BYTES};
 pub use health::{HealthListener, StateHealth, PROBE_INTERVAL};
-pub use journal::{replay as replay_journal, Record};
-pub use pages::{chain as page_chain, hint_records, take_back, TakenBack};
+pub use journal::{replay as replay_journal, PageHint, PageHints, Record};
+pub use pages::{
+    chain as page_chain, extend_chain as extend_page_chain, hint_records, take_back,
+    take_back_keyed, KeptHints, KeptRows, TakenBack,
+};
+pub use private::{options as private_options, state_dir as private_state_dir, PermissionError};
 pub use spill::{estimate as spill_estimate, read as read_spill, write as write_spill, SpillError};
 // The record framing and page-hint layout, which the shards' kept-page
 // files share with the journal.
 pub(crate) use journal::{
     decode_hints, encode_hints, hints_bytes, next_record, seal_record, start_record, NextRecord,
     Reader as RecordReader,
-};
-pub use journal::{PageHint, PageHints};
-pub use pages::{extend_chain as extend_page_chain, take_back_keyed, KeptHints, KeptRows};
-pub use private::{
-    options as private_file_options, state_dir as private_state_dir, PermissionError,
 };
 pub use store::{JournalFile, Recovered, Refused, SessionStore, StoreError, BATCH_WINDOW};
 
