@@ -23,11 +23,13 @@ use serde_json::{json, Value};
 use super::completion::{self, Gathered, Job, Piece};
 use super::openai::{
     ApiError, ChatRequest, CompletionRequest, Prompt, Sampling, TokenLogprob, Usage,
-    MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_TOP_LOGPROBS,
 };
-use super::stop_text::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
 use super::Front;
 use crate::chat_template::Message;
+use crate::runtime::limits::{
+    MAX_CHAT_MESSAGES, MAX_HTTP_BODY_BYTES, MAX_OPENAI_LOGIT_BIAS, MAX_STOP_STRINGS,
+    MAX_STOP_STRING_BYTES, MAX_TOP_LOGPROBS,
+};
 use crate::runtime::{SamplingOptions, Tenant};
 
 /// `GET /v1/models`: the one model this server runs.
@@ -54,8 +56,7 @@ fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|e| {
         if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(format!(
-                "the request body: {e} (at most {} bytes)",
-                super::MAX_BODY_BYTES
+                "the request body: {e} (at most {MAX_HTTP_BODY_BYTES} bytes)"
             ))
         } else {
             ApiError::bad_body(format!("the request body: {e}"))
@@ -135,10 +136,10 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
             "at least one message is required",
         ));
     }
-    if req.messages.len() > MAX_MESSAGES {
+    if req.messages.len() > MAX_CHAT_MESSAGES {
         return Err(ApiError::invalid(
             "messages",
-            format!("{} messages, at most {MAX_MESSAGES}", req.messages.len()),
+            format!("{} messages, at most {MAX_CHAT_MESSAGES}", req.messages.len()),
         ));
     }
     let Some(template) = &front.template else {
@@ -287,17 +288,17 @@ fn job_of(
     }
     let frequency_penalty = range("frequency_penalty", s.frequency_penalty, -2.0, 2.0)?;
     let presence_penalty = range("presence_penalty", s.presence_penalty, -2.0, 2.0)?;
-    if top_logprobs > MAX_TOP_LOGPROBS {
+    if top_logprobs as usize > MAX_TOP_LOGPROBS {
         return Err(ApiError::invalid(
             "top_logprobs",
             format!("at most {MAX_TOP_LOGPROBS}"),
         ));
     }
     let bias = s.logit_bias.unwrap_or_default();
-    if bias.len() > MAX_LOGIT_BIAS {
+    if bias.len() > MAX_OPENAI_LOGIT_BIAS {
         return Err(ApiError::invalid(
             "logit_bias",
-            format!("{} entries, at most {MAX_LOGIT_BIAS}", bias.len()),
+            format!("{} entries, at most {MAX_OPENAI_LOGIT_BIAS}", bias.len()),
         ));
     }
     let logit_bias = bias
@@ -329,10 +330,10 @@ fn job_of(
             format!("{} stop strings, at most {MAX_STOP_STRINGS}", stops.len()),
         ));
     }
-    if stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+    if stops.iter().any(|s| s.len() > MAX_STOP_STRING_BYTES) {
         return Err(ApiError::invalid(
             "stop",
-            format!("a stop string is longer than {MAX_STOP_BYTES} bytes"),
+            format!("a stop string is longer than {MAX_STOP_STRING_BYTES} bytes"),
         ));
     }
     let sampling = SamplingOptions {

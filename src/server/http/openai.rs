@@ -17,13 +17,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::runtime::{RuntimeError, StatusKind};
 
-/// Most messages one chat request may carry.
-pub const MAX_MESSAGES: usize = 1024;
-/// Most entries of `logit_bias` (as OpenAI allows).
-pub const MAX_LOGIT_BIAS: usize = 300;
-/// Most `top_logprobs` (as OpenAI allows).
-pub const MAX_TOP_LOGPROBS: u32 = 20;
-
 /// A message's content: a string, or text parts.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
