@@ -31,7 +31,7 @@ use super::openai::{ApiError, FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::stop_text::StopText;
 use super::Front;
 use crate::runtime::{
-    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, SamplingOptions, SessionId, Tenant,
+    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, SessionId, Tenant,
 };
 use crate::stop::StopReason;
 use crate::tokenizer::StreamDecoder;
@@ -40,11 +40,12 @@ use crate::tokenizer::StreamDecoder;
 #[derive(Clone, Debug)]
 pub struct Job {
     pub prompt: Vec<u32>,
-    pub max_tokens: u32,
-    pub sampling: SamplingOptions,
+    /// The Generate to run (checked), its id set once the session is
+    /// known.
+    pub generate: GenerateRequest,
     pub stops: Vec<String>,
-    /// Report each token's log-probability (and `sampling.top_logprobs`
-    /// alternatives).
+    /// Report each token's log-probability (and
+    /// `generate.sampling.top_logprobs` alternatives).
     pub logprobs: bool,
     /// The client's own session to run in (`x-inferd-session`), if any.
     pub session: Option<SessionId>,
@@ -187,16 +188,7 @@ async fn run(
             .await?
             .reused_token_count
     };
-    let mut sampling = job.sampling;
-    if !job.logprobs {
-        sampling.top_logprobs = 0;
-    }
-    let request = GenerateRequest {
-        id,
-        max_tokens: job.max_tokens,
-        sampling,
-        stop_sequences: Vec::new(),
-    };
+    let request = GenerateRequest { id, ..job.generate };
     let mut stream = runtime.generate(caller, request, None)?;
     let tokenizer = &front.tokenizer;
     let mut decoder = StreamDecoder::new();

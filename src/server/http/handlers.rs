@@ -7,6 +7,7 @@
 //! it (as OpenAI sends it), otherwise on the chunk that says why it
 //! finished, so that every chunk of such a stream has a choice.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -28,9 +29,9 @@ use super::Front;
 use crate::chat_template::Message;
 use crate::runtime::limits::{
     MAX_CHAT_MESSAGES, MAX_HTTP_BODY_BYTES, MAX_OPENAI_LOGIT_BIAS, MAX_STOP_STRINGS,
-    MAX_STOP_STRING_BYTES, MAX_TOP_LOGPROBS,
+    MAX_STOP_STRING_BYTES,
 };
-use crate::runtime::{SamplingOptions, Tenant};
+use crate::runtime::{AppendTokens, GenerateRequest, SamplingOptions, SessionId, Tenant};
 
 /// `GET /v1/models`: the one model this server runs.
 pub async fn models(State(front): State<Arc<Front>>) -> Json<Value> {
@@ -179,7 +180,14 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         (_, top) => top.unwrap_or(0),
     };
     let stream = Streaming::of(&req.sampling);
-    let job = job_of(front, req.sampling, prompt, req.logprobs, top, "messages")?;
+    let job = job_of(
+        req.sampling,
+        prompt,
+        req.logprobs,
+        top,
+        "messages",
+        Model::of(front),
+    )?;
     Ok((job, stream))
 }
 
@@ -216,41 +224,47 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiEr
             lists.swap_remove(0)
         }
     };
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= front.vocab) {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("token {bad} is outside the vocabulary of {}", front.vocab),
-        ));
-    }
     let top = req.logprobs.unwrap_or(0);
     let stream = Streaming::of(&req.sampling);
     let job = job_of(
-        front,
         req.sampling,
         prompt,
         req.logprobs.is_some(),
         top,
         "prompt",
+        Model::of(front),
     )?;
     Ok((job, stream))
 }
 
-/// The checks both endpoints share, and the job they make.
+/// The job both endpoints make: the request's prompt and sampling fields
+/// as the runtime's request, checked before anything changes (a 400
+/// naming the field). The runtime's own checks decide whatever they cover
+/// ([`AppendTokens::check_tokens`] on the prompt and
+/// [`GenerateRequest::check`] on the rest: the checks its admission runs,
+/// run here first because the request's session is created before its
+/// Generate is admitted); the checks here are only those with no runtime
+/// counterpart, each saying why it is here.
 fn job_of(
-    front: &Front,
     s: Sampling,
     prompt: Vec<u32>,
     logprobs: bool,
     top_logprobs: u32,
     prompt_param: &'static str,
+    model: Model,
 ) -> Result<Job, ApiError> {
+    // The runtime refuses to generate from an empty history only once the
+    // request's session exists.
     if prompt.is_empty() {
         return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
     }
+    // OpenAI's `n`: the runtime generates one continuation per call.
     if s.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("n", "only n = 1 is supported"));
     }
-    let room = front.context.saturating_sub(prompt.len());
+    // The runtime would truncate a history that outgrows the context;
+    // OpenAI refuses the prompt with `context_length_exceeded`.
+    let room = model.context.saturating_sub(prompt.len());
     if room == 0 {
         return Err(ApiError {
             code: Some("context_length_exceeded"),
@@ -259,61 +273,106 @@ fn job_of(
                 format!(
                     "the prompt is {} tokens; the model's context is {}",
                     prompt.len(),
-                    front.context
+                    model.context
                 ),
             )
         });
     }
+    // The prompt's tokens: the runtime's check of an append.
+    AppendTokens::check_tokens(&prompt, model.vocab).map_err(|e| ApiError {
+        param: Some(prompt_param),
+        ..ApiError::from(e)
+    })?;
+    // `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
+    // Past the context there is nothing to generate: the answer ends there
+    // with finish_reason "length". (0 is the runtime's to refuse.)
     let asked = s.max_completion_tokens.or(s.max_tokens);
-    if asked == Some(0) {
+    let max_tokens = asked.map_or(room, |n| (n as usize).min(room)) as u32;
+    // OpenAI's ranges where they are narrower than the runtime's, which
+    // refuses only what cannot be sampled with (a negative temperature, a
+    // penalty that is not finite).
+    if let Some(t) = s.temperature.filter(|&t| t > 2.0) {
         return Err(ApiError::invalid(
-            "max_tokens",
-            "max_tokens must be at least 1",
+            "temperature",
+            format!("temperature is {t}, it must lie in [0, 2]"),
         ));
     }
-    // Past the context there is nothing to generate: the answer ends there
-    // with finish_reason "length".
-    let max_tokens = asked.map_or(room, |n| (n as usize).min(room)) as u32;
-    let range = |param: &'static str, v: Option<f32>, lo: f32, hi: f32| match v {
-        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(
+    let penalty = |param: &'static str, v: Option<f32>| match v {
+        Some(x) if !(-2.0..=2.0).contains(&x) => Err(ApiError::invalid(
             param,
-            format!("{param} is {x}, it must lie in [{lo}, {hi}]"),
+            format!("{param} is {x}, it must lie in [-2, 2]"),
         )),
         _ => Ok(v),
     };
-    let temperature = range("temperature", s.temperature, 0.0, 2.0)?;
-    let top_p = range("top_p", s.top_p, 0.0, 1.0)?;
-    if top_p == Some(0.0) {
-        return Err(ApiError::invalid("top_p", "top_p must be above 0"));
+    let frequency_penalty = penalty("frequency_penalty", s.frequency_penalty)?;
+    let presence_penalty = penalty("presence_penalty", s.presence_penalty)?;
+    let logit_bias = logit_bias(s.logit_bias.unwrap_or_default())?;
+    let stops = s.stop.map(|s| s.strings()).unwrap_or_default();
+    check_stops(&stops)?;
+    let generate = GenerateRequest {
+        // The request's session, once there is one.
+        id: SessionId::NEVER_ISSUED,
+        max_tokens,
+        sampling: SamplingOptions {
+            // OpenAI's default temperature is 1 (sampling); 0 is greedy.
+            temperature: Some(s.temperature.unwrap_or(1.0)),
+            top_p: s.top_p,
+            frequency_penalty,
+            presence_penalty,
+            logit_bias,
+            seed: s.seed.map(|seed| seed as u64),
+            top_logprobs: if logprobs { top_logprobs } else { 0 },
+            ..SamplingOptions::default()
+        },
+        // Stop strings are text, matched on the text (`StopText`).
+        stop_sequences: Vec::new(),
+    };
+    generate.check(model.vocab)?;
+    Ok(Job {
+        prompt,
+        generate,
+        stops,
+        logprobs,
+        session: None,
+    })
+}
+
+/// What [`job_of`] needs of the model.
+#[derive(Clone, Copy, Debug)]
+struct Model {
+    vocab: usize,
+    context: usize,
+}
+
+impl Model {
+    fn of(front: &Front) -> Model {
+        Model {
+            vocab: front.vocab,
+            context: front.context,
+        }
     }
-    let frequency_penalty = range("frequency_penalty", s.frequency_penalty, -2.0, 2.0)?;
-    let presence_penalty = range("presence_penalty", s.presence_penalty, -2.0, 2.0)?;
-    if top_logprobs as usize > MAX_TOP_LOGPROBS {
-        return Err(ApiError::invalid(
-            "top_logprobs",
-            format!("at most {MAX_TOP_LOGPROBS}"),
-        ));
-    }
-    let bias = s.logit_bias.unwrap_or_default();
+}
+
+/// `logit_bias` as the runtime takes it: OpenAI's keys are JSON strings
+/// (one that is not a token id is a shape only JSON has), OpenAI allows
+/// [`MAX_OPENAI_LOGIT_BIAS`] entries of biases in [-100, 100] (narrower
+/// than the runtime's bounds); whether each token is in the vocabulary is
+/// the runtime's check.
+fn logit_bias(bias: BTreeMap<String, f32>) -> Result<Vec<(u32, f32)>, ApiError> {
     if bias.len() > MAX_OPENAI_LOGIT_BIAS {
         return Err(ApiError::invalid(
             "logit_bias",
             format!("{} entries, at most {MAX_OPENAI_LOGIT_BIAS}", bias.len()),
         ));
     }
-    let logit_bias = bias
-        .into_iter()
+    bias.into_iter()
         .map(|(token, b)| {
-            let id: u32 = token
-                .parse()
-                .ok()
-                .filter(|&id: &u32| (id as usize) < front.vocab)
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "logit_bias",
-                        format!("{token:?} is not a token id of this model's vocabulary"),
-                    )
-                })?;
+            let id: u32 = token.parse().map_err(|_| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("{token:?} is not a token id of this model's vocabulary"),
+                )
+            })?;
             if !(-100.0..=100.0).contains(&b) {
                 return Err(ApiError::invalid(
                     "logit_bias",
@@ -322,8 +381,13 @@ fn job_of(
             }
             Ok((id, b))
         })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    let stops = s.stop.map(|s| s.strings()).unwrap_or_default();
+        .collect()
+}
+
+/// OpenAI's `stop` strings are text, matched by the front door on the
+/// generated text; the runtime never sees them, so their bounds are
+/// checked here.
+fn check_stops(stops: &[String]) -> Result<(), ApiError> {
     if stops.len() > MAX_STOP_STRINGS {
         return Err(ApiError::invalid(
             "stop",
@@ -336,25 +400,7 @@ fn job_of(
             format!("a stop string is longer than {MAX_STOP_STRING_BYTES} bytes"),
         ));
     }
-    let sampling = SamplingOptions {
-        // OpenAI's default temperature is 1 (sampling); 0 is greedy.
-        temperature: Some(temperature.unwrap_or(1.0)),
-        top_p,
-        frequency_penalty,
-        presence_penalty,
-        logit_bias,
-        seed: s.seed.map(|seed| seed as u64),
-        top_logprobs: if logprobs { top_logprobs } else { 0 },
-        ..SamplingOptions::default()
-    };
-    Ok(Job {
-        prompt,
-        max_tokens,
-        sampling,
-        stops,
-        logprobs,
-        session: None,
-    })
+    Ok(())
 }
 
 /// Which endpoint's shapes to answer in.
@@ -541,4 +587,146 @@ fn events(
         })
         .map(Ok);
     stream::iter(first.map(Ok)).chain(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::limits::MAX_TOP_LOGPROBS;
+
+    const MODEL: Model = Model {
+        vocab: 320,
+        context: 64,
+    };
+
+    fn sampling(json: &str) -> Sampling {
+        serde_json::from_str(json).expect("sampling JSON")
+    }
+
+    fn job(json: &str, prompt: &[u32], top_logprobs: u32) -> Result<Job, ApiError> {
+        job_of(
+            sampling(json),
+            prompt.to_vec(),
+            top_logprobs > 0,
+            top_logprobs,
+            "prompt",
+            MODEL,
+        )
+    }
+
+    /// The sampling fields (JSON), the prompt, `top_logprobs`; the `param`
+    /// and `code` of the 400.
+    type Case = (
+        &'static str,
+        &'static [u32],
+        u32,
+        &'static str,
+        Option<&'static str>,
+    );
+
+    /// Each bad argument is a 400 naming its field, whichever side checks
+    /// it: the front door (OpenAI's own rules) or the runtime's check.
+    #[test]
+    fn every_bad_argument_is_a_400_naming_its_field() {
+        let runtime = Some("invalid_value");
+        let cases: [Case; 17] = [
+            (r#"{}"#, &[], 0, "prompt", None),
+            (r#"{"n": 2}"#, &[1], 0, "n", None),
+            (r#"{}"#, &[1; 64], 0, "prompt", Some("context_length_exceeded")),
+            (r#"{}"#, &[1, 320], 0, "prompt", runtime),
+            (r#"{"max_tokens": 0}"#, &[1], 0, "max_tokens", runtime),
+            (
+                r#"{"max_completion_tokens": 0, "max_tokens": 5}"#,
+                &[1],
+                0,
+                "max_tokens",
+                runtime,
+            ),
+            (r#"{"temperature": 2.5}"#, &[1], 0, "temperature", None),
+            (r#"{"temperature": -0.5}"#, &[1], 0, "temperature", runtime),
+            (r#"{"top_p": 0}"#, &[1], 0, "top_p", runtime),
+            (r#"{"top_p": 1.5}"#, &[1], 0, "top_p", runtime),
+            (r#"{"presence_penalty": 3}"#, &[1], 0, "presence_penalty", None),
+            (
+                r#"{"frequency_penalty": -3}"#,
+                &[1],
+                0,
+                "frequency_penalty",
+                None,
+            ),
+            (r#"{}"#, &[1], 21, "top_logprobs", runtime),
+            (r#"{"logit_bias": {"x": 1}}"#, &[1], 0, "logit_bias", None),
+            (r#"{"logit_bias": {"5": 101}}"#, &[1], 0, "logit_bias", None),
+            (r#"{"logit_bias": {"320": 1}}"#, &[1], 0, "logit_bias", runtime),
+            (r#"{"stop": ["a", "b", "c", "d", "e"]}"#, &[1], 0, "stop", None),
+        ];
+        for (json, prompt, top, param, code) in cases {
+            let err = job(json, prompt, top).expect_err(json);
+            assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST, "{json}");
+            assert_eq!(err.kind, "invalid_request_error", "{json}");
+            assert_eq!(err.param, Some(param), "{json}: {}", err.message);
+            assert_eq!(err.code, code, "{json}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn the_bounds_themselves_pass_and_one_more_is_refused() {
+        let bias = |n: usize| {
+            let entries: Vec<String> = (0..n).map(|i| format!("\"{i}\": 1")).collect();
+            format!(r#"{{"logit_bias": {{{}}}}}"#, entries.join(","))
+        };
+        let stops = |n: usize, bytes: usize| {
+            let one = format!("\"{}\"", "x".repeat(bytes));
+            format!(r#"{{"stop": [{}]}}"#, vec![one; n].join(","))
+        };
+        let top = MAX_TOP_LOGPROBS as u32;
+        let fine = [
+            (bias(MAX_OPENAI_LOGIT_BIAS), 0),
+            (stops(MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES), 0),
+            ("{}".to_string(), top),
+        ];
+        for (json, top) in &fine {
+            assert!(job(json, &[1], *top).is_ok(), "{json}");
+        }
+        let refused = [
+            (bias(MAX_OPENAI_LOGIT_BIAS + 1), 0),
+            (stops(MAX_STOP_STRINGS + 1, 1), 0),
+            (stops(1, MAX_STOP_STRING_BYTES + 1), 0),
+            ("{}".to_string(), top + 1),
+        ];
+        for (json, top) in &refused {
+            assert!(job(json, &[1], *top).is_err(), "{json}");
+        }
+    }
+
+    /// What a request asks, as the runtime's request: OpenAI's defaults,
+    /// `max_tokens` capped at the context's room, the newer name first.
+    #[test]
+    fn a_request_becomes_the_runtimes_request() {
+        let got = job(r#"{}"#, &[1, 2, 3, 4], 0).expect("a job");
+        assert_eq!(got.generate.max_tokens, 60);
+        assert_eq!(got.generate.sampling.temperature, Some(1.0));
+        assert!(got.generate.stop_sequences.is_empty());
+        let got = job(
+            r#"{"max_tokens": 100, "max_completion_tokens": 7, "temperature": 0,
+                "top_p": 0.9, "seed": 5, "logit_bias": {"9": -100}, "stop": "END"}"#,
+            &[1],
+            3,
+        )
+        .expect("a job");
+        assert_eq!(got.generate.max_tokens, 7);
+        let want = SamplingOptions {
+            temperature: Some(0.0),
+            top_p: Some(0.9),
+            logit_bias: vec![(9, -100.0)],
+            seed: Some(5),
+            top_logprobs: 3,
+            ..SamplingOptions::default()
+        };
+        assert_eq!(got.generate.sampling, want);
+        assert_eq!(got.stops, vec!["END".to_string()]);
+        assert!(got.logprobs);
+        let long = job(r#"{"max_tokens": 1000}"#, &[1; 60], 0).expect("a job");
+        assert_eq!(long.generate.max_tokens, 4);
+    }
 }

@@ -7,7 +7,8 @@
 //! are accepted and ignored, as other OpenAI-compatible servers do; every
 //! field it acts on is checked, and a value it cannot honour (`n` other
 //! than 1, a penalty out of range, a logit bias for a token outside the
-//! vocabulary) is a 400 naming the field.
+//! vocabulary) is a 400 naming the field, whether the front door or the
+//! runtime refused it (a runtime refusal's field is read off its message).
 
 use std::collections::BTreeMap;
 
@@ -313,11 +314,39 @@ impl From<RuntimeError> for ApiError {
         ApiError {
             status,
             kind,
+            param: param_of(&e),
             message: e.to_string(),
-            param: None,
             code,
         }
     }
+}
+
+/// The request fields the runtime may refuse that an OpenAI request sets,
+/// each with the message prefix that names it (the runtime's argument
+/// errors begin with the field: "top_p 0 is invalid: ...", "logit_bias has
+/// 1025 entries: ...", the sampler's "logit bias 7 for token ...").
+const RUNTIME_FIELDS: [(&str, &str); 8] = [
+    ("max_tokens", "max_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("presence_penalty", "presence_penalty"),
+    ("logit_bias", "logit_bias"),
+    ("logit bias", "logit_bias"),
+    ("top_logprobs", "top_logprobs"),
+];
+
+/// The OpenAI `param` a runtime refusal is about, read off the start of
+/// its message; `None` for anything but an argument error, or one about a
+/// field an OpenAI request does not set.
+fn param_of(e: &RuntimeError) -> Option<&'static str> {
+    let RuntimeError::InvalidArgument(message) = e else {
+        return None;
+    };
+    RUNTIME_FIELDS.iter().find_map(|&(prefix, param)| {
+        let rest = message.strip_prefix(prefix)?;
+        (rest.is_empty() || rest.starts_with(' ')).then_some(param)
+    })
 }
 
 /// `{"error": {...}}`, the body of every error.
