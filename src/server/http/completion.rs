@@ -27,7 +27,8 @@ use std::sync::Arc;
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
-use super::openai::{ApiError, FinishReason, TokenLogprob, TopLogprob, Usage};
+use super::openai::ApiError;
+use super::responses::{FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::stop_text::StopText;
 use super::Front;
 use crate::runtime::{

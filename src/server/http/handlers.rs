@@ -19,12 +19,10 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use serde_json::{json, Value};
 
-use super::completion::{self, Gathered, Job, Piece};
-use super::openai::{
-    ApiError, ChatRequest, CompletionRequest, Prompt, Sampling, TokenLogprob, Usage,
-};
+use super::completion::{self, Job, Piece};
+use super::openai::{ApiError, ChatRequest, CompletionRequest, Prompt, Sampling};
+use super::responses::{error_event, Chunks, Head, Kind, ModelList, Whole};
 use super::Front;
 use crate::chat_template::Message;
 use crate::runtime::limits::{
@@ -34,23 +32,14 @@ use crate::runtime::limits::{
 use crate::runtime::{AppendTokens, GenerateRequest, SamplingOptions, SessionId, Tenant};
 
 /// `GET /v1/models`: the one model this server runs.
-pub async fn models(State(front): State<Arc<Front>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": front.model_id,
-            "object": "model",
-            "created": front.created,
-            "owned_by": "inferd",
-        }],
-    }))
+pub async fn models(State(front): State<Arc<Front>>) -> Response {
+    Json(ModelList::one(&front.model_id, front.created)).into_response()
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_body(format!("the request body: {e}")))
 }
 
-/// `POST /v1/chat/completions`.
 /// The body, or why it could not be read (over the limit: 413), as an
 /// OpenAI error.
 fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -65,6 +54,7 @@ fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
+/// `POST /v1/chat/completions`.
 pub async fn chat(
     State(front): State<Arc<Front>>,
     Extension(caller): Extension<Tenant>,
@@ -101,9 +91,7 @@ pub const SESSION_HEADER: &str = "x-inferd-session";
 fn bound((mut job, stream): (Job, Streaming), headers: &HeaderMap) -> (Job, Streaming) {
     if let Some(value) = headers.get(SESSION_HEADER) {
         let text = value.to_str().unwrap_or_default();
-        job.session = Some(crate::runtime::SessionId::parse_or_never_issued(
-            text.trim(),
-        ));
+        job.session = Some(SessionId::parse_or_never_issued(text.trim()));
     }
     (job, stream)
 }
@@ -140,7 +128,10 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     if req.messages.len() > MAX_CHAT_MESSAGES {
         return Err(ApiError::invalid(
             "messages",
-            format!("{} messages, at most {MAX_CHAT_MESSAGES}", req.messages.len()),
+            format!(
+                "{} messages, at most {MAX_CHAT_MESSAGES}",
+                req.messages.len()
+            ),
         ));
     }
     let Some(template) = &front.template else {
@@ -403,33 +394,6 @@ fn check_stops(stops: &[String]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Which endpoint's shapes to answer in.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Text,
-}
-
-impl Kind {
-    fn id(self) -> String {
-        let mut bytes = [0u8; 12];
-        let _ = getrandom::getrandom(&mut bytes);
-        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        match self {
-            Kind::Chat => format!("chatcmpl-{hex}"),
-            Kind::Text => format!("cmpl-{hex}"),
-        }
-    }
-
-    fn object(self, chunk: bool) -> &'static str {
-        match (self, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Text, _) => "text_completion",
-        }
-    }
-}
-
 async fn respond(
     front: Arc<Front>,
     caller: Tenant,
@@ -445,62 +409,19 @@ async fn respond(
             .into_response();
     }
     match completion::gather(rx).await {
-        Ok(done) => Json(whole(&front, kind, done, logprobs)).into_response(),
+        Ok(done) => {
+            let id = kind.id();
+            let head = Head {
+                kind,
+                id: &id,
+                created: now(),
+                model: &front.model_id,
+            };
+            let lps = logprobs.then_some(done.logprobs.as_slice());
+            Json(Whole::new(head, &done.text, lps, done.finish, &done.usage)).into_response()
+        }
         Err(e) => e.into_response(),
     }
-}
-
-/// A whole answer.
-fn whole(front: &Front, kind: Kind, done: Gathered, logprobs: bool) -> Value {
-    let choice = match kind {
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": done.text},
-            "logprobs": logprobs.then(|| chat_logprobs(&done.logprobs)),
-            "finish_reason": done.finish,
-        }),
-        Kind::Text => json!({
-            "index": 0,
-            "text": done.text,
-            "logprobs": logprobs.then(|| text_logprobs(&done.logprobs, 0)),
-            "finish_reason": done.finish,
-        }),
-    };
-    json!({
-        "id": kind.id(),
-        "object": kind.object(false),
-        "created": now(),
-        "model": front.model_id,
-        "system_fingerprint": Value::Null,
-        "choices": [choice],
-        "usage": done.usage,
-    })
-}
-
-fn chat_logprobs(tokens: &[TokenLogprob]) -> Value {
-    json!({ "content": tokens })
-}
-
-/// The legacy completions shape: parallel lists, offsets into the text.
-fn text_logprobs(tokens: &[TokenLogprob], offset: usize) -> Value {
-    let mut at = offset;
-    let offsets: Vec<usize> = tokens
-        .iter()
-        .map(|t| {
-            let here = at;
-            at += t.token.len();
-            here
-        })
-        .collect();
-    json!({
-        "tokens": tokens.iter().map(|t| &t.token).collect::<Vec<_>>(),
-        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-        "top_logprobs": tokens
-            .iter()
-            .map(|t| t.top_logprobs.iter().map(|top| (top.token.clone(), json!(top.logprob))).collect::<serde_json::Map<_, _>>())
-            .collect::<Vec<_>>(),
-        "text_offset": offsets,
-    })
 }
 
 fn now() -> u64 {
@@ -520,73 +441,64 @@ fn events(
     logprobs: bool,
     usage_chunk: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
-    let id = kind.id();
-    let created = now();
-    let chunk = move |choices: Value, usage: Option<&Usage>| {
-        let mut body = json!({
-            "id": id,
-            "object": kind.object(true),
-            "created": created,
-            "model": front.model_id,
-            "system_fingerprint": Value::Null,
-            "choices": choices,
-        });
-        if let Some(usage) = usage {
-            body["usage"] = json!(usage);
-        }
-        Event::default().data(body.to_string())
+    let answer = Streamed {
+        id: kind.id(),
+        created: now(),
+        kind,
+        logprobs,
+        front,
     };
-    let first = (kind == Kind::Chat).then(|| {
-        chunk(
-            json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}]),
-            None,
-        )
-    });
+    let first = (kind == Kind::Chat).then(|| answer.chunks().role());
+    // Where the next piece begins in the answer's text (the legacy
+    // completions' `text_offset`).
     let mut text_offset = 0usize;
     let pieces = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|p| (p, rx)) });
-    let body = pieces
-        .flat_map(move |piece| {
-            let out: Vec<Event> = match piece {
-                Piece::Text { text, logprobs: lps } => {
-                    let choice = match kind {
-                        Kind::Chat => json!({
-                            "index": 0,
-                            "delta": {"content": text},
-                            "logprobs": logprobs.then(|| chat_logprobs(&lps)),
-                            "finish_reason": Value::Null,
-                        }),
-                        Kind::Text => {
-                            let lp = logprobs.then(|| text_logprobs(&lps, text_offset));
-                            text_offset += text.len();
-                            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": Value::Null})
-                        }
-                    };
-                    vec![chunk(json!([choice]), None)]
-                }
-                Piece::Done { finish, usage } => {
-                    let last = match kind {
-                        Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": Value::Null, "finish_reason": finish}),
-                        Kind::Text => json!({"index": 0, "text": "", "logprobs": Value::Null, "finish_reason": finish}),
-                    };
-                    if usage_chunk {
-                        vec![
-                            chunk(json!([last]), None),
-                            chunk(json!([]), Some(&usage)),
-                            Event::default().data("[DONE]"),
-                        ]
-                    } else {
-                        vec![
-                            chunk(json!([last]), Some(&usage)),
-                            Event::default().data("[DONE]"),
-                        ]
-                    }
-                }
-                Piece::Failed(e) => vec![Event::default().data(json!(e.body()).to_string())],
-            };
-            stream::iter(out)
-        })
-        .map(Ok);
-    stream::iter(first.map(Ok)).chain(body)
+    let body = pieces.flat_map(move |piece| {
+        let chunks = answer.chunks();
+        let out: Vec<String> = match piece {
+            Piece::Text { text, logprobs } => {
+                let data = chunks.piece(&text, &logprobs, text_offset);
+                text_offset += text.len();
+                vec![data]
+            }
+            Piece::Done { finish, usage } if usage_chunk => vec![
+                chunks.finish(finish, None),
+                chunks.usage(&usage),
+                "[DONE]".into(),
+            ],
+            Piece::Done { finish, usage } => {
+                vec![chunks.finish(finish, Some(&usage)), "[DONE]".into()]
+            }
+            Piece::Failed(e) => vec![error_event(&e)],
+        };
+        stream::iter(out)
+    });
+    stream::iter(first)
+        .chain(body)
+        .map(|data| Ok(Event::default().data(data)))
+}
+
+/// What every chunk of one streamed answer names, held by the stream.
+struct Streamed {
+    front: Arc<Front>,
+    kind: Kind,
+    id: String,
+    created: u64,
+    logprobs: bool,
+}
+
+impl Streamed {
+    fn chunks(&self) -> Chunks<'_> {
+        Chunks {
+            head: Head {
+                kind: self.kind,
+                id: &self.id,
+                created: self.created,
+                model: &self.front.model_id,
+            },
+            logprobs: self.logprobs,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -632,7 +544,13 @@ mod tests {
         let cases: [Case; 17] = [
             (r#"{}"#, &[], 0, "prompt", None),
             (r#"{"n": 2}"#, &[1], 0, "n", None),
-            (r#"{}"#, &[1; 64], 0, "prompt", Some("context_length_exceeded")),
+            (
+                r#"{}"#,
+                &[1; 64],
+                0,
+                "prompt",
+                Some("context_length_exceeded"),
+            ),
             (r#"{}"#, &[1, 320], 0, "prompt", runtime),
             (r#"{"max_tokens": 0}"#, &[1], 0, "max_tokens", runtime),
             (
@@ -646,7 +564,13 @@ mod tests {
             (r#"{"temperature": -0.5}"#, &[1], 0, "temperature", runtime),
             (r#"{"top_p": 0}"#, &[1], 0, "top_p", runtime),
             (r#"{"top_p": 1.5}"#, &[1], 0, "top_p", runtime),
-            (r#"{"presence_penalty": 3}"#, &[1], 0, "presence_penalty", None),
+            (
+                r#"{"presence_penalty": 3}"#,
+                &[1],
+                0,
+                "presence_penalty",
+                None,
+            ),
             (
                 r#"{"frequency_penalty": -3}"#,
                 &[1],
@@ -657,8 +581,20 @@ mod tests {
             (r#"{}"#, &[1], 21, "top_logprobs", runtime),
             (r#"{"logit_bias": {"x": 1}}"#, &[1], 0, "logit_bias", None),
             (r#"{"logit_bias": {"5": 101}}"#, &[1], 0, "logit_bias", None),
-            (r#"{"logit_bias": {"320": 1}}"#, &[1], 0, "logit_bias", runtime),
-            (r#"{"stop": ["a", "b", "c", "d", "e"]}"#, &[1], 0, "stop", None),
+            (
+                r#"{"logit_bias": {"320": 1}}"#,
+                &[1],
+                0,
+                "logit_bias",
+                runtime,
+            ),
+            (
+                r#"{"stop": ["a", "b", "c", "d", "e"]}"#,
+                &[1],
+                0,
+                "stop",
+                None,
+            ),
         ];
         for (json, prompt, top, param, code) in cases {
             let err = job(json, prompt, top).expect_err(json);

@@ -18,6 +18,7 @@ mod completion;
 mod handlers;
 pub mod listener;
 pub mod openai;
+mod responses;
 pub mod stop_text;
 
 use std::net::SocketAddr;

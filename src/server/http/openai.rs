@@ -151,62 +151,6 @@ pub struct CompletionRequest {
     pub sampling: Sampling,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct PromptDetails {
-    pub cached_tokens: u64,
-}
-
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub total_tokens: u64,
-    pub prompt_tokens_details: PromptDetails,
-}
-
-impl Usage {
-    pub fn new(prompt: u64, completion: u64, cached: u64) -> Usage {
-        Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-            total_tokens: prompt + completion,
-            prompt_tokens_details: PromptDetails {
-                cached_tokens: cached,
-            },
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TopLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    pub top_logprobs: Vec<TopLogprob>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct ChoiceLogprobs {
-    pub content: Vec<TokenLogprob>,
-}
-
-/// Why a choice ended, as OpenAI names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// An end-of-generation token or a stop string.
-    Stop,
-    /// `max_tokens`, or the context is full.
-    Length,
-}
-
 /// An error in OpenAI's shape, with its HTTP status.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ApiError {
