@@ -117,6 +117,10 @@ impl Streaming {
     }
 }
 
+/// A chat request as a job. Its own checks are the chat's: the messages
+/// (their number bounded here, as the runtime only ever sees the tokens
+/// they render to), the template, and `top_logprobs` without `logprobs`
+/// (the runtime has the one count, 0 for none).
 fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     let req: ChatRequest = parse(body)?;
     if req.messages.is_empty() {
@@ -182,6 +186,9 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     Ok((job, stream))
 }
 
+/// A completions request as a job. Its own checks are OpenAI's fields the
+/// runtime has no counterpart of: `echo` (unsupported) and a list of
+/// prompts (one per request).
 fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     let req: CompletionRequest = parse(body)?;
     if req.echo {
