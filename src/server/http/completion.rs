@@ -35,7 +35,7 @@ use crate::runtime::{
     AppendTokens, CreateSession, GenerateEvent, GenerateRequest, GenerateStream, SessionId, Tenant,
 };
 use crate::stop::StopReason;
-use crate::tokenizer::StreamDecoder;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// A request, checked and tokenized: what to run.
 #[derive(Clone, Debug)]
@@ -260,13 +260,7 @@ async fn stream_out(
         let piece = match event {
             GenerateEvent::Token(token) => {
                 generated += 1;
-                let piece = if tokenizer.is_eog(token) || tokenizer.is_control(token) {
-                    String::new()
-                } else {
-                    text.decoder.push(tokenizer, token).map_err(|e| {
-                        ApiError::from(crate::runtime::RuntimeError::Internal(e.to_string()))
-                    })?
-                };
+                let piece = text.decode(tokenizer, token)?;
                 if logprobs {
                     // A token's text waits for its log-probabilities (they
                     // follow it as their own event).
@@ -286,12 +280,7 @@ async fn stream_out(
             }
             GenerateEvent::Truncated { .. } => continue,
             GenerateEvent::Done(done) => {
-                finish = match done.stop_reason {
-                    StopReason::MaxTokens | StopReason::Truncated => FinishReason::Length,
-                    StopReason::Eos | StopReason::StopSequence { .. } | StopReason::Cancelled => {
-                        FinishReason::Stop
-                    }
-                };
+                finish = finish_of(done.stop_reason);
                 break;
             }
             GenerateEvent::Error(e) => return Err(e.into()),
@@ -326,7 +315,28 @@ struct Text {
     waiting: Option<String>,
 }
 
+/// Why a choice ended, as OpenAI names it, for why the Generate ended.
+fn finish_of(reason: StopReason) -> FinishReason {
+    match reason {
+        StopReason::MaxTokens | StopReason::Truncated => FinishReason::Length,
+        StopReason::Eos | StopReason::StopSequence { .. } | StopReason::Cancelled => {
+            FinishReason::Stop
+        }
+    }
+}
+
 impl Text {
+    /// A generated token's text, as far as it is whole (an end-of-generation
+    /// or control token has none).
+    fn decode(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String, ApiError> {
+        if tokenizer.is_eog(token) || tokenizer.is_control(token) {
+            return Ok(String::new());
+        }
+        self.decoder
+            .push(tokenizer, token)
+            .map_err(|e| ApiError::from(crate::runtime::RuntimeError::Internal(e.to_string())))
+    }
+
     /// `out` as a piece, with the log-probabilities held so far.
     fn piece(&mut self, out: String) -> Piece {
         Piece::Text {

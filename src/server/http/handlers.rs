@@ -1,3 +1,6 @@
+//! The handlers of the HTTP routes: each request read, converted into the
+//! runtime's request (a [`Job`]), and answered whole or as a stream.
+//!
 //! The routes: `POST /v1/chat/completions` (the conversation rendered with
 //! the model's chat template), `POST /v1/completions` (a prompt as text or
 //! token ids), `GET /v1/models`, each answering whole or, with `stream:
@@ -6,6 +9,10 @@
 //! last chunk with no choices when `stream_options.include_usage` asks for
 //! it (as OpenAI sends it), otherwise on the chunk that says why it
 //! finished, so that every chunk of such a stream has a choice.
+//!
+//! A request's arguments are checked before anything changes: by the
+//! runtime's own checks where it has them (the ones its admission runs),
+//! here only for what OpenAI alone has (see `job_of`).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -260,22 +267,7 @@ fn job_of(
     if s.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("n", "only n = 1 is supported"));
     }
-    // The runtime would truncate a history that outgrows the context;
-    // OpenAI refuses the prompt with `context_length_exceeded`.
-    let room = model.context.saturating_sub(prompt.len());
-    if room == 0 {
-        return Err(ApiError {
-            code: Some("context_length_exceeded"),
-            ..ApiError::invalid(
-                prompt_param,
-                format!(
-                    "the prompt is {} tokens; the model's context is {}",
-                    prompt.len(),
-                    model.context
-                ),
-            )
-        });
-    }
+    let room = model.room(prompt.len(), prompt_param)?;
     // The prompt's tokens: the runtime's check of an append.
     AppendTokens::check_tokens(&prompt, model.vocab).map_err(|e| ApiError {
         param: Some(prompt_param),
@@ -286,24 +278,7 @@ fn job_of(
     // with finish_reason "length". (0 is the runtime's to refuse.)
     let asked = s.max_completion_tokens.or(s.max_tokens);
     let max_tokens = asked.map_or(room, |n| (n as usize).min(room)) as u32;
-    // OpenAI's ranges where they are narrower than the runtime's, which
-    // refuses only what cannot be sampled with (a negative temperature, a
-    // penalty that is not finite).
-    if let Some(t) = s.temperature.filter(|&t| t > 2.0) {
-        return Err(ApiError::invalid(
-            "temperature",
-            format!("temperature is {t}, it must lie in [0, 2]"),
-        ));
-    }
-    let penalty = |param: &'static str, v: Option<f32>| match v {
-        Some(x) if !(-2.0..=2.0).contains(&x) => Err(ApiError::invalid(
-            param,
-            format!("{param} is {x}, it must lie in [-2, 2]"),
-        )),
-        _ => Ok(v),
-    };
-    let frequency_penalty = penalty("frequency_penalty", s.frequency_penalty)?;
-    let presence_penalty = penalty("presence_penalty", s.presence_penalty)?;
+    check_openai_ranges(&s)?;
     let logit_bias = logit_bias(s.logit_bias.unwrap_or_default())?;
     let stops = s.stop.map(|s| s.strings()).unwrap_or_default();
     check_stops(&stops)?;
@@ -315,8 +290,8 @@ fn job_of(
             // OpenAI's default temperature is 1 (sampling); 0 is greedy.
             temperature: Some(s.temperature.unwrap_or(1.0)),
             top_p: s.top_p,
-            frequency_penalty,
-            presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            presence_penalty: s.presence_penalty,
             logit_bias,
             seed: s.seed.map(|seed| seed as u64),
             top_logprobs: if logprobs { top_logprobs } else { 0 },
@@ -349,6 +324,50 @@ impl Model {
             context: front.context,
         }
     }
+
+    /// What the context leaves after a prompt of `len` tokens. The runtime
+    /// would truncate a history that outgrows the context; OpenAI refuses
+    /// the prompt with `context_length_exceeded`.
+    fn room(self, len: usize, prompt_param: &'static str) -> Result<usize, ApiError> {
+        match self.context.saturating_sub(len) {
+            0 => Err(ApiError {
+                code: Some("context_length_exceeded"),
+                ..ApiError::invalid(
+                    prompt_param,
+                    format!(
+                        "the prompt is {len} tokens; the model's context is {}",
+                        self.context
+                    ),
+                )
+            }),
+            room => Ok(room),
+        }
+    }
+}
+
+/// OpenAI's ranges where they are narrower than the runtime's, which
+/// refuses only what cannot be sampled with (a negative temperature, a
+/// penalty that is not finite): `temperature` at most 2, the penalties in
+/// [-2, 2].
+fn check_openai_ranges(s: &Sampling) -> Result<(), ApiError> {
+    if let Some(t) = s.temperature.filter(|&t| t > 2.0) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("temperature is {t}, it must lie in [0, 2]"),
+        ));
+    }
+    for (param, v) in [
+        ("frequency_penalty", s.frequency_penalty),
+        ("presence_penalty", s.presence_penalty),
+    ] {
+        if let Some(x) = v.filter(|x| !(-2.0..=2.0).contains(x)) {
+            return Err(ApiError::invalid(
+                param,
+                format!("{param} is {x}, it must lie in [-2, 2]"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `logit_bias` as the runtime takes it: OpenAI's keys are JSON strings

@@ -1,6 +1,6 @@
-//! The OpenAI-style wire shapes the HTTP front door reads and writes
-//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), and its
-//! errors in OpenAI's error shape with the HTTP status each one means.
+//! The OpenAI request shapes the HTTP front door reads (`/v1/chat/completions`,
+//! `/v1/completions`), and its errors in OpenAI's shape with their HTTP status.
+//! The bodies it answers with are in `responses.rs`.
 //!
 //! Fields a request may carry that inferd does not act on (`user`,
 //! `stream_options` beyond `include_usage`, `response_format` "text", ...)
