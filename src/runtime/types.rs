@@ -293,13 +293,24 @@ impl SamplingOptions {
         Ok(())
     }
 
-    /// Checks every knob against its documented range (the sampler's
-    /// checks, plus the bounds of [`limits`]) for a vocabulary of `vocab`
-    /// tokens, and returns the sampler parameters the options mean, checked
-    /// once for the whole call, with the seed used: the request's, or one
-    /// drawn from the OS.
-    pub fn resolve(&self, vocab: usize) -> Result<(CheckedParams, u64), RuntimeError> {
+    /// The one check of the options: every knob against its documented
+    /// range (the sampler's checks, plus the bounds of [`limits`]) for a
+    /// vocabulary of `vocab` tokens; the parameters come back checked.
+    fn checked(&self, seed: u64, vocab: usize) -> Result<CheckedParams, RuntimeError> {
         self.check_limits()?;
+        Ok(self.params(seed).checked(vocab)?)
+    }
+
+    /// Checks the options as [`SamplingOptions::resolve`] does, drawing no
+    /// seed (the seed plays no part in any check).
+    pub fn check(&self, vocab: usize) -> Result<(), RuntimeError> {
+        self.checked(0, vocab).map(drop)
+    }
+
+    /// Checks every knob (as [`SamplingOptions::check`]) and returns the
+    /// sampler parameters the options mean, checked once for the whole
+    /// call, with the seed used: the request's, or one drawn from the OS.
+    pub fn resolve(&self, vocab: usize) -> Result<(CheckedParams, u64), RuntimeError> {
         let seed = match self.seed {
             Some(seed) => seed,
             None => {
@@ -309,7 +320,7 @@ impl SamplingOptions {
                 u64::from_le_bytes(bytes)
             }
         };
-        Ok((self.params(seed).checked(vocab)?, seed))
+        Ok((self.checked(seed, vocab)?, seed))
     }
 }
 
@@ -327,11 +338,27 @@ pub struct GenerateRequest {
 impl GenerateRequest {
     /// Checks every argument of a Generate that needs no session state
     /// against a vocabulary of `vocab` tokens (`max_tokens`, the sampling
-    /// knobs, the stop sequences) and returns what the worker runs: the
+    /// knobs, the stop sequences; `id` plays no part). The one check of
+    /// them: [`GenerateRequest::admit`] runs the same checks, and a front
+    /// door that must refuse a request before it changes anything (the
+    /// HTTP API creates a session of its own before its Generate) runs
+    /// this first.
+    pub fn check(&self, vocab: usize) -> Result<(), RuntimeError> {
+        self.check_length_and_stops(vocab)?;
+        self.sampling.check(vocab)
+    }
+
+    /// [`GenerateRequest::check`], returning what the worker runs: the
     /// sampler parameters, checked here once for the whole call, and the
     /// seed used. The runtime runs it before it looks the session up, so a
     /// bad argument is `InvalidArgument` whatever the id.
     pub fn admit(&self, vocab: usize) -> Result<(CheckedParams, u64), RuntimeError> {
+        self.check_length_and_stops(vocab)?;
+        self.sampling.resolve(vocab)
+    }
+
+    /// `max_tokens` and the stop sequences.
+    fn check_length_and_stops(&self, vocab: usize) -> Result<(), RuntimeError> {
         let stop_sequences = &self.stop_sequences;
         if self.max_tokens == 0 {
             return Err(RuntimeError::invalid("max_tokens must be at least 1"));
@@ -366,7 +393,7 @@ impl GenerateRequest {
         if stop_sequences.iter().any(|s| s.is_empty()) {
             return Err(RuntimeError::invalid("stop sequences must not be empty"));
         }
-        self.sampling.resolve(vocab)
+        Ok(())
     }
 }
 
@@ -552,5 +579,51 @@ impl<T> Future for Pending<T> {
             Poll::Ready(Some(reply)) => Poll::Ready(reply),
             Poll::Ready(None) => Poll::Ready(Err(RuntimeError::Unavailable)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(edit: impl FnOnce(&mut GenerateRequest)) -> GenerateRequest {
+        let mut req = GenerateRequest {
+            id: SessionId::NEVER_ISSUED,
+            max_tokens: 4,
+            sampling: SamplingOptions::default(),
+            stop_sequences: Vec::new(),
+        };
+        edit(&mut req);
+        req
+    }
+
+    /// `check` (run up front by a front door) and `admit` (run by the
+    /// runtime) refuse the same arguments with the same error.
+    #[test]
+    fn check_refuses_what_admission_refuses_with_the_same_error() {
+        let bad: [fn(&mut GenerateRequest); 10] = [
+            |r| r.max_tokens = 0,
+            |r| r.sampling.temperature = Some(-0.5),
+            |r| r.sampling.temperature = Some(1e-9),
+            |r| r.sampling.top_p = Some(0.0),
+            |r| r.sampling.frequency_penalty = Some(f32::INFINITY),
+            |r| r.sampling.top_logprobs = 21,
+            |r| r.sampling.logit_bias = vec![(320, 1.0)],
+            |r| r.sampling.logit_bias = vec![(1, 0.0); MAX_LOGIT_BIAS_ENTRIES + 1],
+            |r| r.sampling.penalty_last_n = Some(MAX_PENALTY_LAST_N + 1),
+            |r| r.stop_sequences = vec![vec![]],
+        ];
+        for (i, edit) in bad.iter().enumerate() {
+            let req = request(edit);
+            let admitted = req.admit(320).map(|_| ()).expect_err("refused");
+            assert_eq!(req.check(320), Err(admitted), "case {i}");
+        }
+        let good = request(|r| {
+            r.sampling.temperature = Some(0.7);
+            r.sampling.top_logprobs = 20;
+            r.sampling.logit_bias = vec![(319, -100.0)];
+        });
+        assert_eq!(good.check(320), Ok(()));
+        assert!(good.admit(320).is_ok());
     }
 }

@@ -27,24 +27,26 @@ use std::sync::Arc;
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
-use super::openai::{ApiError, FinishReason, TokenLogprob, TopLogprob, Usage};
+use super::openai::ApiError;
+use super::responses::{FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::stop_text::StopText;
 use super::Front;
 use crate::runtime::{
-    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, SamplingOptions, SessionId, Tenant,
+    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, GenerateStream, SessionId, Tenant,
 };
 use crate::stop::StopReason;
-use crate::tokenizer::StreamDecoder;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// A request, checked and tokenized: what to run.
 #[derive(Clone, Debug)]
 pub struct Job {
     pub prompt: Vec<u32>,
-    pub max_tokens: u32,
-    pub sampling: SamplingOptions,
+    /// The Generate to run (checked), its id set once the session is
+    /// known.
+    pub generate: GenerateRequest,
     pub stops: Vec<String>,
-    /// Report each token's log-probability (and `sampling.top_logprobs`
-    /// alternatives).
+    /// Report each token's log-probability (and
+    /// `generate.sampling.top_logprobs` alternatives).
     pub logprobs: bool,
     /// The client's own session to run in (`x-inferd-session`), if any.
     pub session: Option<SessionId>,
@@ -136,153 +138,224 @@ pub struct Gathered {
     pub usage: Usage,
 }
 
+/// The job's steps, in order: open its session, feed it the prompt,
+/// generate, stream the text out, then report why it finished and the
+/// usage.
 async fn run(
     front: &Arc<Front>,
     caller: &Tenant,
     job: Job,
     tx: &mpsc::Sender<Piece>,
 ) -> Result<(), ApiError> {
-    let runtime = &front.state.runtime;
     let prompt_tokens = job.prompt.len() as u64;
-    let (id, held, _guard) = match job.session {
-        Some(id) => {
-            let history = runtime.session_history(caller, id, None)?.await?;
-            if !job.prompt.starts_with(&history) {
-                // Nothing about the session's history (not even its
-                // length) is told: only that it is not this prompt's start.
-                return Err(ApiError {
-                    code: Some("session_history_mismatch"),
-                    ..ApiError::invalid(
-                        "x-inferd-session",
-                        format!(
-                            "the session's history does not begin this request's prompt \
-                             ({} tokens)",
-                            job.prompt.len()
-                        ),
-                    )
-                });
-            }
-            (id, history.len(), None)
-        }
-        None => {
-            let create = CreateSession {
-                client_label: "http".into(),
-                eos_token_ids: front.eos.clone(),
-            };
-            let id = runtime.create_session(caller, create, None)?.await?;
-            let guard = SessionGuard {
-                front: Arc::clone(front),
-                caller: caller.clone(),
-                id,
-            };
-            (id, 0, Some(guard))
-        }
+    // The guard closes the request's own session when the job ends.
+    let (id, held, _guard) = open(front, caller, job.session, &job.prompt).await?;
+    let reused = feed(front, caller, id, &job.prompt[held..]).await?;
+    let request = GenerateRequest { id, ..job.generate };
+    let stream = front.state.runtime.generate(caller, request, None)?;
+    let Some(ended) = stream_out(front, stream, job.stops, job.logprobs, tx).await? else {
+        // The client went away.
+        return Ok(());
     };
-    let fresh = job.prompt[held..].to_vec();
-    let reused = if fresh.is_empty() {
-        0
-    } else {
-        runtime
-            .append_tokens(caller, AppendTokens { id, tokens: fresh }, None)?
-            .await?
-            .reused_token_count
-    };
-    let mut sampling = job.sampling;
-    if !job.logprobs {
-        sampling.top_logprobs = 0;
+    let usage = Usage::new(prompt_tokens, ended.generated, held as u64 + reused);
+    let finish = ended.finish;
+    let _ = tx.send(Piece::Done { finish, usage }).await;
+    Ok(())
+}
+
+/// The session the job runs in, the history it already holds, and the
+/// guard that closes it: a new session of the job's own, or the client's
+/// (`x-inferd-session`, which stays open), whose history must begin the
+/// prompt.
+async fn open(
+    front: &Arc<Front>,
+    caller: &Tenant,
+    session: Option<SessionId>,
+    prompt: &[u32],
+) -> Result<(SessionId, usize, Option<SessionGuard>), ApiError> {
+    let runtime = &front.state.runtime;
+    if let Some(id) = session {
+        let history = runtime.session_history(caller, id, None)?.await?;
+        if !prompt.starts_with(&history) {
+            // Nothing about the session's history (not even its length)
+            // is told: only that it is not this prompt's start.
+            return Err(ApiError {
+                code: Some("session_history_mismatch"),
+                ..ApiError::invalid(
+                    "x-inferd-session",
+                    format!(
+                        "the session's history does not begin this request's prompt \
+                         ({} tokens)",
+                        prompt.len()
+                    ),
+                )
+            });
+        }
+        return Ok((id, history.len(), None));
     }
-    let request = GenerateRequest {
-        id,
-        max_tokens: job.max_tokens,
-        sampling,
-        stop_sequences: Vec::new(),
+    let create = CreateSession {
+        client_label: "http".into(),
+        eos_token_ids: front.eos.clone(),
     };
-    let mut stream = runtime.generate(caller, request, None)?;
+    let id = runtime.create_session(caller, create, None)?.await?;
+    let guard = SessionGuard {
+        front: Arc::clone(front),
+        caller: caller.clone(),
+        id,
+    };
+    Ok((id, 0, Some(guard)))
+}
+
+/// Appends what the session does not hold yet; returns how many of those
+/// tokens were mapped from shared pages instead of computed.
+async fn feed(
+    front: &Front,
+    caller: &Tenant,
+    id: SessionId,
+    fresh: &[u32],
+) -> Result<u64, ApiError> {
+    if fresh.is_empty() {
+        return Ok(0);
+    }
+    let append = AppendTokens {
+        id,
+        tokens: fresh.to_vec(),
+    };
+    let reply = front
+        .state
+        .runtime
+        .append_tokens(caller, append, None)?
+        .await?;
+    Ok(reply.reused_token_count)
+}
+
+/// How a generation's text ended.
+struct Ended {
+    finish: FinishReason,
+    /// Tokens generated (an end-of-generation token included).
+    generated: u64,
+}
+
+/// Sends the Generate's tokens on `tx` as text pieces (with their
+/// log-probabilities when asked for), cut at the first stop string, which
+/// cancels the Generate. `None`: the client went away (dropping the
+/// stream cancels it).
+async fn stream_out(
+    front: &Front,
+    mut stream: GenerateStream,
+    stops: Vec<String>,
+    logprobs: bool,
+    tx: &mpsc::Sender<Piece>,
+) -> Result<Option<Ended>, ApiError> {
     let tokenizer = &front.tokenizer;
-    let mut decoder = StreamDecoder::new();
-    let mut stop = StopText::new(job.stops);
+    let mut text = Text {
+        decoder: StreamDecoder::new(),
+        stop: StopText::new(stops),
+        logprobs: Vec::new(),
+        waiting: None,
+    };
     let mut generated = 0u64;
-    let mut held_logprobs: Vec<TokenLogprob> = Vec::new();
-    // A token's text waits for its log-probabilities when they were asked
-    // for (they follow it as their own event).
-    let mut waiting: Option<String> = None;
     let mut finish = FinishReason::Length;
-    let mut stopped = false;
     while let Some(event) = stream.next().await {
-        let text = match event {
+        let piece = match event {
             GenerateEvent::Token(token) => {
                 generated += 1;
-                let text = if tokenizer.is_eog(token) || tokenizer.is_control(token) {
-                    String::new()
-                } else {
-                    decoder.push(tokenizer, token).map_err(|e| {
-                        ApiError::from(crate::runtime::RuntimeError::Internal(e.to_string()))
-                    })?
-                };
-                if job.logprobs {
-                    waiting = Some(text);
+                let piece = text.decode(tokenizer, token)?;
+                if logprobs {
+                    // A token's text waits for its log-probabilities (they
+                    // follow it as their own event).
+                    text.waiting = Some(piece);
                     continue;
                 }
-                text
+                piece
             }
             GenerateEvent::Logprobs(lp) => {
                 // An end-of-generation token is no part of the text, nor of
                 // the log-probabilities that line up with it.
                 if !tokenizer.is_eog(lp.token) {
-                    held_logprobs.push(token_logprob(front, lp.token, lp.chosen, &lp.top));
+                    let entry = token_logprob(front, lp.token, lp.chosen, &lp.top);
+                    text.logprobs.push(entry);
                 }
-                waiting.take().unwrap_or_default()
+                text.waiting.take().unwrap_or_default()
             }
             GenerateEvent::Truncated { .. } => continue,
             GenerateEvent::Done(done) => {
-                finish = match done.stop_reason {
-                    StopReason::MaxTokens | StopReason::Truncated => FinishReason::Length,
-                    StopReason::Eos | StopReason::StopSequence { .. } | StopReason::Cancelled => {
-                        FinishReason::Stop
-                    }
-                };
+                finish = finish_of(done.stop_reason);
                 break;
             }
             GenerateEvent::Error(e) => return Err(e.into()),
         };
-        let (out, hit) = stop.push(&text);
-        if !out.is_empty() || hit {
-            let piece = Piece::Text {
-                text: out,
-                logprobs: std::mem::take(&mut held_logprobs),
-            };
-            if tx.send(piece).await.is_err() {
-                // The client went away: dropping the stream cancels.
-                return Ok(());
-            }
+        let (out, hit) = text.stop.push(&piece);
+        if (!out.is_empty() || hit) && tx.send(text.piece(out)).await.is_err() {
+            return Ok(None);
         }
         if hit {
             stream.cancel();
-            finish = FinishReason::Stop;
-            stopped = true;
-            break;
+            let finish = FinishReason::Stop;
+            return Ok(Some(Ended { finish, generated }));
         }
     }
-    if !stopped {
-        let mut rest = waiting.take().unwrap_or_default();
-        rest.push_str(&decoder.finish());
-        let (mut out, hit) = stop.push(&rest);
-        if hit {
-            finish = FinishReason::Stop;
-        } else {
-            out.push_str(&stop.finish());
-        }
-        if !out.is_empty() || !held_logprobs.is_empty() {
-            let piece = Piece::Text {
-                text: out,
-                logprobs: std::mem::take(&mut held_logprobs),
-            };
-            let _ = tx.send(piece).await;
+    let (rest, hit) = text.rest();
+    if hit {
+        finish = FinishReason::Stop;
+    }
+    if !rest.is_empty() || !text.logprobs.is_empty() {
+        let _ = tx.send(text.piece(rest)).await;
+    }
+    Ok(Some(Ended { finish, generated }))
+}
+
+/// The text of a generation on its way out.
+struct Text {
+    decoder: StreamDecoder,
+    stop: StopText,
+    /// Log-probabilities of the tokens not sent yet.
+    logprobs: Vec<TokenLogprob>,
+    /// The text of a token whose log-probabilities have not come yet.
+    waiting: Option<String>,
+}
+
+/// Why a choice ended, as OpenAI names it, for why the Generate ended.
+fn finish_of(reason: StopReason) -> FinishReason {
+    match reason {
+        StopReason::MaxTokens | StopReason::Truncated => FinishReason::Length,
+        StopReason::Eos | StopReason::StopSequence { .. } | StopReason::Cancelled => {
+            FinishReason::Stop
         }
     }
-    let usage = Usage::new(prompt_tokens, generated, held as u64 + reused);
-    let _ = tx.send(Piece::Done { finish, usage }).await;
-    Ok(())
+}
+
+impl Text {
+    /// A generated token's text, as far as it is whole (an end-of-generation
+    /// or control token has none).
+    fn decode(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String, ApiError> {
+        if tokenizer.is_eog(token) || tokenizer.is_control(token) {
+            return Ok(String::new());
+        }
+        self.decoder
+            .push(tokenizer, token)
+            .map_err(|e| ApiError::from(crate::runtime::RuntimeError::Internal(e.to_string())))
+    }
+
+    /// `out` as a piece, with the log-probabilities held so far.
+    fn piece(&mut self, out: String) -> Piece {
+        Piece::Text {
+            text: out,
+            logprobs: std::mem::take(&mut self.logprobs),
+        }
+    }
+
+    /// What is left when the generation ended without a stop string: the
+    /// text still held, cut at a stop string it completes (then `true`).
+    fn rest(&mut self) -> (String, bool) {
+        let mut rest = self.waiting.take().unwrap_or_default();
+        rest.push_str(&self.decoder.finish());
+        let (mut out, hit) = self.stop.push(&rest);
+        if !hit {
+            out.push_str(&self.stop.finish());
+        }
+        (out, hit)
+    }
 }
 
 /// A token's log-probability in OpenAI's shape.

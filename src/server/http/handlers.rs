@@ -1,3 +1,6 @@
+//! The handlers of the HTTP routes: each request read, converted into the
+//! runtime's request (a [`Job`]), and answered whole or as a stream.
+//!
 //! The routes: `POST /v1/chat/completions` (the conversation rendered with
 //! the model's chat template), `POST /v1/completions` (a prompt as text or
 //! token ids), `GET /v1/models`, each answering whole or, with `stream:
@@ -6,7 +9,12 @@
 //! last chunk with no choices when `stream_options.include_usage` asks for
 //! it (as OpenAI sends it), otherwise on the chunk that says why it
 //! finished, so that every chunk of such a stream has a choice.
+//!
+//! A request's arguments are checked before anything changes: by the
+//! runtime's own checks where it has them (the ones its admission runs),
+//! here only for what OpenAI alone has (see `job_of`).
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -18,44 +26,34 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use serde_json::{json, Value};
 
-use super::completion::{self, Gathered, Job, Piece};
-use super::openai::{
-    ApiError, ChatRequest, CompletionRequest, Prompt, Sampling, TokenLogprob, Usage,
-    MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_TOP_LOGPROBS,
-};
-use super::stop_text::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
+use super::completion::{self, Job, Piece};
+use super::openai::{ApiError, ChatRequest, CompletionRequest, Prompt, Sampling};
+use super::responses::{error_event, Chunks, Head, Kind, ModelList, Whole};
 use super::Front;
 use crate::chat_template::Message;
-use crate::runtime::{SamplingOptions, Tenant};
+use crate::runtime::limits::{
+    MAX_CHAT_MESSAGES, MAX_HTTP_BODY_BYTES, MAX_OPENAI_LOGIT_BIAS, MAX_STOP_STRINGS,
+    MAX_STOP_STRING_BYTES,
+};
+use crate::runtime::{AppendTokens, GenerateRequest, SamplingOptions, SessionId, Tenant};
 
 /// `GET /v1/models`: the one model this server runs.
-pub async fn models(State(front): State<Arc<Front>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": front.model_id,
-            "object": "model",
-            "created": front.created,
-            "owned_by": "inferd",
-        }],
-    }))
+pub async fn models(State(front): State<Arc<Front>>) -> Response {
+    Json(ModelList::one(&front.model_id, front.created)).into_response()
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_body(format!("the request body: {e}")))
 }
 
-/// `POST /v1/chat/completions`.
 /// The body, or why it could not be read (over the limit: 413), as an
 /// OpenAI error.
 fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|e| {
         if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(format!(
-                "the request body: {e} (at most {} bytes)",
-                super::MAX_BODY_BYTES
+                "the request body: {e} (at most {MAX_HTTP_BODY_BYTES} bytes)"
             ))
         } else {
             ApiError::bad_body(format!("the request body: {e}"))
@@ -63,6 +61,7 @@ fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
+/// `POST /v1/chat/completions`.
 pub async fn chat(
     State(front): State<Arc<Front>>,
     Extension(caller): Extension<Tenant>,
@@ -99,9 +98,7 @@ pub const SESSION_HEADER: &str = "x-inferd-session";
 fn bound((mut job, stream): (Job, Streaming), headers: &HeaderMap) -> (Job, Streaming) {
     if let Some(value) = headers.get(SESSION_HEADER) {
         let text = value.to_str().unwrap_or_default();
-        job.session = Some(crate::runtime::SessionId::parse_or_never_issued(
-            text.trim(),
-        ));
+        job.session = Some(SessionId::parse_or_never_issued(text.trim()));
     }
     (job, stream)
 }
@@ -127,6 +124,10 @@ impl Streaming {
     }
 }
 
+/// A chat request as a job. Its own checks are the chat's: the messages
+/// (their number bounded here, as the runtime only ever sees the tokens
+/// they render to), the template, and `top_logprobs` without `logprobs`
+/// (the runtime has the one count, 0 for none).
 fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     let req: ChatRequest = parse(body)?;
     if req.messages.is_empty() {
@@ -135,10 +136,13 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
             "at least one message is required",
         ));
     }
-    if req.messages.len() > MAX_MESSAGES {
+    if req.messages.len() > MAX_CHAT_MESSAGES {
         return Err(ApiError::invalid(
             "messages",
-            format!("{} messages, at most {MAX_MESSAGES}", req.messages.len()),
+            format!(
+                "{} messages, at most {MAX_CHAT_MESSAGES}",
+                req.messages.len()
+            ),
         ));
     }
     let Some(template) = &front.template else {
@@ -178,10 +182,20 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         (_, top) => top.unwrap_or(0),
     };
     let stream = Streaming::of(&req.sampling);
-    let job = job_of(front, req.sampling, prompt, req.logprobs, top, "messages")?;
+    let job = job_of(
+        req.sampling,
+        prompt,
+        req.logprobs,
+        top,
+        "messages",
+        Model::of(front),
+    )?;
     Ok((job, stream))
 }
 
+/// A completions request as a job. Its own checks are OpenAI's fields the
+/// runtime has no counterpart of: `echo` (unsupported) and a list of
+/// prompts (one per request).
 fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
     let req: CompletionRequest = parse(body)?;
     if req.echo {
@@ -215,104 +229,167 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiEr
             lists.swap_remove(0)
         }
     };
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= front.vocab) {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("token {bad} is outside the vocabulary of {}", front.vocab),
-        ));
-    }
     let top = req.logprobs.unwrap_or(0);
     let stream = Streaming::of(&req.sampling);
     let job = job_of(
-        front,
         req.sampling,
         prompt,
         req.logprobs.is_some(),
         top,
         "prompt",
+        Model::of(front),
     )?;
     Ok((job, stream))
 }
 
-/// The checks both endpoints share, and the job they make.
+/// The job both endpoints make: the request's prompt and sampling fields
+/// as the runtime's request, checked before anything changes (a 400
+/// naming the field). The runtime's own checks decide whatever they cover
+/// ([`AppendTokens::check_tokens`] on the prompt and
+/// [`GenerateRequest::check`] on the rest: the checks its admission runs,
+/// run here first because the request's session is created before its
+/// Generate is admitted); the checks here are only those with no runtime
+/// counterpart, each saying why it is here.
 fn job_of(
-    front: &Front,
     s: Sampling,
     prompt: Vec<u32>,
     logprobs: bool,
     top_logprobs: u32,
     prompt_param: &'static str,
+    model: Model,
 ) -> Result<Job, ApiError> {
+    // The runtime refuses to generate from an empty history only once the
+    // request's session exists.
     if prompt.is_empty() {
         return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
     }
+    // OpenAI's `n`: the runtime generates one continuation per call.
     if s.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("n", "only n = 1 is supported"));
     }
-    let room = front.context.saturating_sub(prompt.len());
-    if room == 0 {
-        return Err(ApiError {
-            code: Some("context_length_exceeded"),
-            ..ApiError::invalid(
-                prompt_param,
-                format!(
-                    "the prompt is {} tokens; the model's context is {}",
-                    prompt.len(),
-                    front.context
-                ),
-            )
-        });
-    }
-    let asked = s.max_completion_tokens.or(s.max_tokens);
-    if asked == Some(0) {
-        return Err(ApiError::invalid(
-            "max_tokens",
-            "max_tokens must be at least 1",
-        ));
-    }
+    let room = model.room(prompt.len(), prompt_param)?;
+    // The prompt's tokens: the runtime's check of an append.
+    AppendTokens::check_tokens(&prompt, model.vocab).map_err(|e| ApiError {
+        param: Some(prompt_param),
+        ..ApiError::from(e)
+    })?;
+    // `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
     // Past the context there is nothing to generate: the answer ends there
-    // with finish_reason "length".
+    // with finish_reason "length". (0 is the runtime's to refuse.)
+    let asked = s.max_completion_tokens.or(s.max_tokens);
     let max_tokens = asked.map_or(room, |n| (n as usize).min(room)) as u32;
-    let range = |param: &'static str, v: Option<f32>, lo: f32, hi: f32| match v {
-        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(
-            param,
-            format!("{param} is {x}, it must lie in [{lo}, {hi}]"),
-        )),
-        _ => Ok(v),
+    check_openai_ranges(&s)?;
+    let logit_bias = logit_bias(s.logit_bias.unwrap_or_default())?;
+    let stops = s.stop.map(|s| s.strings()).unwrap_or_default();
+    check_stops(&stops)?;
+    let generate = GenerateRequest {
+        // The request's session, once there is one.
+        id: SessionId::NEVER_ISSUED,
+        max_tokens,
+        sampling: SamplingOptions {
+            // OpenAI's default temperature is 1 (sampling); 0 is greedy.
+            temperature: Some(s.temperature.unwrap_or(1.0)),
+            top_p: s.top_p,
+            frequency_penalty: s.frequency_penalty,
+            presence_penalty: s.presence_penalty,
+            logit_bias,
+            seed: s.seed.map(|seed| seed as u64),
+            top_logprobs: if logprobs { top_logprobs } else { 0 },
+            ..SamplingOptions::default()
+        },
+        // Stop strings are text, matched on the text (`StopText`).
+        stop_sequences: Vec::new(),
     };
-    let temperature = range("temperature", s.temperature, 0.0, 2.0)?;
-    let top_p = range("top_p", s.top_p, 0.0, 1.0)?;
-    if top_p == Some(0.0) {
-        return Err(ApiError::invalid("top_p", "top_p must be above 0"));
+    generate.check(model.vocab)?;
+    Ok(Job {
+        prompt,
+        generate,
+        stops,
+        logprobs,
+        session: None,
+    })
+}
+
+/// What [`job_of`] needs of the model.
+#[derive(Clone, Copy, Debug)]
+struct Model {
+    vocab: usize,
+    context: usize,
+}
+
+impl Model {
+    fn of(front: &Front) -> Model {
+        Model {
+            vocab: front.vocab,
+            context: front.context,
+        }
     }
-    let frequency_penalty = range("frequency_penalty", s.frequency_penalty, -2.0, 2.0)?;
-    let presence_penalty = range("presence_penalty", s.presence_penalty, -2.0, 2.0)?;
-    if top_logprobs > MAX_TOP_LOGPROBS {
+
+    /// What the context leaves after a prompt of `len` tokens. The runtime
+    /// would truncate a history that outgrows the context; OpenAI refuses
+    /// the prompt with `context_length_exceeded`.
+    fn room(self, len: usize, prompt_param: &'static str) -> Result<usize, ApiError> {
+        match self.context.saturating_sub(len) {
+            0 => Err(ApiError {
+                code: Some("context_length_exceeded"),
+                ..ApiError::invalid(
+                    prompt_param,
+                    format!(
+                        "the prompt is {len} tokens; the model's context is {}",
+                        self.context
+                    ),
+                )
+            }),
+            room => Ok(room),
+        }
+    }
+}
+
+/// OpenAI's ranges where they are narrower than the runtime's, which
+/// refuses only what cannot be sampled with (a negative temperature, a
+/// penalty that is not finite): `temperature` at most 2, the penalties in
+/// [-2, 2].
+fn check_openai_ranges(s: &Sampling) -> Result<(), ApiError> {
+    if let Some(t) = s.temperature.filter(|&t| t > 2.0) {
         return Err(ApiError::invalid(
-            "top_logprobs",
-            format!("at most {MAX_TOP_LOGPROBS}"),
+            "temperature",
+            format!("temperature is {t}, it must lie in [0, 2]"),
         ));
     }
-    let bias = s.logit_bias.unwrap_or_default();
-    if bias.len() > MAX_LOGIT_BIAS {
+    for (param, v) in [
+        ("frequency_penalty", s.frequency_penalty),
+        ("presence_penalty", s.presence_penalty),
+    ] {
+        if let Some(x) = v.filter(|x| !(-2.0..=2.0).contains(x)) {
+            return Err(ApiError::invalid(
+                param,
+                format!("{param} is {x}, it must lie in [-2, 2]"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `logit_bias` as the runtime takes it: OpenAI's keys are JSON strings
+/// (one that is not a token id is a shape only JSON has), OpenAI allows
+/// [`MAX_OPENAI_LOGIT_BIAS`] entries of biases in [-100, 100] (narrower
+/// than the runtime's bounds); whether each token is in the vocabulary is
+/// the runtime's check.
+fn logit_bias(bias: BTreeMap<String, f32>) -> Result<Vec<(u32, f32)>, ApiError> {
+    if bias.len() > MAX_OPENAI_LOGIT_BIAS {
         return Err(ApiError::invalid(
             "logit_bias",
-            format!("{} entries, at most {MAX_LOGIT_BIAS}", bias.len()),
+            format!("{} entries, at most {MAX_OPENAI_LOGIT_BIAS}", bias.len()),
         ));
     }
-    let logit_bias = bias
-        .into_iter()
+    bias.into_iter()
         .map(|(token, b)| {
-            let id: u32 = token
-                .parse()
-                .ok()
-                .filter(|&id: &u32| (id as usize) < front.vocab)
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "logit_bias",
-                        format!("{token:?} is not a token id of this model's vocabulary"),
-                    )
-                })?;
+            let id: u32 = token.parse().map_err(|_| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("{token:?} is not a token id of this model's vocabulary"),
+                )
+            })?;
             if !(-100.0..=100.0).contains(&b) {
                 return Err(ApiError::invalid(
                     "logit_bias",
@@ -321,66 +398,26 @@ fn job_of(
             }
             Ok((id, b))
         })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    let stops = s.stop.map(|s| s.strings()).unwrap_or_default();
+        .collect()
+}
+
+/// OpenAI's `stop` strings are text, matched by the front door on the
+/// generated text; the runtime never sees them, so their bounds are
+/// checked here.
+fn check_stops(stops: &[String]) -> Result<(), ApiError> {
     if stops.len() > MAX_STOP_STRINGS {
         return Err(ApiError::invalid(
             "stop",
             format!("{} stop strings, at most {MAX_STOP_STRINGS}", stops.len()),
         ));
     }
-    if stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+    if stops.iter().any(|s| s.len() > MAX_STOP_STRING_BYTES) {
         return Err(ApiError::invalid(
             "stop",
-            format!("a stop string is longer than {MAX_STOP_BYTES} bytes"),
+            format!("a stop string is longer than {MAX_STOP_STRING_BYTES} bytes"),
         ));
     }
-    let sampling = SamplingOptions {
-        // OpenAI's default temperature is 1 (sampling); 0 is greedy.
-        temperature: Some(temperature.unwrap_or(1.0)),
-        top_p,
-        frequency_penalty,
-        presence_penalty,
-        logit_bias,
-        seed: s.seed.map(|seed| seed as u64),
-        top_logprobs: if logprobs { top_logprobs } else { 0 },
-        ..SamplingOptions::default()
-    };
-    Ok(Job {
-        prompt,
-        max_tokens,
-        sampling,
-        stops,
-        logprobs,
-        session: None,
-    })
-}
-
-/// Which endpoint's shapes to answer in.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Text,
-}
-
-impl Kind {
-    fn id(self) -> String {
-        let mut bytes = [0u8; 12];
-        let _ = getrandom::getrandom(&mut bytes);
-        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        match self {
-            Kind::Chat => format!("chatcmpl-{hex}"),
-            Kind::Text => format!("cmpl-{hex}"),
-        }
-    }
-
-    fn object(self, chunk: bool) -> &'static str {
-        match (self, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Text, _) => "text_completion",
-        }
-    }
+    Ok(())
 }
 
 async fn respond(
@@ -398,62 +435,19 @@ async fn respond(
             .into_response();
     }
     match completion::gather(rx).await {
-        Ok(done) => Json(whole(&front, kind, done, logprobs)).into_response(),
+        Ok(done) => {
+            let id = kind.id();
+            let head = Head {
+                kind,
+                id: &id,
+                created: now(),
+                model: &front.model_id,
+            };
+            let lps = logprobs.then_some(done.logprobs.as_slice());
+            Json(Whole::new(head, &done.text, lps, done.finish, &done.usage)).into_response()
+        }
         Err(e) => e.into_response(),
     }
-}
-
-/// A whole answer.
-fn whole(front: &Front, kind: Kind, done: Gathered, logprobs: bool) -> Value {
-    let choice = match kind {
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": done.text},
-            "logprobs": logprobs.then(|| chat_logprobs(&done.logprobs)),
-            "finish_reason": done.finish,
-        }),
-        Kind::Text => json!({
-            "index": 0,
-            "text": done.text,
-            "logprobs": logprobs.then(|| text_logprobs(&done.logprobs, 0)),
-            "finish_reason": done.finish,
-        }),
-    };
-    json!({
-        "id": kind.id(),
-        "object": kind.object(false),
-        "created": now(),
-        "model": front.model_id,
-        "system_fingerprint": Value::Null,
-        "choices": [choice],
-        "usage": done.usage,
-    })
-}
-
-fn chat_logprobs(tokens: &[TokenLogprob]) -> Value {
-    json!({ "content": tokens })
-}
-
-/// The legacy completions shape: parallel lists, offsets into the text.
-fn text_logprobs(tokens: &[TokenLogprob], offset: usize) -> Value {
-    let mut at = offset;
-    let offsets: Vec<usize> = tokens
-        .iter()
-        .map(|t| {
-            let here = at;
-            at += t.token.len();
-            here
-        })
-        .collect();
-    json!({
-        "tokens": tokens.iter().map(|t| &t.token).collect::<Vec<_>>(),
-        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-        "top_logprobs": tokens
-            .iter()
-            .map(|t| t.top_logprobs.iter().map(|top| (top.token.clone(), json!(top.logprob))).collect::<serde_json::Map<_, _>>())
-            .collect::<Vec<_>>(),
-        "text_offset": offsets,
-    })
 }
 
 fn now() -> u64 {
@@ -473,71 +467,228 @@ fn events(
     logprobs: bool,
     usage_chunk: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
-    let id = kind.id();
-    let created = now();
-    let chunk = move |choices: Value, usage: Option<&Usage>| {
-        let mut body = json!({
-            "id": id,
-            "object": kind.object(true),
-            "created": created,
-            "model": front.model_id,
-            "system_fingerprint": Value::Null,
-            "choices": choices,
-        });
-        if let Some(usage) = usage {
-            body["usage"] = json!(usage);
-        }
-        Event::default().data(body.to_string())
+    let answer = Streamed {
+        id: kind.id(),
+        created: now(),
+        kind,
+        logprobs,
+        front,
     };
-    let first = (kind == Kind::Chat).then(|| {
-        chunk(
-            json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null}]),
-            None,
-        )
-    });
+    let first = (kind == Kind::Chat).then(|| answer.chunks().role());
+    // Where the next piece begins in the answer's text (the legacy
+    // completions' `text_offset`).
     let mut text_offset = 0usize;
     let pieces = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|p| (p, rx)) });
-    let body = pieces
-        .flat_map(move |piece| {
-            let out: Vec<Event> = match piece {
-                Piece::Text { text, logprobs: lps } => {
-                    let choice = match kind {
-                        Kind::Chat => json!({
-                            "index": 0,
-                            "delta": {"content": text},
-                            "logprobs": logprobs.then(|| chat_logprobs(&lps)),
-                            "finish_reason": Value::Null,
-                        }),
-                        Kind::Text => {
-                            let lp = logprobs.then(|| text_logprobs(&lps, text_offset));
-                            text_offset += text.len();
-                            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": Value::Null})
-                        }
-                    };
-                    vec![chunk(json!([choice]), None)]
-                }
-                Piece::Done { finish, usage } => {
-                    let last = match kind {
-                        Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": Value::Null, "finish_reason": finish}),
-                        Kind::Text => json!({"index": 0, "text": "", "logprobs": Value::Null, "finish_reason": finish}),
-                    };
-                    if usage_chunk {
-                        vec![
-                            chunk(json!([last]), None),
-                            chunk(json!([]), Some(&usage)),
-                            Event::default().data("[DONE]"),
-                        ]
-                    } else {
-                        vec![
-                            chunk(json!([last]), Some(&usage)),
-                            Event::default().data("[DONE]"),
-                        ]
-                    }
-                }
-                Piece::Failed(e) => vec![Event::default().data(json!(e.body()).to_string())],
-            };
-            stream::iter(out)
-        })
-        .map(Ok);
-    stream::iter(first.map(Ok)).chain(body)
+    let body = pieces.flat_map(move |piece| {
+        let chunks = answer.chunks();
+        let out: Vec<String> = match piece {
+            Piece::Text { text, logprobs } => {
+                let data = chunks.piece(&text, &logprobs, text_offset);
+                text_offset += text.len();
+                vec![data]
+            }
+            Piece::Done { finish, usage } if usage_chunk => vec![
+                chunks.finish(finish, None),
+                chunks.usage(&usage),
+                "[DONE]".into(),
+            ],
+            Piece::Done { finish, usage } => {
+                vec![chunks.finish(finish, Some(&usage)), "[DONE]".into()]
+            }
+            Piece::Failed(e) => vec![error_event(&e)],
+        };
+        stream::iter(out)
+    });
+    stream::iter(first)
+        .chain(body)
+        .map(|data| Ok(Event::default().data(data)))
+}
+
+/// What every chunk of one streamed answer names, held by the stream.
+struct Streamed {
+    front: Arc<Front>,
+    kind: Kind,
+    id: String,
+    created: u64,
+    logprobs: bool,
+}
+
+impl Streamed {
+    fn chunks(&self) -> Chunks<'_> {
+        Chunks {
+            head: Head {
+                kind: self.kind,
+                id: &self.id,
+                created: self.created,
+                model: &self.front.model_id,
+            },
+            logprobs: self.logprobs,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::limits::MAX_TOP_LOGPROBS;
+
+    const MODEL: Model = Model {
+        vocab: 320,
+        context: 64,
+    };
+
+    fn sampling(json: &str) -> Sampling {
+        serde_json::from_str(json).expect("sampling JSON")
+    }
+
+    fn job(json: &str, prompt: &[u32], top_logprobs: u32) -> Result<Job, ApiError> {
+        job_of(
+            sampling(json),
+            prompt.to_vec(),
+            top_logprobs > 0,
+            top_logprobs,
+            "prompt",
+            MODEL,
+        )
+    }
+
+    /// The sampling fields (JSON), the prompt, `top_logprobs`; the `param`
+    /// and `code` of the 400.
+    type Case = (
+        &'static str,
+        &'static [u32],
+        u32,
+        &'static str,
+        Option<&'static str>,
+    );
+
+    /// Each bad argument is a 400 naming its field, whichever side checks
+    /// it: the front door (OpenAI's own rules) or the runtime's check.
+    #[test]
+    fn every_bad_argument_is_a_400_naming_its_field() {
+        let runtime = Some("invalid_value");
+        let cases: [Case; 17] = [
+            (r#"{}"#, &[], 0, "prompt", None),
+            (r#"{"n": 2}"#, &[1], 0, "n", None),
+            (
+                r#"{}"#,
+                &[1; 64],
+                0,
+                "prompt",
+                Some("context_length_exceeded"),
+            ),
+            (r#"{}"#, &[1, 320], 0, "prompt", runtime),
+            (r#"{"max_tokens": 0}"#, &[1], 0, "max_tokens", runtime),
+            (
+                r#"{"max_completion_tokens": 0, "max_tokens": 5}"#,
+                &[1],
+                0,
+                "max_tokens",
+                runtime,
+            ),
+            (r#"{"temperature": 2.5}"#, &[1], 0, "temperature", None),
+            (r#"{"temperature": -0.5}"#, &[1], 0, "temperature", runtime),
+            (r#"{"top_p": 0}"#, &[1], 0, "top_p", runtime),
+            (r#"{"top_p": 1.5}"#, &[1], 0, "top_p", runtime),
+            (
+                r#"{"presence_penalty": 3}"#,
+                &[1],
+                0,
+                "presence_penalty",
+                None,
+            ),
+            (
+                r#"{"frequency_penalty": -3}"#,
+                &[1],
+                0,
+                "frequency_penalty",
+                None,
+            ),
+            (r#"{}"#, &[1], 21, "top_logprobs", runtime),
+            (r#"{"logit_bias": {"x": 1}}"#, &[1], 0, "logit_bias", None),
+            (r#"{"logit_bias": {"5": 101}}"#, &[1], 0, "logit_bias", None),
+            (
+                r#"{"logit_bias": {"320": 1}}"#,
+                &[1],
+                0,
+                "logit_bias",
+                runtime,
+            ),
+            (
+                r#"{"stop": ["a", "b", "c", "d", "e"]}"#,
+                &[1],
+                0,
+                "stop",
+                None,
+            ),
+        ];
+        for (json, prompt, top, param, code) in cases {
+            let err = job(json, prompt, top).expect_err(json);
+            assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST, "{json}");
+            assert_eq!(err.kind, "invalid_request_error", "{json}");
+            assert_eq!(err.param, Some(param), "{json}: {}", err.message);
+            assert_eq!(err.code, code, "{json}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn the_bounds_themselves_pass_and_one_more_is_refused() {
+        let bias = |n: usize| {
+            let entries: Vec<String> = (0..n).map(|i| format!("\"{i}\": 1")).collect();
+            format!(r#"{{"logit_bias": {{{}}}}}"#, entries.join(","))
+        };
+        let stops = |n: usize, bytes: usize| {
+            let one = format!("\"{}\"", "x".repeat(bytes));
+            format!(r#"{{"stop": [{}]}}"#, vec![one; n].join(","))
+        };
+        let top = MAX_TOP_LOGPROBS as u32;
+        let fine = [
+            (bias(MAX_OPENAI_LOGIT_BIAS), 0),
+            (stops(MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES), 0),
+            ("{}".to_string(), top),
+        ];
+        for (json, top) in &fine {
+            assert!(job(json, &[1], *top).is_ok(), "{json}");
+        }
+        let refused = [
+            (bias(MAX_OPENAI_LOGIT_BIAS + 1), 0),
+            (stops(MAX_STOP_STRINGS + 1, 1), 0),
+            (stops(1, MAX_STOP_STRING_BYTES + 1), 0),
+            ("{}".to_string(), top + 1),
+        ];
+        for (json, top) in &refused {
+            assert!(job(json, &[1], *top).is_err(), "{json}");
+        }
+    }
+
+    /// What a request asks, as the runtime's request: OpenAI's defaults,
+    /// `max_tokens` capped at the context's room, the newer name first.
+    #[test]
+    fn a_request_becomes_the_runtimes_request() {
+        let got = job(r#"{}"#, &[1, 2, 3, 4], 0).expect("a job");
+        assert_eq!(got.generate.max_tokens, 60);
+        assert_eq!(got.generate.sampling.temperature, Some(1.0));
+        assert!(got.generate.stop_sequences.is_empty());
+        let got = job(
+            r#"{"max_tokens": 100, "max_completion_tokens": 7, "temperature": 0,
+                "top_p": 0.9, "seed": 5, "logit_bias": {"9": -100}, "stop": "END"}"#,
+            &[1],
+            3,
+        )
+        .expect("a job");
+        assert_eq!(got.generate.max_tokens, 7);
+        let want = SamplingOptions {
+            temperature: Some(0.0),
+            top_p: Some(0.9),
+            logit_bias: vec![(9, -100.0)],
+            seed: Some(5),
+            top_logprobs: 3,
+            ..SamplingOptions::default()
+        };
+        assert_eq!(got.generate.sampling, want);
+        assert_eq!(got.stops, vec!["END".to_string()]);
+        assert!(got.logprobs);
+        let long = job(r#"{"max_tokens": 1000}"#, &[1; 60], 0).expect("a job");
+        assert_eq!(long.generate.max_tokens, 4);
+    }
 }

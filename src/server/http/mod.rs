@@ -11,13 +11,14 @@
 //! CONTRACT §2.10) or the server is declared open; with the server's
 //! TLS certificate and key it serves HTTPS only (rustls, ring). Connections
 //! are limited in number and each request head in time ([`listener`]).
-//! Bodies are bounded ([`MAX_BODY_BYTES`]); an unknown path is a 404 in
+//! Bodies are bounded ([`MAX_HTTP_BODY_BYTES`]); an unknown path is a 404 in
 //! OpenAI's error shape.
 
 mod completion;
 mod handlers;
 pub mod listener;
 pub mod openai;
+mod responses;
 pub mod stop_text;
 
 use std::net::SocketAddr;
@@ -35,13 +36,12 @@ use super::service::ServiceState;
 use super::stats::ServerStats;
 use super::tokens::AccessTokens;
 use crate::chat_template::ChatTemplate;
+use crate::runtime::limits::MAX_HTTP_BODY_BYTES;
 use crate::runtime::Tenant;
 use crate::tokenizer::Tokenizer;
 pub use listener::{ConnNumbers, ConnStats, HttpLimits};
 use openai::ApiError;
 
-/// Largest request body (a long conversation, as JSON).
-pub const MAX_BODY_BYTES: usize = 8 << 20;
 /// Threads of the HTTP runtime: parsing and streaming only.
 const HTTP_THREADS: usize = 2;
 
@@ -203,7 +203,7 @@ fn router(front: Arc<Front>, authorize: Option<AccessTokens>) -> Router {
         .fallback(unknown_path)
         .method_not_allowed_fallback(wrong_method)
         .with_state(front)
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(MAX_HTTP_BODY_BYTES))
         .layer(middleware::from_fn_with_state(authorize, check_token))
         .layer(middleware::from_fn_with_state(stats, count_request))
 }

@@ -1,13 +1,14 @@
-//! The OpenAI-style wire shapes the HTTP front door reads and writes
-//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), and its
-//! errors in OpenAI's error shape with the HTTP status each one means.
+//! The OpenAI request shapes the HTTP front door reads (`/v1/chat/completions`,
+//! `/v1/completions`), and its errors in OpenAI's shape with their HTTP status.
+//! The bodies it answers with are in `responses.rs`.
 //!
 //! Fields a request may carry that inferd does not act on (`user`,
 //! `stream_options` beyond `include_usage`, `response_format` "text", ...)
 //! are accepted and ignored, as other OpenAI-compatible servers do; every
 //! field it acts on is checked, and a value it cannot honour (`n` other
 //! than 1, a penalty out of range, a logit bias for a token outside the
-//! vocabulary) is a 400 naming the field.
+//! vocabulary) is a 400 naming the field, whether the front door or the
+//! runtime refused it (a runtime refusal's field is read off its message).
 
 use std::collections::BTreeMap;
 
@@ -16,13 +17,6 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
 use crate::runtime::{RuntimeError, StatusKind};
-
-/// Most messages one chat request may carry.
-pub const MAX_MESSAGES: usize = 1024;
-/// Most entries of `logit_bias` (as OpenAI allows).
-pub const MAX_LOGIT_BIAS: usize = 300;
-/// Most `top_logprobs` (as OpenAI allows).
-pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// A message's content: a string, or text parts.
 #[derive(Clone, Debug, Deserialize)]
@@ -157,62 +151,6 @@ pub struct CompletionRequest {
     pub sampling: Sampling,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct PromptDetails {
-    pub cached_tokens: u64,
-}
-
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub total_tokens: u64,
-    pub prompt_tokens_details: PromptDetails,
-}
-
-impl Usage {
-    pub fn new(prompt: u64, completion: u64, cached: u64) -> Usage {
-        Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-            total_tokens: prompt + completion,
-            prompt_tokens_details: PromptDetails {
-                cached_tokens: cached,
-            },
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TopLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    pub top_logprobs: Vec<TopLogprob>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct ChoiceLogprobs {
-    pub content: Vec<TokenLogprob>,
-}
-
-/// Why a choice ended, as OpenAI names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// An end-of-generation token or a stop string.
-    Stop,
-    /// `max_tokens`, or the context is full.
-    Length,
-}
-
 /// An error in OpenAI's shape, with its HTTP status.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ApiError {
@@ -320,11 +258,39 @@ impl From<RuntimeError> for ApiError {
         ApiError {
             status,
             kind,
+            param: param_of(&e),
             message: e.to_string(),
-            param: None,
             code,
         }
     }
+}
+
+/// The request fields the runtime may refuse that an OpenAI request sets,
+/// each with the message prefix that names it (the runtime's argument
+/// errors begin with the field: "top_p 0 is invalid: ...", "logit_bias has
+/// 1025 entries: ...", the sampler's "logit bias 7 for token ...").
+const RUNTIME_FIELDS: [(&str, &str); 8] = [
+    ("max_tokens", "max_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("presence_penalty", "presence_penalty"),
+    ("logit_bias", "logit_bias"),
+    ("logit bias", "logit_bias"),
+    ("top_logprobs", "top_logprobs"),
+];
+
+/// The OpenAI `param` a runtime refusal is about, read off the start of
+/// its message; `None` for anything but an argument error, or one about a
+/// field an OpenAI request does not set.
+fn param_of(e: &RuntimeError) -> Option<&'static str> {
+    let RuntimeError::InvalidArgument(message) = e else {
+        return None;
+    };
+    RUNTIME_FIELDS.iter().find_map(|&(prefix, param)| {
+        let rest = message.strip_prefix(prefix)?;
+        (rest.is_empty() || rest.starts_with(' ')).then_some(param)
+    })
 }
 
 /// `{"error": {...}}`, the body of every error.

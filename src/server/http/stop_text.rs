@@ -3,11 +3,6 @@
 //! which holds back only what could still be the start of a stop string
 //! and cuts the text where the first one begins.
 
-/// Most stop strings a request may give (as OpenAI allows).
-pub const MAX_STOP_STRINGS: usize = 4;
-/// Most bytes of one stop string.
-pub const MAX_STOP_BYTES: usize = 256;
-
 /// See the module docs.
 #[derive(Debug, Default)]
 pub struct StopText {
