@@ -6,6 +6,10 @@
 //! An edge is any `crate::NAME` path (in `use` lines, inside `{...}`
 //! groups, or written in place) or a `super::` chain that climbs to the
 //! crate root, outside comments, in any file under `src/`.
+//!
+//! And in the layers the project's size rule is for (`runtime/`,
+//! `server/`, `cluster/`): no file over 600 lines before its tests, and
+//! each opening with two `//!` lines that say what it is for.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -308,4 +312,50 @@ fn the_edge_finder_sees_groups_super_chains_and_ignores_comments() {
         .map(|s| s.to_string())
         .collect();
     assert_eq!(named, expected);
+}
+
+/// Lines of `text` before its inline tests (`#[cfg(test)]` followed by a
+/// `mod`), the whole file where it has none.
+fn code_lines(text: &str) -> usize {
+    let lines: Vec<&str> = text.lines().collect();
+    lines
+        .windows(2)
+        .position(|w| w[0].trim() == "#[cfg(test)]" && w[1].trim_start().starts_with("mod "))
+        .unwrap_or(lines.len())
+}
+
+/// The files of the layers the 600-line rule is for, test files apart.
+fn ruled_files() -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for dir in ["runtime", "server", "cluster"] {
+        rust_files(&root().join("src").join(dir), &mut files);
+    }
+    files.retain(|f| f.file_name().is_none_or(|n| n != "tests.rs"));
+    files.sort();
+    files
+}
+
+#[test]
+fn no_file_in_runtime_server_or_cluster_is_over_600_lines_before_its_tests() {
+    let over: Vec<String> = ruled_files()
+        .iter()
+        .filter_map(|f| {
+            let n = code_lines(&std::fs::read_to_string(f).expect("read"));
+            (n > 600).then(|| format!("{} ({n})", f.display()))
+        })
+        .collect();
+    assert!(over.is_empty(), "split these by job: {over:?}");
+}
+
+#[test]
+fn every_file_in_runtime_server_and_cluster_opens_by_saying_what_it_is_for() {
+    let bare: Vec<String> = ruled_files()
+        .iter()
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).expect("read");
+            text.lines().take(2).filter(|l| l.starts_with("//!")).count() < 2
+        })
+        .map(|f| f.display().to_string())
+        .collect();
+    assert!(bare.is_empty(), "no two-line `//!` doc at the top: {bare:?}");
 }
