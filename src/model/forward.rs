@@ -40,7 +40,7 @@ use crate::quant;
 use crate::threads::ThreadPool;
 
 use super::arch::{FfnActivation, RopeLayout};
-use super::weights::Matrix;
+use super::weights::{LayerWeights, Matrix};
 use super::{Model, ModelError};
 
 /// Which logits a sequence wants back from a forward call.
@@ -286,146 +286,177 @@ impl Model {
             });
         }
         self.prepare_positions(seqs, scratch);
-        let n = scratch.token_seq.len();
-        let (h, kvd, qd) = (cfg.hidden, cfg.kv_dim(), cfg.q_dim());
         self.rope_tables(scratch);
         for l in layers.clone() {
-            let w = &self.weights.layers[l];
-            let window = cfg.layer_window(l);
-            // Attention block: x += post(Wo · attention(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x))).
-            rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
-            // Q, K and V share one quantization of the input unless a file
-            // mixes types whose activation formats differ (llama-quantize
-            // gives attn_v a K-quant next to IQ4_NL or Q5_1 matrices).
-            let mut acts = std::mem::take(&mut scratch.acts);
-            resize_for_overwrite(&mut scratch.q, n * qd);
-            resize_for_overwrite(&mut scratch.k, n * kvd);
-            resize_for_overwrite(&mut scratch.v, n * kvd);
-            let mut acts_ty = None;
-            for (m, out) in [
-                (&w.wq, &mut scratch.q),
-                (&w.wk, &mut scratch.k),
-                (&w.wv, &mut scratch.v),
-            ] {
-                if acts_ty != Some(m.act_ty) {
-                    self.quantize_acts(pool, m, &scratch.xn, n, &mut acts);
-                    acts_ty = Some(m.act_ty);
-                }
-                self.matmul(pool, m, &acts, n, out, &mut scratch.by_row);
-            }
-            scratch.acts = acts;
-            add_bias(&mut scratch.q, w.bq.as_deref());
-            add_bias(&mut scratch.k, w.bk.as_deref());
-            add_bias(&mut scratch.v, w.bv.as_deref());
-            if let Some(norm) = &w.q_norm {
-                rms_norm(
-                    pool,
-                    &scratch.q,
-                    norm,
-                    cfg.rms_eps,
-                    &mut scratch.head_normed,
-                );
-                std::mem::swap(&mut scratch.q, &mut scratch.head_normed);
-            }
-            if let Some(norm) = &w.k_norm {
-                rms_norm(
-                    pool,
-                    &scratch.k,
-                    norm,
-                    cfg.rms_eps,
-                    &mut scratch.head_normed,
-                );
-                std::mem::swap(&mut scratch.k, &mut scratch.head_normed);
-            }
-            let rope = match window {
-                Some(_) => &scratch.rope_sliding,
-                None => &scratch.rope,
-            };
-            self.apply_rope(&mut scratch.q, cfg.n_heads, rope);
-            self.apply_rope(&mut scratch.k, cfg.n_kv_heads, rope);
-            if let Some(scale) = cfg.query_scale {
-                scratch.q.iter_mut().for_each(|v| *v *= scale);
-            }
             let kv_layer = l - layers.start;
-            for (t, &(s, pos)) in scratch.token_seq.iter().enumerate() {
-                seqs[s].kv.write(
-                    kv_layer,
-                    pos,
-                    &scratch.k[t * kvd..][..kvd],
-                    &scratch.v[t * kvd..][..kvd],
-                )?;
-            }
-            resize(&mut scratch.att, n * qd);
-            self.attention(pool, seqs, kv_layer, window, scratch)?;
-            self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
-            resize_for_overwrite(&mut scratch.proj, n * h);
-            self.matmul(
-                pool,
-                &w.wo,
-                &scratch.acts,
-                n,
-                &mut scratch.proj,
-                &mut scratch.by_row,
-            );
-            add_block_output(
-                pool,
-                x,
-                &scratch.proj,
-                w.attn_post_norm.as_deref(),
-                cfg.rms_eps,
-                &mut scratch.xn,
-            );
-
-            // Feed-forward block: x += post(W_down · (act(W_gate·n(x)) ⊙ W_up·n(x))).
-            rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
-            self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
-            resize_for_overwrite(&mut scratch.gate, n * cfg.ffn);
-            resize_for_overwrite(&mut scratch.up, n * cfg.ffn);
-            self.matmul(
-                pool,
-                &w.w_gate,
-                &scratch.acts,
-                n,
-                &mut scratch.gate,
-                &mut scratch.by_row,
-            );
-            if w.w_up.act_ty != w.w_gate.act_ty {
-                self.quantize_acts(pool, &w.w_up, &scratch.xn, n, &mut scratch.acts);
-            }
-            self.matmul(
-                pool,
-                &w.w_up,
-                &scratch.acts,
-                n,
-                &mut scratch.up,
-                &mut scratch.by_row,
-            );
-            gated_activation(
-                pool,
-                cfg.spec().ffn_activation,
-                &mut scratch.gate,
-                &scratch.up,
-                cfg.ffn,
-            );
-            self.quantize_acts(pool, &w.w_down, &scratch.gate, n, &mut scratch.acts);
-            self.matmul(
-                pool,
-                &w.w_down,
-                &scratch.acts,
-                n,
-                &mut scratch.proj,
-                &mut scratch.by_row,
-            );
-            add_block_output(
-                pool,
-                x,
-                &scratch.proj,
-                w.ffn_post_norm.as_deref(),
-                cfg.rms_eps,
-                &mut scratch.xn,
-            );
+            self.attention_block(pool, l, kv_layer, seqs, x, scratch)?;
+            self.feed_forward_block(pool, l, x, scratch);
         }
         Ok(())
+    }
+
+    /// Layer `layer`'s attention block, its K and V written at the layer
+    /// `kv_layer` of each sequence's KV on the way:
+    /// x += post(Wo · attention(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x))).
+    fn attention_block(
+        &self,
+        pool: &ThreadPool,
+        layer: usize,
+        kv_layer: usize,
+        seqs: &mut [LayerFeed<'_>],
+        x: &mut [f32],
+        scratch: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let cfg = &self.config;
+        let w = &self.weights.layers[layer];
+        let window = cfg.layer_window(layer);
+        let n = scratch.token_seq.len();
+        rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
+        self.project_qkv(pool, w, scratch);
+        self.norm_qk_heads(pool, w, scratch);
+        self.rotate_qk(window, scratch);
+        write_kv(seqs, kv_layer, cfg.kv_dim(), scratch)?;
+        resize(&mut scratch.att, n * cfg.q_dim());
+        self.attention(pool, seqs, kv_layer, window, scratch)?;
+        self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
+        resize_for_overwrite(&mut scratch.proj, n * cfg.hidden);
+        self.matmul(
+            pool,
+            &w.wo,
+            &scratch.acts,
+            n,
+            &mut scratch.proj,
+            &mut scratch.by_row,
+        );
+        add_block_output(
+            pool,
+            x,
+            &scratch.proj,
+            w.attn_post_norm.as_deref(),
+            cfg.rms_eps,
+            &mut scratch.xn,
+        );
+        Ok(())
+    }
+
+    /// Q, K and V from the normed input `scratch.xn`, biases added.
+    fn project_qkv(&self, pool: &ThreadPool, w: &LayerWeights, scratch: &mut Scratch) {
+        let cfg = &self.config;
+        let n = scratch.token_seq.len();
+        let (kvd, qd) = (cfg.kv_dim(), cfg.q_dim());
+        // Q, K and V share one quantization of the input unless a file
+        // mixes types whose activation formats differ (llama-quantize
+        // gives attn_v a K-quant next to IQ4_NL or Q5_1 matrices).
+        let mut acts = std::mem::take(&mut scratch.acts);
+        resize_for_overwrite(&mut scratch.q, n * qd);
+        resize_for_overwrite(&mut scratch.k, n * kvd);
+        resize_for_overwrite(&mut scratch.v, n * kvd);
+        let mut acts_ty = None;
+        for (m, out) in [
+            (&w.wq, &mut scratch.q),
+            (&w.wk, &mut scratch.k),
+            (&w.wv, &mut scratch.v),
+        ] {
+            if acts_ty != Some(m.act_ty) {
+                self.quantize_acts(pool, m, &scratch.xn, n, &mut acts);
+                acts_ty = Some(m.act_ty);
+            }
+            self.matmul(pool, m, &acts, n, out, &mut scratch.by_row);
+        }
+        scratch.acts = acts;
+        add_bias(&mut scratch.q, w.bq.as_deref());
+        add_bias(&mut scratch.k, w.bk.as_deref());
+        add_bias(&mut scratch.v, w.bv.as_deref());
+    }
+
+    /// The per-head RMSNorm of Q, then of K, where the architecture has
+    /// them (qwen3, gemma3).
+    fn norm_qk_heads(&self, pool: &ThreadPool, w: &LayerWeights, scratch: &mut Scratch) {
+        let eps = self.config.rms_eps;
+        if let Some(norm) = &w.q_norm {
+            rms_norm(pool, &scratch.q, norm, eps, &mut scratch.head_normed);
+            std::mem::swap(&mut scratch.q, &mut scratch.head_normed);
+        }
+        if let Some(norm) = &w.k_norm {
+            rms_norm(pool, &scratch.k, norm, eps, &mut scratch.head_normed);
+            std::mem::swap(&mut scratch.k, &mut scratch.head_normed);
+        }
+    }
+
+    /// RoPE on Q and K (a sliding-window layer's own table when `window`
+    /// is set), then the architecture's query scale.
+    fn rotate_qk(&self, window: Option<usize>, scratch: &mut Scratch) {
+        let cfg = &self.config;
+        let rope = match window {
+            Some(_) => &scratch.rope_sliding,
+            None => &scratch.rope,
+        };
+        self.apply_rope(&mut scratch.q, cfg.n_heads, rope);
+        self.apply_rope(&mut scratch.k, cfg.n_kv_heads, rope);
+        if let Some(scale) = cfg.query_scale {
+            scratch.q.iter_mut().for_each(|v| *v *= scale);
+        }
+    }
+
+    /// Layer `layer`'s feed-forward block:
+    /// x += post(W_down · (act(W_gate·n(x)) ⊙ W_up·n(x))).
+    fn feed_forward_block(
+        &self,
+        pool: &ThreadPool,
+        layer: usize,
+        x: &mut [f32],
+        scratch: &mut Scratch,
+    ) {
+        let cfg = &self.config;
+        let w = &self.weights.layers[layer];
+        let n = scratch.token_seq.len();
+        rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
+        self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
+        resize_for_overwrite(&mut scratch.gate, n * cfg.ffn);
+        resize_for_overwrite(&mut scratch.up, n * cfg.ffn);
+        self.matmul(
+            pool,
+            &w.w_gate,
+            &scratch.acts,
+            n,
+            &mut scratch.gate,
+            &mut scratch.by_row,
+        );
+        if w.w_up.act_ty != w.w_gate.act_ty {
+            self.quantize_acts(pool, &w.w_up, &scratch.xn, n, &mut scratch.acts);
+        }
+        self.matmul(
+            pool,
+            &w.w_up,
+            &scratch.acts,
+            n,
+            &mut scratch.up,
+            &mut scratch.by_row,
+        );
+        gated_activation(
+            pool,
+            cfg.spec().ffn_activation,
+            &mut scratch.gate,
+            &scratch.up,
+            cfg.ffn,
+        );
+        self.quantize_acts(pool, &w.w_down, &scratch.gate, n, &mut scratch.acts);
+        self.matmul(
+            pool,
+            &w.w_down,
+            &scratch.acts,
+            n,
+            &mut scratch.proj,
+            &mut scratch.by_row,
+        );
+        add_block_output(
+            pool,
+            x,
+            &scratch.proj,
+            w.ffn_post_norm.as_deref(),
+            cfg.rms_eps,
+            &mut scratch.xn,
+        );
     }
 
     fn prepare_positions(&self, seqs: &[LayerFeed<'_>], scratch: &mut Scratch) {
@@ -985,6 +1016,25 @@ fn softmax_weights(scores: &mut [f32], first: usize) {
     }
     let inv = (1.0 / sum) as f32;
     quant::scale_round_f16(scores, inv);
+}
+
+/// Writes every new token's K and V (`scratch.k`, `scratch.v`, `kv_dim`
+/// each) at its position in layer `kv_layer` of its sequence's KV.
+fn write_kv(
+    seqs: &mut [LayerFeed<'_>],
+    kv_layer: usize,
+    kv_dim: usize,
+    scratch: &Scratch,
+) -> Result<(), KvError> {
+    for (t, &(s, pos)) in scratch.token_seq.iter().enumerate() {
+        seqs[s].kv.write(
+            kv_layer,
+            pos,
+            &scratch.k[t * kv_dim..][..kv_dim],
+            &scratch.v[t * kv_dim..][..kv_dim],
+        )?;
+    }
+    Ok(())
 }
 
 /// Rows per matrix task: enough tasks to balance the threads, each a whole
