@@ -125,128 +125,13 @@ impl GgufFile {
     fn parse(backing: Backing) -> Result<Self, GgufError> {
         let bytes = backing.bytes();
         let mut cur = Cursor::new(bytes);
-        let magic: [u8; 4] = cur.array("magic")?;
-        if magic != GGUF_MAGIC {
-            return Err(GgufError::BadMagic { found: magic });
-        }
-        let version = cur.u32("version")?;
-        if version != 2 && version != 3 {
-            return Err(GgufError::UnsupportedVersion { version });
-        }
-        let tensor_count = cur.count("tensor count", MIN_TENSOR_INFO_BYTES, MAX_TENSORS)?;
-        let kv_count = cur.count("metadata entry count", MIN_KV_BYTES, MAX_METADATA_ENTRIES)?;
-
-        let mut metadata = vec_for_claimed(kv_count);
-        let mut metadata_index = HashMap::with_capacity(kv_count.min(1024));
-        for _ in 0..kv_count {
-            let key = cur.string("metadata key")?;
-            let value = read_tagged(&mut cur, &key)?;
-            if metadata_index.insert(key.clone(), metadata.len()).is_some() {
-                return Err(GgufError::DuplicateKey { key });
-            }
-            metadata.push((key, value));
-        }
-
-        let alignment = match metadata_index.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(&i) => {
-                let value: &MetaValue = &metadata[i].1;
-                let a = value.as_u64().ok_or_else(|| GgufError::WrongType {
-                    key: "general.alignment".to_owned(),
-                    found: value.value_type().name(),
-                    expected: "unsigned integer",
-                })?;
-                if a == 0 || !a.is_power_of_two() || a > MAX_ALIGNMENT {
-                    return Err(GgufError::BadAlignment { alignment: a });
-                }
-                a
-            }
-        };
-
-        struct RawTensor {
-            name: String,
-            dims: Vec<u64>,
-            ty: GgmlType,
-            offset: u64,
-            byte_len: u64,
-        }
-        let mut raw: Vec<RawTensor> = vec_for_claimed(tensor_count);
-        let mut tensor_index = HashMap::with_capacity(tensor_count.min(1024));
-        for _ in 0..tensor_count {
-            let name = cur.string("tensor name")?;
-            let n_dims = cur.u32("tensor dimension count")?;
-            if n_dims == 0 || n_dims as usize > MAX_DIMS {
-                return Err(GgufError::BadShape {
-                    name,
-                    dims: vec![],
-                    why: "the number of dimensions must be 1 to 4",
-                });
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                dims.push(cur.u64("tensor dimension")?);
-            }
-            let type_id = cur.u32("tensor type")?;
-            let offset = cur.u64("tensor offset")?;
-            let Some(ty) = GgmlType::from_id(type_id) else {
-                return Err(GgufError::UnknownTensorType { name, type_id });
-            };
-            let byte_len = tensor_byte_len(&name, &dims, ty)?;
-            if offset % alignment != 0 {
-                return Err(GgufError::MisalignedTensor {
-                    name,
-                    offset,
-                    alignment,
-                });
-            }
-            if tensor_index.insert(name.clone(), raw.len()).is_some() {
-                return Err(GgufError::DuplicateTensor { name });
-            }
-            raw.push(RawTensor {
-                name,
-                dims,
-                ty,
-                offset,
-                byte_len,
-            });
-        }
-
-        // Tensor data begins at the next aligned offset after the directory.
-        let dir_end = cur.position() as u64;
-        let data_start = dir_end.div_ceil(alignment) * alignment;
-        let file_len = bytes.len() as u64;
-        let data_len = file_len.saturating_sub(data_start);
-        if tensor_count > 0 && data_start > file_len {
-            return Err(GgufError::Truncated {
-                what: "tensor data padding",
-                offset: dir_end,
-                needed: data_start - dir_end,
-                file_len,
-            });
-        }
-
-        let mut by_offset: Vec<usize> = (0..raw.len()).collect();
-        by_offset.sort_by_key(|&i| (raw[i].offset, raw[i].byte_len));
-        for (k, &i) in by_offset.iter().enumerate() {
-            let t = &raw[i];
-            let end = t.offset.checked_add(t.byte_len).filter(|&e| e <= data_len);
-            let Some(end) = end else {
-                return Err(GgufError::TensorOutOfFile {
-                    name: t.name.clone(),
-                    start: t.offset,
-                    end: t.offset.saturating_add(t.byte_len),
-                    data_len,
-                });
-            };
-            if let Some(&next) = by_offset.get(k + 1) {
-                if raw[next].offset < end {
-                    return Err(GgufError::OverlappingTensors {
-                        first: t.name.clone(),
-                        second: raw[next].name.clone(),
-                    });
-                }
-            }
-        }
+        let (version, tensor_count, kv_count) = read_header(&mut cur)?;
+        let (metadata, metadata_index) = read_metadata(&mut cur, kv_count)?;
+        let alignment = alignment_of(&metadata, &metadata_index)?;
+        let (raw, tensor_index) = read_tensor_directory(&mut cur, tensor_count, alignment)?;
+        let (data_start, data_len) =
+            data_section(cur.position(), alignment, bytes.len(), tensor_count)?;
+        check_tensor_extents(&raw, data_len)?;
 
         let tensors = raw
             .into_iter()
@@ -427,6 +312,182 @@ impl GgufFile {
 
 fn saturating_product(dims: &[u64]) -> u64 {
     dims.iter().fold(1u64, |acc, &d| acc.saturating_mul(d))
+}
+
+/// The header: magic, version (2 or 3), and the tensor and metadata entry
+/// counts, each bounded by what the rest of the file could hold.
+fn read_header(cur: &mut Cursor<'_>) -> Result<(u32, usize, usize), GgufError> {
+    let magic: [u8; 4] = cur.array("magic")?;
+    if magic != GGUF_MAGIC {
+        return Err(GgufError::BadMagic { found: magic });
+    }
+    let version = cur.u32("version")?;
+    if version != 2 && version != 3 {
+        return Err(GgufError::UnsupportedVersion { version });
+    }
+    let tensor_count = cur.count("tensor count", MIN_TENSOR_INFO_BYTES, MAX_TENSORS)?;
+    let kv_count = cur.count("metadata entry count", MIN_KV_BYTES, MAX_METADATA_ENTRIES)?;
+    Ok((version, tensor_count, kv_count))
+}
+
+/// Metadata entries in file order, and each key's index (a key twice is
+/// an error).
+type Metadata = (Vec<(String, MetaValue)>, HashMap<String, usize>);
+
+/// Reads `kv_count` metadata entries.
+fn read_metadata(cur: &mut Cursor<'_>, kv_count: usize) -> Result<Metadata, GgufError> {
+    let mut metadata = vec_for_claimed(kv_count);
+    let mut metadata_index = HashMap::with_capacity(kv_count.min(1024));
+    for _ in 0..kv_count {
+        let key = cur.string("metadata key")?;
+        let value = read_tagged(cur, &key)?;
+        if metadata_index.insert(key.clone(), metadata.len()).is_some() {
+            return Err(GgufError::DuplicateKey { key });
+        }
+        metadata.push((key, value));
+    }
+    Ok((metadata, metadata_index))
+}
+
+/// `general.alignment` (a power of two up to [`MAX_ALIGNMENT`]), or the
+/// default when absent.
+fn alignment_of(
+    metadata: &[(String, MetaValue)],
+    metadata_index: &HashMap<String, usize>,
+) -> Result<u64, GgufError> {
+    match metadata_index.get("general.alignment") {
+        None => Ok(DEFAULT_ALIGNMENT),
+        Some(&i) => {
+            let value: &MetaValue = &metadata[i].1;
+            let a = value.as_u64().ok_or_else(|| GgufError::WrongType {
+                key: "general.alignment".to_owned(),
+                found: value.value_type().name(),
+                expected: "unsigned integer",
+            })?;
+            if a == 0 || !a.is_power_of_two() || a > MAX_ALIGNMENT {
+                return Err(GgufError::BadAlignment { alignment: a });
+            }
+            Ok(a)
+        }
+    }
+}
+
+/// A tensor directory entry as read, its offset relative to the data
+/// section and not yet checked against the file's length.
+struct RawTensor {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    offset: u64,
+    byte_len: u64,
+}
+
+/// Reads `tensor_count` directory entries (a name twice is an error), and
+/// each name's index.
+fn read_tensor_directory(
+    cur: &mut Cursor<'_>,
+    tensor_count: usize,
+    alignment: u64,
+) -> Result<(Vec<RawTensor>, HashMap<String, usize>), GgufError> {
+    let mut raw: Vec<RawTensor> = vec_for_claimed(tensor_count);
+    let mut tensor_index = HashMap::with_capacity(tensor_count.min(1024));
+    for _ in 0..tensor_count {
+        let t = read_tensor_info(cur, alignment)?;
+        if tensor_index.insert(t.name.clone(), raw.len()).is_some() {
+            return Err(GgufError::DuplicateTensor { name: t.name });
+        }
+        raw.push(t);
+    }
+    Ok((raw, tensor_index))
+}
+
+/// One directory entry: name, shape (1 to 4 dimensions, a size that does
+/// not overflow), a known type, and an offset on the alignment.
+fn read_tensor_info(cur: &mut Cursor<'_>, alignment: u64) -> Result<RawTensor, GgufError> {
+    let name = cur.string("tensor name")?;
+    let n_dims = cur.u32("tensor dimension count")?;
+    if n_dims == 0 || n_dims as usize > MAX_DIMS {
+        return Err(GgufError::BadShape {
+            name,
+            dims: vec![],
+            why: "the number of dimensions must be 1 to 4",
+        });
+    }
+    let mut dims = Vec::with_capacity(n_dims as usize);
+    for _ in 0..n_dims {
+        dims.push(cur.u64("tensor dimension")?);
+    }
+    let type_id = cur.u32("tensor type")?;
+    let offset = cur.u64("tensor offset")?;
+    let Some(ty) = GgmlType::from_id(type_id) else {
+        return Err(GgufError::UnknownTensorType { name, type_id });
+    };
+    let byte_len = tensor_byte_len(&name, &dims, ty)?;
+    if offset % alignment != 0 {
+        return Err(GgufError::MisalignedTensor {
+            name,
+            offset,
+            alignment,
+        });
+    }
+    Ok(RawTensor {
+        name,
+        dims,
+        ty,
+        offset,
+        byte_len,
+    })
+}
+
+/// Where tensor data begins (the next aligned offset after the directory,
+/// which ends at `dir_end`) and how many bytes of the file follow it.
+fn data_section(
+    dir_end: usize,
+    alignment: u64,
+    file_len: usize,
+    tensor_count: usize,
+) -> Result<(u64, u64), GgufError> {
+    let dir_end = dir_end as u64;
+    let data_start = dir_end.div_ceil(alignment) * alignment;
+    let file_len = file_len as u64;
+    let data_len = file_len.saturating_sub(data_start);
+    if tensor_count > 0 && data_start > file_len {
+        return Err(GgufError::Truncated {
+            what: "tensor data padding",
+            offset: dir_end,
+            needed: data_start - dir_end,
+            file_len,
+        });
+    }
+    Ok((data_start, data_len))
+}
+
+/// Every tensor lies inside the `data_len` bytes of the data section and
+/// none overlaps another (checked in offset order).
+fn check_tensor_extents(raw: &[RawTensor], data_len: u64) -> Result<(), GgufError> {
+    let mut by_offset: Vec<usize> = (0..raw.len()).collect();
+    by_offset.sort_by_key(|&i| (raw[i].offset, raw[i].byte_len));
+    for (k, &i) in by_offset.iter().enumerate() {
+        let t = &raw[i];
+        let end = t.offset.checked_add(t.byte_len).filter(|&e| e <= data_len);
+        let Some(end) = end else {
+            return Err(GgufError::TensorOutOfFile {
+                name: t.name.clone(),
+                start: t.offset,
+                end: t.offset.saturating_add(t.byte_len),
+                data_len,
+            });
+        };
+        if let Some(&next) = by_offset.get(k + 1) {
+            if raw[next].offset < end {
+                return Err(GgufError::OverlappingTensors {
+                    first: t.name.clone(),
+                    second: raw[next].name.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn tensor_byte_len(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64, GgufError> {

@@ -126,6 +126,25 @@ fn float(value: f64) -> String {
 /// Renders the snapshot and the server's numbers as Prometheus text.
 pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     let mut e = Exposition { out: String::new() };
+    render_sessions(&mut e, stats);
+    render_generation(&mut e, stats);
+    render_kv_cache(&mut e, stats);
+    render_spill(&mut e, stats);
+    render_state_dir(&mut e, stats);
+    render_restore(&mut e, stats);
+    render_prefix_cache(&mut e, stats);
+    render_workers(&mut e, stats);
+    if let Some(shards) = &stats.shards {
+        render_shards(&mut e, shards);
+    }
+    render_requests(&mut e, server);
+    render_server_state(&mut e, server);
+    e.out
+}
+
+/// Sessions: alive, created and ended by outcome, evicted by reason, and
+/// what the live ones hold.
+fn render_sessions(e: &mut Exposition, stats: &RuntimeStats) {
     e.single(
         "session_active",
         "gauge",
@@ -172,6 +191,10 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "History tokens of all live sessions.",
         stats.history_tokens,
     );
+}
+
+/// Prefill (tokens and the duration histogram) and generated tokens.
+fn render_generation(e: &mut Exposition, stats: &RuntimeStats) {
     e.single(
         "generate_prefill_tokens_total",
         "counter",
@@ -196,6 +219,10 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "Tokens generated over all sessions.",
         stats.tokens_generated,
     );
+}
+
+/// Session invariant violations and the shared KV pool's pages and bytes.
+fn render_kv_cache(e: &mut Exposition, stats: &RuntimeStats) {
     e.family(
         "cache_invariant_violations_total",
         "counter",
@@ -229,6 +256,11 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "Bytes of the KV pool's pages in use, each counted once however many sessions share it.",
         stats.kv_used_bytes,
     );
+}
+
+/// Spilled sessions: how many were and are spilled, and the bytes and
+/// tokens their KV took on disk.
+fn render_spill(e: &mut Exposition, stats: &RuntimeStats) {
     e.single(
         "session_spilled_total",
         "counter",
@@ -253,6 +285,11 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "Tokens of spilled sessions whose KV was read back from disk instead of computed.",
         stats.spill_read_tokens,
     );
+}
+
+/// The state directory: journal failures, whether it takes writes (when
+/// there is one), its bytes, and durable work its limits refused.
+fn render_state_dir(e: &mut Exposition, stats: &RuntimeStats) {
     e.single(
         "session_journal_failures_total",
         "counter",
@@ -294,6 +331,11 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         &[("reason", "free_space")],
         stats.state_refused_free_space,
     );
+}
+
+/// Restore at start: journals refused, history tokens kept, pages
+/// rejected, digests that did not match.
+fn render_restore(e: &mut Exposition, stats: &RuntimeStats) {
     e.single(
         "session_restore_refused_total",
         "counter",
@@ -318,6 +360,10 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "Restored sessions whose logits did not hash to the digest their journal recorded.",
         stats.restore_digest_mismatches,
     );
+}
+
+/// The shared-prefix cache: tokens it saved, its entries and its pages.
+fn render_prefix_cache(e: &mut Exposition, stats: &RuntimeStats) {
     e.single(
         "prefix_reused_tokens_total",
         "counter",
@@ -336,10 +382,11 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         "KV pool pages only the shared-prefix cache holds (freed first when the pool is short).",
         stats.prefix_cached_pages,
     );
-    render_workers(&mut e, stats);
-    if let Some(shards) = &stats.shards {
-        render_shards(&mut e, shards);
-    }
+}
+
+/// Requests: gRPC calls, HTTP requests and connections (when served),
+/// and failed accepts.
+fn render_requests(e: &mut Exposition, server: &ServerNumbers) {
     e.family(
         "grpc_requests_total",
         "counter",
@@ -367,7 +414,7 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         }
     }
     if let Some(c) = &server.http_connections {
-        render_http_connections(&mut e, c);
+        render_http_connections(e, c);
     }
     if !server.accept_errors.is_empty() {
         e.family(
@@ -379,6 +426,11 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
             e.sample("accept_errors_total", &[("listener", listener)], n);
         }
     }
+}
+
+/// The server's state: streams in progress, health, and the sampler
+/// backend.
+fn render_server_state(e: &mut Exposition, server: &ServerNumbers) {
     e.single(
         "grpc_active_streams",
         "gauge",
@@ -404,7 +456,6 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         ],
         1,
     );
-    e.out
 }
 
 /// The HTTP API's connections: open, the limit, closed for timeouts.
@@ -519,6 +570,7 @@ type WorkerFamily = (
     fn(&crate::runtime::WorkerStats) -> String,
 );
 
+/// One family per worker number, one sample per worker.
 fn render_workers(e: &mut Exposition, stats: &RuntimeStats) {
     let ids: Vec<String> = (0..stats.workers.len()).map(|i| i.to_string()).collect();
     let families: [WorkerFamily; 7] = [

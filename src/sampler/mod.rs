@@ -551,14 +551,7 @@ impl Sampler {
         // read directly (the stages would be the identity).
         let adjusts_logits = params.adjusts_logits();
         if adjusts_logits {
-            self.work.clear();
-            self.work.extend_from_slice(logits);
-            if params.has_penalties() {
-                self.apply_penalties(window, params);
-            }
-            for &(token, bias) in &params.logit_bias {
-                self.work[token as usize] += bias;
-            }
+            self.adjust_logits(logits, window, params);
         }
         let Sampler {
             work,
@@ -575,92 +568,16 @@ impl Sampler {
             return argmax(source).ok_or(no_candidate);
         }
 
-        // Steps 6-9: non-finite values, candidates, top-k, weights. NaN is
-        // skipped wherever -inf is (every test is `x > ...` or `x == ...`).
-        let inverse_temperature = params.inverse_temperature();
-        let top_k = params.top_k as usize;
-        let top_k_active = top_k > 0 && top_k < vocab_size;
-        let mut rank_sorted = false;
-        candidates.clear();
-        let max = max_ignoring_nan(source);
-        if max == f32::INFINITY {
-            // The +inf tokens become logit 0, the rest -inf; all weights are 1.
-            candidates.extend(
-                source
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, &x)| x == f32::INFINITY)
-                    .map(|(i, _)| Candidate {
-                        id: i as u32,
-                        logit: 0.0,
-                        weight: 1.0,
-                    }),
-            );
-            if top_k_active {
-                // Equal logits: rank order is id order.
-                candidates.truncate(top_k);
-                rank_sorted = true;
-            }
-        } else if max == f32::NEG_INFINITY {
-            return Err(no_candidate);
-        } else if top_k_active {
-            collect_top_k(source, top_k, candidates);
-            rank_sorted = true;
-            for candidate in candidates.iter_mut() {
-                candidate.weight = weight_exp((candidate.logit - max) * inverse_temperature);
-            }
-        } else {
-            // Dense first, so the exponentials run as straight-line vector code.
-            dense_weights.clear();
-            dense_weights.extend(
-                source
-                    .iter()
-                    .map(|&x| weight_exp((x - max) * inverse_temperature)),
-            );
-            if params.top_p >= 1.0 {
-                // No top-p: steps 11-13 run on the dense row, where a token
-                // outside the survivors simply weighs 0 (adding 0 changes no
-                // sum, and a zero weight is never drawn).
-                let min_p = params.min_p;
-                if min_p > 0.0 {
-                    for weight in dense_weights.iter_mut() {
-                        *weight = if *weight >= min_p { *weight } else { 0.0 };
-                    }
-                }
-                return draw_dense(dense_weights, u, block_sums).ok_or(no_candidate);
-            }
-            candidates.extend(
-                source
-                    .iter()
-                    .zip(dense_weights.iter())
-                    .enumerate()
-                    .filter(|(_, (&x, _))| x > f32::NEG_INFINITY)
-                    .map(|(i, (&x, &weight))| Candidate {
-                        id: i as u32,
-                        logit: x,
-                        weight,
-                    }),
-            );
-        }
+        // Steps 6-9: non-finite values, candidates, top-k, weights.
+        let mut rank_sorted =
+            match weigh_candidates(source, params, u, candidates, dense_weights, block_sums) {
+                Weighed::Candidates { rank_sorted } => rank_sorted,
+                Weighed::Drawn(token) => return token.ok_or(no_candidate),
+            };
 
         // Step 10: top-p.
         if params.top_p < 1.0 {
-            let total = if rank_sorted {
-                by_id.clear();
-                by_id.extend_from_slice(candidates);
-                by_id.sort_unstable_by_key(|c| c.id);
-                blocked_weight_sum(by_id)
-            } else {
-                blocked_weight_sum(candidates)
-            };
-            let threshold = params.top_p * total;
-            if rank_sorted {
-                if let Some(kept) = nucleus_len(candidates, threshold) {
-                    candidates.truncate(kept);
-                }
-            } else {
-                keep_nucleus_unsorted(candidates, threshold);
-            }
+            keep_top_p(candidates, by_id, rank_sorted, params.top_p);
             rank_sorted = true;
         }
 
@@ -675,6 +592,19 @@ impl Sampler {
             candidates.sort_unstable_by_key(|c| c.id);
         }
         draw(candidates, u).ok_or(no_candidate)
+    }
+
+    /// Steps 2-4: `work` = the logits, penalised over `window` when a
+    /// penalty is on, plus the logit bias.
+    fn adjust_logits(&mut self, logits: &[f32], window: &[u32], params: &SamplingParams) {
+        self.work.clear();
+        self.work.extend_from_slice(logits);
+        if params.has_penalties() {
+            self.apply_penalties(window, params);
+        }
+        for &(token, bias) in &params.logit_bias {
+            self.work[token as usize] += bias;
+        }
     }
 
     /// Step 3. Counts each window token, applies the penalties once per
@@ -704,6 +634,122 @@ impl Sampler {
             };
             *x -= count as f32 * params.frequency_penalty + params.presence_penalty;
         }
+    }
+}
+
+/// What steps 6-9 leave: weighted candidates for steps 10-13 (in rank
+/// order when `rank_sorted`, else in id order), or a token already drawn
+/// from the dense row (`None`: no candidate).
+enum Weighed {
+    Candidates { rank_sorted: bool },
+    Drawn(Option<u32>),
+}
+
+/// Steps 6-9 over `source`: non-finite values, candidates, top-k, weights.
+/// NaN is skipped wherever -inf is (every test is `x > ...` or `x ==
+/// ...`). Without top-k or top-p, steps 11-13 run here on the dense row.
+fn weigh_candidates(
+    source: &[f32],
+    params: &SamplingParams,
+    u: f32,
+    candidates: &mut Vec<Candidate>,
+    dense_weights: &mut Vec<f32>,
+    block_sums: &mut Vec<f32>,
+) -> Weighed {
+    let vocab_size = source.len();
+    let inverse_temperature = params.inverse_temperature();
+    let top_k = params.top_k as usize;
+    let top_k_active = top_k > 0 && top_k < vocab_size;
+    candidates.clear();
+    let max = max_ignoring_nan(source);
+    if max == f32::INFINITY {
+        // The +inf tokens become logit 0, the rest -inf; all weights are 1.
+        candidates.extend(
+            source
+                .iter()
+                .enumerate()
+                .filter(|(_, &x)| x == f32::INFINITY)
+                .map(|(i, _)| Candidate {
+                    id: i as u32,
+                    logit: 0.0,
+                    weight: 1.0,
+                }),
+        );
+        if top_k_active {
+            // Equal logits: rank order is id order.
+            candidates.truncate(top_k);
+        }
+        Weighed::Candidates {
+            rank_sorted: top_k_active,
+        }
+    } else if max == f32::NEG_INFINITY {
+        Weighed::Drawn(None)
+    } else if top_k_active {
+        collect_top_k(source, top_k, candidates);
+        for candidate in candidates.iter_mut() {
+            candidate.weight = weight_exp((candidate.logit - max) * inverse_temperature);
+        }
+        Weighed::Candidates { rank_sorted: true }
+    } else {
+        // Dense first, so the exponentials run as straight-line vector code.
+        dense_weights.clear();
+        dense_weights.extend(
+            source
+                .iter()
+                .map(|&x| weight_exp((x - max) * inverse_temperature)),
+        );
+        if params.top_p >= 1.0 {
+            // No top-p: steps 11-13 run on the dense row, where a token
+            // outside the survivors simply weighs 0 (adding 0 changes no
+            // sum, and a zero weight is never drawn).
+            let min_p = params.min_p;
+            if min_p > 0.0 {
+                for weight in dense_weights.iter_mut() {
+                    *weight = if *weight >= min_p { *weight } else { 0.0 };
+                }
+            }
+            return Weighed::Drawn(draw_dense(dense_weights, u, block_sums));
+        }
+        candidates.extend(
+            source
+                .iter()
+                .zip(dense_weights.iter())
+                .enumerate()
+                .filter(|(_, (&x, _))| x > f32::NEG_INFINITY)
+                .map(|(i, (&x, &weight))| Candidate {
+                    id: i as u32,
+                    logit: x,
+                    weight,
+                }),
+        );
+        Weighed::Candidates { rank_sorted: false }
+    }
+}
+
+/// Step 10: keeps the nucleus of the candidates whose weight reaches
+/// `top_p` of the blocked total (summed in id order: through `by_id` when
+/// the candidates are in rank order), leaving them in rank order.
+fn keep_top_p(
+    candidates: &mut Vec<Candidate>,
+    by_id: &mut Vec<Candidate>,
+    rank_sorted: bool,
+    top_p: f32,
+) {
+    let total = if rank_sorted {
+        by_id.clear();
+        by_id.extend_from_slice(candidates);
+        by_id.sort_unstable_by_key(|c| c.id);
+        blocked_weight_sum(by_id)
+    } else {
+        blocked_weight_sum(candidates)
+    };
+    let threshold = top_p * total;
+    if rank_sorted {
+        if let Some(kept) = nucleus_len(candidates, threshold) {
+            candidates.truncate(kept);
+        }
+    } else {
+        keep_nucleus_unsorted(candidates, threshold);
     }
 }
 

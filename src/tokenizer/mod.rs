@@ -220,76 +220,25 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     /// Builds the tokenizer from a GGUF file's `tokenizer.*` metadata.
+    ///
+    /// Keys are read, and their errors reported, in a fixed order: model,
+    /// token texts, token types, special ids and flags, the merge table or
+    /// scores, then special texts and the chat template.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, TokenizerError> {
-        let model = file.get_str("tokenizer.ggml.model")?;
-        let sentencepiece = match model {
-            "gpt2" => false,
-            "llama" => true,
-            _ => {
-                return Err(TokenizerError::UnsupportedModel {
-                    model: model.to_owned(),
-                })
-            }
-        };
-
-        let text_list = match file.get_array("tokenizer.ggml.tokens")? {
-            MetaArray::String(v) => v,
-            _ => {
-                return Err(TokenizerError::WrongArrayType {
-                    key: "tokenizer.ggml.tokens",
-                    expected: "string",
-                })
-            }
-        };
-        let max = i32::MAX as usize;
-        if text_list.is_empty() || text_list.len() > max {
-            return Err(TokenizerError::BadVocabSize {
-                count: text_list.len(),
-                max,
-            });
-        }
+        let sentencepiece = is_sentencepiece(file)?;
+        let text_list = read_token_texts(file)?;
         let n_vocab = text_list.len();
-
-        let mut types = match file.get("tokenizer.ggml.token_type") {
-            None => vec![TokenType::Normal; n_vocab],
-            Some(_) => match file.get_array("tokenizer.ggml.token_type")? {
-                MetaArray::I32(codes) => codes.iter().map(|&c| TokenType::from_gguf(c)).collect(),
-                _ => {
-                    return Err(TokenizerError::WrongArrayType {
-                        key: "tokenizer.ggml.token_type",
-                        expected: "i32",
-                    })
-                }
-            },
-        };
-        if types.len() != n_vocab {
-            return Err(TokenizerError::LengthMismatch {
-                key: "tokenizer.ggml.token_type",
-                found: types.len(),
-                expected: n_vocab,
-            });
-        }
+        let mut types = read_token_types(file, n_vocab)?;
 
         // Ids fit in u32: the vocabulary size was checked against i32::MAX.
         let texts = TokenTexts::new(text_list);
 
-        let special_id = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
-            match file.get_u64_opt(key)? {
-                None => Ok(None),
-                Some(id) if id < n_vocab as u64 => Ok(Some(id as u32)),
-                Some(id) => Err(TokenizerError::SpecialIdOutOfRange {
-                    key,
-                    id,
-                    vocab_size: n_vocab,
-                }),
-            }
-        };
         // SentencePiece vocabularies default to llama's ids, as in llama.cpp.
         let default_id = |id: u32| (sentencepiece && (id as usize) < n_vocab).then_some(id);
-        let bos = special_id("tokenizer.ggml.bos_token_id")?.or(default_id(1));
-        let eos = special_id("tokenizer.ggml.eos_token_id")?.or(default_id(2));
-        let eot = special_id("tokenizer.ggml.eot_token_id")?;
-        let eom = special_id("tokenizer.ggml.eom_token_id")?;
+        let bos = special_id(file, "tokenizer.ggml.bos_token_id", n_vocab)?.or(default_id(1));
+        let eos = special_id(file, "tokenizer.ggml.eos_token_id", n_vocab)?.or(default_id(2));
+        let eot = special_id(file, "tokenizer.ggml.eot_token_id", n_vocab)?;
+        let eom = special_id(file, "tokenizer.ggml.eom_token_id", n_vocab)?;
         // Only byte-level BPE vocabularies have a pre-tokenizer.
         let pre_name = match sentencepiece {
             true => "default",
@@ -304,136 +253,18 @@ impl Tokenizer {
             .get_bool_opt("tokenizer.ggml.add_eos_token")?
             .unwrap_or(false);
 
-        // End-of-generation set and control-type overrides, as llama.cpp
-        // derives them from ids in the metadata and from token texts.
-        let mut eog: Vec<u32> = [eos, eot, eom].into_iter().flatten().collect();
-        for (key, candidates) in FIM_EOG {
-            let id = match special_id(key)? {
-                Some(id) => Some(id),
-                None => candidates.iter().find_map(|t| texts.id_of(t)),
-            };
-            eog.extend(id);
-        }
-        for text in EOG_TEXTS {
-            eog.extend(texts.id_of(text));
-        }
-        eog.sort_unstable();
-        eog.dedup();
-        let forced_control = eog
-            .iter()
-            .copied()
-            .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| texts.id_of(t)));
-        for id in forced_control {
-            types[id as usize] = TokenType::Control;
-        }
-
-        let mut bytes = Vec::with_capacity(n_vocab * 8);
-        let mut byte_offsets = Vec::with_capacity(n_vocab + 1);
-        byte_offsets.push(0);
-        for (text, ty) in texts.iter().zip(&types) {
-            match ty {
-                TokenType::Normal if sentencepiece => {
-                    bytes.extend_from_slice(text.replace('\u{2581}', " ").as_bytes())
-                }
-                TokenType::Normal => byte_level::decode_text(text, &mut bytes),
-                TokenType::Control | TokenType::UserDefined | TokenType::Unknown => {
-                    bytes.extend_from_slice(text.as_bytes())
-                }
-                TokenType::Byte => bytes.extend(parse_byte_token(text)),
-                // llama.cpp renders these as nothing.
-                TokenType::Unused | TokenType::Undefined => {}
-            }
-            byte_offsets.push(bytes.len());
-        }
-
-        let mut byte_ids = [None; 256];
-        for (b, slot) in (0..=255u8).zip(byte_ids.iter_mut()) {
-            *slot = if sentencepiece {
-                texts.id_of(&format!("<0x{b:02X}>")).or_else(|| {
-                    // llama.cpp falls back to the byte itself as text.
-                    std::str::from_utf8(&[b]).ok().and_then(|t| texts.id_of(t))
-                })
-            } else {
-                texts.id_of(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]))
-            };
-        }
+        let eog = end_of_generation(file, &texts, [eos, eot, eom], n_vocab)?;
+        force_control_types(&mut types, &eog, &texts);
+        let (bytes, byte_offsets) = token_bytes_table(&texts, &types, sentencepiece);
+        let byte_ids = byte_token_ids(&texts, sentencepiece);
 
         let kind = if sentencepiece {
-            let scores = match file.get_array("tokenizer.ggml.scores")? {
-                MetaArray::F32(v) => v.clone(),
-                _ => {
-                    return Err(TokenizerError::WrongArrayType {
-                        key: "tokenizer.ggml.scores",
-                        expected: "f32",
-                    })
-                }
-            };
-            if scores.len() != n_vocab {
-                return Err(TokenizerError::LengthMismatch {
-                    key: "tokenizer.ggml.scores",
-                    found: scores.len(),
-                    expected: n_vocab,
-                });
-            }
-            let add_space_prefix = file
-                .get_bool_opt("tokenizer.ggml.add_space_prefix")?
-                .unwrap_or(true);
-            Kind::SentencePiece {
-                scores,
-                add_space_prefix,
-            }
+            sentencepiece_kind(file, n_vocab)?
         } else {
-            let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
-                TokenizerError::UnsupportedPreTokenizer {
-                    pre: pre_name.to_owned(),
-                }
-            })?;
-            let merges = match file.get("tokenizer.ggml.merges") {
-                None => MergeTable::default(),
-                Some(_) => match file.get_array("tokenizer.ggml.merges")? {
-                    MetaArray::String(list) => build_merges(list, &texts),
-                    _ => {
-                        return Err(TokenizerError::WrongArrayType {
-                            key: "tokenizer.ggml.merges",
-                            expected: "string",
-                        })
-                    }
-                },
-            };
-            Kind::ByteLevel {
-                merges,
-                pre,
-                ignore_merges: llama3,
-            }
+            byte_level_kind(file, pre_name, llama3, &texts)?
         };
 
-        let model_name = file
-            .get_str_opt("general.name")?
-            .unwrap_or_default()
-            .to_lowercase();
-        let phi3 = model_name.contains("phi-3") || model_name.contains("phi3");
-        let mut specials: Vec<SpecialText> = texts
-            .iter()
-            .zip(&types)
-            .enumerate()
-            .filter(|(_, (text, _))| !text.is_empty())
-            .filter_map(|(id, (text, ty))| {
-                let only_when_parsing = match ty {
-                    TokenType::Control | TokenType::Unknown => true,
-                    TokenType::UserDefined => false,
-                    _ => return None,
-                };
-                let rstrip = phi3 && !matches!(text, "<unk>" | "<s>" | "<|endoftext|>");
-                Some(SpecialText {
-                    text: text.to_owned(),
-                    id: id as u32,
-                    only_when_parsing,
-                    rstrip,
-                })
-            })
-            .collect();
-        specials.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
-
+        let specials = special_texts(file, &texts, &types)?;
         let chat_template = file
             .get_str_opt("tokenizer.chat_template")?
             .map(str::to_owned);
@@ -719,6 +550,265 @@ struct EncodeScratch {
     ids: Vec<u32>,
     bpe: BpeScratch,
     spm: SpmScratch,
+}
+
+/// Whether `tokenizer.ggml.model` names a SentencePiece vocabulary
+/// (`llama`) rather than byte-level BPE (`gpt2`); any other model is
+/// refused.
+fn is_sentencepiece(file: &GgufFile) -> Result<bool, TokenizerError> {
+    let model = file.get_str("tokenizer.ggml.model")?;
+    match model {
+        "gpt2" => Ok(false),
+        "llama" => Ok(true),
+        _ => Err(TokenizerError::UnsupportedModel {
+            model: model.to_owned(),
+        }),
+    }
+}
+
+/// `tokenizer.ggml.tokens`, checked to be a non-empty string array whose
+/// ids fit in an `i32`.
+fn read_token_texts(file: &GgufFile) -> Result<&[String], TokenizerError> {
+    let text_list = match file.get_array("tokenizer.ggml.tokens")? {
+        MetaArray::String(v) => v,
+        _ => {
+            return Err(TokenizerError::WrongArrayType {
+                key: "tokenizer.ggml.tokens",
+                expected: "string",
+            })
+        }
+    };
+    let max = i32::MAX as usize;
+    if text_list.is_empty() || text_list.len() > max {
+        return Err(TokenizerError::BadVocabSize {
+            count: text_list.len(),
+            max,
+        });
+    }
+    Ok(text_list)
+}
+
+/// `tokenizer.ggml.token_type`, one per token (all normal when absent).
+fn read_token_types(file: &GgufFile, n_vocab: usize) -> Result<Vec<TokenType>, TokenizerError> {
+    let types: Vec<TokenType> = match file.get("tokenizer.ggml.token_type") {
+        None => vec![TokenType::Normal; n_vocab],
+        Some(_) => match file.get_array("tokenizer.ggml.token_type")? {
+            MetaArray::I32(codes) => codes.iter().map(|&c| TokenType::from_gguf(c)).collect(),
+            _ => {
+                return Err(TokenizerError::WrongArrayType {
+                    key: "tokenizer.ggml.token_type",
+                    expected: "i32",
+                })
+            }
+        },
+    };
+    if types.len() != n_vocab {
+        return Err(TokenizerError::LengthMismatch {
+            key: "tokenizer.ggml.token_type",
+            found: types.len(),
+            expected: n_vocab,
+        });
+    }
+    Ok(types)
+}
+
+/// A special token id stored under `key`, if any, checked to be in the
+/// vocabulary.
+fn special_id(
+    file: &GgufFile,
+    key: &'static str,
+    n_vocab: usize,
+) -> Result<Option<u32>, TokenizerError> {
+    match file.get_u64_opt(key)? {
+        None => Ok(None),
+        Some(id) if id < n_vocab as u64 => Ok(Some(id as u32)),
+        Some(id) => Err(TokenizerError::SpecialIdOutOfRange {
+            key,
+            id,
+            vocab_size: n_vocab,
+        }),
+    }
+}
+
+/// The end-of-generation set, sorted and without repeats, as llama.cpp
+/// derives it: the EOS/EOT/EOM ids, the fill-in-the-middle ids (by key or,
+/// failing that, by text) and the texts in [`EOG_TEXTS`].
+fn end_of_generation(
+    file: &GgufFile,
+    texts: &TokenTexts,
+    ids: [Option<u32>; 3],
+    n_vocab: usize,
+) -> Result<Vec<u32>, TokenizerError> {
+    let mut eog: Vec<u32> = ids.into_iter().flatten().collect();
+    for (key, candidates) in FIM_EOG {
+        let id = match special_id(file, key, n_vocab)? {
+            Some(id) => Some(id),
+            None => candidates.iter().find_map(|t| texts.id_of(t)),
+        };
+        eog.extend(id);
+    }
+    for text in EOG_TEXTS {
+        eog.extend(texts.id_of(text));
+    }
+    eog.sort_unstable();
+    eog.dedup();
+    Ok(eog)
+}
+
+/// llama.cpp's control-type overrides: every end-of-generation token and
+/// every fill-in-the-middle text in [`FIM_CONTROL_TEXTS`] is a control
+/// token whatever its stored type.
+fn force_control_types(types: &mut [TokenType], eog: &[u32], texts: &TokenTexts) {
+    let forced_control = eog
+        .iter()
+        .copied()
+        .chain(FIM_CONTROL_TEXTS.iter().filter_map(|t| texts.id_of(t)));
+    for id in forced_control {
+        types[id as usize] = TokenType::Control;
+    }
+}
+
+/// The bytes each token stands for, concatenated, and the offsets that cut
+/// them apart (`bytes[offsets[i]..offsets[i + 1]]` is token `i`).
+fn token_bytes_table(
+    texts: &TokenTexts,
+    types: &[TokenType],
+    sentencepiece: bool,
+) -> (Vec<u8>, Vec<usize>) {
+    let n_vocab = types.len();
+    let mut bytes = Vec::with_capacity(n_vocab * 8);
+    let mut byte_offsets = Vec::with_capacity(n_vocab + 1);
+    byte_offsets.push(0);
+    for (text, ty) in texts.iter().zip(types) {
+        match ty {
+            TokenType::Normal if sentencepiece => {
+                bytes.extend_from_slice(text.replace('\u{2581}', " ").as_bytes())
+            }
+            TokenType::Normal => byte_level::decode_text(text, &mut bytes),
+            TokenType::Control | TokenType::UserDefined | TokenType::Unknown => {
+                bytes.extend_from_slice(text.as_bytes())
+            }
+            TokenType::Byte => bytes.extend(parse_byte_token(text)),
+            // llama.cpp renders these as nothing.
+            TokenType::Unused | TokenType::Undefined => {}
+        }
+        byte_offsets.push(bytes.len());
+    }
+    (bytes, byte_offsets)
+}
+
+/// The token standing for each byte: `<0xXX>` (or the byte itself as text)
+/// in SentencePiece vocabularies, the byte's GPT-2 character otherwise.
+fn byte_token_ids(texts: &TokenTexts, sentencepiece: bool) -> [Option<u32>; 256] {
+    let mut byte_ids = [None; 256];
+    for (b, slot) in (0..=255u8).zip(byte_ids.iter_mut()) {
+        *slot = if sentencepiece {
+            texts.id_of(&format!("<0x{b:02X}>")).or_else(|| {
+                // llama.cpp falls back to the byte itself as text.
+                std::str::from_utf8(&[b]).ok().and_then(|t| texts.id_of(t))
+            })
+        } else {
+            texts.id_of(byte_level::byte_to_char(b).encode_utf8(&mut [0; 4]))
+        };
+    }
+    byte_ids
+}
+
+/// SentencePiece tables: `tokenizer.ggml.scores` (one per token) and
+/// `tokenizer.ggml.add_space_prefix` (default on).
+fn sentencepiece_kind(file: &GgufFile, n_vocab: usize) -> Result<Kind, TokenizerError> {
+    let scores = match file.get_array("tokenizer.ggml.scores")? {
+        MetaArray::F32(v) => v.clone(),
+        _ => {
+            return Err(TokenizerError::WrongArrayType {
+                key: "tokenizer.ggml.scores",
+                expected: "f32",
+            })
+        }
+    };
+    if scores.len() != n_vocab {
+        return Err(TokenizerError::LengthMismatch {
+            key: "tokenizer.ggml.scores",
+            found: scores.len(),
+            expected: n_vocab,
+        });
+    }
+    let add_space_prefix = file
+        .get_bool_opt("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true);
+    Ok(Kind::SentencePiece {
+        scores,
+        add_space_prefix,
+    })
+}
+
+/// Byte-level BPE tables: the pre-tokenizer named `pre_name` and the merge
+/// table from `tokenizer.ggml.merges` (empty when absent).
+fn byte_level_kind(
+    file: &GgufFile,
+    pre_name: &str,
+    llama3: bool,
+    texts: &TokenTexts,
+) -> Result<Kind, TokenizerError> {
+    let pre = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
+        TokenizerError::UnsupportedPreTokenizer {
+            pre: pre_name.to_owned(),
+        }
+    })?;
+    let merges = match file.get("tokenizer.ggml.merges") {
+        None => MergeTable::default(),
+        Some(_) => match file.get_array("tokenizer.ggml.merges")? {
+            MetaArray::String(list) => build_merges(list, texts),
+            _ => {
+                return Err(TokenizerError::WrongArrayType {
+                    key: "tokenizer.ggml.merges",
+                    expected: "string",
+                })
+            }
+        },
+    };
+    Ok(Kind::ByteLevel {
+        merges,
+        pre,
+        ignore_merges: llama3,
+    })
+}
+
+/// Every control, unknown and user-defined token text, longest first (ties
+/// by id). Phi-3 models (recognised by `general.name`) drop whitespace
+/// after most of them, as llama.cpp does.
+fn special_texts(
+    file: &GgufFile,
+    texts: &TokenTexts,
+    types: &[TokenType],
+) -> Result<Vec<SpecialText>, TokenizerError> {
+    let model_name = file
+        .get_str_opt("general.name")?
+        .unwrap_or_default()
+        .to_lowercase();
+    let phi3 = model_name.contains("phi-3") || model_name.contains("phi3");
+    let mut specials: Vec<SpecialText> = texts
+        .iter()
+        .zip(types)
+        .enumerate()
+        .filter(|(_, (text, _))| !text.is_empty())
+        .filter_map(|(id, (text, ty))| {
+            let only_when_parsing = match ty {
+                TokenType::Control | TokenType::Unknown => true,
+                TokenType::UserDefined => false,
+                _ => return None,
+            };
+            let rstrip = phi3 && !matches!(text, "<unk>" | "<s>" | "<|endoftext|>");
+            Some(SpecialText {
+                text: text.to_owned(),
+                id: id as u32,
+                only_when_parsing,
+                rstrip,
+            })
+        })
+        .collect();
+    specials.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
+    Ok(specials)
 }
 
 /// Builds the merge table from "left right" entries. Entries whose halves
