@@ -362,6 +362,53 @@ fn seconds(name: &str, value: f64) -> Result<Duration, CliError> {
     })
 }
 
+/// TLS as a (certificate, key) pair: both or neither.
+fn tls_pair(
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> Result<Option<(PathBuf, PathBuf)>, CliError> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => Ok(Some((cert, key))),
+        (None, None) => Ok(None),
+        _ => Err(CliError::Usage(
+            "TLS needs both a certificate (tls_cert) and a key (tls_key)".into(),
+        )),
+    }
+}
+
+/// The state directory's limits from `max-state-mib` (at least 1 when
+/// given) and `min-free-mib` (a default when not).
+fn state_limits(max_state_mib: Option<u64>, min_free_mib: Option<u64>) -> Result<Limits, CliError> {
+    Ok(Limits {
+        max_bytes: match max_state_mib {
+            Some(mib) => {
+                Some((positive("max-state-mib", mib as usize)? as u64).saturating_mul(1 << 20))
+            }
+            None => None,
+        },
+        min_free_bytes: match min_free_mib {
+            Some(mib) => mib.saturating_mul(1 << 20),
+            None => DEFAULT_MIN_FREE_BYTES,
+        },
+    })
+}
+
+/// The shards: the flag's (already parsed) over the file's entries.
+fn shard_list(
+    flag: Option<&[ShardSpec]>,
+    file: Option<&[String]>,
+) -> Result<Vec<ShardSpec>, CliError> {
+    Ok(match (flag, file) {
+        (Some(flag), _) => flag.to_vec(),
+        (None, Some(entries)) => entries
+            .iter()
+            .map(|e| ShardSpec::parse(e))
+            .collect::<Result<_, _>>()
+            .map_err(|e| CliError::Usage(format!("config shards: {e}")))?,
+        (None, None) => Vec::new(),
+    })
+}
+
 fn positive(name: &str, value: usize) -> Result<usize, CliError> {
     if value == 0 {
         return Err(CliError::Usage(format!("{name} must be at least 1")));
@@ -371,43 +418,22 @@ fn positive(name: &str, value: usize) -> Result<usize, CliError> {
 
 impl ServeArgs {
     /// Flags (with their environment variables) over the file over defaults.
+    ///
+    /// Past the settings checked together (KV size, HTTP limits, TLS), the
+    /// body is one table, a field per setting, each `flag.or(file)` then
+    /// its default; it is left whole so that every setting's precedence
+    /// reads in one place.
     pub fn settings(&self) -> Result<Settings, CliError> {
         let file = match &self.config {
             Some(path) => FileConfig::read(path)?,
             None => FileConfig::default(),
         };
-        let kv = match (self.kv_mib, self.kv_pages) {
-            (Some(mib), _) => KvSize::Mib(mib),
-            (None, Some(pages)) => KvSize::Pages(pages),
-            (None, None) => match (file.kv_mib, file.kv_pages) {
-                (Some(_), Some(_)) => {
-                    return Err(CliError::Usage(
-                        "config: give kv_mib or kv_pages, not both".into(),
-                    ))
-                }
-                (Some(mib), None) => KvSize::Mib(mib),
-                (None, Some(pages)) => KvSize::Pages(pages),
-                (None, None) => KvSize::Mib(256),
-            },
-        };
-        if matches!(kv, KvSize::Mib(0) | KvSize::Pages(0)) {
-            return Err(CliError::Usage(
-                "the KV cache size must be at least 1".into(),
-            ));
-        }
+        let kv = self.kv_size(&file)?;
         let http_limits = self.http_limits(&file)?;
-        let tls = match (
+        let tls = tls_pair(
             self.tls_cert.clone().or(file.tls_cert),
             self.tls_key.clone().or(file.tls_key),
-        ) {
-            (Some(cert), Some(key)) => Some((cert, key)),
-            (None, None) => None,
-            _ => {
-                return Err(CliError::Usage(
-                    "TLS needs both a certificate (tls_cert) and a key (tls_key)".into(),
-                ))
-            }
-        };
+        )?;
         let workers = match self.workers.or(file.workers) {
             Some(n) => positive("workers", n)?,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -466,18 +492,10 @@ impl ServeArgs {
                 .or(file.max_spill_mib)
                 .unwrap_or(16 << 10)
                 .saturating_mul(1 << 20),
-            state_limits: Limits {
-                max_bytes: match self.max_state_mib.or(file.max_state_mib) {
-                    Some(mib) => Some(
-                        (positive("max-state-mib", mib as usize)? as u64).saturating_mul(1 << 20),
-                    ),
-                    None => None,
-                },
-                min_free_bytes: match self.min_free_mib.or(file.min_free_mib) {
-                    Some(mib) => mib.saturating_mul(1 << 20),
-                    None => DEFAULT_MIN_FREE_BYTES,
-                },
-            },
+            state_limits: state_limits(
+                self.max_state_mib.or(file.max_state_mib),
+                self.min_free_mib.or(file.min_free_mib),
+            )?,
             durability: self
                 .durability
                 .or(file.durability)
@@ -487,15 +505,7 @@ impl ServeArgs {
                 None => None,
             },
             sampler: self.sampler.or(file.sampler).unwrap_or_default(),
-            shards: match (&self.shards, file.shards) {
-                (Some(flag), _) => flag.clone(),
-                (None, Some(entries)) => entries
-                    .iter()
-                    .map(|e| ShardSpec::parse(e))
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| CliError::Usage(format!("config shards: {e}")))?,
-                (None, None) => Vec::new(),
-            },
+            shards: shard_list(self.shards.as_deref(), file.shards.as_deref())?,
             shard_encoding: self
                 .shard_encoding
                 .or(file.shard_encoding)
@@ -505,6 +515,31 @@ impl ServeArgs {
 }
 
 impl ServeArgs {
+    /// The KV cache's size: `--kv-mib` or `--kv-pages` over the file's
+    /// `kv_mib` or `kv_pages` (not both) over 256 MiB; never 0.
+    fn kv_size(&self, file: &FileConfig) -> Result<KvSize, CliError> {
+        let kv = match (self.kv_mib, self.kv_pages) {
+            (Some(mib), _) => KvSize::Mib(mib),
+            (None, Some(pages)) => KvSize::Pages(pages),
+            (None, None) => match (file.kv_mib, file.kv_pages) {
+                (Some(_), Some(_)) => {
+                    return Err(CliError::Usage(
+                        "config: give kv_mib or kv_pages, not both".into(),
+                    ))
+                }
+                (Some(mib), None) => KvSize::Mib(mib),
+                (None, Some(pages)) => KvSize::Pages(pages),
+                (None, None) => KvSize::Mib(256),
+            },
+        };
+        if matches!(kv, KvSize::Mib(0) | KvSize::Pages(0)) {
+            return Err(CliError::Usage(
+                "the KV cache size must be at least 1".into(),
+            ));
+        }
+        Ok(kv)
+    }
+
     /// The HTTP API's limits: flags over the file over defaults. The idle
     /// timeout may not be shorter than the header timeout: hyper times
     /// every request head after the first with it.

@@ -63,89 +63,24 @@ const MAX_VOCAB: u64 = 1 << 22;
 impl ModelConfig {
     /// Reads and validates the configuration of `file`.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
-        let arch_name = file.get_str("general.architecture")?;
-        let architecture = Architecture::from_name(arch_name).ok_or_else(|| {
-            ModelError::UnsupportedArchitecture {
-                name: arch_name.to_owned(),
-            }
-        })?;
+        let architecture = architecture(file)?;
         let spec = architecture.spec();
         let p = spec.name;
-        let key = |k: &str| format!("{p}.{k}");
-        let get = |k: &str, cap: u64| -> Result<usize, ModelError> {
-            let name = key(k);
-            let v = file.get_u64(&name)?;
-            if v == 0 || v > cap {
-                return Err(ModelError::BadConfig(format!(
-                    "{name} is {v}; expected 1..={cap}"
-                )));
-            }
-            Ok(v as usize)
-        };
-        let n_layers = get("block_count", MAX_LAYERS)?;
-        let hidden = get("embedding_length", MAX_WIDTH)?;
-        let n_heads = get("attention.head_count", MAX_WIDTH)?;
-        let n_kv_heads = match file.get_u64_opt(&key("attention.head_count_kv"))? {
+        let n_layers = dimension(file, p, "block_count", MAX_LAYERS)?;
+        let hidden = dimension(file, p, "embedding_length", MAX_WIDTH)?;
+        let n_heads = dimension(file, p, "attention.head_count", MAX_WIDTH)?;
+        let n_kv_heads = match file.get_u64_opt(&format!("{p}.attention.head_count_kv"))? {
             None => n_heads,
-            Some(_) => get("attention.head_count_kv", MAX_WIDTH)?,
+            Some(_) => dimension(file, p, "attention.head_count_kv", MAX_WIDTH)?,
         };
-        let ffn = get("feed_forward_length", MAX_WIDTH * 8)?;
-        let context = get("context_length", 1 << 24)?;
-        let rms_eps = file.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
+        let ffn = dimension(file, p, "feed_forward_length", MAX_WIDTH * 8)?;
+        let context = dimension(file, p, "context_length", 1 << 24)?;
+        let rms_eps = file.get_f32(&format!("{p}.attention.layer_norm_rms_epsilon"))?;
         let rope_base = file
-            .get_f32_opt(&key("rope.freq_base"))?
+            .get_f32_opt(&format!("{p}.rope.freq_base"))?
             .unwrap_or(10_000.0);
-
-        let vocab = match file.get_u64_opt(&key("vocab_size"))? {
-            Some(v) => v,
-            None => file
-                .require_tensor("token_embd.weight")?
-                .dims
-                .get(1)
-                .copied()
-                .unwrap_or(0),
-        };
-        if vocab == 0 || vocab > MAX_VOCAB {
-            return Err(ModelError::BadConfig(format!(
-                "vocabulary size {vocab} is out of range"
-            )));
-        }
-
-        let head_dim = match file.get_u64_opt(&key("attention.key_length"))? {
-            Some(_) => get("attention.key_length", MAX_WIDTH)?,
-            None if hidden % n_heads != 0 => {
-                return Err(ModelError::BadConfig(format!(
-                    "embedding length {hidden} is not a multiple of the head count {n_heads}"
-                )))
-            }
-            None => hidden / n_heads,
-        };
-        if let Some(v) = file.get_u64_opt(&key("attention.value_length"))? {
-            if v as usize != head_dim {
-                return Err(ModelError::BadConfig(format!(
-                    "value head width {v} differs from the key head width {head_dim}"
-                )));
-            }
-        }
-        if n_kv_heads > n_heads || n_heads % n_kv_heads != 0 {
-            return Err(ModelError::BadConfig(format!(
-                "{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads"
-            )));
-        }
-        if head_dim % 2 != 0 {
-            return Err(ModelError::BadConfig(format!(
-                "head dimension {head_dim} is odd"
-            )));
-        }
-        let rope_dims = match file.get_u64_opt(&key("rope.dimension_count"))? {
-            None => head_dim,
-            Some(d) if d as usize <= head_dim && d % 2 == 0 && d > 0 => d as usize,
-            Some(d) => {
-                return Err(ModelError::BadConfig(format!(
-                    "rope.dimension_count {d} does not fit the head dimension {head_dim}"
-                )))
-            }
-        };
+        let vocab = vocab_size(file, p)?;
+        let (head_dim, rope_dims) = head_shape(file, p, hidden, n_heads, n_kv_heads)?;
         let rope_freq_scale = rope_scale(file, p)?;
         if !(rms_eps.is_finite() && rms_eps >= 0.0 && rope_base.is_finite() && rope_base > 0.0) {
             return Err(ModelError::BadConfig(format!(
@@ -159,16 +94,7 @@ impl ModelConfig {
         };
         let logit_softcap = match spec.logit_softcap {
             false => None,
-            true => match file.get_f32_opt(&key("final_logit_softcapping"))? {
-                None => None,
-                Some(0.0) => None,
-                Some(c) if c.is_finite() && c > 0.0 => Some(c),
-                Some(c) => {
-                    return Err(ModelError::BadConfig(format!(
-                        "final_logit_softcapping {c} is not a positive number"
-                    )))
-                }
-            },
+            true => logit_softcap(file, p)?,
         };
         Ok(Self {
             architecture,
@@ -178,7 +104,7 @@ impl ModelConfig {
             n_kv_heads,
             head_dim,
             ffn,
-            vocab: vocab as usize,
+            vocab,
             context,
             rms_eps,
             rope_base,
@@ -229,6 +155,108 @@ impl ModelConfig {
     /// Width of the K (and V) projection: KV heads times head dimension.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// The architecture `general.architecture` names, if inferd runs it.
+fn architecture(file: &GgufFile) -> Result<Architecture, ModelError> {
+    let arch_name = file.get_str("general.architecture")?;
+    Architecture::from_name(arch_name).ok_or_else(|| ModelError::UnsupportedArchitecture {
+        name: arch_name.to_owned(),
+    })
+}
+
+/// The size stored under `{p}.{k}`, required, in `1..=cap`.
+fn dimension(file: &GgufFile, p: &str, k: &str, cap: u64) -> Result<usize, ModelError> {
+    let name = format!("{p}.{k}");
+    let v = file.get_u64(&name)?;
+    if v == 0 || v > cap {
+        return Err(ModelError::BadConfig(format!(
+            "{name} is {v}; expected 1..={cap}"
+        )));
+    }
+    Ok(v as usize)
+}
+
+/// The vocabulary size: `{p}.vocab_size`, else the rows of the embedding
+/// table, in `1..=MAX_VOCAB`.
+fn vocab_size(file: &GgufFile, p: &str) -> Result<usize, ModelError> {
+    let vocab = match file.get_u64_opt(&format!("{p}.vocab_size"))? {
+        Some(v) => v,
+        None => file
+            .require_tensor("token_embd.weight")?
+            .dims
+            .get(1)
+            .copied()
+            .unwrap_or(0),
+    };
+    if vocab == 0 || vocab > MAX_VOCAB {
+        return Err(ModelError::BadConfig(format!(
+            "vocabulary size {vocab} is out of range"
+        )));
+    }
+    Ok(vocab as usize)
+}
+
+/// The head dimension (`{p}.attention.key_length`, else width / heads,
+/// even, the value width the same) and the dimensions RoPE rotates
+/// (`{p}.rope.dimension_count`, else all), checked with the grouping of
+/// the query heads over the KV heads.
+fn head_shape(
+    file: &GgufFile,
+    p: &str,
+    hidden: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+) -> Result<(usize, usize), ModelError> {
+    let head_dim = match file.get_u64_opt(&format!("{p}.attention.key_length"))? {
+        Some(_) => dimension(file, p, "attention.key_length", MAX_WIDTH)?,
+        None if !hidden.is_multiple_of(n_heads) => {
+            return Err(ModelError::BadConfig(format!(
+                "embedding length {hidden} is not a multiple of the head count {n_heads}"
+            )))
+        }
+        None => hidden / n_heads,
+    };
+    if let Some(v) = file.get_u64_opt(&format!("{p}.attention.value_length"))? {
+        if v as usize != head_dim {
+            return Err(ModelError::BadConfig(format!(
+                "value head width {v} differs from the key head width {head_dim}"
+            )));
+        }
+    }
+    if n_kv_heads > n_heads || !n_heads.is_multiple_of(n_kv_heads) {
+        return Err(ModelError::BadConfig(format!(
+            "{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads"
+        )));
+    }
+    if head_dim % 2 != 0 {
+        return Err(ModelError::BadConfig(format!(
+            "head dimension {head_dim} is odd"
+        )));
+    }
+    let rope_dims = match file.get_u64_opt(&format!("{p}.rope.dimension_count"))? {
+        None => head_dim,
+        Some(d) if d as usize <= head_dim && d % 2 == 0 && d > 0 => d as usize,
+        Some(d) => {
+            return Err(ModelError::BadConfig(format!(
+                "rope.dimension_count {d} does not fit the head dimension {head_dim}"
+            )))
+        }
+    };
+    Ok((head_dim, rope_dims))
+}
+
+/// `{p}.final_logit_softcapping` for an architecture that has one (absent
+/// or 0: none).
+fn logit_softcap(file: &GgufFile, p: &str) -> Result<Option<f32>, ModelError> {
+    match file.get_f32_opt(&format!("{p}.final_logit_softcapping"))? {
+        None => Ok(None),
+        Some(0.0) => Ok(None),
+        Some(c) if c.is_finite() && c > 0.0 => Ok(Some(c)),
+        Some(c) => Err(ModelError::BadConfig(format!(
+            "final_logit_softcapping {c} is not a positive number"
+        ))),
     }
 }
 

@@ -420,7 +420,16 @@ impl GpuSampler {
         if !self.upload_mapped {
             self.wait_for_upload_mapping()?;
         }
-        let count = self.chunk.len();
+        self.write_upload(rows, words)?;
+        let result_bytes = bytes(self.chunk.len() * RESULT_WORDS);
+        let submission = self.submit_step(words, result_bytes)?;
+        self.map_for_next_step(submission, result_bytes)?;
+        self.read_results(rows, result_bytes, out)
+    }
+
+    /// Packs the chunk's request words and writes them, after its logits
+    /// rows, into the mapped upload buffer; then unmaps it.
+    fn write_upload(&mut self, rows: &[SampleRequest<'_>], words: usize) -> Result<(), StepError> {
         let row_bytes = self.vocab_size * 4;
         let logits_bytes = self.max_rows * row_bytes;
         self.words.clear();
@@ -447,7 +456,19 @@ impl GpuSampler {
         }
         self.upload.unmap();
         self.upload_mapped = false;
+        Ok(())
+    }
 
+    /// Records and submits the step: the two copies in, one workgroup per
+    /// row, and the copy of `result_bytes` of results out.
+    fn submit_step(
+        &self,
+        words: usize,
+        result_bytes: u64,
+    ) -> Result<wgpu::SubmissionIndex, StepError> {
+        let count = self.chunk.len();
+        let row_bytes = self.vocab_size * 4;
+        let logits_bytes = self.max_rows * row_bytes;
         let device = &self.context.device;
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
@@ -470,13 +491,21 @@ impl GpuSampler {
             pass.set_bind_group(0, &self.bind_group, &[]);
             pass.dispatch_workgroups(count as u32, 1, 1);
         }
-        let result_bytes = bytes(count * RESULT_WORDS);
         encoder.copy_buffer_to_buffer(&self.results, 0, &self.readback, 0, result_bytes);
         let submission = self.context.queue.submit([encoder.finish()]);
         if let Some(error) = block_on(scope.pop()) {
             return Err(StepError::Validation(error.to_string()));
         }
+        Ok(submission)
+    }
 
+    /// Asks for the readback mapping (the results) and the upload mapping
+    /// (the next step's), waits for the submission, then for the results.
+    fn map_for_next_step(
+        &self,
+        submission: wgpu::SubmissionIndex,
+        result_bytes: u64,
+    ) -> Result<(), StepError> {
         self.readback_state.store(MAP_PENDING, Ordering::Release);
         self.upload_state.store(MAP_PENDING, Ordering::Release);
         let readback_state = Arc::clone(&self.readback_state);
@@ -507,7 +536,17 @@ impl GpuSampler {
                 what: "the sampling step",
                 message: e.to_string(),
             })?;
-        self.wait_for(&self.readback_state, "reading the results back")?;
+        self.wait_for(&self.readback_state, "reading the results back")
+    }
+
+    /// Each row's answer from the mapped readback buffer into `out`; then
+    /// unmaps it.
+    fn read_results(
+        &self,
+        rows: &[SampleRequest<'_>],
+        result_bytes: u64,
+        out: &mut [Result<Sampled, SamplerError>],
+    ) -> Result<(), StepError> {
         {
             let view = self
                 .readback
