@@ -353,9 +353,16 @@ fn every_file_in_runtime_server_and_cluster_opens_by_saying_what_it_is_for() {
         .iter()
         .filter(|f| {
             let text = std::fs::read_to_string(f).expect("read");
-            text.lines().take(2).filter(|l| l.starts_with("//!")).count() < 2
+            text.lines()
+                .take(2)
+                .filter(|l| l.starts_with("//!"))
+                .count()
+                < 2
         })
         .map(|f| f.display().to_string())
         .collect();
-    assert!(bare.is_empty(), "no two-line `//!` doc at the top: {bare:?}");
+    assert!(
+        bare.is_empty(),
+        "no two-line `//!` doc at the top: {bare:?}"
+    );
 }
