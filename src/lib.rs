@@ -29,6 +29,8 @@
 //! - [`listen`]: the socket address a bound listen string names.
 //! - [`limits`]: what keeps the listeners alive under pressure: accept
 //!   back-off, rate-limited log lines, the file-descriptor budget.
+//! - [`gpu`]: the model on a GPU through wgpu: the adapter, weights in
+//!   their GGUF block formats on the device, and the WGSL kernels.
 //! - [`chat_template`]: a conversation -> prompt text through the model's own
 //!   Jinja chat template, rendered as transformers renders it.
 //! - [`cli`]: the command-line front end (`inferd generate`, `chat`,
@@ -45,6 +47,8 @@ pub mod cluster;
 pub mod durable;
 pub mod engine;
 pub mod gguf;
+#[cfg(not(loom))]
+pub mod gpu;
 pub mod kv;
 #[cfg(not(loom))]
 pub mod limits;

@@ -620,7 +620,9 @@ impl Model {
         }
     }
 
-    fn rope_table(
+    /// `(cos, sin)` per token of `token_seq` and rotated pair, computed as
+    /// every backend must see them (the GPU uploads these tables).
+    pub fn rope_table(
         &self,
         base: f32,
         freq_scale: f32,

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use futures_executor::block_on;
 
 use super::layout::{shader_source, WORKGROUP_SIZE};
+pub use crate::gpu::adapter::AdapterKind;
+use crate::gpu::adapter::{self, describe, is_hardware};
 
 /// Why no GPU sampler could be had.
 #[derive(Debug, thiserror::Error)]
@@ -24,15 +26,6 @@ pub enum GpuError {
     /// The shader or the pipeline failed validation on this device.
     #[error("building the sampler pipeline on {adapter} failed: {message}")]
     Pipeline { adapter: String, message: String },
-}
-
-/// Which adapters [`GpuContext::open`] may take.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AdapterKind {
-    /// A discrete, integrated or virtual GPU; software rasterisers refused.
-    Hardware,
-    /// Any adapter, a CPU implementation such as lavapipe included.
-    Any,
 }
 
 /// Device, queue and the sampler pipeline; see the module docs.
@@ -53,50 +46,10 @@ impl std::fmt::Debug for GpuContext {
     }
 }
 
-/// Preference among adapters: real GPUs first, software last.
-fn rank(device_type: wgpu::DeviceType) -> u8 {
-    match device_type {
-        wgpu::DeviceType::DiscreteGpu => 0,
-        wgpu::DeviceType::IntegratedGpu => 1,
-        wgpu::DeviceType::VirtualGpu => 2,
-        wgpu::DeviceType::Other => 3,
-        wgpu::DeviceType::Cpu => 4,
-    }
-}
-
-/// Whether the adapter is a real GPU rather than a CPU implementation.
-pub fn is_hardware(device_type: wgpu::DeviceType) -> bool {
-    !matches!(device_type, wgpu::DeviceType::Cpu)
-}
-
-fn describe(info: &wgpu::AdapterInfo) -> String {
-    format!(
-        "{} ({:?} {:?}, driver {} {})",
-        info.name, info.backend, info.device_type, info.driver, info.driver_info
-    )
-}
-
 impl GpuContext {
     /// Finds the best adapter of the wanted kind and builds the pipeline.
     pub fn open(kind: AdapterKind) -> Result<Arc<GpuContext>, GpuError> {
-        let mut descriptor = wgpu::InstanceDescriptor::new_without_display_handle();
-        // Vulkan and Metal only: GL would be taken silently when no Vulkan
-        // driver is installed, and is far slower for compute.
-        descriptor.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL;
-        descriptor.flags = wgpu::InstanceFlags::empty();
-        let instance = wgpu::Instance::new(descriptor);
-        let mut adapters = block_on(instance.enumerate_adapters(descriptor_backends()));
-        let seen: Vec<String> = adapters.iter().map(|a| describe(&a.get_info())).collect();
-        adapters.retain(|a| kind == AdapterKind::Any || is_hardware(a.get_info().device_type));
-        adapters.sort_by_key(|a| rank(a.get_info().device_type));
-        let Some(adapter) = adapters.into_iter().next() else {
-            let seen = if seen.is_empty() {
-                String::new()
-            } else {
-                format!("; only software adapters: {}", seen.join(", "))
-            };
-            return Err(GpuError::NoAdapter { seen });
-        };
+        let adapter = adapter::choose(kind).map_err(|e| GpuError::NoAdapter { seen: e.seen })?;
         Self::with_adapter(adapter)
     }
 
@@ -192,10 +145,6 @@ pub struct ResourceCounts {
     pub shader_modules: isize,
     pub buffer_memory: isize,
     pub memory_allocations: isize,
-}
-
-fn descriptor_backends() -> wgpu::Backends {
-    wgpu::Backends::VULKAN | wgpu::Backends::METAL
 }
 
 /// Bindings of `shaders/sampler.wgsl`, in its order.

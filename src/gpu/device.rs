@@ -1,0 +1,273 @@
+//! One opened adapter for the model: device, queue and the adapter's real
+//! limits, with the blocking helpers the backend needs (compile, read back).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_executor::block_on;
+
+use super::adapter::{self, describe, is_hardware, AdapterKind};
+use super::GpuError;
+
+/// How long one submission may run before it counts as lost.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The device the model's buffers and kernels live on.
+pub struct GpuDevice {
+    info: wgpu::AdapterInfo,
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    limits: wgpu::Limits,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("adapter", &self.describe())
+            .finish()
+    }
+}
+
+impl GpuDevice {
+    /// Opens the best adapter of the wanted kind with every limit it has
+    /// (wgpu's defaults would cap a binding at 128 MiB).
+    pub fn open(kind: AdapterKind) -> Result<Arc<Self>, GpuError> {
+        let adapter = adapter::choose(kind).map_err(|e| GpuError::NoAdapter { seen: e.seen })?;
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("inferd model"),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| GpuError::Device {
+            adapter: describe(&info),
+            message: e.to_string(),
+        })?;
+        // Errors inside a step are caught by error scopes; anything else is
+        // logged rather than panicking a worker thread.
+        device.on_uncaptured_error(Arc::new(|error: wgpu::Error| {
+            tracing::error!(%error, "wgpu model error");
+        }));
+        Ok(Arc::new(Self {
+            info,
+            device,
+            queue,
+            limits,
+        }))
+    }
+
+    /// The adapter's name, backend, kind and driver.
+    pub fn describe(&self) -> String {
+        describe(&self.info)
+    }
+
+    /// Whether the adapter is a real GPU (not lavapipe or another CPU one).
+    pub fn is_hardware(&self) -> bool {
+        is_hardware(self.info.device_type)
+    }
+
+    /// The limits the device was opened with (the adapter's own).
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.limits
+    }
+
+    /// Largest byte range one storage binding may cover, as a multiple of
+    /// 16 so that any part of a split tensor starts aligned.
+    pub fn max_binding_bytes(&self) -> u64 {
+        let binding = u64::from(self.limits.max_storage_buffer_binding_size);
+        binding.min(self.limits.max_buffer_size) & !15
+    }
+
+    /// Compiles `source` and builds the pipeline of its `entry` point,
+    /// turning validation failures into an error instead of a log line.
+    pub(crate) fn pipeline(
+        &self,
+        label: &str,
+        source: &str,
+        entry: &str,
+        layout: &wgpu::PipelineLayout,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        self.build_pipeline(label, source, entry, Some(layout))
+    }
+
+    fn build_pipeline(
+        &self,
+        label: &str,
+        source: &str,
+        entry: &str,
+        layout: Option<&wgpu::PipelineLayout>,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(label),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(label),
+                layout,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: wgpu::PipelineCompilationOptions::default(),
+                cache: None,
+            });
+        match block_on(scope.pop()) {
+            None => Ok(pipeline),
+            Some(error) => Err(GpuError::Pipeline {
+                adapter: self.describe(),
+                kernel: label.to_string(),
+                message: error.to_string(),
+            }),
+        }
+    }
+
+    /// [`pipeline`](Self::pipeline) with the layout the shader implies.
+    pub(crate) fn auto_pipeline(
+        &self,
+        label: &str,
+        source: &str,
+        entry: &str,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        self.build_pipeline(label, source, entry, None)
+    }
+
+    /// Submits `encoder` and waits for it to finish.
+    pub fn submit(&self, encoder: wgpu::CommandEncoder) -> Result<(), GpuError> {
+        let submission = self.queue.submit([encoder.finish()]);
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(submission),
+                timeout: Some(STEP_TIMEOUT),
+            })
+            .map(|_| ())
+            .map_err(|e| GpuError::Lost {
+                what: "waiting for a submission",
+                message: e.to_string(),
+            })
+    }
+
+    /// Copies `len` f32 values from the start of `buffer` back to the host
+    /// (for tests and checks; the step itself reads back only token ids).
+    pub fn read_f32(&self, buffer: &wgpu::Buffer, len: usize) -> Result<Vec<f32>, GpuError> {
+        let bytes = (len * 4) as u64;
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
+        self.submit(encoder)?;
+        self.map_read(&staging, bytes)
+    }
+
+    /// Maps the first `bytes` of a `MAP_READ` buffer whose writes were
+    /// submitted, copies them out as f32 and unmaps it.
+    pub(crate) fn map_read(&self, buffer: &wgpu::Buffer, bytes: u64) -> Result<Vec<f32>, GpuError> {
+        let lost = |message: String| GpuError::Lost {
+            what: "mapping a readback buffer",
+            message,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        buffer
+            .slice(..bytes)
+            .map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: None,
+                timeout: Some(STEP_TIMEOUT),
+            })
+            .map_err(|e| lost(e.to_string()))?;
+        match rx.recv_timeout(STEP_TIMEOUT) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(lost(e.to_string())),
+            Err(_) => return Err(lost("the mapping never completed".into())),
+        }
+        let values = buffer
+            .get_mapped_range(..bytes)
+            .map(|view| bytemuck::cast_slice(&view).to_vec())
+            .map_err(|e| lost(e.to_string()));
+        buffer.unmap();
+        values
+    }
+
+    /// A storage buffer holding `bytes`, padded with zeros to a multiple of
+    /// four bytes plus one word, so that a kernel reading an unaligned
+    /// 32-bit value at the last byte stays inside the buffer.
+    pub(crate) fn storage_with(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+        let size = (bytes.len() as u64).div_ceil(4) * 4 + 4;
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.write_bytes(&buffer, bytes);
+        buffer
+    }
+
+    /// Queues `bytes` to be written at the start of `buffer` (applied at
+    /// the next submission), a tail that is not whole words padded with
+    /// zeros as copies require.
+    pub(crate) fn write_bytes(&self, buffer: &wgpu::Buffer, bytes: &[u8]) {
+        let whole = bytes.len() / 4 * 4;
+        if whole > 0 {
+            self.queue.write_buffer(buffer, 0, &bytes[..whole]);
+        }
+        if whole < bytes.len() {
+            let mut tail = [0u8; 4];
+            tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+            self.queue.write_buffer(buffer, whole as u64, &tail);
+        }
+    }
+
+    /// A zeroed storage buffer of `bytes` (rounded up to a word) that can
+    /// also be copied from and to.
+    pub fn storage(&self, label: &str, bytes: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.div_ceil(4).max(1) * 4,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// A uniform buffer holding `words`.
+    pub fn uniform_words(&self, label: &str, words: &[u32]) -> wgpu::Buffer {
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: (words.len() as u64 * 4).max(16),
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue
+            .write_buffer(&buffer, 0, bytemuck::cast_slice(words));
+        buffer
+    }
+
+    /// A command encoder on this device.
+    pub fn encoder(&self, label: &str) -> wgpu::CommandEncoder {
+        self.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) })
+    }
+
+    /// Writes `values` at the start of `buffer`.
+    pub fn write_f32(&self, buffer: &wgpu::Buffer, values: &[f32]) {
+        self.queue
+            .write_buffer(buffer, 0, bytemuck::cast_slice(values));
+    }
+}

@@ -1,0 +1,205 @@
+//! The matrix kernels' host side: one pipeline per weight format, and a
+//! prepared call per (matrix, input, output) whose bind groups are made
+//! once, so a step only records dispatches.
+
+use std::collections::HashMap;
+
+use super::{DeviceMatrix, GpuDevice, GpuError};
+use crate::quant::GgmlType;
+
+const QUANTS: &str = include_str!("shaders/quants.wgsl");
+const MATMUL: &str = include_str!("shaders/matmul.wgsl");
+/// Rows and tokens one workgroup takes (as in the shader).
+const TILE_ROWS: u32 = 2;
+const TILE_TOKENS: u32 = 8;
+
+/// The `dequant_*` function of a weight format, if the kernels read it.
+pub(super) fn dequant_function(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "dequant_f32",
+        GgmlType::F16 => "dequant_f16",
+        GgmlType::BF16 => "dequant_bf16",
+        GgmlType::Q4_0 => "dequant_q4_0",
+        GgmlType::Q4_1 => "dequant_q4_1",
+        GgmlType::Q5_0 => "dequant_q5_0",
+        GgmlType::Q5_1 => "dequant_q5_1",
+        GgmlType::Q8_0 => "dequant_q8_0",
+        GgmlType::IQ4_NL => "dequant_iq4_nl",
+        GgmlType::Q2_K => "dequant_q2_k",
+        GgmlType::Q3_K => "dequant_q3_k",
+        GgmlType::Q4_K => "dequant_q4_k",
+        GgmlType::Q5_K => "dequant_q5_k",
+        GgmlType::Q6_K => "dequant_q6_k",
+        GgmlType::IQ4_XS => "dequant_iq4_xs",
+        GgmlType::Q8_1 | GgmlType::Q8_K => return None,
+    })
+}
+
+/// Whether the GPU kernels multiply weights of this format.
+pub fn supports(ty: GgmlType) -> bool {
+    dequant_function(ty).is_some()
+}
+
+/// The matrix pipelines of one device, one per weight format asked for.
+pub struct MatmulKernels {
+    layout: wgpu::BindGroupLayout,
+    pipelines: HashMap<GgmlType, wgpu::ComputePipeline>,
+}
+
+impl MatmulKernels {
+    /// Compiles the kernel for each of `types`.
+    pub fn new(device: &GpuDevice, types: &[GgmlType]) -> Result<Self, GpuError> {
+        let layout = device
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some("matmul bindings"),
+                entries: &[
+                    uniform_entry(0),
+                    storage_entry(1, true),
+                    storage_entry(2, true),
+                    storage_entry(3, false),
+                    uniform_entry(4),
+                ],
+            });
+        let pipeline_layout =
+            device
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some("matmul"),
+                    bind_group_layouts: &[Some(&layout)],
+                    immediate_size: 0,
+                });
+        let mut pipelines = HashMap::new();
+        for &ty in types {
+            if pipelines.contains_key(&ty) {
+                continue;
+            }
+            let function = dequant_function(ty).ok_or(GpuError::UnsupportedType { ty })?;
+            let source = format!("{QUANTS}\n{}", MATMUL.replace("DEQUANT", function));
+            let label = format!("matmul {ty}");
+            let pipeline = device.pipeline(&label, &source, "matmul", &pipeline_layout)?;
+            pipelines.insert(ty, pipeline);
+        }
+        Ok(Self { layout, pipelines })
+    }
+
+    /// Binds `m` to its input and output: `x` holds `[tokens][x_stride]`
+    /// f32 activations (the first `m.cols` of each row are read), `out`
+    /// receives `[tokens][out_stride]` with row `r` of `m` at column
+    /// `out_offset + r`. `step` is the 16-byte uniform whose first word is
+    /// the step's token count.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind(
+        &self,
+        device: &GpuDevice,
+        m: &DeviceMatrix,
+        x: &wgpu::Buffer,
+        x_stride: usize,
+        out: &wgpu::Buffer,
+        out_stride: usize,
+        out_offset: usize,
+        step: &wgpu::Buffer,
+    ) -> Result<MatmulCall, GpuError> {
+        let pipeline = self
+            .pipelines
+            .get(&m.ty)
+            .ok_or(GpuError::UnsupportedType { ty: m.ty })?
+            .clone();
+        let max_groups = device.limits().max_compute_workgroups_per_dimension;
+        let mut parts = Vec::with_capacity(m.parts.len());
+        for part in &m.parts {
+            let groups = (part.rows as u32).div_ceil(TILE_ROWS);
+            let groups_x = groups.min(max_groups);
+            let groups_y = groups.div_ceil(groups_x.max(1));
+            let words: [u32; 8] = [
+                part.rows as u32,
+                m.cols as u32,
+                m.row_bytes as u32,
+                x_stride as u32,
+                out_stride as u32,
+                (out_offset + part.first_row) as u32,
+                groups_x,
+                0,
+            ];
+            let uniform = device.uniform_words("matmul part", &words);
+            let bind_group = device.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(&m.name),
+                layout: &self.layout,
+                entries: &[
+                    buffer_entry(0, &uniform),
+                    buffer_entry(1, &part.buffer),
+                    buffer_entry(2, x),
+                    buffer_entry(3, out),
+                    buffer_entry(4, step),
+                ],
+            });
+            parts.push(BoundPart {
+                bind_group,
+                groups: (groups_x, groups_y),
+                _uniform: uniform,
+            });
+        }
+        Ok(MatmulCall { pipeline, parts })
+    }
+}
+
+/// One matrix bound to its buffers; see [`MatmulKernels::bind`].
+pub struct MatmulCall {
+    pipeline: wgpu::ComputePipeline,
+    parts: Vec<BoundPart>,
+}
+
+struct BoundPart {
+    bind_group: wgpu::BindGroup,
+    groups: (u32, u32),
+    _uniform: wgpu::Buffer,
+}
+
+impl MatmulCall {
+    /// Records the multiply of `n_tokens` tokens (the number the step
+    /// uniform holds) into `pass`.
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: usize) {
+        if n_tokens == 0 {
+            return;
+        }
+        pass.set_pipeline(&self.pipeline);
+        let z = (n_tokens as u32).div_ceil(TILE_TOKENS);
+        for part in &self.parts {
+            pass.set_bind_group(0, &part.bind_group, &[]);
+            pass.dispatch_workgroups(part.groups.0, part.groups.1, z);
+        }
+    }
+}
+
+fn uniform_entry(binding: u32) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Uniform,
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    }
+}
+
+fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    }
+}
+
+fn buffer_entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: buffer.as_entire_binding(),
+    }
+}

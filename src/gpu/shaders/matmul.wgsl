@@ -1,0 +1,77 @@
+// out[t][first_row + r] = row r of a weight matrix part · x[t], for a tile
+// of TILE_ROWS rows and TILE_TOKENS tokens per workgroup.
+//
+// One kernel for one token and for a thousand, so that a row's value never
+// depends on how many tokens were fed with it: lane l sums chunks l,
+// l + LANES, ... of the row in order (each chunk a sequential dot of 32),
+// and the LANES partial sums meet in a fixed tree. A tile's other rows and
+// tokens only change which lanes are busy, never an output's arithmetic.
+// DEQUANT is replaced by the weight format's `dequant_*` function.
+
+struct Part {
+    rows: u32,
+    cols: u32,
+    row_bytes: u32,
+    x_stride: u32,
+    out_stride: u32,
+    first_row: u32,
+    groups_x: u32,
+    pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> part: Part;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+// x = tokens in the step.
+@group(0) @binding(4) var<uniform> step: vec4<u32>;
+
+const LANES: u32 = 64u;
+const TILE_ROWS: u32 = 2u;
+const TILE_TOKENS: u32 = 8u;
+const OUTPUTS: u32 = 16u;
+
+var<workgroup> sums: array<f32, 1024>;
+
+@compute @workgroup_size(64)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let row0 = (wid.x + wid.y * part.groups_x) * TILE_ROWS;
+    let t0 = wid.z * TILE_TOKENS;
+    let n_tokens = step.x;
+    let rows = select(0u, min(TILE_ROWS, part.rows - row0), row0 < part.rows);
+    let tokens = select(0u, min(TILE_TOKENS, n_tokens - t0), t0 < n_tokens);
+    var acc: array<f32, OUTPUTS>;
+    var w: array<f32, 32>;
+    let chunks = part.cols / 32u;
+    for (var c = lane; c < chunks; c += LANES) {
+        for (var r = 0u; r < rows; r++) {
+            DEQUANT((row0 + r) * part.row_bytes, c, &w);
+            for (var t = 0u; t < tokens; t++) {
+                let xo = (t0 + t) * part.x_stride + c * 32u;
+                var s = 0.0;
+                for (var i = 0u; i < 32u; i++) {
+                    s = fma(w[i], x[xo + i], s);
+                }
+                acc[r * TILE_TOKENS + t] += s;
+            }
+        }
+    }
+    for (var o = 0u; o < OUTPUTS; o++) {
+        sums[o * LANES + lane] = acc[o];
+    }
+    workgroupBarrier();
+    for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
+        if (lane < stride) {
+            for (var o = 0u; o < OUTPUTS; o++) {
+                sums[o * LANES + lane] = sums[o * LANES + lane] + sums[o * LANES + lane + stride];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lane < OUTPUTS) {
+        let r = lane / TILE_TOKENS;
+        let t = lane % TILE_TOKENS;
+        if (r < rows && t < tokens) {
+            out[(t0 + t) * part.out_stride + part.first_row + row0 + r] = sums[lane * LANES];
+        }
+    }
+}

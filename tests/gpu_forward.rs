@@ -1,0 +1,224 @@
+//! The whole forward pass on a wgpu device (Mesa's lavapipe in CI) against
+//! the CPU backend on small synthetic models: logits close to the CPU's,
+//! and on the device bit-identical however a history is fed (one call,
+//! token by token, in chunks, beside other sessions).
+//!
+//! Without any wgpu adapter these tests say so loudly and pass, unless
+//! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when they fail.
+
+use std::sync::{Arc, OnceLock};
+
+use inferd::gguf::synthetic::SyntheticLlama;
+use inferd::gguf::GgufFile;
+use inferd::gpu::{
+    AdapterKind, DeviceKv, GpuDevice, GpuError, GpuFeed, GpuForward, GpuModel, StepCapacity,
+};
+use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
+use inferd::model::{LogitsWanted, Model, Scratch, Sequence};
+use inferd::quant::GgmlType;
+use inferd::threads::ThreadPool;
+
+fn device() -> Option<Arc<GpuDevice>> {
+    static DEVICE: OnceLock<Option<Arc<GpuDevice>>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| match GpuDevice::open(AdapterKind::Any) {
+            Ok(device) => Some(device),
+            Err(GpuError::NoAdapter { seen }) => {
+                let required = std::env::var("INFERD_REQUIRE_WGPU").is_ok_and(|v| v == "1");
+                assert!(!required, "INFERD_REQUIRE_WGPU=1 but no wgpu adapter{seen}");
+                eprintln!("\n!!! SKIPPING the GPU forward tests: no wgpu adapter{seen}.\n");
+                None
+            }
+            Err(other) => panic!("wgpu adapter present but unusable: {other}"),
+        })
+        .clone()
+}
+
+fn synthetic(weight_type: GgmlType) -> Arc<Model> {
+    let cfg = SyntheticLlama {
+        n_layers: 3,
+        hidden: 128,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn: 256,
+        vocab: 384,
+        context: 512,
+        rope_base: 10_000.0,
+        weight_type,
+        tied_output: false,
+        seed: 7,
+    };
+    let file = GgufFile::from_bytes(cfg.build()).expect("synthetic gguf parses");
+    Arc::new(Model::from_gguf(Arc::new(file)).expect("synthetic model loads"))
+}
+
+fn pool(model: &Model) -> Arc<KvPool> {
+    let layout = model.kv_layout(model.config.n_layers, 16);
+    Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, 64 * layout.n_layers)).expect("pool"))
+}
+
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 37 + seed * 11 + 5) % 384)
+        .collect()
+}
+
+/// Every position's logits on the CPU.
+fn cpu_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let kv_pool = pool(model);
+    let mut kv = SessionKv::new(kv_pool);
+    let mut scratch = Scratch::default();
+    let threads = ThreadPool::new(2);
+    let mut seqs = [Sequence {
+        kv: &mut kv,
+        tokens,
+        logits: LogitsWanted::All,
+    }];
+    model
+        .forward(&mut seqs, &threads, &mut scratch)
+        .expect("cpu forward");
+    scratch.logits.clone()
+}
+
+struct Rig {
+    kv_pool: Arc<KvPool>,
+    forward: GpuForward,
+}
+
+impl Rig {
+    fn new(device: &Arc<GpuDevice>, model: &Arc<Model>, capacity: StepCapacity) -> Self {
+        let kv_pool = pool(model);
+        let gpu = GpuModel::new(Arc::clone(device), Arc::clone(model)).expect("upload");
+        let kv = DeviceKv::new(
+            device,
+            kv_pool.layout(),
+            kv_pool.total_pages(),
+            kv_pool.page_bytes(),
+        )
+        .expect("device kv");
+        let forward = GpuForward::new(gpu, &kv, capacity).expect("forward");
+        Self { kv_pool, forward }
+    }
+
+    /// Feeds each sequence's tokens in the given chunk sizes, all sequences
+    /// advancing together, and returns every position's logits as bits.
+    fn run(&mut self, seqs: &[(&[u32], Vec<usize>)]) -> Vec<Vec<u32>> {
+        let mut kvs: Vec<SessionKv> = seqs
+            .iter()
+            .map(|_| SessionKv::new(Arc::clone(&self.kv_pool)))
+            .collect();
+        let mut fed = vec![0usize; seqs.len()];
+        let mut out = vec![Vec::new(); seqs.len()];
+        let mut round = 0;
+        let mut logits = Vec::new();
+        loop {
+            let mut feeds = Vec::new();
+            let mut which = Vec::new();
+            for (i, ((tokens, chunks), kv)) in seqs.iter().zip(kvs.iter_mut()).enumerate() {
+                if let Some(&n) = chunks.get(round) {
+                    let start = fed[i];
+                    feeds.push(GpuFeed {
+                        kv,
+                        tokens: &tokens[start..start + n],
+                        logits: LogitsWanted::All,
+                    });
+                    which.push(i);
+                    fed[i] += n;
+                }
+            }
+            if feeds.is_empty() {
+                break;
+            }
+            let rows = self
+                .forward
+                .forward(&mut feeds, &mut logits)
+                .expect("gpu forward");
+            let vocab = logits.len() / rows.per_sequence.iter().map(|r| r.len()).sum::<usize>();
+            for (&i, r) in which.iter().zip(&rows.per_sequence) {
+                out[i].extend(
+                    logits[r.start * vocab..r.end * vocab]
+                        .iter()
+                        .map(|v| v.to_bits()),
+                );
+            }
+            round += 1;
+        }
+        out
+    }
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[test]
+fn logits_match_the_cpu_backend() {
+    let Some(device) = device() else { return };
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1] {
+        let model = synthetic(ty);
+        let vocab = model.config.vocab;
+        let tokens = prompt(40, 1);
+        let want = cpu_logits(&model, &tokens);
+        let mut rig = Rig::new(&device, &model, StepCapacity::default());
+        let got: Vec<f32> = rig.run(&[(&tokens, vec![tokens.len()])])[0]
+            .iter()
+            .map(|b| f32::from_bits(*b))
+            .collect();
+        assert_eq!(got.len(), want.len());
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut worst = 0f32;
+        for (g, w) in got.iter().zip(&want) {
+            worst = worst.max((g - w).abs());
+        }
+        eprintln!("{ty}: largest logit difference {worst} (logits up to {scale})");
+        // The CPU quantizes activations to 8 bits before each product; the
+        // GPU multiplies them as f32.
+        let tolerance = if ty == GgmlType::F32 { 1e-3 } else { 0.05 } * scale;
+        assert!(worst <= tolerance, "{ty}: {worst} > {tolerance}");
+        let mut agree = 0;
+        for (g, w) in got.chunks(vocab).zip(want.chunks(vocab)) {
+            agree += usize::from(argmax(g) == argmax(w));
+        }
+        assert!(
+            agree * 10 >= tokens.len() * 9,
+            "{ty}: argmax agrees at {agree} of {}",
+            tokens.len()
+        );
+    }
+}
+
+#[test]
+fn logits_do_not_depend_on_how_the_history_was_fed() {
+    let Some(device) = device() else { return };
+    let model = synthetic(GgmlType::Q4_1);
+    let a = prompt(37, 2);
+    let b = prompt(29, 3);
+    let mut rig = Rig::new(&device, &model, StepCapacity::default());
+    let whole = rig.run(&[(&a, vec![a.len()])]).remove(0);
+    let one_by_one = rig.run(&[(&a, vec![1; a.len()])]).remove(0);
+    assert_eq!(whole, one_by_one, "token by token");
+    let chunked = rig
+        .run(&[(&a, vec![5, 16, 1, 15]), (&b, vec![29])])
+        .remove(0);
+    assert_eq!(whole, chunked, "in chunks beside another session");
+    let second = rig
+        .run(&[(&b, vec![3, 3, 3, 20]), (&a, vec![1, 36])])
+        .remove(1);
+    assert_eq!(whole, second, "second in its steps");
+    // A step too small for the batch runs as several, to the same bits.
+    let small = StepCapacity {
+        tokens: 7,
+        rows: 5,
+        sequences: 2,
+        scores: 4096,
+    };
+    let mut tight = Rig::new(&device, &model, small);
+    let split = tight.run(&[(&b, vec![29]), (&a, vec![37])]).remove(1);
+    assert_eq!(whole, split, "split into small steps");
+}
