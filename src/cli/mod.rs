@@ -8,6 +8,7 @@ mod budget;
 mod chat;
 mod chat_input;
 mod client;
+mod device;
 mod generate;
 mod memory;
 mod relay;
@@ -28,6 +29,7 @@ use crate::model::{Model, ModelError};
 use crate::sampler::{SamplerChoice, SamplerError, SamplingParams, SelectedSampler};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use clap::builder::TypedValueParser as _;
+pub use device::DeviceChoice;
 
 /// Where the reference model lands (see `scripts/fetch-model`).
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -94,6 +96,11 @@ pub struct ModelArgs {
     /// included; fails if there is none).
     #[arg(long, env = "INFERD_SAMPLER", default_value = "auto", value_parser = sampler_choice_parser())]
     pub sampler: SamplerChoice,
+    /// Where the model runs: `cpu`, `gpu` (any Vulkan/Metal adapter,
+    /// lavapipe included; fails if there is none) or `auto` (a hardware
+    /// GPU if there is one and the model fits, else the CPU).
+    #[arg(long, env = "INFERD_DEVICE", value_enum, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
 }
 
 /// `auto|cpu|wgpu`, listed in `--help`.
@@ -322,11 +329,25 @@ impl ModelArgs {
             None => memory::check_kv_fits(cfg.kv_bytes, file_len(&path), memory::limits())?,
         }
         cfg.sampler = resolve_sampler(self.sampler)?;
-        let engine = Engine::new(Arc::new(model), &cfg)?;
+        let model = Arc::new(model);
+        let gpu = device::open_device(self.device)?;
+        let engine = match device::on_device(self.device, gpu, |device| {
+            Engine::new(
+                Arc::clone(&model),
+                &EngineConfig {
+                    gpu: Some(device),
+                    ..cfg.clone()
+                },
+            )
+        })? {
+            Some(engine) => engine,
+            None => Engine::new(model, &cfg)?,
+        };
         tracing::info!(
             model = %path.display(),
             threads = engine.threads(),
             simd = crate::quant::simd_level(),
+            device = engine.gpu_adapter().as_deref().unwrap_or("cpu"),
             load_ms = t0.elapsed().as_secs_f64() * 1e3,
             "model loaded"
         );

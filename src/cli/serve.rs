@@ -14,6 +14,7 @@ use serde::Deserialize;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
+use super::DeviceChoice;
 use super::{CliError, DEFAULT_MODEL};
 use crate::cluster::coordinator::{ShardPlan, ShardSpec};
 use crate::cluster::fingerprint::sha256_of_file;
@@ -22,6 +23,7 @@ use crate::cluster::payload::Encoding;
 use crate::durable::{Durability, SessionStore};
 use crate::durable::{StateLimits as Limits, DEFAULT_MIN_FREE_BYTES};
 use crate::model::Model;
+use crate::runtime::GpuLayers;
 use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
 use crate::sampler::SamplerChoice;
 use crate::server::http::HttpLimits;
@@ -205,6 +207,12 @@ pub struct ServeArgs {
     /// included; start-up fails if there is none) [default: auto].
     #[arg(long, env = "INFERD_SAMPLER", value_parser = super::sampler_choice_parser())]
     pub sampler: Option<SamplerChoice>,
+    /// Where the model's layers run: `cpu`, `gpu` (any Vulkan/Metal
+    /// adapter, lavapipe included; start-up fails if there is none) or
+    /// `auto` (a hardware GPU if there is one and the model fits, else the
+    /// CPU) [default: cpu].
+    #[arg(long, env = "INFERD_DEVICE", value_enum)]
+    pub device: Option<DeviceChoice>,
     /// Run the layers on these shards (`inferd shard`), in layer order:
     /// `HOST:PORT,...` splits the layers evenly; `HOST:PORT=A..B,...` names
     /// each range. This process then embeds, samples and serves clients.
@@ -278,6 +286,7 @@ struct FileConfig {
     durability: Option<DurabilityArg>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
+    device: Option<DeviceChoice>,
     shards: Option<Vec<String>>,
     shard_encoding: Option<ShardEncoding>,
 }
@@ -342,6 +351,7 @@ pub struct Settings {
     pub durability: DurabilityArg,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
+    pub device: DeviceChoice,
     /// Empty: this process runs every layer.
     pub shards: Vec<ShardSpec>,
     pub shard_encoding: ShardEncoding,
@@ -505,6 +515,7 @@ impl ServeArgs {
                 None => None,
             },
             sampler: self.sampler.or(file.sampler).unwrap_or_default(),
+            device: self.device.or(file.device).unwrap_or_default(),
             shards: shard_list(self.shards.as_deref(), file.shards.as_deref())?,
             shard_encoding: self
                 .shard_encoding
@@ -798,11 +809,27 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         path: settings.model.display().to_string(),
         source,
     })?;
+    let model = Arc::new(model);
     let mut cfg = settings.serve_config(&model)?;
+    if settings.device != DeviceChoice::Cpu {
+        if !settings.shards.is_empty() {
+            return Err(CliError::Usage(
+                "--device applies to layers run here; with --shards they run on the shards \
+                 (give `inferd shard` the --device)"
+                    .into(),
+            ));
+        }
+        let gpu = super::device::open_device(settings.device)?;
+        if let Some(layers) = super::device::on_device(settings.device, gpu, |device| {
+            GpuLayers::new(device, Arc::clone(&model))
+        })? {
+            cfg.runtime.layers = Arc::new(layers);
+        }
+    }
     if args.check {
         println!(
             "configuration ok: model {} ({} layers, vocabulary {}, context {}), listen {}, \
-             {} workers, KV {}, tls {}, auth token {}, sampler {}, sessions {}",
+             {} workers, KV {}, tls {}, auth token {}, sampler {}, {}, sessions {}",
             settings.model.display(),
             model.config.n_layers,
             model.config.vocab,
@@ -826,6 +853,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 Some(adapter) => format!("wgpu on {adapter}"),
                 None => "cpu".into(),
             },
+            cfg.runtime.layers.describe(),
             match &settings.state_dir {
                 Some(dir) => format!(
                     "kept in {} ({} durability)",
@@ -841,7 +869,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         return Ok(());
     }
     cfg.runtime.state = settings.session_store()?;
-    let server = Server::start(Arc::new(model), cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    let server = Server::start(model, cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     tracing::info!(
         model = %settings.model.display(),
         start_ms = t0.elapsed().as_secs_f64() * 1e3,

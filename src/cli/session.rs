@@ -234,6 +234,7 @@ fn generate(args: SessionGenerateArgs) -> Result<(), CliError> {
                 kv_mib: 0,
                 kv_file: None,
                 sampler: crate::sampler::SamplerChoice::Cpu,
+                device: super::DeviceChoice::Cpu,
             };
             Some(load_tokenizer(&model.path())?)
         }

@@ -64,7 +64,7 @@ pub fn write(path: &Path, kv: &SessionKv, history: &[u32]) -> std::io::Result<u6
             match kv.page_bytes(block, layer) {
                 Some(bytes) => {
                     header.push(1);
-                    let sum = xxh3_64_with_seed(bytes, layer_seed(link, layer));
+                    let sum = xxh3_64_with_seed(&bytes, layer_seed(link, layer));
                     header.extend_from_slice(&sum.to_le_bytes());
                     present.push(bytes);
                 }
@@ -86,7 +86,7 @@ pub fn write(path: &Path, kv: &SessionKv, history: &[u32]) -> std::io::Result<u6
     let mut out = BufWriter::with_capacity(1 << 20, file);
     out.write_all(&header)?;
     for bytes in &present {
-        out.write_all(bytes)?;
+        out.write_all(&bytes[..])?;
     }
     out.flush()?;
     Ok((header.len() + present.len() * page_bytes) as u64)

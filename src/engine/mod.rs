@@ -32,6 +32,20 @@ pub enum EngineError {
     /// Generate needs at least one token of history to continue from.
     #[error("cannot generate from an empty history: append tokens first")]
     EmptyHistory,
+    /// The GPU failed (at start, or during a step: the session is then lost).
+    #[cfg(not(loom))]
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
+}
+
+#[cfg(not(loom))]
+impl From<crate::gpu::ForwardError> for EngineError {
+    fn from(e: crate::gpu::ForwardError) -> Self {
+        match e {
+            crate::gpu::ForwardError::Model(e) => Self::Model(e),
+            crate::gpu::ForwardError::Gpu(e) => Self::Gpu(e),
+        }
+    }
 }
 
 /// How an engine is sized.
@@ -49,6 +63,10 @@ pub struct EngineConfig {
     pub kv_backing: KvBacking,
     /// The sampler, resolved once at start-up (the CPU by default).
     pub sampler: SelectedSampler,
+    /// Run the model on this GPU instead of the CPU (`kv_backing` is then
+    /// unused: the pages live on the device).
+    #[cfg(not(loom))]
+    pub gpu: Option<Arc<crate::gpu::GpuDevice>>,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +78,8 @@ impl Default for EngineConfig {
             prefill_chunk: 512,
             kv_backing: KvBacking::Anonymous,
             sampler: SelectedSampler::Cpu,
+            #[cfg(not(loom))]
+            gpu: None,
         }
     }
 }
@@ -121,6 +141,9 @@ pub struct Engine {
     scratch: Scratch,
     sampler: SamplerBackend,
     prefill_chunk: usize,
+    /// The forward pass on a GPU, when the engine runs there.
+    #[cfg(not(loom))]
+    gpu: Option<crate::gpu::GpuForward>,
 }
 
 impl Engine {
@@ -128,15 +151,31 @@ impl Engine {
     pub fn new(model: Arc<Model>, cfg: &EngineConfig) -> Result<Self, EngineError> {
         let layout = model.kv_layout(model.config.n_layers, cfg.page_positions);
         let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers);
-        let kv_pool = Arc::new(
+        let host_pool = || {
             KvPool::new(KvPoolConfig {
                 layout,
                 n_pages,
                 backing: cfg.kv_backing.clone(),
                 prefault: false,
-            })?
-            .with_layer_windows(model.kv_layer_windows(0..model.config.n_layers))?,
-        );
+            })
+        };
+        #[cfg(not(loom))]
+        let (pool, gpu) = match &cfg.gpu {
+            Some(device) => {
+                let (pool, kv) = crate::gpu::device_kv_pool(device, layout, n_pages)?;
+                let gpu = crate::gpu::GpuModel::new(Arc::clone(device), Arc::clone(&model))?;
+                let steps = crate::gpu::StepCapacity {
+                    tokens: cfg.prefill_chunk.clamp(1, 512),
+                    ..Default::default()
+                };
+                (pool, Some(crate::gpu::GpuForward::new(gpu, &kv, steps)?))
+            }
+            None => (host_pool()?, None),
+        };
+        #[cfg(loom)]
+        let pool = host_pool()?;
+        let kv_pool =
+            Arc::new(pool.with_layer_windows(model.kv_layer_windows(0..model.config.n_layers))?);
         let sampler = cfg
             .sampler
             .backend(model.config.vocab, model.config.context)?;
@@ -147,7 +186,15 @@ impl Engine {
             scratch: Scratch::default(),
             sampler,
             prefill_chunk: cfg.prefill_chunk.max(1),
+            #[cfg(not(loom))]
+            gpu,
         })
+    }
+
+    /// The GPU the model runs on, if not the CPU.
+    #[cfg(not(loom))]
+    pub fn gpu_adapter(&self) -> Option<String> {
+        self.gpu.as_ref().map(|g| g.device().describe())
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -203,9 +250,7 @@ impl Engine {
             tokens,
             logits: want,
         }];
-        let rows = self
-            .model
-            .forward(&mut seqs, &self.pool, &mut self.scratch)?;
+        let rows = self.forward_seqs(&mut seqs)?;
         // The engine never rolls a session back, so window pages can go now.
         session.kv.settle()?;
         session.history.extend_from_slice(tokens);
@@ -218,6 +263,26 @@ impl Engine {
                 .extend_from_slice(&self.scratch.logits[r * vocab..][..vocab]);
         }
         Ok(())
+    }
+
+    /// One forward call on the CPU or the GPU.
+    fn forward_seqs(
+        &mut self,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<crate::model::LogitRows, EngineError> {
+        #[cfg(not(loom))]
+        if let Some(gpu) = &mut self.gpu {
+            let mut feeds: Vec<crate::gpu::GpuFeed<'_>> = seqs
+                .iter_mut()
+                .map(|s| crate::gpu::GpuFeed {
+                    kv: &mut *s.kv,
+                    tokens: s.tokens,
+                    logits: s.logits,
+                })
+                .collect();
+            return Ok(gpu.forward(&mut feeds, &mut self.scratch.logits)?);
+        }
+        Ok(self.model.forward(seqs, &self.pool, &mut self.scratch)?)
     }
 
     /// Generates up to `max_tokens` tokens. Each token is sampled from the

@@ -171,6 +171,32 @@ impl GpuDevice {
         self.map_read(&staging, bytes)
     }
 
+    /// Copies `len` bytes at `offset` of `buffer` back to the host.
+    pub(crate) fn read_bytes(
+        &self,
+        buffer: &wgpu::Buffer,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>, GpuError> {
+        let padded = (len as u64).div_ceil(4) * 4;
+        if padded == 0 {
+            return Ok(Vec::new());
+        }
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: padded,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self.encoder("readback");
+        encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, padded);
+        self.submit(encoder)?;
+        let words = self.map_read(&staging, padded)?;
+        let mut bytes: Vec<u8> = bytemuck::cast_slice(&words).to_vec();
+        bytes.truncate(len);
+        Ok(bytes)
+    }
+
     /// Maps the first `bytes` of a `MAP_READ` buffer whose writes were
     /// submitted, copies them out as f32 and unmaps it.
     pub(crate) fn map_read(&self, buffer: &wgpu::Buffer, bytes: u64) -> Result<Vec<f32>, GpuError> {

@@ -38,6 +38,8 @@ impl GpuModel {
 /// host pool's page `p`.
 pub struct DeviceKv {
     pub buffer: wgpu::Buffer,
+    /// K and V bytes of a page, its padding excluded.
+    pub page_values_bytes: usize,
     pub page_words: usize,
     pub page_positions: usize,
     pub n_pages: usize,
@@ -61,6 +63,7 @@ impl DeviceKv {
         }
         Ok(Self {
             buffer: device.storage("kv pages", bytes),
+            page_values_bytes: layout.page_values() * 2,
             page_words: page_bytes / 4,
             page_positions: layout.page_positions,
             n_pages,
@@ -86,6 +89,24 @@ impl Default for StepCapacity {
             sequences: 64,
             scores: 16 << 20,
         }
+    }
+}
+
+/// Why a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// Refused before anything ran (a token out of range, no room), or a
+    /// KV page table that cannot be trusted.
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// The device failed while the step ran.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+impl From<crate::kv::KvError> for ForwardError {
+    fn from(e: crate::kv::KvError) -> Self {
+        Self::Model(e.into())
     }
 }
 
@@ -189,6 +210,11 @@ impl GpuForward {
         })
     }
 
+    /// The device this forward pass runs on.
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.gpu.device
+    }
+
     /// Runs the model on `feeds`: reserves their KV (all or nothing per
     /// feed), runs every layer on the device, commits the new lengths, and
     /// writes the logit rows asked for into `logits` (`[rows][vocab]`).
@@ -196,7 +222,7 @@ impl GpuForward {
         &mut self,
         feeds: &mut [GpuFeed<'_>],
         logits: &mut Vec<f32>,
-    ) -> Result<LogitRows, crate::model::ModelError> {
+    ) -> Result<LogitRows, ForwardError> {
         let model = Arc::clone(&self.gpu.model);
         for f in feeds.iter() {
             model.check_append(f.kv.len(), f.tokens)?;
@@ -216,8 +242,7 @@ impl GpuForward {
         }
         logits.reserve(row * vocab);
         for span in self.spans(feeds) {
-            self.run_span(feeds, &span, logits)
-                .map_err(|e| crate::model::ModelError::BadConfig(e.to_string()))?;
+            self.run_span(feeds, &span, logits)?;
         }
         for f in feeds.iter_mut() {
             let new_len = f.kv.len() + f.tokens.len();

@@ -12,15 +12,17 @@ mod forward;
 mod kernels;
 mod matmul;
 mod matrix;
+mod pages;
 mod weights;
 
 use crate::quant::GgmlType;
 
 pub use adapter::AdapterKind;
 pub use device::{GpuDevice, STEP_TIMEOUT};
-pub use forward::{DeviceKv, GpuFeed, GpuForward, GpuModel, StepCapacity};
+pub use forward::{DeviceKv, ForwardError, GpuFeed, GpuForward, GpuModel, StepCapacity};
 pub use matmul::{supports, MatmulCall, MatmulKernels};
 pub use matrix::{DeviceMatrix, MatrixPart};
+pub use pages::{device_kv_pool, DevicePages};
 pub use weights::{GpuLayer, GpuWeights};
 
 /// Why the GPU backend cannot do what was asked.

@@ -85,8 +85,13 @@ pub enum KvError {
     InvalidConfig { reason: String },
     /// The pool is a ledger ([`KvPool::ledger`](super::KvPool::ledger)):
     /// its pages count positions whose K and V live elsewhere.
-    #[error("this KV pool is a ledger of positions: its pages hold no K or V rows")]
+    #[error(
+        "this KV pool's pages are not in this process's memory (a ledger, or pages on a device)"
+    )]
     NoStorage,
+    /// The device holding the pages failed to move one.
+    #[error("the device holding the KV pages failed: {detail}")]
+    Device { detail: String },
     /// The page file's blocks could not all be allocated (a full disk, a
     /// quota): writing its pages later would kill the process (SIGBUS).
     #[error(

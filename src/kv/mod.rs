@@ -15,6 +15,7 @@
 //!   them, so sessions with the same history prefix map one set of pages.
 
 mod alloc;
+mod device;
 mod error;
 pub mod pool;
 // Needs libc, which loom builds leave out; they never map a file.
@@ -26,6 +27,7 @@ mod prefix;
 mod session;
 
 pub use alloc::{PageAllocator, MAX_PAGES};
+pub use device::PageStore;
 pub use error::KvError;
 pub use pool::{KvBacking, KvLayout, KvPool, KvPoolConfig, DEFAULT_PAGE_POSITIONS};
 #[cfg(not(loom))]

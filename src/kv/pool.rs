@@ -27,7 +27,10 @@ use std::path::PathBuf;
 
 use memmap2::{MmapMut, MmapOptions, MmapRaw};
 
+use std::sync::Arc;
+
 use super::alloc::{PageAllocator, MAX_PAGES};
+use super::device::PageStore;
 use super::error::KvError;
 
 /// Bytes per f16 value.
@@ -112,7 +115,7 @@ impl KvLayout {
 }
 
 /// Where the pool's memory comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum KvBacking {
     /// Anonymous memory (the default).
     Anonymous,
@@ -124,7 +127,23 @@ pub enum KvBacking {
     /// pages hold what the last run wrote until they are handed out again.
     /// Nothing else may touch the file while the pool lives.
     Kept(PathBuf),
+    /// Outside this process (a GPU's memory): nothing is mapped here, and
+    /// the store moves page bytes when the pool must (fork, spill, restore).
+    Device(Arc<dyn PageStore>),
 }
+
+impl PartialEq for KvBacking {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Anonymous, Self::Anonymous) => true,
+            (Self::File(a), Self::File(b)) | (Self::Kept(a), Self::Kept(b)) => a == b,
+            (Self::Device(a), Self::Device(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for KvBacking {}
 
 /// Everything needed to build a [`KvPool`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,8 +178,11 @@ impl KvPoolConfig {
 pub struct KvPool {
     layout: KvLayout,
     page_stride: usize,
-    /// The pages' memory; `None` for a ledger, whose pages hold nothing.
+    /// The pages' memory; `None` for a ledger, whose pages hold nothing,
+    /// and for pages on a device.
     map: Option<MmapRaw>,
+    /// Where the pages are when they are on a device.
+    store: Option<Arc<dyn PageStore>>,
     allocator: PageAllocator,
     backing: KvBacking,
     /// Per layer, the sliding window it attends over (`None`: every
@@ -183,6 +205,18 @@ impl KvPool {
         layout.validate()?;
         check_page_count(n_pages)?;
         let page_stride = layout.page_stride();
+        if let KvBacking::Device(store) = &backing {
+            return Ok(KvPool {
+                layout,
+                page_stride,
+                map: None,
+                store: Some(Arc::clone(store)),
+                allocator: PageAllocator::new(n_pages)?,
+                backing,
+                layer_windows: Box::new([]),
+                window_slack: 0,
+            });
+        }
         let total_bytes =
             page_stride
                 .checked_mul(n_pages)
@@ -203,6 +237,7 @@ impl KvPool {
             layout,
             page_stride,
             map: Some(MmapRaw::from(map)),
+            store: None,
             allocator: PageAllocator::new(n_pages)?,
             backing,
             layer_windows: Box::new([]),
@@ -234,6 +269,7 @@ impl KvPool {
             layout,
             page_stride: 0,
             map: None,
+            store: None,
             allocator: PageAllocator::new(n_pages)?,
             backing: KvBacking::Anonymous,
             layer_windows: Box::new([]),
@@ -243,7 +279,18 @@ impl KvPool {
 
     /// Whether the pages hold K and V rows (false for a [`KvPool::ledger`]).
     pub fn holds_rows(&self) -> bool {
+        self.map.is_some() || self.store.is_some()
+    }
+
+    /// Whether the pages are in this process's memory (false for a ledger
+    /// and for pages on a device).
+    pub fn maps_rows(&self) -> bool {
         self.map.is_some()
+    }
+
+    /// The device store, when the pages live on one.
+    pub fn device_store(&self) -> Option<&Arc<dyn PageStore>> {
+        self.store.as_ref()
     }
 
     /// Says which layers attend over a sliding window of positions, one
@@ -361,6 +408,13 @@ impl KvPool {
     /// The checksum of a page the caller holds and nobody writes (a full
     /// page of a committed history).
     pub(super) fn checksum_page(&self, page: u32, seed: u64) -> Option<u64> {
+        if let Some(store) = &self.store {
+            let mut bytes = vec![0u8; self.layout.page_values() * F16_BYTES];
+            if page as usize >= self.allocator.total() || store.read(page, &mut bytes).is_err() {
+                return None;
+            }
+            return Some(xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, seed));
+        }
         let start = self.page_ptr(page)?;
         let bytes = self.layout.page_values() * F16_BYTES;
         // SAFETY: `page_ptr` is valid for `page_stride >= bytes` bytes; the
@@ -394,6 +448,9 @@ impl KvPool {
     /// Copies page `from` over page `to` (both held by the caller, `to`
     /// alone). A ledger has nothing to copy.
     pub(super) fn copy_page(&self, from: u32, to: u32) -> Result<(), KvError> {
+        if let Some(store) = &self.store {
+            return store.copy(from, to);
+        }
         if !self.holds_rows() {
             return Ok(());
         }
@@ -462,6 +519,7 @@ fn map_backing(backing: &KvBacking, total_bytes: usize) -> Result<MmapMut, KvErr
             .len(total_bytes)
             .map_anon()
             .map_err(map_error(None)),
+        KvBacking::Device(_) => Err(KvError::NoStorage),
         KvBacking::File(path) | KvBacking::Kept(path) => {
             #[cfg(not(loom))]
             let existed = path.exists();

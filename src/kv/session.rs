@@ -32,6 +32,7 @@
 //! them apart exactly as it would for a `Vec`. `&SessionKv` is therefore
 //! safe to share between threads reading K/V at once.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -419,17 +420,25 @@ impl SessionKv {
     /// The K and V bytes (padding excluded) of `layer`'s page for block
     /// `block`, when the block is all committed and the layer holds it: what
     /// a spill writes out.
-    pub fn page_bytes(&self, block: usize, layer: usize) -> Option<&[u8]> {
+    pub fn page_bytes(&self, block: usize, layer: usize) -> Option<Cow<'_, [u8]>> {
         if (block + 1) << self.page_shift > self.len {
             return None;
         }
-        let start = self.pool.page_ptr(self.block_page(block, layer)?)?;
+        let page = self.block_page(block, layer)?;
         let bytes = self.pool.layout().page_values() * 2;
+        if let Some(store) = self.pool.device_store() {
+            let mut out = vec![0u8; bytes];
+            store.read(page, &mut out).ok()?;
+            return Some(Cow::Owned(out));
+        }
+        let start = self.pool.page_ptr(page)?;
         // SAFETY: the page is this session's (held), valid for at least
         // `bytes` bytes; it is all committed, so nobody writes it (positions
         // are written only from the committed length on), and mutable
         // access to this session's pages needs `&mut self`.
-        Some(unsafe { std::slice::from_raw_parts(start.cast_const(), bytes) })
+        Some(Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(start.cast_const(), bytes)
+        }))
     }
 
     /// Fills `layer`'s page for block `block`, beyond the committed length
@@ -459,6 +468,9 @@ impl SessionKv {
             })?;
         if self.pool.allocator().references(page)? > 1 {
             return Err(KvError::WriteToSharedPage { page });
+        }
+        if let Some(store) = self.pool.device_store() {
+            return store.write(page, bytes);
         }
         let start = self.pool.page_ptr(page).ok_or(KvError::NoStorage)?;
         // SAFETY: the page is held by this session alone (checked above) and
@@ -730,7 +742,7 @@ impl SessionKv {
                 capacity: self.capacity(),
             })?;
         let page_start = self.pool.page_ptr(page).ok_or_else(|| {
-            if self.pool.holds_rows() {
+            if self.pool.maps_rows() {
                 KvError::AllocatorCorrupted {
                     detail: format!("session holds page {page}, which the pool does not have"),
                 }

@@ -21,6 +21,8 @@ mod stats;
 mod types;
 // Under loom only the concurrency primitives above are built and checked.
 #[cfg(not(loom))]
+mod gpu_layers;
+#[cfg(not(loom))]
 mod handle;
 #[cfg(not(loom))]
 mod local;
@@ -35,8 +37,10 @@ pub use crate::base::{BadTenant, SessionId, Tenant};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
 pub use error::{RuntimeError, StatusKind};
 #[cfg(not(loom))]
-pub use handle::Runtime;
 #[cfg(not(loom))]
+pub use gpu_layers::GpuLayers;
+#[cfg(not(loom))]
+pub use handle::Runtime;
 pub use local::LocalLayers;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
 pub use stats::{

@@ -60,7 +60,8 @@ impl Session {
         let Some(journal) = &mut self.journal else {
             return;
         };
-        let rows = self.kv.pool().holds_rows();
+        // Pages on a device do not outlive the process: no hints for them.
+        let rows = self.kv.pool().maps_rows();
         let page = self.kv.pool().layout().page_positions;
         let full = if rows {
             self.kv.len().min(self.history.len()) / page
