@@ -1,6 +1,7 @@
 //! The command-line front end: `inferd generate`, `inferd chat`,
 //! `inferd bench`, `inferd serve`, `inferd session` (a client of
-//! `inferd serve`), and `inferd tokenize` (the vocabulary alone).
+//! `inferd serve`), `inferd tokenize` (the vocabulary alone), and
+//! `inferd make-model` (a random-weight model of a real shape).
 //! Flags become plain values here; the work is done by the engine, the
 //! tokenizer and the sampler, or by a server reached over gRPC.
 
@@ -10,6 +11,7 @@ mod chat_input;
 mod client;
 mod device;
 mod generate;
+mod make_model;
 mod memory;
 mod relay;
 pub mod remote;
@@ -62,6 +64,9 @@ pub enum Command {
     /// Turn text into token ids or ids into text with a model's vocabulary
     /// (vocabulary-only GGUF files work too).
     Tokenize(tokenize::TokenizeArgs),
+    /// Write a model of a real checkpoint's shape with random weights, in
+    /// any block type (no download, no llama.cpp).
+    MakeModel(make_model::MakeModelArgs),
 }
 
 impl Command {
@@ -286,6 +291,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Shard(args) => shard::run(args),
         Command::Relay(args) => relay::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::MakeModel(args) => make_model::run(args),
     }
 }
 

@@ -6,7 +6,13 @@
 //! and checks nothing else. That is on purpose (tests write deliberately
 //! inconsistent files); [`GgufFile::from_bytes`](super::GgufFile::from_bytes)
 //! is the validator.
+//!
+//! Tensor data is either held here ([`GgufWriter::add_tensor`]) or made
+//! while the file is written ([`GgufWriter::add_tensor_streamed`] and
+//! [`GgufWriter::write_streaming`]), so a model of gigabytes goes to disk
+//! tensor by tensor without ever being whole in memory.
 
+use std::io::{self, Write};
 use std::path::Path;
 
 use super::value::{MetaArray, MetaValue};
@@ -20,7 +26,22 @@ struct PendingTensor {
     name: String,
     dims: Vec<u64>,
     ty: GgmlType,
-    bytes: Vec<u8>,
+    data: TensorData,
+}
+
+/// A tensor's bytes: held, or made by the caller of `write_streaming`.
+enum TensorData {
+    Held(Vec<u8>),
+    Streamed(u64),
+}
+
+impl PendingTensor {
+    fn byte_len(&self) -> u64 {
+        match &self.data {
+            TensorData::Held(bytes) => bytes.len() as u64,
+            TensorData::Streamed(len) => *len,
+        }
+    }
 }
 
 /// Builds a GGUF image in memory.
@@ -77,7 +98,26 @@ impl GgufWriter {
             name: name.into(),
             dims: dims.to_vec(),
             ty,
-            bytes,
+            data: TensorData::Held(bytes),
+        });
+        self
+    }
+
+    /// Appends a tensor of `byte_len` bytes that are not held here: the
+    /// producer given to [`write_streaming`](Self::write_streaming) writes
+    /// them. [`to_bytes`](Self::to_bytes) writes zeros in their place.
+    pub fn add_tensor_streamed(
+        &mut self,
+        name: impl Into<String>,
+        dims: &[u64],
+        ty: GgmlType,
+        byte_len: u64,
+    ) -> &mut Self {
+        self.tensors.push(PendingTensor {
+            name: name.into(),
+            dims: dims.to_vec(),
+            ty,
+            data: TensorData::Streamed(byte_len),
         });
         self
     }
@@ -94,14 +134,75 @@ impl GgufWriter {
     /// The complete file image.
     pub fn to_bytes(&self) -> Vec<u8> {
         let align = self.alignment.max(1);
+        let data_len: u64 = self.tensors.iter().map(|t| t.byte_len() + align).sum();
+        let mut out = self.head();
+        out.reserve(data_len as usize);
+        for t in &self.tensors {
+            match &t.data {
+                TensorData::Held(bytes) => out.extend_from_slice(bytes),
+                TensorData::Streamed(len) => out.resize(out.len() + *len as usize, 0),
+            }
+            pad_to(&mut out, align);
+        }
+        out
+    }
+
+    /// Writes the image to `out` and returns its length: held tensors as
+    /// they are, and each tensor added with
+    /// [`add_tensor_streamed`](Self::add_tensor_streamed) by
+    /// `produce(index, sink)`, where `index` counts every tensor in the
+    /// order added. A producer that writes other than the declared number
+    /// of bytes fails the write (`InvalidData`), so the directory's offsets
+    /// always hold.
+    pub fn write_streaming<W: Write>(
+        &self,
+        out: &mut W,
+        mut produce: impl FnMut(usize, &mut dyn Write) -> io::Result<()>,
+    ) -> io::Result<u64> {
+        let align = self.alignment.max(1);
+        let head = self.head();
+        out.write_all(&head)?;
+        let mut written = head.len() as u64;
+        let zeros = [0u8; 64];
+        for (index, t) in self.tensors.iter().enumerate() {
+            match &t.data {
+                TensorData::Held(bytes) => out.write_all(bytes)?,
+                TensorData::Streamed(len) => {
+                    let mut sink = Counted {
+                        out: &mut *out,
+                        n: 0,
+                    };
+                    produce(index, &mut sink)?;
+                    if sink.n != *len {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            format!(
+                                "tensor {}: {} bytes produced, {len} declared",
+                                t.name, sink.n
+                            ),
+                        ));
+                    }
+                }
+            }
+            written += t.byte_len();
+            let mut pad = round_up(written, align) - written;
+            while pad > 0 {
+                let n = pad.min(zeros.len() as u64);
+                out.write_all(&zeros[..n as usize])?;
+                pad -= n;
+            }
+            written = round_up(written, align);
+        }
+        Ok(written)
+    }
+
+    /// Header, metadata and tensor directory, padded to the data's alignment
+    /// when there are tensors.
+    fn head(&self) -> Vec<u8> {
+        let align = self.alignment.max(1);
         let auto_alignment = self.alignment != DEFAULT_ALIGNMENT
             && !self.metadata.iter().any(|(k, _)| k == ALIGNMENT_KEY);
-        let data_len: usize = self
-            .tensors
-            .iter()
-            .map(|t| t.bytes.len() + align as usize)
-            .sum();
-        let mut out = Vec::with_capacity(4096 + data_len);
+        let mut out = Vec::with_capacity(4096);
 
         out.extend_from_slice(GGUF_MAGIC);
         put_u32(&mut out, self.version);
@@ -132,15 +233,11 @@ impl GgufWriter {
             }
             put_u32(&mut out, t.ty.id());
             put_u64(&mut out, offset);
-            offset = round_up(offset + t.bytes.len() as u64, align);
+            offset = round_up(offset + t.byte_len(), align);
         }
 
         if !self.tensors.is_empty() {
             pad_to(&mut out, align);
-            for t in &self.tensors {
-                out.extend_from_slice(&t.bytes);
-                pad_to(&mut out, align);
-            }
         }
         out
     }
@@ -148,6 +245,24 @@ impl GgufWriter {
     /// Writes the image to a file at `path`.
     pub fn write_to(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
         std::fs::write(path, self.to_bytes())
+    }
+}
+
+/// A writer that counts what passes through it.
+struct Counted<'a, W: Write> {
+    out: &'a mut W,
+    n: u64,
+}
+
+impl<W: Write> Write for Counted<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.out.write(buf)?;
+        self.n += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
     }
 }
 
@@ -257,6 +372,54 @@ mod tests {
         assert_eq!(file.tensor_bytes(a), &[1; 12]);
         assert_eq!(file.tensor_bytes(b), &[2; 8]);
         assert_eq!(file.file_len() % 64, 0);
+    }
+
+    #[test]
+    fn streamed_tensors_land_where_held_ones_would() {
+        let data: [Vec<u8>; 3] = [vec![1; 12], vec![2; 40], vec![3; 8]];
+        let mut held = GgufWriter::new(3);
+        let mut streamed = GgufWriter::new(3);
+        held.add_meta("k", MetaValue::U32(1));
+        streamed.add_meta("k", MetaValue::U32(1));
+        for (i, bytes) in data.iter().enumerate() {
+            let dims = [bytes.len() as u64 / 4];
+            held.add_tensor(format!("t{i}"), &dims, GgmlType::F32, bytes.clone());
+        }
+        streamed.add_tensor("t0", &[3], GgmlType::F32, data[0].clone());
+        streamed.add_tensor_streamed("t1", &[10], GgmlType::F32, 40);
+        streamed.add_tensor_streamed("t2", &[2], GgmlType::F32, 8);
+        let mut out = Vec::new();
+        let mut asked = Vec::new();
+        let n = streamed
+            .write_streaming(&mut out, |i, sink| {
+                asked.push(i);
+                // In pieces, as a producer writing chunk by chunk does.
+                for piece in data[i].chunks(5) {
+                    sink.write_all(piece)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(asked, [1, 2]);
+        assert_eq!(n, out.len() as u64);
+        assert_eq!(out, held.to_bytes());
+        // Without a producer the streamed tensors are zeros of their size.
+        let zeros = GgufFile::from_bytes(streamed.to_bytes()).unwrap();
+        assert_eq!(zeros.tensor_data("t1").unwrap(), &[0; 40]);
+    }
+
+    #[test]
+    fn a_producer_that_writes_the_wrong_length_fails_the_write() {
+        let mut w = GgufWriter::new(3);
+        w.add_tensor_streamed("t", &[8], GgmlType::F32, 32);
+        let err = w
+            .write_streaming(&mut Vec::new(), |_, sink| sink.write_all(&[0; 31]))
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            err.to_string().contains("31 bytes produced, 32 declared"),
+            "{err}"
+        );
     }
 
     #[test]

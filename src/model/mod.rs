@@ -9,6 +9,9 @@ mod config;
 mod forward;
 mod weights;
 
+#[cfg(test)]
+mod synthetic_tests;
+
 use std::path::Path;
 use std::sync::Arc;
 
