@@ -1,0 +1,127 @@
+//! `inferd serve --device gpu` through a stock grpcio client, on a real
+//! wgpu device (Mesa's lavapipe in CI): sessions answer, greedy tokens do
+//! not depend on how the history was fed (appends, forks, a restart that
+//! computes the history again), and without an adapter `--device gpu`
+//! refuses to start while `auto` takes the CPU.
+//!
+//! Without any wgpu adapter the GPU tests say so loudly and pass, unless
+//! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when they fail.
+
+mod support;
+
+use std::process::Command;
+
+use inferd::gpu::{AdapterKind, GpuDevice};
+use support::durable::{serve_with, write_model};
+use support::{greedy, Client};
+
+fn have_adapter() -> bool {
+    match GpuDevice::open(AdapterKind::Any) {
+        Ok(_) => true,
+        Err(e) => {
+            let required = std::env::var("INFERD_REQUIRE_WGPU").is_ok_and(|v| v == "1");
+            assert!(!required, "INFERD_REQUIRE_WGPU=1 but {e}");
+            eprintln!("\n!!! SKIPPING the GPU server tests: {e}\n");
+            false
+        }
+    }
+}
+
+const PROMPT: [u32; 23] = [
+    257, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101, 32, 71, 80,
+    85, 46,
+];
+
+#[test]
+fn a_stock_client_runs_sessions_on_the_gpu() {
+    if !have_adapter() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let mut server = serve_with(&model, &state, "sync", &["--device", "gpu"]);
+    let client = Client::connect(&server.addr);
+
+    let a = client.create();
+    client.append(&a, &PROMPT).expect("append");
+    let whole = client.generate(&greedy(&a, 12, 3));
+    assert!(whole.error.is_none(), "{:?}", whole.error);
+    assert_eq!(whole.tokens.len(), 12);
+
+    // The same history in three appends, beside another session's traffic.
+    let b = client.create();
+    let other = client.create();
+    client.append(&b, &PROMPT[..4]).expect("append");
+    client.append(&other, &PROMPT[5..]).expect("append");
+    client.append(&b, &PROMPT[4..19]).expect("append");
+    client.append(&b, &PROMPT[19..]).expect("append");
+    let pieces = client.generate(&greedy(&b, 12, 3));
+    assert_eq!(pieces, whole, "appended in pieces");
+
+    // A fork inside a page copies that page on the device.
+    let f = client.fork(&a, 21);
+    client.append(&f, &PROMPT[21..]).expect("append");
+    let forked = client.generate(&greedy(&f, 12, 3));
+    assert_eq!(forked, whole, "forked mid-page");
+
+    let info = client.info(&a).expect("info");
+    assert_eq!(info.get_history_length() as usize, PROMPT.len() + 12);
+
+    // Killed and started again: the history is computed again on the GPU.
+    server.kill();
+    let server = serve_with(&model, &state, "sync", &["--device", "gpu"]);
+    let client = Client::connect(&server.addr);
+    let c = client.create();
+    client.append(&c, &PROMPT).expect("append");
+    let fresh = client.generate(&greedy(&c, 12, 3));
+    assert_eq!(fresh, whole, "after a restart");
+    let after = client.generate(&greedy(&a, 4, 3));
+    assert!(after.error.is_none(), "restored session: {:?}", after.error);
+    for id in [&a, &b, &c, &f, &other] {
+        client.close(id).expect("close");
+    }
+}
+
+#[test]
+fn without_an_adapter_gpu_refuses_to_start_and_auto_takes_the_cpu() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = write_model(dir.path());
+    let check = |device: &str| {
+        Command::new(env!("CARGO_BIN_EXE_inferd"))
+            .args([
+                "serve",
+                "--check",
+                "--listen",
+                "127.0.0.1:0",
+                "--device",
+                device,
+            ])
+            .arg("--model")
+            .arg(&model)
+            // The Vulkan loader then finds no driver at all.
+            .env("VK_ICD_FILENAMES", dir.path().join("no-such-driver.json"))
+            .env("VK_DRIVER_FILES", dir.path().join("no-such-driver.json"))
+            .env_remove("INFERD_DEVICE")
+            .output()
+            .expect("run inferd")
+    };
+    let gpu = check("gpu");
+    let stderr = String::from_utf8_lossy(&gpu.stderr);
+    assert!(
+        !gpu.status.success(),
+        "--device gpu started without an adapter"
+    );
+    assert!(
+        stderr.contains("--device gpu") && stderr.contains("no GPU adapter"),
+        "{stderr}"
+    );
+    let auto = check("auto");
+    let stdout = String::from_utf8_lossy(&auto.stdout);
+    assert!(
+        auto.status.success(),
+        "{}",
+        String::from_utf8_lossy(&auto.stderr)
+    );
+    assert!(stdout.contains("layers in this process"), "{stdout}");
+}
