@@ -13,7 +13,7 @@ use std::process::Command;
 
 use inferd::gpu::{AdapterKind, GpuDevice};
 use support::durable::{serve_with, write_model};
-use support::{greedy, Client};
+use support::{greedy, scrape, Client};
 
 fn have_adapter() -> bool {
     match GpuDevice::open(AdapterKind::Any) {
@@ -40,8 +40,18 @@ fn a_stock_client_runs_sessions_on_the_gpu() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = write_model(dir.path());
     let state = dir.path().join("state");
-    let mut server = serve_with(&model, &state, "sync", &["--device", "gpu"]);
+    let mut server = serve_with(
+        &model,
+        &state,
+        "sync",
+        &["--device", "gpu", "--metrics-listen", "127.0.0.1:0"],
+    );
     let client = Client::connect(&server.addr);
+    let metrics = scrape(server.metrics.as_deref().expect("metrics address"));
+    assert!(
+        metrics.contains("inferd_layers_backend_info{backend=\"gpu\""),
+        "{metrics}"
+    );
 
     let a = client.create();
     client.append(&a, &PROMPT).expect("append");
@@ -67,6 +77,7 @@ fn a_stock_client_runs_sessions_on_the_gpu() {
 
     let info = client.info(&a).expect("info");
     assert_eq!(info.get_history_length() as usize, PROMPT.len() + 12);
+    assert_eq!(info.get_backend(), "gpu");
 
     // Killed and started again: the history is computed again on the GPU.
     server.kill();

@@ -87,6 +87,7 @@ const EXTENSION_FIELDS: &[&str] = &[
     "GetSessionInfoResponse.logits_digest = 22: fixed64",
     "GetSessionInfoResponse.busy = 23: bool",
     "GetSessionInfoResponse.durable = 24: bool",
+    "GetSessionInfoResponse.backend = 25: string",
 ];
 
 /// Messages this project adds (any field numbers).

@@ -77,6 +77,10 @@ impl Layers for ShardLayers {
         Some(self.plan.stats().snapshot())
     }
 
+    fn backend(&self) -> &'static str {
+        "shards"
+    }
+
     fn describe(&self) -> String {
         let shards: Vec<String> = self.plan.shards().iter().map(|s| s.label()).collect();
         format!(
@@ -98,6 +102,10 @@ struct ShardRunner {
 }
 
 impl StepRunner for ShardRunner {
+    fn backend(&self) -> &'static str {
+        "shards"
+    }
+
     fn forward(
         &mut self,
         feeds: &mut [StepFeed<'_>],

@@ -59,6 +59,10 @@ pub struct ServerNumbers {
     /// The wgpu adapter the sampler runs on (name, backend, kind, driver);
     /// empty on the CPU.
     pub sampler_adapter: String,
+    /// Where the layers are computed: `cpu`, `gpu` or `shards`.
+    pub layers_backend: String,
+    /// The layers' own description (the GPU adapter, the shards).
+    pub layers: String,
 }
 
 /// The text exposition being written: one HELP and TYPE per family, then
@@ -456,6 +460,19 @@ fn render_server_state(e: &mut Exposition, server: &ServerNumbers) {
         ],
         1,
     );
+    e.family(
+        "layers_backend_info",
+        "gauge",
+        "Where the model's layers are computed (cpu, gpu, shards) and on what (always 1).",
+    );
+    e.sample(
+        "layers_backend_info",
+        &[
+            ("backend", &server.layers_backend),
+            ("layers", &server.layers),
+        ],
+        1,
+    );
 }
 
 /// The HTTP API's connections: open, the limit, closed for timeouts.
@@ -741,6 +758,8 @@ mod tests {
             health_serving: true,
             sampler_backend: "wgpu".into(),
             sampler_adapter: "llvmpipe (Vulkan Cpu)".into(),
+            layers_backend: "gpu".into(),
+            layers: "layers on the GPU llvmpipe (Vulkan Cpu)".into(),
         }
     }
 

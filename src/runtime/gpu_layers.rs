@@ -91,6 +91,10 @@ impl Layers for GpuLayers {
     fn describe(&self) -> String {
         format!("layers on the GPU {}", self.gpu.device.describe())
     }
+
+    fn backend(&self) -> &'static str {
+        "gpu"
+    }
 }
 
 /// One worker's steps on the device.
@@ -99,6 +103,10 @@ struct GpuRunner {
 }
 
 impl StepRunner for GpuRunner {
+    fn backend(&self) -> &'static str {
+        "gpu"
+    }
+
     fn forward(
         &mut self,
         feeds: &mut [StepFeed<'_>],

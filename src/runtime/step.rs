@@ -66,6 +66,12 @@ pub trait StepRunner: Send {
         0
     }
 
+    /// Where the layers are computed, as GetSessionInfo reports it:
+    /// "cpu", "gpu" or "shards".
+    fn backend(&self) -> &'static str {
+        "cpu"
+    }
+
     /// Bytes of K and V the session's committed positions hold, wherever
     /// they are.
     fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {
@@ -101,6 +107,11 @@ pub trait Layers: Send + Sync {
 
     /// A short description for logs and `serve --check`.
     fn describe(&self) -> String;
+
+    /// Where the layers are computed: "cpu", "gpu" or "shards".
+    fn backend(&self) -> &'static str {
+        "cpu"
+    }
 }
 
 impl fmt::Debug for dyn Layers {

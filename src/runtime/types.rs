@@ -537,6 +537,8 @@ pub struct SessionInfo {
     /// Journaled in the state directory: its acknowledged history survives
     /// a restart.
     pub durable: bool,
+    /// Where its layers are computed: "cpu", "gpu" or "shards".
+    pub backend: &'static str,
 }
 
 /// A unary reply on its way from a worker.

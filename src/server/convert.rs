@@ -193,6 +193,7 @@ pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoRe
     msg.set_truncated_token_count(info.truncated_token_count);
     msg.set_busy(info.busy);
     msg.set_durable(info.durable);
+    msg.set_backend(info.backend.to_string());
     msg
 }
 
@@ -321,10 +322,12 @@ mod tests {
             busy: true,
             logits_digest: 0xcbf2_9ce4_8422_2325,
             durable: true,
+            backend: "gpu",
         };
         let msg = info_message(&info, 4096);
         assert!(msg.get_busy());
         assert!(msg.get_durable());
+        assert_eq!(msg.get_backend(), "gpu");
         assert_eq!(msg.get_logits_digest(), 0);
         assert_eq!(msg.get_eos_token_ids(), &[2]);
         info.history_length = 3;

@@ -509,6 +509,8 @@ fn metrics_renderer(
             health_serving: health.status() == ServingStatus::SERVING,
             sampler_backend: sampler.backend_name().into(),
             sampler_adapter: sampler.adapter().unwrap_or_default(),
+            layers_backend: shared.runtime.config().layers.backend().into(),
+            layers: shared.runtime.config().layers.describe(),
         };
         metrics::render(&shared.runtime.stats(), &numbers)
     })

@@ -277,6 +277,7 @@ impl Session {
                 None => self.logits_digest(),
             },
             durable: self.journal.is_some(),
+            backend: runner.backend(),
         }
     }
 
