@@ -222,3 +222,61 @@ fn logits_do_not_depend_on_how_the_history_was_fed() {
     let split = tight.run(&[(&b, vec![29]), (&a, vec![37])]).remove(1);
     assert_eq!(whole, split, "split into small steps");
 }
+
+/// A named real shape cut to two layers and a small vocabulary.
+fn shaped(shape: &str, recipe: &str, sliding_window: Option<usize>) -> Arc<Model> {
+    use inferd::gguf::synthetic::{SyntheticModel, TypeRecipe};
+    let recipe = TypeRecipe::from_name(recipe).expect("recipe");
+    let mut model = SyntheticModel::named(shape, recipe, 5).expect("named shape");
+    model.shape = model.shape.with_layers(2).with_vocab(384);
+    if sliding_window.is_some() {
+        model.shape.sliding_window = sliding_window;
+    }
+    let file = GgufFile::from_bytes(model.try_build().expect("builds")).expect("parses");
+    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
+}
+
+/// Every architecture's blocks on the device: llama (Llama 3 RoPE factors),
+/// qwen2 (Q/K/V biases), qwen3 (Q/K norms), gemma3 (sliding windows shorter
+/// than the prompt, post-norms, GeGLU, embedding scale, soft-capping), in
+/// K-quant mixes: close to the CPU, and the same bits however fed.
+#[test]
+fn every_architecture_runs_on_the_device() {
+    let Some(device) = device() else { return };
+    for (shape, recipe, window) in [
+        ("smollm2-135m", "q8_0", None),
+        ("llama-3.2-1b", "q4_k_m", None),
+        ("qwen2.5-0.5b", "q4_k_m", None),
+        ("qwen3-0.6b", "q6_k", None),
+        ("gemma-3-270m", "q8_0", Some(16)),
+    ] {
+        let model = shaped(shape, recipe, window);
+        let vocab = model.config.vocab;
+        let tokens = prompt(40, 4);
+        let want = cpu_logits(&model, &tokens);
+        let mut rig = Rig::new(&device, &model, StepCapacity::default());
+        let whole = rig.run(&[(&tokens, vec![tokens.len()])]).remove(0);
+        let got: Vec<f32> = whole.iter().map(|b| f32::from_bits(*b)).collect();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+        eprintln!("{shape} {recipe}: largest logit difference {worst} (logits up to {scale})");
+        assert!(
+            worst <= 0.05 * scale,
+            "{shape}: {worst} against logits up to {scale}"
+        );
+        let agree = got
+            .chunks(vocab)
+            .zip(want.chunks(vocab))
+            .filter(|(g, w)| argmax(g) == argmax(w))
+            .count();
+        assert!(
+            agree * 10 >= tokens.len() * 9,
+            "{shape}: argmax agrees at {agree} of 40"
+        );
+        let pieces = rig.run(&[(&tokens, vec![7, 1, 20, 12])]).remove(0);
+        assert_eq!(pieces, whole, "{shape}: fed in pieces");
+    }
+}

@@ -75,7 +75,7 @@ impl GpuDevice {
     /// Largest byte range one storage binding may cover, as a multiple of
     /// 16 so that any part of a split tensor starts aligned.
     pub fn max_binding_bytes(&self) -> u64 {
-        let binding = u64::from(self.limits.max_storage_buffer_binding_size);
+        let binding = self.limits.max_storage_buffer_binding_size;
         binding.min(self.limits.max_buffer_size) & !15
     }
 

@@ -49,7 +49,7 @@ impl DeviceMatrix {
         bytes: &[u8],
         max_part_rows: usize,
     ) -> Result<Self, GpuError> {
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             return Err(GpuError::BadMatrix {
                 name: name.to_string(),
                 why: format!("{cols} columns: the GPU kernels read rows 32 values at a time"),

@@ -73,7 +73,7 @@ impl PageStore for DevicePages {
 
     fn write(&self, page: u32, bytes: &[u8]) -> Result<(), KvError> {
         let offset = self.range(page)?;
-        if bytes.len() > self.kv.page_values_bytes || bytes.len() % 4 != 0 {
+        if bytes.len() > self.kv.page_values_bytes || !bytes.len().is_multiple_of(4) {
             return Err(KvError::RowLength {
                 expected: self.kv.page_values_bytes,
                 got: bytes.len(),
