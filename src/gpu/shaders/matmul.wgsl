@@ -55,14 +55,22 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             }
         }
     }
-    for (var o = 0u; o < OUTPUTS; o++) {
-        sums[o * LANES + lane] = acc[o];
+    // Only the tile's live outputs meet in the tree (a decode step has one
+    // token): each one's tree is the same whichever others are live.
+    for (var r = 0u; r < rows; r++) {
+        for (var t = 0u; t < tokens; t++) {
+            let o = r * TILE_TOKENS + t;
+            sums[o * LANES + lane] = acc[o];
+        }
     }
     workgroupBarrier();
     for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
         if (lane < stride) {
-            for (var o = 0u; o < OUTPUTS; o++) {
-                sums[o * LANES + lane] = sums[o * LANES + lane] + sums[o * LANES + lane + stride];
+            for (var r = 0u; r < rows; r++) {
+                for (var t = 0u; t < tokens; t++) {
+                    let o = r * TILE_TOKENS + t;
+                    sums[o * LANES + lane] = sums[o * LANES + lane] + sums[o * LANES + lane + stride];
+                }
             }
         }
         workgroupBarrier();
