@@ -22,6 +22,18 @@ pub struct GpuModel {
 impl GpuModel {
     /// Uploads `model`'s weights to `device` and builds its kernels.
     pub fn new(device: Arc<GpuDevice>, model: Arc<Model>) -> Result<Arc<Self>, GpuError> {
+        let cfg = &model.config;
+        // K and V are written and read as pairs of halves, and RoPE pairs
+        // come from the host's table.
+        if !cfg.head_dim.is_multiple_of(2) || !cfg.rope_dims.is_multiple_of(2) {
+            return Err(GpuError::BadMatrix {
+                name: "attention".into(),
+                why: format!(
+                    "head dimension {} and RoPE dimensions {} must be even on the GPU",
+                    cfg.head_dim, cfg.rope_dims
+                ),
+            });
+        }
         let weights = GpuWeights::upload(&device, &model)?;
         let kernels = Kernels::new(&device, &weights.matrix_types(), weights.token_embd.ty)?;
         Ok(Arc::new(Self {
