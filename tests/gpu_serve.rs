@@ -136,3 +136,69 @@ fn without_an_adapter_gpu_refuses_to_start_and_auto_takes_the_cpu() {
     );
     assert!(stdout.contains("layers in this process"), "{stdout}");
 }
+
+/// Sessions spilled from device pages to disk and read back into device
+/// pages hold the bits of a session that was never spilled.
+#[test]
+fn a_spilled_gpu_session_reads_its_pages_back_to_the_same_bits() {
+    if !have_adapter() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = write_model(dir.path());
+    let state = dir.path().join("state");
+    let history = |k: u32| -> Vec<u32> { (0..200).map(|i| (i * 17 + k) % 320).collect() };
+    // Room for two sessions of 200 positions: a third spills the oldest.
+    let server = serve_with(
+        &model,
+        &state,
+        "sync",
+        &[
+            "--device",
+            "gpu",
+            "--kv-pages",
+            "30",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let client = Client::connect(&server.addr);
+    let model_arg = model.to_str().expect("UTF-8 path");
+    let reference = support::Inferd::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model_arg,
+        "--device",
+        "gpu",
+    ]);
+    let reference = Client::connect(&reference.addr);
+    let ids: Vec<String> = (0..3).map(|_| client.create()).collect();
+    for (k, id) in ids.iter().enumerate() {
+        client.append(id, &history(k as u32)).expect("append");
+    }
+    assert_eq!(client.info(&ids[0]).expect("info").get_kv_pages_held(), 0);
+    let metrics = scrape(server.metrics.as_deref().expect("metrics"));
+    let read = |text: &str| {
+        support::sample(text, "inferd_session_spill_read_tokens_total").expect("read tokens")
+    };
+    assert_eq!(read(&metrics), 0.0);
+    client
+        .append(&ids[0], &[7])
+        .expect("append to a spilled session");
+    let metrics = scrape(server.metrics.as_deref().expect("metrics"));
+    assert_eq!(read(&metrics), 192.0, "pages read back from the spill file");
+    let mut truth = history(0);
+    truth.push(7);
+    let cold = reference.create();
+    reference.append(&cold, &truth).expect("append");
+    assert_eq!(
+        client.info(&ids[0]).expect("info").get_logits_digest(),
+        reference.info(&cold).expect("info").get_logits_digest(),
+        "a session read back from its spill file against one never spilled"
+    );
+    let a = client.generate(&greedy(&ids[0], 8, 2));
+    let b = reference.generate(&greedy(&cold, 8, 2));
+    assert_eq!(a, b);
+}
