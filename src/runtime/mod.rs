@@ -37,10 +37,10 @@ pub use crate::base::{BadTenant, SessionId, Tenant};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
 pub use error::{RuntimeError, StatusKind};
 #[cfg(not(loom))]
-#[cfg(not(loom))]
 pub use gpu_layers::GpuLayers;
 #[cfg(not(loom))]
 pub use handle::Runtime;
+#[cfg(not(loom))]
 pub use local::LocalLayers;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
 pub use stats::{
