@@ -13,6 +13,7 @@ mod kernels;
 mod matmul;
 mod matrix;
 mod pages;
+mod record;
 mod weights;
 
 use crate::quant::GgmlType;
