@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
+use super::notify::NotifySender;
 use super::worker::{AdmittedGenerate, Command, Op, Worker, WorkersState};
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply,
@@ -181,25 +182,12 @@ impl Runtime {
         req.validate()?;
         let worker = req.source.worker_index(self.workers.len());
         let fork = self.draw_id(worker)?;
-        let (tx, rx) = notify::channel(1);
-        self.send(
-            worker,
-            Command::Enqueue {
-                id: req.source,
-                caller: caller.clone(),
-                op: Op::Fork {
-                    fork,
-                    owner: caller.clone(),
-                    at_length: req.at_length,
-                    client_label: req.client_label,
-                    reply: tx,
-                },
-                deadline,
-            },
-        )?;
-        Ok(Pending {
-            reply: rx,
-            deadline,
+        self.enqueue(caller, req.source, deadline, |reply| Op::Fork {
+            fork,
+            owner: caller.clone(),
+            at_length: req.at_length,
+            client_label: req.client_label,
+            reply,
         })
     }
 
@@ -211,23 +199,9 @@ impl Runtime {
         deadline: Option<Instant>,
     ) -> Result<Pending<AppendReply>, RuntimeError> {
         AppendTokens::check_tokens(&req.tokens, self.vocab)?;
-        let (tx, rx) = notify::channel(1);
-        let worker = req.id.worker_index(self.workers.len());
-        self.send(
-            worker,
-            Command::Enqueue {
-                id: req.id,
-                caller: caller.clone(),
-                op: Op::Append {
-                    tokens: req.tokens,
-                    reply: tx,
-                },
-                deadline,
-            },
-        )?;
-        Ok(Pending {
-            reply: rx,
-            deadline,
+        self.enqueue(caller, req.id, deadline, |reply| Op::Append {
+            tokens: req.tokens,
+            reply,
         })
     }
 
@@ -273,20 +247,7 @@ impl Runtime {
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<CloseReply>, RuntimeError> {
-        let (tx, rx) = notify::channel(1);
-        self.send(
-            id.worker_index(self.workers.len()),
-            Command::Enqueue {
-                id,
-                caller: caller.clone(),
-                op: Op::Close { reply: tx },
-                deadline,
-            },
-        )?;
-        Ok(Pending {
-            reply: rx,
-            deadline,
-        })
+        self.enqueue(caller, id, deadline, |reply| Op::Close { reply })
     }
 
     /// The session's committed token history, read in its order: after the
@@ -297,13 +258,25 @@ impl Runtime {
         id: SessionId,
         deadline: Option<Instant>,
     ) -> Result<Pending<Vec<u32>>, RuntimeError> {
+        self.enqueue(caller, id, deadline, |reply| Op::History { reply })
+    }
+
+    /// Queues the operation `op` makes around its reply channel on session
+    /// `id`'s worker, after what is already queued on the session.
+    fn enqueue<T>(
+        &self,
+        caller: &Tenant,
+        id: SessionId,
+        deadline: Option<Instant>,
+        op: impl FnOnce(NotifySender<Result<T, RuntimeError>>) -> Op,
+    ) -> Result<Pending<T>, RuntimeError> {
         let (tx, rx) = notify::channel(1);
         self.send(
             id.worker_index(self.workers.len()),
             Command::Enqueue {
                 id,
                 caller: caller.clone(),
-                op: Op::History { reply: tx },
+                op: op(tx),
                 deadline,
             },
         )?;
