@@ -102,10 +102,6 @@ struct ShardRunner {
 }
 
 impl StepRunner for ShardRunner {
-    fn backend(&self) -> &'static str {
-        "shards"
-    }
-
     fn forward(
         &mut self,
         feeds: &mut [StepFeed<'_>],

@@ -32,11 +32,6 @@ impl GpuLayers {
         })
     }
 
-    /// The device the layers run on.
-    pub fn device(&self) -> &Arc<GpuDevice> {
-        &self.gpu.device
-    }
-
     /// Bytes the weights take on the device.
     pub fn weight_bytes(&self) -> u64 {
         self.gpu.weights.device_bytes()
@@ -103,10 +98,6 @@ struct GpuRunner {
 }
 
 impl StepRunner for GpuRunner {
-    fn backend(&self) -> &'static str {
-        "gpu"
-    }
-
     fn forward(
         &mut self,
         feeds: &mut [StepFeed<'_>],

@@ -66,12 +66,6 @@ pub trait StepRunner: Send {
         0
     }
 
-    /// Where the layers are computed, as GetSessionInfo reports it:
-    /// "cpu", "gpu" or "shards".
-    fn backend(&self) -> &'static str {
-        "cpu"
-    }
-
     /// Bytes of K and V the session's committed positions hold, wherever
     /// they are.
     fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {

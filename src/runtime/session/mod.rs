@@ -250,10 +250,12 @@ impl Session {
     }
 
     /// What GetSessionInfo reports: `history_length` is the committed
-    /// length the worker counts (a history being fed again counts whole).
+    /// length the worker counts (a history being fed again counts whole),
+    /// `backend` where the layers run.
     pub(crate) fn info(
         &self,
         runner: &dyn StepRunner,
+        backend: &'static str,
         history_length: usize,
         busy: bool,
         idle_seconds: f64,
@@ -277,7 +279,7 @@ impl Session {
                 None => self.logits_digest(),
             },
             durable: self.journal.is_some(),
-            backend: runner.backend(),
+            backend,
         }
     }
 

@@ -441,7 +441,11 @@ impl Worker {
 }
 
 /// What GetSessionInfo reports of `slot`.
-pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
+pub(super) fn info(
+    runner: &dyn StepRunner,
+    backend: &'static str,
+    slot: &SessionSlot,
+) -> SessionInfo {
     let busy = !slot.idle();
     let idle_seconds = if busy {
         0.0
@@ -449,7 +453,7 @@ pub(super) fn info(runner: &dyn StepRunner, slot: &SessionSlot) -> SessionInfo {
         slot.last_used.elapsed().as_secs_f64()
     };
     slot.session
-        .info(runner, slot.committed_len(), busy, idle_seconds)
+        .info(runner, backend, slot.committed_len(), busy, idle_seconds)
 }
 
 /// Makes a Generate (its arguments checked at the runtime's boundary)

@@ -278,7 +278,11 @@ impl Worker {
             }
             Command::Info { id, caller, reply } => {
                 let info = match session_for(&mut self.sessions, id, &caller) {
-                    Some(slot) => Ok(admission::info(&*self.runner, slot)),
+                    Some(slot) => Ok(admission::info(
+                        &*self.runner,
+                        self.cfg.layers.backend(),
+                        slot,
+                    )),
                     None => Err(RuntimeError::NotFound),
                 };
                 let _ = reply.send(info);
