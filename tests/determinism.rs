@@ -4,10 +4,11 @@
 //! other sequences — on a synthetic model (every weight format) and on the
 //! reference model.
 
+mod support;
+
 use std::path::Path;
 use std::sync::Arc;
 
-use inferd::gguf::synthetic::SyntheticLlama;
 use inferd::gguf::GgufFile;
 use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
 use inferd::model::{LayerFeed, LogitsWanted, Model, Scratch, Sequence};
@@ -31,19 +32,7 @@ impl Rig {
     }
 
     fn synthetic(weight_type: GgmlType, tied: bool) -> Self {
-        let cfg = SyntheticLlama {
-            n_layers: 3,
-            hidden: 128,
-            n_heads: 4,
-            n_kv_heads: 2,
-            ffn: 256,
-            vocab: 384,
-            context: 512,
-            rope_base: 10_000.0,
-            weight_type,
-            tied_output: tied,
-            seed: 7,
-        };
+        let cfg = support::small_llama(weight_type, tied);
         let file = GgufFile::from_bytes(cfg.build()).expect("synthetic gguf parses");
         Self::new(Model::from_gguf(Arc::new(file)).expect("synthetic model loads"))
     }

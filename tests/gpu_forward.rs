@@ -6,9 +6,10 @@
 //! Without any wgpu adapter these tests say so loudly and pass, unless
 //! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when they fail.
 
+mod support;
+
 use std::sync::{Arc, OnceLock};
 
-use inferd::gguf::synthetic::SyntheticLlama;
 use inferd::gguf::GgufFile;
 use inferd::gpu::{
     AdapterKind, DeviceKv, GpuDevice, GpuError, GpuFeed, GpuForward, GpuModel, StepCapacity,
@@ -35,19 +36,7 @@ fn device() -> Option<Arc<GpuDevice>> {
 }
 
 fn synthetic(weight_type: GgmlType) -> Arc<Model> {
-    let cfg = SyntheticLlama {
-        n_layers: 3,
-        hidden: 128,
-        n_heads: 4,
-        n_kv_heads: 2,
-        ffn: 256,
-        vocab: 384,
-        context: 512,
-        rope_base: 10_000.0,
-        weight_type,
-        tied_output: false,
-        seed: 7,
-    };
+    let cfg = support::small_llama(weight_type, false);
     let file = GgufFile::from_bytes(cfg.build()).expect("synthetic gguf parses");
     Arc::new(Model::from_gguf(Arc::new(file)).expect("synthetic model loads"))
 }

@@ -823,6 +823,10 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         if let Some(layers) = super::device::on_device(settings.device, gpu, |device| {
             GpuLayers::new(device, Arc::clone(&model))
         })? {
+            tracing::info!(
+                weights_mib = layers.weight_bytes() >> 20,
+                "model weights on the GPU"
+            );
             cfg.runtime.layers = Arc::new(layers);
         }
     }

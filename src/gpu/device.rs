@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures_executor::block_on;
 
-use super::adapter::{self, describe, is_hardware, AdapterKind};
+use super::adapter::{self, describe, AdapterKind};
 use super::GpuError;
 
 /// How long one submission may run before it counts as lost.
@@ -62,11 +62,6 @@ impl GpuDevice {
         describe(&self.info)
     }
 
-    /// Whether the adapter is a real GPU (not lavapipe or another CPU one).
-    pub fn is_hardware(&self) -> bool {
-        is_hardware(self.info.device_type)
-    }
-
     /// The limits the device was opened with (the adapter's own).
     pub fn limits(&self) -> &wgpu::Limits {
         &self.limits
@@ -88,16 +83,28 @@ impl GpuDevice {
         entry: &str,
         layout: &wgpu::PipelineLayout,
     ) -> Result<wgpu::ComputePipeline, GpuError> {
-        self.build_pipeline(label, source, entry, Some(layout))
+        let [pipeline] = self.build_pipelines(label, source, [entry], Some(layout))?;
+        Ok(pipeline)
     }
 
-    fn build_pipeline(
+    /// Compiles `source` once and builds a pipeline per entry point, each
+    /// with the layout the shader implies.
+    pub(crate) fn auto_pipelines<const N: usize>(
         &self,
         label: &str,
         source: &str,
-        entry: &str,
+        entries: [&str; N],
+    ) -> Result<[wgpu::ComputePipeline; N], GpuError> {
+        self.build_pipelines(label, source, entries, None)
+    }
+
+    fn build_pipelines<const N: usize>(
+        &self,
+        label: &str,
+        source: &str,
+        entries: [&str; N],
         layout: Option<&wgpu::PipelineLayout>,
-    ) -> Result<wgpu::ComputePipeline, GpuError> {
+    ) -> Result<[wgpu::ComputePipeline; N], GpuError> {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let module = self
             .device
@@ -105,34 +112,25 @@ impl GpuDevice {
                 label: Some(label),
                 source: wgpu::ShaderSource::Wgsl(source.into()),
             });
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(label),
-                layout,
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: wgpu::PipelineCompilationOptions::default(),
-                cache: None,
-            });
+        let pipelines = entries.map(|entry| {
+            self.device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout,
+                    module: &module,
+                    entry_point: Some(entry),
+                    compilation_options: wgpu::PipelineCompilationOptions::default(),
+                    cache: None,
+                })
+        });
         match block_on(scope.pop()) {
-            None => Ok(pipeline),
+            None => Ok(pipelines),
             Some(error) => Err(GpuError::Pipeline {
                 adapter: self.describe(),
                 kernel: label.to_string(),
                 message: error.to_string(),
             }),
         }
-    }
-
-    /// [`pipeline`](Self::pipeline) with the layout the shader implies.
-    pub(crate) fn auto_pipeline(
-        &self,
-        label: &str,
-        source: &str,
-        entry: &str,
-    ) -> Result<wgpu::ComputePipeline, GpuError> {
-        self.build_pipeline(label, source, entry, None)
     }
 
     /// Submits `encoder` and waits for it to finish.
@@ -153,22 +151,8 @@ impl GpuDevice {
     /// Copies `len` f32 values from the start of `buffer` back to the host
     /// (for tests and checks; the step itself reads back only token ids).
     pub fn read_f32(&self, buffer: &wgpu::Buffer, len: usize) -> Result<Vec<f32>, GpuError> {
-        let bytes = (len * 4) as u64;
-        if bytes == 0 {
-            return Ok(Vec::new());
-        }
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut encoder = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
-        self.submit(encoder)?;
-        self.map_read(&staging, bytes)
+        let bytes = self.read_bytes(buffer, 0, len * 4)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
 
     /// Copies `len` bytes at `offset` of `buffer` back to the host.

@@ -322,14 +322,9 @@ impl GpuForward {
             self.seq_words
                 .extend([self.page_words.len() as u32, blocks as u32, 0, 0]);
             for layer in 0..n_layers {
-                let (first, ids) = f.kv.page_table(layer).unwrap_or((0, Vec::new()));
-                for b in 0..blocks {
-                    let id = b
-                        .checked_sub(first)
-                        .and_then(|k| ids.get(k).copied())
-                        .unwrap_or(u32::MAX);
-                    self.page_words.push(id);
-                }
+                // A block a window layer gave back is never read.
+                self.page_words
+                    .extend((0..blocks).map(|b| f.kv.block_page(b, layer).unwrap_or(u32::MAX)));
             }
             let wanted = f.logits.rows(f.tokens.len());
             for j in start..start + n {

@@ -44,26 +44,37 @@ impl Kernels {
         let function =
             dequant_function(embed_type).ok_or(GpuError::UnsupportedType { ty: embed_type })?;
         let embed_source = format!("{QUANTS}\n{}", EMBED.replace("DEQUANT", function));
+        let [embed_pipeline] = device.auto_pipelines("embed", &embed_source, ["embed"])?;
         let mut embed = HashMap::new();
-        embed.insert(
-            embed_type,
-            device.auto_pipeline("embed", &embed_source, "embed")?,
-        );
+        embed.insert(embed_type, embed_pipeline);
+        let [norm_to, norm_in_place] =
+            device.auto_pipelines("norm", NORM, ["norm_to", "norm_in_place"])?;
+        let [rope] = device.auto_pipelines("rope", ROPE, ["rope"])?;
+        let [add, add_bias, gated, softcap, gather] = device.auto_pipelines(
+            "elementwise",
+            ELEMENTWISE,
+            ["add", "add_bias", "gated", "softcap", "gather"],
+        )?;
+        let [kv_write, attn_scores, attn_softmax, attn_values] = device.auto_pipelines(
+            "attention",
+            ATTENTION,
+            ["kv_write", "attn_scores", "attn_softmax", "attn_values"],
+        )?;
         Ok(Self {
             matmul: MatmulKernels::new(device, matrix_types)?,
             embed,
-            norm_to: device.auto_pipeline("norm", NORM, "norm_to")?,
-            norm_in_place: device.auto_pipeline("norm", NORM, "norm_in_place")?,
-            rope: device.auto_pipeline("rope", ROPE, "rope")?,
-            add: device.auto_pipeline("add", ELEMENTWISE, "add")?,
-            add_bias: device.auto_pipeline("add_bias", ELEMENTWISE, "add_bias")?,
-            gated: device.auto_pipeline("gated", ELEMENTWISE, "gated")?,
-            softcap: device.auto_pipeline("softcap", ELEMENTWISE, "softcap")?,
-            gather: device.auto_pipeline("gather", ELEMENTWISE, "gather")?,
-            kv_write: device.auto_pipeline("kv_write", ATTENTION, "kv_write")?,
-            attn_scores: device.auto_pipeline("attn_scores", ATTENTION, "attn_scores")?,
-            attn_softmax: device.auto_pipeline("attn_softmax", ATTENTION, "attn_softmax")?,
-            attn_values: device.auto_pipeline("attn_values", ATTENTION, "attn_values")?,
+            norm_to,
+            norm_in_place,
+            rope,
+            add,
+            add_bias,
+            gated,
+            softcap,
+            gather,
+            kv_write,
+            attn_scores,
+            attn_softmax,
+            attn_values,
         })
     }
 }

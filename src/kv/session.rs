@@ -412,7 +412,7 @@ impl SessionKv {
     }
 
     /// The page holding block `block` of `layer`, if this session holds it.
-    fn block_page(&self, block: usize, layer: usize) -> Option<u32> {
+    pub fn block_page(&self, block: usize, layer: usize) -> Option<u32> {
         let table = self.layers.get(layer)?;
         table.pages.get(block.checked_sub(table.dropped)?).copied()
     }

@@ -44,6 +44,27 @@ pub fn tiny_model() -> Arc<inferd::model::Model> {
         Arc::new(Model::from_gguf(Arc::new(file)).expect("synthetic model loads"))
     }))
 }
+/// The three-layer synthetic llama the determinism tests of both backends
+/// share (hidden 128, 4 query heads over 2 KV heads, vocabulary 384).
+pub fn small_llama(
+    weight_type: inferd::quant::GgmlType,
+    tied_output: bool,
+) -> inferd::gguf::synthetic::SyntheticLlama {
+    inferd::gguf::synthetic::SyntheticLlama {
+        n_layers: 3,
+        hidden: 128,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn: 256,
+        vocab: 384,
+        context: 512,
+        rope_base: 10_000.0,
+        weight_type,
+        tied_output,
+        seed: 7,
+    }
+}
+
 /// Upper bound of any unary call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Upper bound of any Generate stream.
