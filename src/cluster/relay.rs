@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use futures_util::{SinkExt, StreamExt};
 use grpcio::{
     CallOption, Client, DuplexSink, Environment, RequestStream, RpcContext, RpcStatus,
-    RpcStatusCode, ServerBuilder, ServerCredentials, ServiceBuilder, UnarySink, WriteFlags,
+    RpcStatusCode, ServiceBuilder, UnarySink, WriteFlags,
 };
 use sha2::{Digest, Sha256};
 
@@ -195,21 +195,12 @@ impl Relay {
                 },
             )
             .build();
-        let listen_error = |message: String| RelayError::Listen {
-            addr: cfg.listen.clone(),
-            message,
-        };
-        let args = super::transport::server(Arc::clone(&env), cfg.max_message_bytes).build_args();
-        let mut server = ServerBuilder::new(env)
-            .channel_args(args)
-            .register_service(service)
-            .build()
-            .map_err(|e| listen_error(e.to_string()))?;
-        let port = server
-            .add_listening_port(&cfg.listen, ServerCredentials::insecure())
-            .map_err(|e| listen_error(e.to_string()))?;
-        server.start();
-        let addr = crate::listen::bound_address(&cfg.listen, port).map_err(listen_error)?;
+        let (server, addr) =
+            super::transport::start_server(env, cfg.max_message_bytes, service, &cfg.listen)
+                .map_err(|message| RelayError::Listen {
+                    addr: cfg.listen.clone(),
+                    message,
+                })?;
         tracing::info!(%addr, upstream = %cfg.upstream, "relay forwarding");
         Ok(Relay {
             server,

@@ -38,10 +38,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use futures_executor::block_on;
-use grpcio::{
-    DuplexSink, Environment, RequestStream, RpcContext, ServerBuilder, ServerCredentials,
-    ServiceBuilder, UnarySink,
-};
+use grpcio::{DuplexSink, Environment, RequestStream, RpcContext, ServiceBuilder, UnarySink};
 
 use super::fingerprint::Fingerprint;
 use super::frame::unix_nanos;
@@ -220,21 +217,12 @@ impl ShardServer {
                 },
             )
             .build();
-        let args = super::transport::server(Arc::clone(&env), cfg.max_frame_bytes).build_args();
-        let listen_error = |message: String| ShardStartError::Listen {
-            addr: cfg.listen.clone(),
-            message,
-        };
-        let mut server = ServerBuilder::new(env)
-            .channel_args(args)
-            .register_service(service)
-            .build()
-            .map_err(|e| listen_error(e.to_string()))?;
-        let port = server
-            .add_listening_port(&cfg.listen, ServerCredentials::insecure())
-            .map_err(|e| listen_error(e.to_string()))?;
-        server.start();
-        let addr = crate::listen::bound_address(&cfg.listen, port).map_err(listen_error)?;
+        let (server, addr) =
+            super::transport::start_server(env, cfg.max_frame_bytes, service, &cfg.listen)
+                .map_err(|message| ShardStartError::Listen {
+                    addr: cfg.listen.clone(),
+                    message,
+                })?;
         tracing::info!(
             %addr,
             layers = ?cfg.layers,
