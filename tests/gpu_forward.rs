@@ -78,13 +78,7 @@ impl Rig {
     fn new(device: &Arc<GpuDevice>, model: &Arc<Model>, capacity: StepCapacity) -> Self {
         let kv_pool = pool(model);
         let gpu = GpuModel::new(Arc::clone(device), Arc::clone(model)).expect("upload");
-        let kv = DeviceKv::new(
-            device,
-            kv_pool.layout(),
-            kv_pool.total_pages(),
-            kv_pool.page_bytes(),
-        )
-        .expect("device kv");
+        let kv = DeviceKv::new(device, kv_pool.layout(), kv_pool.total_pages()).expect("device kv");
         let forward = GpuForward::new(gpu, &kv, capacity).expect("forward");
         Self { kv_pool, forward }
     }

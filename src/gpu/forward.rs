@@ -59,14 +59,14 @@ pub struct DeviceKv {
 }
 
 impl DeviceKv {
-    /// A zeroed buffer for the pages of `layout`, `n_pages` of `page_bytes`
-    /// each (the host pool's page stride).
+    /// A zeroed buffer for `n_pages` pages of `layout`, each as long as
+    /// the host pool's page stride.
     pub fn new(
         device: &GpuDevice,
         layout: &crate::kv::KvLayout,
         n_pages: usize,
-        page_bytes: usize,
     ) -> Result<Self, GpuError> {
+        let page_bytes = layout.page_stride();
         let bytes = (n_pages as u64) * page_bytes as u64;
         if bytes > device.max_binding_bytes() {
             return Err(GpuError::TooLarge {

@@ -18,7 +18,7 @@ pub fn device_kv_pool(
     let page_bytes = layout.page_stride();
     let fit = (device.max_binding_bytes() / page_bytes as u64) as usize;
     let n_pages = wanted.min(fit).max(1);
-    let kv = Arc::new(DeviceKv::new(device, &layout, n_pages, page_bytes)?);
+    let kv = Arc::new(DeviceKv::new(device, &layout, n_pages)?);
     let store: Arc<dyn PageStore> = Arc::new(DevicePages {
         device: Arc::clone(device),
         kv: Arc::clone(&kv),
