@@ -71,6 +71,9 @@ const PASS_STRIDE: u32 = 4u * WORKGROUP_SIZE;
 // Everything one workgroup knows about its row; identical in every thread.
 struct Row {
     index: u32,
+    // Where the row's logits start in `logits` (the request names the row,
+    // which need not be the workgroup's: kept logits sit in session slots).
+    logits_base: u32,
     base: u32,
     weights: u32,
     scratch: u32,
@@ -104,7 +107,7 @@ fn load(row: Row, id: u32) -> f32 {
     if row.adjusted {
         x = work[row.base + id];
     } else {
-        x = logits[row.base + id];
+        x = logits[row.logits_base + id];
     }
     if is_nan_bits(bitcast<u32>(x)) {
         return bitcast<f32>(NEG_INF_BITS);
@@ -214,7 +217,7 @@ fn reduce_best(lid: u32, hi: u32, lo: u32) -> vec2<u32> {
 
 fn copy_logit(row: Row, id: u32) {
     if id < globals.vocab_size {
-        work[row.base + id] = logits[row.base + id];
+        work[row.base + id] = logits[row.logits_base + id];
     }
 }
 
@@ -799,6 +802,7 @@ fn sample_rows(
     row.scratch = workgroup.x * globals.scratch_stride;
     row.params = workgroup.x * PARAM_WORDS;
     row.flags = requests[row.params + P_FLAGS];
+    row.logits_base = requests[row.params + P_LOGITS_ROW] * vocab;
     row.adjusted = (row.flags & FLAG_ADJUSTS) != 0u;
     row.inf_mode = false;
 

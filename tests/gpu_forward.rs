@@ -104,6 +104,7 @@ impl Rig {
                         kv,
                         tokens: &tokens[start..start + n],
                         logits: LogitsWanted::All,
+                        keep: None,
                     });
                     which.push(i);
                     fed[i] += n;
@@ -200,6 +201,7 @@ fn logits_do_not_depend_on_how_the_history_was_fed() {
         rows: 5,
         sequences: 2,
         scores: 4096,
+        kept_rows: 1,
     };
     let mut tight = Rig::new(&device, &model, small);
     let split = tight.run(&[(&b, vec![29]), (&a, vec![37])]).remove(1);

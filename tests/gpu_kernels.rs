@@ -232,3 +232,22 @@ fn outputs_do_not_depend_on_the_step_or_the_split() {
         }
     }
 }
+
+#[test]
+fn a_buffer_the_device_refuses_is_an_error_and_the_device_goes_on() {
+    let Some(device) = device() else {
+        return;
+    };
+    let too_big = device.limits().max_buffer_size.saturating_add(1 << 20);
+    let refused = device.allocating("an oversized buffer", || {
+        device.storage("oversized", too_big)
+    });
+    match refused {
+        Err(GpuError::Allocation { what, .. }) => assert_eq!(what, "an oversized buffer"),
+        other => panic!("expected an allocation error, got {:?}", other.map(|_| ())),
+    }
+    let fine = device
+        .allocating("a small buffer", || device.storage("small", 4096))
+        .expect("the device still allocates");
+    drop(fine);
+}

@@ -1,8 +1,10 @@
 //! `inferd serve --device gpu` through a stock grpcio client, on a real
 //! wgpu device (Mesa's lavapipe in CI): sessions answer, greedy tokens do
 //! not depend on how the history was fed (appends, forks, a restart that
-//! computes the history again), and without an adapter `--device gpu`
-//! refuses to start while `auto` takes the CPU.
+//! computes the history again), generating sessions sample where their
+//! logits are (to the same tokens and log-probabilities as sampling them
+//! on the CPU), and without an adapter `--device gpu` refuses to start
+//! while `auto` takes the CPU.
 //!
 //! Without any wgpu adapter the GPU tests say so loudly and pass, unless
 //! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when they fail.
@@ -13,7 +15,7 @@ use std::process::Command;
 
 use inferd::gpu::{AdapterKind, GpuDevice};
 use support::durable::{serve_with, write_model};
-use support::{greedy, scrape, Client};
+use support::{greedy, scrape, seeded, Client};
 
 fn have_adapter() -> bool {
     match GpuDevice::open(AdapterKind::Any) {
@@ -201,4 +203,91 @@ fn a_spilled_gpu_session_reads_its_pages_back_to_the_same_bits() {
     let a = client.generate(&greedy(&ids[0], 8, 2));
     let b = reference.generate(&greedy(&cold, 8, 2));
     assert_eq!(a, b);
+}
+
+#[test]
+fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
+    if !have_adapter() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = write_model(dir.path());
+    let serve = |sampler: &str| {
+        let state = dir.path().join(format!("state-{sampler}"));
+        serve_with(
+            &model,
+            &state,
+            "sync",
+            &[
+                "--device",
+                "gpu",
+                "--sampler",
+                sampler,
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ],
+        )
+    };
+    let rows_read = |server: &support::Inferd| {
+        let text = scrape(server.metrics.as_deref().expect("metrics"));
+        support::sample(&text, "inferd_gpu_logit_rows_read_total").expect("rows read")
+    };
+    // The same calls on a server sampling on the device and on one
+    // sampling on the CPU: their answers, the last logits' digest, and
+    // the rows of logits that came back from the GPU.
+    let run = |server: &support::Inferd| {
+        let client = Client::connect(&server.addr);
+        let before = rows_read(server);
+        let a = client.create();
+        client.append(&a, &PROMPT).expect("append");
+        let mut runs = vec![
+            client.generate(&greedy(&a, 16, 5)),
+            client.generate(&seeded(&a, 16, 7)),
+        ];
+        // More tokens after generated ones, then a fork of the result.
+        client.append(&a, &PROMPT[..5]).expect("append");
+        let mut reported = seeded(&a, 8, 11);
+        reported.set_top_logprobs(3);
+        runs.push(client.generate(&reported));
+        let f = client.fork(&a, client.info(&a).expect("info").get_history_length());
+        runs.push(client.generate(&greedy(&f, 6, 2)));
+        for r in &runs {
+            assert!(r.error.is_none(), "{:?}", r.error);
+        }
+        let digest = client.info(&a).expect("info").get_logits_digest();
+        (runs, digest, rows_read(server) - before)
+    };
+    let (device_runs, device_digest, device_rows) = run(&serve("auto"));
+    let (cpu_runs, cpu_digest, cpu_rows) = run(&serve("cpu"));
+    let model_arg = model.to_str().expect("UTF-8 path");
+    let no_journal = support::Inferd::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model_arg,
+        "--device",
+        "gpu",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let (plain_runs, plain_digest, plain_rows) = run(&no_journal);
+    // Without a journal, a call's end reads nothing back: only the appends
+    // (a row each, and the undo of the one after generated tokens), the
+    // fork and GetSessionInfo's digest do.
+    assert!(plain_rows <= 5.0, "{plain_rows} rows came back");
+    assert_eq!((&plain_runs, plain_digest), (&device_runs, device_digest));
+    eprintln!("logit rows read back: {device_rows} sampling on the device, {cpu_rows} on the CPU");
+    // Sampled on the device: a row per append and per call's end (for the
+    // journal's digest). On the CPU: a row per token as well.
+    assert!(device_rows <= 7.0, "{device_rows} rows came back");
+    assert!(
+        cpu_rows >= (16 + 16 + 8 + 6) as f64,
+        "{cpu_rows} rows came back"
+    );
+    assert_eq!(
+        device_runs, cpu_runs,
+        "sampling where the logits are gives the CPU sampler's tokens and log-probabilities"
+    );
+    assert_eq!(device_digest, cpu_digest);
 }

@@ -9,6 +9,8 @@ use serde::Deserialize;
 
 use super::CliError;
 use crate::gpu::{AdapterKind, GpuDevice};
+use crate::sampler::gpu::GpuContext;
+use crate::sampler::SamplerChoice;
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Deserialize)]
@@ -76,4 +78,20 @@ pub(crate) fn on_device<T, E: std::fmt::Display>(
         }
         Err(e) => Err(CliError::Usage(format!("--device {}: {e}", choice.flag()))),
     }
+}
+
+/// The sampler on the model's device, unless `--sampler cpu`: sessions
+/// then sample where their logits are, and only token ids come back.
+pub(crate) fn device_sampler(
+    choice: SamplerChoice,
+    device: &GpuDevice,
+) -> Result<Option<Arc<GpuContext>>, CliError> {
+    if choice == SamplerChoice::Cpu {
+        tracing::info!("sampler: cpu (the logits come back from the GPU every step)");
+        return Ok(None);
+    }
+    let context = GpuContext::on_device(device)
+        .map_err(|e| CliError::Usage(format!("--sampler {choice} on the model's GPU: {e}")))?;
+    tracing::info!(%choice, adapter = %device.describe(), "sampler: wgpu, on the model's device");
+    Ok(Some(context))
 }

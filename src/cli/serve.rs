@@ -25,7 +25,7 @@ use crate::durable::{StateLimits as Limits, DEFAULT_MIN_FREE_BYTES};
 use crate::model::Model;
 use crate::runtime::GpuLayers;
 use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
-use crate::sampler::SamplerChoice;
+use crate::sampler::{SamplerChoice, SelectedSampler};
 use crate::server::http::HttpLimits;
 use crate::server::tokens::AccessTokens;
 use crate::server::{ServeConfig, Server, TlsIdentity};
@@ -687,7 +687,13 @@ impl Settings {
                 },
                 Overflow::Stop => OverflowPolicy::Stop,
             },
-            sampler: super::resolve_sampler(self.sampler)?,
+            // With the model on a GPU the sampler goes on that device once
+            // it is open (`serve`), not on a second one.
+            sampler: if self.device == DeviceChoice::Cpu {
+                super::resolve_sampler(self.sampler)?
+            } else {
+                SelectedSampler::Cpu
+            },
             layers: match shards {
                 Some(plan) => Arc::new(ShardLayers::new(plan)),
                 None => Arc::new(LocalLayers),
@@ -820,14 +826,25 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
             ));
         }
         let gpu = super::device::open_device(settings.device)?;
-        if let Some(layers) = super::device::on_device(settings.device, gpu, |device| {
-            GpuLayers::new(device, Arc::clone(&model))
+        // The weights and the KV cache asked for are on the device before
+        // the choice is final: `auto` takes the CPU if they do not fit.
+        match super::device::on_device(settings.device, gpu, |device| {
+            GpuLayers::new(device, Arc::clone(&model))?.with_kv(&cfg.runtime)
         })? {
-            tracing::info!(
-                weights_mib = layers.weight_bytes() >> 20,
-                "model weights on the GPU"
-            );
-            cfg.runtime.layers = Arc::new(layers);
+            Some(mut layers) => {
+                tracing::info!(
+                    weights_mib = layers.weight_bytes() >> 20,
+                    "model weights on the GPU"
+                );
+                if let Some(context) =
+                    super::device::device_sampler(settings.sampler, layers.device())?
+                {
+                    cfg.runtime.sampler = SelectedSampler::Wgpu(Arc::clone(&context));
+                    layers = layers.sampling_on(context);
+                }
+                cfg.runtime.layers = Arc::new(layers);
+            }
+            None => cfg.runtime.sampler = super::resolve_sampler(settings.sampler)?,
         }
     }
     if args.check {

@@ -278,6 +278,7 @@ impl Engine {
                     kv: &mut *s.kv,
                     tokens: s.tokens,
                     logits: s.logits,
+                    keep: None,
                 })
                 .collect();
             return Ok(gpu.forward(&mut feeds, &mut self.scratch.logits)?);

@@ -62,6 +62,11 @@ impl GpuDevice {
         describe(&self.info)
     }
 
+    /// The adapter the device was opened on.
+    pub fn info(&self) -> &wgpu::AdapterInfo {
+        &self.info
+    }
+
     /// The limits the device was opened with (the adapter's own).
     pub fn limits(&self) -> &wgpu::Limits {
         &self.limits
@@ -96,6 +101,27 @@ impl GpuDevice {
         entries: [&str; N],
     ) -> Result<[wgpu::ComputePipeline; N], GpuError> {
         self.build_pipelines(label, source, entries, None)
+    }
+
+    /// Runs `make` (buffers created, uploads queued), applies its uploads
+    /// and waits for them, so that the device running out of memory or
+    /// refusing a buffer is an error naming `what` rather than a log line
+    /// and a device that fails later.
+    pub fn allocating<T>(&self, what: &str, make: impl FnOnce() -> T) -> Result<T, GpuError> {
+        let out_of_memory = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let invalid = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let made = make();
+        let applied = self.submit(self.encoder("uploads"));
+        let invalid = block_on(invalid.pop());
+        let out_of_memory = block_on(out_of_memory.pop());
+        if let Some(error) = out_of_memory.or(invalid) {
+            return Err(GpuError::Allocation {
+                what: what.to_string(),
+                adapter: self.describe(),
+                message: error.to_string(),
+            });
+        }
+        applied.map(|()| made)
     }
 
     fn build_pipelines<const N: usize>(

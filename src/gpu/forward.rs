@@ -1,7 +1,9 @@
 //! One worker's forward pass on the device: buffers sized once, every
 //! kernel bound once, and a step that uploads the tokens, positions, page
 //! tables and RoPE tables, records all layers into one compute pass,
-//! submits once and reads back only the logit rows asked for.
+//! submits once and reads back only the logit rows asked for. A feed may
+//! keep its last row on the device instead, in a row of the kept-logits
+//! buffer that a sampler on the same device reads.
 
 use std::sync::Arc;
 
@@ -18,6 +20,8 @@ pub struct GpuModel {
     pub model: Arc<Model>,
     pub weights: GpuWeights,
     pub kernels: Kernels,
+    /// Rows of logits read back to the host so far, by every worker.
+    pub logit_rows_read: std::sync::atomic::AtomicU64,
 }
 
 impl GpuModel {
@@ -35,13 +39,16 @@ impl GpuModel {
                 ),
             });
         }
-        let weights = GpuWeights::upload(&device, &model)?;
+        let weights = device.allocating("the model's weights", || {
+            GpuWeights::upload(&device, &model)
+        })??;
         let kernels = Kernels::new(&device, &weights.matrix_types(), weights.token_embd.ty)?;
         Ok(Arc::new(Self {
             device,
             model,
             weights,
             kernels,
+            logit_rows_read: Default::default(),
         }))
     }
 }
@@ -74,8 +81,9 @@ impl DeviceKv {
                 limit: device.max_binding_bytes(),
             });
         }
+        let what = format!("a KV cache of {n_pages} pages ({} MiB)", bytes >> 20);
         Ok(Self {
-            buffer: device.storage("kv pages", bytes),
+            buffer: device.allocating(&what, || device.storage("kv pages", bytes))?,
             page_values_bytes: layout.page_values() * 2,
             page_words: page_bytes / 4,
             page_positions: layout.page_positions,
@@ -92,6 +100,9 @@ pub struct StepCapacity {
     pub sequences: usize,
     /// Floats of the attention score buffer (tokens x heads x keys).
     pub scores: usize,
+    /// Rows of logits kept on the device between steps (fewer when the
+    /// adapter cannot bind that many).
+    pub kept_rows: usize,
 }
 
 impl Default for StepCapacity {
@@ -101,6 +112,7 @@ impl Default for StepCapacity {
             rows: 64,
             sequences: 64,
             scores: 16 << 20,
+            kept_rows: 128,
         }
     }
 }
@@ -128,6 +140,25 @@ pub struct GpuFeed<'a> {
     pub kv: &'a mut SessionKv,
     pub tokens: &'a [u32],
     pub logits: LogitsWanted,
+    /// With [`LogitsWanted::Last`]: the row of the kept-logits buffer the
+    /// last row goes to, instead of coming back.
+    pub keep: Option<u32>,
+}
+
+impl GpuFeed<'_> {
+    /// The row the step keeps on the device, if any.
+    fn kept_row(&self) -> Option<u32> {
+        self.keep.filter(|_| self.logits == LogitsWanted::Last)
+    }
+
+    /// The rows that come back to the host.
+    fn host_rows(&self) -> std::ops::Range<usize> {
+        if self.kept_row().is_some() {
+            0..0
+        } else {
+            self.logits.rows(self.tokens.len())
+        }
+    }
 }
 
 /// One worker's forward pass; see the module docs.
@@ -137,6 +168,10 @@ pub struct GpuForward {
     pages_capacity: usize,
     buffers: Buffers,
     ops: Vec<Op>,
+    kept: wgpu::Buffer,
+    kept_rows: usize,
+    /// Where each row of this span goes: a kept row, or the next host row.
+    row_targets: Vec<Option<u32>>,
     /// Host copies of the per-step uploads, reused across steps.
     token_words: Vec<u32>,
     seq_words: Vec<u32>,
@@ -185,12 +220,21 @@ impl GpuForward {
             }),
         };
         let ops = Recorder::new(&gpu, &buffers, kv, capacity).ops()?;
+        let row_bytes = (cfg.vocab * 4) as u64;
+        let kept_rows = capacity
+            .kept_rows
+            .min((device.max_binding_bytes() / row_bytes) as usize)
+            .max(1);
+        let kept = device.storage("kept logits", kept_rows as u64 * row_bytes);
         Ok(Self {
             gpu,
             capacity,
             pages_capacity,
             buffers,
             ops,
+            kept,
+            kept_rows,
+            row_targets: Vec::new(),
             token_words: Vec::new(),
             seq_words: Vec::new(),
             page_words: Vec::new(),
@@ -206,9 +250,38 @@ impl GpuForward {
         &self.gpu.device
     }
 
+    fn count_rows_read(&self, rows: u64) {
+        self.gpu
+            .logit_rows_read
+            .fetch_add(rows, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The kept-logits buffer and how many rows it holds.
+    pub fn kept(&self) -> (&wgpu::Buffer, usize) {
+        (&self.kept, self.kept_rows)
+    }
+
+    /// A copy of kept row `row`.
+    pub fn read_kept(&self, row: u32) -> Result<Vec<f32>, GpuError> {
+        let vocab = self.gpu.model.config.vocab;
+        if row as usize >= self.kept_rows {
+            return Err(GpuError::TooLarge {
+                what: format!("kept logits row {row}"),
+                limit: (self.kept_rows * vocab * 4) as u64,
+            });
+        }
+        self.count_rows_read(1);
+        let bytes =
+            self.gpu
+                .device
+                .read_bytes(&self.kept, row as u64 * (vocab * 4) as u64, vocab * 4)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
     /// Runs the model on `feeds`: reserves their KV (all or nothing per
     /// feed), runs every layer on the device, commits the new lengths, and
-    /// writes the logit rows asked for into `logits` (`[rows][vocab]`).
+    /// writes the logit rows asked for into `logits` (`[rows][vocab]`),
+    /// but for the rows feeds keep on the device (those have none).
     pub fn forward(
         &mut self,
         feeds: &mut [GpuFeed<'_>],
@@ -217,6 +290,13 @@ impl GpuForward {
         let model = Arc::clone(&self.gpu.model);
         for f in feeds.iter() {
             model.check_append(f.kv.len(), f.tokens)?;
+            if let Some(row) = f.kept_row().filter(|&r| r as usize >= self.kept_rows) {
+                return Err(GpuError::TooLarge {
+                    what: format!("kept logits row {row}"),
+                    limit: (self.kept_rows * model.config.vocab * 4) as u64,
+                }
+                .into());
+            }
         }
         for f in feeds.iter_mut() {
             let want = f.kv.len() + f.tokens.len();
@@ -227,7 +307,7 @@ impl GpuForward {
         let mut per_sequence = Vec::with_capacity(feeds.len());
         let mut row = 0;
         for f in feeds.iter() {
-            let n = f.logits.rows(f.tokens.len()).len();
+            let n = f.host_rows().len();
             per_sequence.push(row..row + n);
             row += n;
         }
@@ -312,6 +392,7 @@ impl GpuForward {
         self.seq_words.clear();
         self.page_words.clear();
         self.row_words.clear();
+        self.row_targets.clear();
         self.token_seq.clear();
         let mut max_keys = 0usize;
         for (s, &(i, start, n)) in span.parts.iter().enumerate() {
@@ -327,6 +408,7 @@ impl GpuForward {
                     .extend((0..blocks).map(|b| f.kv.block_page(b, layer).unwrap_or(u32::MAX)));
             }
             let wanted = f.logits.rows(f.tokens.len());
+            let kept = f.kept_row();
             for j in start..start + n {
                 let t = self.token_words.len() / 4;
                 let pos = base + j;
@@ -335,6 +417,7 @@ impl GpuForward {
                 self.token_seq.push((s, pos));
                 if wanted.contains(&j) {
                     self.row_words.push(t as u32);
+                    self.row_targets.push(kept);
                 }
                 max_keys = max_keys.max(pos + 1);
             }
@@ -403,13 +486,28 @@ impl GpuForward {
                 }
             }
         }
-        let bytes = (n_rows * cfg.vocab * 4) as u64;
-        if bytes > 0 {
-            encoder.copy_buffer_to_buffer(&b.logits, 0, &b.readback, 0, bytes);
+        let row_bytes = (cfg.vocab * 4) as u64;
+        let mut host_rows = 0u64;
+        for (r, target) in self.row_targets.iter().enumerate() {
+            let (to, at) = match target {
+                Some(kept) => (&self.kept, *kept as u64),
+                None => {
+                    host_rows += 1;
+                    (&b.readback, host_rows - 1)
+                }
+            };
+            encoder.copy_buffer_to_buffer(
+                &b.logits,
+                r as u64 * row_bytes,
+                to,
+                at * row_bytes,
+                row_bytes,
+            );
         }
         device.submit(encoder)?;
-        if bytes > 0 {
-            let values = device.map_read(&b.readback, bytes)?;
+        if host_rows > 0 {
+            self.count_rows_read(host_rows);
+            let values = device.map_read(&b.readback, host_rows * row_bytes)?;
             logits.extend_from_slice(&values);
         }
         Ok(())

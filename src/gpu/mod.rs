@@ -54,6 +54,13 @@ pub enum GpuError {
     /// Something exceeds what the adapter can bind.
     #[error("{what} exceeds the adapter's limit of {limit} bytes per binding")]
     TooLarge { what: String, limit: u64 },
+    /// The device has no memory left for it, or refused the buffers.
+    #[error("{what} does not fit on {adapter}: {message}")]
+    Allocation {
+        what: String,
+        adapter: String,
+        message: String,
+    },
     /// The device stopped answering or a buffer could not be mapped.
     #[error("the GPU failed while {what}: {message}")]
     Lost { what: &'static str, message: String },

@@ -141,6 +141,15 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     if let Some(shards) = &stats.shards {
         render_shards(&mut e, shards);
     }
+    if let Some(rows) = stats.logit_rows_read {
+        e.family(
+            "gpu_logit_rows_read_total",
+            "counter",
+            "Rows of logits read back from the GPU that computed them: one per call while \
+             sessions sample on the device, one per token when they sample on the CPU.",
+        );
+        e.sample("gpu_logit_rows_read_total", &[], rows);
+    }
     render_requests(&mut e, server);
     render_server_state(&mut e, server);
     e.out
@@ -724,6 +733,7 @@ mod tests {
                 rebuilt_tokens: 96,
                 resumed_positions: 32,
             }),
+            logit_rows_read: Some(11),
         }
     }
 
@@ -899,6 +909,7 @@ mod tests {
             value(&samples, name, labels).unwrap_or_else(|| panic!("no {name} {labels:?}"))
         };
         assert_eq!(get("inferd_session_active", &[]), 3.0);
+        assert_eq!(get("inferd_gpu_logit_rows_read_total", &[]), 11.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);

@@ -225,6 +225,9 @@ pub struct RuntimeStats {
     /// The shards' counters when the runtime coordinates a split model.
     #[cfg(not(loom))]
     pub shards: Option<super::ShardStatsSnapshot>,
+    /// Rows of logits read back from the GPU that computed them (`None`
+    /// when the layers are not on a GPU).
+    pub logit_rows_read: Option<u64>,
 }
 
 /// One worker's share of a [`RuntimeStats`] snapshot.

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use super::{RuntimeConfig, RuntimeError, SessionId};
 use crate::kv::{KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
+use crate::sampler::{RowRequest, Sampled, SamplerError};
 use crate::threads::ThreadPool;
 
 /// One session's share of a batched step.
@@ -23,6 +24,10 @@ pub struct StepFeed<'a> {
     pub kv: &'a mut SessionKv,
     pub tokens: &'a [u32],
     pub logits: LogitsWanted,
+    /// The last row will be sampled where it is: layers that
+    /// [keep logits](StepRunner::keeps_logits) hold it instead of
+    /// returning it.
+    pub keep_logits: bool,
 }
 
 /// Why a step failed, and what it left behind.
@@ -66,6 +71,36 @@ pub trait StepRunner: Send {
         0
     }
 
+    /// Whether `forward` holds the last row of a feed marked `keep_logits`
+    /// (as the session's next logits, where it was computed) instead of
+    /// returning it in the scratch logits; then [`StepRunner::sample_kept`]
+    /// samples it and [`StepRunner::kept_logits`] copies it out.
+    fn keeps_logits(&self) -> bool {
+        false
+    }
+
+    /// A copy of the session's kept logits.
+    fn kept_logits(&self, session: SessionId) -> Result<Vec<f32>, RuntimeError> {
+        Err(RuntimeError::Internal(format!(
+            "the layers keep no logits (asked for session {session})"
+        )))
+    }
+
+    /// Samples each row from its session's kept logits; `out[i]` answers
+    /// `rows[i]`.
+    fn sample_kept(
+        &mut self,
+        rows: &[(SessionId, RowRequest<'_>)],
+        out: &mut Vec<Result<Sampled, SamplerError>>,
+    ) {
+        out.clear();
+        out.extend(rows.iter().map(|_| {
+            Err(SamplerError::Device {
+                message: "the layers keep no logits".into(),
+            })
+        }));
+    }
+
     /// Bytes of K and V the session's committed positions hold, wherever
     /// they are.
     fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {
@@ -96,6 +131,12 @@ pub trait Layers: Send + Sync {
 
     /// Counters of remote layers, for `/metrics`; `None` when local.
     fn shard_stats(&self) -> Option<ShardStatsSnapshot> {
+        None
+    }
+
+    /// Rows of logits read back from the device that computed them;
+    /// `None` when the layers are not on a device.
+    fn logit_rows_read(&self) -> Option<u64> {
         None
     }
 

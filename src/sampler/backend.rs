@@ -23,6 +23,28 @@ pub struct SampleRequest<'a> {
     pub top_logprobs: usize,
 }
 
+impl<'a> SampleRequest<'a> {
+    /// Everything but the logits.
+    pub fn row(&self) -> RowRequest<'a> {
+        RowRequest {
+            params: self.params,
+            history: self.history,
+            position: self.position,
+            top_logprobs: self.top_logprobs,
+        }
+    }
+}
+
+/// What a row is sampled with, wherever its logits are (on the host, or
+/// kept on the device by the layers that computed them).
+#[derive(Clone, Copy, Debug)]
+pub struct RowRequest<'a> {
+    pub params: &'a CheckedParams,
+    pub history: &'a [u32],
+    pub position: u64,
+    pub top_logprobs: usize,
+}
+
 /// The operator's choice (`--sampler`, `sampler =` in the config file).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -98,7 +98,7 @@ pub mod philox;
 
 use std::cmp::Ordering;
 
-pub use backend::{SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
+pub use backend::{RowRequest, SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
 
 pub use error::SamplerError;
 pub use params::{CheckedParams, SamplingParams, MIN_TEMPERATURE};

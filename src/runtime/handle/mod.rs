@@ -401,6 +401,7 @@ impl Runtime {
             kv_total_pages: self.kv_pool.total_pages() as u64,
             workers,
             shards: self.cfg.layers.shard_stats(),
+            logit_rows_read: self.cfg.layers.logit_rows_read(),
         }
     }
 

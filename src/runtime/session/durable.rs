@@ -143,6 +143,7 @@ impl Session {
         if self.logits_digest.get().is_none() {
             self.logits_digest.set(Some(digest(&self.next_logits)));
         }
+        self.logits_home();
         self.next_logits = Vec::new();
         self.prefix = Some(super::PrefixCursor::START);
         self.high_water = 0;

@@ -32,6 +32,10 @@ pub(crate) struct Session {
     kv: SessionKv,
     history: Vec<u32>,
     next_logits: Vec<f32>,
+    /// The layers hold the next logits where they computed them (a GPU
+    /// runner's kept logits, see [`StepRunner::keeps_logits`]);
+    /// `next_logits` is empty or a copy of them.
+    logits_kept: bool,
     /// `digest(next_logits)`, computed on the first GetSessionInfo after the
     /// logits changed (hashing 49k logits costs ~0.2 ms of worker time).
     logits_digest: Cell<Option<u64>>,
@@ -77,6 +81,7 @@ impl Session {
             kv,
             history: Vec::new(),
             next_logits: Vec::new(),
+            logits_kept: false,
             logits_digest: Cell::new(None),
             label,
             eos,
@@ -123,8 +128,36 @@ impl Session {
         &self.kv
     }
 
+    /// The next logits on the host (empty while only the layers hold them).
     pub(crate) fn next_logits(&self) -> &[f32] {
         &self.next_logits
+    }
+
+    /// Whether the layers hold the next logits (sample them there).
+    pub(crate) fn logits_kept(&self) -> bool {
+        self.logits_kept
+    }
+
+    /// Copies logits only the layers hold to the host, where undo, fork,
+    /// spill and the journal's digest read them.
+    pub(crate) fn bring_logits_home(
+        &mut self,
+        id: SessionId,
+        runner: &dyn StepRunner,
+    ) -> Result<(), RuntimeError> {
+        if self.logits_kept && self.next_logits.is_empty() {
+            self.next_logits = runner.kept_logits(id)?;
+        }
+        Ok(())
+    }
+
+    /// The next logits now live on the host only (after an undo, a spill).
+    fn logits_home(&mut self) {
+        debug_assert!(
+            !self.logits_kept || !self.next_logits.is_empty() || self.history.is_empty(),
+            "logits kept by the layers were not brought home first"
+        );
+        self.logits_kept = false;
     }
 
     pub(crate) fn label(&self) -> &str {
@@ -161,7 +194,7 @@ impl Session {
     /// Whether a Generate can start: it samples from the logits after a
     /// non-empty history.
     pub(crate) fn check_can_generate(&self) -> Result<(), RuntimeError> {
-        if self.history.is_empty() || self.next_logits.is_empty() {
+        if self.history.is_empty() || (self.next_logits.is_empty() && !self.logits_kept) {
             return Err(RuntimeError::invalid(
                 "cannot generate from an empty history: append tokens first",
             ));
@@ -187,6 +220,7 @@ impl Session {
             kv: &mut self.kv,
             tokens,
             logits,
+            keep_logits: false,
         }
     }
 
@@ -204,7 +238,22 @@ impl Session {
             self.next_logits.clear();
             self.logits_digest.set(None);
             self.next_logits.extend_from_slice(row);
+            self.logits_kept = false;
         }
+        self.check_invariants(counters)
+    }
+
+    /// As [`Session::commit_fed`], with the last fed position's logits
+    /// held by the layers.
+    pub(crate) fn commit_fed_kept(
+        &mut self,
+        fed: &[u32],
+        counters: &Counters,
+    ) -> Result<(), RuntimeError> {
+        self.history.extend_from_slice(fed);
+        self.next_logits.clear();
+        self.logits_digest.set(None);
+        self.logits_kept = true;
         self.check_invariants(counters)
     }
 
@@ -239,12 +288,23 @@ impl Session {
         self.kv.settle()
     }
 
-    /// The digest of the next logits (computed once after they change).
-    fn logits_digest(&self) -> u64 {
-        let d = self
-            .logits_digest
-            .get()
-            .unwrap_or_else(|| digest(&self.next_logits));
+    /// The digest of the next logits (computed once after they change),
+    /// from the layers' copy when only they hold them.
+    fn logits_digest(&self, id: SessionId, runner: &dyn StepRunner) -> u64 {
+        if let Some(d) = self.logits_digest.get() {
+            return d;
+        }
+        let d = if self.logits_kept && self.next_logits.is_empty() {
+            match runner.kept_logits(id) {
+                Ok(logits) => digest(&logits),
+                Err(e) => {
+                    tracing::error!(session = %id, "reading kept logits for their digest: {e}");
+                    return 0;
+                }
+            }
+        } else {
+            digest(&self.next_logits)
+        };
         self.logits_digest.set(Some(d));
         d
     }
@@ -254,6 +314,7 @@ impl Session {
     /// `backend` where the layers run.
     pub(crate) fn info(
         &self,
+        id: SessionId,
         runner: &dyn StepRunner,
         backend: &'static str,
         history_length: usize,
@@ -276,7 +337,7 @@ impl Session {
                 // Restored spilled at start from a journal that recorded no
                 // digest: its logits were never computed.
                 None if self.spilled => 0,
-                None => self.logits_digest(),
+                None => self.logits_digest(id, runner),
             },
             durable: self.journal.is_some(),
             backend,

@@ -31,6 +31,10 @@ impl Session {
     /// The undo of a call that only adds tokens after the history's first
     /// `len` (its logits and truncation count are the ones now).
     pub(crate) fn undo_to(&self, len: usize) -> Undo {
+        debug_assert!(
+            !self.logits_kept || !self.next_logits.is_empty(),
+            "logits kept by the layers were not brought home first"
+        );
         Undo {
             kind: UndoKind::Shorten(len),
             next_logits: self.next_logits.clone(),
@@ -42,6 +46,7 @@ impl Session {
     /// for the session's KV, to feed a truncated history into; the old KV
     /// and history wait in the undo until the window is in.
     pub(crate) fn swap_in(&mut self, fresh: SessionKv) -> Undo {
+        self.logits_home();
         let kv = std::mem::replace(&mut self.kv, fresh);
         let undo = Undo {
             kind: UndoKind::SwapBack {
@@ -60,6 +65,7 @@ impl Session {
     /// history can only be computed again.
     pub(crate) fn give_back_pages(&mut self) -> Result<Undo, KvError> {
         self.kv.release()?;
+        self.logits_home();
         let undo = Undo {
             kind: UndoKind::Recompute {
                 history: std::mem::take(&mut self.history),
@@ -84,6 +90,7 @@ impl Session {
     pub(crate) fn roll_back(&mut self, undo: Undo) -> Result<Option<Vec<u32>>, KvError> {
         self.truncated = undo.truncated;
         self.logits_digest.set(None);
+        self.logits_kept = false;
         // Pages it had listed may be cut off: list again from the start.
         self.prefix = Some(PrefixCursor::START);
         let recompute = match undo.kind {

@@ -373,6 +373,8 @@ impl Worker {
         if tokens.is_empty() {
             return Ok(Begin::Empty);
         }
+        // The undo keeps the logits on the host.
+        slot.session.bring_logits_home(id, &*self.runner)?;
         let len = slot.session.history().len();
         if len + tokens.len() <= context {
             // Pages other sessions computed for these tokens first: only
@@ -442,6 +444,7 @@ impl Worker {
 
 /// What GetSessionInfo reports of `slot`.
 pub(super) fn info(
+    id: SessionId,
     runner: &dyn StepRunner,
     backend: &'static str,
     slot: &SessionSlot,
@@ -452,8 +455,14 @@ pub(super) fn info(
     } else {
         slot.last_used.elapsed().as_secs_f64()
     };
-    slot.session
-        .info(runner, backend, slot.committed_len(), busy, idle_seconds)
+    slot.session.info(
+        id,
+        runner,
+        backend,
+        slot.committed_len(),
+        busy,
+        idle_seconds,
+    )
 }
 
 /// Makes a Generate (its arguments checked at the runtime's boundary)

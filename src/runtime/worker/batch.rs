@@ -130,11 +130,26 @@ impl Worker {
         let mut ids = Vec::new();
         let mut feeds = Vec::new();
         let mut fed = Vec::new();
+        let mut kept = Vec::new();
+        let keeps = self.runner.keeps_logits();
         for (id, slot) in self.sessions.iter_mut() {
             if !slot.feed.is_empty() {
                 ids.push(*id);
                 fed.push((slot.feed.len(), slot.session.history().len()));
-                feeds.push(slot.session.step_feed(*id, &slot.feed, slot.feed_logits));
+                // A generating session samples its logits where they are.
+                let keep = keeps
+                    && slot.feed_logits == LogitsWanted::Last
+                    && matches!(
+                        slot.active,
+                        Some(Active {
+                            work: Work::Generate(_),
+                            ..
+                        })
+                    );
+                kept.push(keep);
+                let mut feed = slot.session.step_feed(*id, &slot.feed, slot.feed_logits);
+                feed.keep_logits = keep;
+                feeds.push(feed);
             }
         }
         if feeds.is_empty() {
@@ -148,7 +163,7 @@ impl Worker {
         self.learn_step_cost(started.elapsed(), &fed);
         self.count_step(ids.len());
         match result {
-            Ok(rows) => self.commit_batch(ids, &rows),
+            Ok(rows) => self.commit_batch(ids, &kept, &rows),
             Err(StepError::SessionsLost(err)) => {
                 tracing::error!(worker = self.index, "batched forward failed: {err}");
                 for id in ids {
@@ -211,29 +226,38 @@ impl Worker {
     }
 
     /// Applies a successful step's results to its sessions.
-    pub(super) fn commit_batch(&mut self, ids: Vec<SessionId>, rows: &LogitRows) {
+    /// Applies a successful step's results to its sessions (`kept[i]`: the
+    /// layers hold session `ids[i]`'s new logits).
+    pub(super) fn commit_batch(&mut self, ids: Vec<SessionId>, kept: &[bool], rows: &LogitRows) {
         let vocab = self.model.config.vocab;
         for (i, id) in ids.into_iter().enumerate() {
             let row = rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1));
-            self.with_session(id, |w, slot| w.commit_one(id, slot, row, vocab));
+            let kept = kept.get(i).copied().unwrap_or(false);
+            self.with_session(id, |w, slot| w.commit_one(id, slot, row, kept, vocab));
         }
     }
 
     /// Applies one session's part of a successful step: `row` is its last
-    /// fed position's row of logits, if there is one.
+    /// fed position's row of logits, if there is one; `kept`: the layers
+    /// hold that row instead.
     fn commit_one(
         &mut self,
         id: SessionId,
         slot: &mut SessionSlot,
         row: Option<usize>,
+        kept: bool,
         vocab: usize,
     ) {
-        let logits = row
-            .filter(|_| slot.feed_logits != LogitsWanted::None)
-            .map(|r| &self.scratch.logits[r * vocab..][..vocab]);
-        let committed = slot
-            .session
-            .commit_fed(&slot.feed, logits, &self.shared.counters);
+        let committed = if kept {
+            slot.session
+                .commit_fed_kept(&slot.feed, &self.shared.counters)
+        } else {
+            let logits = row
+                .filter(|_| slot.feed_logits != LogitsWanted::None)
+                .map(|r| &self.scratch.logits[r * vocab..][..vocab]);
+            slot.session
+                .commit_fed(&slot.feed, logits, &self.shared.counters)
+        };
         if let Err(e) = committed {
             return self.fail_slot(id, slot, e);
         }

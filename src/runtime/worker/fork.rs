@@ -39,6 +39,8 @@ impl Worker {
         slot: &mut SessionSlot,
         at_length: Option<u64>,
     ) -> Result<Forking, RuntimeError> {
+        // A fork of the whole history copies the logits from the host.
+        slot.session.bring_logits_home(source, &*self.runner)?;
         loop {
             let len = slot.session.history().len();
             let at = match at_length {

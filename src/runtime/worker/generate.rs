@@ -12,6 +12,7 @@ impl Worker {
             return;
         }
         let mut requests = Vec::with_capacity(self.to_sample.len());
+        let mut kept_requests = Vec::new();
         for id in &self.to_sample {
             let Some(slot) = self.sessions.get(id) else {
                 continue;
@@ -23,24 +24,37 @@ impl Worker {
             else {
                 continue;
             };
-            requests.push((
-                *id,
-                SampleRequest {
-                    logits: slot.session.next_logits(),
-                    params: &gen.params,
-                    history: slot.session.history(),
-                    position: slot.session.history().len() as u64,
-                    top_logprobs: gen.top_logprobs,
-                },
-            ));
+            let request = SampleRequest {
+                logits: slot.session.next_logits(),
+                params: &gen.params,
+                history: slot.session.history(),
+                position: slot.session.history().len() as u64,
+                top_logprobs: gen.top_logprobs,
+            };
+            // Logits the layers hold are sampled there, without coming back.
+            if slot.session.logits_kept() {
+                kept_requests.push((*id, request.row()));
+            } else {
+                requests.push((*id, request));
+            }
         }
         let rows: Vec<SampleRequest<'_>> = requests.iter().map(|(_, r)| *r).collect();
         self.sampler.sample_batch(&rows, &mut self.sampled);
-        let ids: Vec<SessionId> = requests.iter().map(|(id, _)| *id).collect();
+        let mut kept_sampled = Vec::new();
+        if !kept_requests.is_empty() {
+            self.runner.sample_kept(&kept_requests, &mut kept_sampled);
+        }
+        let ids: Vec<SessionId> = requests
+            .iter()
+            .map(|(id, _)| *id)
+            .chain(kept_requests.iter().map(|(id, _)| *id))
+            .collect();
         drop(rows);
         drop(requests);
+        drop(kept_requests);
         self.to_sample.clear();
         let mut sampled = std::mem::take(&mut self.sampled);
+        sampled.append(&mut kept_sampled);
         for (id, result) in ids.into_iter().zip(sampled.iter_mut()) {
             match result {
                 Ok(sampled) => {
@@ -130,9 +144,18 @@ impl Worker {
         if matches!(end, Ok(StopReason::Cancelled)) {
             self.runner.cancel(id);
         }
+        let mut end = end;
+        // The journal records the logits' digest (what else reads them
+        // between calls brings them home itself).
+        if !slot.removed && slot.session.is_durable() {
+            if let Err(e) = slot.session.bring_logits_home(id, &*self.runner) {
+                tracing::error!(session = %id, "reading kept logits back: {e}");
+                self.fail_slot(id, slot, e.clone());
+                end = Err(e);
+            }
+        }
         // What the call added is journaled before its end is told; if the
         // journal does not take it, the call is taken back and fails.
-        let mut end = end;
         if !slot.removed {
             let history = slot.session.history();
             let record = if gen.rewritten {

@@ -279,6 +279,7 @@ impl Worker {
             Command::Info { id, caller, reply } => {
                 let info = match session_for(&mut self.sessions, id, &caller) {
                     Some(slot) => Ok(admission::info(
+                        id,
                         &*self.runner,
                         self.cfg.layers.backend(),
                         slot,

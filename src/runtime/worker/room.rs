@@ -36,6 +36,12 @@ impl Worker {
     }
 
     fn evict_slot(&mut self, id: SessionId, slot: &mut SessionSlot) {
+        // A spill keeps the logits' digest.
+        if slot.session.is_durable() {
+            if let Err(e) = slot.session.bring_logits_home(id, &*self.runner) {
+                return self.fail_slot(id, slot, e);
+            }
+        }
         if !slot.session.is_durable() || !self.claim_spilled_place() {
             return self.remove_slot(id, slot, Removal::Lru);
         }
@@ -298,6 +304,8 @@ impl Worker {
         slot: &mut SessionSlot,
         positions: usize,
     ) -> Result<Restarted, RuntimeError> {
+        // The undo keeps the logits on the host.
+        slot.session.bring_logits_home(id, &*self.runner)?;
         loop {
             let mut fresh = SessionKv::new(Arc::clone(&self.kv_pool));
             match fresh.reserve(positions) {

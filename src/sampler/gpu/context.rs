@@ -71,6 +71,27 @@ impl GpuContext {
         device.on_uncaptured_error(Arc::new(|error: wgpu::Error| {
             tracing::error!(%error, "wgpu sampler error");
         }));
+        Self::build(info, device, queue, limits)
+    }
+
+    /// The sampler on the device the model runs on, so that it reads the
+    /// logits the layers keep there (and the process drives one device).
+    pub fn on_device(device: &crate::gpu::GpuDevice) -> Result<Arc<GpuContext>, GpuError> {
+        Self::build(
+            device.info().clone(),
+            device.device.clone(),
+            device.queue.clone(),
+            device.limits().clone(),
+        )
+    }
+
+    fn build(
+        info: wgpu::AdapterInfo,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        limits: wgpu::Limits,
+    ) -> Result<Arc<GpuContext>, GpuError> {
+        let name = describe(&info);
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some("sampler.wgsl"),

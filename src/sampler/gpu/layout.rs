@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 
 use crate::sampler::philox::{PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, UNIT_24_BITS};
 use crate::sampler::{
-    penalty_window, SampleRequest, SamplingParams, EXP_COEFFICIENTS, EXP_MAX_ARG, EXP_MIN_ARG,
-    LN2_HI, LN2_LO, LOG2_E, MAX_TOP_LOGPROBS, ROUND_MAGIC, SUM_BLOCK_LEN, TOP_P_FIRST_PREFIX,
+    penalty_window, RowRequest, SamplingParams, EXP_COEFFICIENTS, EXP_MAX_ARG, EXP_MIN_ARG, LN2_HI,
+    LN2_LO, LOG2_E, MAX_TOP_LOGPROBS, ROUND_MAGIC, SUM_BLOCK_LEN, TOP_P_FIRST_PREFIX,
     TOP_P_PREFIX_GROWTH,
 };
 
@@ -73,6 +73,8 @@ const P_SEED_HI: usize = 14;
 const P_POSITION_LO: usize = 15;
 const P_POSITION_HI: usize = 16;
 const P_TOP_LOGPROBS: usize = 17;
+/// Which row of the bound logits buffer the row samples.
+const P_LOGITS_ROW: usize = 18;
 
 /// An f32 as an exact WGSL hexadecimal float literal (normal numbers only,
 /// which is all the constants are).
@@ -122,6 +124,7 @@ pub fn shader_source() -> String {
         ("P_POSITION_LO", P_POSITION_LO as u32),
         ("P_POSITION_HI", P_POSITION_HI as u32),
         ("P_TOP_LOGPROBS", P_TOP_LOGPROBS as u32),
+        ("P_LOGITS_ROW", P_LOGITS_ROW as u32),
         ("R_CHOSEN", R_CHOSEN as u32),
         ("R_NORMALISER", R_NORMALISER as u32),
         ("R_INFINITIES", R_INFINITIES as u32),
@@ -173,14 +176,20 @@ fn penalised_history<'h>(params: &SamplingParams, history: &'h [u32]) -> &'h [u3
 }
 
 /// Writes row `row`'s parameters at `row * PARAM_WORDS` and its history and
-/// bias at `*tail` (advanced past them). `words` must hold them.
-pub fn pack_row(words: &mut [u32], row: usize, tail: &mut usize, request: &SampleRequest<'_>) {
-    let SampleRequest {
+/// bias at `*tail` (advanced past them), to sample row `logits_row` of the
+/// bound logits. `words` must hold them.
+pub fn pack_row(
+    words: &mut [u32],
+    row: usize,
+    logits_row: u32,
+    tail: &mut usize,
+    request: &RowRequest<'_>,
+) {
+    let RowRequest {
         params,
         history,
         position,
         top_logprobs,
-        ..
     } = *request;
     let window = penalised_history(params, history);
     let history_offset = *tail;
@@ -222,6 +231,7 @@ pub fn pack_row(words: &mut [u32], row: usize, tail: &mut usize, request: &Sampl
     p[P_POSITION_LO] = position as u32;
     p[P_POSITION_HI] = (position >> 32) as u32;
     p[P_TOP_LOGPROBS] = top_logprobs.min(MAX_TOP_LOGPROBS) as u32;
+    p[P_LOGITS_ROW] = logits_row;
 }
 
 #[cfg(test)]
@@ -259,14 +269,14 @@ mod tests {
         let mut tail = 2 * PARAM_WORDS;
         let logits = [0.0f32; 8];
         let params = params.checked(logits.len()).expect("valid");
-        let request = SampleRequest {
-            logits: &logits,
+        let request = RowRequest {
             params: &params,
             history: &history,
             position: 7,
             top_logprobs: 50,
         };
-        pack_row(&mut words, 1, &mut tail, &request);
+        pack_row(&mut words, 1, 5, &mut tail, &request);
+        assert_eq!(words[PARAM_WORDS + P_LOGITS_ROW], 5);
         let p = &words[PARAM_WORDS..2 * PARAM_WORDS];
         assert_eq!(p[P_HISTORY_LEN], 2);
         assert_eq!(&words[p[P_HISTORY_OFFSET] as usize..][..2], &[2, 3]);

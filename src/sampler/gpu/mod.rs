@@ -11,6 +11,10 @@
 //! upload buffer again for the next step. (`Queue::write_buffer` is not
 //! used because wgpu creates a staging buffer for every call.)
 //!
+//! Logits the layers keep on the same device ([`KeptRow`]) are read where
+//! they are: nothing but the rows' requests goes up, and only token ids
+//! and log-probabilities come back.
+//!
 //! Rows that fail the shared input checks never reach the GPU; they get the
 //! same typed error the CPU sampler gives.
 
@@ -26,7 +30,7 @@ use futures_executor::block_on;
 pub use context::{AdapterKind, GpuContext, GpuError, ResourceCounts};
 pub use layout::{MAX_VOCAB, WORKGROUP_SIZE};
 
-use super::{check_row, SampleRequest, Sampled, SamplerError, TokenLogprobs};
+use super::{check_row, RowRequest, SampleRequest, Sampled, SamplerError, TokenLogprobs};
 use layout::{
     pack_row, request_words, PARAM_WORDS, RESULT_WORDS, R_CHOSEN, R_INFINITIES, R_NORMALISER,
     R_STATUS, R_TOKEN, R_TOP, R_TOP_COUNT, STATUS_NO_CANDIDATE, STATUS_OK,
@@ -57,6 +61,8 @@ pub struct GpuSampler {
     /// Kept alive beside the bind group that names them.
     fixed: FixedBuffers,
     bind_group: wgpu::BindGroup,
+    /// Logits kept on the device by the layers, when they share it.
+    kept: Option<KeptLogits>,
     upload_mapped: bool,
     /// A failed step leaves the mapping state unknown: refuse from then on.
     broken: Option<StepError>,
@@ -66,6 +72,54 @@ pub struct GpuSampler {
     chunk: Vec<usize>,
     upload_state: Arc<AtomicU8>,
     readback_state: Arc<AtomicU8>,
+}
+
+/// A row whose logits the layers keep on this sampler's device: row `row`
+/// of the buffer given to [`GpuSampler::read_kept_from`].
+#[derive(Clone, Copy, Debug)]
+pub struct KeptRow<'a> {
+    pub row: u32,
+    pub request: RowRequest<'a>,
+}
+
+/// The layers' buffer of kept logit rows, and the bind group reading it.
+struct KeptLogits {
+    buffer: wgpu::Buffer,
+    rows: u32,
+    bind_group: wgpu::BindGroup,
+}
+
+/// Where a batch's logits are.
+#[derive(Clone, Copy)]
+enum Rows<'r, 'a> {
+    /// Uploaded with the requests, row by row.
+    Host(&'r [SampleRequest<'a>]),
+    /// Already on the device.
+    Kept(&'r [KeptRow<'a>]),
+}
+
+impl<'a> Rows<'_, 'a> {
+    fn len(&self) -> usize {
+        match self {
+            Rows::Host(rows) => rows.len(),
+            Rows::Kept(rows) => rows.len(),
+        }
+    }
+
+    fn request(&self, i: usize) -> RowRequest<'a> {
+        match self {
+            Rows::Host(rows) => rows[i].row(),
+            Rows::Kept(rows) => rows[i].request,
+        }
+    }
+
+    /// The row of the bound logits that dispatch slot `slot` samples.
+    fn logits_row(&self, i: usize, slot: usize) -> u32 {
+        match self {
+            Rows::Host(_) => slot as u32,
+            Rows::Kept(rows) => rows[i].row,
+        }
+    }
 }
 
 /// Buffers whose size never changes: uniforms and shader scratch.
@@ -203,6 +257,7 @@ impl GpuSampler {
             readback,
             fixed,
             bind_group,
+            kept: None,
             upload_mapped: true,
             broken: None,
             words: Vec::with_capacity(request_capacity),
@@ -272,6 +327,23 @@ impl GpuSampler {
         &self.context
     }
 
+    /// Reads [`KeptRow`]s from `buffer` (`rows` rows of the vocabulary's
+    /// logits, on this sampler's device) from now on.
+    pub fn read_kept_from(&mut self, buffer: &wgpu::Buffer, rows: u32) {
+        let bind_group = Self::bind_group(
+            &self.context,
+            &self.fixed,
+            buffer,
+            &self.requests,
+            &self.results,
+        );
+        self.kept = Some(KeptLogits {
+            buffer: buffer.clone(),
+            rows,
+            bind_group,
+        });
+    }
+
     /// Rows one dispatch takes.
     pub fn max_rows(&self) -> usize {
         self.max_rows
@@ -285,9 +357,23 @@ impl GpuSampler {
         rows: &[SampleRequest<'_>],
         out: &mut Vec<Result<Sampled, SamplerError>>,
     ) {
+        self.sample(Rows::Host(rows), out);
+    }
+
+    /// Samples rows whose logits are kept on the device, as
+    /// [`GpuSampler::sample_batch`] does the host's.
+    pub fn sample_kept(
+        &mut self,
+        rows: &[KeptRow<'_>],
+        out: &mut Vec<Result<Sampled, SamplerError>>,
+    ) {
+        self.sample(Rows::Kept(rows), out);
+    }
+
+    fn sample(&mut self, rows: Rows<'_, '_>, out: &mut Vec<Result<Sampled, SamplerError>>) {
         out.clear();
-        for row in rows {
-            out.push(self.check(row).map(|()| Sampled::token(0)));
+        for i in 0..rows.len() {
+            out.push(self.check(rows, i).map(|()| Sampled::token(0)));
         }
         let mut next = 0;
         while next < rows.len() {
@@ -298,7 +384,7 @@ impl GpuSampler {
                     next += 1;
                     continue;
                 }
-                let row = &rows[next];
+                let row = rows.request(next);
                 let wanted = request_words(row.params, row.history) - PARAM_WORDS;
                 if !self.chunk.is_empty() && words + wanted > self.request_capacity {
                     break;
@@ -324,17 +410,29 @@ impl GpuSampler {
         }
     }
 
-    fn check(&self, row: &SampleRequest<'_>) -> Result<(), SamplerError> {
+    fn check(&self, rows: Rows<'_, '_>, i: usize) -> Result<(), SamplerError> {
         if let Some(broken) = &self.broken {
             return Err(SamplerError::Device {
                 message: broken.to_string(),
             });
         }
-        check_row(row.logits.len(), row.params, row.history)?;
-        if row.logits.len() != self.vocab_size {
+        let len = match rows {
+            Rows::Host(rows) => rows[i].logits.len(),
+            Rows::Kept(rows) => match &self.kept {
+                Some(kept) if rows[i].row < kept.rows => self.vocab_size,
+                _ => {
+                    return Err(SamplerError::Device {
+                        message: format!("no kept logits row {}", rows[i].row),
+                    })
+                }
+            },
+        };
+        let row = rows.request(i);
+        check_row(len, row.params, row.history)?;
+        if len != self.vocab_size {
             return Err(SamplerError::VocabMismatch {
                 expected: self.vocab_size,
-                got: row.logits.len(),
+                got: len,
             });
         }
         Ok(())
@@ -364,6 +462,15 @@ impl GpuSampler {
             &requests,
             &self.results,
         );
+        if let Some(kept) = &mut self.kept {
+            kept.bind_group = Self::bind_group(
+                &self.context,
+                &self.fixed,
+                &kept.buffer,
+                &requests,
+                &self.results,
+            );
+        }
         self.upload = upload;
         self.requests = requests;
         self.request_capacity = capacity;
@@ -413,7 +520,7 @@ impl GpuSampler {
     /// One dispatch over the rows in `self.chunk`.
     fn run_chunk(
         &mut self,
-        rows: &[SampleRequest<'_>],
+        rows: Rows<'_, '_>,
         words: usize,
         out: &mut [Result<Sampled, SamplerError>],
     ) -> Result<(), StepError> {
@@ -422,22 +529,28 @@ impl GpuSampler {
         }
         self.write_upload(rows, words)?;
         let result_bytes = bytes(self.chunk.len() * RESULT_WORDS);
-        let submission = self.submit_step(words, result_bytes)?;
+        let submission = self.submit_step(rows, words, result_bytes)?;
         self.map_for_next_step(submission, result_bytes)?;
         self.read_results(rows, result_bytes, out)
     }
 
     /// Packs the chunk's request words and writes them, after its logits
-    /// rows, into the mapped upload buffer; then unmaps it.
-    fn write_upload(&mut self, rows: &[SampleRequest<'_>], words: usize) -> Result<(), StepError> {
+    /// rows (host rows only), into the mapped upload buffer; then unmaps it.
+    fn write_upload(&mut self, rows: Rows<'_, '_>, words: usize) -> Result<(), StepError> {
         let row_bytes = self.vocab_size * 4;
         let logits_bytes = self.max_rows * row_bytes;
         self.words.clear();
         self.words.resize(words, 0);
         let mut tail = self.max_rows * PARAM_WORDS;
         for (slot, &i) in self.chunk.iter().enumerate() {
-            let row = &rows[i];
-            pack_row(&mut self.words, slot, &mut tail, row);
+            let logits_row = rows.logits_row(i, slot);
+            pack_row(
+                &mut self.words,
+                slot,
+                logits_row,
+                &mut tail,
+                &rows.request(i),
+            );
         }
         {
             let mut view =
@@ -447,9 +560,11 @@ impl GpuSampler {
                         buffer: "upload",
                         message: e.to_string(),
                     })?;
-            for (slot, &i) in self.chunk.iter().enumerate() {
-                view.slice(slot * row_bytes..(slot + 1) * row_bytes)
-                    .copy_from_slice(bytemuck::cast_slice(rows[i].logits));
+            if let Rows::Host(rows) = rows {
+                for (slot, &i) in self.chunk.iter().enumerate() {
+                    view.slice(slot * row_bytes..(slot + 1) * row_bytes)
+                        .copy_from_slice(bytemuck::cast_slice(rows[i].logits));
+                }
             }
             view.slice(logits_bytes..logits_bytes + words * 4)
                 .copy_from_slice(bytemuck::cast_slice(&self.words));
@@ -463,6 +578,7 @@ impl GpuSampler {
     /// row, and the copy of `result_bytes` of results out.
     fn submit_step(
         &self,
+        rows: Rows<'_, '_>,
         words: usize,
         result_bytes: u64,
     ) -> Result<wgpu::SubmissionIndex, StepError> {
@@ -474,7 +590,22 @@ impl GpuSampler {
         let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
             label: Some("sampler step"),
         });
-        encoder.copy_buffer_to_buffer(&self.upload, 0, &self.logits, 0, (count * row_bytes) as u64);
+        let bind_group = match (rows, &self.kept) {
+            (Rows::Host(_), _) => {
+                encoder.copy_buffer_to_buffer(
+                    &self.upload,
+                    0,
+                    &self.logits,
+                    0,
+                    (count * row_bytes) as u64,
+                );
+                &self.bind_group
+            }
+            (Rows::Kept(_), Some(kept)) => &kept.bind_group,
+            (Rows::Kept(_), None) => {
+                return Err(StepError::Validation("no kept logits are bound".into()))
+            }
+        };
         encoder.copy_buffer_to_buffer(
             &self.upload,
             logits_bytes as u64,
@@ -488,7 +619,7 @@ impl GpuSampler {
                 timestamp_writes: None,
             });
             pass.set_pipeline(&self.context.pipeline);
-            pass.set_bind_group(0, &self.bind_group, &[]);
+            pass.set_bind_group(0, bind_group, &[]);
             pass.dispatch_workgroups(count as u32, 1, 1);
         }
         encoder.copy_buffer_to_buffer(&self.results, 0, &self.readback, 0, result_bytes);
@@ -543,7 +674,7 @@ impl GpuSampler {
     /// unmaps it.
     fn read_results(
         &self,
-        rows: &[SampleRequest<'_>],
+        rows: Rows<'_, '_>,
         result_bytes: u64,
         out: &mut [Result<Sampled, SamplerError>],
     ) -> Result<(), StepError> {
@@ -564,7 +695,7 @@ impl GpuSampler {
                 out[i] = match status {
                     STATUS_OK if (token as usize) < self.vocab_size => Ok(Sampled {
                         token,
-                        logprobs: (rows[i].top_logprobs > 0).then(|| logprobs_from(result)),
+                        logprobs: (rows.request(i).top_logprobs > 0).then(|| logprobs_from(result)),
                     }),
                     STATUS_NO_CANDIDATE => Err(SamplerError::NoCandidate {
                         vocab_size: self.vocab_size,

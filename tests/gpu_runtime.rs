@@ -1,0 +1,188 @@
+//! The runtime with its layers on a real wgpu device (lavapipe in CI) and
+//! its sessions sampling where their logits are: when more sessions
+//! generate than the kept-logits rows hold, or a session's row went to
+//! another, the tokens and log-probabilities are still those of sampling
+//! the same logits on the CPU.
+//!
+//! Without any wgpu adapter the test says so loudly and passes, unless
+//! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when it fails.
+
+mod support;
+
+use std::sync::Arc;
+
+use inferd::gguf::GgufFile;
+use inferd::gpu::{AdapterKind, GpuDevice, StepCapacity};
+use inferd::model::Model;
+use inferd::quant::GgmlType;
+use inferd::runtime::{
+    AppendTokens, CreateSession, GenerateEvent, GenerateRequest, GpuLayers, Runtime, RuntimeConfig,
+    SamplingOptions, SessionId, Tenant,
+};
+use inferd::sampler::gpu::GpuContext;
+use inferd::sampler::SelectedSampler;
+
+fn device() -> Option<Arc<GpuDevice>> {
+    match GpuDevice::open(AdapterKind::Any) {
+        Ok(device) => Some(device),
+        Err(e) => {
+            let required = std::env::var("INFERD_REQUIRE_WGPU").is_ok_and(|v| v == "1");
+            assert!(!required, "INFERD_REQUIRE_WGPU=1 but {e}");
+            eprintln!("\n!!! SKIPPING the GPU runtime test: {e}\n");
+            None
+        }
+    }
+}
+
+/// One worker whose layers are on `device`, keeping two rows of logits
+/// there when `on_device` (and sampling them there), else sampling on the
+/// CPU with the logits read back every step.
+fn start(device: &Arc<GpuDevice>, model: &Arc<Model>, on_device: bool) -> Runtime {
+    let capacity = StepCapacity {
+        kept_rows: 2,
+        ..StepCapacity::default()
+    };
+    let mut layers = GpuLayers::new(Arc::clone(device), Arc::clone(model))
+        .expect("the model on the device")
+        .with_capacity(capacity);
+    let mut sampler = SelectedSampler::Cpu;
+    if on_device {
+        let context = GpuContext::on_device(device).expect("a sampler on the device");
+        sampler = SelectedSampler::Wgpu(Arc::clone(&context));
+        layers = layers.sampling_on(context);
+    }
+    let cfg = RuntimeConfig {
+        workers: 1,
+        pin_cores: false,
+        kv_bytes: 8 << 20,
+        sampler,
+        layers: Arc::new(layers),
+        ..RuntimeConfig::default()
+    };
+    Runtime::start(Arc::clone(model), cfg).expect("runtime starts")
+}
+
+fn create(rt: &Runtime) -> SessionId {
+    rt.create_session(
+        &Tenant::NONE,
+        CreateSession {
+            client_label: "gpu".into(),
+            eos_token_ids: Vec::new(),
+        },
+        None,
+    )
+    .expect("queued")
+    .wait()
+    .expect("created")
+}
+
+fn append(rt: &Runtime, id: SessionId, tokens: Vec<u32>) {
+    rt.append_tokens(&Tenant::NONE, AppendTokens { id, tokens }, None)
+        .expect("queued")
+        .wait()
+        .expect("appended");
+}
+
+fn request(id: SessionId, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        id,
+        max_tokens: 6,
+        sampling: SamplingOptions {
+            temperature: Some(1.5),
+            top_k: Some(50),
+            seed: Some(seed),
+            repetition_penalty: Some(1.2),
+            top_logprobs: 3,
+            ..SamplingOptions::default()
+        },
+        stop_sequences: Vec::new(),
+    }
+}
+
+/// What every call answered, in order: five sessions generating at once
+/// (more than the two kept rows), then one at a time so that rows go from
+/// session to session and come back.
+fn answers(rt: &Runtime) -> Vec<Vec<GenerateEvent>> {
+    let ids: Vec<SessionId> = (0..5).map(|_| create(rt)).collect();
+    for (k, &id) in ids.iter().enumerate() {
+        append(
+            rt,
+            id,
+            (0..40).map(|i| (i * 13 + k as u32 * 7) % 380).collect(),
+        );
+    }
+    let mut out = Vec::new();
+    let streams: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| {
+            rt.generate(&Tenant::NONE, request(id, k as u64), None)
+                .expect("queued")
+        })
+        .collect();
+    out.extend(streams.into_iter().map(|s| s.collect()));
+    for round in 0..2u64 {
+        for (k, &id) in ids.iter().enumerate() {
+            let events = rt
+                .generate(
+                    &Tenant::NONE,
+                    request(id, 100 + round * 10 + k as u64),
+                    None,
+                )
+                .expect("queued")
+                .collect();
+            out.push(events);
+        }
+    }
+    out
+}
+
+/// The events without their timings.
+fn strip(events: &[Vec<GenerateEvent>]) -> Vec<String> {
+    events
+        .iter()
+        .flatten()
+        .map(|e| match e {
+            GenerateEvent::Done(done) => {
+                format!("done {:?} {}", done.stop_reason, done.history_length)
+            }
+            other => format!("{other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn sampling_kept_logits_matches_sampling_them_on_the_cpu() {
+    let Some(device) = device() else {
+        return;
+    };
+    let file = GgufFile::from_bytes(support::small_llama(GgmlType::Q4_1, true).build())
+        .expect("synthetic model parses");
+    let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+
+    let kept = start(&device, &model, true);
+    let on_device = answers(&kept);
+    let kept_rows = kept.stats().logit_rows_read.expect("a GPU counts its rows");
+    kept.shutdown();
+
+    let read_back = start(&device, &model, false);
+    let on_cpu = answers(&read_back);
+    let read_rows = read_back
+        .stats()
+        .logit_rows_read
+        .expect("a GPU counts its rows");
+    read_back.shutdown();
+
+    for events in &on_device {
+        assert!(
+            matches!(events.last(), Some(GenerateEvent::Done(_))),
+            "{events:?}"
+        );
+    }
+    assert_eq!(strip(&on_device), strip(&on_cpu));
+    eprintln!("logit rows read back: {kept_rows} kept, {read_rows} read every step");
+    assert!(
+        kept_rows < read_rows / 2,
+        "kept: {kept_rows} rows came back, read back: {read_rows}"
+    );
+}
