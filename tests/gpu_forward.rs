@@ -1,7 +1,9 @@
 //! The whole forward pass on a wgpu device (Mesa's lavapipe in CI) against
 //! the CPU backend on small synthetic models: logits close to the CPU's,
 //! and on the device bit-identical however a history is fed (one call,
-//! token by token, in chunks, beside other sessions).
+//! token by token, in chunks, beside other sessions); a shard's layers on
+//! the device close to the CPU's, and the same bits however the layers are
+//! split into shards or the rows into steps.
 //!
 //! Without any wgpu adapter these tests say so loudly and pass, unless
 //! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when they fail.
@@ -12,10 +14,11 @@ use std::sync::{Arc, OnceLock};
 
 use inferd::gguf::GgufFile;
 use inferd::gpu::{
-    AdapterKind, DeviceKv, GpuDevice, GpuError, GpuFeed, GpuForward, GpuModel, StepCapacity,
+    AdapterKind, DeviceKv, GpuDevice, GpuError, GpuFeed, GpuForward, GpuLayerFeed, GpuModel,
+    StepCapacity,
 };
 use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
-use inferd::model::{LogitsWanted, Model, Scratch, Sequence};
+use inferd::model::{LayerFeed, LogitsWanted, Model, Scratch, Sequence};
 use inferd::quant::GgmlType;
 use inferd::threads::ThreadPool;
 
@@ -264,4 +267,87 @@ fn every_architecture_runs_on_the_device() {
         let pieces = rig.run(&[(&tokens, vec![7, 1, 20, 12])]).remove(0);
         assert_eq!(pieces, whole, "{shape}: fed in pieces");
     }
+}
+
+/// Hidden states after every layer of `model` for `tokens` fed in
+/// `chunks`, computed by shards of `ranges` (on the device, or on the CPU
+/// with `Model::forward_layers`), each with a KV of its own layers.
+fn sharded(
+    device: Option<&Arc<GpuDevice>>,
+    model: &Arc<Model>,
+    ranges: &[std::ops::Range<usize>],
+    tokens: &[u32],
+    chunks: &[usize],
+) -> Vec<f32> {
+    let hidden = model.config.hidden;
+    let threads = ThreadPool::new(2);
+    let mut scratch = Scratch::default();
+    let mut stages: Vec<(Option<GpuForward>, SessionKv)> = ranges
+        .iter()
+        .map(|range| {
+            let layout = model.kv_layout(range.len(), 16);
+            let kv_pool = Arc::new(
+                KvPool::new(KvPoolConfig::anonymous(layout, 64 * layout.n_layers)).expect("pool"),
+            );
+            let forward = device.map(|device| {
+                let gpu =
+                    GpuModel::new_part(Arc::clone(device), Arc::clone(model), range.clone(), false)
+                        .expect("upload");
+                let kv =
+                    DeviceKv::new(device, kv_pool.layout(), kv_pool.total_pages()).expect("kv");
+                GpuForward::new(gpu, &kv, StepCapacity::default()).expect("forward")
+            });
+            (forward, SessionKv::new(kv_pool))
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut fed = 0;
+    for &n in chunks {
+        let mut x = vec![0.0; n * hidden];
+        model.embed(&tokens[fed..fed + n], &mut x).expect("embed");
+        for ((forward, kv), range) in stages.iter_mut().zip(ranges) {
+            kv.reserve(fed + n).expect("reserve");
+            match forward {
+                Some(forward) => forward
+                    .forward_layers(&mut [GpuLayerFeed { kv, rows: n }], &mut x)
+                    .expect("gpu layers"),
+                None => model
+                    .forward_layers(
+                        range.clone(),
+                        &mut [LayerFeed { kv, rows: n }],
+                        &mut x,
+                        &threads,
+                        &mut scratch,
+                    )
+                    .expect("cpu layers"),
+            }
+            kv.commit(fed + n).expect("commit");
+        }
+        out.extend_from_slice(&x);
+        fed += n;
+    }
+    out
+}
+
+#[test]
+fn a_shards_layers_run_on_the_device() {
+    let Some(device) = device() else {
+        return;
+    };
+    let model = synthetic(GgmlType::Q8_0);
+    let tokens = prompt(17, 3);
+    let all = std::slice::from_ref(&(0..3));
+    let whole = sharded(Some(&device), &model, all, &tokens, &[17]);
+    let split = sharded(Some(&device), &model, &[0..1, 1..3], &tokens, &[7, 9, 1]);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&whole), bits(&split), "split into shards and steps");
+    let cpu = sharded(None, &model, all, &tokens, &[17]);
+    let (mut err, mut norm) = (0.0f64, 0.0f64);
+    for (g, c) in whole.iter().zip(&cpu) {
+        err += f64::from(g - c).powi(2);
+        norm += f64::from(*c).powi(2);
+    }
+    let relative = (err / norm).sqrt();
+    eprintln!("a shard's hidden states, GPU against CPU: relative error {relative:.2e}");
+    assert!(relative < 0.02, "relative error {relative}");
 }

@@ -291,3 +291,96 @@ fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
     );
     assert_eq!(device_digest, cpu_digest);
 }
+
+#[test]
+fn shards_on_the_gpu_serve_a_coordinator_and_say_so_at_the_handshake() {
+    if !have_adapter() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = write_model(dir.path());
+    let model_arg = model.to_str().expect("UTF-8 path");
+    let shard = |layers: &str, device: &str| {
+        support::Inferd::start(&[
+            "shard",
+            "--model",
+            model_arg,
+            "--layers",
+            layers,
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-mib",
+            "16",
+            "--device",
+            device,
+        ])
+    };
+    // Greedy tokens (and log-probabilities) of the prompt, fed whole and
+    // in pieces, through a coordinator over `shards`.
+    let run = |shards: &[(&support::Inferd, &str)]| {
+        let list: Vec<String> = shards
+            .iter()
+            .map(|(s, layers)| format!("{}={layers}", s.addr))
+            .collect();
+        let coordinator = support::Inferd::start(&[
+            "serve",
+            "--model",
+            model_arg,
+            "--listen",
+            "127.0.0.1:0",
+            "--shards",
+            &list.join(","),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ]);
+        let client = Client::connect(&coordinator.addr);
+        let a = client.create();
+        client.append(&a, &PROMPT).expect("append");
+        let whole = client.generate(&greedy(&a, 8, 3));
+        assert!(whole.error.is_none(), "{:?}", whole.error);
+        assert_eq!(whole.tokens.len(), 8);
+        let b = client.create();
+        client.append(&b, &PROMPT[..9]).expect("append");
+        client.append(&b, &PROMPT[9..]).expect("append");
+        assert_eq!(client.generate(&greedy(&b, 8, 3)), whole, "fed in pieces");
+        let metrics = scrape(coordinator.metrics.as_deref().expect("metrics"));
+        (whole, metrics)
+    };
+
+    let gpu_first = shard("0..1", "gpu");
+    let cpu_second = shard("1..2", "cpu");
+    let (_, metrics) = run(&[(&gpu_first, "0..1"), (&cpu_second, "1..2")]);
+    for (s, backend) in [(&gpu_first, "gpu"), (&cpu_second, "cpu")] {
+        let line = format!(
+            "inferd_shard_backend_info{{shard=\"{}\",backend=\"{backend}\"}} 1",
+            s.addr
+        );
+        assert!(metrics.contains(&line), "no {line} in\n{metrics}");
+    }
+
+    // Two GPU shards give the bits of one holding every layer.
+    let gpu_second = shard("1..2", "gpu");
+    let gpu_whole = shard("0..2", "gpu");
+    let (split, _) = run(&[(&gpu_first, "0..1"), (&gpu_second, "1..2")]);
+    let (whole, _) = run(&[(&gpu_whole, "0..2")]);
+    assert_eq!(split, whole, "layers split over GPU shards");
+
+    // Its pages are on the device: a state directory cannot keep them.
+    let refused = Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "shard",
+            "--model",
+            model_arg,
+            "--layers",
+            "0..1",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--device", "gpu", "--state-dir"])
+        .arg(dir.path().join("shard-state"))
+        .output()
+        .expect("run inferd shard");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--state-dir"), "{stderr}");
+}

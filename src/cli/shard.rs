@@ -12,7 +12,7 @@ use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-use super::{CliError, DEFAULT_MODEL};
+use super::{CliError, DeviceChoice, DEFAULT_MODEL};
 use crate::cluster::coordinator::parse_layers;
 use crate::cluster::fingerprint::{sha256_of_file, Fingerprint};
 use crate::cluster::shard::{ShardConfig, ShardServer, DEFAULT_MAX_FRAME_ROWS};
@@ -51,6 +51,12 @@ pub struct ShardArgs {
     /// shard runs; a directory of another model or layer range is not used.
     #[arg(long, env = "INFERD_SHARD_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Where the layers run: `cpu`, `gpu` (any Vulkan/Metal adapter,
+    /// lavapipe included; fails if there is none) or `auto` (a hardware GPU
+    /// if there is one and the layers and their KV fit, else the CPU). The
+    /// handshake tells the coordinator which.
+    #[arg(long, env = "INFERD_DEVICE", value_enum, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
     /// Listen on a non-loopback address. The shard protocol carries no
     /// credentials: only do this on a network that admits nothing but the
     /// coordinator (and relays).
@@ -93,8 +99,20 @@ pub fn run(args: ShardArgs) -> Result<(), CliError> {
     }
     cfg.max_frame_rows = args.max_frame_rows;
     cfg.state_dir = args.state_dir.clone();
-    let server = ShardServer::start(Arc::new(model), fingerprint, &cfg)
-        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let model = Arc::new(model);
+    let gpu = super::device::open_device(args.device)?;
+    let on_gpu = super::device::on_device(args.device, gpu, |device| {
+        let cfg = ShardConfig {
+            gpu: Some(device),
+            ..cfg.clone()
+        };
+        ShardServer::start(Arc::clone(&model), fingerprint.clone(), &cfg)
+    })?;
+    let server = match on_gpu {
+        Some(server) => server,
+        None => ShardServer::start(model, fingerprint, &cfg)
+            .map_err(|e| CliError::Usage(e.to_string()))?,
+    };
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", server.addr())?;

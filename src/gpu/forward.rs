@@ -27,6 +27,18 @@ pub struct GpuModel {
 impl GpuModel {
     /// Uploads `model`'s weights to `device` and builds its kernels.
     pub fn new(device: Arc<GpuDevice>, model: Arc<Model>) -> Result<Arc<Self>, GpuError> {
+        let n_layers = model.config.n_layers;
+        Self::new_part(device, model, 0..n_layers, true)
+    }
+
+    /// Layers `layers` of `model` on `device` (a shard's), with the
+    /// embedding and the output when `ends`.
+    pub fn new_part(
+        device: Arc<GpuDevice>,
+        model: Arc<Model>,
+        layers: std::ops::Range<usize>,
+        ends: bool,
+    ) -> Result<Arc<Self>, GpuError> {
         let cfg = &model.config;
         // K and V are written and read as pairs of halves, and RoPE pairs
         // come from the host's table.
@@ -40,9 +52,10 @@ impl GpuModel {
             });
         }
         let weights = device.allocating("the model's weights", || {
-            GpuWeights::upload(&device, &model)
+            GpuWeights::upload_part(&device, &model, layers, ends)
         })??;
-        let kernels = Kernels::new(&device, &weights.matrix_types(), weights.token_embd.ty)?;
+        let embed_type = weights.ends.as_ref().map(|e| e.token_embd.ty);
+        let kernels = Kernels::new(&device, &weights.matrix_types(), embed_type)?;
         Ok(Arc::new(Self {
             device,
             model,
@@ -135,6 +148,13 @@ impl From<crate::kv::KvError> for ForwardError {
     }
 }
 
+/// One sequence's share of a shard's step: `rows` hidden states after
+/// its KV's positions (reserved, not yet committed).
+pub struct GpuLayerFeed<'a> {
+    pub kv: &'a mut SessionKv,
+    pub rows: usize,
+}
+
 /// One sequence's share of a step.
 pub struct GpuFeed<'a> {
     pub kv: &'a mut SessionKv,
@@ -168,6 +188,9 @@ pub struct GpuForward {
     pages_capacity: usize,
     buffers: Buffers,
     ops: Vec<Op>,
+    /// The residual stream, and (for a shard) the buffer it is read back in.
+    x: wgpu::Buffer,
+    x_readback: Option<wgpu::Buffer>,
     kept: wgpu::Buffer,
     kept_rows: usize,
     /// Where each row of this span goes: a kept row, or the next host row.
@@ -200,7 +223,8 @@ impl GpuForward {
         let t = capacity.tokens;
         let r = capacity.rows;
         let blocks = cfg.context.div_ceil(16).max(1);
-        let pages_capacity = (capacity.sequences * cfg.n_layers * blocks).min(1 << 24);
+        let kv_layers = gpu.weights.layers.len();
+        let pages_capacity = (capacity.sequences * kv_layers * blocks).min(1 << 24);
         let f32s = |label: &str, n: usize| device.storage(label, (n * 4) as u64);
         let buffers = Buffers {
             step: device.uniform_words("step", &[0; 4]),
@@ -219,7 +243,15 @@ impl GpuForward {
                 mapped_at_creation: false,
             }),
         };
-        let ops = Recorder::new(&gpu, &buffers, kv, capacity).ops()?;
+        let (ops, x) = Recorder::new(&gpu, &buffers, kv, capacity).ops()?;
+        let x_readback = gpu.weights.ends.is_none().then(|| {
+            device.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("hidden readback"),
+                size: (t * cfg.hidden * 4) as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        });
         let row_bytes = (cfg.vocab * 4) as u64;
         let kept_rows = capacity
             .kept_rows
@@ -232,6 +264,8 @@ impl GpuForward {
             pages_capacity,
             buffers,
             ops,
+            x,
+            x_readback,
             kept,
             kept_rows,
             row_targets: Vec::new(),
@@ -288,6 +322,13 @@ impl GpuForward {
         logits: &mut Vec<f32>,
     ) -> Result<LogitRows, ForwardError> {
         let model = Arc::clone(&self.gpu.model);
+        if self.x_readback.is_some() {
+            return Err(GpuError::BadMatrix {
+                name: "output".into(),
+                why: "a shard's layers have no embedding or output: use forward_layers".into(),
+            }
+            .into());
+        }
         for f in feeds.iter() {
             model.check_append(f.kv.len(), f.tokens)?;
             if let Some(row) = f.kept_row().filter(|&r| r as usize >= self.kept_rows) {
@@ -313,7 +354,7 @@ impl GpuForward {
         }
         logits.reserve(row * vocab);
         for span in self.spans(feeds) {
-            self.run_span(feeds, &span, logits)?;
+            self.run_span(feeds, &span, logits, None)?;
         }
         for f in feeds.iter_mut() {
             let new_len = f.kv.len() + f.tokens.len();
@@ -322,9 +363,62 @@ impl GpuForward {
         Ok(LogitRows { per_sequence })
     }
 
+    /// A shard's step: runs its layers over `x` (`[rows][hidden]`, every
+    /// feed's rows in order), writing the K and V of each feed's rows after
+    /// its KV's positions (reserved by the caller, who commits them once
+    /// the step is in), and leaves the layers' output in `x`.
+    pub fn forward_layers(
+        &mut self,
+        feeds: &mut [GpuLayerFeed<'_>],
+        x: &mut [f32],
+    ) -> Result<(), ForwardError> {
+        let model = Arc::clone(&self.gpu.model);
+        let hidden = model.config.hidden;
+        let total: usize = feeds.iter().map(|f| f.rows).sum();
+        if self.x_readback.is_none() || x.len() != total * hidden {
+            return Err(GpuError::BadMatrix {
+                name: "hidden states".into(),
+                why: format!(
+                    "{} values for {total} rows of {hidden} on {}",
+                    x.len(),
+                    if self.x_readback.is_none() {
+                        "a whole model"
+                    } else {
+                        "a shard"
+                    }
+                ),
+            }
+            .into());
+        }
+        // The kernels read token ids only to embed them: a shard has none.
+        let zeros = vec![0u32; feeds.iter().map(|f| f.rows).max().unwrap_or(0)];
+        let as_feeds: Vec<GpuFeed<'_>> = feeds
+            .iter_mut()
+            .map(|f| GpuFeed {
+                kv: &mut *f.kv,
+                tokens: &zeros[..f.rows],
+                logits: LogitsWanted::None,
+                keep: None,
+            })
+            .collect();
+        for f in as_feeds.iter() {
+            model.check_append(f.kv.len(), f.tokens)?;
+        }
+        let mut unused = Vec::new();
+        let mut done = 0usize;
+        for span in self.spans(&as_feeds) {
+            let n: usize = span.parts.iter().map(|&(_, _, n)| n).sum();
+            let rows = &mut x[done * hidden..(done + n) * hidden];
+            self.run_span(&as_feeds, &span, &mut unused, Some(rows))?;
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Splits the feeds' tokens into sub-steps that fit the buffers.
     fn spans(&self, feeds: &[GpuFeed<'_>]) -> Vec<Span> {
         let cfg = &self.gpu.model.config;
+        let kv_layers = self.gpu.weights.layers.len();
         let cap = self.capacity;
         let blocks_per_seq = |f: &GpuFeed<'_>| {
             (f.kv.len() + f.tokens.len()).div_ceil(f.kv.pool().layout().page_positions)
@@ -336,7 +430,7 @@ impl GpuForward {
             let wanted = f.logits.rows(f.tokens.len());
             let mut start = 0;
             while start < f.tokens.len() {
-                let seq_pages = cfg.n_layers * blocks_per_seq(f);
+                let seq_pages = kv_layers * blocks_per_seq(f);
                 let fits = |n: usize, tokens: usize, rows: usize, keys: usize, pages: usize| {
                     let end = start + n;
                     let new_rows = wanted.start.max(start)..wanted.end.min(end);
@@ -378,16 +472,19 @@ impl GpuForward {
         spans
     }
 
-    /// Uploads and runs one sub-step, appending its logit rows.
+    /// Uploads and runs one sub-step, appending its logit rows; a shard's
+    /// sub-step reads its rows of hidden states from `hidden` and leaves
+    /// its layers' output there.
     fn run_span(
         &mut self,
         feeds: &[GpuFeed<'_>],
         span: &Span,
         logits: &mut Vec<f32>,
+        hidden: Option<&mut [f32]>,
     ) -> Result<(), GpuError> {
         let model = Arc::clone(&self.gpu.model);
         let cfg = &model.config;
-        let n_layers = cfg.n_layers;
+        let n_layers = self.gpu.weights.layers.len();
         self.token_words.clear();
         self.seq_words.clear();
         self.page_words.clear();
@@ -471,6 +568,9 @@ impl GpuForward {
         if n_rows > 0 {
             queue.write_buffer(&b.rows, 0, bytemuck::cast_slice(&self.row_words));
         }
+        if let Some(rows) = &hidden {
+            queue.write_buffer(&self.x, 0, bytemuck::cast_slice(rows));
+        }
         let mut encoder = device.encoder("forward step");
         {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
@@ -504,7 +604,18 @@ impl GpuForward {
                 row_bytes,
             );
         }
+        let hidden_readback = match (&hidden, &self.x_readback) {
+            (Some(rows), Some(readback)) => {
+                let bytes = (rows.len() * 4) as u64;
+                encoder.copy_buffer_to_buffer(&self.x, 0, readback, 0, bytes);
+                Some((readback, bytes))
+            }
+            _ => None,
+        };
         device.submit(encoder)?;
+        if let (Some(rows), Some((readback, bytes))) = (hidden, hidden_readback) {
+            rows.copy_from_slice(&device.map_read(readback, bytes)?);
+        }
         if host_rows > 0 {
             self.count_rows_read(host_rows);
             let values = device.map_read(&b.readback, host_rows * row_bytes)?;

@@ -35,18 +35,20 @@ pub struct Kernels {
 
 impl Kernels {
     /// Builds the kernels for matrices of `matrix_types` and an embedding
-    /// table of `embed_type`.
+    /// table of `embed_type` (none: a shard's layers only).
     pub fn new(
         device: &GpuDevice,
         matrix_types: &[GgmlType],
-        embed_type: GgmlType,
+        embed_type: Option<GgmlType>,
     ) -> Result<Self, GpuError> {
-        let function =
-            dequant_function(embed_type).ok_or(GpuError::UnsupportedType { ty: embed_type })?;
-        let embed_source = format!("{QUANTS}\n{}", EMBED.replace("DEQUANT", function));
-        let [embed_pipeline] = device.auto_pipelines("embed", &embed_source, ["embed"])?;
         let mut embed = HashMap::new();
-        embed.insert(embed_type, embed_pipeline);
+        if let Some(embed_type) = embed_type {
+            let function =
+                dequant_function(embed_type).ok_or(GpuError::UnsupportedType { ty: embed_type })?;
+            let embed_source = format!("{QUANTS}\n{}", EMBED.replace("DEQUANT", function));
+            let [embed_pipeline] = device.auto_pipelines("embed", &embed_source, ["embed"])?;
+            embed.insert(embed_type, embed_pipeline);
+        }
         let [norm_to, norm_in_place] =
             device.auto_pipelines("norm", NORM, ["norm_to", "norm_in_place"])?;
         let [rope] = device.auto_pipelines("rope", ROPE, ["rope"])?;

@@ -20,11 +20,13 @@ use crate::quant::GgmlType;
 
 pub use adapter::AdapterKind;
 pub use device::{GpuDevice, STEP_TIMEOUT};
-pub use forward::{DeviceKv, ForwardError, GpuFeed, GpuForward, GpuModel, StepCapacity};
+pub use forward::{
+    DeviceKv, ForwardError, GpuFeed, GpuForward, GpuLayerFeed, GpuModel, StepCapacity,
+};
 pub use matmul::{supports, MatmulCall, MatmulKernels};
 pub use matrix::{DeviceMatrix, MatrixPart};
 pub use pages::{device_kv_pool, DevicePages};
-pub use weights::{GpuLayer, GpuWeights};
+pub use weights::{Ends, GpuLayer, GpuWeights};
 
 /// Why the GPU backend cannot do what was asked.
 #[derive(Debug, thiserror::Error)]

@@ -78,11 +78,16 @@ impl<'a> Recorder<'a> {
         }
     }
 
-    pub(super) fn ops(mut self) -> Result<Vec<Op>, GpuError> {
+    /// The operations, and the buffer of the residual stream (`[tokens]
+    /// [hidden]`: what a shard's layers read and write).
+    pub(super) fn ops(mut self) -> Result<(Vec<Op>, wgpu::Buffer), GpuError> {
         let gpu = self.gpu;
         let cfg = &gpu.model.config;
-        self.embed();
-        for (l, w) in gpu.weights.layers.iter().enumerate() {
+        if gpu.weights.ends.is_some() {
+            self.embed();
+        }
+        for (kv_layer, w) in gpu.weights.layers.iter().enumerate() {
+            let l = gpu.weights.first_layer + kv_layer;
             self.norm_to(&self.x.clone(), &w.attn_norm, &self.xn.clone(), cfg.hidden);
             let (xn, q, k, v) = (
                 self.xn.clone(),
@@ -111,7 +116,7 @@ impl<'a> Recorder<'a> {
             let window = cfg.layer_window(l);
             self.rope(&q, cfg.n_heads, window.is_some());
             self.rope(&k, cfg.n_kv_heads, window.is_some());
-            self.attention(l, window);
+            self.attention(kv_layer, window);
             let (att, proj, x) = (self.att.clone(), self.proj.clone(), self.x.clone());
             self.matmul(&w.wo, &att, &proj)?;
             if let Some(norm) = &w.attn_post_norm {
@@ -133,8 +138,10 @@ impl<'a> Recorder<'a> {
             }
             self.elementwise("add", Kind::Add, &proj, &x, cfg.hidden, 0, 0.0);
         }
-        self.logits()?;
-        Ok(self.ops)
+        if gpu.weights.ends.is_some() {
+            self.logits()?;
+        }
+        Ok((self.ops, self.x))
     }
 
     fn uniform(&self, words: &[u32]) -> wgpu::Buffer {
@@ -143,7 +150,10 @@ impl<'a> Recorder<'a> {
 
     fn embed(&mut self) {
         let gpu = self.gpu;
-        let m = &gpu.weights.token_embd;
+        let Some(ends) = &gpu.weights.ends else {
+            return;
+        };
+        let m = &ends.token_embd;
         let scale = gpu.model.config.embedding_scale.unwrap_or(1.0);
         let pipeline = &gpu.kernels.embed[&m.ty];
         for part in &m.parts {
@@ -318,7 +328,9 @@ impl<'a> Recorder<'a> {
         self.ops.push(Op::Kernel(bound));
     }
 
-    fn attention(&mut self, layer: usize, window: Option<usize>) {
+    /// Attention of the layer at `kv_layer` among the KV's (and the page
+    /// tables') layers.
+    fn attention(&mut self, kv_layer: usize, window: Option<usize>) {
         let cfg = &self.gpu.model.config;
         let k = &self.gpu.kernels;
         let d = &self.gpu.device;
@@ -333,7 +345,7 @@ impl<'a> Recorder<'a> {
             cfg.kv_dim() as u32,
             self.kv.page_positions as u32,
             self.kv.page_words as u32,
-            layer as u32,
+            kv_layer as u32,
             window.unwrap_or(0) as u32,
             scale.to_bits(),
             0,
@@ -392,16 +404,19 @@ impl<'a> Recorder<'a> {
     fn logits(&mut self) -> Result<(), GpuError> {
         let gpu = self.gpu;
         let cfg = &gpu.model.config;
+        let Some(ends) = &gpu.weights.ends else {
+            return Ok(());
+        };
         let (x, selected) = (self.x.clone(), self.selected.clone());
         self.elementwise("gather", Kind::Gather, &x, &selected, cfg.hidden, 0, 0.0);
         self.norm_in_place(
             &selected,
-            &gpu.weights.output_norm,
+            &ends.output_norm,
             cfg.hidden,
             1,
             Groups::PerRow(1),
         );
-        let m = gpu.weights.output();
+        let m = ends.output();
         let call = gpu.kernels.matmul.bind(
             &gpu.device,
             m,

@@ -24,18 +24,44 @@ pub struct GpuLayer {
     pub w_down: DeviceMatrix,
 }
 
-/// Every weight of the model on the device.
+/// The model's weights on the device: every layer of a range, and the
+/// embedding and output of a whole model (a shard has only its layers).
 pub struct GpuWeights {
-    pub token_embd: DeviceMatrix,
+    /// The model's first layer here.
+    pub first_layer: usize,
     pub layers: Vec<GpuLayer>,
+    pub ends: Option<Ends>,
+}
+
+/// The embedding table and the output norm and projection.
+pub struct Ends {
+    pub token_embd: DeviceMatrix,
     pub output_norm: wgpu::Buffer,
     /// `None`: the output projection is the embedding table.
     pub output: Option<DeviceMatrix>,
 }
 
+impl Ends {
+    /// The output projection.
+    pub fn output(&self) -> &DeviceMatrix {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+}
+
 impl GpuWeights {
-    /// Copies the model's weights to `device`.
+    /// Copies the whole model's weights to `device`.
     pub fn upload(device: &GpuDevice, model: &Model) -> Result<Self, GpuError> {
+        Self::upload_part(device, model, 0..model.config.n_layers, true)
+    }
+
+    /// Copies layers `layers` to `device`, with the embedding and output
+    /// when `ends`.
+    pub fn upload_part(
+        device: &GpuDevice,
+        model: &Model,
+        layers: std::ops::Range<usize>,
+        ends: bool,
+    ) -> Result<Self, GpuError> {
         let w = model.weights();
         let file = model.gguf();
         let matrix = |m: &Matrix| {
@@ -50,8 +76,13 @@ impl GpuWeights {
         };
         let vector = |v: &[f32]| device.storage_with("vector", bytemuck::cast_slice(v));
         let optional = |v: &Option<Vec<f32>>| v.as_deref().map(vector);
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
+        let first_layer = layers.start;
+        let range = w.layers.get(layers).ok_or_else(|| GpuError::BadMatrix {
+            name: "layers".into(),
+            why: format!("the model has {} layers", w.layers.len()),
+        })?;
+        let mut layers = Vec::with_capacity(range.len());
+        for l in range {
             layers.push(GpuLayer {
                 attn_norm: vector(&l.attn_norm),
                 wq: matrix(&l.wq)?,
@@ -71,23 +102,26 @@ impl GpuWeights {
                 w_down: matrix(&l.w_down)?,
             });
         }
-        let tied = w.output.info.name == w.token_embd.info.name;
+        let ends = if ends {
+            let tied = w.output.info.name == w.token_embd.info.name;
+            Some(Ends {
+                token_embd: matrix(&w.token_embd)?,
+                output_norm: vector(&w.output_norm),
+                output: if tied { None } else { Some(matrix(&w.output)?) },
+            })
+        } else {
+            None
+        };
         Ok(Self {
-            token_embd: matrix(&w.token_embd)?,
+            first_layer,
             layers,
-            output_norm: vector(&w.output_norm),
-            output: if tied { None } else { Some(matrix(&w.output)?) },
+            ends,
         })
-    }
-
-    /// The output projection.
-    pub fn output(&self) -> &DeviceMatrix {
-        self.output.as_ref().unwrap_or(&self.token_embd)
     }
 
     /// Every matrix format the kernels must read.
     pub fn matrix_types(&self) -> Vec<crate::quant::GgmlType> {
-        let mut types = vec![self.output().ty];
+        let mut types: Vec<_> = self.ends.iter().map(|e| e.output().ty).collect();
         for l in &self.layers {
             for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 types.push(m.ty);
@@ -100,8 +134,11 @@ impl GpuWeights {
 
     /// Bytes the weights occupy on the device.
     pub fn device_bytes(&self) -> u64 {
-        let mut total = self.token_embd.device_bytes();
-        total += self.output.as_ref().map_or(0, DeviceMatrix::device_bytes);
+        let mut total = 0;
+        if let Some(ends) = &self.ends {
+            total += ends.token_embd.device_bytes();
+            total += ends.output.as_ref().map_or(0, DeviceMatrix::device_bytes);
+        }
         for l in &self.layers {
             for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 total += m.device_bytes();

@@ -534,6 +534,18 @@ fn render_shards(e: &mut Exposition, stats: &crate::runtime::ShardStatsSnapshot)
         e.sample("shard_up", &[("shard", &s.shard)], u8::from(s.up));
     }
     e.family(
+        "shard_backend_info",
+        "gauge",
+        "Where the shard computes its layers (cpu, gpu), from its last handshake (always 1).",
+    );
+    for s in &stats.shards {
+        e.sample(
+            "shard_backend_info",
+            &[("shard", &s.shard), ("backend", s.backend)],
+            1,
+        );
+    }
+    e.family(
         "shard_failures_total",
         "counter",
         "Steps failed by a shard link, by shard and kind (transport, handshake, or the \
@@ -728,6 +740,7 @@ mod tests {
                     reconnects: 1,
                     restarts: 1,
                     up: true,
+                    backend: "gpu",
                 }],
                 rebuilds: 3,
                 rebuilt_tokens: 96,
@@ -1004,6 +1017,10 @@ mod tests {
         );
         let shard = ("shard", "10.0.0.2:7000");
         assert_eq!(get("inferd_shard_up", &[shard]), 1.0);
+        assert_eq!(
+            get("inferd_shard_backend_info", &[shard, ("backend", "gpu")]),
+            1.0
+        );
         assert_eq!(
             get(
                 "inferd_shard_failures_total",

@@ -165,6 +165,8 @@ pub struct ShardSnapshot {
     pub reconnects: u64,
     pub restarts: u64,
     pub up: bool,
+    /// Where it computes (`cpu`, `gpu`; `unknown` before a handshake).
+    pub backend: &'static str,
 }
 
 /// Every shard's counters at a moment.

@@ -83,6 +83,7 @@ impl ShardChain {
                 }
             };
             let counters = &self.plan.stats.shards[index];
+            counters.set_backend(link.capacity().backend);
             let epoch = link.epochs().shard;
             let slot = &mut self.slots[index];
             match slot.epoch {

@@ -252,6 +252,7 @@ impl ShardPlan {
     pub fn probe(&self, wait: Duration) -> Result<ShardCapacity, ProbeError> {
         let give_up = Instant::now() + wait;
         let mut least: Option<ShardCapacity> = None;
+        let mut backends = Vec::with_capacity(self.shards.len());
         for (shard, counters) in self.shards.iter().zip(&self.stats.shards) {
             let mut next_warning = Instant::now();
             let link = loop {
@@ -276,6 +277,8 @@ impl ShardPlan {
             };
             counters.up.store(true, Ordering::Relaxed);
             let c = link.capacity();
+            counters.set_backend(c.backend);
+            backends.push(format!("{} on the {}", shard.label(), c.backend.name()));
             if c.kv_pages == 0 || c.page_positions == 0 {
                 return Err(ProbeError::NoCapacity {
                     shard: shard.label(),
@@ -302,8 +305,23 @@ impl ShardPlan {
                         (a, b) => a.min(b),
                     },
                     keeps_pages: l.keeps_pages && c.keeps_pages,
+                    backend: l.backend,
                 },
             });
+        }
+        let differ = self
+            .stats
+            .shards
+            .windows(2)
+            .any(|w| w[0].backend() != w[1].backend());
+        if differ {
+            tracing::warn!(
+                shards = %backends.join(", "),
+                "the shards compute on different backends: they agree closely, not bit for bit, \
+                 so logits digests match only runs with the same shards on the same backends"
+            );
+        } else {
+            tracing::info!(shards = %backends.join(", "), "shards handshaken");
         }
         least.ok_or(ProbeError::Plan(PlanError::Empty))
     }

@@ -1,11 +1,11 @@
 //! What the coordinator counts of its shards, for the status and the
 //! metrics: how steps failed, by kind, and the links' reconnects and rebuilds.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 use super::PlannedShard;
 use crate::cluster::frame::ErrorKind;
-use crate::cluster::link::LinkError;
+use crate::cluster::link::{LinkError, ShardBackend};
 use crate::runtime::{ShardSnapshot, ShardStatsSnapshot};
 
 /// How a step through the shards failed, for the status and the metrics.
@@ -80,6 +80,29 @@ pub struct ShardCounters {
     pub restarts: AtomicU64,
     /// Whether the last contact with the shard succeeded.
     pub up: AtomicBool,
+    /// Where it computes, from its last handshake (0: none yet, 1: the CPU,
+    /// 2: a GPU).
+    backend: AtomicU8,
+}
+
+impl ShardCounters {
+    /// Records the backend the shard's handshake named.
+    pub fn set_backend(&self, backend: ShardBackend) {
+        let code = match backend {
+            ShardBackend::Cpu => 1,
+            ShardBackend::Gpu => 2,
+        };
+        self.backend.store(code, Ordering::Relaxed);
+    }
+
+    /// `cpu`, `gpu`, or `unknown` before a handshake.
+    pub fn backend(&self) -> &'static str {
+        match self.backend.load(Ordering::Relaxed) {
+            1 => ShardBackend::Cpu.name(),
+            2 => ShardBackend::Gpu.name(),
+            _ => "unknown",
+        }
+    }
 }
 
 /// Counters every worker's chain adds to.
@@ -106,6 +129,7 @@ impl ShardStats {
                     reconnects: AtomicU64::new(0),
                     restarts: AtomicU64::new(0),
                     up: AtomicBool::new(false),
+                    backend: AtomicU8::new(0),
                 })
                 .collect(),
             rebuilds: AtomicU64::new(0),
@@ -133,6 +157,7 @@ impl ShardStats {
                     reconnects: load(&c.reconnects),
                     restarts: load(&c.restarts),
                     up: c.up.load(Ordering::Relaxed),
+                    backend: c.backend(),
                 })
                 .collect(),
             rebuilds: load(&self.rebuilds),

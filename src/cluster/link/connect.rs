@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use grpcio::{CallOption, Environment};
 
-use super::{LinkError, LinkOptions, ShardCapacity, ShardLink};
+use super::{LinkError, LinkOptions, ShardBackend, ShardCapacity, ShardLink};
 use crate::cluster::fingerprint::Fingerprint;
 use crate::cluster::frame::{Epochs, Inbound, OutboundFrames};
 use crate::cluster::handshake::{limits_to_wire, PROTOCOL_VERSION};
@@ -86,6 +86,12 @@ impl ShardLink {
                 expected.layer_end
             )));
         }
+        let backend = ShardBackend::from_wire(response.get_backend()).ok_or_else(|| {
+            handshake_error(format!(
+                "the shard computes on {:?}, a backend this coordinator does not know",
+                response.get_backend()
+            ))
+        })?;
         let limits = response.get_limits();
         let epochs = Epochs {
             shard: response.get_shard_epoch(),
@@ -121,6 +127,7 @@ impl ShardLink {
                 max_sessions: limits.get_max_sessions(),
                 max_frame_rows: limits.get_max_frame_rows(),
                 keeps_pages: response.get_keeps_pages(),
+                backend,
             },
             hashes: options.record_hashes.then(|| (Vec::new(), Vec::new())),
             _client: client,

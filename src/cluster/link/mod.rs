@@ -63,6 +63,33 @@ pub struct LinkOptions {
     pub handshake_timeout: std::time::Duration,
 }
 
+/// Where a shard computes its layers, from its handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardBackend {
+    Cpu,
+    Gpu,
+}
+
+impl ShardBackend {
+    /// The handshake's name (empty from shards that predate the field: the
+    /// CPU); `None` for a name this coordinator does not know.
+    pub fn from_wire(name: &str) -> Option<Self> {
+        match name {
+            "" | "cpu" => Some(Self::Cpu),
+            "gpu" => Some(Self::Gpu),
+            _ => None,
+        }
+    }
+
+    /// `cpu` or `gpu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Gpu => "gpu",
+        }
+    }
+}
+
 /// What a shard can hold, from its handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardCapacity {
@@ -77,6 +104,8 @@ pub struct ShardCapacity {
     pub max_frame_rows: u32,
     /// The shard keeps pages by their chains and answers Resume frames.
     pub keeps_pages: bool,
+    /// Where it computes.
+    pub backend: ShardBackend,
 }
 
 impl Default for LinkOptions {

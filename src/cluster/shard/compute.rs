@@ -8,6 +8,7 @@ use super::{Core, PREFILL_STEP_ROWS};
 use crate::cluster::frame::{ErrorKind, Run, WireSessionId};
 use crate::cluster::keeper::SessionKey;
 use crate::cluster::payload::Encoding;
+use crate::gpu::GpuLayerFeed;
 use crate::kv::{KvError, SessionKv};
 use crate::model::LayerFeed;
 
@@ -230,19 +231,34 @@ impl Core {
                     run.rows as usize
                 }
             };
-            let mut feeds: Vec<LayerFeed<'_>> = kvs
-                .iter_mut()
-                .zip(accepted)
-                .map(|((_, kv), run)| LayerFeed { kv, rows: fed(run) })
-                .collect();
-            let result = self.model.forward_layers(
-                self.layers.clone(),
-                &mut feeds,
-                &mut x[done * hidden_size..(done + n) * hidden_size],
-                &self.pool,
-                &mut self.scratch,
-            );
-            drop(feeds);
+            let rows = &mut x[done * hidden_size..(done + n) * hidden_size];
+            let result = match &mut self.gpu {
+                Some(gpu) => {
+                    let mut feeds: Vec<GpuLayerFeed<'_>> = kvs
+                        .iter_mut()
+                        .zip(accepted)
+                        .map(|((_, kv), run)| GpuLayerFeed { kv, rows: fed(run) })
+                        .collect();
+                    gpu.forward_layers(&mut feeds, rows)
+                        .map_err(|e| e.to_string())
+                }
+                None => {
+                    let mut feeds: Vec<LayerFeed<'_>> = kvs
+                        .iter_mut()
+                        .zip(accepted)
+                        .map(|((_, kv), run)| LayerFeed { kv, rows: fed(run) })
+                        .collect();
+                    self.model
+                        .forward_layers(
+                            self.layers.clone(),
+                            &mut feeds,
+                            rows,
+                            &self.pool,
+                            &mut self.scratch,
+                        )
+                        .map_err(|e| e.to_string())
+                }
+            };
             if let Err(e) = result {
                 return Err(stop(done, ErrorKind::Internal, format!("forward: {e}")));
             }

@@ -51,6 +51,7 @@ pub(super) fn answer(
             response.set_kv_pages(shared.kv_pages);
             response.set_page_positions(shared.page_positions);
             response.set_keeps_pages(shared.keeps_pages);
+            response.set_backend(shared.backend.into());
             let mut limits = limits_to_wire(
                 agreed.max_frame_bytes,
                 agreed.credit_window,

@@ -47,6 +47,7 @@ use super::keeper::{Keeper, SessionKey};
 use super::kept::KeptError;
 use super::payload::Encoding;
 use super::raw::{HANDSHAKE_RAW, SESSION_RAW};
+use crate::gpu::{GpuDevice, GpuError, GpuForward};
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{Model, Scratch};
 use crate::proto::inferd_shard_v1::shard_runtime as pb;
@@ -92,6 +93,8 @@ pub struct ShardConfig {
     /// Where the KV page pool and its log live so that sessions' pages
     /// outlive the process (`None`: in memory only).
     pub state_dir: Option<PathBuf>,
+    /// The device the layers run on (`None`: the CPU).
+    pub gpu: Option<Arc<GpuDevice>>,
 }
 
 impl ShardConfig {
@@ -109,6 +112,7 @@ impl ShardConfig {
             max_streams: 256,
             encodings: vec![Encoding::F32, Encoding::F16, Encoding::Q8_0],
             state_dir: None,
+            gpu: None,
         }
     }
 }
@@ -128,6 +132,13 @@ pub enum ShardStartError {
     StateDir(#[from] KeptError),
     #[error("cannot listen on {addr}: {message}")]
     Listen { addr: String, message: String },
+    #[error("the GPU: {0}")]
+    Gpu(#[from] GpuError),
+    #[error(
+        "a state directory keeps a shard's pages in a file on the host; with the layers on a \
+         GPU the pages are on the device: run the shard without --state-dir"
+    )]
+    StateDirOnDevice,
 }
 
 /// What the shard computes with; one frame at a time holds it.
@@ -142,6 +153,8 @@ struct Core {
     /// With a state directory: the sessions' page chains and the detached
     /// sessions.
     keeper: Option<Keeper>,
+    /// The layers on a GPU (`None`: on the CPU, through `Model::forward_layers`).
+    gpu: Option<GpuForward>,
 }
 
 /// State every handler shares.
@@ -167,6 +180,8 @@ struct ShardState {
     page_positions: u32,
     /// Whether the shard keeps pages by their chains (has a state dir).
     keeps_pages: bool,
+    /// Where the layers run: `cpu` or `gpu`.
+    backend: &'static str,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -10,6 +10,7 @@ use crate::cluster::fingerprint::Fingerprint;
 use crate::cluster::handshake::limits_to_wire;
 use crate::cluster::keeper::{self, Keeper};
 use crate::cluster::kept::{Identity, StateDir};
+use crate::gpu::{device_kv_pool, GpuForward, GpuModel, StepCapacity};
 use crate::kv::{KvBacking, KvPool, KvPoolConfig, DEFAULT_PAGE_POSITIONS};
 use crate::model::{Model, Scratch};
 use crate::threads::ThreadPool;
@@ -30,7 +31,6 @@ impl ShardState {
                 n_layers,
             });
         }
-        let context = model.config.context as u64;
         let layout = model.kv_layout(cfg.layers.len(), DEFAULT_PAGE_POSITIONS);
         let n_pages = KvPool::pages_for_bytes(&layout, cfg.kv_bytes).max(layout.n_layers);
         let identity = Identity {
@@ -40,6 +40,35 @@ impl ShardState {
             page_positions: layout.page_positions as u32,
             kv_dim: layout.kv_dim as u32,
         };
+        if let Some(device) = &cfg.gpu {
+            if cfg.state_dir.is_some() {
+                return Err(ShardStartError::StateDirOnDevice);
+            }
+            let (pool, kv) = device_kv_pool(device, layout, n_pages)?;
+            let kv_pool =
+                Arc::new(pool.with_layer_windows(model.kv_layer_windows(cfg.layers.clone()))?);
+            let gpu = GpuModel::new_part(
+                Arc::clone(device),
+                Arc::clone(&model),
+                cfg.layers.clone(),
+                false,
+            )?;
+            tracing::info!(
+                adapter = %device.describe(),
+                weights_mib = gpu.weights.device_bytes() >> 20,
+                kv_pages = kv.n_pages,
+                "the shard's layers on the GPU"
+            );
+            let forward = GpuForward::new(gpu, &kv, StepCapacity::default())?;
+            return Ok(Self::with_core(
+                model,
+                fingerprint,
+                cfg,
+                kv_pool,
+                None,
+                Some(forward),
+            ));
+        }
         let state = match &cfg.state_dir {
             Some(dir) => Some(StateDir::open(dir, identity)?),
             None => None,
@@ -82,12 +111,33 @@ impl ShardState {
             );
             Keeper::new(dir, verified, &kv_pool)
         });
+        Ok(Self::with_core(
+            model,
+            fingerprint,
+            cfg,
+            kv_pool,
+            keeper,
+            None,
+        ))
+    }
+
+    /// The shared state around a core of `kv_pool`, `keeper` and `gpu`.
+    fn with_core(
+        model: Arc<Model>,
+        fingerprint: Fingerprint,
+        cfg: &ShardConfig,
+        kv_pool: Arc<KvPool>,
+        keeper: Option<Keeper>,
+        gpu: Option<GpuForward>,
+    ) -> ShardState {
+        let context = model.config.context as u64;
         let keeps_pages = keeper.is_some();
+        let backend = if gpu.is_some() { "gpu" } else { "cpu" };
         // Told to the coordinator in pages of positions over all the
         // shard's layers (a pool page holds one layer), as its ledger counts.
         let kv_pages = (kv_pool.total_pages() / cfg.layers.len().max(1)) as u64;
         let page_positions = kv_pool.layout().page_positions as u32;
-        Ok(ShardState {
+        ShardState {
             core: Mutex::new(Core {
                 model,
                 layers: cfg.layers.clone(),
@@ -97,6 +147,7 @@ impl ShardState {
                 scratch: Scratch::default(),
                 max_sessions: cfg.max_sessions as usize,
                 keeper,
+                gpu,
             }),
             fingerprint,
             epoch: random_epoch(),
@@ -122,6 +173,7 @@ impl ShardState {
             kv_pages,
             page_positions,
             keeps_pages,
-        })
+            backend,
+        }
     }
 }
