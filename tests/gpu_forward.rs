@@ -80,9 +80,38 @@ struct Rig {
 impl Rig {
     fn new(device: &Arc<GpuDevice>, model: &Arc<Model>, capacity: StepCapacity) -> Self {
         let kv_pool = pool(model);
-        let gpu = GpuModel::new(Arc::clone(device), Arc::clone(model)).expect("upload");
         let kv = DeviceKv::new(device, kv_pool.layout(), kv_pool.total_pages()).expect("device kv");
-        let forward = GpuForward::new(gpu, &kv, capacity).expect("forward");
+        Self::with_kv(device, model, capacity, kv_pool, &kv)
+    }
+
+    /// `n_pages` pages of KV over the device's KV buffers, `per_buffer`
+    /// pages in each.
+    fn spread(
+        device: &Arc<GpuDevice>,
+        model: &Arc<Model>,
+        n_pages: usize,
+        per_buffer: usize,
+    ) -> Self {
+        let layout = model.kv_layout(model.config.n_layers, 16);
+        let kv_pool =
+            Arc::new(KvPool::new(KvPoolConfig::anonymous(layout, n_pages)).expect("pool"));
+        let kv = DeviceKv::with_buffer_pages(device, &layout, n_pages, per_buffer).expect("kv");
+        assert!(
+            kv.buffers.len() > 1 && n_pages > per_buffer,
+            "the pages span several buffers"
+        );
+        Self::with_kv(device, model, StepCapacity::default(), kv_pool, &kv)
+    }
+
+    fn with_kv(
+        device: &Arc<GpuDevice>,
+        model: &Arc<Model>,
+        capacity: StepCapacity,
+        kv_pool: Arc<KvPool>,
+        kv: &DeviceKv,
+    ) -> Self {
+        let gpu = GpuModel::new(Arc::clone(device), Arc::clone(model)).expect("upload");
+        let forward = GpuForward::new(gpu, kv, capacity).expect("forward");
         Self { kv_pool, forward }
     }
 
@@ -209,6 +238,19 @@ fn logits_do_not_depend_on_how_the_history_was_fed() {
     let mut tight = Rig::new(&device, &model, small);
     let split = tight.run(&[(&b, vec![29]), (&a, vec![37])]).remove(1);
     assert_eq!(whole, split, "split into small steps");
+    // Pages over every KV buffer the kernels bind, the two sessions'
+    // pages interleaved there.
+    let per_buffer = 16usize.div_ceil(device.kv_bindings());
+    let mut spread = Rig::spread(&device, &model, 16, per_buffer);
+    let spread_out = spread
+        .run(&[(&a, vec![5, 16, 1, 15]), (&b, vec![29])])
+        .remove(0);
+    assert_eq!(
+        whole,
+        spread_out,
+        "pages spread over {} buffers",
+        device.kv_bindings()
+    );
 }
 
 /// A named real shape cut to two layers and a small vocabulary.

@@ -9,6 +9,10 @@ use futures_executor::block_on;
 use super::adapter::{self, describe, AdapterKind};
 use super::GpuError;
 
+/// Most KV buffers one attention kernel binds (the cache holds this many
+/// times what one binding can).
+pub const MAX_KV_BINDINGS: usize = 4;
+
 /// How long one submission may run before it counts as lost.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -70,6 +74,15 @@ impl GpuDevice {
     /// The limits the device was opened with (the adapter's own).
     pub fn limits(&self) -> &wgpu::Limits {
         &self.limits
+    }
+
+    /// KV buffers an attention kernel binds: as many as the adapter lets a
+    /// kernel hold beside the six other storage buffers it reads, at most
+    /// [`MAX_KV_BINDINGS`].
+    pub fn kv_bindings(&self) -> usize {
+        (self.limits.max_storage_buffers_per_shader_stage as usize)
+            .saturating_sub(6)
+            .clamp(1, MAX_KV_BINDINGS)
     }
 
     /// Largest byte range one storage binding may cover, as a multiple of

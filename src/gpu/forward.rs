@@ -66,11 +66,14 @@ impl GpuModel {
     }
 }
 
-/// The KV pages on the device: page `p` is words
-/// `p * page_words .. (p + 1) * page_words` of one buffer, laid out as the
-/// host pool's page `p`.
+/// The KV pages on the device: page `p` is page `p % pages_per_buffer`
+/// of buffer `p / pages_per_buffer`, words `q * page_words .. (q + 1) *
+/// page_words` there for page `q` of a buffer, laid out as the host pool's
+/// page `p`. Every attention kernel binds all the buffers (those past the
+/// pages' are placeholders), so the cache is not bounded by one binding.
 pub struct DeviceKv {
-    pub buffer: wgpu::Buffer,
+    pub buffers: Vec<wgpu::Buffer>,
+    pub pages_per_buffer: usize,
     /// K and V bytes of a page, its padding excluded.
     pub page_values_bytes: usize,
     pub page_words: usize,
@@ -79,29 +82,64 @@ pub struct DeviceKv {
 }
 
 impl DeviceKv {
-    /// A zeroed buffer for `n_pages` pages of `layout`, each as long as
-    /// the host pool's page stride.
+    /// Zeroed buffers for `n_pages` pages of `layout`, each as long as the
+    /// host pool's page stride, as many in each buffer as one binding holds.
     pub fn new(
         device: &GpuDevice,
         layout: &crate::kv::KvLayout,
         n_pages: usize,
     ) -> Result<Self, GpuError> {
+        let per_buffer = (device.max_binding_bytes() / layout.page_stride() as u64) as usize;
+        Self::with_buffer_pages(device, layout, n_pages, per_buffer)
+    }
+
+    /// As [`DeviceKv::new`], with at most `pages_per_buffer` pages in a
+    /// buffer (tests spread a small cache over every buffer this way).
+    pub fn with_buffer_pages(
+        device: &GpuDevice,
+        layout: &crate::kv::KvLayout,
+        n_pages: usize,
+        pages_per_buffer: usize,
+    ) -> Result<Self, GpuError> {
         let page_bytes = layout.page_stride();
-        let bytes = (n_pages as u64) * page_bytes as u64;
-        if bytes > device.max_binding_bytes() {
+        let fit = (device.max_binding_bytes() / page_bytes as u64) as usize;
+        let per_buffer = pages_per_buffer.min(fit).min(n_pages).max(1);
+        let bindings = device.kv_bindings();
+        let used = n_pages.div_ceil(per_buffer);
+        if used > bindings || fit == 0 {
             return Err(GpuError::TooLarge {
-                what: format!("a KV cache of {n_pages} pages ({bytes} bytes)"),
+                what: format!(
+                    "a KV cache of {n_pages} pages of {page_bytes} bytes in {bindings} bindings"
+                ),
                 limit: device.max_binding_bytes(),
             });
         }
+        let bytes = (n_pages as u64) * page_bytes as u64;
         let what = format!("a KV cache of {n_pages} pages ({} MiB)", bytes >> 20);
+        let buffers = device.allocating(&what, || {
+            (0..bindings)
+                .map(|i| {
+                    let pages = n_pages.saturating_sub(i * per_buffer).min(per_buffer);
+                    device.storage("kv pages", (pages as u64 * page_bytes as u64).max(16))
+                })
+                .collect()
+        })?;
         Ok(Self {
-            buffer: device.allocating(&what, || device.storage("kv pages", bytes))?,
+            buffers,
+            pages_per_buffer: per_buffer,
             page_values_bytes: layout.page_values() * 2,
             page_words: page_bytes / 4,
             page_positions: layout.page_positions,
             n_pages,
         })
+    }
+
+    /// The buffer holding page `page`, and the page's byte offset there.
+    pub fn locate(&self, page: u32) -> (&wgpu::Buffer, u64) {
+        let page = page as usize;
+        let buffer = &self.buffers[page / self.pages_per_buffer];
+        let offset = (page % self.pages_per_buffer) as u64 * self.page_words as u64 * 4;
+        (buffer, offset)
     }
 }
 

@@ -59,7 +59,7 @@ impl Kernels {
         )?;
         let [kv_write, attn_scores, attn_softmax, attn_values] = device.auto_pipelines(
             "attention",
-            ATTENTION,
+            &attention_source(device.kv_bindings()),
             ["kv_write", "attn_scores", "attn_softmax", "attn_values"],
         )?;
         Ok(Self {
@@ -147,4 +147,38 @@ impl Bound {
         pass.set_bind_group(0, &self.bind_group, &[]);
         pass.dispatch_workgroups(x, y, z);
     }
+}
+
+/// The binding of KV buffer `i` in `shaders/attention.wgsl`.
+pub(super) fn kv_binding(i: usize) -> u32 {
+    if i == 0 {
+        5
+    } else {
+        10 + i as u32
+    }
+}
+
+/// The attention shader for `n` KV buffers: their declarations and the
+/// `kv_load` / `kv_store` that pick one by a word's buffer index.
+fn attention_source(n: usize) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    for i in 0..n {
+        let _ = writeln!(
+            s,
+            "@group(0) @binding({}) var<storage, read_write> kv{i}: array<u32>;",
+            kv_binding(i)
+        );
+    }
+    s.push_str("fn kv_load(at: vec2<u32>) -> u32 {\n    switch at.x {\n");
+    for i in 1..n {
+        let _ = writeln!(s, "        case {i}u: {{ return kv{i}[at.y]; }}");
+    }
+    s.push_str("        default: { return kv0[at.y]; }\n    }\n}\n");
+    s.push_str("fn kv_store(at: vec2<u32>, value: u32) {\n    switch at.x {\n");
+    for i in 1..n {
+        let _ = writeln!(s, "        case {i}u: {{ kv{i}[at.y] = value; }}");
+    }
+    s.push_str("        default: { kv0[at.y] = value; }\n    }\n}\n");
+    s + ATTENTION
 }

@@ -19,7 +19,7 @@ mod weights;
 use crate::quant::GgmlType;
 
 pub use adapter::AdapterKind;
-pub use device::{GpuDevice, STEP_TIMEOUT};
+pub use device::{GpuDevice, MAX_KV_BINDINGS, STEP_TIMEOUT};
 pub use forward::{
     DeviceKv, ForwardError, GpuFeed, GpuForward, GpuLayerFeed, GpuModel, StepCapacity,
 };

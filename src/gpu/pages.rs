@@ -16,7 +16,7 @@ pub fn device_kv_pool(
     wanted: usize,
 ) -> Result<(KvPool, Arc<DeviceKv>), GpuError> {
     let page_bytes = layout.page_stride();
-    let fit = (device.max_binding_bytes() / page_bytes as u64) as usize;
+    let fit = (device.max_binding_bytes() / page_bytes as u64) as usize * device.kv_bindings();
     let n_pages = wanted.min(fit).max(1);
     let kv = Arc::new(DeviceKv::new(device, &layout, n_pages)?);
     let store: Arc<dyn PageStore> = Arc::new(DevicePages {
@@ -43,13 +43,13 @@ pub struct DevicePages {
 }
 
 impl DevicePages {
-    fn range(&self, page: u32) -> Result<u64, KvError> {
+    fn range(&self, page: u32) -> Result<(&wgpu::Buffer, u64), KvError> {
         if page as usize >= self.kv.n_pages {
             return Err(KvError::AllocatorCorrupted {
                 detail: format!("page {page} is not on the device"),
             });
         }
-        Ok(page as u64 * self.kv.page_words as u64 * 4)
+        Ok(self.kv.locate(page))
     }
 
     fn lost(e: GpuError) -> KvError {
@@ -61,43 +61,41 @@ impl DevicePages {
 
 impl PageStore for DevicePages {
     fn read(&self, page: u32, out: &mut [u8]) -> Result<(), KvError> {
-        let offset = self.range(page)?;
+        let (buffer, offset) = self.range(page)?;
         let len = out.len().min(self.kv.page_values_bytes);
         let bytes = self
             .device
-            .read_bytes(&self.kv.buffer, offset, len)
+            .read_bytes(buffer, offset, len)
             .map_err(Self::lost)?;
         out[..len].copy_from_slice(&bytes);
         Ok(())
     }
 
     fn write(&self, page: u32, bytes: &[u8]) -> Result<(), KvError> {
-        let offset = self.range(page)?;
+        let (buffer, offset) = self.range(page)?;
         if bytes.len() > self.kv.page_values_bytes || !bytes.len().is_multiple_of(4) {
             return Err(KvError::RowLength {
                 expected: self.kv.page_values_bytes,
                 got: bytes.len(),
             });
         }
-        self.device
-            .queue
-            .write_buffer(&self.kv.buffer, offset, bytes);
+        self.device.queue.write_buffer(buffer, offset, bytes);
         self.device
             .submit(self.device.encoder("page write"))
             .map_err(Self::lost)
     }
 
     fn copy(&self, from: u32, to: u32) -> Result<(), KvError> {
-        let (src, dst) = (self.range(from)?, self.range(to)?);
-        if src == dst {
+        if from == to {
             return Ok(());
         }
+        let ((src, src_at), (dst, dst_at)) = (self.range(from)?, self.range(to)?);
         // A buffer cannot be both ends of one copy: through a page of its own.
         let bytes = self.kv.page_words as u64 * 4;
         let tmp = self.device.storage("page copy", bytes);
         let mut encoder = self.device.encoder("page copy");
-        encoder.copy_buffer_to_buffer(&self.kv.buffer, src, &tmp, 0, bytes);
-        encoder.copy_buffer_to_buffer(&tmp, 0, &self.kv.buffer, dst, bytes);
+        encoder.copy_buffer_to_buffer(src, src_at, &tmp, 0, bytes);
+        encoder.copy_buffer_to_buffer(&tmp, 0, dst, dst_at, bytes);
         self.device.submit(encoder).map_err(Self::lost)
     }
 

@@ -2,7 +2,7 @@
 //! order with their buffers, so that a step only records dispatches.
 
 use super::forward::{DeviceKv, GpuModel, StepCapacity};
-use super::kernels::{Bound, Groups};
+use super::kernels::{kv_binding, Bound, Groups};
 use super::{DeviceMatrix, GpuError, MatmulCall};
 use crate::model::{FfnActivation, RopeLayout};
 
@@ -348,19 +348,25 @@ impl<'a> Recorder<'a> {
             kv_layer as u32,
             window.unwrap_or(0) as u32,
             scale.to_bits(),
-            0,
+            self.kv.pages_per_buffer as u32,
             0,
             0,
         ]);
         let b = self.b;
-        let common = [
+        let mut common = vec![
             (0, &prm),
             (1, &b.step),
             (2, &b.tokens),
             (3, &b.seqs),
             (4, &b.pages),
-            (5, &self.kv.buffer),
         ];
+        common.extend(
+            self.kv
+                .buffers
+                .iter()
+                .enumerate()
+                .map(|(i, buffer)| (kv_binding(i), buffer)),
+        );
         let heads = cfg.n_heads as u32;
         let mut write = common.to_vec();
         write.extend([(6, &self.k), (7, &self.v)]);

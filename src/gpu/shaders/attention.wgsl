@@ -1,6 +1,10 @@
-// Paged KV and causal grouped-query attention. K and V live as f16 in one
-// device buffer of pages laid out as the host pool's pages are:
-// page = [K, V][slot][kv_dim]; a page is `page_words` 32-bit words.
+// Paged KV and causal grouped-query attention. K and V live as f16 in
+// device buffers of pages laid out as the host pool's pages are:
+// page = [K, V][slot][kv_dim]; a page is `page_words` 32-bit words, and page
+// p is page p % pages_per_buffer of buffer p / pages_per_buffer (so the
+// cache is not bounded by one binding). The host prepends `kv_load` and
+// `kv_store`, which pick the buffer, for as many buffers as the adapter
+// lets one kernel bind (`KV_BINDINGS`).
 // Per step the host uploads each token's (id, position, sequence) and each
 // sequence's page table (per layer, per block of positions).
 //
@@ -20,7 +24,7 @@ struct Attn {
     // 0: every earlier position; else the last `window` positions.
     window: u32,
     scale: f32,
-    pad0: u32,
+    pages_per_buffer: u32,
     pad1: u32,
     pad2: u32,
 }
@@ -33,7 +37,6 @@ struct Attn {
 // Per sequence: (first entry in `pages`, blocks per layer, 0, 0).
 @group(0) @binding(3) var<storage, read> seqs: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> pages: array<u32>;
-@group(0) @binding(5) var<storage, read_write> kv: array<u32>;
 // kv_write: the new K and V rows; scores and values: the queries.
 @group(0) @binding(6) var<storage, read> k_new: array<f32>;
 @group(0) @binding(7) var<storage, read> v_new: array<f32>;
@@ -77,14 +80,16 @@ fn f16_bits(v: f32) -> u32 {
     return sign | out;
 }
 
-// The word holding values `2 * pair` and `2 * pair + 1` of K (kind 0) or
-// V (kind 1) at position `pos` of sequence `s`.
-fn kv_word(s: u32, pos: u32, kind: u32, pair: u32) -> u32 {
+// The (buffer, word) holding values `2 * pair` and `2 * pair + 1` of K
+// (kind 0) or V (kind 1) at position `pos` of sequence `s`.
+fn kv_word(s: u32, pos: u32, kind: u32, pair: u32) -> vec2<u32> {
     let info = seqs[s];
     let block = pos / prm.page_positions;
     let slot = pos % prm.page_positions;
     let page = pages[info.x + prm.layer * info.y + block];
-    return page * prm.page_words + ((kind * prm.page_positions + slot) * prm.kv_dim) / 2u + pair;
+    let within = page % prm.pages_per_buffer;
+    let word = within * prm.page_words + ((kind * prm.page_positions + slot) * prm.kv_dim) / 2u + pair;
+    return vec2<u32>(page / prm.pages_per_buffer, word);
 }
 
 // Dispatch: (ceil(kv_dim / 2 / 64), tokens, 1).
@@ -97,8 +102,8 @@ fn kv_write(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let info = tokens[t];
     let at = t * prm.kv_dim + 2u * pair;
-    kv[kv_word(info.z, info.y, 0u, pair)] = f16_bits(k_new[at]) | (f16_bits(k_new[at + 1u]) << 16u);
-    kv[kv_word(info.z, info.y, 1u, pair)] = f16_bits(v_new[at]) | (f16_bits(v_new[at + 1u]) << 16u);
+    kv_store(kv_word(info.z, info.y, 0u, pair), f16_bits(k_new[at]) | (f16_bits(k_new[at + 1u]) << 16u));
+    kv_store(kv_word(info.z, info.y, 1u, pair), f16_bits(v_new[at]) | (f16_bits(v_new[at + 1u]) << 16u));
 }
 
 // The first position token `t` attends to, and how many.
@@ -130,7 +135,7 @@ fn attn_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
     let first_pair = (kvh * prm.head_dim) / 2u;
     var dot = 0.0;
     for (var p = 0u; p < prm.head_dim / 2u; p++) {
-        let pair = unpack2x16float(kv[kv_word(s, keys.x + j, 0u, first_pair + p)]);
+        let pair = unpack2x16float(kv_load(kv_word(s, keys.x + j, 0u, first_pair + p)));
         dot = fma(q[qo + 2u * p], pair.x, dot);
         dot = fma(q[qo + 2u * p + 1u], pair.y, dot);
     }
@@ -209,7 +214,7 @@ fn attn_values(@builtin(global_invocation_id) gid: vec3<u32>) {
     var b = 0.0;
     for (var j = 0u; j < keys.y; j++) {
         let w = scores[row + j];
-        let v = unpack2x16float(kv[kv_word(s, keys.x + j, 1u, pair)]);
+        let v = unpack2x16float(kv_load(kv_word(s, keys.x + j, 1u, pair)));
         a = fma(w, v.x, a);
         b = fma(w, v.y, b);
     }

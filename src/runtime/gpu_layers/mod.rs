@@ -74,7 +74,9 @@ impl GpuLayers {
             tracing::warn!(
                 wanted,
                 pages = kv.n_pages,
-                "the KV cache is smaller than asked: one GPU binding holds {} pages",
+                "the KV cache is smaller than asked: the attention kernels' {} bindings hold {} \
+                 pages",
+                self.gpu.device.kv_bindings(),
                 kv.n_pages
             );
         }
