@@ -2,7 +2,8 @@
 //! its sessions sampling where their logits are: when more sessions
 //! generate than the kept-logits rows hold, or a session's row went to
 //! another, the tokens and log-probabilities are still those of sampling
-//! the same logits on the CPU.
+//! the same logits on the CPU. The same for the CLI's engine (`generate`,
+//! `chat`, `bench` with `--device gpu`).
 //!
 //! Without any wgpu adapter the test says so loudly and passes, unless
 //! `INFERD_REQUIRE_WGPU=1` (set by `scripts/test`), when it fails.
@@ -11,6 +12,7 @@ mod support;
 
 use std::sync::Arc;
 
+use inferd::engine::{Engine, EngineConfig};
 use inferd::gguf::GgufFile;
 use inferd::gpu::{AdapterKind, GpuDevice, StepCapacity};
 use inferd::model::Model;
@@ -20,7 +22,7 @@ use inferd::runtime::{
     SamplingOptions, SessionId, Tenant,
 };
 use inferd::sampler::gpu::GpuContext;
-use inferd::sampler::SelectedSampler;
+use inferd::sampler::{SamplingParams, SelectedSampler};
 
 fn device() -> Option<Arc<GpuDevice>> {
     match GpuDevice::open(AdapterKind::Any) {
@@ -185,4 +187,66 @@ fn sampling_kept_logits_matches_sampling_them_on_the_cpu() {
         kept_rows < read_rows / 2,
         "kept: {kept_rows} rows came back, read back: {read_rows}"
     );
+}
+
+#[test]
+fn the_engine_samples_kept_logits_as_the_cpu_samples_them() {
+    let Some(device) = device() else {
+        return;
+    };
+    let file = GgufFile::from_bytes(support::small_llama(GgmlType::Q8_0, false).build())
+        .expect("synthetic model parses");
+    let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+    let engine = |sampler: SelectedSampler| {
+        Engine::new(
+            Arc::clone(&model),
+            &EngineConfig {
+                gpu: Some(Arc::clone(&device)),
+                sampler,
+                kv_bytes: 8 << 20,
+                ..EngineConfig::default()
+            },
+        )
+        .expect("engine")
+    };
+    let context = GpuContext::on_device(&device).expect("a sampler on the device");
+    let mut seeded = SamplingParams::greedy();
+    seeded.temperature = 1.3;
+    seeded.top_k = 40;
+    seeded.seed = 5;
+    let mut runs = Vec::new();
+    let mut rows = Vec::new();
+    for sampler in [SelectedSampler::Wgpu(context), SelectedSampler::Cpu] {
+        let mut e = engine(sampler);
+        let mut s = e.new_session();
+        e.append(
+            &mut s,
+            &(0..30).map(|i| (i * 11 + 3) % 380).collect::<Vec<u32>>(),
+        )
+        .expect("append");
+        let greedy = e
+            .generate(&mut s, &SamplingParams::greedy(), 10, &[], |_| true)
+            .expect("greedy");
+        let drawn = e
+            .generate(&mut s, &seeded, 10, &[], |_| true)
+            .expect("seeded");
+        let logits: Vec<u32> = s.next_logits().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(s.history().len(), 50);
+        e.bench(0, 8, 8).expect("bench");
+        rows.push(e.logit_rows_read().expect("on the GPU"));
+        runs.push((greedy, drawn, logits));
+    }
+    assert!(
+        !runs[0].2.is_empty(),
+        "the logits came home after the generation"
+    );
+    assert_eq!(runs[0], runs[1]);
+    eprintln!(
+        "engine logit rows read back: {} kept, {} read every step",
+        rows[0], rows[1]
+    );
+    // Kept: the append's row, one per generation's end and the bench's
+    // prefill; read back: a row per token as well.
+    assert!(rows[0] <= 4, "{} rows came back", rows[0]);
+    assert!(rows[1] >= 1 + 20 + 8, "{} rows came back", rows[1]);
 }

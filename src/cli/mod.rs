@@ -334,20 +334,31 @@ impl ModelArgs {
             Some(file) => cfg.kv_backing = crate::kv::KvBacking::File(file.clone()),
             None => memory::check_kv_fits(cfg.kv_bytes, file_len(&path), memory::limits())?,
         }
-        cfg.sampler = resolve_sampler(self.sampler)?;
         let model = Arc::new(model);
         let gpu = device::open_device(self.device)?;
+        // On a GPU the sampler goes on that device (unless --sampler cpu),
+        // where it reads the logits a decode step leaves there.
+        let sampler = match &gpu {
+            Some(device) => {
+                device::device_sampler(self.sampler, device)?.map(SelectedSampler::Wgpu)
+            }
+            None => None,
+        };
         let engine = match device::on_device(self.device, gpu, |device| {
             Engine::new(
                 Arc::clone(&model),
                 &EngineConfig {
                     gpu: Some(device),
+                    sampler: sampler.clone().unwrap_or(SelectedSampler::Cpu),
                     ..cfg.clone()
                 },
             )
         })? {
             Some(engine) => engine,
-            None => Engine::new(model, &cfg)?,
+            None => {
+                cfg.sampler = resolve_sampler(self.sampler)?;
+                Engine::new(model, &cfg)?
+            }
         };
         tracing::info!(
             model = %path.display(),

@@ -144,6 +144,11 @@ pub struct Engine {
     /// The forward pass on a GPU, when the engine runs there.
     #[cfg(not(loom))]
     gpu: Option<crate::gpu::GpuForward>,
+    /// With the sampler on that GPU: it samples the logits a decode step
+    /// keeps there (row 0 of the forward's kept logits), which then never
+    /// come back but once at the end of a generation.
+    #[cfg(not(loom))]
+    kept: Option<Box<crate::sampler::gpu::GpuSampler>>,
 }
 
 impl Engine {
@@ -179,6 +184,26 @@ impl Engine {
         let sampler = cfg
             .sampler
             .backend(model.config.vocab, model.config.context)?;
+        #[cfg(not(loom))]
+        let kept = match (&gpu, &cfg.sampler) {
+            (Some(forward), crate::sampler::SelectedSampler::Wgpu(context))
+                if context.shares_device(forward.device()) =>
+            {
+                let mut kept = crate::sampler::gpu::GpuSampler::new(
+                    Arc::clone(context),
+                    model.config.vocab,
+                    1,
+                    model.config.context,
+                )
+                .map_err(|e| crate::sampler::SamplerError::Device {
+                    message: e.to_string(),
+                })?;
+                let (buffer, rows) = forward.kept();
+                kept.read_kept_from(buffer, rows as u32);
+                Some(Box::new(kept))
+            }
+            _ => None,
+        };
         Ok(Self {
             model,
             pool: ThreadPool::new(cfg.threads),
@@ -188,6 +213,8 @@ impl Engine {
             prefill_chunk: cfg.prefill_chunk.max(1),
             #[cfg(not(loom))]
             gpu,
+            #[cfg(not(loom))]
+            kept,
         })
     }
 
@@ -195,6 +222,12 @@ impl Engine {
     #[cfg(not(loom))]
     pub fn gpu_adapter(&self) -> Option<String> {
         self.gpu.as_ref().map(|g| g.device().describe())
+    }
+
+    /// Rows of logits read back from the GPU so far (`None` on the CPU).
+    #[cfg(not(loom))]
+    pub fn logit_rows_read(&self) -> Option<u64> {
+        self.gpu.as_ref().map(|g| g.logit_rows_read())
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -304,38 +337,91 @@ impl Engine {
             return Err(EngineError::EmptyHistory);
         }
         let mut tokens = Vec::new();
-        while tokens.len() < max_tokens {
-            let position = session.history.len() as u64;
-            let token = self
-                .sampler
-                .sample(SampleRequest {
-                    logits: &session.next_logits,
-                    params: &params,
-                    history: &session.history,
-                    position,
-                    top_logprobs: 0,
-                })?
-                .token;
-            self.append(session, &[token])?;
+        // Whether the next logits are the ones a step kept on the GPU.
+        let mut on_device = false;
+        let stop = loop {
+            if tokens.len() >= max_tokens {
+                break StopReason::MaxTokens;
+            }
+            let request = SampleRequest {
+                logits: &session.next_logits,
+                params: &params,
+                history: &session.history,
+                position: session.history.len() as u64,
+                top_logprobs: 0,
+            };
+            let token = if on_device {
+                self.sample_kept(&request)?
+            } else {
+                self.sampler.sample(request)?.token
+            };
+            on_device = self.decode(session, token)?;
             tokens.push(token);
             let go_on = on_token(token);
             if stop_tokens.contains(&token) {
-                return Ok(Generation {
-                    tokens,
-                    stop: StopReason::Eos,
-                });
+                break StopReason::Eos;
             }
             if !go_on {
-                return Ok(Generation {
-                    tokens,
-                    stop: StopReason::Cancelled,
-                });
+                break StopReason::Cancelled;
             }
+        };
+        if on_device {
+            self.bring_logits_home(session)?;
         }
-        Ok(Generation {
-            tokens,
-            stop: StopReason::MaxTokens,
-        })
+        Ok(Generation { tokens, stop })
+    }
+
+    /// Feeds one generated token. With a sampler on the GPU its logits
+    /// stay there (returns `true`; the session's host copy is then empty
+    /// until [`Engine::bring_logits_home`]).
+    fn decode(&mut self, session: &mut Session, token: u32) -> Result<bool, EngineError> {
+        #[cfg(not(loom))]
+        if let (Some(gpu), Some(_)) = (&mut self.gpu, &self.kept) {
+            self.model.check_append(session.kv.len(), &[token])?;
+            session.kv.reserve(session.kv.len() + 1)?;
+            let mut feeds = [crate::gpu::GpuFeed {
+                kv: &mut session.kv,
+                tokens: &[token],
+                logits: LogitsWanted::Last,
+                keep: Some(0),
+            }];
+            gpu.forward(&mut feeds, &mut self.scratch.logits)?;
+            session.kv.settle()?;
+            session.history.push(token);
+            session.next_logits.clear();
+            return Ok(true);
+        }
+        self.append(session, &[token])?;
+        Ok(false)
+    }
+
+    /// Samples the logits the last decode step kept on the GPU.
+    fn sample_kept(&mut self, request: &SampleRequest<'_>) -> Result<u32, EngineError> {
+        #[cfg(not(loom))]
+        if let Some(kept) = &mut self.kept {
+            let mut out = Vec::with_capacity(1);
+            kept.sample_kept(
+                &[crate::sampler::gpu::KeptRow {
+                    row: 0,
+                    request: request.row(),
+                }],
+                &mut out,
+            );
+            return Ok(out.pop().unwrap_or(Err(SamplerError::EmptyLogits))?.token);
+        }
+        Ok(self.sampler.sample(*request)?.token)
+    }
+
+    /// Copies the logits the last decode step kept on the GPU to the
+    /// session (once per generation).
+    fn bring_logits_home(&mut self, session: &mut Session) -> Result<(), EngineError> {
+        #[cfg(loom)]
+        let _ = session;
+        #[cfg(not(loom))]
+        if let Some(gpu) = &self.gpu {
+            session.next_logits = gpu.read_kept(0)?;
+        }
+        Ok(())
     }
 
     /// The llama-bench equivalent: prefill `prompt_tokens` tokens in one
@@ -366,9 +452,20 @@ impl Engine {
         self.append(&mut s, &context)?;
         let t0 = Instant::now();
         let mut token = 1 % vocab;
+        let greedy = crate::sampler::SamplingParams::greedy().checked(vocab as usize)?;
         for _ in 0..gen_tokens {
-            self.append(&mut s, &[token])?;
-            token = crate::sampler::argmax(&s.next_logits).unwrap_or(0);
+            // Greedy on the GPU's sampler where the logits stay there.
+            token = if self.decode(&mut s, token)? {
+                self.sample_kept(&SampleRequest {
+                    logits: &[],
+                    params: &greedy,
+                    history: &s.history,
+                    position: s.history.len() as u64,
+                    top_logprobs: 0,
+                })?
+            } else {
+                crate::sampler::argmax(&s.next_logits).unwrap_or(0)
+            };
         }
         let decode = t0.elapsed();
         Ok(BenchResult {

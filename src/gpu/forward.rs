@@ -322,6 +322,13 @@ impl GpuForward {
         &self.gpu.device
     }
 
+    /// Rows of logits read back to the host so far, by every worker.
+    pub fn logit_rows_read(&self) -> u64 {
+        self.gpu
+            .logit_rows_read
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn count_rows_read(&self, rows: u64) {
         self.gpu
             .logit_rows_read

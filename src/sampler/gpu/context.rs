@@ -136,6 +136,11 @@ impl GpuContext {
         describe(&self.info)
     }
 
+    /// Whether this context is on `device` (so it can read its buffers).
+    pub fn shares_device(&self, device: &crate::gpu::GpuDevice) -> bool {
+        self.device == device.device
+    }
+
     /// Whether the adapter is a real GPU (not lavapipe or another CPU one).
     pub fn is_hardware(&self) -> bool {
         is_hardware(self.info.device_type)
