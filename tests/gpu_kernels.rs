@@ -211,13 +211,15 @@ fn outputs_do_not_depend_on_the_step_or_the_split() {
         let whole = DeviceMatrix::upload(&device, "w", ty, rows, cols, &w).unwrap();
         let split = DeviceMatrix::upload_in_parts(&device, "w", ty, rows, cols, &w, 5).unwrap();
         assert_eq!(split.parts.len(), 8);
-        let n_tokens = 20;
+        // Past 32 tokens the wide tile runs (with a ragged last tile): its
+        // outputs must be the decode tile's bits.
+        let n_tokens = 45;
         let x: Vec<f32> = (0..n_tokens * cols)
             .map(|_| rng.gen_range(-1.0f32..1.0))
             .collect();
         let batch = run(&device, &kernels, &whole, &x);
         assert_eq!(run(&device, &kernels, &split, &x), batch, "{ty} split");
-        for t in [0, 7, 8, 19] {
+        for t in [0, 7, 8, 19, 31, 32, 44] {
             let alone = run(&device, &kernels, &whole, &x[t * cols..][..cols]);
             assert_eq!(alone, batch[t * rows..][..rows], "{ty} token {t} alone");
             // The same token at another place in a smaller step.

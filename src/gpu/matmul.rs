@@ -9,9 +9,12 @@ use crate::quant::GgmlType;
 
 const QUANTS: &str = include_str!("shaders/quants.wgsl");
 const MATMUL: &str = include_str!("shaders/matmul.wgsl");
-/// Rows and tokens one workgroup takes (as in the shader).
+/// Rows one workgroup takes (as in the shader).
 const TILE_ROWS: u32 = 2;
+/// Tokens one workgroup takes in a decode step, and in a prompt chunk of
+/// at least `WIDE_TOKENS` tokens (same bits, see `shaders/matmul.wgsl`).
 const TILE_TOKENS: u32 = 8;
+const WIDE_TOKENS: u32 = 32;
 
 /// The `dequant_*` function of a weight format, if the kernels read it.
 pub(super) fn dequant_function(ty: GgmlType) -> Option<&'static str> {
@@ -40,10 +43,20 @@ pub fn supports(ty: GgmlType) -> bool {
     dequant_function(ty).is_some()
 }
 
-/// The matrix pipelines of one device, one per weight format asked for.
+/// The matrix pipelines of one device per weight format asked for: the
+/// decode tile, and the wide one when the adapter has the workgroup
+/// memory for it.
 pub struct MatmulKernels {
     layout: wgpu::BindGroupLayout,
-    pipelines: HashMap<GgmlType, wgpu::ComputePipeline>,
+    pipelines: HashMap<GgmlType, (wgpu::ComputePipeline, Option<wgpu::ComputePipeline>)>,
+}
+
+/// The kernel's source for tiles of `tokens` tokens over `ty` weights.
+fn source(function: &str, tokens: u32) -> String {
+    format!(
+        "const TILE_TOKENS: u32 = {tokens}u;\n{QUANTS}\n{}",
+        MATMUL.replace("DEQUANT", function)
+    )
 }
 
 impl MatmulKernels {
@@ -69,16 +82,30 @@ impl MatmulKernels {
                     bind_group_layouts: &[Some(&layout)],
                     immediate_size: 0,
                 });
+        // The tree's partial sums: 2 rows x tokens x 64 lanes of f32.
+        let wide_fits = u64::from(device.limits().max_compute_workgroup_storage_size)
+            >= u64::from(TILE_ROWS * WIDE_TOKENS * 64 * 4);
         let mut pipelines = HashMap::new();
         for &ty in types {
             if pipelines.contains_key(&ty) {
                 continue;
             }
             let function = dequant_function(ty).ok_or(GpuError::UnsupportedType { ty })?;
-            let source = format!("{QUANTS}\n{}", MATMUL.replace("DEQUANT", function));
             let label = format!("matmul {ty}");
-            let pipeline = device.pipeline(&label, &source, "matmul", &pipeline_layout)?;
-            pipelines.insert(ty, pipeline);
+            let narrow = device.pipeline(
+                &label,
+                &source(function, TILE_TOKENS),
+                "matmul",
+                &pipeline_layout,
+            )?;
+            let wide = if wide_fits {
+                let label = format!("wide matmul {ty}");
+                let wide = source(function, WIDE_TOKENS);
+                Some(device.pipeline(&label, &wide, "matmul", &pipeline_layout)?)
+            } else {
+                None
+            };
+            pipelines.insert(ty, (narrow, wide));
         }
         Ok(Self { layout, pipelines })
     }
@@ -100,7 +127,7 @@ impl MatmulKernels {
         out_offset: usize,
         step: &wgpu::Buffer,
     ) -> Result<MatmulCall, GpuError> {
-        let pipeline = self
+        let (pipeline, wide) = self
             .pipelines
             .get(&m.ty)
             .ok_or(GpuError::UnsupportedType { ty: m.ty })?
@@ -139,13 +166,18 @@ impl MatmulKernels {
                 _uniform: uniform,
             });
         }
-        Ok(MatmulCall { pipeline, parts })
+        Ok(MatmulCall {
+            pipeline,
+            wide,
+            parts,
+        })
     }
 }
 
 /// One matrix bound to its buffers; see [`MatmulKernels::bind`].
 pub struct MatmulCall {
     pipeline: wgpu::ComputePipeline,
+    wide: Option<wgpu::ComputePipeline>,
     parts: Vec<BoundPart>,
 }
 
@@ -162,8 +194,12 @@ impl MatmulCall {
         if n_tokens == 0 {
             return;
         }
-        pass.set_pipeline(&self.pipeline);
-        let z = (n_tokens as u32).div_ceil(TILE_TOKENS);
+        let (pipeline, tile) = match &self.wide {
+            Some(wide) if n_tokens as u32 >= WIDE_TOKENS => (wide, WIDE_TOKENS),
+            _ => (&self.pipeline, TILE_TOKENS),
+        };
+        pass.set_pipeline(pipeline);
+        let z = (n_tokens as u32).div_ceil(tile);
         for part in &self.parts {
             pass.set_bind_group(0, &part.bind_group, &[]);
             pass.dispatch_workgroups(part.groups.0, part.groups.1, z);

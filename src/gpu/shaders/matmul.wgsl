@@ -1,12 +1,15 @@
 // out[t][first_row + r] = row r of a weight matrix part · x[t], for a tile
 // of TILE_ROWS rows and TILE_TOKENS tokens per workgroup.
 //
-// One kernel for one token and for a thousand, so that a row's value never
-// depends on how many tokens were fed with it: lane l sums chunks l,
+// One arithmetic for one token and for a thousand, so that a row's value
+// never depends on how many tokens were fed with it: lane l sums chunks l,
 // l + LANES, ... of the row in order (each chunk a sequential dot of 32),
 // and the LANES partial sums meet in a fixed tree. A tile's other rows and
-// tokens only change which lanes are busy, never an output's arithmetic.
-// DEQUANT is replaced by the weight format's `dequant_*` function.
+// tokens only change which lanes are busy, never an output's arithmetic;
+// so the host compiles the kernel twice, with 8 tokens a tile for decode
+// steps and 32 for prompt chunks (each weight chunk dequantized once for 32
+// tokens), and both give the same bits. The host prepends TILE_TOKENS, and
+// replaces DEQUANT with the weight format's `dequant_*` function.
 
 struct Part {
     rows: u32,
@@ -27,10 +30,9 @@ struct Part {
 
 const LANES: u32 = 64u;
 const TILE_ROWS: u32 = 2u;
-const TILE_TOKENS: u32 = 8u;
-const OUTPUTS: u32 = 16u;
+const OUTPUTS: u32 = TILE_ROWS * TILE_TOKENS;
 
-var<workgroup> sums: array<f32, 1024>;
+var<workgroup> sums: array<f32, OUTPUTS * LANES>;
 
 @compute @workgroup_size(64)
 fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
