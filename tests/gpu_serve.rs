@@ -257,7 +257,7 @@ fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
         let digest = client.info(&a).expect("info").get_logits_digest();
         (runs, digest, rows_read(server) - before)
     };
-    let (device_runs, device_digest, device_rows) = run(&serve("auto"));
+    let (device_runs, device_digest, device_rows) = run(&serve("wgpu"));
     let (cpu_runs, cpu_digest, cpu_rows) = run(&serve("cpu"));
     let model_arg = model.to_str().expect("UTF-8 path");
     let no_journal = support::Inferd::start(&[
@@ -268,6 +268,8 @@ fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
         model_arg,
         "--device",
         "gpu",
+        "--sampler",
+        "wgpu",
         "--metrics-listen",
         "127.0.0.1:0",
     ]);

@@ -80,14 +80,21 @@ pub(crate) fn on_device<T, E: std::fmt::Display>(
     }
 }
 
-/// The sampler on the model's device, unless `--sampler cpu`: sessions
-/// then sample where their logits are, and only token ids come back.
+/// The sampler on the model's device (`--sampler wgpu`, or `auto` on a
+/// hardware GPU): sessions then sample where their logits are, and only
+/// token ids come back. `auto` on a software adapter samples on the CPU,
+/// as without the model there: it is far faster at it.
 pub(crate) fn device_sampler(
     choice: SamplerChoice,
     device: &GpuDevice,
 ) -> Result<Option<Arc<GpuContext>>, CliError> {
-    if choice == SamplerChoice::Cpu {
-        tracing::info!("sampler: cpu (the logits come back from the GPU every step)");
+    let on_cpu = match choice {
+        SamplerChoice::Cpu => true,
+        SamplerChoice::Auto => !device.is_hardware(),
+        SamplerChoice::Wgpu => false,
+    };
+    if on_cpu {
+        tracing::info!(%choice, "sampler: cpu (the logits come back from the GPU every step)");
         return Ok(None);
     }
     let context = GpuContext::on_device(device)

@@ -66,6 +66,11 @@ impl GpuDevice {
         describe(&self.info)
     }
 
+    /// Whether the adapter is a real GPU (not lavapipe or another CPU one).
+    pub fn is_hardware(&self) -> bool {
+        adapter::is_hardware(self.info.device_type)
+    }
+
     /// The adapter the device was opened on.
     pub fn info(&self) -> &wgpu::AdapterInfo {
         &self.info
