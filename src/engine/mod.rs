@@ -144,11 +144,11 @@ pub struct Engine {
     /// The forward pass on a GPU, when the engine runs there.
     #[cfg(not(loom))]
     gpu: Option<crate::gpu::GpuForward>,
-    /// With the sampler on that GPU: it samples the logits a decode step
-    /// keeps there (row 0 of the forward's kept logits), which then never
-    /// come back but once at the end of a generation.
+    /// Whether the sampler is on that GPU and reads the logits a decode
+    /// step keeps there (row 0 of the forward's kept logits), which then
+    /// come back only once, at the end of a generation.
     #[cfg(not(loom))]
-    kept: Option<Box<crate::sampler::gpu::GpuSampler>>,
+    samples_kept: bool,
 }
 
 impl Engine {
@@ -181,28 +181,21 @@ impl Engine {
         let pool = host_pool()?;
         let kv_pool =
             Arc::new(pool.with_layer_windows(model.kv_layer_windows(0..model.config.n_layers))?);
-        let sampler = cfg
+        #[allow(unused_mut)]
+        let mut sampler = cfg
             .sampler
             .backend(model.config.vocab, model.config.context)?;
+        // A sampler on the model's own device reads its kept logits.
         #[cfg(not(loom))]
-        let kept = match (&gpu, &cfg.sampler) {
-            (Some(forward), crate::sampler::SelectedSampler::Wgpu(context))
-                if context.shares_device(forward.device()) =>
+        let samples_kept = match (&gpu, sampler.gpu_mut()) {
+            (Some(forward), Some(gpu_sampler))
+                if gpu_sampler.context().shares_device(forward.device()) =>
             {
-                let mut kept = crate::sampler::gpu::GpuSampler::new(
-                    Arc::clone(context),
-                    model.config.vocab,
-                    1,
-                    model.config.context,
-                )
-                .map_err(|e| crate::sampler::SamplerError::Device {
-                    message: e.to_string(),
-                })?;
                 let (buffer, rows) = forward.kept();
-                kept.read_kept_from(buffer, rows as u32);
-                Some(Box::new(kept))
+                gpu_sampler.read_kept_from(buffer, rows as u32);
+                true
             }
-            _ => None,
+            _ => false,
         };
         Ok(Self {
             model,
@@ -214,7 +207,7 @@ impl Engine {
             #[cfg(not(loom))]
             gpu,
             #[cfg(not(loom))]
-            kept,
+            samples_kept,
         })
     }
 
@@ -376,7 +369,7 @@ impl Engine {
     /// until [`Engine::bring_logits_home`]).
     fn decode(&mut self, session: &mut Session, token: u32) -> Result<bool, EngineError> {
         #[cfg(not(loom))]
-        if let (Some(gpu), Some(_)) = (&mut self.gpu, &self.kept) {
+        if let (Some(gpu), true) = (&mut self.gpu, self.samples_kept) {
             self.model.check_append(session.kv.len(), &[token])?;
             session.kv.reserve(session.kv.len() + 1)?;
             let mut feeds = [crate::gpu::GpuFeed {
@@ -398,9 +391,9 @@ impl Engine {
     /// Samples the logits the last decode step kept on the GPU.
     fn sample_kept(&mut self, request: &SampleRequest<'_>) -> Result<u32, EngineError> {
         #[cfg(not(loom))]
-        if let Some(kept) = &mut self.kept {
+        if let Some(gpu_sampler) = self.sampler.gpu_mut().filter(|_| self.samples_kept) {
             let mut out = Vec::with_capacity(1);
-            kept.sample_kept(
+            gpu_sampler.sample_kept(
                 &[crate::sampler::gpu::KeptRow {
                     row: 0,
                     request: request.row(),

@@ -192,6 +192,16 @@ impl SamplerBackend {
         }
     }
 
+    /// The GPU sampler, while the device works (`None` on the CPU).
+    pub fn gpu_mut(&mut self) -> Option<&mut GpuSampler> {
+        match self {
+            SamplerBackend::Wgpu {
+                gpu, failed: false, ..
+            } => Some(gpu),
+            _ => None,
+        }
+    }
+
     /// Samples one row.
     pub fn sample(&mut self, request: SampleRequest<'_>) -> Result<Sampled, SamplerError> {
         match self {

@@ -192,13 +192,18 @@ struct GpuRunner {
 }
 
 impl GpuRunner {
+    /// Whether this runner holds `f`'s last row instead of returning it.
+    fn keeps(&self, f: &StepFeed<'_>) -> bool {
+        self.sampler.is_some() && f.keep_logits && f.logits == LogitsWanted::Last
+    }
+
     /// Where each feed's kept logits go this step; a row taken from
     /// another session has that session's logits read out first.
     fn place_kept(&mut self, feeds: &[StepFeed<'_>]) -> Result<Vec<Option<u32>>, GpuError> {
         self.rows.begin_step();
         let mut places = Vec::with_capacity(feeds.len());
         for f in feeds {
-            if !self.keeps_logits() || !f.keep_logits || f.logits != LogitsWanted::Last {
+            if !self.keeps(f) {
                 places.push(None);
                 continue;
             }
@@ -251,8 +256,7 @@ impl StepRunner for GpuRunner {
         // Kept logits that found no row this step are held on the host.
         let vocab = self.vocab;
         for ((f, place), range) in feeds.iter().zip(&places).zip(&rows.per_sequence) {
-            let wanted = self.keeps_logits() && f.keep_logits && f.logits == LogitsWanted::Last;
-            if wanted && place.is_none() {
+            if self.keeps(f) && place.is_none() {
                 if let Some(last) = range.end.checked_sub(1) {
                     let row = scratch.logits[last * vocab..][..vocab].to_vec();
                     self.rows.evicted.insert(f.session, row);

@@ -225,7 +225,6 @@ impl Worker {
         finish_with_error(active, err);
     }
 
-    /// Applies a successful step's results to its sessions.
     /// Applies a successful step's results to its sessions (`kept[i]`: the
     /// layers hold session `ids[i]`'s new logits).
     pub(super) fn commit_batch(&mut self, ids: Vec<SessionId>, kept: &[bool], rows: &LogitRows) {
