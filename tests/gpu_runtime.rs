@@ -40,6 +40,17 @@ fn device() -> Option<Arc<GpuDevice>> {
 /// there when `on_device` (and sampling them there), else sampling on the
 /// CPU with the logits read back every step.
 fn start(device: &Arc<GpuDevice>, model: &Arc<Model>, on_device: bool) -> Runtime {
+    start_with(device, model, on_device, 1).0
+}
+
+/// A runtime of `workers` workers, and the sampler's context on the
+/// device when sessions sample there.
+fn start_with(
+    device: &Arc<GpuDevice>,
+    model: &Arc<Model>,
+    on_device: bool,
+    workers: usize,
+) -> (Runtime, Option<Arc<GpuContext>>) {
     let capacity = StepCapacity {
         kept_rows: 2,
         ..StepCapacity::default()
@@ -48,20 +59,23 @@ fn start(device: &Arc<GpuDevice>, model: &Arc<Model>, on_device: bool) -> Runtim
         .expect("the model on the device")
         .with_capacity(capacity);
     let mut sampler = SelectedSampler::Cpu;
+    let mut on = None;
     if on_device {
         let context = GpuContext::on_device(device).expect("a sampler on the device");
         sampler = SelectedSampler::Wgpu(Arc::clone(&context));
-        layers = layers.sampling_on(context);
+        layers = layers.sampling_on(Arc::clone(&context));
+        on = Some(context);
     }
     let cfg = RuntimeConfig {
-        workers: 1,
+        workers,
         pin_cores: false,
         kv_bytes: 8 << 20,
         sampler,
         layers: Arc::new(layers),
         ..RuntimeConfig::default()
     };
-    Runtime::start(Arc::clone(model), cfg).expect("runtime starts")
+    let runtime = Runtime::start(Arc::clone(model), cfg).expect("runtime starts");
+    (runtime, on)
 }
 
 fn create(rt: &Runtime) -> SessionId {
@@ -162,7 +176,11 @@ fn sampling_kept_logits_matches_sampling_them_on_the_cpu() {
         .expect("synthetic model parses");
     let model = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
 
-    let kept = start(&device, &model, true);
+    // Two workers: each holds one sampler on the device, which samples its
+    // kept rows and its host ones alike.
+    let (kept, context) = start_with(&device, &model, true, 2);
+    let context = context.expect("sampling on the device");
+    assert_eq!(context.samplers(), 2, "one GPU sampler per worker");
     let on_device = answers(&kept);
     let kept_rows = kept.stats().logit_rows_read.expect("a GPU counts its rows");
     kept.shutdown();
@@ -216,6 +234,7 @@ fn the_engine_samples_kept_logits_as_the_cpu_samples_them() {
     seeded.seed = 5;
     let mut runs = Vec::new();
     let mut rows = Vec::new();
+    let mut submissions = Vec::new();
     for sampler in [SelectedSampler::Wgpu(context), SelectedSampler::Cpu] {
         let mut e = engine(sampler);
         let mut s = e.new_session();
@@ -224,9 +243,11 @@ fn the_engine_samples_kept_logits_as_the_cpu_samples_them() {
             &(0..30).map(|i| (i * 11 + 3) % 380).collect::<Vec<u32>>(),
         )
         .expect("append");
+        let before = e.gpu_submissions().expect("on the GPU");
         let greedy = e
             .generate(&mut s, &SamplingParams::greedy(), 10, &[], |_| true)
             .expect("greedy");
+        submissions.push(e.gpu_submissions().expect("on the GPU") - before);
         let drawn = e
             .generate(&mut s, &seeded, 10, &[], |_| true)
             .expect("seeded");
@@ -248,5 +269,9 @@ fn the_engine_samples_kept_logits_as_the_cpu_samples_them() {
     // Kept: the append's row, one per generation's end and the bench's
     // prefill; read back: a row per token as well.
     assert!(rows[0] <= 4, "{} rows came back", rows[0]);
+    // Ten tokens: a decode step's layers and its sampling are one
+    // submission (the first token samples the append's kept row).
+    eprintln!("submissions for ten tokens: {submissions:?} (device sampler, CPU sampler)");
+    assert!(submissions[0] <= 10, "{} submissions", submissions[0]);
     assert!(rows[1] >= 1 + 20 + 8, "{} rows came back", rows[1]);
 }

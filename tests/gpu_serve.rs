@@ -235,9 +235,14 @@ fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
     // The same calls on a server sampling on the device and on one
     // sampling on the CPU: their answers, the last logits' digest, and
     // the rows of logits that came back from the GPU.
+    let submissions = |server: &support::Inferd| {
+        let text = scrape(server.metrics.as_deref().expect("metrics"));
+        support::sample(&text, "inferd_gpu_submissions_total").expect("submissions")
+    };
     let run = |server: &support::Inferd| {
         let client = Client::connect(&server.addr);
         let before = rows_read(server);
+        let submitted = submissions(server);
         let a = client.create();
         client.append(&a, &PROMPT).expect("append");
         let mut runs = vec![
@@ -255,10 +260,11 @@ fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
             assert!(r.error.is_none(), "{:?}", r.error);
         }
         let digest = client.info(&a).expect("info").get_logits_digest();
-        (runs, digest, rows_read(server) - before)
+        let rows = rows_read(server) - before;
+        (runs, digest, rows, submissions(server) - submitted)
     };
-    let (device_runs, device_digest, device_rows) = run(&serve("wgpu"));
-    let (cpu_runs, cpu_digest, cpu_rows) = run(&serve("cpu"));
+    let (device_runs, device_digest, device_rows, _) = run(&serve("wgpu"));
+    let (cpu_runs, cpu_digest, cpu_rows, _) = run(&serve("cpu"));
     let model_arg = model.to_str().expect("UTF-8 path");
     let no_journal = support::Inferd::start(&[
         "serve",
@@ -273,11 +279,19 @@ fn generating_sessions_sample_on_the_device_and_only_tokens_come_back() {
         "--metrics-listen",
         "127.0.0.1:0",
     ]);
-    let (plain_runs, plain_digest, plain_rows) = run(&no_journal);
+    let (plain_runs, plain_digest, plain_rows, plain_submissions) = run(&no_journal);
     // Without a journal, a call's end reads nothing back: only the appends
     // (a row each, and the undo of the one after generated tokens), the
     // fork and GetSessionInfo's digest do.
     assert!(plain_rows <= 5.0, "{plain_rows} rows came back");
+    // 46 tokens, a submission each (a decode step's layers and its
+    // sampling go out together), and a few for the appends, the fork and
+    // the rows read back.
+    eprintln!("submissions: {plain_submissions} for 46 tokens");
+    assert!(
+        plain_submissions <= 46.0 + 12.0,
+        "{plain_submissions} submissions"
+    );
     assert_eq!((&plain_runs, plain_digest), (&device_runs, device_digest));
     eprintln!("logit rows read back: {device_rows} sampling on the device, {cpu_rows} on the CPU");
     // Sampled on the device: a row per append and per call's end (for the

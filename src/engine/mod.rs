@@ -192,7 +192,7 @@ impl Engine {
                 if gpu_sampler.context().shares_device(forward.device()) =>
             {
                 let (buffer, rows) = forward.kept();
-                gpu_sampler.read_kept_from(buffer, rows as u32);
+                gpu_sampler.read_kept_from(forward.device(), buffer, rows as u32);
                 true
             }
             _ => false,
@@ -221,6 +221,12 @@ impl Engine {
     #[cfg(not(loom))]
     pub fn logit_rows_read(&self) -> Option<u64> {
         self.gpu.as_ref().map(|g| g.logit_rows_read())
+    }
+
+    /// Submissions made on the GPU so far (`None` on the CPU).
+    #[cfg(not(loom))]
+    pub fn gpu_submissions(&self) -> Option<u64> {
+        self.gpu.as_ref().map(|g| g.device().submissions())
     }
 
     pub fn model(&self) -> &Arc<Model> {

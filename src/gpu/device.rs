@@ -1,7 +1,8 @@
 //! One opened adapter for the model: device, queue and the adapter's real
 //! limits, with the blocking helpers the backend needs (compile, read back).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_executor::block_on;
@@ -22,6 +23,12 @@ pub struct GpuDevice {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     limits: wgpu::Limits,
+    /// Recorded work not yet submitted (a decode step's layers, waiting
+    /// for the sampler's dispatch to go with them); every submission on
+    /// the device sends it first, so the queue runs work in the order it
+    /// was recorded.
+    pending: Mutex<Vec<wgpu::CommandBuffer>>,
+    submissions: AtomicU64,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -58,6 +65,8 @@ impl GpuDevice {
             device,
             queue,
             limits,
+            pending: Mutex::new(Vec::new()),
+            submissions: AtomicU64::new(0),
         }))
     }
 
@@ -177,9 +186,15 @@ impl GpuDevice {
         }
     }
 
-    /// Submits `encoder` and waits for it to finish.
+    /// Submits `encoder` (after any deferred work) and waits for it to
+    /// finish.
     pub fn submit(&self, encoder: wgpu::CommandEncoder) -> Result<(), GpuError> {
-        let submission = self.queue.submit([encoder.finish()]);
+        let submission = self.submit_after_pending(encoder.finish());
+        self.wait(submission)
+    }
+
+    /// Waits for `submission` to finish.
+    pub(crate) fn wait(&self, submission: wgpu::SubmissionIndex) -> Result<(), GpuError> {
         self.device
             .poll(wgpu::PollType::Wait {
                 submission_index: Some(submission),
@@ -190,6 +205,45 @@ impl GpuDevice {
                 what: "waiting for a submission",
                 message: e.to_string(),
             })
+    }
+
+    /// Holds `encoder`'s work back to go out with the next submission on
+    /// this device, so that a decode step's layers and its sampling are
+    /// one submission.
+    pub fn defer(&self, encoder: wgpu::CommandEncoder) {
+        self.pending().push(encoder.finish());
+    }
+
+    /// Submits the deferred work, if any, without waiting. Whoever queues
+    /// a buffer write that deferred work may touch calls this first: a
+    /// queued write runs before every command buffer of the submission it
+    /// goes out with.
+    pub fn flush(&self) {
+        let mut pending = self.pending();
+        if !pending.is_empty() {
+            self.queue.submit(pending.drain(..));
+            self.submissions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Submits the deferred work and `commands` as one submission.
+    pub fn submit_after_pending(&self, commands: wgpu::CommandBuffer) -> wgpu::SubmissionIndex {
+        let mut pending = self.pending();
+        let submission = self
+            .queue
+            .submit(pending.drain(..).chain(std::iter::once(commands)));
+        self.submissions.fetch_add(1, Ordering::Relaxed);
+        submission
+    }
+
+    /// Submissions made on this device so far.
+    pub fn submissions(&self) -> u64 {
+        self.submissions.load(Ordering::Relaxed)
+    }
+
+    fn pending(&self) -> MutexGuard<'_, Vec<wgpu::CommandBuffer>> {
+        // A panic while holding the list leaves it whole: keep using it.
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Copies `len` f32 values from the start of `buffer` back to the host
@@ -276,6 +330,7 @@ impl GpuDevice {
     /// the next submission), a tail that is not whole words padded with
     /// zeros as copies require.
     pub(crate) fn write_bytes(&self, buffer: &wgpu::Buffer, bytes: &[u8]) {
+        self.flush();
         let whole = bytes.len() / 4 * 4;
         if whole > 0 {
             self.queue.write_buffer(buffer, 0, &bytes[..whole]);
@@ -321,6 +376,7 @@ impl GpuDevice {
 
     /// Writes `values` at the start of `buffer`.
     pub fn write_f32(&self, buffer: &wgpu::Buffer, values: &[f32]) {
+        self.flush();
         self.queue
             .write_buffer(buffer, 0, bytemuck::cast_slice(values));
     }

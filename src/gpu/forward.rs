@@ -3,7 +3,8 @@
 //! tables and RoPE tables, records all layers into one compute pass,
 //! submits once and reads back only the logit rows asked for. A feed may
 //! keep its last row on the device instead, in a row of the kept-logits
-//! buffer that a sampler on the same device reads.
+//! buffer that a sampler on the same device reads; such a step is not
+//! submitted here but goes out with the sampler's dispatch.
 
 use std::sync::Arc;
 
@@ -589,6 +590,8 @@ impl GpuForward {
             );
         }
         let device = &self.gpu.device;
+        // The last step may still be deferred, reading these buffers.
+        device.flush();
         let queue = &device.queue;
         let b = &self.buffers;
         queue.write_buffer(
@@ -657,6 +660,16 @@ impl GpuForward {
             }
             _ => None,
         };
+        if host_rows == 0 && hidden_readback.is_none() {
+            // Nothing to wait for here: kept rows go out with the sampler's
+            // dispatch (one submission for the step); a step without rows
+            // goes now, and whoever next reads what it wrote waits for it.
+            device.defer(encoder);
+            if !self.row_targets.iter().any(Option::is_some) {
+                device.flush();
+            }
+            return Ok(());
+        }
         device.submit(encoder)?;
         if let (Some(rows), Some((readback, bytes))) = (hidden, hidden_readback) {
             rows.copy_from_slice(&device.map_read(readback, bytes)?);

@@ -79,6 +79,9 @@ impl PageStore for DevicePages {
                 got: bytes.len(),
             });
         }
+        // Deferred layers may still write this page (a freed page's last
+        // owner): they go first.
+        self.device.flush();
         self.device.queue.write_buffer(buffer, offset, bytes);
         self.device
             .submit(self.device.encoder("page write"))

@@ -150,6 +150,15 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
         );
         e.sample("gpu_logit_rows_read_total", &[], rows);
     }
+    if let Some(submissions) = stats.gpu_submissions {
+        e.family(
+            "gpu_submissions_total",
+            "counter",
+            "Command submissions to the GPU: one per decode step of a batch while sessions \
+             sample on the device (its layers and its sampling go out together).",
+        );
+        e.sample("gpu_submissions_total", &[], submissions);
+    }
     render_requests(&mut e, server);
     render_server_state(&mut e, server);
     e.out
@@ -747,6 +756,7 @@ mod tests {
                 resumed_positions: 32,
             }),
             logit_rows_read: Some(11),
+            gpu_submissions: Some(13),
         }
     }
 
@@ -923,6 +933,7 @@ mod tests {
         };
         assert_eq!(get("inferd_session_active", &[]), 3.0);
         assert_eq!(get("inferd_gpu_logit_rows_read_total", &[]), 11.0);
+        assert_eq!(get("inferd_gpu_submissions_total", &[]), 13.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);

@@ -228,6 +228,9 @@ pub struct RuntimeStats {
     /// Rows of logits read back from the GPU that computed them (`None`
     /// when the layers are not on a GPU).
     pub logit_rows_read: Option<u64>,
+    /// Submissions made on that GPU (one per decode step while sessions
+    /// sample on the device).
+    pub gpu_submissions: Option<u64>,
 }
 
 /// One worker's share of a [`RuntimeStats`] snapshot.

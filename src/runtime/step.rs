@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::{RuntimeConfig, RuntimeError, SessionId};
 use crate::kv::{KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
-use crate::sampler::{RowRequest, Sampled, SamplerError};
+use crate::sampler::{RowRequest, SampleRequest, Sampled, SamplerError};
 use crate::threads::ThreadPool;
 
 /// One session's share of a batched step.
@@ -101,6 +101,22 @@ pub trait StepRunner: Send {
         }));
     }
 
+    /// Samples rows whose logits are on the host with the sampler that
+    /// samples the kept ones, so that a worker whose runner keeps logits
+    /// builds no sampler of its own; `out[i]` answers `rows[i]`.
+    fn sample_host(
+        &mut self,
+        rows: &[SampleRequest<'_>],
+        out: &mut Vec<Result<Sampled, SamplerError>>,
+    ) {
+        out.clear();
+        out.extend(rows.iter().map(|_| {
+            Err(SamplerError::Device {
+                message: "the layers keep no logits and hold no sampler".into(),
+            })
+        }));
+    }
+
     /// Bytes of K and V the session's committed positions hold, wherever
     /// they are.
     fn kv_live_bytes(&self, kv: &SessionKv) -> u64 {
@@ -137,6 +153,11 @@ pub trait Layers: Send + Sync {
     /// Rows of logits read back from the device that computed them;
     /// `None` when the layers are not on a device.
     fn logit_rows_read(&self) -> Option<u64> {
+        None
+    }
+
+    /// Submissions made on the layers' device; `None` when not on one.
+    fn gpu_submissions(&self) -> Option<u64> {
         None
     }
 

@@ -151,7 +151,7 @@ impl Layers for GpuLayers {
                 )
                 .map_err(|e| RuntimeError::Internal(format!("the GPU sampler: {e}")))?;
                 let (buffer, rows) = forward.kept();
-                sampler.read_kept_from(buffer, rows as u32);
+                sampler.read_kept_from(forward.device(), buffer, rows as u32);
                 Some(Box::new(sampler))
             }
             None => None,
@@ -179,6 +179,10 @@ impl Layers for GpuLayers {
                 .logit_rows_read
                 .load(std::sync::atomic::Ordering::Relaxed),
         )
+    }
+
+    fn gpu_submissions(&self) -> Option<u64> {
+        Some(self.gpu.device.submissions())
     }
 }
 
@@ -281,6 +285,24 @@ impl StepRunner for GpuRunner {
         self.rows.evicted.get(&session).cloned().ok_or_else(|| {
             RuntimeError::Internal(format!("no logits are kept for session {session}"))
         })
+    }
+
+    fn sample_host(
+        &mut self,
+        rows: &[SampleRequest<'_>],
+        out: &mut Vec<Result<Sampled, SamplerError>>,
+    ) {
+        match self.sampler.as_mut() {
+            Some(sampler) => sampler.sample_batch(rows, out),
+            None => {
+                out.clear();
+                out.extend(rows.iter().map(|_| {
+                    Err(SamplerError::Device {
+                        message: "the layers keep no logits and hold no sampler".into(),
+                    })
+                }));
+            }
+        }
     }
 
     fn sample_kept(

@@ -402,6 +402,7 @@ impl Runtime {
             workers,
             shards: self.cfg.layers.shard_stats(),
             logit_rows_read: self.cfg.layers.logit_rows_read(),
+            gpu_submissions: self.cfg.layers.gpu_submissions(),
         }
     }
 

@@ -39,7 +39,10 @@ impl Worker {
             }
         }
         let rows: Vec<SampleRequest<'_>> = requests.iter().map(|(_, r)| *r).collect();
-        self.sampler.sample_batch(&rows, &mut self.sampled);
+        match self.sampler.as_mut() {
+            Some(sampler) => sampler.sample_batch(&rows, &mut self.sampled),
+            None => self.runner.sample_host(&rows, &mut self.sampled),
+        }
         let mut kept_sampled = Vec::new();
         if !kept_requests.is_empty() {
             self.runner.sample_kept(&kept_requests, &mut kept_sampled);

@@ -72,7 +72,9 @@ pub(crate) struct Worker {
     gauges: Arc<WorkerGauges>,
     compute: ThreadPool,
     scratch: Scratch,
-    sampler: SamplerBackend,
+    /// The worker's sampler; none when its runner keeps logits on a device
+    /// (the runner's sampler there takes every row).
+    sampler: Option<SamplerBackend>,
     /// Sessions whose next token this step samples, in one batch.
     to_sample: Vec<SessionId>,
     /// The batch's answers, reused across steps.
@@ -125,10 +127,15 @@ impl Worker {
         shared: Arc<WorkersState>,
         gauges: Arc<WorkerGauges>,
     ) -> Result<Self, RuntimeError> {
-        let sampler = cfg
-            .sampler
-            .backend(model.config.vocab, model.config.context)
-            .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
+        let sampler = if runner.keeps_logits() {
+            None
+        } else {
+            let sampler = cfg
+                .sampler
+                .backend(model.config.vocab, model.config.context)
+                .map_err(|e| RuntimeError::Internal(format!("worker {index}: {e}")))?;
+            Some(sampler)
+        };
         let compute = match &shared.lending {
             Some(group) => group.pool(index),
             None => ThreadPool::new(1),

@@ -36,6 +36,9 @@ pub struct GpuContext {
     pub(super) pipeline: wgpu::ComputePipeline,
     pub(super) layout: wgpu::BindGroupLayout,
     pub(super) limits: wgpu::Limits,
+    /// Samplers alive on this context (each holds a vocabulary's worth of
+    /// rows in buffers: the count is what a worker costs in memory).
+    pub(super) samplers: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for GpuContext {
@@ -128,7 +131,13 @@ impl GpuContext {
             pipeline,
             layout,
             limits,
+            samplers: std::sync::atomic::AtomicUsize::new(0),
         }))
+    }
+
+    /// Samplers alive on this context.
+    pub fn samplers(&self) -> usize {
+        self.samplers.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The adapter's name, backend, kind and driver, for logs and metrics.

@@ -84,6 +84,8 @@ pub struct KeptRow<'a> {
 
 /// The layers' buffer of kept logit rows, and the bind group reading it.
 struct KeptLogits {
+    /// The model's device: its deferred layers go out with each dispatch.
+    device: Arc<crate::gpu::GpuDevice>,
     buffer: wgpu::Buffer,
     rows: u32,
     bind_group: wgpu::BindGroup,
@@ -142,6 +144,12 @@ impl std::fmt::Debug for GpuSampler {
 
 fn bytes(words: usize) -> u64 {
     (words * 4) as u64
+}
+
+impl Drop for GpuSampler {
+    fn drop(&mut self) {
+        self.context.samplers.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl GpuSampler {
@@ -245,6 +253,7 @@ impl GpuSampler {
         if let Some(error) = block_on(scope.pop()) {
             return Err(pipeline_error(error.to_string()));
         }
+        context.samplers.fetch_add(1, Ordering::Relaxed);
         Ok(GpuSampler {
             context,
             vocab_size,
@@ -329,7 +338,12 @@ impl GpuSampler {
 
     /// Reads [`KeptRow`]s from `buffer` (`rows` rows of the vocabulary's
     /// logits, on this sampler's device) from now on.
-    pub fn read_kept_from(&mut self, buffer: &wgpu::Buffer, rows: u32) {
+    pub fn read_kept_from(
+        &mut self,
+        device: &Arc<crate::gpu::GpuDevice>,
+        buffer: &wgpu::Buffer,
+        rows: u32,
+    ) {
         let bind_group = Self::bind_group(
             &self.context,
             &self.fixed,
@@ -338,6 +352,7 @@ impl GpuSampler {
             &self.results,
         );
         self.kept = Some(KeptLogits {
+            device: Arc::clone(device),
             buffer: buffer.clone(),
             rows,
             bind_group,
@@ -623,7 +638,11 @@ impl GpuSampler {
             pass.dispatch_workgroups(count as u32, 1, 1);
         }
         encoder.copy_buffer_to_buffer(&self.results, 0, &self.readback, 0, result_bytes);
-        let submission = self.context.queue.submit([encoder.finish()]);
+        let submission = match (rows, &self.kept) {
+            // After the layers that computed the rows: one submission.
+            (Rows::Kept(_), Some(kept)) => kept.device.submit_after_pending(encoder.finish()),
+            _ => self.context.queue.submit([encoder.finish()]),
+        };
         if let Some(error) = block_on(scope.pop()) {
             return Err(StepError::Validation(error.to_string()));
         }
