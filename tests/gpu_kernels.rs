@@ -235,6 +235,43 @@ fn outputs_do_not_depend_on_the_step_or_the_split() {
     }
 }
 
+/// The tree's lowest levels as subgroup shuffles give the bits of the
+/// workgroup-memory tree: every format, a decode tile and a wide one.
+#[test]
+fn subgroup_shuffles_give_the_trees_bits() {
+    let Some(device) = device() else { return };
+    let Some(min) = device.subgroups() else {
+        eprintln!("{} has no subgroups: one path only", device.describe());
+        return;
+    };
+    eprintln!("subgroups of at least {min} lanes");
+    let plain = GpuDevice::open_with(AdapterKind::Any, false).expect("the same adapter again");
+    assert_eq!(plain.subgroups(), None);
+    let shuffled = MatmulKernels::new(&device, &WEIGHT_TYPES).expect("kernels");
+    let tree = MatmulKernels::new(&plain, &WEIGHT_TYPES).expect("kernels");
+    let mut rng = StdRng::seed_from_u64(7);
+    for ty in WEIGHT_TYPES {
+        let (rows, cols) = (19, 256 * 9);
+        let w = random_matrix(&mut rng, ty, rows, cols);
+        for n_tokens in [1, 40] {
+            let x: Vec<f32> = (0..n_tokens * cols)
+                .map(|_| rng.gen_range(-1.0f32..1.0))
+                .collect();
+            let on = DeviceMatrix::upload(&device, "w", ty, rows, cols, &w).unwrap();
+            let off = DeviceMatrix::upload(&plain, "w", ty, rows, cols, &w).unwrap();
+            let a: Vec<u32> = run(&device, &shuffled, &on, &x)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let b: Vec<u32> = run(&plain, &tree, &off, &x)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            assert_eq!(a, b, "{ty}, {n_tokens} tokens");
+        }
+    }
+}
+
 #[test]
 fn a_buffer_the_device_refuses_is_an_error_and_the_device_goes_on() {
     let Some(device) = device() else {

@@ -23,6 +23,9 @@ pub struct GpuDevice {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     limits: wgpu::Limits,
+    /// The smallest subgroup the adapter runs, when the kernels use
+    /// subgroup shuffles (see [`GpuDevice::subgroups`]).
+    subgroup_min: Option<u32>,
     /// Recorded work not yet submitted (a decode step's layers, waiting
     /// for the sampler's dispatch to go with them); every submission on
     /// the device sends it first, so the queue runs work in the order it
@@ -41,13 +44,35 @@ impl std::fmt::Debug for GpuDevice {
 
 impl GpuDevice {
     /// Opens the best adapter of the wanted kind with every limit it has
-    /// (wgpu's defaults would cap a binding at 128 MiB).
+    /// (wgpu's defaults would cap a binding at 128 MiB), using subgroups
+    /// where the adapter has them unless `INFERD_GPU_SUBGROUPS=0`.
     pub fn open(kind: AdapterKind) -> Result<Arc<Self>, GpuError> {
+        let subgroups = std::env::var("INFERD_GPU_SUBGROUPS").map_or(true, |v| v != "0");
+        Self::open_with(kind, subgroups)
+    }
+
+    /// [`GpuDevice::open`], with subgroups used only when `subgroups` is
+    /// set and the adapter has them (the kernels give the same bits either
+    /// way).
+    pub fn open_with(kind: AdapterKind, subgroups: bool) -> Result<Arc<Self>, GpuError> {
         let adapter = adapter::choose(kind).map_err(|e| GpuError::NoAdapter { seen: e.seen })?;
         let info = adapter.get_info();
         let limits = adapter.limits();
+        // The shuffle levels of a reduction tree assume subgroups of a
+        // power of two no wider than the 64-lane workgroups.
+        let subgroup_min = (subgroups
+            && adapter.features().contains(wgpu::Features::SUBGROUP)
+            && info.subgroup_min_size.is_power_of_two()
+            && info.subgroup_max_size <= 64)
+            .then_some(info.subgroup_min_size);
+        let required_features = if subgroup_min.is_some() {
+            wgpu::Features::SUBGROUP
+        } else {
+            wgpu::Features::empty()
+        };
         let (device, queue) = block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("inferd model"),
+            required_features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -60,11 +85,17 @@ impl GpuDevice {
         device.on_uncaptured_error(Arc::new(|error: wgpu::Error| {
             tracing::error!(%error, "wgpu model error");
         }));
+        tracing::info!(
+            adapter = %describe(&info),
+            subgroups = ?subgroup_min,
+            "GPU device opened"
+        );
         Ok(Arc::new(Self {
             info,
             device,
             queue,
             limits,
+            subgroup_min,
             pending: Mutex::new(Vec::new()),
             submissions: AtomicU64::new(0),
         }))
@@ -83,6 +114,13 @@ impl GpuDevice {
     /// The adapter the device was opened on.
     pub fn info(&self) -> &wgpu::AdapterInfo {
         &self.info
+    }
+
+    /// The smallest subgroup size, when the kernels use subgroups: below it
+    /// a reduction tree's levels are shuffles inside one subgroup instead
+    /// of workgroup-memory steps with a barrier each.
+    pub fn subgroups(&self) -> Option<u32> {
+        self.subgroup_min
     }
 
     /// The limits the device was opened with (the adapter's own).

@@ -51,11 +51,39 @@ pub struct MatmulKernels {
     pipelines: HashMap<GgmlType, (wgpu::ComputePipeline, Option<wgpu::ComputePipeline>)>,
 }
 
-/// The kernel's source for tiles of `tokens` tokens over `ty` weights.
-fn source(function: &str, tokens: u32) -> String {
+/// A lane's number with subgroups: subgroup by subgroup, so that lanes
+/// `l` and `l + s` share a subgroup whenever `l + s` is below its size.
+const SUBGROUP_LANES: &str = "@builtin(subgroup_id) sg_id: u32, \
+     @builtin(subgroup_invocation_id) sg_lane: u32, @builtin(subgroup_size) sg_size: u32";
+
+/// The kernel's source for tiles of `tokens` tokens over `ty` weights,
+/// with the tree's lowest levels as shuffles in subgroups of at least
+/// `subgroups` lanes where the device has them.
+fn source(function: &str, tokens: u32, subgroups: Option<u32>) -> String {
+    // wgpu's shader compiler takes subgroup functions on a device opened
+    // with the feature, without an `enable` directive (it refuses one).
+    let (shuffle_below, builtins, lane, shuffle) = match subgroups {
+        Some(min) => (
+            min,
+            SUBGROUP_LANES,
+            "sg_id * sg_size + sg_lane;",
+            "subgroupShuffleDown(v, s)",
+        ),
+        None => (
+            1,
+            "@builtin(local_invocation_index) local_lane: u32",
+            "local_lane;",
+            "v",
+        ),
+    };
+    let body = MATMUL
+        .replace("DEQUANT", function)
+        .replace("LANE_BUILTINS", builtins)
+        .replace("LANE;", lane)
+        .replace("SHUFFLE(v, s)", shuffle);
     format!(
-        "const TILE_TOKENS: u32 = {tokens}u;\n{QUANTS}\n{}",
-        MATMUL.replace("DEQUANT", function)
+        "const TILE_TOKENS: u32 = {tokens}u;\nconst SHUFFLE_BELOW: u32 = {shuffle_below}u;\n\
+         {QUANTS}\n{body}"
     )
 }
 
@@ -94,13 +122,13 @@ impl MatmulKernels {
             let label = format!("matmul {ty}");
             let narrow = device.pipeline(
                 &label,
-                &source(function, TILE_TOKENS),
+                &source(function, TILE_TOKENS, device.subgroups()),
                 "matmul",
                 &pipeline_layout,
             )?;
             let wide = if wide_fits {
                 let label = format!("wide matmul {ty}");
-                let wide = source(function, WIDE_TOKENS);
+                let wide = source(function, WIDE_TOKENS, device.subgroups());
                 Some(device.pipeline(&label, &wide, "matmul", &pipeline_layout)?)
             } else {
                 None

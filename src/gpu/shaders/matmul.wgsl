@@ -10,6 +10,12 @@
 // steps and 32 for prompt chunks (each weight chunk dequantized once for 32
 // tokens), and both give the same bits. The host prepends TILE_TOKENS, and
 // replaces DEQUANT with the weight format's `dequant_*` function.
+//
+// Where the device has subgroups, the host sets SHUFFLE_BELOW to its
+// smallest subgroup size, numbers the lanes subgroup by subgroup
+// (LANE_BUILTINS, LANE) and makes SHUFFLE a shuffle down: the tree's levels below SHUFFLE_BELOW then pair the same
+// lanes inside subgroup 0 without a barrier, so the sums are the tree's
+// bits either way. Without, SHUFFLE_BELOW is 1 and SHUFFLE never runs.
 
 struct Part {
     rows: u32,
@@ -35,7 +41,8 @@ const OUTPUTS: u32 = TILE_ROWS * TILE_TOKENS;
 var<workgroup> sums: array<f32, OUTPUTS * LANES>;
 
 @compute @workgroup_size(64)
-fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, LANE_BUILTINS) {
+    let lane = LANE;
     let row0 = (wid.x + wid.y * part.groups_x) * TILE_ROWS;
     let t0 = wid.z * TILE_TOKENS;
     let n_tokens = step.x;
@@ -66,12 +73,31 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         }
     }
     workgroupBarrier();
-    for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
+    var stride = LANES / 2u;
+    for (; stride >= SHUFFLE_BELOW; stride >>= 1u) {
         if (lane < stride) {
             for (var r = 0u; r < rows; r++) {
                 for (var t = 0u; t < tokens; t++) {
                     let o = r * TILE_TOKENS + t;
                     sums[o * LANES + lane] = sums[o * LANES + lane] + sums[o * LANES + lane + stride];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    if (stride > 0u) {
+        // Lane l < s adds lane l + s, as the tree does; both are below
+        // 2s <= SHUFFLE_BELOW, in subgroup 0. Every lane shuffles (the
+        // call must be uniform); only subgroup 0's results are kept.
+        for (var r = 0u; r < rows; r++) {
+            for (var t = 0u; t < tokens; t++) {
+                let o = r * TILE_TOKENS + t;
+                var v = sums[o * LANES + lane];
+                for (var s = stride; s > 0u; s >>= 1u) {
+                    v = v + SHUFFLE(v, s);
+                }
+                if (lane == 0u) {
+                    sums[o * LANES] = v;
                 }
             }
         }
