@@ -43,6 +43,7 @@ pub mod chat_template;
 pub mod cli;
 #[cfg(not(loom))]
 pub mod cluster;
+pub mod constraint;
 #[cfg(not(loom))]
 pub mod durable;
 pub mod engine;
