@@ -142,6 +142,7 @@ fn main() {
                         requests.clear();
                         for (r, row) in rows.iter().take(batch).enumerate() {
                             requests.push(SampleRequest {
+                                mask: None,
                                 logits: row,
                                 params: &params,
                                 history: &history,

@@ -20,4 +20,10 @@ pub enum StopReason {
         /// Which of the request's stop sequences matched.
         index: u32,
     },
+    /// The constrained text is complete: it matches, and nothing may follow
+    /// (or a stop id came where it may end, and was committed).
+    ConstraintDone,
+    /// The constraint can no longer be met: `max_tokens` came with the text
+    /// unfinished, or no token of the vocabulary continues it.
+    ConstraintUnfinished,
 }

@@ -146,11 +146,9 @@ fn bad_and_hostile_constraints_are_refused_quickly() {
     }
     // Hostile but small: each compiles within its bounds or is refused;
     // none may take long.
-    let deep = format!(
-        "{}{}",
-        r#"{"type":"object","properties":{"a":"#.repeat(200),
-        format!(r#"{{"type":"integer"}}{}"#, "}}".repeat(200))
-    );
+    let deep = r#"{"type":"object","properties":{"a":"#.repeat(200)
+        + r#"{"type":"integer"}"#
+        + &"}}".repeat(200);
     let huge_enum = format!(
         r#"{{"enum": [{}]}}"#,
         (0..5000)

@@ -544,6 +544,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
         .generate(
             &Tenant::NONE,
             GenerateRequest {
+                constraint: None,
                 id,
                 max_tokens: 24,
                 sampling: SamplingOptions::default(),

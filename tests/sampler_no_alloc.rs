@@ -123,6 +123,7 @@ fn gpu_step_allocations(
         requests.clear();
         for row in 0..rows {
             requests.push(SampleRequest {
+                mask: None,
                 logits,
                 params: &params[row % params.len()],
                 history,

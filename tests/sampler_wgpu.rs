@@ -57,6 +57,7 @@ struct Case {
 impl Case {
     fn request(&self) -> SampleRequest<'_> {
         SampleRequest {
+            mask: None,
             logits: &self.logits,
             params: &self.params,
             history: &self.history,
@@ -375,6 +376,7 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
     let out_of_range_history = [1u32, vocab as u32 + 5];
     let rows = [
         SampleRequest {
+            mask: None,
             logits: &logits,
             params: &greedy,
             history: &[],
@@ -382,6 +384,7 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
             top_logprobs: 0,
         },
         SampleRequest {
+            mask: None,
             logits: &logits,
             params: &penalised,
             history: &out_of_range_history,
@@ -389,6 +392,7 @@ fn bad_input_gets_the_cpu_samplers_error_and_the_good_rows_still_sample() {
             top_logprobs: 0,
         },
         SampleRequest {
+            mask: None,
             logits: &short,
             params: &greedy,
             history: &[],
@@ -429,6 +433,7 @@ fn a_penalty_window_longer_than_the_buffers_grows_them_once() {
     .checked(vocab)
     .expect("valid");
     let rows = [SampleRequest {
+        mask: None,
         logits: &logits,
         params: &params,
         history: &history,

@@ -306,6 +306,8 @@ fn stop_reason_name(reason: GenerateDone_StopReason) -> &'static str {
         GenerateDone_StopReason::STOP_REASON_EOS => "eos",
         GenerateDone_StopReason::STOP_REASON_CANCELLED => "cancelled",
         GenerateDone_StopReason::STOP_REASON_TRUNCATED => "truncated",
+        GenerateDone_StopReason::STOP_REASON_CONSTRAINT_DONE => "constraint_done",
+        GenerateDone_StopReason::STOP_REASON_CONSTRAINT_UNFINISHED => "constraint_unfinished",
     }
 }
 

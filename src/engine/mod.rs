@@ -348,6 +348,7 @@ impl Engine {
                 history: &session.history,
                 position: session.history.len() as u64,
                 top_logprobs: 0,
+                mask: None,
             };
             let token = if on_device {
                 self.sample_kept(&request)?
@@ -461,6 +462,7 @@ impl Engine {
                     history: &s.history,
                     position: s.history.len() as u64,
                     top_logprobs: 0,
+                    mask: None,
                 })?
             } else {
                 crate::sampler::argmax(&s.next_logits).unwrap_or(0)

@@ -52,5 +52,5 @@ pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, S
 pub use types::{
     AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
     GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,
-    RuntimeConfig, SamplingOptions, SessionInfo, StopReason,
+    RequestConstraint, RuntimeConfig, SamplingOptions, SessionInfo, StopReason,
 };

@@ -21,6 +21,8 @@ pub struct SampleRequest<'a> {
     pub history: &'a [u32],
     pub position: u64,
     pub top_logprobs: usize,
+    /// The tokens a constraint allows (see [`super::Sampler::sample_masked`]).
+    pub mask: Option<&'a [u32]>,
 }
 
 impl<'a> SampleRequest<'a> {
@@ -31,6 +33,7 @@ impl<'a> SampleRequest<'a> {
             history: self.history,
             position: self.position,
             top_logprobs: self.top_logprobs,
+            mask: self.mask,
         }
     }
 }
@@ -43,6 +46,7 @@ pub struct RowRequest<'a> {
     pub history: &'a [u32],
     pub position: u64,
     pub top_logprobs: usize,
+    pub mask: Option<&'a [u32]>,
 }
 
 /// The operator's choice (`--sampler`, `sampler =` in the config file).
@@ -227,35 +231,68 @@ impl SamplerBackend {
                 out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
             }
             SamplerBackend::Wgpu { gpu, cpu, failed } => {
-                if !*failed {
-                    gpu.sample_batch(rows, out);
-                    let device_error = out.iter().find_map(|r| match r {
-                        Err(SamplerError::Device { message }) => Some(message.clone()),
-                        _ => None,
-                    });
-                    let Some(message) = device_error else {
-                        return;
-                    };
-                    tracing::error!(
-                        adapter = %gpu.context().describe(),
-                        error = %message,
-                        "the GPU sampler failed; this worker samples on the CPU from now on"
-                    );
-                    *failed = true;
+                if !rows.iter().any(|r| r.mask.is_some()) {
+                    return wgpu_batch(gpu, cpu, failed, rows, out);
                 }
+                // Constrained rows are sampled by the CPU reference (the
+                // bits the WGSL sampler gives); the rest still go to the GPU
+                // in one batch.
+                let free: Vec<SampleRequest<'_>> =
+                    rows.iter().filter(|r| r.mask.is_none()).copied().collect();
+                let mut free_out = Vec::with_capacity(free.len());
+                if !free.is_empty() {
+                    wgpu_batch(gpu, cpu, failed, &free, &mut free_out);
+                }
+                let mut free_out = free_out.into_iter();
                 out.clear();
-                out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
+                for row in rows {
+                    out.push(match row.mask {
+                        Some(_) => cpu_sample(cpu, row),
+                        None => free_out.next().unwrap_or(Err(SamplerError::EmptyLogits)),
+                    });
+                }
             }
         }
     }
 }
 
-fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<Sampled, SamplerError> {
-    cpu.sample_checked(
+/// The GPU sampler's batch, falling back to the CPU for good once the
+/// device fails.
+fn wgpu_batch(
+    gpu: &mut GpuSampler,
+    cpu: &mut Sampler,
+    failed: &mut bool,
+    rows: &[SampleRequest<'_>],
+    out: &mut Vec<Result<Sampled, SamplerError>>,
+) {
+    if !*failed {
+        gpu.sample_batch(rows, out);
+        let device_error = out.iter().find_map(|r| match r {
+            Err(SamplerError::Device { message }) => Some(message.clone()),
+            _ => None,
+        });
+        let Some(message) = device_error else {
+            return;
+        };
+        tracing::error!(
+            adapter = %gpu.context().describe(),
+            error = %message,
+            "the GPU sampler failed; this worker samples on the CPU from now on"
+        );
+        *failed = true;
+    }
+    out.clear();
+    out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
+}
+
+/// One row on the CPU reference sampler.
+pub fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<Sampled, SamplerError> {
+    cpu.sample_masked(
         row.logits,
         row.params,
         row.history,
         row.position,
         row.top_logprobs,
+        row.mask,
     )
 }

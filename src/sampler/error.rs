@@ -59,6 +59,8 @@ pub enum SamplerError {
     #[error("the sampler was built for {expected} logits per row, but a row has {got}")]
     VocabMismatch { expected: usize, got: usize },
     /// The GPU device failed (lost, out of memory, or a mapping error).
+    #[error("a token mask of {got} words for a row that needs {expected}")]
+    MaskLength { expected: usize, got: usize },
     #[error("the wgpu sampler failed: {message}")]
     Device { message: String },
 }

@@ -98,7 +98,9 @@ pub mod philox;
 
 use std::cmp::Ordering;
 
-pub use backend::{RowRequest, SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
+pub use backend::{
+    cpu_sample, RowRequest, SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler,
+};
 
 pub use error::SamplerError;
 pub use params::{CheckedParams, SamplingParams, MIN_TEMPERATURE};
@@ -440,6 +442,10 @@ pub struct Sampler {
     dense_weights: Vec<f32>,
     /// `[V / SUM_BLOCK_LEN]` block sums of `dense_weights` for the draw.
     block_sums: Vec<f32>,
+    /// `[V / 32]` the allowed tokens of a masked call (reused, so a masked
+    /// call allocates nothing either); `masking` says whether it applies.
+    mask: Vec<u32>,
+    masking: bool,
 }
 
 impl Sampler {
@@ -475,7 +481,7 @@ impl Sampler {
         top_logprobs: usize,
     ) -> Result<Sampled, SamplerError> {
         let token = self.sample(logits, params, history, position)?;
-        Ok(self.report(logits, params, token, top_logprobs))
+        Ok(self.report(logits, params, token, top_logprobs, false))
     }
 
     /// [`Sampler::sample_with_logprobs`] for parameters checked once per
@@ -489,10 +495,41 @@ impl Sampler {
         position: u64,
         top_logprobs: usize,
     ) -> Result<Sampled, SamplerError> {
+        self.sample_masked(logits, params, history, position, top_logprobs, None)
+    }
+
+    /// [`Sampler::sample_checked`] over the tokens `mask` allows (bit
+    /// `t % 32` of word `t / 32`; a constraint's next tokens): the others'
+    /// logits are -inf after penalties and bias, before every other step,
+    /// and the log-probabilities are over the allowed tokens.
+    pub fn sample_masked(
+        &mut self,
+        logits: &[f32],
+        params: &CheckedParams,
+        history: &[u32],
+        position: u64,
+        top_logprobs: usize,
+        mask: Option<&[u32]>,
+    ) -> Result<Sampled, SamplerError> {
         check_row(logits.len(), params, history)?;
+        if let Some(mask) = mask {
+            if mask.len() != logits.len().div_ceil(32) {
+                return Err(SamplerError::MaskLength {
+                    expected: logits.len().div_ceil(32),
+                    got: mask.len(),
+                });
+            }
+        }
         let u = philox::uniform(params.seed, position);
-        let token = self.pipeline(logits, params, history, u)?;
-        Ok(self.report(logits, params, token, top_logprobs))
+        self.masking = mask.is_some();
+        if let Some(mask) = mask {
+            self.mask.clear();
+            self.mask.extend_from_slice(mask);
+        }
+        let token = self.pipeline(logits, params, history, u);
+        let masked = std::mem::take(&mut self.masking);
+        let token = token?;
+        Ok(self.report(logits, params, token, top_logprobs, masked))
     }
 
     /// The sampled `token`, with its log-probabilities when asked for.
@@ -502,13 +539,14 @@ impl Sampler {
         params: &SamplingParams,
         token: u32,
         top_logprobs: usize,
+        masked: bool,
     ) -> Sampled {
         if top_logprobs == 0 {
             return Sampled::token(token);
         }
         // After a sample, `work` holds the adjusted logits when there were
         // adjustments.
-        let source: &[f32] = if params.adjusts_logits() {
+        let source: &[f32] = if params.adjusts_logits() || masked {
             &self.work
         } else {
             logits
@@ -549,7 +587,7 @@ impl Sampler {
 
         // Steps 2-4: copy, penalties, bias. Without them the input row is
         // read directly (the stages would be the identity).
-        let adjusts_logits = params.adjusts_logits();
+        let adjusts_logits = params.adjusts_logits() || self.masking;
         if adjusts_logits {
             self.adjust_logits(logits, window, params);
         }
@@ -604,6 +642,18 @@ impl Sampler {
         }
         for &(token, bias) in &params.logit_bias {
             self.work[token as usize] += bias;
+        }
+        if self.masking {
+            for (word, values) in self.mask.iter().zip(self.work.chunks_mut(32)) {
+                if *word == u32::MAX {
+                    continue;
+                }
+                for (bit, value) in values.iter_mut().enumerate() {
+                    if word >> bit & 1 == 0 {
+                        *value = f32::NEG_INFINITY;
+                    }
+                }
+            }
         }
     }
 
@@ -956,6 +1006,70 @@ mod tests {
             .into_iter()
             .map(|(id, _)| id)
             .collect()
+    }
+
+    // ---- token masks (constraints) ----
+
+    #[test]
+    fn a_mask_keeps_every_step_inside_the_allowed_tokens() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let vocab: usize = 1000;
+        let logits: Vec<f32> = (0..vocab).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+        // Allowed: multiples of 7 (the best token overall is likely not).
+        let mut mask = vec![0u32; vocab.div_ceil(32)];
+        for t in (0..vocab).step_by(7) {
+            mask[t / 32] |= 1 << (t % 32);
+        }
+        let allowed = |t: u32| t.is_multiple_of(7);
+        let mut sampler = Sampler::new();
+        let mut seeded = SamplingParams::greedy();
+        seeded.temperature = 1.5;
+        seeded.top_k = 50;
+        seeded.top_p = 0.95;
+        seeded.seed = 9;
+        for params in [SamplingParams::greedy(), seeded] {
+            let checked = params.clone().checked(vocab).unwrap();
+            for position in 0..40 {
+                let got = sampler
+                    .sample_masked(&logits, &checked, &[], position, 5, Some(&mask))
+                    .unwrap();
+                assert!(allowed(got.token), "{} is masked", got.token);
+                let report = got.logprobs.unwrap();
+                assert!(report.top.iter().all(|t| allowed(t.0)));
+                // The mass is over the allowed tokens only.
+                let best = report.top[0].1;
+                assert!(best > -3.0 && best <= 0.0, "{best}");
+            }
+        }
+        // Greedy under the mask is the best allowed token.
+        let want = (0..vocab as u32)
+            .filter(|&t| allowed(t))
+            .max_by(|&a, &b| {
+                logits[a as usize]
+                    .total_cmp(&logits[b as usize])
+                    .then(b.cmp(&a))
+            })
+            .unwrap();
+        let checked = SamplingParams::greedy().checked(vocab).unwrap();
+        let got = sampler
+            .sample_masked(&logits, &checked, &[], 0, 0, Some(&mask))
+            .unwrap();
+        assert_eq!(got.token, want);
+        // Unmasked again: the call after a masked one is not masked.
+        let free = sampler
+            .sample_checked(&logits, &checked, &[], 0, 0)
+            .unwrap();
+        assert_eq!(Some(free.token), argmax(&logits));
+        assert!(matches!(
+            sampler.sample_masked(&logits, &checked, &[], 0, 0, Some(&mask[1..])),
+            Err(SamplerError::MaskLength { .. })
+        ));
+        // Nothing allowed: no candidate.
+        let none = vec![0u32; mask.len()];
+        assert!(matches!(
+            sampler.sample_masked(&logits, &checked, &[], 0, 0, Some(&none)),
+            Err(SamplerError::NoCandidate { .. })
+        ));
     }
 
     // ---- argmax and greedy ----

@@ -96,6 +96,7 @@ pub fn generate_request(req: &pb::GenerateRequest) -> GenerateRequest {
         .map(|s| s.get_token_ids().to_vec())
         .collect();
     GenerateRequest {
+        constraint: None,
         id: SessionId::parse_or_never_issued(req.get_session_id()),
         max_tokens: req.get_max_tokens(),
         sampling,
@@ -110,6 +111,8 @@ fn stop_reason(reason: StopReason) -> pb::GenerateDone_StopReason {
         StopReason::Eos | StopReason::StopSequence { .. } => R::STOP_REASON_EOS,
         StopReason::Cancelled => R::STOP_REASON_CANCELLED,
         StopReason::Truncated => R::STOP_REASON_TRUNCATED,
+        StopReason::ConstraintDone => R::STOP_REASON_CONSTRAINT_DONE,
+        StopReason::ConstraintUnfinished => R::STOP_REASON_CONSTRAINT_UNFINISHED,
     }
 }
 

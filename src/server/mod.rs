@@ -11,6 +11,7 @@
 //! then leaves that session out of its batch steps until there is room.
 
 mod auth;
+mod constraints;
 mod convert;
 mod deadline;
 mod health;
@@ -231,6 +232,7 @@ impl Server {
             vocab,
             context,
             page_bytes,
+            constraints: constraints::Constraints::new(Arc::clone(&for_http)),
         });
 
         let env = Arc::new(

@@ -40,6 +40,8 @@ pub(crate) struct ServiceState {
     pub vocab: u32,
     pub context: u64,
     pub page_bytes: u64,
+    /// Compiles GenerateRequest.constraint.
+    pub constraints: super::constraints::Constraints,
 }
 
 /// The service object grpcio clones into each completion queue.
@@ -190,8 +192,12 @@ impl RuntimeServiceImpl {
     ) {
         let deadline = call_deadline(ctx.deadline());
         let started = req.message().and_then(|req| {
-            let request = convert::generate_request(&req);
+            let mut request = convert::generate_request(&req);
             let caller = self.caller(&ctx)?;
+            if req.has_constraint() {
+                let spec = super::constraints::spec_of(req.get_constraint())?;
+                request.constraint = Some(self.shared.constraints.compile(&spec)?);
+            }
             self.shared.runtime.generate(&caller, request, deadline)
         });
         let stats = Arc::clone(&self.shared.stats);

@@ -19,7 +19,7 @@ use crate::gpu::{
 use crate::kv::KvPool;
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::gpu::{GpuContext, GpuSampler, KeptRow, DEFAULT_MAX_ROWS};
-use crate::sampler::{RowRequest, SampleRequest, Sampled, SamplerError};
+use crate::sampler::{cpu_sample, RowRequest, SampleRequest, Sampled, Sampler, SamplerError};
 use crate::threads::ThreadPool;
 use kept::{KeptRows, Placed};
 
@@ -160,6 +160,7 @@ impl Layers for GpuLayers {
         Ok(Box::new(GpuRunner {
             forward,
             sampler,
+            cpu: Sampler::new(),
             rows,
             vocab: self.gpu.model.config.vocab,
         }))
@@ -191,6 +192,8 @@ struct GpuRunner {
     forward: GpuForward,
     /// Samples kept logits (none: the layers keep no logits).
     sampler: Option<Box<GpuSampler>>,
+    /// Samples constrained rows (the shader takes no token masks).
+    cpu: Sampler,
     rows: KeptRows,
     vocab: usize,
 }
@@ -292,16 +295,29 @@ impl StepRunner for GpuRunner {
         rows: &[SampleRequest<'_>],
         out: &mut Vec<Result<Sampled, SamplerError>>,
     ) {
-        match self.sampler.as_mut() {
-            Some(sampler) => sampler.sample_batch(rows, out),
-            None => {
-                out.clear();
-                out.extend(rows.iter().map(|_| {
-                    Err(SamplerError::Device {
-                        message: "the layers keep no logits and hold no sampler".into(),
-                    })
-                }));
-            }
+        out.clear();
+        let Some(sampler) = self.sampler.as_mut() else {
+            out.extend(rows.iter().map(|_| {
+                Err(SamplerError::Device {
+                    message: "the layers keep no logits and hold no sampler".into(),
+                })
+            }));
+            return;
+        };
+        // Constrained rows on the CPU reference (the shader takes no
+        // masks); the rest in one dispatch.
+        let free: Vec<SampleRequest<'_>> =
+            rows.iter().filter(|r| r.mask.is_none()).copied().collect();
+        let mut free_out = Vec::with_capacity(free.len());
+        if !free.is_empty() {
+            sampler.sample_batch(&free, &mut free_out);
+        }
+        let mut free_out = free_out.into_iter();
+        for row in rows {
+            out.push(match row.mask {
+                Some(_) => cpu_sample(&mut self.cpu, row),
+                None => free_out.next().unwrap_or(Err(SamplerError::EmptyLogits)),
+            });
         }
     }
 
@@ -311,47 +327,69 @@ impl StepRunner for GpuRunner {
         out: &mut Vec<Result<Sampled, SamplerError>>,
     ) {
         out.clear();
-        let Some(sampler) = self.sampler.as_mut() else {
+        if self.sampler.is_none() {
             out.extend(rows.iter().map(|_| {
                 Err(SamplerError::Device {
                     message: "the layers keep no logits".into(),
                 })
             }));
             return;
-        };
+        }
         // Rows on the device in one dispatch; rows held on the host (their
-        // row went to another session) uploaded in a second.
+        // row went to another session) uploaded in a second; constrained
+        // rows read out and sampled on the CPU (the shader takes no masks).
         let mut on_device = Vec::new();
         let mut on_host = Vec::new();
         let mut which = Vec::with_capacity(rows.len());
         let placed: Vec<Option<u32>> = rows.iter().map(|(id, _)| self.rows.touch(*id)).collect();
         for ((id, request), place) in rows.iter().zip(placed) {
-            if let Some(row) = place {
-                which.push(Some(true));
+            if request.mask.is_some() {
+                let logits = match place {
+                    Some(row) => self.forward.read_kept(row).ok(),
+                    None => self.rows.evicted.get(id).cloned(),
+                };
+                which.push(Where::Cpu(logits.map(|logits| {
+                    cpu_sample(
+                        &mut self.cpu,
+                        &SampleRequest {
+                            logits: &logits,
+                            params: request.params,
+                            history: request.history,
+                            position: request.position,
+                            top_logprobs: request.top_logprobs,
+                            mask: request.mask,
+                        },
+                    )
+                })));
+            } else if let Some(row) = place {
+                which.push(Where::Device);
                 on_device.push(KeptRow {
                     row,
                     request: *request,
                 });
             } else if let Some(logits) = self.rows.evicted.get(id) {
-                which.push(Some(false));
+                which.push(Where::Host);
                 on_host.push(SampleRequest {
                     logits,
                     params: request.params,
                     history: request.history,
                     position: request.position,
                     top_logprobs: request.top_logprobs,
+                    mask: None,
                 });
             } else {
-                which.push(None);
+                which.push(Where::Cpu(None));
             }
         }
         let mut device_out = Vec::new();
         let mut host_out = Vec::new();
-        if !on_device.is_empty() {
-            sampler.sample_kept(&on_device, &mut device_out);
-        }
-        if !on_host.is_empty() {
-            sampler.sample_batch(&on_host, &mut host_out);
+        if let Some(sampler) = self.sampler.as_mut() {
+            if !on_device.is_empty() {
+                sampler.sample_kept(&on_device, &mut device_out);
+            }
+            if !on_host.is_empty() {
+                sampler.sample_batch(&on_host, &mut host_out);
+            }
         }
         let mut device_out = device_out.into_iter();
         let mut host_out = host_out.into_iter();
@@ -362,10 +400,19 @@ impl StepRunner for GpuRunner {
                 })
             };
             out.push(match w {
-                Some(true) => device_out.next().unwrap_or_else(missing),
-                Some(false) => host_out.next().unwrap_or_else(missing),
-                None => missing(),
+                Where::Device => device_out.next().unwrap_or_else(missing),
+                Where::Host => host_out.next().unwrap_or_else(missing),
+                Where::Cpu(Some(sampled)) => sampled,
+                Where::Cpu(None) => missing(),
             });
         }
     }
+}
+
+/// Where a kept row is sampled.
+enum Where {
+    Device,
+    Host,
+    /// On the CPU, already (`None`: no logits were found for it).
+    Cpu(Option<Result<Sampled, SamplerError>>),
 }

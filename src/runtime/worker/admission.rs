@@ -503,6 +503,8 @@ fn start_generate(
         history_start: slot.session.history().len(),
         rewritten: false,
         before_rewrite: None,
+        constraint: req.constraint.as_ref().and_then(|c| c.take()).map(Box::new),
+        mask: Vec::new(),
     };
     slot.active = Some(Active {
         work: Work::Generate(Box::new(gen)),

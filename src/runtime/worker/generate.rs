@@ -11,6 +11,7 @@ impl Worker {
         if self.to_sample.is_empty() {
             return;
         }
+        self.constrain_planned();
         let mut requests = Vec::with_capacity(self.to_sample.len());
         let mut kept_requests = Vec::new();
         for id in &self.to_sample {
@@ -30,6 +31,7 @@ impl Worker {
                 history: slot.session.history(),
                 position: slot.session.history().len() as u64,
                 top_logprobs: gen.top_logprobs,
+                mask: gen.constraint.is_some().then_some(&gen.mask[..]),
             };
             // Logits the layers hold are sampled there, without coming back.
             if slot.session.logits_kept() {
@@ -63,6 +65,15 @@ impl Worker {
                 Ok(sampled) => {
                     // Looked up again: the batch's requests borrowed every
                     // sampled session at once.
+                    let refused = self
+                        .sessions
+                        .get_mut(&id)
+                        .and_then(|slot| advance_constraint(slot, sampled.token).err());
+                    if let Some(e) = refused {
+                        let end = Err(RuntimeError::invalid(e.to_string()));
+                        self.with_session(id, |w, slot| w.finish_generate(id, slot, end));
+                        continue;
+                    }
                     if let Some(slot) = self.sessions.get_mut(&id) {
                         slot.feed.push(sampled.token);
                         slot.feed_logits = LogitsWanted::Last;
@@ -82,6 +93,39 @@ impl Worker {
             }
         }
         self.sampled = sampled;
+    }
+
+    /// Fills the mask of every planned session with a constraint; one whose
+    /// text is complete, or can go no further, ends here instead of being
+    /// sampled.
+    fn constrain_planned(&mut self) {
+        let mut ended = Vec::new();
+        for id in &self.to_sample {
+            let Some(slot) = self.sessions.get_mut(id) else {
+                continue;
+            };
+            let stop_ids = slot.session.eos().to_vec();
+            let Some(Active {
+                work: Work::Generate(gen),
+                ..
+            }) = slot.active.as_mut()
+            else {
+                continue;
+            };
+            let Some(constraint) = gen.constraint.as_mut() else {
+                continue;
+            };
+            match constraint.allowed(&stop_ids, &mut gen.mask) {
+                Ok(Allowed::Tokens) => {}
+                Ok(Allowed::Complete) => ended.push((*id, Ok(StopReason::ConstraintDone))),
+                Ok(Allowed::Stuck) => ended.push((*id, Ok(StopReason::ConstraintUnfinished))),
+                Err(e) => ended.push((*id, Err(RuntimeError::invalid(e.to_string())))),
+            }
+        }
+        for (id, end) in ended {
+            self.to_sample.retain(|&s| s != id);
+            self.with_session(id, |w, slot| w.finish_generate(id, slot, end));
+        }
     }
 
     /// Stops the session's call (deadline, cancel): undoes a prompt it had
@@ -373,6 +417,27 @@ fn announce_idle(slot: &SessionSlot, shared: &WorkersState, worker: usize) {
     }
 }
 
+/// Moves the session's constraint past its sampled `token` (a stop id
+/// ends the text where the mask allowed it: nothing to move past).
+fn advance_constraint(
+    slot: &mut SessionSlot,
+    token: u32,
+) -> Result<(), crate::constraint::ConstraintError> {
+    let is_stop = slot.session.eos().contains(&token);
+    if let Some(Active {
+        work: Work::Generate(gen),
+        ..
+    }) = slot.active.as_mut()
+    {
+        if let Some(constraint) = gen.constraint.as_mut() {
+            if !is_stop {
+                constraint.accept(token)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A Generate's `token` went through the model: it is counted and sent
 /// (with its log-probabilities), and the call's end returned when the
 /// reader is gone or a stop condition holds.
@@ -408,6 +473,11 @@ fn token_fed(
             return Some(StopReason::Cancelled);
         }
     }
+    if let Some(constraint) = gen.constraint.as_mut() {
+        if eos_hit || constraint.is_complete() {
+            return Some(StopReason::ConstraintDone);
+        }
+    }
     if eos_hit {
         Some(StopReason::Eos)
     } else if let Some(index) = gen
@@ -419,7 +489,13 @@ fn token_fed(
             index: index as u32,
         })
     } else if gen.generated.len() >= gen.max_tokens as usize {
-        Some(StopReason::MaxTokens)
+        // Cut mid-match, the text does not meet its constraint: say so.
+        let unfinished = gen.constraint.as_mut().is_some_and(|c| !c.may_end());
+        Some(if unfinished {
+            StopReason::ConstraintUnfinished
+        } else {
+            StopReason::MaxTokens
+        })
     } else {
         None
     }

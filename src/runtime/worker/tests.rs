@@ -157,6 +157,7 @@ fn cancel_in_the_middle_of_a_shift(w: &mut Worker, id: SessionId) -> Vec<Generat
             gen: Box::new(admitted(
                 w.model.config.vocab,
                 GenerateRequest {
+                    constraint: None,
                     id,
                     max_tokens: 40,
                     sampling: Default::default(),

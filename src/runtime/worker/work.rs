@@ -14,6 +14,7 @@ use super::super::{
     Tenant,
 };
 use super::commands::{Op, Reply};
+use crate::constraint::Constraint;
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, TokenLogprobs};
 
@@ -62,6 +63,10 @@ pub(super) struct Generating {
     /// The history (and truncation count) before the call, kept from its
     /// first window shift on.
     pub(super) before_rewrite: Option<(Vec<u32>, u64)>,
+    /// What the output must match, and the tokens it allows next (filled
+    /// before each sample).
+    pub(super) constraint: Option<Box<Constraint>>,
+    pub(super) mask: Vec<u32>,
 }
 
 pub(super) enum Work {

@@ -190,6 +190,7 @@ pub fn pack_row(
         history,
         position,
         top_logprobs,
+        ..
     } = *request;
     let window = penalised_history(params, history);
     let history_offset = *tail;
@@ -274,6 +275,7 @@ mod tests {
             history: &history,
             position: 7,
             top_logprobs: 50,
+            mask: None,
         };
         pack_row(&mut words, 1, 5, &mut tail, &request);
         assert_eq!(words[PARAM_WORDS + P_LOGITS_ROW], 5);

@@ -443,6 +443,11 @@ impl GpuSampler {
             },
         };
         let row = rows.request(i);
+        if row.mask.is_some() {
+            return Err(SamplerError::Device {
+                message: "a constrained row is sampled on the CPU, not by this shader".into(),
+            });
+        }
         check_row(len, row.params, row.history)?;
         if len != self.vocab_size {
             return Err(SamplerError::VocabMismatch {

@@ -318,10 +318,13 @@ struct Text {
 /// Why a choice ended, as OpenAI names it, for why the Generate ended.
 fn finish_of(reason: StopReason) -> FinishReason {
     match reason {
-        StopReason::MaxTokens | StopReason::Truncated => FinishReason::Length,
-        StopReason::Eos | StopReason::StopSequence { .. } | StopReason::Cancelled => {
-            FinishReason::Stop
+        StopReason::MaxTokens | StopReason::Truncated | StopReason::ConstraintUnfinished => {
+            FinishReason::Length
         }
+        StopReason::Eos
+        | StopReason::StopSequence { .. }
+        | StopReason::Cancelled
+        | StopReason::ConstraintDone => FinishReason::Stop,
     }
 }
 

@@ -283,6 +283,7 @@ fn job_of(
     let stops = s.stop.map(|s| s.strings()).unwrap_or_default();
     check_stops(&stops)?;
     let generate = GenerateRequest {
+        constraint: None,
         // The request's session, once there is one.
         id: SessionId::NEVER_ISSUED,
         max_tokens,

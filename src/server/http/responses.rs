@@ -580,7 +580,7 @@ mod tests {
         };
         assert_eq!(
             error_event(&invalid),
-            r#"{"error":{"code":"invalid_value","message":"invalid argument: top_p 0 is invalid","param":"top_p","type":"invalid_request_error"}}"#
+            r#"{"error":{"message":"invalid argument: top_p 0 is invalid","type":"invalid_request_error","param":"top_p","code":"invalid_value"}}"#
         );
         let unavailable = ApiError {
             status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
@@ -591,7 +591,7 @@ mod tests {
         };
         assert_eq!(
             error_event(&unavailable),
-            r#"{"error":{"code":"unavailable","message":"the runtime is unavailable","param":null,"type":"server_error"}}"#
+            r#"{"error":{"message":"the runtime is unavailable","type":"server_error","param":null,"code":"unavailable"}}"#
         );
     }
 }

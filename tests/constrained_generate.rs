@@ -1,0 +1,225 @@
+//! Constrained Generate through a real server and a stock client: output
+//! that matches a JSON Schema or a regular expression, its own stop reasons,
+//! the same tokens every time, and bad constraints refused as
+//! INVALID_ARGUMENT with the compiler's message.
+
+mod support;
+
+use inferd::gguf::GgufFile;
+use inferd::proto::kakeya_v1::runtime as pb;
+use inferd::tokenizer::Tokenizer;
+use support::{greedy, seeded, Client, Inferd, REFERENCE};
+
+use pb::GenerateDone_StopReason as Stop;
+
+const SCHEMA: &str = r#"{
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "colour": {"enum": ["red", "green", "blue"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}
+  },
+  "required": ["name", "age", "colour", "tags"],
+  "additionalProperties": false
+}"#;
+
+struct Setup {
+    _server: Inferd,
+    client: Client,
+    tokenizer: Tokenizer,
+}
+
+fn setup() -> Option<Setup> {
+    if !support::have_reference() {
+        return None;
+    }
+    let server = Inferd::start(&["serve", "--listen", "127.0.0.1:0", "--model", REFERENCE]);
+    let client = Client::connect(&server.addr);
+    let file = GgufFile::open(REFERENCE).expect("model");
+    let tokenizer = Tokenizer::from_gguf(&file).expect("tokenizer");
+    Some(Setup {
+        _server: server,
+        client,
+        tokenizer,
+    })
+}
+
+impl Setup {
+    /// A session holding `prompt` (as the chat's user turn), with the
+    /// model's end-of-generation ids as its stop ids.
+    fn session(&self, prompt: &str) -> String {
+        let mut req = pb::CreateSessionRequest::new();
+        req.set_client_label("constraint test".into());
+        req.set_eos_token_ids(self.tokenizer.eog_tokens().to_vec());
+        let id = self
+            .client
+            .rpc
+            .create_session(&req)
+            .expect("created")
+            .take_session_id();
+        let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
+        let tokens = self.tokenizer.encode(&text, false, true).expect("encodes");
+        self.client.append(&id, &tokens).expect("append");
+        id
+    }
+
+    fn text(&self, tokens: &[u32]) -> String {
+        let ids: Vec<u32> = tokens
+            .iter()
+            .copied()
+            .filter(|&t| !self.tokenizer.is_eog(t))
+            .collect();
+        self.tokenizer.decode(&ids).expect("decodes")
+    }
+}
+
+fn with(
+    mut req: pb::GenerateRequest,
+    set: impl FnOnce(&mut pb::OutputConstraint),
+) -> pb::GenerateRequest {
+    let mut c = pb::OutputConstraint::new();
+    set(&mut c);
+    req.set_constraint(c);
+    req
+}
+
+fn check_person(text: &str) {
+    let value: serde_json::Value =
+        serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"));
+    let object = value.as_object().expect("an object");
+    assert_eq!(object.len(), 4, "{text}");
+    assert!(
+        object["name"].as_str().expect("name").chars().count() <= 12,
+        "{text}"
+    );
+    assert!(object["age"].as_u64().expect("age") <= 120, "{text}");
+    assert!(["red", "green", "blue"].contains(&object["colour"].as_str().expect("colour")));
+    let tags = object["tags"].as_array().expect("tags");
+    assert!(tags.len() <= 3, "{text}");
+    for tag in tags {
+        assert!(
+            tag.as_str().expect("a string tag").chars().count() <= 8,
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn schema_constrained_output_validates_and_ends_with_its_own_stop_reason() {
+    let Some(s) = setup() else { return };
+    let prompt = "Describe a person called Ada as JSON with name, age, colour and tags.";
+    for (k, req) in [greedy("", 200, 0), seeded("", 200, 7), seeded("", 200, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        let id = s.session(prompt);
+        let mut req = with(req, |c| c.set_json_schema(SCHEMA.into()));
+        req.set_session_id(id.clone());
+        let run = s.client.generate(&req);
+        assert!(run.error.is_none(), "{:?}", run.error);
+        let (reason, _) = run.done.expect("done");
+        assert_eq!(reason, Stop::STOP_REASON_CONSTRAINT_DONE as i32, "run {k}");
+        let text = s.text(&run.tokens);
+        eprintln!("run {k}: {text}");
+        check_person(&text);
+        // The same call on a fresh session gives the same tokens.
+        let again = s.session(prompt);
+        req.set_session_id(again);
+        assert_eq!(
+            s.client.generate(&req).tokens,
+            run.tokens,
+            "run {k} repeated"
+        );
+    }
+}
+
+#[test]
+fn regex_output_matches_and_a_cut_match_says_so() {
+    let Some(s) = setup() else { return };
+    let id = s.session("Is the sky blue? Answer yes or no, then a two-digit number.");
+    let mut req = with(greedy(&id, 40, 0), |c| {
+        c.set_regex("(yes|no), [0-9]{2}\\.".into())
+    });
+    let run = s.client.generate(&req);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    assert_eq!(
+        run.done.expect("done").0,
+        Stop::STOP_REASON_CONSTRAINT_DONE as i32
+    );
+    let text = s.text(&run.tokens);
+    let (word, rest) = text.split_once(", ").expect("a comma");
+    assert!(word == "yes" || word == "no", "{text:?}");
+    assert!(
+        rest.len() == 3 && rest[..2].bytes().all(|b| b.is_ascii_digit()) && rest.ends_with('.'),
+        "{text:?}"
+    );
+
+    // Two tokens cannot finish a JSON object of this schema.
+    let id = s.session("Describe a person as JSON.");
+    req = with(greedy(&id, 2, 0), |c| c.set_json_schema(SCHEMA.into()));
+    let run = s.client.generate(&req);
+    assert_eq!(
+        run.done.expect("done").0,
+        Stop::STOP_REASON_CONSTRAINT_UNFINISHED as i32
+    );
+    assert_eq!(run.tokens.len(), 2);
+
+    // Any JSON object.
+    let id = s.session("Give me a JSON object describing a cat.");
+    let run = s
+        .client
+        .generate(&with(greedy(&id, 120, 0), |c| c.set_json_object(true)));
+    if run.done.expect("done").0 == Stop::STOP_REASON_CONSTRAINT_DONE as i32 {
+        let text = s.text(&run.tokens);
+        let value: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        assert!(value.is_object(), "{text}");
+    } else {
+        assert_eq!(
+            run.done.expect("done").0,
+            Stop::STOP_REASON_CONSTRAINT_UNFINISHED as i32
+        );
+    }
+}
+
+#[test]
+fn bad_constraints_are_invalid_argument_and_change_nothing() {
+    let Some(s) = setup() else { return };
+    let id = s.session("Hello.");
+    let before = s.client.info(&id).expect("info").get_history_length();
+    for (constraint, words) in [
+        (
+            with(greedy(&id, 8, 0), |c| c.set_json_schema("{oops".into())),
+            "not JSON",
+        ),
+        (
+            with(greedy(&id, 8, 0), |c| c.set_regex("(a".into())),
+            "regex",
+        ),
+        (
+            with(greedy(&id, 8, 0), |c| {
+                c.set_lark_grammar("start: missing".into())
+            }),
+            "grammar",
+        ),
+        (
+            with(greedy(&id, 8, 0), |c| c.set_regex("a".repeat(70_000))),
+            "at most",
+        ),
+        (with(greedy(&id, 8, 0), |_| {}), "names no kind"),
+    ] {
+        let run = s.client.generate(&constraint);
+        let (code, message) = run.error.expect("refused");
+        assert_eq!(
+            code,
+            i32::from(grpcio::RpcStatusCode::INVALID_ARGUMENT),
+            "{message}"
+        );
+        assert!(message.contains(words), "{message:?} should say {words:?}");
+        assert!(run.tokens.is_empty());
+    }
+    assert_eq!(
+        s.client.info(&id).expect("info").get_history_length(),
+        before
+    );
+}
