@@ -701,6 +701,17 @@ fn adjust_logits(row: Row, lid: u32) {
         }
     }
     storageBarrier();
+    // A constraint's mask: every token it does not allow is -inf, after
+    // penalties and bias (the CPU's order).
+    if (row.flags & FLAG_MASK) != 0u {
+        let mask_at = param_u32(row, P_MASK_OFFSET);
+        for (var id = lid; id < vocab; id += WORKGROUP_SIZE) {
+            if ((requests[mask_at + id / 32u] >> (id % 32u)) & 1u) == 0u {
+                work[row.base + id] = bitcast<f32>(NEG_INF_BITS);
+            }
+        }
+        storageBarrier();
+    }
 }
 
 // One token of the in-block draw walk.

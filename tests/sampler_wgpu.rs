@@ -526,3 +526,97 @@ fn top_logprobs_come_back_from_the_gpu_as_the_cpu_computes_them() {
         }
     }
 }
+
+/// A constraint's token mask: the WGSL sampler applies it as the CPU does
+/// (tokens and log-probabilities to the bit, greedy and seeded), with rows
+/// of sparse, dense and single-token masks next to unmasked rows.
+#[test]
+fn token_masks_give_the_cpus_tokens_and_log_probabilities() {
+    for vocab in [32usize, 49_152] {
+        let Some(mut gpu) = gpu(vocab) else { return };
+        let mut rng = StdRng::seed_from_u64(0x4d41_534b ^ vocab as u64);
+        let words = vocab.div_ceil(32);
+        let cases: Vec<Case> = (0..96)
+            .map(|i| random_case(&mut rng, vocab, i % 2 == 0))
+            .collect();
+        let masks: Vec<Option<Vec<u32>>> = (0..cases.len())
+            .map(|i| match i % 4 {
+                0 => None,
+                1 => Some(
+                    (0..words)
+                        .map(|_| rng.gen::<u32>() & rng.gen::<u32>())
+                        .collect(),
+                ),
+                2 => Some(
+                    (0..words)
+                        .map(|_| !(rng.gen::<u32>() & rng.gen::<u32>()))
+                        .collect(),
+                ),
+                _ => {
+                    let mut m = vec![0u32; words];
+                    let t = rng.gen_range(0..vocab);
+                    m[t / 32] |= 1 << (t % 32);
+                    Some(m)
+                }
+            })
+            .collect();
+        fn request<'a>((c, m): (&'a Case, &'a Option<Vec<u32>>)) -> SampleRequest<'a> {
+            SampleRequest {
+                mask: m.as_deref(),
+                top_logprobs: 4,
+                ..c.request()
+            }
+        }
+        let mut cpu = Sampler::new();
+        let want: Vec<Result<Sampled, SamplerError>> = cases
+            .iter()
+            .zip(&masks)
+            .map(|(c, m)| {
+                cpu.sample_masked(
+                    &c.logits,
+                    &c.params,
+                    &c.history,
+                    c.position,
+                    4,
+                    m.as_deref(),
+                )
+            })
+            .collect();
+        let mut got = Vec::new();
+        let mut out = Vec::new();
+        let pairs: Vec<(&Case, &Option<Vec<u32>>)> = cases.iter().zip(&masks).collect();
+        for chunk in pairs.chunks(ROWS) {
+            let requests: Vec<SampleRequest<'_>> = chunk.iter().copied().map(request).collect();
+            gpu.sample_batch(&requests, &mut out);
+            got.append(&mut out);
+        }
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            match (w, g) {
+                (Ok(w), Ok(g)) => {
+                    assert_eq!(w.token, g.token, "vocab {vocab} row {i}");
+                    if let Some(m) = &masks[i] {
+                        assert!(m[g.token as usize / 32] >> (g.token % 32) & 1 == 1);
+                    }
+                    let bits = |s: &Sampled| {
+                        s.logprobs.as_ref().map(|l| {
+                            (
+                                l.chosen.to_bits(),
+                                l.top
+                                    .iter()
+                                    .map(|(t, p)| (*t, p.to_bits()))
+                                    .collect::<Vec<_>>(),
+                            )
+                        })
+                    };
+                    assert_eq!(bits(w), bits(g), "vocab {vocab} row {i} log-probabilities");
+                }
+                (Err(w), Err(g)) => assert_eq!(
+                    std::mem::discriminant(w),
+                    std::mem::discriminant(g),
+                    "vocab {vocab} row {i}"
+                ),
+                _ => panic!("vocab {vocab} row {i}: CPU {w:?}, GPU {g:?}"),
+            }
+        }
+    }
+}

@@ -8,6 +8,7 @@ use std::io::Write;
 use clap::{Args, ValueEnum};
 
 use super::client::{generate_request, GenerateEnd, RemoteClient};
+use super::constrain::{to_proto, ConstraintArgs};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
 use crate::sampler::SamplingParams;
@@ -36,6 +37,8 @@ pub struct GenerateArgs {
     pub ignore_eos: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub constraint: ConstraintArgs,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
@@ -178,17 +181,34 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let stdout = std::io::stdout();
     let mut writer = ContinuationWriter::new(args.format, &tokenizer, stdout.lock());
     let mut io_error = None;
-    engine.generate(
+    let mut constraint = match args.constraint.spec()? {
+        Some(spec) => {
+            let vocab = engine.model().config.vocab;
+            let compiler = crate::constraint::ConstraintCompiler::new(&tokenizer, vocab)
+                .map_err(|e| CliError::Usage(e.to_string()))?;
+            Some(
+                compiler
+                    .compile(&spec)
+                    .map_err(|e| CliError::Usage(e.to_string()))?,
+            )
+        }
+        None => None,
+    };
+    let generation = engine.generate_constrained(
         &mut session,
         &params,
         args.max_tokens,
         stops,
+        constraint.as_mut(),
         write_through(&mut writer, &mut io_error),
     )?;
     if let Some(e) = io_error {
         return Err(e.into());
     }
     writer.finish()?;
+    if generation.stop == crate::stop::StopReason::ConstraintUnfinished {
+        eprintln!("(the output stopped before it could match its constraint)");
+    }
     Ok(())
 }
 
@@ -226,7 +246,10 @@ fn continue_remotely(
     if dropped > 0 {
         eprintln!("(the server dropped {dropped} prompt tokens to fit the context)");
     }
-    let req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
+    let mut req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
+    if let Some(spec) = args.constraint.spec()? {
+        req.set_constraint(to_proto(&spec));
+    }
     let stdout = std::io::stdout();
     let mut writer = ContinuationWriter::new(args.format, tokenizer, stdout.lock());
     let mut io_error = None;

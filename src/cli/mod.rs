@@ -9,6 +9,7 @@ mod budget;
 mod chat;
 mod chat_input;
 mod client;
+mod constrain;
 mod device;
 mod generate;
 mod make_model;

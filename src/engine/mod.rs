@@ -32,6 +32,8 @@ pub enum EngineError {
     /// Generate needs at least one token of history to continue from.
     #[error("cannot generate from an empty history: append tokens first")]
     EmptyHistory,
+    #[error(transparent)]
+    Constraint(#[from] crate::constraint::ConstraintError),
     /// The GPU failed (at start, or during a step: the session is then lost).
     #[cfg(not(loom))]
     #[error(transparent)]
@@ -329,18 +331,48 @@ impl Engine {
         params: &SamplingParams,
         max_tokens: usize,
         stop_tokens: &[u32],
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Generation, EngineError> {
+        self.generate_constrained(session, params, max_tokens, stop_tokens, None, on_token)
+    }
+
+    /// [`Engine::generate`] with the output held to `constraint` (see
+    /// `crate::constraint`): a complete match ends it with
+    /// [`StopReason::ConstraintDone`], `max_tokens` before the text can end
+    /// with [`StopReason::ConstraintUnfinished`].
+    pub fn generate_constrained(
+        &mut self,
+        session: &mut Session,
+        params: &SamplingParams,
+        max_tokens: usize,
+        stop_tokens: &[u32],
+        mut constraint: Option<&mut crate::constraint::Constraint>,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
+        use crate::constraint::Allowed;
         let params = params.clone().checked(self.model.config.vocab)?;
         if session.history.is_empty() || session.next_logits.is_empty() {
             return Err(EngineError::EmptyHistory);
         }
         let mut tokens = Vec::new();
+        let mut mask = Vec::new();
         // Whether the next logits are the ones a step kept on the GPU.
         let mut on_device = false;
         let stop = loop {
             if tokens.len() >= max_tokens {
-                break StopReason::MaxTokens;
+                let unfinished = constraint.as_mut().is_some_and(|c| !c.may_end());
+                break if unfinished {
+                    StopReason::ConstraintUnfinished
+                } else {
+                    StopReason::MaxTokens
+                };
+            }
+            if let Some(c) = constraint.as_mut() {
+                match c.allowed(stop_tokens, &mut mask)? {
+                    Allowed::Tokens => {}
+                    Allowed::Complete => break StopReason::ConstraintDone,
+                    Allowed::Stuck => break StopReason::ConstraintUnfinished,
+                }
             }
             let request = SampleRequest {
                 logits: &session.next_logits,
@@ -348,17 +380,28 @@ impl Engine {
                 history: &session.history,
                 position: session.history.len() as u64,
                 top_logprobs: 0,
-                mask: None,
+                mask: constraint.is_some().then_some(&mask[..]),
             };
             let token = if on_device {
                 self.sample_kept(&request)?
             } else {
                 self.sampler.sample(request)?.token
             };
+            let is_stop = stop_tokens.contains(&token);
+            if let Some(c) = constraint.as_mut() {
+                if !is_stop {
+                    c.accept(token)?;
+                }
+            }
             on_device = self.decode(session, token)?;
             tokens.push(token);
             let go_on = on_token(token);
-            if stop_tokens.contains(&token) {
+            if let Some(c) = constraint.as_ref() {
+                if is_stop || c.is_complete() {
+                    break StopReason::ConstraintDone;
+                }
+            }
+            if is_stop {
                 break StopReason::Eos;
             }
             if !go_on {

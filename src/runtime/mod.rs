@@ -17,6 +17,7 @@ pub mod notify;
 #[cfg(not(loom))]
 mod notify;
 mod rate;
+mod request_constraint;
 mod stats;
 mod types;
 // Under loom only the concurrency primitives above are built and checked.
@@ -43,6 +44,7 @@ pub use handle::Runtime;
 #[cfg(not(loom))]
 pub use local::LocalLayers;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
+pub use request_constraint::RequestConstraint;
 pub use stats::{
     Counters, DurationHistogram, HistogramSnapshot, RuntimeStats, WorkerGauges, WorkerStats,
     PREFILL_BUCKETS,
@@ -52,5 +54,5 @@ pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, S
 pub use types::{
     AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
     GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,
-    RequestConstraint, RuntimeConfig, SamplingOptions, SessionInfo, StopReason,
+    RuntimeConfig, SamplingOptions, SessionInfo, StopReason,
 };

@@ -2,7 +2,7 @@
 //! configuration. A transport converts its messages to and from these.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::future::Future;
@@ -21,8 +21,7 @@ use super::limits::{
 };
 #[cfg(not(loom))]
 use super::{Layers, LocalLayers};
-use super::{RuntimeError, SessionId};
-use crate::constraint::Constraint;
+use super::{RequestConstraint, RuntimeError, SessionId};
 use crate::kv::DEFAULT_PAGE_POSITIONS;
 use crate::sampler::{CheckedParams, SamplingParams, SelectedSampler, TokenLogprobs};
 
@@ -336,34 +335,6 @@ pub struct GenerateRequest {
     pub stop_sequences: Vec<Vec<u32>>,
     /// What the output must match, compiled by the front door.
     pub constraint: Option<RequestConstraint>,
-}
-
-/// A compiled constraint on its way to the worker that runs the Generate
-/// (which takes it, once: it holds the call's place in the grammar).
-#[derive(Clone)]
-pub struct RequestConstraint(Arc<Mutex<Option<Constraint>>>);
-
-impl RequestConstraint {
-    pub fn new(constraint: Constraint) -> Self {
-        Self(Arc::new(Mutex::new(Some(constraint))))
-    }
-
-    /// The constraint, the first time; `None` after.
-    pub fn take(&self) -> Option<Constraint> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-}
-
-impl std::fmt::Debug for RequestConstraint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RequestConstraint")
-    }
-}
-
-impl PartialEq for RequestConstraint {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
 }
 
 impl GenerateRequest {

@@ -231,26 +231,7 @@ impl SamplerBackend {
                 out.extend(rows.iter().map(|row| cpu_sample(cpu, row)));
             }
             SamplerBackend::Wgpu { gpu, cpu, failed } => {
-                if !rows.iter().any(|r| r.mask.is_some()) {
-                    return wgpu_batch(gpu, cpu, failed, rows, out);
-                }
-                // Constrained rows are sampled by the CPU reference (the
-                // bits the WGSL sampler gives); the rest still go to the GPU
-                // in one batch.
-                let free: Vec<SampleRequest<'_>> =
-                    rows.iter().filter(|r| r.mask.is_none()).copied().collect();
-                let mut free_out = Vec::with_capacity(free.len());
-                if !free.is_empty() {
-                    wgpu_batch(gpu, cpu, failed, &free, &mut free_out);
-                }
-                let mut free_out = free_out.into_iter();
-                out.clear();
-                for row in rows {
-                    out.push(match row.mask {
-                        Some(_) => cpu_sample(cpu, row),
-                        None => free_out.next().unwrap_or(Err(SamplerError::EmptyLogits)),
-                    });
-                }
+                wgpu_batch(gpu, cpu, failed, rows, out);
             }
         }
     }

@@ -19,7 +19,7 @@ use crate::gpu::{
 use crate::kv::KvPool;
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::gpu::{GpuContext, GpuSampler, KeptRow, DEFAULT_MAX_ROWS};
-use crate::sampler::{cpu_sample, RowRequest, SampleRequest, Sampled, Sampler, SamplerError};
+use crate::sampler::{RowRequest, SampleRequest, Sampled, SamplerError};
 use crate::threads::ThreadPool;
 use kept::{KeptRows, Placed};
 
@@ -160,7 +160,6 @@ impl Layers for GpuLayers {
         Ok(Box::new(GpuRunner {
             forward,
             sampler,
-            cpu: Sampler::new(),
             rows,
             vocab: self.gpu.model.config.vocab,
         }))
@@ -192,8 +191,6 @@ struct GpuRunner {
     forward: GpuForward,
     /// Samples kept logits (none: the layers keep no logits).
     sampler: Option<Box<GpuSampler>>,
-    /// Samples constrained rows (the shader takes no token masks).
-    cpu: Sampler,
     rows: KeptRows,
     vocab: usize,
 }
@@ -304,21 +301,7 @@ impl StepRunner for GpuRunner {
             }));
             return;
         };
-        // Constrained rows on the CPU reference (the shader takes no
-        // masks); the rest in one dispatch.
-        let free: Vec<SampleRequest<'_>> =
-            rows.iter().filter(|r| r.mask.is_none()).copied().collect();
-        let mut free_out = Vec::with_capacity(free.len());
-        if !free.is_empty() {
-            sampler.sample_batch(&free, &mut free_out);
-        }
-        let mut free_out = free_out.into_iter();
-        for row in rows {
-            out.push(match row.mask {
-                Some(_) => cpu_sample(&mut self.cpu, row),
-                None => free_out.next().unwrap_or(Err(SamplerError::EmptyLogits)),
-            });
-        }
+        sampler.sample_batch(rows, out);
     }
 
     fn sample_kept(
@@ -336,32 +319,13 @@ impl StepRunner for GpuRunner {
             return;
         }
         // Rows on the device in one dispatch; rows held on the host (their
-        // row went to another session) uploaded in a second; constrained
-        // rows read out and sampled on the CPU (the shader takes no masks).
+        // row went to another session) uploaded in a second.
         let mut on_device = Vec::new();
         let mut on_host = Vec::new();
         let mut which = Vec::with_capacity(rows.len());
         let placed: Vec<Option<u32>> = rows.iter().map(|(id, _)| self.rows.touch(*id)).collect();
         for ((id, request), place) in rows.iter().zip(placed) {
-            if request.mask.is_some() {
-                let logits = match place {
-                    Some(row) => self.forward.read_kept(row).ok(),
-                    None => self.rows.evicted.get(id).cloned(),
-                };
-                which.push(Where::Cpu(logits.map(|logits| {
-                    cpu_sample(
-                        &mut self.cpu,
-                        &SampleRequest {
-                            logits: &logits,
-                            params: request.params,
-                            history: request.history,
-                            position: request.position,
-                            top_logprobs: request.top_logprobs,
-                            mask: request.mask,
-                        },
-                    )
-                })));
-            } else if let Some(row) = place {
+            if let Some(row) = place {
                 which.push(Where::Device);
                 on_device.push(KeptRow {
                     row,
@@ -375,10 +339,10 @@ impl StepRunner for GpuRunner {
                     history: request.history,
                     position: request.position,
                     top_logprobs: request.top_logprobs,
-                    mask: None,
+                    mask: request.mask,
                 });
             } else {
-                which.push(Where::Cpu(None));
+                which.push(Where::Missing);
             }
         }
         let mut device_out = Vec::new();
@@ -402,8 +366,7 @@ impl StepRunner for GpuRunner {
             out.push(match w {
                 Where::Device => device_out.next().unwrap_or_else(missing),
                 Where::Host => host_out.next().unwrap_or_else(missing),
-                Where::Cpu(Some(sampled)) => sampled,
-                Where::Cpu(None) => missing(),
+                Where::Missing => missing(),
             });
         }
     }
@@ -413,6 +376,6 @@ impl StepRunner for GpuRunner {
 enum Where {
     Device,
     Host,
-    /// On the CPU, already (`None`: no logits were found for it).
-    Cpu(Option<Result<Sampled, SamplerError>>),
+    /// Nowhere: no logits are kept for its session.
+    Missing,
 }

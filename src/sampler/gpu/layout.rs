@@ -49,6 +49,7 @@ pub const R_TOP: usize = 8;
 const FLAG_GREEDY: u32 = 1;
 const FLAG_PENALTIES: u32 = 2;
 const FLAG_ADJUSTS: u32 = 4;
+const FLAG_MASK: u32 = 8;
 
 /// Result statuses.
 pub const STATUS_OK: u32 = 0;
@@ -75,6 +76,10 @@ const P_POSITION_HI: usize = 16;
 const P_TOP_LOGPROBS: usize = 17;
 /// Which row of the bound logits buffer the row samples.
 const P_LOGITS_ROW: usize = 18;
+/// Where the row's token mask starts (with `FLAG_MASK`): `[vocab / 32]`
+/// words, bit `t % 32` of word `t / 32` set where token `t` is allowed.
+const P_MASK_OFFSET: usize = 19;
+const _: () = assert!(P_MASK_OFFSET < PARAM_WORDS);
 
 /// An f32 as an exact WGSL hexadecimal float literal (normal numbers only,
 /// which is all the constants are).
@@ -104,6 +109,7 @@ pub fn shader_source() -> String {
         ("FLAG_GREEDY", FLAG_GREEDY),
         ("FLAG_PENALTIES", FLAG_PENALTIES),
         ("FLAG_ADJUSTS", FLAG_ADJUSTS),
+        ("FLAG_MASK", FLAG_MASK),
         ("STATUS_OK", STATUS_OK),
         ("STATUS_NO_CANDIDATE", STATUS_NO_CANDIDATE),
         ("P_FLAGS", P_FLAGS as u32),
@@ -125,6 +131,7 @@ pub fn shader_source() -> String {
         ("P_POSITION_HI", P_POSITION_HI as u32),
         ("P_TOP_LOGPROBS", P_TOP_LOGPROBS as u32),
         ("P_LOGITS_ROW", P_LOGITS_ROW as u32),
+        ("P_MASK_OFFSET", P_MASK_OFFSET as u32),
         ("R_CHOSEN", R_CHOSEN as u32),
         ("R_NORMALISER", R_NORMALISER as u32),
         ("R_INFINITIES", R_INFINITIES as u32),
@@ -162,9 +169,12 @@ pub fn shader_source() -> String {
 }
 
 /// Words one row adds to the request buffer: its parameters, its penalty
-/// window (only when a penalty is on) and its bias entries.
-pub fn request_words(params: &SamplingParams, history: &[u32]) -> usize {
-    PARAM_WORDS + penalised_history(params, history).len() + 2 * params.logit_bias.len()
+/// window (only when a penalty is on), its bias entries and its token mask.
+pub fn request_words(params: &SamplingParams, history: &[u32], mask: Option<&[u32]>) -> usize {
+    PARAM_WORDS
+        + penalised_history(params, history).len()
+        + 2 * params.logit_bias.len()
+        + mask.map_or(0, <[u32]>::len)
 }
 
 fn penalised_history<'h>(params: &SamplingParams, history: &'h [u32]) -> &'h [u32] {
@@ -190,7 +200,7 @@ pub fn pack_row(
         history,
         position,
         top_logprobs,
-        ..
+        mask,
     } = *request;
     let window = penalised_history(params, history);
     let history_offset = *tail;
@@ -201,6 +211,11 @@ pub fn pack_row(
         words[bias_offset + 2 * i + 1] = bias.to_bits();
     }
     *tail = bias_offset + 2 * params.logit_bias.len();
+    let mask_offset = *tail;
+    if let Some(mask) = mask {
+        words[mask_offset..mask_offset + mask.len()].copy_from_slice(mask);
+        *tail += mask.len();
+    }
 
     let mut flags = 0;
     if params.is_greedy() {
@@ -209,8 +224,11 @@ pub fn pack_row(
     if params.has_penalties() {
         flags |= FLAG_PENALTIES;
     }
-    if params.adjusts_logits() {
+    if params.adjusts_logits() || mask.is_some() {
         flags |= FLAG_ADJUSTS;
+    }
+    if mask.is_some() {
+        flags |= FLAG_MASK;
     }
     let p = &mut words[row * PARAM_WORDS..(row + 1) * PARAM_WORDS];
     p.fill(0);
@@ -233,6 +251,11 @@ pub fn pack_row(
     p[P_POSITION_HI] = (position >> 32) as u32;
     p[P_TOP_LOGPROBS] = top_logprobs.min(MAX_TOP_LOGPROBS) as u32;
     p[P_LOGITS_ROW] = logits_row;
+    p[P_MASK_OFFSET] = if mask.is_some() {
+        mask_offset as u32
+    } else {
+        0
+    };
 }
 
 #[cfg(test)]
@@ -262,10 +285,10 @@ mod tests {
         let mut params = SamplingParams::greedy();
         params.logit_bias = vec![(3, 1.5)];
         let history = [1, 2, 3];
-        assert_eq!(request_words(&params, &history), PARAM_WORDS + 2);
+        assert_eq!(request_words(&params, &history, None), PARAM_WORDS + 2);
         params.presence_penalty = 0.5;
         params.penalty_last_n = 2;
-        assert_eq!(request_words(&params, &history), PARAM_WORDS + 2 + 2);
+        assert_eq!(request_words(&params, &history, None), PARAM_WORDS + 2 + 2);
         let mut words = vec![0u32; 2 * PARAM_WORDS + 8];
         let mut tail = 2 * PARAM_WORDS;
         let logits = [0.0f32; 8];

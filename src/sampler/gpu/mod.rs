@@ -400,7 +400,7 @@ impl GpuSampler {
                     continue;
                 }
                 let row = rows.request(next);
-                let wanted = request_words(row.params, row.history) - PARAM_WORDS;
+                let wanted = request_words(row.params, row.history, row.mask) - PARAM_WORDS;
                 if !self.chunk.is_empty() && words + wanted > self.request_capacity {
                     break;
                 }
@@ -443,12 +443,15 @@ impl GpuSampler {
             },
         };
         let row = rows.request(i);
-        if row.mask.is_some() {
-            return Err(SamplerError::Device {
-                message: "a constrained row is sampled on the CPU, not by this shader".into(),
-            });
-        }
         check_row(len, row.params, row.history)?;
+        if let Some(mask) = row.mask {
+            if mask.len() != len.div_ceil(32) {
+                return Err(SamplerError::MaskLength {
+                    expected: len.div_ceil(32),
+                    got: mask.len(),
+                });
+            }
+        }
         if len != self.vocab_size {
             return Err(SamplerError::VocabMismatch {
                 expected: self.vocab_size,
@@ -772,11 +775,13 @@ fn logprobs_from(result: &[u32]) -> TokenLogprobs {
         };
     }
     let log_normaliser = f32::from_bits(result[R_NORMALISER]).ln();
+    // The shader's `logit - max` of the top token is -0.0 where the CPU's
+    // is +0.0; adding +0.0 makes it +0.0 and changes nothing else, so a
+    // lone candidate (a normaliser of 1) reports the CPU's +0.0 too.
+    let logprob = |bits: u32| (f32::from_bits(bits) + 0.0) - log_normaliser;
     TokenLogprobs {
         token: result[R_TOKEN],
-        chosen: f32::from_bits(result[R_CHOSEN]) - log_normaliser,
-        top: pairs
-            .map(|pair| (pair[0], f32::from_bits(pair[1]) - log_normaliser))
-            .collect(),
+        chosen: logprob(result[R_CHOSEN]),
+        top: pairs.map(|pair| (pair[0], logprob(pair[1]))).collect(),
     }
 }

@@ -129,7 +129,7 @@ impl Streaming {
 /// they render to), the template, and `top_logprobs` without `logprobs`
 /// (the runtime has the one count, 0 for none).
 fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
-    let req: ChatRequest = parse(body)?;
+    let mut req: ChatRequest = parse(body)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             "messages",
@@ -182,7 +182,8 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         (_, top) => top.unwrap_or(0),
     };
     let stream = Streaming::of(&req.sampling);
-    let job = job_of(
+    let format = req.sampling.response_format.take();
+    let mut job = job_of(
         req.sampling,
         prompt,
         req.logprobs,
@@ -190,6 +191,7 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         "messages",
         Model::of(front),
     )?;
+    job.generate.constraint = super::format::constraint(format.as_ref(), front)?;
     Ok((job, stream))
 }
 
@@ -197,7 +199,7 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
 /// runtime has no counterpart of: `echo` (unsupported) and a list of
 /// prompts (one per request).
 fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
-    let req: CompletionRequest = parse(body)?;
+    let mut req: CompletionRequest = parse(body)?;
     if req.echo {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
@@ -231,7 +233,8 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiEr
     };
     let top = req.logprobs.unwrap_or(0);
     let stream = Streaming::of(&req.sampling);
-    let job = job_of(
+    let format = req.sampling.response_format.take();
+    let mut job = job_of(
         req.sampling,
         prompt,
         req.logprobs.is_some(),
@@ -239,6 +242,7 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiEr
         "prompt",
         Model::of(front),
     )?;
+    job.generate.constraint = super::format::constraint(format.as_ref(), front)?;
     Ok((job, stream))
 }
 

@@ -15,6 +15,7 @@
 //! OpenAI's error shape.
 
 mod completion;
+mod format;
 mod handlers;
 pub mod listener;
 pub mod openai;

@@ -3,7 +3,7 @@
 //! The bodies it answers with are in `responses.rs`.
 //!
 //! Fields a request may carry that inferd does not act on (`user`,
-//! `stream_options` beyond `include_usage`, `response_format` "text", ...)
+//! `stream_options` beyond `include_usage`, ...)
 //! are accepted and ignored, as other OpenAI-compatible servers do; every
 //! field it acts on is checked, and a value it cannot honour (`n` other
 //! than 1, a penalty out of range, a logit bias for a token outside the
@@ -112,6 +112,31 @@ pub struct Sampling {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// `text` (the default), `json_object` or `json_schema`: the latter two
+    /// constrain the output (see `format.rs`).
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema`: the schema and its name (`strict` is
+/// always honoured: the output is constrained either way).
+#[derive(Clone, Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
