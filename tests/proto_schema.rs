@@ -73,6 +73,7 @@ const EXTENSION_FIELDS: &[&str] = &[
     "GenerateRequest.logit_bias = 21: repeated .kakeya.v1.LogitBias",
     "GenerateRequest.stop_sequences = 22: repeated .kakeya.v1.StopSequence",
     "GenerateRequest.top_logprobs = 23: optional uint32",
+    "GenerateRequest.constraint = 24: .kakeya.v1.OutputConstraint",
     "GenerateResponse.logprobs = 16: oneof payload .kakeya.v1.TokenLogprobs",
     "GenerateDone.seed_used = 16: uint64",
     "GenerateDone.history_length = 17: uint64",
@@ -99,6 +100,10 @@ const NEW_MESSAGE_FIELDS: &[&str] = &[
     "TokenLogprob.logprob = 2: float",
     "TokenLogprobs.chosen = 1: .kakeya.v1.TokenLogprob",
     "TokenLogprobs.top = 2: repeated .kakeya.v1.TokenLogprob",
+    "OutputConstraint.json_schema = 1: oneof kind string",
+    "OutputConstraint.json_object = 2: oneof kind bool",
+    "OutputConstraint.regex = 3: oneof kind string",
+    "OutputConstraint.lark_grammar = 4: oneof kind string",
 ];
 
 fn scalar_name(kind: FieldDescriptorProto_Type) -> &'static str {
@@ -237,6 +242,10 @@ fn stop_reason_is_nested_in_generate_done_with_contract_values() {
             ("STOP_REASON_EOS", 2),
             ("STOP_REASON_CANCELLED", 3),
             ("STOP_REASON_TRUNCATED", 4),
+            // inferd's extensions, numbered from 16 as the fields are; only
+            // a call that sets GenerateRequest.constraint can see them.
+            ("STOP_REASON_CONSTRAINT_DONE", 16),
+            ("STOP_REASON_CONSTRAINT_UNFINISHED", 17),
         ]
     );
     assert!(file.get_enum_type().is_empty(), "no top-level enums");
@@ -804,6 +813,10 @@ fn every_runtime_message_matches_its_golden_bytes_and_decodes_back() {
     m.set_stop_sequences(vec![stop, second_stop].into());
     m.set_top_logprobs(5);
     check_golden("generate_request", &m);
+
+    let mut constraint = runtime::OutputConstraint::new();
+    constraint.set_json_schema(r#"{"type": "object"}"#.into());
+    check_golden("output_constraint", &constraint);
 
     let mut m = runtime::GenerateResponse::new();
     m.set_token_id(31337);

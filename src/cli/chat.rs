@@ -20,9 +20,11 @@ use clap::Args;
 
 use super::chat_input::{ChatInput, Line};
 use super::client::{generate_request, RemoteClient};
+use super::constrain::{to_proto, ConstraintArgs};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
 use crate::chat_template::{ChatTemplate, Message};
+use crate::constraint::{ConstraintCompiler, ConstraintSpec};
 use crate::engine::{Engine, Session};
 use crate::sampler::SamplingParams;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -39,6 +41,9 @@ pub struct ChatArgs {
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// What every reply must match.
+    #[command(flatten)]
+    pub constraint: ConstraintArgs,
     /// Keep the session on an inferd server (`--server ADDR`) instead of
     /// loading the model here; --model then only supplies the tokenizer.
     #[command(flatten)]
@@ -405,6 +410,8 @@ struct LocalChat {
     params: SamplingParams,
     max_tokens: usize,
     stops: Vec<u32>,
+    /// Every reply's constraint, compiled afresh for each reply.
+    constraint: Option<(Arc<ConstraintCompiler>, ConstraintSpec)>,
 }
 
 impl ChatBackend for LocalChat {
@@ -418,11 +425,20 @@ impl ChatBackend for LocalChat {
     }
 
     fn reply(&mut self, on_token: &mut dyn FnMut(u32) -> bool) -> Result<Vec<u32>, CliError> {
-        let generation = self.engine.generate(
+        let mut constraint = match &self.constraint {
+            Some((compiler, spec)) => Some(
+                compiler
+                    .compile(spec)
+                    .map_err(|e| CliError::Usage(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let generation = self.engine.generate_constrained(
             &mut self.session,
             &self.params,
             self.max_tokens,
             &self.stops,
+            constraint.as_mut(),
             on_token,
         )?;
         Ok(generation.tokens)
@@ -441,12 +457,25 @@ pub fn run(args: ChatArgs) -> Result<(), CliError> {
     let params = args.sampling.params()?;
     params.validate(engine.model().config.vocab)?;
     let session = engine.new_session();
+    let constraint = match args.constraint.spec()? {
+        Some(spec) => {
+            let compiler = ConstraintCompiler::new(&tokenizer, engine.model().config.vocab)
+                .map_err(|e| CliError::Usage(e.to_string()))?;
+            // A constraint that does not compile is refused before the chat.
+            compiler
+                .compile(&spec)
+                .map_err(|e| CliError::Usage(e.to_string()))?;
+            Some((compiler, spec))
+        }
+        None => None,
+    };
     let mut backend = LocalChat {
         engine,
         session,
         params,
         max_tokens: args.max_tokens,
         stops: tokenizer.eog_tokens().to_vec(),
+        constraint,
     };
     converse(&tokenizer, args.system.as_deref(), &mut backend)
 }
@@ -459,6 +488,7 @@ struct RemoteChat<'c> {
     params: SamplingParams,
     max_tokens: usize,
     stops: Vec<u32>,
+    constraint: Option<ConstraintSpec>,
 }
 
 impl RemoteChat<'_> {
@@ -488,12 +518,15 @@ impl ChatBackend for RemoteChat<'_> {
     }
 
     fn reply(&mut self, on_token: &mut dyn FnMut(u32) -> bool) -> Result<Vec<u32>, CliError> {
-        let req = generate_request(
+        let mut req = generate_request(
             &self.session_id,
             self.max_tokens,
             &self.params,
             Some(self.params.seed),
         );
+        if let Some(spec) = &self.constraint {
+            req.set_constraint(to_proto(spec));
+        }
         let mut generated = Vec::new();
         self.client.generate(
             &req,
@@ -520,6 +553,7 @@ fn run_remote(args: ChatArgs) -> Result<(), CliError> {
         params,
         max_tokens: args.max_tokens,
         stops,
+        constraint: args.constraint.spec()?,
     };
     let chatted = converse(&tokenizer, args.system.as_deref(), &mut backend);
     // The session is the server's memory: give it back even when the chat
