@@ -181,9 +181,16 @@ fn limits() -> ParserLimits {
     }
 }
 
+/// The compiler's message on one line (its multi-line reports joined),
+/// at most 500 characters.
 fn first_line(message: &str) -> String {
-    let line = message.lines().next().unwrap_or(message);
-    line.chars().take(500).collect()
+    let joined = message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    joined.chars().take(500).collect()
 }
 
 /// What the constraint allows next.
