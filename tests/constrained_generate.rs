@@ -64,6 +64,25 @@ impl Setup {
         id
     }
 
+    /// [`Setup::session`], the prompt appended in pieces of `chunk` tokens.
+    fn session_in_chunks(&self, prompt: &str, chunk: usize) -> String {
+        let mut req = pb::CreateSessionRequest::new();
+        req.set_client_label("constraint test".into());
+        req.set_eos_token_ids(self.tokenizer.eog_tokens().to_vec());
+        let id = self
+            .client
+            .rpc
+            .create_session(&req)
+            .expect("created")
+            .take_session_id();
+        let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
+        let tokens = self.tokenizer.encode(&text, false, true).expect("encodes");
+        for piece in tokens.chunks(chunk) {
+            self.client.append(&id, piece).expect("append");
+        }
+        id
+    }
+
     fn text(&self, tokens: &[u32]) -> String {
         let ids: Vec<u32> = tokens
             .iter()
@@ -109,7 +128,7 @@ fn check_person(text: &str) {
 fn schema_constrained_output_validates_and_ends_with_its_own_stop_reason() {
     let Some(s) = setup() else { return };
     let prompt = "Describe a person called Ada as JSON with name, age, colour and tags.";
-    for (k, req) in [greedy("", 200, 0), seeded("", 200, 7), seeded("", 200, 8)]
+    for (k, req) in [greedy("", 200, 0), seeded("", 200, 21), seeded("", 200, 22)]
         .into_iter()
         .enumerate()
     {
@@ -123,13 +142,17 @@ fn schema_constrained_output_validates_and_ends_with_its_own_stop_reason() {
         let text = s.text(&run.tokens);
         eprintln!("run {k}: {text}");
         check_person(&text);
-        // The same call on a fresh session gives the same tokens.
+        // The same call on a fresh session gives the same tokens, and so
+        // does one whose prompt came in pieces.
         let again = s.session(prompt);
         req.set_session_id(again);
+        assert_eq!(s.client.generate(&req).tokens, run.tokens, "run {k} repeated");
+        let chunked = s.session_in_chunks(prompt, 5 + k);
+        req.set_session_id(chunked);
         assert_eq!(
             s.client.generate(&req).tokens,
             run.tokens,
-            "run {k} repeated"
+            "run {k}, prompt in pieces"
         );
     }
 }
