@@ -645,7 +645,12 @@ impl Sampler {
         }
         if self.masking {
             for (word, values) in self.mask.iter().zip(self.work.chunks_mut(32)) {
+                // Most words of a constraint's mask are all one way.
                 if *word == u32::MAX {
+                    continue;
+                }
+                if *word == 0 {
+                    values.fill(f32::NEG_INFINITY);
                     continue;
                 }
                 for (bit, value) in values.iter_mut().enumerate() {
