@@ -146,7 +146,11 @@ fn schema_constrained_output_validates_and_ends_with_its_own_stop_reason() {
         // does one whose prompt came in pieces.
         let again = s.session(prompt);
         req.set_session_id(again);
-        assert_eq!(s.client.generate(&req).tokens, run.tokens, "run {k} repeated");
+        assert_eq!(
+            s.client.generate(&req).tokens,
+            run.tokens,
+            "run {k} repeated"
+        );
         let chunked = s.session_in_chunks(prompt, 5 + k);
         req.set_session_id(chunked);
         assert_eq!(
