@@ -182,6 +182,19 @@ fn regex_output_matches_and_a_cut_match_says_so() {
         "{text:?}"
     );
 
+    // The same shape as llama.cpp's GBNF.
+    let id = s.session("Is the sky blue? Answer yes or no, then a two-digit number.");
+    let gbnf = "root ::= (\"yes\" | \"no\") \", \" [0-9] [0-9] \".\"";
+    let run = s.client.generate(&with(greedy(&id, 40, 0), |c| {
+        c.set_gbnf_grammar(gbnf.into())
+    }));
+    assert!(run.error.is_none(), "{:?}", run.error);
+    assert_eq!(
+        run.done.expect("done").0,
+        Stop::STOP_REASON_CONSTRAINT_DONE as i32
+    );
+    assert_eq!(s.text(&run.tokens), text, "GBNF and the regex agree");
+
     // Two tokens cannot finish a JSON object of this schema.
     let id = s.session("Describe a person as JSON.");
     req = with(greedy(&id, 2, 0), |c| c.set_json_schema(SCHEMA.into()));
@@ -228,6 +241,12 @@ fn bad_constraints_are_invalid_argument_and_change_nothing() {
                 c.set_lark_grammar("start: missing".into())
             }),
             "grammar",
+        ),
+        (
+            with(greedy(&id, 8, 0), |c| {
+                c.set_gbnf_grammar("root ::= missing".into())
+            }),
+            "undefined rule",
         ),
         (
             with(greedy(&id, 8, 0), |c| c.set_regex("a".repeat(70_000))),

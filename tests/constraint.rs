@@ -172,3 +172,30 @@ fn bad_and_hostile_constraints_are_refused_quickly() {
         }
     }
 }
+
+#[test]
+fn a_gbnf_grammar_constrains_as_its_lark_rewrite_does() {
+    let Some(tok) = tokenizer() else { return };
+    let compiler = ConstraintCompiler::new(&tok, 49_152).expect("compiler");
+    let gbnf = r#"
+        root ::= answer ", " num "."   # llama.cpp's syntax
+        answer ::= "yes" | "no"
+        num ::= [1-9] [0-9]{1,2}
+    "#;
+    let spec = ConstraintSpec::Gbnf(gbnf.into());
+    for seed in 0..8 {
+        let text = walk(&compiler, &tok, &spec, seed);
+        let (word, rest) = text.split_once(", ").expect("a comma");
+        assert!(word == "yes" || word == "no", "{text:?}");
+        let digits = rest.strip_suffix('.').expect("a full stop");
+        assert!((2..=3).contains(&digits.len()), "{text:?}");
+        assert!(digits.bytes().all(|b| b.is_ascii_digit()) && !digits.starts_with('0'));
+    }
+    match compiler.compile(&ConstraintSpec::Gbnf("root ::= missing".into())) {
+        Err(ConstraintError::Invalid { kind, message }) => {
+            assert_eq!(kind, "gbnf");
+            assert!(message.contains("undefined rule"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

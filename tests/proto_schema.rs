@@ -104,6 +104,7 @@ const NEW_MESSAGE_FIELDS: &[&str] = &[
     "OutputConstraint.json_object = 2: oneof kind bool",
     "OutputConstraint.regex = 3: oneof kind string",
     "OutputConstraint.lark_grammar = 4: oneof kind string",
+    "OutputConstraint.gbnf_grammar = 5: oneof kind string",
 ];
 
 fn scalar_name(kind: FieldDescriptorProto_Type) -> &'static str {

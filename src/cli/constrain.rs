@@ -16,7 +16,8 @@ pub struct ConstraintArgs {
     /// The whole output must match this regular expression.
     #[arg(long, value_name = "RX", group = "constraint")]
     pub regex: Option<String>,
-    /// The output must match this grammar (llguidance's Lark syntax, a file).
+    /// The output must match this grammar (a file: llama.cpp's GBNF when
+    /// its name ends in `.gbnf`, else llguidance's Lark syntax).
     #[arg(long, value_name = "FILE", group = "constraint")]
     pub grammar: Option<std::path::PathBuf>,
 }
@@ -33,7 +34,12 @@ impl ConstraintArgs {
         } else if let Some(rx) = &self.regex {
             Some(ConstraintSpec::Regex(rx.clone()))
         } else if let Some(path) = &self.grammar {
-            Some(ConstraintSpec::Lark(read(path)?))
+            let text = read(path)?;
+            Some(if path.extension().is_some_and(|e| e == "gbnf") {
+                ConstraintSpec::Gbnf(text)
+            } else {
+                ConstraintSpec::Lark(text)
+            })
         } else {
             None
         })
@@ -48,6 +54,7 @@ pub fn to_proto(spec: &ConstraintSpec) -> pb::OutputConstraint {
         ConstraintSpec::JsonObject => c.set_json_object(true),
         ConstraintSpec::Regex(s) => c.set_regex(s.clone()),
         ConstraintSpec::Lark(s) => c.set_lark_grammar(s.clone()),
+        ConstraintSpec::Gbnf(s) => c.set_gbnf_grammar(s.clone()),
     }
     c
 }

@@ -1,8 +1,9 @@
 //! Constrained decoding: a request's JSON Schema, regular expression or
-//! grammar compiled once against the model's vocabulary (by `llguidance`),
+//! grammar (Lark, or GBNF rewritten into Lark) compiled once against the model's vocabulary (by `llguidance`),
 //! then, step by step, the set of tokens allowed next as a bitset the
 //! samplers apply before anything else.
 
+pub mod gbnf;
 mod vocabulary;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -31,6 +32,8 @@ pub enum ConstraintSpec {
     Regex(String),
     /// A context-free grammar in llguidance's Lark syntax.
     Lark(String),
+    /// A context-free grammar in llama.cpp's GBNF (see [`gbnf`]).
+    Gbnf(String),
 }
 
 impl ConstraintSpec {
@@ -41,14 +44,16 @@ impl ConstraintSpec {
             ConstraintSpec::JsonObject => "json_object",
             ConstraintSpec::Regex(_) => "regex",
             ConstraintSpec::Lark(_) => "grammar",
+            ConstraintSpec::Gbnf(_) => "gbnf",
         }
     }
 
     fn text_len(&self) -> usize {
         match self {
-            ConstraintSpec::JsonSchema(s) | ConstraintSpec::Regex(s) | ConstraintSpec::Lark(s) => {
-                s.len()
-            }
+            ConstraintSpec::JsonSchema(s)
+            | ConstraintSpec::Regex(s)
+            | ConstraintSpec::Lark(s)
+            | ConstraintSpec::Gbnf(s) => s.len(),
             ConstraintSpec::JsonObject => 0,
         }
     }
@@ -124,6 +129,9 @@ impl ConstraintCompiler {
             )),
             ConstraintSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             ConstraintSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            ConstraintSpec::Gbnf(gbnf) => {
+                TopLevelGrammar::from_lark(gbnf::to_lark(gbnf).map_err(invalid)?)
+            }
         };
         let started = Instant::now();
         let parser = catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(grammar)))

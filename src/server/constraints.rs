@@ -63,9 +63,14 @@ pub(crate) fn spec_of(constraint: &pb::OutputConstraint) -> Result<ConstraintSpe
         Ok(ConstraintSpec::Lark(
             constraint.get_lark_grammar().to_owned(),
         ))
+    } else if constraint.has_gbnf_grammar() {
+        Ok(ConstraintSpec::Gbnf(
+            constraint.get_gbnf_grammar().to_owned(),
+        ))
     } else {
         Err(RuntimeError::invalid(
-            "constraint is set but names no kind (json_schema, json_object, regex or lark_grammar)",
+            "constraint is set but names no kind (json_schema, json_object, regex, lark_grammar \
+             or gbnf_grammar)",
         ))
     }
 }
