@@ -7,7 +7,8 @@ returns an instance of it (the reference model, greedy and seeded);
 `response_format={"type": "json_object"}` gives a JSON object; a base
 completion (`/v1/completions`) with a json_schema response_format gives
 text that parses and fits the schema; a schema that does not compile is a
-400 on `response_format`.
+400 on `response_format`; llama.cpp's `grammar` (GBNF) and bare `json_schema`
+fields work as its server's do.
 
 Usage: openai_structured.py HTTP_ADDR (exits 0 when every check passes)
 """
@@ -70,6 +71,31 @@ def main():
     assert set(value) == {"city", "population"}, value
     assert isinstance(value["population"], int) and value["population"] >= 0, value
     print("completion:", value)
+
+    # llama.cpp's extensions: a GBNF grammar, a bare JSON Schema.
+    done = client.completions.create(
+        model=model, prompt="Is water wet? Answer:", max_tokens=20, temperature=0,
+        extra_body={"grammar": 'root ::= " " ("yes" | "no") "."'})
+    assert done.choices[0].text in (" yes.", " no."), done.choices[0].text
+    assert done.choices[0].finish_reason == "stop", done
+    done = client.completions.create(
+        model=model, prompt="The largest city of France, as JSON:", max_tokens=120, temperature=0,
+        extra_body={"json_schema": schema})
+    assert json.loads(done.choices[0].text) == value, done.choices[0].text
+    try:
+        client.completions.create(
+            model=model, prompt="x", max_tokens=4,
+            extra_body={"grammar": "root ::= missing"})
+        raise AssertionError("a grammar that does not compile was accepted")
+    except openai.BadRequestError as e:
+        assert e.body.get("param") == "grammar", e.body
+    try:
+        client.completions.create(
+            model=model, prompt="x", max_tokens=4,
+            extra_body={"grammar": 'root ::= "a"', "json_schema": schema})
+        raise AssertionError("two constraints were accepted")
+    except openai.BadRequestError as e:
+        assert "one constraint" in e.body.get("message"), e.body
 
     try:
         client.chat.completions.create(

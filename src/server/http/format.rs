@@ -1,29 +1,60 @@
 //! OpenAI's `response_format` as a constraint on the Generate: `json_object`
 //! (any JSON object) and `json_schema` (its `schema`, enforced whether or
-//! not `strict` is set); `text` constrains nothing. A schema that does not
-//! compile is a 400 on `response_format` with the compiler's message.
+//! not `strict` is set); `text` constrains nothing. llama.cpp's server
+//! extensions `grammar` (GBNF) and `json_schema` (a bare schema) are taken
+//! too, one constraint per request. A constraint that does not compile is
+//! a 400 on its field with the compiler's message.
 
-use super::openai::{ApiError, ResponseFormat};
+use super::openai::{ApiError, ResponseFormat, Sampling};
 use super::Front;
 use crate::constraint::ConstraintSpec;
 use crate::runtime::RequestConstraint;
 
-/// The constraint `format` asks for, compiled; `None` for text.
+/// The request's constraint fields, taken out of `sampling`.
+pub(super) struct Asked {
+    format: Option<ResponseFormat>,
+    grammar: Option<String>,
+    json_schema: Option<serde_json::Value>,
+}
+
+impl Asked {
+    pub(super) fn take(sampling: &mut Sampling) -> Asked {
+        Asked {
+            format: sampling.response_format.take(),
+            grammar: sampling.grammar.take(),
+            json_schema: sampling.json_schema.take(),
+        }
+    }
+}
+
+/// The constraint the request asks for, compiled; `None` for none.
 pub(super) fn constraint(
-    format: Option<&ResponseFormat>,
+    asked: Asked,
     front: &Front,
 ) -> Result<Option<RequestConstraint>, ApiError> {
-    let spec = match format {
-        None | Some(ResponseFormat::Text) => return Ok(None),
-        Some(ResponseFormat::JsonObject) => ConstraintSpec::JsonObject,
-        Some(ResponseFormat::JsonSchema { json_schema }) => {
-            let schema = json_schema.schema.as_ref().ok_or_else(|| {
-                ApiError::invalid(
-                    "response_format",
-                    "response_format.json_schema.schema is required",
-                )
-            })?;
-            ConstraintSpec::JsonSchema(schema.to_string())
+    let formatted = !matches!(asked.format, None | Some(ResponseFormat::Text));
+    let given = [
+        formatted,
+        asked.grammar.is_some(),
+        asked.json_schema.is_some(),
+    ];
+    if given.iter().filter(|&&g| g).count() > 1 {
+        return Err(ApiError::invalid(
+            "response_format",
+            "one constraint per request: response_format, grammar or json_schema",
+        ));
+    }
+    let (param, spec) = if let Some(gbnf) = asked.grammar {
+        ("grammar", ConstraintSpec::Gbnf(gbnf))
+    } else if let Some(schema) = asked.json_schema {
+        (
+            "json_schema",
+            ConstraintSpec::JsonSchema(schema.to_string()),
+        )
+    } else {
+        match format_spec(asked.format.as_ref())? {
+            Some(spec) => ("response_format", spec),
+            None => return Ok(None),
         }
     };
     front
@@ -32,7 +63,24 @@ pub(super) fn constraint(
         .compile(&spec)
         .map(Some)
         .map_err(|e| ApiError {
-            param: Some("response_format"),
+            param: Some(param),
             ..ApiError::from(e)
         })
+}
+
+/// What `response_format` asks for; `None` for text.
+fn format_spec(format: Option<&ResponseFormat>) -> Result<Option<ConstraintSpec>, ApiError> {
+    Ok(match format {
+        None | Some(ResponseFormat::Text) => None,
+        Some(ResponseFormat::JsonObject) => Some(ConstraintSpec::JsonObject),
+        Some(ResponseFormat::JsonSchema { json_schema }) => {
+            let schema = json_schema.schema.as_ref().ok_or_else(|| {
+                ApiError::invalid(
+                    "response_format",
+                    "response_format.json_schema.schema is required",
+                )
+            })?;
+            Some(ConstraintSpec::JsonSchema(schema.to_string()))
+        }
+    })
 }

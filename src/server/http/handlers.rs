@@ -182,7 +182,7 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         (_, top) => top.unwrap_or(0),
     };
     let stream = Streaming::of(&req.sampling);
-    let format = req.sampling.response_format.take();
+    let asked = super::format::Asked::take(&mut req.sampling);
     let mut job = job_of(
         req.sampling,
         prompt,
@@ -191,7 +191,7 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         "messages",
         Model::of(front),
     )?;
-    job.generate.constraint = super::format::constraint(format.as_ref(), front)?;
+    job.generate.constraint = super::format::constraint(asked, front)?;
     Ok((job, stream))
 }
 
@@ -233,7 +233,7 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiEr
     };
     let top = req.logprobs.unwrap_or(0);
     let stream = Streaming::of(&req.sampling);
-    let format = req.sampling.response_format.take();
+    let asked = super::format::Asked::take(&mut req.sampling);
     let mut job = job_of(
         req.sampling,
         prompt,
@@ -242,7 +242,7 @@ fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiEr
         "prompt",
         Model::of(front),
     )?;
-    job.generate.constraint = super::format::constraint(format.as_ref(), front)?;
+    job.generate.constraint = super::format::constraint(asked, front)?;
     Ok((job, stream))
 }
 

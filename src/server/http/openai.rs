@@ -116,6 +116,12 @@ pub struct Sampling {
     /// constrain the output (see `format.rs`).
     #[serde(default)]
     pub response_format: Option<ResponseFormat>,
+    /// llama.cpp's server extensions: a GBNF grammar, or a JSON Schema
+    /// given directly (each alone, or instead of `response_format`).
+    #[serde(default)]
+    pub grammar: Option<String>,
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
 }
 
 /// OpenAI's `response_format`.
