@@ -60,7 +60,7 @@ fn bench_constraint(c: &mut Criterion) {
                     let mut mask = Vec::new();
                     for &token in &answer {
                         constraint.allowed(&stops, &mut mask).expect("mask");
-                        constraint.accept(token).expect("an allowed token");
+                        constraint.accept(token, &stops).expect("an allowed token");
                     }
                     mask
                 },

@@ -49,19 +49,7 @@ impl Setup {
     /// A session holding `prompt` (as the chat's user turn), with the
     /// model's end-of-generation ids as its stop ids.
     fn session(&self, prompt: &str) -> String {
-        let mut req = pb::CreateSessionRequest::new();
-        req.set_client_label("constraint test".into());
-        req.set_eos_token_ids(self.tokenizer.eog_tokens().to_vec());
-        let id = self
-            .client
-            .rpc
-            .create_session(&req)
-            .expect("created")
-            .take_session_id();
-        let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
-        let tokens = self.tokenizer.encode(&text, false, true).expect("encodes");
-        self.client.append(&id, &tokens).expect("append");
-        id
+        self.session_in_chunks(prompt, usize::MAX)
     }
 
     /// [`Setup::session`], the prompt appended in pieces of `chunk` tokens.

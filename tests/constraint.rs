@@ -48,7 +48,7 @@ fn walk(
             assert!(c.may_end(), "EOS allowed only where the text may end");
             return tok.decode(&ids).expect("decodes");
         }
-        c.accept(t).expect("an allowed token is accepted");
+        c.accept(t, &[eos]).expect("an allowed token is accepted");
         ids.push(t);
     }
     panic!("no end after 400 tokens: {:?}", tok.decode(&ids));

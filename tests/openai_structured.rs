@@ -1,7 +1,11 @@
-//! Structured output (`response_format`) of a real `inferd serve
-//! --http-listen`, driven by the official `openai` Python package with a
-//! pydantic model (`tests/interop/openai_structured.py` says what it
-//! checks).
+//! Structured output (`response_format`, llama.cpp's `grammar` and
+//! `json_schema`) of a real `inferd serve --http-listen`, driven by the
+//! official `openai` Python package: a pydantic model round-trip
+//! (`tests/interop/openai_structured.py`), and 120 JSON Schemas (nested
+//! objects, bounded arrays, enums, anyOf/oneOf, $ref and $defs, string
+//! patterns and formats, bounded numbers) whose completed outputs all
+//! validate with Python's `jsonschema` (`tests/interop/schema_corpus.py`).
+//! Each script says what it checks.
 
 mod support;
 
@@ -9,8 +13,9 @@ use std::process::Command;
 
 use support::{have_reference, Inferd};
 
-#[test]
-fn the_openai_package_parses_constrained_output_into_its_model() {
+/// Runs `script` against a server of the reference model, until it prints
+/// `checks passed`.
+fn run_against_server(name: &str, script: &str) {
     if !have_reference() {
         return;
     }
@@ -28,6 +33,16 @@ fn the_openai_package_parses_constrained_output_into_its_model() {
     ]);
     let http = server.http.as_deref().expect("an http address");
     let mut cmd = Command::new(python);
-    cmd.arg("tests/interop/openai_structured.py").arg(http);
-    support::run_client("openai structured", &mut cmd, "checks passed");
+    cmd.arg(script).arg(http);
+    support::run_client(name, &mut cmd, "checks passed");
+}
+
+#[test]
+fn the_openai_package_parses_constrained_output_into_its_model() {
+    run_against_server("openai structured", "tests/interop/openai_structured.py");
+}
+
+#[test]
+fn every_completed_output_of_the_schema_corpus_validates() {
+    run_against_server("schema corpus", "tests/interop/schema_corpus.py");
 }

@@ -1,7 +1,8 @@
 //! Constrained decoding: a request's JSON Schema, regular expression or
-//! grammar (Lark, or GBNF rewritten into Lark) compiled once against the model's vocabulary (by `llguidance`),
-//! then, step by step, the set of tokens allowed next as a bitset the
-//! samplers apply before anything else.
+//! grammar (Lark, or GBNF rewritten into Lark) compiled once against the
+//! model's vocabulary (by `llguidance`), then, step by step, the set of
+//! tokens allowed next as a bitset the samplers apply before anything else,
+//! and how the constraint ends a generation.
 
 pub mod gbnf;
 mod vocabulary;
@@ -14,6 +15,7 @@ use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use thiserror::Error;
 
+use crate::stop::StopReason;
 use crate::tokenizer::Tokenizer;
 
 /// Longest constraint text taken (a schema, a regex or a grammar).
@@ -134,24 +136,14 @@ impl ConstraintCompiler {
             }
         };
         let started = Instant::now();
-        let parser = catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(grammar)))
-            .map_err(|_| invalid("the compiler failed on it".into()))?
-            .map_err(|e| invalid(first_line(&e.to_string())))?;
-        let took = started.elapsed();
-        if took > MAX_COMPILE_TIME {
-            return Err(ConstraintError::TooSlow { kind, took });
-        }
+        let parser = guarded(|| self.factory.create_parser(grammar), invalid)?;
         let mut matcher = Matcher::new(Ok(parser));
         // The first mask is where most grammars do their lazy work: an
         // unusable one fails here, at the request, not mid-generation.
-        let first = catch_unwind(AssertUnwindSafe(|| matcher.compute_mask()))
-            .map_err(|_| invalid("the compiler failed on it".into()))?
-            .map_err(|e| invalid(first_line(&e.to_string())))?;
-        if started.elapsed() > MAX_COMPILE_TIME {
-            return Err(ConstraintError::TooSlow {
-                kind,
-                took: started.elapsed(),
-            });
+        let first = guarded(|| matcher.compute_mask(), invalid)?;
+        let took = started.elapsed();
+        if took > MAX_COMPILE_TIME {
+            return Err(ConstraintError::TooSlow { kind, took });
         }
         Ok(Constraint {
             matcher,
@@ -189,9 +181,20 @@ fn limits() -> ParserLimits {
     }
 }
 
+/// Runs a call into llguidance: its error, or a panic (input from the
+/// wire must not take a thread down), as `error` of its message.
+fn guarded<T, E: std::fmt::Display>(
+    call: impl FnOnce() -> Result<T, E>,
+    error: impl Fn(String) -> ConstraintError,
+) -> Result<T, ConstraintError> {
+    catch_unwind(AssertUnwindSafe(call))
+        .map_err(|_| error("the constraint library failed on it".into()))?
+        .map_err(|e| error(one_line(&e.to_string())))
+}
+
 /// The compiler's message on one line (its multi-line reports joined),
 /// at most 500 characters.
-fn first_line(message: &str) -> String {
+fn one_line(message: &str) -> String {
     let joined = message
         .lines()
         .map(str::trim)
@@ -210,6 +213,17 @@ pub enum Allowed {
     Complete,
     /// No token can continue it (a grammar the vocabulary cannot finish).
     Stuck,
+}
+
+impl Allowed {
+    /// How the generation ends here, if it does.
+    pub fn end(self) -> Option<StopReason> {
+        match self {
+            Allowed::Tokens => None,
+            Allowed::Complete => Some(StopReason::ConstraintDone),
+            Allowed::Stuck => Some(StopReason::ConstraintUnfinished),
+        }
+    }
 }
 
 /// One Generate's constraint: where its output is in the grammar.
@@ -251,9 +265,7 @@ impl Constraint {
         }
         let vob = match self.first.take() {
             Some(vob) => vob,
-            None => catch_unwind(AssertUnwindSafe(|| self.matcher.compute_mask()))
-                .map_err(|_| ConstraintError::Step("the matcher failed".into()))?
-                .map_err(|e| ConstraintError::Step(first_line(&e.to_string())))?,
+            None => guarded(|| self.matcher.compute_mask(), ConstraintError::Step)?,
         };
         let words = vob.as_slice();
         let n = words.len().min(mask.len());
@@ -283,21 +295,36 @@ impl Constraint {
         })
     }
 
-    /// Moves past `token` (one the last mask allowed, not a stop id).
-    pub fn accept(&mut self, token: u32) -> Result<(), ConstraintError> {
-        catch_unwind(AssertUnwindSafe(|| self.matcher.consume_token(token)))
-            .map_err(|_| ConstraintError::Step("the matcher failed".into()))?
-            .map_err(|e| ConstraintError::Step(first_line(&e.to_string())))
+    /// Moves past a sampled `token` (one the last mask allowed). A stop id
+    /// is allowed only where the text may end: it ends the text, and there
+    /// is nothing to move past.
+    pub fn accept(&mut self, token: u32, stop_ids: &[u32]) -> Result<(), ConstraintError> {
+        if stop_ids.contains(&token) {
+            return Ok(());
+        }
+        guarded(|| self.matcher.consume_token(token), ConstraintError::Step)
     }
 
-    /// Whether the text so far is complete (nothing more may follow).
-    pub fn is_complete(&self) -> bool {
-        self.matcher.is_stopped()
+    /// How the generation ends once a token went out, if it does: `stopped`
+    /// says whether that token was a stop id (the text ended where it may);
+    /// otherwise it ends when the text is complete (nothing may follow).
+    pub fn end_after(&self, stopped: bool) -> Option<StopReason> {
+        (stopped || self.matcher.is_stopped()).then_some(StopReason::ConstraintDone)
     }
 
     /// Whether the text so far is a whole match (it may end here).
     pub fn may_end(&mut self) -> bool {
         self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+    }
+
+    /// How a generation that reached `max_tokens` ends: a text cut mid-match
+    /// does not meet its constraint, and says so.
+    pub fn end_at_limit(&mut self) -> StopReason {
+        if self.may_end() {
+            StopReason::MaxTokens
+        } else {
+            StopReason::ConstraintUnfinished
+        }
     }
 }
 

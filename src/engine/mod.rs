@@ -349,7 +349,6 @@ impl Engine {
         mut constraint: Option<&mut crate::constraint::Constraint>,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
-        use crate::constraint::Allowed;
         let params = params.clone().checked(self.model.config.vocab)?;
         if session.history.is_empty() || session.next_logits.is_empty() {
             return Err(EngineError::EmptyHistory);
@@ -360,18 +359,13 @@ impl Engine {
         let mut on_device = false;
         let stop = loop {
             if tokens.len() >= max_tokens {
-                let unfinished = constraint.as_mut().is_some_and(|c| !c.may_end());
-                break if unfinished {
-                    StopReason::ConstraintUnfinished
-                } else {
-                    StopReason::MaxTokens
-                };
+                break constraint
+                    .as_mut()
+                    .map_or(StopReason::MaxTokens, |c| c.end_at_limit());
             }
             if let Some(c) = constraint.as_mut() {
-                match c.allowed(stop_tokens, &mut mask)? {
-                    Allowed::Tokens => {}
-                    Allowed::Complete => break StopReason::ConstraintDone,
-                    Allowed::Stuck => break StopReason::ConstraintUnfinished,
+                if let Some(end) = c.allowed(stop_tokens, &mut mask)?.end() {
+                    break end;
                 }
             }
             let request = SampleRequest {
@@ -387,19 +381,15 @@ impl Engine {
             } else {
                 self.sampler.sample(request)?.token
             };
-            let is_stop = stop_tokens.contains(&token);
             if let Some(c) = constraint.as_mut() {
-                if !is_stop {
-                    c.accept(token)?;
-                }
+                c.accept(token, stop_tokens)?;
             }
             on_device = self.decode(session, token)?;
             tokens.push(token);
             let go_on = on_token(token);
-            if let Some(c) = constraint.as_ref() {
-                if is_stop || c.is_complete() {
-                    break StopReason::ConstraintDone;
-                }
+            let is_stop = stop_tokens.contains(&token);
+            if let Some(end) = constraint.as_ref().and_then(|c| c.end_after(is_stop)) {
+                break end;
             }
             if is_stop {
                 break StopReason::Eos;

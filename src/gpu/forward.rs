@@ -664,9 +664,10 @@ impl GpuForward {
             // Nothing to wait for here: kept rows go out with the sampler's
             // dispatch (one submission for the step); a step without rows
             // goes now, and whoever next reads what it wrote waits for it.
-            device.defer(encoder);
-            if !self.row_targets.iter().any(Option::is_some) {
-                device.flush();
+            if self.row_targets.iter().any(Option::is_some) {
+                device.defer(encoder);
+            } else {
+                device.submit_after_pending(encoder.finish());
             }
             return Ok(());
         }

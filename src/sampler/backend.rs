@@ -267,7 +267,7 @@ fn wgpu_batch(
 }
 
 /// One row on the CPU reference sampler.
-pub fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<Sampled, SamplerError> {
+fn cpu_sample(cpu: &mut Sampler, row: &SampleRequest<'_>) -> Result<Sampled, SamplerError> {
     cpu.sample_masked(
         row.logits,
         row.params,

@@ -98,9 +98,7 @@ pub mod philox;
 
 use std::cmp::Ordering;
 
-pub use backend::{
-    cpu_sample, RowRequest, SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler,
-};
+pub use backend::{RowRequest, SampleRequest, SamplerBackend, SamplerChoice, SelectedSampler};
 
 pub use error::SamplerError;
 pub use params::{CheckedParams, SamplingParams, MIN_TEMPERATURE};
@@ -376,17 +374,24 @@ pub(crate) fn check_inputs(
 }
 
 /// Step 1 with parameters checked once per call ([`CheckedParams`]): only
-/// what changes per token, the row's length and the penalty window of the
-/// history, is checked.
+/// what changes per token, the row's length, the penalty window of the
+/// history and the length of a constraint's mask, is checked.
 pub(crate) fn check_row(
     logits_len: usize,
     params: &CheckedParams,
     history: &[u32],
+    mask: Option<&[u32]>,
 ) -> Result<(), SamplerError> {
     if logits_len != params.vocab_size() {
         return Err(SamplerError::VocabMismatch {
             expected: params.vocab_size(),
             got: logits_len,
+        });
+    }
+    if let Some(mask) = mask.filter(|m| m.len() != logits_len.div_ceil(32)) {
+        return Err(SamplerError::MaskLength {
+            expected: logits_len.div_ceil(32),
+            got: mask.len(),
         });
     }
     check_history(logits_len, params, history)
@@ -442,10 +447,6 @@ pub struct Sampler {
     dense_weights: Vec<f32>,
     /// `[V / SUM_BLOCK_LEN]` block sums of `dense_weights` for the draw.
     block_sums: Vec<f32>,
-    /// `[V / 32]` the allowed tokens of a masked call (reused, so a masked
-    /// call allocates nothing either); `masking` says whether it applies.
-    mask: Vec<u32>,
-    masking: bool,
 }
 
 impl Sampler {
@@ -511,25 +512,10 @@ impl Sampler {
         top_logprobs: usize,
         mask: Option<&[u32]>,
     ) -> Result<Sampled, SamplerError> {
-        check_row(logits.len(), params, history)?;
-        if let Some(mask) = mask {
-            if mask.len() != logits.len().div_ceil(32) {
-                return Err(SamplerError::MaskLength {
-                    expected: logits.len().div_ceil(32),
-                    got: mask.len(),
-                });
-            }
-        }
+        check_row(logits.len(), params, history, mask)?;
         let u = philox::uniform(params.seed, position);
-        self.masking = mask.is_some();
-        if let Some(mask) = mask {
-            self.mask.clear();
-            self.mask.extend_from_slice(mask);
-        }
-        let token = self.pipeline(logits, params, history, u);
-        let masked = std::mem::take(&mut self.masking);
-        let token = token?;
-        Ok(self.report(logits, params, token, top_logprobs, masked))
+        let token = self.pipeline(logits, params, history, u, mask)?;
+        Ok(self.report(logits, params, token, top_logprobs, mask.is_some()))
     }
 
     /// The sampled `token`, with its log-probabilities when asked for.
@@ -570,7 +556,7 @@ impl Sampler {
         u: f32,
     ) -> Result<u32, SamplerError> {
         check_inputs(logits.len(), params, history)?;
-        self.pipeline(logits, params, history, u)
+        self.pipeline(logits, params, history, u, None)
     }
 
     /// Steps 2-13 on inputs step 1 accepted.
@@ -580,6 +566,7 @@ impl Sampler {
         params: &SamplingParams,
         history: &[u32],
         u: f32,
+        mask: Option<&[u32]>,
     ) -> Result<u32, SamplerError> {
         let vocab_size = logits.len();
         let window = penalty_window(history, params.penalty_last_n);
@@ -587,9 +574,9 @@ impl Sampler {
 
         // Steps 2-4: copy, penalties, bias. Without them the input row is
         // read directly (the stages would be the identity).
-        let adjusts_logits = params.adjusts_logits() || self.masking;
+        let adjusts_logits = params.adjusts_logits() || mask.is_some();
         if adjusts_logits {
-            self.adjust_logits(logits, window, params);
+            self.adjust_logits(logits, window, params, mask);
         }
         let Sampler {
             work,
@@ -633,8 +620,15 @@ impl Sampler {
     }
 
     /// Steps 2-4: `work` = the logits, penalised over `window` when a
-    /// penalty is on, plus the logit bias.
-    fn adjust_logits(&mut self, logits: &[f32], window: &[u32], params: &SamplingParams) {
+    /// penalty is on, plus the logit bias; then -inf where `mask` does not
+    /// allow a token.
+    fn adjust_logits(
+        &mut self,
+        logits: &[f32],
+        window: &[u32],
+        params: &SamplingParams,
+        mask: Option<&[u32]>,
+    ) {
         self.work.clear();
         self.work.extend_from_slice(logits);
         if params.has_penalties() {
@@ -643,8 +637,8 @@ impl Sampler {
         for &(token, bias) in &params.logit_bias {
             self.work[token as usize] += bias;
         }
-        if self.masking {
-            for (word, values) in self.mask.iter().zip(self.work.chunks_mut(32)) {
+        if let Some(mask) = mask {
+            for (word, values) in mask.iter().zip(self.work.chunks_mut(32)) {
                 // Most words of a constraint's mask are all one way.
                 if *word == u32::MAX {
                     continue;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A corpus of JSON Schemas through inferd's OpenAI-compatible HTTP API
-(tests/schema_corpus.rs starts the server): every schema compiles, every
+(tests/openai_structured.rs starts the server): every schema compiles, every
 output that ends with finish_reason "stop" validates with the `jsonschema`
 package (draft 2020-12, formats checked), and nearly all end that way.
 

@@ -13,9 +13,10 @@
 //
 // Where the device has subgroups, the host sets SHUFFLE_BELOW to its
 // smallest subgroup size, numbers the lanes subgroup by subgroup
-// (LANE_BUILTINS, LANE) and makes SHUFFLE a shuffle down: the tree's levels below SHUFFLE_BELOW then pair the same
-// lanes inside subgroup 0 without a barrier, so the sums are the tree's
-// bits either way. Without, SHUFFLE_BELOW is 1 and SHUFFLE never runs.
+// (LANE_BUILTINS, LANE) and makes SHUFFLE a shuffle down: the tree's
+// levels below SHUFFLE_BELOW then pair the same lanes inside subgroup 0
+// without a barrier, so the sums are the tree's bits either way. Without,
+// SHUFFLE_BELOW is 1 and SHUFFLE never runs.
 
 struct Part {
     rows: u32,

@@ -104,21 +104,21 @@ impl Worker {
             let Some(slot) = self.sessions.get_mut(id) else {
                 continue;
             };
-            let stop_ids = slot.session.eos().to_vec();
+            let SessionSlot {
+                session, active, ..
+            } = slot;
             let Some(Active {
                 work: Work::Generate(gen),
                 ..
-            }) = slot.active.as_mut()
+            }) = active.as_mut()
             else {
                 continue;
             };
             let Some(constraint) = gen.constraint.as_mut() else {
                 continue;
             };
-            match constraint.allowed(&stop_ids, &mut gen.mask) {
-                Ok(Allowed::Tokens) => {}
-                Ok(Allowed::Complete) => ended.push((*id, Ok(StopReason::ConstraintDone))),
-                Ok(Allowed::Stuck) => ended.push((*id, Ok(StopReason::ConstraintUnfinished))),
+            match constraint.allowed(session.eos(), &mut gen.mask) {
+                Ok(allowed) => ended.extend(allowed.end().map(|end| (*id, Ok(end)))),
                 Err(e) => ended.push((*id, Err(RuntimeError::invalid(e.to_string())))),
             }
         }
@@ -417,25 +417,24 @@ fn announce_idle(slot: &SessionSlot, shared: &WorkersState, worker: usize) {
     }
 }
 
-/// Moves the session's constraint past its sampled `token` (a stop id
-/// ends the text where the mask allowed it: nothing to move past).
+/// Moves the session's constraint past its sampled `token`.
 fn advance_constraint(
     slot: &mut SessionSlot,
     token: u32,
 ) -> Result<(), crate::constraint::ConstraintError> {
-    let is_stop = slot.session.eos().contains(&token);
-    if let Some(Active {
-        work: Work::Generate(gen),
-        ..
-    }) = slot.active.as_mut()
-    {
-        if let Some(constraint) = gen.constraint.as_mut() {
-            if !is_stop {
-                constraint.accept(token)?;
-            }
-        }
+    let SessionSlot {
+        session, active, ..
+    } = slot;
+    match active.as_mut() {
+        Some(Active {
+            work: Work::Generate(gen),
+            ..
+        }) => gen
+            .constraint
+            .as_mut()
+            .map_or(Ok(()), |c| c.accept(token, session.eos())),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// A Generate's `token` went through the model: it is counted and sent
@@ -473,10 +472,8 @@ fn token_fed(
             return Some(StopReason::Cancelled);
         }
     }
-    if let Some(constraint) = gen.constraint.as_mut() {
-        if eos_hit || constraint.is_complete() {
-            return Some(StopReason::ConstraintDone);
-        }
+    if let Some(end) = gen.constraint.as_ref().and_then(|c| c.end_after(eos_hit)) {
+        return Some(end);
     }
     if eos_hit {
         Some(StopReason::Eos)
@@ -489,13 +486,11 @@ fn token_fed(
             index: index as u32,
         })
     } else if gen.generated.len() >= gen.max_tokens as usize {
-        // Cut mid-match, the text does not meet its constraint: say so.
-        let unfinished = gen.constraint.as_mut().is_some_and(|c| !c.may_end());
-        Some(if unfinished {
-            StopReason::ConstraintUnfinished
-        } else {
-            StopReason::MaxTokens
-        })
+        Some(
+            gen.constraint
+                .as_mut()
+                .map_or(StopReason::MaxTokens, |c| c.end_at_limit()),
+        )
     } else {
         None
     }

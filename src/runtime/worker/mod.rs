@@ -40,7 +40,6 @@ use super::{
     AppendReply, CloseReply, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
     OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo, StopReason, Tenant,
 };
-use crate::constraint::Allowed;
 use crate::durable::{Record, Recovered};
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};

@@ -443,15 +443,7 @@ impl GpuSampler {
             },
         };
         let row = rows.request(i);
-        check_row(len, row.params, row.history)?;
-        if let Some(mask) = row.mask {
-            if mask.len() != len.div_ceil(32) {
-                return Err(SamplerError::MaskLength {
-                    expected: len.div_ceil(32),
-                    got: mask.len(),
-                });
-            }
-        }
+        check_row(len, row.params, row.history, row.mask)?;
         if len != self.vocab_size {
             return Err(SamplerError::VocabMismatch {
                 expected: self.vocab_size,
