@@ -39,12 +39,26 @@ use thiserror::Error;
 /// The name the template is registered under (it shows in no message).
 const NAME: &str = "chat_template";
 
-/// One turn of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// One turn of a conversation, as transformers hands it to a template:
+/// the tool fields are absent unless set, and an assistant turn that only
+/// calls tools has `content` None (as OpenAI clients send it).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct Message {
-    /// `system`, `user`, `assistant`, or whatever the template knows.
+    /// `system`, `user`, `assistant`, `tool`, or whatever the template
+    /// knows.
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls: `{"id", "type": "function", "function":
+    /// {"name", "arguments"}}`, the arguments an object where they parse as
+    /// one (templates print them with `tojson`).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// A tool turn: the function that answered.
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -52,7 +66,56 @@ impl Message {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
+    }
+}
+
+impl Message {
+    /// An assistant turn with calls and no text.
+    fn calls_only(&self) -> bool {
+        self.tool_calls.is_some() && self.content.is_empty()
+    }
+
+    /// The turn as the template sees it; `null_content`: a calls-only
+    /// turn's content is None rather than "".
+    fn write<S: serde::Serializer>(
+        &self,
+        serializer: S,
+        null_content: bool,
+    ) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("role", &self.role)?;
+        let content = (!(null_content && self.calls_only())).then_some(&self.content);
+        map.serialize_entry("content", &content)?;
+        if let Some(calls) = &self.tool_calls {
+            map.serialize_entry("tool_calls", calls)?;
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.serialize_entry("tool_call_id", id)?;
+        }
+        if let Some(name) = &self.name {
+            map.serialize_entry("name", name)?;
+        }
+        map.end()
+    }
+}
+
+impl Serialize for Message {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.write(serializer, true)
+    }
+}
+
+/// A turn whose content is a string even when it only calls tools.
+struct WithText<'a>(&'a Message);
+
+impl Serialize for WithText<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.write(serializer, false)
     }
 }
 
@@ -163,6 +226,42 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`ChatTemplate::render`], with the template's `tools` set to
+    /// `tools` (OpenAI's list of `{"type": "function", "function": {...}}`)
+    /// instead of None.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let tools = tools.map(Value::from_serialize);
+        let rendered = self.render_value(
+            Value::from_serialize(messages),
+            tools.clone(),
+            add_generation_prompt,
+        );
+        match rendered {
+            // Templates that test `'x' in message.content` fail on a None
+            // content (transformers' too); llama.cpp and vLLM give those
+            // "", and so does this.
+            Err(TemplateError::Render { .. }) if messages.iter().any(Message::calls_only) => {
+                let filled: Vec<WithText<'_>> = messages.iter().map(WithText).collect();
+                self.render_value(Value::from_serialize(&filled), tools, add_generation_prompt)
+            }
+            rendered => rendered,
+        }
+    }
+
+    fn render_value(
+        &self,
+        messages: Value,
+        tools: Option<Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let template = self
             .env
             .get_template(NAME)
@@ -172,7 +271,7 @@ impl ChatTemplate {
         template
             .render(context! {
                 messages => messages,
-                tools => (),
+                tools => tools,
                 documents => (),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos,

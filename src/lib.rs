@@ -33,6 +33,8 @@
 //!   their GGUF block formats on the device, and the WGSL kernels.
 //! - [`chat_template`]: a conversation -> prompt text through the model's own
 //!   Jinja chat template, rendered as transformers renders it.
+//! - [`tools`]: tool calls: the functions a chat offers, their place in the
+//!   prompt, the constraint on a call, and the reply read back into calls.
 //! - [`cli`]: the command-line front end (`inferd generate`, `chat`,
 //!   `bench`, `serve`, `session`, `shard`, `relay`, `tokenize`).
 
@@ -68,3 +70,5 @@ pub mod stop;
 pub mod sync;
 pub mod threads;
 pub mod tokenizer;
+#[cfg(not(loom))]
+pub mod tools;

@@ -160,6 +160,94 @@ struct Conversation {
     what: &'static str,
     messages: Vec<Message>,
     add_generation_prompt: bool,
+    /// The template's `tools` (None unless set).
+    tools: Option<Value>,
+}
+
+/// The tools of the tool conversations, as an OpenAI request gives them.
+fn offered_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The current weather of a city.",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "description": "The city's name"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city"]}}},
+        {"type": "function", "function": {
+            "name": "get_time",
+            "description": "The local time of a city.",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string"}}, "required": ["city"]}}}
+    ])
+}
+
+/// An assistant turn calling `calls` (id, function, arguments), as the
+/// HTTP front door hands it to templates.
+fn calling(calls: &[(&str, &str, &str)]) -> Message {
+    let mut m = Message::new("assistant", "");
+    m.tool_calls = Some(
+        calls
+            .iter()
+            .map(|(id, name, args)| inferd::tools::template_call(id, name, args))
+            .collect(),
+    );
+    m
+}
+
+/// A tool's result for the call `id`.
+fn result(id: &str, name: &str, content: &str) -> Message {
+    let mut m = Message::new("tool", content);
+    m.tool_call_id = Some(id.to_owned());
+    m.name = Some(name.to_owned());
+    m
+}
+
+/// The conversations with tools: offered, called, answered.
+fn tool_conversations() -> Vec<Conversation> {
+    let m = Message::new;
+    let with = |what, messages| Conversation {
+        what,
+        messages,
+        add_generation_prompt: true,
+        tools: Some(offered_tools()),
+    };
+    vec![
+        with(
+            "tools offered",
+            vec![
+                m("system", "You are a helpful assistant."),
+                m("user", "What is the weather in Paris?"),
+            ],
+        ),
+        with(
+            "a tool call and its result",
+            vec![
+                m("user", "What is the weather in Paris?"),
+                calling(&[("call1abcd", "get_weather", r#"{"city": "Paris"}"#)]),
+                result("call1abcd", "get_weather", r#"{"temperature": 21}"#),
+            ],
+        ),
+        with(
+            "two calls at once and their results",
+            vec![
+                m("system", "Be brief."),
+                m("user", "Weather and time in Oslo?"),
+                calling(&[
+                    (
+                        "call1abcd",
+                        "get_weather",
+                        r#"{"city": "Oslo", "unit": "celsius"}"#,
+                    ),
+                    ("call2abcd", "get_time", r#"{"city": "Oslo"}"#),
+                ]),
+                result("call1abcd", "get_weather", "rain, 4 degrees"),
+                result("call2abcd", "get_time", "14:05"),
+                m("assistant", "It rains (4 °C); it is 14:05."),
+                m("user", "Thanks!"),
+            ],
+        ),
+    ]
 }
 
 fn conversations() -> Vec<Conversation> {
@@ -169,6 +257,7 @@ fn conversations() -> Vec<Conversation> {
         what,
         messages,
         add_generation_prompt,
+        tools: None,
     };
     vec![
         conv(
@@ -257,6 +346,9 @@ fn conversations() -> Vec<Conversation> {
             true,
         ),
     ]
+    .into_iter()
+    .chain(tool_conversations())
+    .collect()
 }
 
 /// What one side made of one conversation.
@@ -278,6 +370,7 @@ fn reference(python: &PathBuf, template: &str, bos: &str, eos: &str) -> Vec<Outc
                 "eos_token": eos,
                 "now": NOW,
                 "messages": c.messages,
+                "tools": c.tools,
                 "add_generation_prompt": c.add_generation_prompt,
             })
         })
@@ -320,10 +413,9 @@ fn inferd(template: &str, bos: &str, eos: &str) -> Vec<Outcome> {
     conversations()
         .iter()
         .map(|c| {
-            let rendered = compiled
-                .as_ref()
-                .map_err(Clone::clone)
-                .and_then(|t| t.render(&c.messages, c.add_generation_prompt));
+            let rendered = compiled.as_ref().map_err(Clone::clone).and_then(|t| {
+                t.render_with_tools(&c.messages, c.tools.as_ref(), c.add_generation_prompt)
+            });
             match rendered {
                 Ok(text) => Outcome::Text(text),
                 Err(TemplateError::Raised { message }) => Outcome::Raised(message),

@@ -129,6 +129,11 @@ pub struct ServeArgs {
     /// --allow-unauthenticated, as --listen does.
     #[arg(long, env = "INFERD_HTTP_LISTEN")]
     pub http_listen: Option<String>,
+    /// The chat template /v1/chat/completions renders conversations with,
+    /// a Jinja file, instead of the model's own (`tokenizer.chat_template`);
+    /// its tool-call syntax is read off it as off the model's.
+    #[arg(long, env = "INFERD_CHAT_TEMPLATE_FILE")]
+    pub chat_template_file: Option<PathBuf>,
     /// HTTP API connections open at once; past it, new ones wait in the
     /// listen backlog until one closes [default: 512].
     #[arg(long, env = "INFERD_HTTP_MAX_CONNECTIONS")]
@@ -269,6 +274,7 @@ struct FileConfig {
     overflow_sink: Option<usize>,
     metrics_listen: Option<String>,
     http_listen: Option<String>,
+    chat_template_file: Option<PathBuf>,
     http_max_connections: Option<usize>,
     http_header_timeout: Option<f64>,
     http_idle_timeout: Option<f64>,
@@ -335,6 +341,7 @@ pub struct Settings {
     pub overflow_sink: usize,
     pub metrics_listen: Option<String>,
     pub http_listen: Option<String>,
+    pub chat_template_file: Option<PathBuf>,
     /// The HTTP API's connection limit and timeouts.
     pub http_limits: HttpLimits,
     /// gRPC connections the descriptor budget leaves room for.
@@ -479,6 +486,7 @@ impl ServeArgs {
             overflow_sink: self.overflow_sink.or(file.overflow_sink).unwrap_or(4),
             metrics_listen: self.metrics_listen.clone().or(file.metrics_listen),
             http_listen: self.http_listen.clone().or(file.http_listen),
+            chat_template_file: self.chat_template_file.clone().or(file.chat_template_file),
             http_limits,
             grpc_connections: self
                 .grpc_connections
@@ -707,6 +715,12 @@ impl Settings {
         cfg.allow_unauthenticated = self.allow_unauthenticated;
         cfg.metrics_listen = self.metrics_listen.clone();
         cfg.http_listen = self.http_listen.clone();
+        if let Some(path) = &self.chat_template_file {
+            let text = String::from_utf8(read_file("chat template file", path)?).map_err(|_| {
+                CliError::Usage(format!("chat template file {}: not UTF-8", path.display()))
+            })?;
+            cfg.chat_template = Some(text);
+        }
         cfg.http_limits = self.http_limits;
         cfg.model_name = self
             .model

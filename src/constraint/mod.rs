@@ -157,7 +157,7 @@ impl ConstraintCompiler {
 /// The schema with fixed separators (`, ` and `: `, as Python's `json`
 /// writes them) unless it sets its own (`x-guidance`): free whitespace
 /// lets a small model pad forever.
-fn with_separators(mut schema: serde_json::Value) -> serde_json::Value {
+pub(crate) fn with_separators(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(object) = schema.as_object_mut() {
         object.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({

@@ -84,6 +84,9 @@ pub struct ServeConfig {
     /// Serve the OpenAI-compatible HTTP API on this address (port 0: any
     /// free port), under the same rules as `listen`.
     pub http_listen: Option<String>,
+    /// The chat template the HTTP API renders with (Jinja source),
+    /// instead of the model's own.
+    pub chat_template: Option<String>,
     /// The model's name as the HTTP API's `/v1/models` lists it.
     pub model_name: String,
     /// The HTTP API's connection limit and timeouts.
@@ -102,6 +105,7 @@ impl ServeConfig {
             completion_queues: default_completion_queues(),
             metrics_listen: None,
             http_listen: None,
+            chat_template: None,
             model_name: "inferd".into(),
             http_limits: http::HttpLimits::default(),
         }
@@ -297,20 +301,25 @@ impl Server {
         };
         let http = match &cfg.http_listen {
             Some(listen) => Some(
-                http_front(&shared, &for_http, &cfg.model_name)
-                    .and_then(|front| {
-                        http::HttpServer::start(
-                            front,
-                            listen,
-                            tokens.clone(),
-                            cfg.tls.as_ref(),
-                            cfg.http_limits,
-                        )
-                    })
-                    .map_err(|source| ServeError::Http {
-                        addr: listen.clone(),
-                        source,
-                    })?,
+                http_front(
+                    &shared,
+                    &for_http,
+                    &cfg.model_name,
+                    cfg.chat_template.as_deref(),
+                )
+                .and_then(|front| {
+                    http::HttpServer::start(
+                        front,
+                        listen,
+                        tokens.clone(),
+                        cfg.tls.as_ref(),
+                        cfg.http_limits,
+                    )
+                })
+                .map_err(|source| ServeError::Http {
+                    addr: listen.clone(),
+                    source,
+                })?,
             ),
             None => None,
         };
@@ -525,6 +534,7 @@ fn http_front(
     shared: &Arc<ServiceState>,
     model: &Model,
     model_name: &str,
+    chat_template: Option<&str>,
 ) -> std::io::Result<http::Front> {
     let tokenizer = crate::tokenizer::Tokenizer::from_gguf(model.gguf())
         .map_err(|e| std::io::Error::other(format!("the model's tokenizer: {e}")))?;
@@ -533,7 +543,8 @@ fn http_front(
             .unwrap_or("")
             .to_owned()
     };
-    let template = tokenizer.chat_template().and_then(|source| {
+    let source = chat_template.or(tokenizer.chat_template());
+    let template = source.and_then(|source| {
         crate::chat_template::ChatTemplate::new(
             source,
             &text_of(tokenizer.bos()),
@@ -542,8 +553,13 @@ fn http_front(
         .map_err(|e| tracing::warn!(error = %e, "the model's chat template does not parse"))
         .ok()
     });
+    let tool_syntax = source.map_or(
+        crate::tools::ToolSyntax::Generic,
+        crate::tools::ToolSyntax::of_template,
+    );
     Ok(http::Front {
         state: Arc::clone(shared),
+        tool_syntax,
         eos: tokenizer.eog_tokens().to_vec(),
         tokenizer,
         template,

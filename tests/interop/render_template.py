@@ -6,14 +6,17 @@ The environment is transformers' (`_compile_jinja_template` in
 with trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson`
 filter that is `json.dumps` with ensure_ascii=False, and the globals
 `raise_exception(message)` and `strftime_now(format)`. The render call passes
-what `apply_chat_template` passes: messages, tools=None, documents=None,
+what `apply_chat_template` passes: messages, tools (None unless the job has
+them), documents=None,
 add_generation_prompt, and the special tokens. Only the clock differs:
 `strftime_now` formats a fixed instant (`now`, Unix seconds, UTC) so that
 both sides see the same date.
 
 stdin: a JSON list of jobs, each
   {"template": str, "bos_token": str, "eos_token": str, "now": int,
-   "messages": [{"role": str, "content": str}, ...],
+   "messages": [{"role": str, "content": str | null, "tool_calls"?: [...],
+                 "tool_call_id"?: str, "name"?: str}, ...],
+   "tools": [OpenAI tool, ...] | null (optional),
    "add_generation_prompt": bool}
 stdout: a JSON list with one result per job, in order:
   {"text": rendering} | {"raised": message of raise_exception}
@@ -61,9 +64,28 @@ def render(job):
     env.globals["strftime_now"] = strftime_now
     try:
         template = env.from_string(job["template"])
+    except Exception as e:  # noqa: BLE001 - every failure is reported
+        return {"error": f"{type(e).__name__}: {e}"}
+    result = render_messages(template, job, job["messages"])
+    if "error" in result:
+        # inferd's rule: a template that fails on an assistant turn whose
+        # content is None (it only calls tools) is given "" instead.
+        filled = [
+            dict(m, content="")
+            if m.get("tool_calls") and m.get("content") is None
+            else m
+            for m in job["messages"]
+        ]
+        if filled != job["messages"]:
+            result = render_messages(template, job, filled)
+    return result
+
+
+def render_messages(template, job, messages):
+    try:
         text = template.render(
-            messages=job["messages"],
-            tools=None,
+            messages=messages,
+            tools=job.get("tools"),
             documents=None,
             add_generation_prompt=job["add_generation_prompt"],
             bos_token=job["bos_token"],

@@ -50,6 +50,11 @@ pub struct Job {
     pub logprobs: bool,
     /// The client's own session to run in (`x-inferd-session`), if any.
     pub session: Option<SessionId>,
+    /// Control tokens whose text the reply shows (tool-call markers);
+    /// other control tokens have none.
+    pub shown_tokens: Vec<u32>,
+    /// How a reply with tools is read into calls; `None` without tools.
+    pub tools: Option<super::tools::ReplyPlan>,
 }
 
 /// What a running job sends, in order: pieces of text, then one `Done` or
@@ -153,7 +158,9 @@ async fn run(
     let reused = feed(front, caller, id, &job.prompt[held..]).await?;
     let request = GenerateRequest { id, ..job.generate };
     let stream = front.state.runtime.generate(caller, request, None)?;
-    let Some(ended) = stream_out(front, stream, job.stops, job.logprobs, tx).await? else {
+    let Some(ended) =
+        stream_out(front, stream, job.stops, job.shown_tokens, job.logprobs, tx).await?
+    else {
         // The client went away.
         return Ok(());
     };
@@ -244,12 +251,14 @@ async fn stream_out(
     front: &Front,
     mut stream: GenerateStream,
     stops: Vec<String>,
+    shown_tokens: Vec<u32>,
     logprobs: bool,
     tx: &mpsc::Sender<Piece>,
 ) -> Result<Option<Ended>, ApiError> {
     let tokenizer = &front.tokenizer;
     let mut text = Text {
         decoder: StreamDecoder::new(),
+        shown_tokens,
         stop: StopText::new(stops),
         logprobs: Vec::new(),
         waiting: None,
@@ -308,6 +317,8 @@ async fn stream_out(
 /// The text of a generation on its way out.
 struct Text {
     decoder: StreamDecoder,
+    /// Control tokens whose text is shown.
+    shown_tokens: Vec<u32>,
     stop: StopText,
     /// Log-probabilities of the tokens not sent yet.
     logprobs: Vec<TokenLogprob>,
@@ -330,9 +341,10 @@ fn finish_of(reason: StopReason) -> FinishReason {
 
 impl Text {
     /// A generated token's text, as far as it is whole (an end-of-generation
-    /// or control token has none).
+    /// or control token has none, unless it is one of the shown ones).
     fn decode(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String, ApiError> {
-        if tokenizer.is_eog(token) || tokenizer.is_control(token) {
+        let shown = self.shown_tokens.contains(&token);
+        if tokenizer.is_eog(token) || (tokenizer.is_control(token) && !shown) {
             return Ok(String::new());
         }
         self.decoder

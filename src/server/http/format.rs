@@ -18,6 +18,13 @@ pub(super) struct Asked {
 }
 
 impl Asked {
+    /// Whether the request asks for a constraint.
+    pub(super) fn any(&self) -> bool {
+        !matches!(self.format, None | Some(ResponseFormat::Text))
+            || self.grammar.is_some()
+            || self.json_schema.is_some()
+    }
+
     pub(super) fn take(sampling: &mut Sampling) -> Asked {
         Asked {
             format: sampling.response_format.take(),

@@ -30,8 +30,8 @@ use futures_util::stream::{self, Stream, StreamExt};
 use super::completion::{self, Job, Piece};
 use super::openai::{ApiError, ChatRequest, CompletionRequest, Prompt, Sampling};
 use super::responses::{error_event, Chunks, Head, Kind, ModelList, Whole};
+use super::tools::{finish_reason, ReplyFilter};
 use super::Front;
-use crate::chat_template::Message;
 use crate::runtime::limits::{
     MAX_CHAT_MESSAGES, MAX_HTTP_BODY_BYTES, MAX_OPENAI_LOGIT_BIAS, MAX_STOP_STRINGS,
     MAX_STOP_STRING_BYTES,
@@ -151,22 +151,10 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
             "the model has no chat template: use /v1/completions",
         ));
     };
-    let messages = req
-        .messages
-        .iter()
-        .map(|m| {
-            let content = m.content.as_ref().map(|c| c.text()).transpose()?;
-            // OpenAI's newer name for the system role.
-            let role = if m.role == "developer" {
-                "system"
-            } else {
-                &m.role
-            };
-            Ok(Message::new(role, content.unwrap_or_default()))
-        })
-        .collect::<Result<Vec<_>, ApiError>>()?;
+    let plan = super::tools::ToolPlan::new(front, &req)?;
+    let input = &plan.input;
     let text = template
-        .render(&messages, true)
+        .render_with_tools(&input.messages, input.tools.as_ref(), true)
         .map_err(|e| ApiError::invalid("messages", format!("the chat template: {e}")))?;
     let prompt = front
         .tokenizer
@@ -191,7 +179,9 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
         "messages",
         Model::of(front),
     )?;
-    job.generate.constraint = super::format::constraint(asked, front)?;
+    job.generate.constraint = plan.constraint(front, asked)?;
+    job.shown_tokens = plan.shown_tokens(front);
+    job.tools = plan.reply();
     Ok((job, stream))
 }
 
@@ -312,6 +302,8 @@ fn job_of(
         stops,
         logprobs,
         session: None,
+        shown_tokens: Vec::new(),
+        tools: None,
     })
 }
 
@@ -433,14 +425,15 @@ async fn respond(
     kind: Kind,
 ) -> Response {
     let logprobs = job.logprobs;
+    let filter = job.tools.as_ref().map(ReplyFilter::new);
     let rx = completion::start(Arc::clone(&front), caller, job);
     if let Streaming::Events { usage_chunk } = stream {
-        return Sse::new(events(front, rx, kind, logprobs, usage_chunk))
+        return Sse::new(events(front, rx, kind, logprobs, usage_chunk, filter))
             .keep_alive(KeepAlive::default())
             .into_response();
     }
     match completion::gather(rx).await {
-        Ok(done) => {
+        Ok(mut done) => {
             let id = kind.id();
             let head = Head {
                 kind,
@@ -448,8 +441,25 @@ async fn respond(
                 created: now(),
                 model: &front.model_id,
             };
+            let mut calls = Vec::new();
+            if let Some(mut filter) = filter {
+                let (mut text, _) = filter.push(&done.text, Vec::new()).unwrap_or_default();
+                let (rest, _, made) = filter.finish();
+                text.push_str(&rest);
+                done.text = text;
+                calls = made;
+                done.finish = finish_reason(done.finish, &calls);
+            }
             let lps = logprobs.then_some(done.logprobs.as_slice());
-            Json(Whole::new(head, &done.text, lps, done.finish, &done.usage)).into_response()
+            Json(Whole::new(
+                head,
+                &done.text,
+                &calls,
+                lps,
+                done.finish,
+                &done.usage,
+            ))
+            .into_response()
         }
         Err(e) => e.into_response(),
     }
@@ -471,6 +481,7 @@ fn events(
     kind: Kind,
     logprobs: bool,
     usage_chunk: bool,
+    mut filter: Option<ReplyFilter>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let answer = Streamed {
         id: kind.id(),
@@ -486,7 +497,29 @@ fn events(
     let pieces = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|p| (p, rx)) });
     let body = pieces.flat_map(move |piece| {
         let chunks = answer.chunks();
-        let out: Vec<String> = match piece {
+        let mut out = Vec::new();
+        let piece = match (piece, &mut filter) {
+            (Piece::Text { text, logprobs }, Some(f)) => match f.push(&text, logprobs) {
+                Some((text, logprobs)) => Piece::Text { text, logprobs },
+                None => return stream::iter(out),
+            },
+            (Piece::Done { finish, usage }, Some(_)) => {
+                let Some(f) = filter.take() else {
+                    return stream::iter(out);
+                };
+                let (text, logprobs, calls) = f.finish();
+                if !text.is_empty() || !logprobs.is_empty() {
+                    out.push(chunks.piece(&text, &logprobs, text_offset));
+                }
+                if !calls.is_empty() {
+                    out.push(chunks.tool_calls(&calls));
+                }
+                let finish = finish_reason(finish, &calls);
+                Piece::Done { finish, usage }
+            }
+            (piece, _) => piece,
+        };
+        out.extend(match piece {
             Piece::Text { text, logprobs } => {
                 let data = chunks.piece(&text, &logprobs, text_offset);
                 text_offset += text.len();
@@ -501,7 +534,7 @@ fn events(
                 vec![chunks.finish(finish, Some(&usage)), "[DONE]".into()]
             }
             Piece::Failed(e) => vec![error_event(&e)],
-        };
+        });
         stream::iter(out)
     });
     stream::iter(first)

@@ -21,6 +21,7 @@ pub mod listener;
 pub mod openai;
 mod responses;
 pub mod stop_text;
+mod tools;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -51,6 +52,8 @@ pub(crate) struct Front {
     pub state: Arc<ServiceState>,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// How the chat template writes tool calls.
+    pub tool_syntax: crate::tools::ToolSyntax,
     /// The name `/v1/models` lists (the model file's stem). Requests may
     /// name any model: this server runs one.
     pub model_id: String,

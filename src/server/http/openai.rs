@@ -60,6 +60,31 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<RequestToolCall>>,
+    /// A tool turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// A tool turn: the function that answered.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A call in an assistant turn the client sends back.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RequestToolCall {
+    #[serde(default)]
+    pub id: Option<String>,
+    pub function: RequestFunctionCall,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct RequestFunctionCall {
+    pub name: String,
+    /// JSON text, as OpenAI sends it (an object is taken too).
+    #[serde(default)]
+    pub arguments: Option<serde_json::Value>,
 }
 
 /// `stop`: one string or several.
@@ -154,6 +179,13 @@ pub struct ChatRequest {
     pub logprobs: bool,
     #[serde(default)]
     pub top_logprobs: Option<u32>,
+    /// The functions the model may call (`tools.rs` in inferd's library).
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }

@@ -125,6 +125,7 @@ impl<'a> Whole<'a> {
     pub fn new(
         head: Head<'a>,
         text: &'a str,
+        calls: &'a [crate::tools::ToolCall],
         logprobs: Option<&'a [TokenLogprob]>,
         finish: FinishReason,
         usage: &'a Usage,
@@ -137,8 +138,9 @@ impl<'a> Whole<'a> {
                     index: 0,
                     logprobs: logprobs.map(|content| ChatLogprobs { content }),
                     message: ChatMessage {
-                        content: text,
+                        content: (calls.is_empty() || !text.is_empty()).then_some(text),
                         role: "assistant",
+                        tool_calls: (!calls.is_empty()).then(|| ToolCallOut::list(calls, false)),
                     },
                 }],
                 Some(usage),
@@ -168,8 +170,48 @@ pub struct ChatChoice<'a> {
 
 #[derive(Debug, Serialize)]
 pub struct ChatMessage<'a> {
-    pub content: &'a str,
+    /// None (`null`) when the reply is only tool calls.
+    pub content: Option<&'a str>,
     pub role: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut<'a>>>,
+}
+
+/// A call in a reply: whole, or (with its `index`) in a chunk's delta,
+/// which carries each call whole.
+#[derive(Debug, Serialize)]
+pub struct ToolCallOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    pub id: &'a str,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionOut<'a>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionOut<'a> {
+    pub name: &'a str,
+    pub arguments: &'a str,
+}
+
+impl<'a> ToolCallOut<'a> {
+    /// `calls` in OpenAI's shape; numbered for a chunk when `indexed`.
+    pub fn list(calls: &'a [crate::tools::ToolCall], indexed: bool) -> Vec<ToolCallOut<'a>> {
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ToolCallOut {
+                index: indexed.then_some(i),
+                id: &c.id,
+                kind: "function",
+                function: FunctionOut {
+                    name: &c.name,
+                    arguments: &c.arguments,
+                },
+            })
+            .collect()
+    }
 }
 
 /// The choice of a chat completion chunk.
@@ -189,6 +231,8 @@ pub struct Delta<'a> {
     pub content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut<'a>>>,
 }
 
 /// Chat log-probabilities: one entry per token.
@@ -268,6 +312,7 @@ impl Chunks<'_> {
         let delta = Delta {
             content: Some(""),
             role: Some("assistant"),
+            tool_calls: None,
         };
         self.json(vec![chat_chunk(delta, None, None)], None)
     }
@@ -280,6 +325,7 @@ impl Chunks<'_> {
                 let delta = Delta {
                     content: Some(text),
                     role: None,
+                    tool_calls: None,
                 };
                 let logprobs = logprobs.map(|content| ChatLogprobs { content });
                 self.json(vec![chat_chunk(delta, logprobs, None)], None)
@@ -289,6 +335,15 @@ impl Chunks<'_> {
                 self.json(vec![text_chunk(text, logprobs, None)], None)
             }
         }
+    }
+
+    /// A chat chunk with the reply's tool calls, each whole.
+    pub fn tool_calls(&self, calls: &[crate::tools::ToolCall]) -> String {
+        let delta = Delta {
+            tool_calls: Some(ToolCallOut::list(calls, true)),
+            ..Delta::default()
+        };
+        self.json(vec![chat_chunk(delta, None, None)], None)
     }
 
     /// The chunk that says why the answer finished, carrying `usage` when
@@ -343,6 +398,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens`, or the context is full.
     Length,
+    /// The reply called tools.
+    ToolCalls,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -487,6 +544,7 @@ mod tests {
             json(&Whole::new(
                 chat,
                 "Hi!",
+                &[],
                 Some(&tokens),
                 FinishReason::Stop,
                 &usage
@@ -494,7 +552,14 @@ mod tests {
             r#"{"choices":[{"finish_reason":"stop","index":0,"logprobs":{"content":[{"bytes":[72,105],"logprob":-0.10000000149011612,"token":"Hi","top_logprobs":[{"bytes":[72,105],"logprob":-0.10000000149011612,"token":"Hi"},{"bytes":[72,101,108,108,111],"logprob":-2.5,"token":"Hello"}]},{"bytes":[33],"logprob":-0.75,"token":"!","top_logprobs":[{"bytes":[33],"logprob":-0.75,"token":"!"},{"bytes":[46],"logprob":-1.2999999523162842,"token":"."}]}]},"message":{"content":"Hi!","role":"assistant"}}],"created":1700000000,"id":"chatcmpl-0123","model":"SmolLM2","object":"chat.completion","system_fingerprint":null,"usage":{"completion_tokens":3,"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4},"total_tokens":12}}"#
         );
         assert_eq!(
-            json(&Whole::new(chat, "Hi!", None, FinishReason::Length, &usage)),
+            json(&Whole::new(
+                chat,
+                "Hi!",
+                &[],
+                None,
+                FinishReason::Length,
+                &usage
+            )),
             r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":null,"message":{"content":"Hi!","role":"assistant"}}],"created":1700000000,"id":"chatcmpl-0123","model":"SmolLM2","object":"chat.completion","system_fingerprint":null,"usage":{"completion_tokens":3,"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4},"total_tokens":12}}"#
         );
     }
@@ -507,6 +572,7 @@ mod tests {
             json(&Whole::new(
                 text,
                 "Hi!",
+                &[],
                 Some(&tokens),
                 FinishReason::Stop,
                 &usage
@@ -514,7 +580,14 @@ mod tests {
             r#"{"choices":[{"finish_reason":"stop","index":0,"logprobs":{"text_offset":[0,2],"token_logprobs":[-0.10000000149011612,-0.75],"tokens":["Hi","!"],"top_logprobs":[{"Hello":-2.5,"Hi":-0.10000000149011612},{"!":-0.75,".":-1.2999999523162842}]},"text":"Hi!"}],"created":1700000000,"id":"cmpl-0123","model":"SmolLM2","object":"text_completion","system_fingerprint":null,"usage":{"completion_tokens":3,"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4},"total_tokens":12}}"#
         );
         assert_eq!(
-            json(&Whole::new(text, "Hi!", None, FinishReason::Length, &usage)),
+            json(&Whole::new(
+                text,
+                "Hi!",
+                &[],
+                None,
+                FinishReason::Length,
+                &usage
+            )),
             r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":null,"text":"Hi!"}],"created":1700000000,"id":"cmpl-0123","model":"SmolLM2","object":"text_completion","system_fingerprint":null,"usage":{"completion_tokens":3,"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4},"total_tokens":12}}"#
         );
     }
