@@ -149,6 +149,8 @@ fn describe(toolbox: &Toolbox) -> String {
             "To call tools, reply with only this JSON:\n{form}\nTo answer without a tool, reply with only {{\"content\": <your answer>}}."
         )),
     }
-    text.push_str("\nTool results come back as {\"tool_results\": [...]}.");
+    text.push_str(
+        "\nTool results come back as {\"tool_results\": [...]}: use them to answer, and do not call a tool again for what they already say.",
+    );
     text
 }
