@@ -301,7 +301,7 @@ impl Server {
         };
         let http = match &cfg.http_listen {
             Some(listen) => Some(
-                http_front(
+                http::Front::new(
                     &shared,
                     &for_http,
                     &cfg.model_name,
@@ -524,51 +524,6 @@ fn metrics_renderer(
             layers: shared.runtime.config().layers.describe(),
         };
         metrics::render(&shared.runtime.stats(), &numbers)
-    })
-}
-
-/// What the HTTP front door's handlers read: the runtime, the model's
-/// tokenizer and chat template (a template that does not parse leaves
-/// `/v1/chat/completions` refusing, with the reason logged).
-fn http_front(
-    shared: &Arc<ServiceState>,
-    model: &Model,
-    model_name: &str,
-    chat_template: Option<&str>,
-) -> std::io::Result<http::Front> {
-    let tokenizer = crate::tokenizer::Tokenizer::from_gguf(model.gguf())
-        .map_err(|e| std::io::Error::other(format!("the model's tokenizer: {e}")))?;
-    let text_of = |id: Option<u32>| {
-        id.and_then(|i| tokenizer.token_text(i))
-            .unwrap_or("")
-            .to_owned()
-    };
-    let source = chat_template.or(tokenizer.chat_template());
-    let template = source.and_then(|source| {
-        crate::chat_template::ChatTemplate::new(
-            source,
-            &text_of(tokenizer.bos()),
-            &text_of(tokenizer.eos()),
-        )
-        .map_err(|e| tracing::warn!(error = %e, "the model's chat template does not parse"))
-        .ok()
-    });
-    let tool_syntax = source.map_or(
-        crate::tools::ToolSyntax::Generic,
-        crate::tools::ToolSyntax::of_template,
-    );
-    Ok(http::Front {
-        state: Arc::clone(shared),
-        tool_syntax,
-        eos: tokenizer.eog_tokens().to_vec(),
-        tokenizer,
-        template,
-        model_id: model_name.to_owned(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        vocab: model.config.vocab,
-        context: model.config.context,
     })
 }
 

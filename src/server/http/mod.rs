@@ -38,9 +38,11 @@ use super::service::ServiceState;
 use super::stats::ServerStats;
 use super::tokens::AccessTokens;
 use crate::chat_template::ChatTemplate;
+use crate::model::Model;
 use crate::runtime::limits::MAX_HTTP_BODY_BYTES;
 use crate::runtime::Tenant;
 use crate::tokenizer::Tokenizer;
+use crate::tools::ToolSyntax;
 pub use listener::{ConnNumbers, ConnStats, HttpLimits};
 use openai::ApiError;
 
@@ -53,7 +55,7 @@ pub(crate) struct Front {
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     /// How the chat template writes tool calls.
-    pub tool_syntax: crate::tools::ToolSyntax,
+    pub tool_syntax: ToolSyntax,
     /// The name `/v1/models` lists (the model file's stem). Requests may
     /// name any model: this server runs one.
     pub model_id: String,
@@ -63,6 +65,48 @@ pub(crate) struct Front {
     pub eos: Vec<u32>,
     pub vocab: usize,
     pub context: usize,
+}
+
+impl Front {
+    /// What the handlers read: the runtime, the model's tokenizer and chat
+    /// template (`chat_template`, the Jinja source given at start, or the
+    /// model's own; one that does not parse leaves `/v1/chat/completions`
+    /// refusing, with the reason logged) and the template's tool-call
+    /// syntax.
+    pub(crate) fn new(
+        shared: &Arc<ServiceState>,
+        model: &Model,
+        model_name: &str,
+        chat_template: Option<&str>,
+    ) -> std::io::Result<Front> {
+        let tokenizer = Tokenizer::from_gguf(model.gguf())
+            .map_err(|e| std::io::Error::other(format!("the model's tokenizer: {e}")))?;
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_text(i))
+                .unwrap_or("")
+                .to_owned()
+        };
+        let source = chat_template.or(tokenizer.chat_template());
+        let template = source.and_then(|source| {
+            ChatTemplate::new(source, &text_of(tokenizer.bos()), &text_of(tokenizer.eos()))
+                .map_err(|e| tracing::warn!(error = %e, "the chat template does not parse"))
+                .ok()
+        });
+        let tool_syntax = source.map_or(ToolSyntax::Generic, ToolSyntax::of_template);
+        Ok(Front {
+            state: Arc::clone(shared),
+            tool_syntax,
+            eos: tokenizer.eog_tokens().to_vec(),
+            tokenizer,
+            template,
+            model_id: model_name.to_owned(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            vocab: model.config.vocab,
+            context: model.config.context,
+        })
+    }
 }
 
 /// The running front door; dropping it stops it at once.
