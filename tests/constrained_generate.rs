@@ -257,3 +257,130 @@ fn bad_constraints_are_invalid_argument_and_change_nothing() {
         before
     );
 }
+
+/// A session of `client` holding `prompt` as the chat's user turn.
+fn session_on(client: &Client, tokenizer: &Tokenizer, prompt: &str) -> String {
+    let mut req = pb::CreateSessionRequest::new();
+    req.set_client_label("constraint test".into());
+    req.set_eos_token_ids(tokenizer.eog_tokens().to_vec());
+    let id = client
+        .rpc
+        .create_session(&req)
+        .expect("created")
+        .take_session_id();
+    let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
+    let tokens = tokenizer.encode(&text, false, true).expect("encodes");
+    client.append(&id, &tokens).expect("append");
+    id
+}
+
+/// The seeded, schema-constrained call every part of the test makes.
+fn person_request(id: &str) -> pb::GenerateRequest {
+    let mut req = with(seeded(id, 160, 77), |c| c.set_json_schema(SCHEMA.into()));
+    req.set_top_logprobs(2);
+    req
+}
+
+/// A constrained call's tokens and log-probability bits, checked to end
+/// with the constraint.
+fn person_run(client: &Client, id: &str) -> (Vec<u32>, Vec<(u32, u32)>) {
+    let run = client.generate(&person_request(id));
+    assert!(run.error.is_none(), "{:?}", run.error);
+    let (reason, _) = run.done.expect("done");
+    assert_eq!(reason, Stop::STOP_REASON_CONSTRAINT_DONE as i32);
+    (run.tokens, run.logprob_bits)
+}
+
+#[test]
+fn constrained_tokens_do_not_depend_on_batch_neighbours_a_restart_or_shards() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer =
+        Tokenizer::from_gguf(&GgufFile::open(REFERENCE).expect("model")).expect("tokenizer");
+    let prompt = "Describe a person called Ada as JSON with name, age, colour and tags.";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = dir.path().join("state");
+    let state = state.to_str().expect("UTF-8 path");
+    let serve = |extra: &[&str]| {
+        let mut args = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            REFERENCE,
+            "--workers",
+            "2",
+            "--sampler",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        Inferd::start(&args)
+    };
+
+    // Alone, on a server that keeps its sessions.
+    let mut server = serve(&["--state-dir", state]);
+    let client = Client::connect(&server.addr);
+    let kept = session_on(&client, &tokenizer, prompt);
+    let alone = person_run(&client, &session_on(&client, &tokenizer, prompt));
+    let text: Vec<u32> = alone
+        .0
+        .iter()
+        .copied()
+        .filter(|&t| !tokenizer.is_eog(t))
+        .collect();
+    check_person(&tokenizer.decode(&text).expect("decodes"));
+
+    // Beside each other and an unconstrained neighbour, in the same steps.
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..3)
+            .map(|k| {
+                let (addr, tokenizer) = (&server.addr, &tokenizer);
+                scope.spawn(move || {
+                    let client = Client::connect(addr);
+                    let id = session_on(&client, tokenizer, prompt);
+                    if k == 2 {
+                        let free = client.generate(&greedy(&id, 120, 0));
+                        assert!(free.error.is_none(), "{:?}", free.error);
+                        return None;
+                    }
+                    Some(person_run(&client, &id))
+                })
+            })
+            .collect();
+        for run in runs {
+            if let Some(run) = run.join().expect("a run") {
+                assert_eq!(run, alone, "beside neighbours");
+            }
+        }
+    });
+
+    // After a restart, in the session the state directory kept.
+    server.signal("TERM");
+    server
+        .wait_exit(std::time::Duration::from_secs(60))
+        .expect("stops");
+    let server = serve(&["--state-dir", state]);
+    let client = Client::connect(&server.addr);
+    let restored = support::retry_unavailable(std::time::Duration::from_secs(60), || {
+        client.generate(&person_request(&kept))
+    });
+    assert!(restored.error.is_none(), "{:?}", restored.error);
+    assert_eq!(
+        (restored.tokens, restored.logprob_bits),
+        alone,
+        "after a restart"
+    );
+    drop(server);
+
+    // The model split over two shards.
+    let shards: Vec<Inferd> = ["0..15", "15..30"]
+        .iter()
+        .map(|l| Inferd::shard(l, "127.0.0.1:0"))
+        .collect();
+    let list = format!("{},{}", shards[0].addr, shards[1].addr);
+    let coordinator = serve(&["--shards", &list]);
+    let client = Client::connect(&coordinator.addr);
+    let split = person_run(&client, &session_on(&client, &tokenizer, prompt));
+    assert_eq!(split, alone, "over two shards");
+}
