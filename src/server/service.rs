@@ -191,17 +191,40 @@ impl RuntimeServiceImpl {
         sink: ServerStreamingSink<pb::GenerateResponse>,
     ) {
         let deadline = call_deadline(ctx.deadline());
-        let started = req.message().and_then(|req| {
-            let mut request = convert::generate_request(&req);
+        let shared = Arc::clone(&self.shared);
+        // A constraint compiles off this completion queue's thread.
+        let asked = req.message().and_then(|req| {
             let caller = self.caller(&ctx)?;
-            if req.has_constraint() {
+            let compiling = if req.has_constraint() {
                 let spec = super::constraints::spec_of(req.get_constraint())?;
-                request.constraint = Some(self.shared.constraints.compile(&spec)?);
-            }
-            self.shared.runtime.generate(&caller, request, deadline)
+                Some(shared.constraints.compile_later(spec)?)
+            } else {
+                None
+            };
+            Ok((convert::generate_request(&req), caller, compiling))
         });
         let stats = Arc::clone(&self.shared.stats);
-        ctx.spawn(stream_generate(started, sink, stats));
+        ctx.spawn(async move {
+            let started = match asked {
+                Ok((mut request, caller, compiling)) => {
+                    let compiled = match compiling {
+                        Some(rx) => match rx.await {
+                            Ok(result) => result.map(Some),
+                            Err(_) => Err(RuntimeError::Internal(
+                                "a constraint compile thread stopped".into(),
+                            )),
+                        },
+                        None => Ok(None),
+                    };
+                    compiled.and_then(|constraint| {
+                        request.constraint = constraint;
+                        shared.runtime.generate(&caller, request, deadline)
+                    })
+                }
+                Err(e) => Err(e),
+            };
+            stream_generate(started, sink, stats).await
+        });
     }
 
     fn close_session(

@@ -68,7 +68,7 @@ pub async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let job = body_of(body).and_then(|body| chat_job(&front, &body));
+    let job = off_the_loop(&front, body, chat_job).await;
     match job.map(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, caller, job, stream, Kind::Chat).await,
         Err(e) => e.into_response(),
@@ -82,11 +82,33 @@ pub async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let job = body_of(body).and_then(|body| completion_job(&front, &body));
+    let job = off_the_loop(&front, body, completion_job).await;
     match job.map(|job| bound(job, &headers)) {
         Ok((job, stream)) => respond(front, caller, job, stream, Kind::Text).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// A request made into a job, or why it cannot run.
+type Prepared = Result<(Job, Streaming), ApiError>;
+
+/// A request made into a job on a blocking thread: tokenizing a long
+/// prompt and compiling a constraint (up to 2 s) must not hold up the
+/// threads that stream every other answer.
+async fn off_the_loop(
+    front: &Arc<Front>,
+    body: Result<Bytes, BytesRejection>,
+    make: fn(&Front, &Bytes) -> Prepared,
+) -> Prepared {
+    let body = body_of(body)?;
+    let front = Arc::clone(front);
+    tokio::task::spawn_blocking(move || make(&front, &body))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::from(crate::runtime::RuntimeError::Internal(
+                format!("preparing the request: {e}"),
+            )))
+        })
 }
 
 /// The header that runs a request in the client's own kakeya session.
@@ -128,7 +150,7 @@ impl Streaming {
 /// (their number bounded here, as the runtime only ever sees the tokens
 /// they render to), the template, and `top_logprobs` without `logprobs`
 /// (the runtime has the one count, 0 for none).
-fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
+fn chat_job(front: &Front, body: &Bytes) -> Prepared {
     let mut req: ChatRequest = parse(body)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
@@ -188,7 +210,7 @@ fn chat_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
 /// A completions request as a job. Its own checks are OpenAI's fields the
 /// runtime has no counterpart of: `echo` (unsupported) and a list of
 /// prompts (one per request).
-fn completion_job(front: &Front, body: &Bytes) -> Result<(Job, Streaming), ApiError> {
+fn completion_job(front: &Front, body: &Bytes) -> Prepared {
     let mut req: CompletionRequest = parse(body)?;
     if req.echo {
         return Err(ApiError::invalid("echo", "echo is not supported"));
