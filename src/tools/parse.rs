@@ -34,7 +34,16 @@ pub struct ReplyReader {
     seen_text: bool,
     /// At most one call is kept (`parallel_tool_calls: false`).
     one_call: bool,
+    /// The generic form's `{"content": "...`: its string is being shown
+    /// as it comes; `Some(true)` once it closed.
+    answer: Option<bool>,
+    /// The generic reply is not an answer (calls, or something else).
+    not_answer: bool,
 }
+
+/// How a generic reply that answers in text begins (the constraint writes
+/// it compact).
+const ANSWER_START: &str = "{\"content\": \"";
 
 impl ReplyReader {
     pub fn new(syntax: ToolSyntax, parallel: bool) -> ReplyReader {
@@ -44,6 +53,8 @@ impl ReplyReader {
             holding: false,
             seen_text: false,
             one_call: !parallel || !syntax.allows_parallel(),
+            answer: None,
+            not_answer: false,
         }
     }
 
@@ -52,7 +63,7 @@ impl ReplyReader {
     pub fn push(&mut self, piece: &str) -> String {
         self.held.push_str(piece);
         if self.holding {
-            return String::new();
+            return self.answer_text();
         }
         match marker(self.syntax) {
             Some(marker) => {
@@ -79,7 +90,7 @@ impl ReplyReader {
                 self.seen_text = true;
                 if first == '{' || self.held.trim_start().starts_with("<|python_tag|>") {
                     self.holding = true;
-                    String::new()
+                    self.answer_text()
                 } else {
                     std::mem::take(&mut self.held)
                 }
@@ -87,8 +98,42 @@ impl ReplyReader {
         }
     }
 
+    /// The generic form's answer text as far as it has come (its JSON
+    /// string decoded), once the reply is seen to be one.
+    fn answer_text(&mut self) -> String {
+        if self.syntax != ToolSyntax::Generic || self.not_answer || self.answer == Some(true) {
+            return String::new();
+        }
+        if self.answer.is_none() {
+            let start = self.held.len() - self.held.trim_start().len();
+            let text = &self.held[start..];
+            if text.starts_with(ANSWER_START) {
+                self.held.drain(..start + ANSWER_START.len());
+                self.answer = Some(false);
+            } else {
+                self.not_answer = !ANSWER_START.starts_with(text);
+                return String::new();
+            }
+        }
+        let (text, used, closed) = json_string_prefix(&self.held);
+        self.held.drain(..used);
+        if closed {
+            self.answer = Some(true);
+        }
+        text
+    }
+
     /// The end of the reply: what was held, read.
     pub fn finish(self) -> ParsedReply {
+        if let Some(closed) = self.answer {
+            // The answer was shown as it came; what is left is its closing
+            // (or, cut short, a piece of an escape, given back as it is).
+            let content = if closed { String::new() } else { self.held };
+            return ParsedReply {
+                content,
+                calls: Vec::new(),
+            };
+        }
         let held = self.held;
         if !self.holding {
             return ParsedReply {
@@ -115,6 +160,54 @@ impl ReplyReader {
             .collect();
         ParsedReply { content, calls }
     }
+}
+
+/// The start of a JSON string's body decoded: the text, the bytes of `raw`
+/// used, and whether the closing quote came. An escape not yet whole
+/// waits (unused).
+fn json_string_prefix(raw: &str) -> (String, usize, bool) {
+    let mut out = String::new();
+    let mut used = 0;
+    let bytes = raw.as_bytes();
+    while used < raw.len() {
+        let rest = &raw[used..];
+        match bytes[used] {
+            b'"' => return (out, used + 1, true),
+            b'\\' => {
+                // The escape (with a second \uXXXX for a surrogate pair) as
+                // a JSON string of its own.
+                let Some(len) = escape_len(rest) else {
+                    break;
+                };
+                let decoded: String = serde_json::from_str(&format!("\"{}\"", &rest[..len]))
+                    .unwrap_or_else(|_| rest[..len].to_owned());
+                out.push_str(&decoded);
+                used += len;
+            }
+            _ => {
+                let c = rest.chars().next().unwrap_or_default();
+                out.push(c);
+                used += c.len_utf8();
+            }
+        }
+    }
+    (out, used, false)
+}
+
+/// The length of the escape `rest` begins with, or `None` while it is not
+/// whole.
+fn escape_len(rest: &str) -> Option<usize> {
+    let kind = *rest.as_bytes().get(1)?;
+    if kind != b'u' {
+        return Some(2);
+    }
+    let code = u16::from_str_radix(rest.get(2..6)?, 16).unwrap_or(0);
+    if (0xD800..0xDC00).contains(&code) {
+        // A high surrogate: its low half follows as another \uXXXX.
+        rest.get(6..12)?;
+        return Some(12);
+    }
+    Some(6)
 }
 
 /// The text that starts a call, for the marker syntaxes.
@@ -343,9 +436,16 @@ mod tests {
         );
         let (shown, p) = read(ToolSyntax::Llama3, "Hello {there}", 2);
         assert_eq!((shown.as_str(), p.content.as_str()), ("Hello {there}", ""));
-        let (shown, p) = read(ToolSyntax::Generic, "{\"content\": \"Hi {x}\"}", 4);
-        assert_eq!((shown.as_str(), p.content.as_str()), ("", "Hi {x}"));
-        assert!(p.calls.is_empty());
+        for step in [1, 2, 4, 100] {
+            let reply = "{\"content\": \"Hi {x} \\\"q\\\" \\u00e9\\ud83d\\ude00\\n.\"}";
+            let (shown, p) = read(ToolSyntax::Generic, reply, step);
+            assert_eq!(
+                shown + &p.content,
+                "Hi {x} \"q\" \u{e9}\u{1f600}\n.",
+                "step {step}"
+            );
+            assert!(p.calls.is_empty());
+        }
         let (_, p) = read(
             ToolSyntax::Generic,
             "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"arguments\": {\"n\": 1}}]}",

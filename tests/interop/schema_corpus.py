@@ -20,7 +20,6 @@ import random
 import sys
 
 import jsonschema
-import openai
 
 PATTERNS = ["^[A-Z]{3}-[0-9]{2}$", "^[a-z]+@[a-z]+\\.com$", "^(yes|no)$", "^#[0-9a-f]{6}$"]
 FORMATS = ["date", "email", "uuid", "ipv4", "time"]
@@ -103,6 +102,10 @@ def corpus():
 
 def main():
     http = sys.argv[1]
+    # Imported here so that corpus() is usable without the client
+    # (benches/constraint_libraries.py).
+    import openai  # noqa: PLC0415
+
     client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     stopped = cut = 0
