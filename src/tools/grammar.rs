@@ -3,7 +3,8 @@
 //! families are constrained only when a call is required (`"required"` or
 //! a named function); the generic form always is, since a model whose
 //! template has no tool syntax was never taught one: with `"auto"` its
-//! reply is either calls or `{"content": "..."}`.
+//! reply is either calls or `{"content": "..."}`, with `"none"` only the
+//! latter.
 
 use serde_json::{json, Value};
 
@@ -14,7 +15,7 @@ use crate::tokenizer::Tokenizer;
 /// The constraint the request's tools put on the reply; `None` when the
 /// reply is free.
 pub fn call_constraint(toolbox: &Toolbox, tokenizer: &Tokenizer) -> Option<ConstraintSpec> {
-    if !toolbox.active() {
+    if !toolbox.shapes_reply() {
         return None;
     }
     let required = !matches!(toolbox.choice, ToolChoice::Auto);
@@ -23,11 +24,11 @@ pub fn call_constraint(toolbox: &Toolbox, tokenizer: &Tokenizer) -> Option<Const
     let spec = match toolbox.syntax {
         ToolSyntax::Generic => {
             let calls = object(&[("tool_calls", calls)]);
-            let schema = if required {
-                calls
-            } else {
-                let answer = object(&[("content", json!({"type": "string"}))]);
-                json!({"anyOf": [calls, answer]})
+            let answer = object(&[("content", json!({"type": "string"}))]);
+            let schema = match toolbox.choice {
+                ToolChoice::None => answer,
+                ToolChoice::Auto => json!({"anyOf": [calls, answer]}),
+                ToolChoice::Required | ToolChoice::Named(_) => calls,
             };
             ConstraintSpec::JsonSchema(schema.to_string())
         }

@@ -17,7 +17,8 @@
 //!   among them: their templates have no tool syntax): the tools are
 //!   described in the system turn, the reply is `{"tool_calls": [{"name":
 //!   ..., "arguments": {...}}]}` (or, when the model may answer instead,
-//!   `{"content": "..."}`), always under a constraint, and earlier calls and
+//!   `{"content": "..."}`, the only form under `"none"`), always under a
+//!   constraint, and earlier calls and
 //!   their results are written into the conversation in the same JSON form
 //!   (`prompt.rs`).
 //!
@@ -133,6 +134,13 @@ impl Toolbox {
     /// Whether calls are offered at all.
     pub fn active(&self) -> bool {
         !self.tools.is_empty() && self.choice != ToolChoice::None
+    }
+
+    /// Whether the tools shape this reply: calls are offered, or (the
+    /// generic form, `"none"`) the reply is held to the form's answer, so
+    /// that a model shown earlier calls as JSON answers in text.
+    pub fn shapes_reply(&self) -> bool {
+        self.active() || (!self.tools.is_empty() && self.syntax == ToolSyntax::Generic)
     }
 
     /// The tools a call may name: the named one, or all.

@@ -31,7 +31,7 @@ pub fn prompt_messages(toolbox: &Toolbox, messages: Vec<Message>) -> PromptInput
         return PromptInput { messages, tools };
     }
     let mut messages = generic_history(messages);
-    if toolbox.active() {
+    if toolbox.shapes_reply() {
         let description = describe(toolbox);
         match messages.first_mut() {
             Some(first) if first.role == "system" => {
@@ -118,6 +118,11 @@ fn flush_results(out: &mut Vec<Message>, results: &mut Vec<Value>) {
 
 /// The tools and the reply form, for the system turn.
 fn describe(toolbox: &Toolbox) -> String {
+    if toolbox.choice == ToolChoice::None {
+        return "Reply with only this JSON: {\"content\": <your answer>}. Tool results come \
+                back as {\"tool_results\": [...]}: use them to answer."
+            .into();
+    }
     let tools: Vec<Value> = toolbox
         .tools
         .iter()

@@ -53,7 +53,7 @@ impl ToolPlan {
         front: &Front,
         asked: super::format::Asked,
     ) -> Result<Option<RequestConstraint>, ApiError> {
-        if !self.toolbox.active() {
+        if !self.toolbox.shapes_reply() {
             return super::format::constraint(asked, front);
         }
         if asked.any() {
@@ -70,7 +70,7 @@ impl ToolPlan {
 
     /// How the reply is read; `None` when no tools are offered.
     pub(super) fn reply(&self) -> Option<ReplyPlan> {
-        self.toolbox.active().then_some(ReplyPlan {
+        self.toolbox.shapes_reply().then_some(ReplyPlan {
             syntax: self.toolbox.syntax,
             parallel: self.toolbox.parallel,
         })
@@ -79,7 +79,7 @@ impl ToolPlan {
     /// Control tokens whose text is part of the reply (the family's call
     /// markers), which a reply otherwise leaves out.
     pub(super) fn shown_tokens(&self, front: &Front) -> Vec<u32> {
-        if !self.toolbox.active() {
+        if !self.toolbox.shapes_reply() {
             return Vec::new();
         }
         tools::marker_tokens(self.toolbox.syntax, &front.tokenizer)
