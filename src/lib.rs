@@ -14,6 +14,8 @@
 //! - [`tokenizer`]: text <-> token ids from the vocabulary stored in the GGUF.
 //! - [`threads`]: the fork-join compute pool the forward pass runs on.
 //! - [`stop`]: why a generation ended, for the engine and the runtime.
+//! - [`speculate`]: prompt lookup: tokens the history proposes for a
+//!   decode that verifies several at once.
 //! - [`durable`]: session journals in a state directory, so sessions
 //!   outlive the process.
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
@@ -66,6 +68,7 @@ pub mod runtime;
 pub mod sampler;
 #[cfg(not(loom))]
 pub mod server;
+pub mod speculate;
 pub mod stop;
 pub mod sync;
 pub mod threads;

@@ -39,6 +39,12 @@ pub struct GenerateArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub constraint: ConstraintArgs,
+    /// Speculative decoding: `lookup` verifies tokens the history proposes
+    /// (prompt lookup) several per forward pass, with the very tokens plain
+    /// decoding gives; `none` decodes one token per pass. A constrained
+    /// generation, or one on a GPU, decodes plainly.
+    #[arg(long, value_enum, default_value_t = Speculate::Lookup)]
+    pub speculate: Speculate,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
@@ -46,6 +52,12 @@ pub struct GenerateArgs {
     /// loading the model here; --model then only supplies the tokenizer.
     #[command(flatten)]
     pub connect: ConnectArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Speculate {
+    None,
+    Lookup,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -194,14 +206,28 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         }
         None => None,
     };
-    let generation = engine.generate_constrained(
-        &mut session,
-        &params,
-        args.max_tokens,
-        stops,
-        constraint.as_mut(),
-        write_through(&mut writer, &mut io_error),
-    )?;
+    let on_token = write_through(&mut writer, &mut io_error);
+    let generation = if constraint.is_none() && args.speculate == Speculate::Lookup {
+        let (generation, counts) =
+            engine.generate_speculative(&mut session, &params, args.max_tokens, stops, on_token)?;
+        tracing::info!(
+            proposed = counts.proposed,
+            accepted = counts.accepted,
+            forward_passes = counts.steps,
+            tokens = generation.tokens.len(),
+            "speculation"
+        );
+        generation
+    } else {
+        engine.generate_constrained(
+            &mut session,
+            &params,
+            args.max_tokens,
+            stops,
+            constraint.as_mut(),
+            on_token,
+        )?
+    };
     if let Some(e) = io_error {
         return Err(e.into());
     }

@@ -8,6 +8,8 @@
 //! computes anything, so bad input or a full pool leaves the session
 //! exactly as it was.
 
+mod speculative;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -118,6 +120,7 @@ impl Session {
 }
 
 pub use crate::stop::StopReason;
+pub use speculative::Speculation;
 
 /// What a generation produced.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,0 +1,161 @@
+//! Speculative decoding in the engine: each step feeds the sampled token
+//! together with the tokens prompt lookup proposes after it (`speculate`)
+//! in one forward pass, then samples every proposed position from its own
+//! row of logits, exactly as plain decoding would sample it (the same
+//! logits, since a chunk's rows are the bits one-at-a-time decoding
+//! computes; the same history for the penalties; the same position for the
+//! sampler's counter). The first proposed token that differs from the one
+//! sampled ends the accepted run; the positions after it are rolled back.
+//! So the tokens are the plain decoding's, to the bit, whatever was
+//! proposed.
+
+use super::{Engine, EngineError, Generation, Session, StopReason};
+use crate::model::{LogitsWanted, Sequence};
+use crate::sampler::{SampleRequest, SamplingParams};
+use crate::speculate::Lookup;
+
+/// What speculation did in one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Speculation {
+    /// Tokens proposed (and computed) beyond the one sampled each step.
+    pub proposed: u64,
+    /// Proposed tokens that were the ones sampled.
+    pub accepted: u64,
+    /// Forward passes run.
+    pub steps: u64,
+}
+
+impl Engine {
+    /// [`Engine::generate`] with prompt-lookup speculation: the same tokens
+    /// and stop, in fewer forward passes where the history repeats itself.
+    /// On a GPU engine it is plain decoding (the logits stay there).
+    pub fn generate_speculative(
+        &mut self,
+        session: &mut Session,
+        params: &SamplingParams,
+        max_tokens: usize,
+        stop_tokens: &[u32],
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<(Generation, Speculation), EngineError> {
+        #[cfg(not(loom))]
+        if self.gpu.is_some() {
+            let plain = self.generate(session, params, max_tokens, stop_tokens, on_token)?;
+            return Ok((plain, Speculation::default()));
+        }
+        let params = params.clone().checked(self.model.config.vocab)?;
+        if session.history.is_empty() || session.next_logits.is_empty() {
+            return Err(EngineError::EmptyHistory);
+        }
+        let vocab = self.model.config.vocab;
+        let context = self.model.config.context;
+        let mut lookup = Lookup::default();
+        let mut counts = Speculation::default();
+        let mut tokens = Vec::new();
+        let mut feed = Vec::new();
+        let stop = loop {
+            if tokens.len() >= max_tokens {
+                break StopReason::MaxTokens;
+            }
+            let position = session.history.len();
+            let first = self
+                .sampler
+                .sample(SampleRequest {
+                    logits: &session.next_logits,
+                    params: &params,
+                    history: &session.history,
+                    position: position as u64,
+                    top_logprobs: 0,
+                    mask: None,
+                })?
+                .token;
+            let is_stop = stop_tokens.contains(&first);
+            // Only what may still be emitted, and fits the context.
+            let room = (max_tokens - tokens.len() - 1).min(context.saturating_sub(position + 1));
+            feed.clear();
+            feed.push(first);
+            if !is_stop {
+                session.history.push(first);
+                feed.extend_from_slice(lookup.propose(&session.history, room));
+                session.history.pop();
+            }
+            let proposed = feed.len() - 1;
+            let row0 = self.feed_all(session, &feed)?;
+            counts.steps += 1;
+            tokens.push(first);
+            let go_on = on_token(first);
+            let mut end = if is_stop {
+                Some(StopReason::Eos)
+            } else if !go_on {
+                Some(StopReason::Cancelled)
+            } else {
+                None
+            };
+            let mut accepted = 0;
+            if end.is_none() {
+                for i in 0..proposed {
+                    let at = position + 1 + i;
+                    let row = &self.scratch.logits[(row0 + i) * vocab..][..vocab];
+                    let sampled = self
+                        .sampler
+                        .sample(SampleRequest {
+                            logits: row,
+                            params: &params,
+                            history: &session.history[..at],
+                            position: at as u64,
+                            top_logprobs: 0,
+                            mask: None,
+                        })?
+                        .token;
+                    if sampled != feed[1 + i] {
+                        break;
+                    }
+                    accepted += 1;
+                    tokens.push(sampled);
+                    let go_on = on_token(sampled);
+                    if stop_tokens.contains(&sampled) {
+                        end = Some(StopReason::Eos);
+                        break;
+                    }
+                    if !go_on {
+                        end = Some(StopReason::Cancelled);
+                        break;
+                    }
+                }
+            }
+            lookup.learn(proposed, accepted);
+            counts.proposed += proposed as u64;
+            counts.accepted += accepted as u64;
+            // Keep the sampled token and the accepted run; the logits after
+            // the last kept token predict the next.
+            let kept = position + 1 + accepted;
+            session.kv.roll_back_to(kept)?;
+            session.history.truncate(kept);
+            session.kv.settle()?;
+            let row = row0 + accepted;
+            session.next_logits.clear();
+            session
+                .next_logits
+                .extend_from_slice(&self.scratch.logits[row * vocab..][..vocab]);
+            if let Some(end) = end {
+                break end;
+            }
+        };
+        Ok((Generation { tokens, stop }, counts))
+    }
+
+    /// Feeds `tokens` in one forward pass wanting every row's logits; the
+    /// index of the first row in the scratch logits. Nothing is settled:
+    /// the caller may still roll positions back.
+    fn feed_all(&mut self, session: &mut Session, tokens: &[u32]) -> Result<usize, EngineError> {
+        self.model.check_append(session.kv.len(), tokens)?;
+        session.kv.reserve(session.kv.len() + tokens.len())?;
+        let mut seqs = [Sequence {
+            kv: &mut session.kv,
+            tokens,
+            logits: LogitsWanted::All,
+        }];
+        let rows = self.forward_seqs(&mut seqs)?;
+        session.history.extend_from_slice(tokens);
+        Ok(rows.per_sequence[0].start)
+    }
+}

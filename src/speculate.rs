@@ -1,0 +1,127 @@
+//! Prompt-lookup speculation: proposing the tokens that may come next from
+//! the session's own history, for a decode that verifies several tokens in
+//! one forward pass.
+//!
+//! The proposal is what followed the most recent earlier occurrence of the
+//! history's last `n` tokens, for the longest `n` (up to [`MAX_NGRAM`]) that
+//! occurred before: agent sessions repeat themselves (code being edited, a
+//! document quoted, tool output echoed), and there the continuation is
+//! often a copy. [`Lookup`] sizes the proposal by how the last ones fared:
+//! it doubles after a proposal accepted whole and halves after one whose
+//! first token was refused, within `1..=MAX_PROPOSAL`. A proposal costs
+//! nothing when there is none; verifying changes no token (the caller
+//! samples every position as plain decoding would).
+
+/// The longest run of last tokens looked up.
+pub const MAX_NGRAM: usize = 4;
+
+/// The shortest: a single repeated token is too weak a hint.
+pub const MIN_NGRAM: usize = 2;
+
+/// The most tokens proposed at once.
+pub const MAX_PROPOSAL: usize = 16;
+
+/// How far back a lookup searches (tokens), so that a step's cost stays
+/// bounded in a long session.
+pub const SEARCH_WINDOW: usize = 16_384;
+
+/// A session's proposer, with the proposal length it has learned.
+#[derive(Clone, Debug)]
+pub struct Lookup {
+    length: usize,
+    proposed: u64,
+    accepted: u64,
+}
+
+impl Default for Lookup {
+    fn default() -> Self {
+        Lookup {
+            length: 4,
+            proposed: 0,
+            accepted: 0,
+        }
+    }
+}
+
+impl Lookup {
+    /// The tokens that may follow `history`, at most `limit` (and at most
+    /// the learned length); empty when the history's tail occurred nowhere
+    /// before.
+    pub fn propose<'h>(&self, history: &'h [u32], limit: usize) -> &'h [u32] {
+        let want = self.length.min(limit);
+        if want == 0 {
+            return &[];
+        }
+        let start = history.len().saturating_sub(SEARCH_WINDOW);
+        for n in (MIN_NGRAM..=MAX_NGRAM).rev() {
+            if history.len() <= n {
+                continue;
+            }
+            let tail = &history[history.len() - n..];
+            // Most recent first; the match must end before the tail does.
+            let found = (start..history.len() - n)
+                .rev()
+                .find(|&at| &history[at..at + n] == tail);
+            if let Some(at) = found {
+                let from = at + n;
+                let end = (from + want).min(history.len());
+                return &history[from..end];
+            }
+        }
+        &[]
+    }
+
+    /// Learns from a proposal of `proposed` tokens of which the first
+    /// `accepted` were the ones sampled.
+    pub fn learn(&mut self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        self.proposed += proposed as u64;
+        self.accepted += accepted as u64;
+        if accepted == proposed {
+            self.length = (self.length * 2).min(MAX_PROPOSAL);
+        } else if accepted == 0 {
+            self.length = (self.length / 2).max(1);
+        }
+    }
+
+    /// Tokens proposed and accepted so far.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.proposed, self.accepted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_most_recent_match_proposes_what_followed_it() {
+        let lookup = Lookup::default();
+        // "1 2 3 9" earlier, "1 2 3 7 8" later: the tail "2 3" last
+        // occurred before "7 8".
+        let history = [1, 2, 3, 9, 5, 1, 2, 3, 7, 8, 4, 2, 3];
+        assert_eq!(lookup.propose(&history, 8), &[7, 8, 4, 2]);
+        // A longer tail wins over a more recent shorter one.
+        let history = [5, 6, 7, 1, 0, 9, 6, 7, 2, 5, 6, 7];
+        assert_eq!(lookup.propose(&history, 2), &[1, 0]);
+        assert!(lookup.propose(&[1, 2, 3, 4], 8).is_empty());
+        assert!(lookup.propose(&history, 0).is_empty());
+    }
+
+    #[test]
+    fn the_length_follows_acceptance() {
+        let mut lookup = Lookup::default();
+        let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
+        assert_eq!(lookup.propose(&history, 100).len(), 4);
+        lookup.learn(4, 4);
+        lookup.learn(8, 8);
+        assert_eq!(lookup.propose(&history, 100).len(), MAX_PROPOSAL);
+        for _ in 0..6 {
+            lookup.learn(3, 0);
+        }
+        assert_eq!(lookup.propose(&history, 100).len(), 1);
+        assert_eq!(lookup.counts(), (30, 12));
+    }
+}

@@ -1,0 +1,122 @@
+//! Prompt-lookup speculation in the engine (`Engine::generate_speculative`)
+//! gives plain decoding's tokens, to the bit, for greedy and seeded
+//! sampling with penalties, on the reference model (where the history
+//! repeats itself, so proposals are made and many accepted) and on the
+//! synthetic model with random weights (where most are refused, so the
+//! roll-back path runs every step); and it needs fewer forward passes where
+//! the history repeats.
+
+mod support;
+
+use inferd::engine::{Engine, EngineConfig};
+use inferd::gguf::GgufFile;
+use inferd::model::Model;
+use inferd::sampler::SamplingParams;
+use inferd::tokenizer::Tokenizer;
+use std::sync::Arc;
+
+/// The sampling set-ups compared: greedy, and seeded ones through
+/// temperature, the filters and the penalties.
+fn setups() -> Vec<SamplingParams> {
+    let seeded = |seed, temperature| SamplingParams {
+        temperature,
+        top_k: 40,
+        top_p: 0.9,
+        seed,
+        ..SamplingParams::greedy()
+    };
+    vec![
+        SamplingParams::greedy(),
+        SamplingParams {
+            repetition_penalty: 1.1,
+            ..SamplingParams::greedy()
+        },
+        seeded(7, 0.7),
+        seeded(8, 1.0),
+        SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.3,
+            min_p: 0.05,
+            ..seeded(9, 0.8)
+        },
+    ]
+}
+
+/// Plain and speculative runs of `prompt` under every setup: the same
+/// tokens and stop; returns the proposed and accepted counts and the
+/// forward passes (speculative, plain) over all of them.
+fn compare(model: Arc<Model>, prompt: &[u32], max: usize, stops: &[u32]) -> (u64, u64, u64, u64) {
+    let cfg = EngineConfig {
+        threads: 2,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(model, &cfg).expect("engine");
+    let (mut proposed, mut accepted, mut steps, mut plain_steps) = (0, 0, 0, 0);
+    for (k, params) in setups().iter().enumerate() {
+        let mut plain = engine.new_session();
+        engine.append(&mut plain, prompt).expect("append");
+        let want = engine
+            .generate(&mut plain, params, max, stops, |_| true)
+            .expect("plain");
+        let mut fast = engine.new_session();
+        engine.append(&mut fast, prompt).expect("append");
+        let mut streamed = Vec::new();
+        let (got, counts) = engine
+            .generate_speculative(&mut fast, params, max, stops, |t| {
+                streamed.push(t);
+                true
+            })
+            .expect("speculative");
+        assert_eq!(got, want, "setup {k}");
+        assert_eq!(streamed, want.tokens, "setup {k}: tokens as they came");
+        assert_eq!(fast.history(), plain.history(), "setup {k}");
+        assert_eq!(fast.kv_len(), plain.kv_len(), "setup {k}");
+        assert_eq!(
+            fast.next_logits(),
+            plain.next_logits(),
+            "setup {k}: the next logits"
+        );
+        proposed += counts.proposed;
+        accepted += counts.accepted;
+        steps += counts.steps;
+        plain_steps += want.tokens.len() as u64;
+    }
+    (proposed, accepted, steps, plain_steps)
+}
+
+#[test]
+fn speculation_gives_plain_decodings_tokens_on_the_reference_model() {
+    if !support::have_reference() {
+        return;
+    }
+    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
+    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(support::REFERENCE).expect("gguf"))
+        .expect("tokenizer");
+    let code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n\
+                def mul(a, b):\n    return a * b\n";
+    let text = format!(
+        "<|im_start|>user\nRepeat this code exactly, renaming add to plus:\n{code}<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    let prompt = tokenizer.encode(&text, false, true).expect("encode");
+    let stops = tokenizer.eog_tokens().to_vec();
+    let (proposed, accepted, steps, plain_steps) = compare(model, &prompt, 96, &stops);
+    eprintln!(
+        "reference: {accepted} of {proposed} proposed accepted; {steps} forward passes for \
+         {plain_steps} tokens"
+    );
+    assert!(accepted > 0, "nothing was accepted");
+    assert!(
+        steps < plain_steps,
+        "{steps} passes for {plain_steps} tokens"
+    );
+}
+
+#[test]
+fn speculation_gives_plain_decodings_tokens_when_proposals_fail() {
+    // A prompt that repeats itself, so that lookups propose; the random
+    // weights seldom agree, so roll-backs run.
+    let prompt: Vec<u32> = (0..48).map(|i| 1 + (i % 12) as u32).collect();
+    let (proposed, _, _, _) = compare(support::tiny_model(), &prompt, 40, &[]);
+    assert!(proposed > 0, "nothing was proposed");
+}
