@@ -6,9 +6,9 @@
 //! history's last `n` tokens, for the longest `n` (up to [`MAX_NGRAM`]) that
 //! occurred before: agent sessions repeat themselves (code being edited, a
 //! document quoted, tool output echoed), and there the continuation is
-//! often a copy. [`Lookup`] sizes the proposal by how the last ones fared:
-//! it doubles after a proposal accepted whole and halves after one whose
-//! first token was refused, within `1..=MAX_PROPOSAL`. A proposal costs
+//! often a copy. [`Lookup`] sizes the proposal by how the last one fared:
+//! twice as long after one accepted whole (at most [`MAX_PROPOSAL`]), else
+//! one past the tokens it had accepted. A proposal costs
 //! nothing when there is none; verifying changes no token (the caller
 //! samples every position as plain decoding would).
 
@@ -79,11 +79,12 @@ impl Lookup {
         }
         self.proposed += proposed as u64;
         self.accepted += accepted as u64;
-        if accepted == proposed {
-            self.length = (self.length * 2).min(MAX_PROPOSAL);
-        } else if accepted == 0 {
-            self.length = (self.length / 2).max(1);
-        }
+        self.length = if accepted == proposed {
+            (self.length * 2).min(MAX_PROPOSAL)
+        } else {
+            // The next proposal reaches one past where this one failed.
+            accepted + 1
+        };
     }
 
     /// Tokens proposed and accepted so far.
