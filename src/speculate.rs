@@ -3,20 +3,28 @@
 //! one forward pass.
 //!
 //! The proposal is what followed the most recent earlier occurrence of the
-//! history's last `n` tokens, for the longest `n` (up to [`MAX_NGRAM`]) that
-//! occurred before: agent sessions repeat themselves (code being edited, a
+//! history's last `n` tokens, for the longest `n` (from [`MIN_NGRAM`] up to
+//! [`MAX_NGRAM`]) that occurred before: agent sessions repeat themselves (code being edited, a
 //! document quoted, tool output echoed), and there the continuation is
 //! often a copy. [`Lookup`] sizes the proposal by how the last one fared:
 //! twice as long after one accepted whole (at most [`MAX_PROPOSAL`]), else
-//! one past the tokens it had accepted. A proposal costs
+//! one past the tokens it had accepted; after a proposal refused outright
+//! it rests a while. A proposal costs
 //! nothing when there is none; verifying changes no token (the caller
 //! samples every position as plain decoding would).
 
 /// The longest run of last tokens looked up.
 pub const MAX_NGRAM: usize = 4;
 
-/// The shortest: a single repeated token is too weak a hint.
-pub const MIN_NGRAM: usize = 2;
+/// The shortest: one or two repeated tokens are too weak a hint (in free
+/// text they recur by chance, and every refused proposal costs).
+pub const MIN_NGRAM: usize = 3;
+
+/// The steps a lookup rests after a first proposal refused outright (a
+/// refused token costs about a decode step), and the most it rests after
+/// several in a row.
+pub const FIRST_REST: usize = 4;
+pub const MAX_REST: usize = 64;
 
 /// The most tokens proposed at once.
 pub const MAX_PROPOSAL: usize = 16;
@@ -29,6 +37,11 @@ pub const SEARCH_WINDOW: usize = 16_384;
 #[derive(Clone, Debug)]
 pub struct Lookup {
     length: usize,
+    /// Steps to go without a lookup.
+    resting: usize,
+    /// How long the last rest was (it doubles while proposals keep being
+    /// refused outright).
+    rest: usize,
     proposed: u64,
     accepted: u64,
 }
@@ -37,6 +50,8 @@ impl Default for Lookup {
     fn default() -> Self {
         Lookup {
             length: 4,
+            resting: 0,
+            rest: 0,
             proposed: 0,
             accepted: 0,
         }
@@ -47,7 +62,14 @@ impl Lookup {
     /// The tokens that may follow `history`, at most `limit` (and at most
     /// the learned length); empty when the history's tail occurred nowhere
     /// before.
-    pub fn propose<'h>(&self, history: &'h [u32], limit: usize) -> &'h [u32] {
+    /// After a proposal refused outright it rests (proposes nothing) for a
+    /// number of steps that doubles with each such refusal, up to
+    /// [`MAX_REST`]: a session with nothing to copy soon costs nothing.
+    pub fn propose<'h>(&mut self, history: &'h [u32], limit: usize) -> &'h [u32] {
+        if self.resting > 0 {
+            self.resting -= 1;
+            return &[];
+        }
         let want = self.length.min(limit);
         if want == 0 {
             return &[];
@@ -85,6 +107,12 @@ impl Lookup {
             // The next proposal reaches one past where this one failed.
             accepted + 1
         };
+        if accepted == 0 {
+            self.rest = (self.rest * 2).clamp(FIRST_REST, MAX_REST);
+            self.resting = self.rest;
+        } else {
+            self.rest = 0;
+        }
     }
 
     /// Tokens proposed and accepted so far.
@@ -99,13 +127,13 @@ mod tests {
 
     #[test]
     fn the_longest_most_recent_match_proposes_what_followed_it() {
-        let lookup = Lookup::default();
-        // "1 2 3 9" earlier, "1 2 3 7 8" later: the tail "2 3" last
-        // occurred before "7 8".
-        let history = [1, 2, 3, 9, 5, 1, 2, 3, 7, 8, 4, 2, 3];
+        let mut lookup = Lookup::default();
+        // The tail "4 2 3" occurred twice before: the later one was
+        // followed by "7 8 4 2".
+        let history = [1, 4, 2, 3, 9, 5, 4, 2, 3, 7, 8, 4, 2, 3];
         assert_eq!(lookup.propose(&history, 8), &[7, 8, 4, 2]);
         // A longer tail wins over a more recent shorter one.
-        let history = [5, 6, 7, 1, 0, 9, 6, 7, 2, 5, 6, 7];
+        let history = [5, 6, 7, 8, 1, 0, 9, 6, 7, 8, 2, 5, 6, 7, 8];
         assert_eq!(lookup.propose(&history, 2), &[1, 0]);
         assert!(lookup.propose(&[1, 2, 3, 4], 8).is_empty());
         assert!(lookup.propose(&history, 0).is_empty());
@@ -119,10 +147,31 @@ mod tests {
         lookup.learn(4, 4);
         lookup.learn(8, 8);
         assert_eq!(lookup.propose(&history, 100).len(), MAX_PROPOSAL);
-        for _ in 0..6 {
-            lookup.learn(3, 0);
+        lookup.learn(16, 2);
+        assert_eq!(lookup.propose(&history, 100).len(), 3);
+        assert_eq!(lookup.counts(), (28, 14));
+    }
+
+    #[test]
+    fn refused_proposals_make_it_rest_longer_each_time() {
+        let mut lookup = Lookup::default();
+        let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
+        // Rests of 4, 8, 16 steps after three refusals in a row.
+        for rest in [FIRST_REST, 8, 16] {
+            assert!(!lookup.propose(&history, 100).is_empty());
+            lookup.learn(1, 0);
+            for _ in 0..rest {
+                assert!(lookup.propose(&history, 100).is_empty());
+            }
         }
-        assert_eq!(lookup.propose(&history, 100).len(), 1);
-        assert_eq!(lookup.counts(), (30, 12));
+        // An accepted token ends the resting.
+        assert!(!lookup.propose(&history, 100).is_empty());
+        lookup.learn(1, 1);
+        assert!(!lookup.propose(&history, 100).is_empty());
+        lookup.learn(2, 0);
+        for _ in 0..FIRST_REST {
+            assert!(lookup.propose(&history, 100).is_empty());
+        }
+        assert!(!lookup.propose(&history, 100).is_empty());
     }
 }

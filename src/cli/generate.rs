@@ -41,9 +41,11 @@ pub struct GenerateArgs {
     pub constraint: ConstraintArgs,
     /// Speculative decoding: `lookup` verifies tokens the history proposes
     /// (prompt lookup) several per forward pass, with the very tokens plain
-    /// decoding gives; `none` decodes one token per pass. A constrained
-    /// generation, or one on a GPU, decodes plainly.
-    #[arg(long, value_enum, default_value_t = Speculate::Lookup)]
+    /// decoding gives (faster where the output copies its context, a few
+    /// percent slower where it does not: docs/PERFORMANCE.md); `none`
+    /// decodes one token per pass. A constrained generation, or one on a
+    /// GPU, decodes plainly.
+    #[arg(long, value_enum, default_value_t = Speculate::None)]
     pub speculate: Speculate,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]

@@ -149,10 +149,16 @@ impl Engine {
     fn feed_all(&mut self, session: &mut Session, tokens: &[u32]) -> Result<usize, EngineError> {
         self.model.check_append(session.kv.len(), tokens)?;
         session.kv.reserve(session.kv.len() + tokens.len())?;
+        // One token (nothing proposed) takes the plain decode's path.
+        let logits = if tokens.len() == 1 {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::All
+        };
         let mut seqs = [Sequence {
             kv: &mut session.kv,
             tokens,
-            logits: LogitsWanted::All,
+            logits,
         }];
         let rows = self.forward_seqs(&mut seqs)?;
         session.history.extend_from_slice(tokens);
