@@ -1,5 +1,7 @@
 //! End-to-end speed of the forward pass on the reference model: one decode
-//! step at a given history length, and a 64-token prefill chunk, both in
+//! step at a given history length, a 64-token prefill chunk, and the short
+//! chunks speculative decoding verifies (2, 4, 8 and 16 tokens after the
+//! same history: what a proposal costs against one decode step), in
 //! tokens per second. Skips (with a message) when the model is absent.
 
 use std::path::Path;
@@ -55,6 +57,22 @@ fn forward(c: &mut Criterion) {
             total
         })
     });
+    for k in [2usize, 4, 8, 16] {
+        group.throughput(Throughput::Elements(k as u64));
+        group.bench_function(format!("chunk_{k}_at_256"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let mut s = engine.new_session();
+                    engine.append(&mut s, &history).expect("history");
+                    let t0 = Instant::now();
+                    engine.append(&mut s, &history[..k]).expect("chunk");
+                    total += t0.elapsed();
+                }
+                total
+            })
+        });
+    }
     group.throughput(Throughput::Elements(64));
     group.bench_function("prefill_64", |b| {
         b.iter_custom(|iters| {
