@@ -7,9 +7,11 @@
 //! [`MAX_NGRAM`]) that occurred before: agent sessions repeat themselves (code being edited, a
 //! document quoted, tool output echoed), and there the continuation is
 //! often a copy. [`Lookup`] sizes the proposal by how the last one fared:
-//! twice as long after one accepted whole (at most [`MAX_PROPOSAL`]), else
-//! one past the tokens it had accepted; after a proposal refused outright
-//! it rests a while. A proposal costs
+//! 1, 3, 7, then 15 tokens while proposals are accepted whole (with the
+//! sampled token, passes of 2, 4, 8 and 16: whole tiles of the matrix
+//! kernels from 8 on, where a proposed token costs least), back to 1 after
+//! any refusal; after a proposal refused outright it rests a while. A
+//! proposal costs
 //! nothing when there is none; verifying changes no token (the caller
 //! samples every position as plain decoding would).
 
@@ -26,8 +28,8 @@ pub const MIN_NGRAM: usize = 3;
 pub const FIRST_REST: usize = 4;
 pub const MAX_REST: usize = 64;
 
-/// The most tokens proposed at once.
-pub const MAX_PROPOSAL: usize = 16;
+/// The most tokens proposed at once (a pass of 16 with the sampled one).
+pub const MAX_PROPOSAL: usize = 15;
 
 /// How far back a lookup searches (tokens), so that a step's cost stays
 /// bounded in a long session.
@@ -49,7 +51,7 @@ pub struct Lookup {
 impl Default for Lookup {
     fn default() -> Self {
         Lookup {
-            length: 4,
+            length: 1,
             resting: 0,
             rest: 0,
             proposed: 0,
@@ -61,8 +63,7 @@ impl Default for Lookup {
 impl Lookup {
     /// The tokens that may follow `history`, at most `limit` (and at most
     /// the learned length); empty when the history's tail occurred nowhere
-    /// before.
-    /// After a proposal refused outright it rests (proposes nothing) for a
+    /// before. After a proposal refused outright it rests (proposes nothing) for a
     /// number of steps that doubles with each such refusal, up to
     /// [`MAX_REST`]: a session with nothing to copy soon costs nothing.
     pub fn propose<'h>(&mut self, history: &'h [u32], limit: usize) -> &'h [u32] {
@@ -102,10 +103,9 @@ impl Lookup {
         self.proposed += proposed as u64;
         self.accepted += accepted as u64;
         self.length = if accepted == proposed {
-            (self.length * 2).min(MAX_PROPOSAL)
+            (self.length * 2 + 1).min(MAX_PROPOSAL)
         } else {
-            // The next proposal reaches one past where this one failed.
-            accepted + 1
+            1
         };
         if accepted == 0 {
             self.rest = (self.rest * 2).clamp(FIRST_REST, MAX_REST);
@@ -131,7 +131,9 @@ mod tests {
         // The tail "4 2 3" occurred twice before: the later one was
         // followed by "7 8 4 2".
         let history = [1, 4, 2, 3, 9, 5, 4, 2, 3, 7, 8, 4, 2, 3];
-        assert_eq!(lookup.propose(&history, 8), &[7, 8, 4, 2]);
+        assert_eq!(lookup.propose(&history, 8), &[7]);
+        lookup.learn(1, 1);
+        assert_eq!(lookup.propose(&history, 8), &[7, 8, 4]);
         // A longer tail wins over a more recent shorter one.
         let history = [5, 6, 7, 8, 1, 0, 9, 6, 7, 8, 2, 5, 6, 7, 8];
         assert_eq!(lookup.propose(&history, 2), &[1, 0]);
@@ -143,13 +145,14 @@ mod tests {
     fn the_length_follows_acceptance() {
         let mut lookup = Lookup::default();
         let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
-        assert_eq!(lookup.propose(&history, 100).len(), 4);
-        lookup.learn(4, 4);
-        lookup.learn(8, 8);
+        for (len, then) in [(1, 1), (3, 3), (7, 7)] {
+            assert_eq!(lookup.propose(&history, 100).len(), len);
+            lookup.learn(len, then);
+        }
         assert_eq!(lookup.propose(&history, 100).len(), MAX_PROPOSAL);
-        lookup.learn(16, 2);
-        assert_eq!(lookup.propose(&history, 100).len(), 3);
-        assert_eq!(lookup.counts(), (28, 14));
+        lookup.learn(15, 2);
+        assert_eq!(lookup.propose(&history, 100).len(), 1);
+        assert_eq!(lookup.counts(), (26, 13));
     }
 
     #[test]
