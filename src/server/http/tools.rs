@@ -47,7 +47,7 @@ impl ToolPlan {
     }
 
     /// The reply's constraint: the tools' (compiled), or `asked` (the
-    /// request's own) when no tools are offered.
+    /// request's own) when the tools do not shape the reply.
     pub(super) fn constraint(
         &self,
         front: &Front,
@@ -68,7 +68,7 @@ impl ToolPlan {
         compile(front, &spec).map(Some)
     }
 
-    /// How the reply is read; `None` when no tools are offered.
+    /// How the reply is read; `None` when the tools do not shape it.
     pub(super) fn reply(&self) -> Option<ReplyPlan> {
         self.toolbox.shapes_reply().then_some(ReplyPlan {
             syntax: self.toolbox.syntax,
