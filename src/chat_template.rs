@@ -71,9 +71,7 @@ impl Message {
             name: None,
         }
     }
-}
 
-impl Message {
     /// An assistant turn with calls and no text.
     fn calls_only(&self) -> bool {
         self.tool_calls.is_some() && self.content.is_empty()

@@ -54,30 +54,11 @@ impl Setup {
 
     /// [`Setup::session`], the prompt appended in pieces of `chunk` tokens.
     fn session_in_chunks(&self, prompt: &str, chunk: usize) -> String {
-        let mut req = pb::CreateSessionRequest::new();
-        req.set_client_label("constraint test".into());
-        req.set_eos_token_ids(self.tokenizer.eog_tokens().to_vec());
-        let id = self
-            .client
-            .rpc
-            .create_session(&req)
-            .expect("created")
-            .take_session_id();
-        let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
-        let tokens = self.tokenizer.encode(&text, false, true).expect("encodes");
-        for piece in tokens.chunks(chunk) {
-            self.client.append(&id, piece).expect("append");
-        }
-        id
+        session_on(&self.client, &self.tokenizer, prompt, chunk)
     }
 
     fn text(&self, tokens: &[u32]) -> String {
-        let ids: Vec<u32> = tokens
-            .iter()
-            .copied()
-            .filter(|&t| !self.tokenizer.is_eog(t))
-            .collect();
-        self.tokenizer.decode(&ids).expect("decodes")
+        text_of(&self.tokenizer, tokens)
     }
 }
 
@@ -258,8 +239,10 @@ fn bad_constraints_are_invalid_argument_and_change_nothing() {
     );
 }
 
-/// A session of `client` holding `prompt` as the chat's user turn.
-fn session_on(client: &Client, tokenizer: &Tokenizer, prompt: &str) -> String {
+/// A session of `client` holding `prompt` as the chat's user turn,
+/// appended in pieces of `chunk` tokens, with the model's end-of-generation
+/// ids as its stop ids.
+fn session_on(client: &Client, tokenizer: &Tokenizer, prompt: &str, chunk: usize) -> String {
     let mut req = pb::CreateSessionRequest::new();
     req.set_client_label("constraint test".into());
     req.set_eos_token_ids(tokenizer.eog_tokens().to_vec());
@@ -270,8 +253,20 @@ fn session_on(client: &Client, tokenizer: &Tokenizer, prompt: &str) -> String {
         .take_session_id();
     let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
     let tokens = tokenizer.encode(&text, false, true).expect("encodes");
-    client.append(&id, &tokens).expect("append");
+    for piece in tokens.chunks(chunk) {
+        client.append(&id, piece).expect("append");
+    }
     id
+}
+
+/// The text of generated `tokens`, end-of-generation ids left out.
+fn text_of(tokenizer: &Tokenizer, tokens: &[u32]) -> String {
+    let ids: Vec<u32> = tokens
+        .iter()
+        .copied()
+        .filter(|&t| !tokenizer.is_eog(t))
+        .collect();
+    tokenizer.decode(&ids).expect("decodes")
 }
 
 /// The seeded, schema-constrained call every part of the test makes.
@@ -321,15 +316,12 @@ fn constrained_tokens_do_not_depend_on_batch_neighbours_a_restart_or_shards() {
     // Alone, on a server that keeps its sessions.
     let mut server = serve(&["--state-dir", state]);
     let client = Client::connect(&server.addr);
-    let kept = session_on(&client, &tokenizer, prompt);
-    let alone = person_run(&client, &session_on(&client, &tokenizer, prompt));
-    let text: Vec<u32> = alone
-        .0
-        .iter()
-        .copied()
-        .filter(|&t| !tokenizer.is_eog(t))
-        .collect();
-    check_person(&tokenizer.decode(&text).expect("decodes"));
+    let kept = session_on(&client, &tokenizer, prompt, usize::MAX);
+    let alone = person_run(
+        &client,
+        &session_on(&client, &tokenizer, prompt, usize::MAX),
+    );
+    check_person(&text_of(&tokenizer, &alone.0));
 
     // Beside each other and an unconstrained neighbour, in the same steps.
     std::thread::scope(|scope| {
@@ -338,7 +330,7 @@ fn constrained_tokens_do_not_depend_on_batch_neighbours_a_restart_or_shards() {
                 let (addr, tokenizer) = (&server.addr, &tokenizer);
                 scope.spawn(move || {
                     let client = Client::connect(addr);
-                    let id = session_on(&client, tokenizer, prompt);
+                    let id = session_on(&client, tokenizer, prompt, usize::MAX);
                     if k == 2 {
                         let free = client.generate(&greedy(&id, 120, 0));
                         assert!(free.error.is_none(), "{:?}", free.error);
@@ -381,6 +373,9 @@ fn constrained_tokens_do_not_depend_on_batch_neighbours_a_restart_or_shards() {
     let list = format!("{},{}", shards[0].addr, shards[1].addr);
     let coordinator = serve(&["--shards", &list]);
     let client = Client::connect(&coordinator.addr);
-    let split = person_run(&client, &session_on(&client, &tokenizer, prompt));
+    let split = person_run(
+        &client,
+        &session_on(&client, &tokenizer, prompt, usize::MAX),
+    );
     assert_eq!(split, alone, "over two shards");
 }

@@ -41,8 +41,8 @@ pub struct GenerateArgs {
     pub constraint: ConstraintArgs,
     /// Speculative decoding: `lookup` verifies tokens the history proposes
     /// (prompt lookup) several per forward pass, with the very tokens plain
-    /// decoding gives (faster where the output copies its context, a few
-    /// percent slower where it does not: docs/PERFORMANCE.md); `none`
+    /// decoding gives (faster where the output copies its context, slower
+    /// where it copies little: docs/PERFORMANCE.md); `none`
     /// decodes one token per pass. A constrained generation, or one on a
     /// GPU, decodes plainly.
     #[arg(long, value_enum, default_value_t = Speculate::None)]
@@ -241,6 +241,11 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
 }
 
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
+    if args.speculate != Speculate::None {
+        return Err(CliError::Usage(
+            "--speculate lookup runs with a local model; the server decodes plainly".into(),
+        ));
+    }
     let tokenizer = super::load_tokenizer(&args.model.path())?;
     let prompt = prompt_tokens(&args, &tokenizer)?;
     let params = sampling_params(&args, tokenizer.vocab_size())?;

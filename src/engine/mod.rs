@@ -282,24 +282,41 @@ impl Engine {
         tokens: &[u32],
         want: LogitsWanted,
     ) -> Result<(), EngineError> {
+        let rows = self.forward_unsettled(session, tokens, want)?;
+        // Nothing will roll these positions back, so window pages can go now.
+        session.kv.settle()?;
+        if want != LogitsWanted::None {
+            self.keep_logits(session, rows.end - 1);
+        }
+        Ok(())
+    }
+
+    /// Feeds `tokens` (KV reserved) through one forward call and commits
+    /// them to the history; the rows of the scratch logits they got. Window
+    /// pages are not settled: the caller may still roll positions back.
+    fn forward_unsettled(
+        &mut self,
+        session: &mut Session,
+        tokens: &[u32],
+        want: LogitsWanted,
+    ) -> Result<std::ops::Range<usize>, EngineError> {
         let mut seqs = [Sequence {
             kv: &mut session.kv,
             tokens,
             logits: want,
         }];
         let rows = self.forward_seqs(&mut seqs)?;
-        // The engine never rolls a session back, so window pages can go now.
-        session.kv.settle()?;
         session.history.extend_from_slice(tokens);
-        if want != LogitsWanted::None {
-            let vocab = self.model.config.vocab;
-            let r = rows.per_sequence[0].end - 1;
-            session.next_logits.clear();
-            session
-                .next_logits
-                .extend_from_slice(&self.scratch.logits[r * vocab..][..vocab]);
-        }
-        Ok(())
+        Ok(rows.per_sequence[0].clone())
+    }
+
+    /// Row `row` of the scratch logits becomes the session's next logits.
+    fn keep_logits(&self, session: &mut Session, row: usize) {
+        let vocab = self.model.config.vocab;
+        session.next_logits.clear();
+        session
+            .next_logits
+            .extend_from_slice(&self.scratch.logits[row * vocab..][..vocab]);
     }
 
     /// One forward call on the CPU or the GPU.

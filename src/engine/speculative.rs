@@ -10,8 +10,8 @@
 //! proposed.
 
 use super::{Engine, EngineError, Generation, Session, StopReason};
-use crate::model::{LogitsWanted, Sequence};
-use crate::sampler::{SampleRequest, SamplingParams};
+use crate::model::LogitsWanted;
+use crate::sampler::{CheckedParams, SampleRequest, SamplerBackend, SamplingParams};
 use crate::speculate::Lookup;
 
 /// What speculation did in one generation.
@@ -57,17 +57,12 @@ impl Engine {
                 break StopReason::MaxTokens;
             }
             let position = session.history.len();
-            let first = self
-                .sampler
-                .sample(SampleRequest {
-                    logits: &session.next_logits,
-                    params: &params,
-                    history: &session.history,
-                    position: position as u64,
-                    top_logprobs: 0,
-                    mask: None,
-                })?
-                .token;
+            let first = sample(
+                &mut self.sampler,
+                &session.next_logits,
+                &params,
+                &session.history,
+            )?;
             let is_stop = stop_tokens.contains(&first);
             // Only what may still be emitted, and fits the context.
             let room = (max_tokens - tokens.len() - 1).min(context.saturating_sub(position + 1));
@@ -95,17 +90,7 @@ impl Engine {
                 for i in 0..proposed {
                     let at = position + 1 + i;
                     let row = &self.scratch.logits[(row0 + i) * vocab..][..vocab];
-                    let sampled = self
-                        .sampler
-                        .sample(SampleRequest {
-                            logits: row,
-                            params: &params,
-                            history: &session.history[..at],
-                            position: at as u64,
-                            top_logprobs: 0,
-                            mask: None,
-                        })?
-                        .token;
+                    let sampled = sample(&mut self.sampler, row, &params, &session.history[..at])?;
                     if sampled != feed[1 + i] {
                         break;
                     }
@@ -131,11 +116,7 @@ impl Engine {
             session.kv.roll_back_to(kept)?;
             session.history.truncate(kept);
             session.kv.settle()?;
-            let row = row0 + accepted;
-            session.next_logits.clear();
-            session
-                .next_logits
-                .extend_from_slice(&self.scratch.logits[row * vocab..][..vocab]);
+            self.keep_logits(session, row0 + accepted);
             if let Some(end) = end {
                 break end;
             }
@@ -150,18 +131,30 @@ impl Engine {
         self.model.check_append(session.kv.len(), tokens)?;
         session.kv.reserve(session.kv.len() + tokens.len())?;
         // One token (nothing proposed) takes the plain decode's path.
-        let logits = if tokens.len() == 1 {
+        let want = if tokens.len() == 1 {
             LogitsWanted::Last
         } else {
             LogitsWanted::All
         };
-        let mut seqs = [Sequence {
-            kv: &mut session.kv,
-            tokens,
-            logits,
-        }];
-        let rows = self.forward_seqs(&mut seqs)?;
-        session.history.extend_from_slice(tokens);
-        Ok(rows.per_sequence[0].start)
+        Ok(self.forward_unsettled(session, tokens, want)?.start)
     }
+}
+
+/// The token plain decoding samples from `logits` after `history` (its
+/// position is the history's length).
+fn sample(
+    sampler: &mut SamplerBackend,
+    logits: &[f32],
+    params: &CheckedParams,
+    history: &[u32],
+) -> Result<u32, EngineError> {
+    let request = SampleRequest {
+        logits,
+        params,
+        history,
+        position: history.len() as u64,
+        top_logprobs: 0,
+        mask: None,
+    };
+    Ok(sampler.sample(request)?.token)
 }

@@ -34,11 +34,21 @@ pub struct ReplyReader {
     seen_text: bool,
     /// At most one call is kept (`parallel_tool_calls: false`).
     one_call: bool,
-    /// The generic form's `{"content": "...`: its string is being shown
-    /// as it comes; `Some(true)` once it closed.
-    answer: Option<bool>,
-    /// The generic reply is not an answer (calls, or something else).
-    not_answer: bool,
+    /// Where a generic reply is as an answer in text.
+    answer: Answer,
+}
+
+/// A generic reply as an answer in text (`{"content": "..."}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    /// Not known yet (the reply may still begin that way).
+    Undecided,
+    /// It is one: its string is being shown as it comes.
+    Open,
+    /// Its string closed.
+    Closed,
+    /// It is not one (calls, or something else).
+    No,
 }
 
 /// How a generic reply that answers in text begins (the constraint writes
@@ -53,8 +63,7 @@ impl ReplyReader {
             holding: false,
             seen_text: false,
             one_call: !parallel || !syntax.allows_parallel(),
-            answer: None,
-            not_answer: false,
+            answer: Answer::Undecided,
         }
     }
 
@@ -101,34 +110,40 @@ impl ReplyReader {
     /// The generic form's answer text as far as it has come (its JSON
     /// string decoded), once the reply is seen to be one.
     fn answer_text(&mut self) -> String {
-        if self.syntax != ToolSyntax::Generic || self.not_answer || self.answer == Some(true) {
+        if self.syntax != ToolSyntax::Generic {
             return String::new();
         }
-        if self.answer.is_none() {
+        if self.answer == Answer::Undecided {
             let start = self.held.len() - self.held.trim_start().len();
             let text = &self.held[start..];
             if text.starts_with(ANSWER_START) {
                 self.held.drain(..start + ANSWER_START.len());
-                self.answer = Some(false);
-            } else {
-                self.not_answer = !ANSWER_START.starts_with(text);
-                return String::new();
+                self.answer = Answer::Open;
+            } else if !ANSWER_START.starts_with(text) {
+                self.answer = Answer::No;
             }
+        }
+        if self.answer != Answer::Open {
+            return String::new();
         }
         let (text, used, closed) = json_string_prefix(&self.held);
         self.held.drain(..used);
         if closed {
-            self.answer = Some(true);
+            self.answer = Answer::Closed;
         }
         text
     }
 
     /// The end of the reply: what was held, read.
     pub fn finish(self) -> ParsedReply {
-        if let Some(closed) = self.answer {
+        if matches!(self.answer, Answer::Open | Answer::Closed) {
             // The answer was shown as it came; what is left is its closing
             // (or, cut short, a piece of an escape, given back as it is).
-            let content = if closed { String::new() } else { self.held };
+            let content = if self.answer == Answer::Closed {
+                String::new()
+            } else {
+                self.held
+            };
             return ParsedReply {
                 content,
                 calls: Vec::new(),

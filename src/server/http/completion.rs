@@ -50,10 +50,8 @@ pub struct Job {
     pub logprobs: bool,
     /// The client's own session to run in (`x-inferd-session`), if any.
     pub session: Option<SessionId>,
-    /// Control tokens whose text the reply shows (tool-call markers);
-    /// other control tokens have none.
-    pub shown_tokens: Vec<u32>,
-    /// How a reply with tools is read into calls; `None` without tools.
+    /// How a reply with tools is read into calls (and which control
+    /// tokens it shows); `None` without tools.
     pub tools: Option<super::tools::ReplyPlan>,
 }
 
@@ -158,8 +156,8 @@ async fn run(
     let reused = feed(front, caller, id, &job.prompt[held..]).await?;
     let request = GenerateRequest { id, ..job.generate };
     let stream = front.state.runtime.generate(caller, request, None)?;
-    let Some(ended) =
-        stream_out(front, stream, job.stops, job.shown_tokens, job.logprobs, tx).await?
+    let shown_tokens = job.tools.map(|t| t.shown_tokens).unwrap_or_default();
+    let Some(ended) = stream_out(front, stream, job.stops, shown_tokens, job.logprobs, tx).await?
     else {
         // The client went away.
         return Ok(());

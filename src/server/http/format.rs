@@ -18,11 +18,19 @@ pub(super) struct Asked {
 }
 
 impl Asked {
+    /// Whether each of `response_format` (other than text), `grammar` and
+    /// `json_schema` is given.
+    fn given(&self) -> [bool; 3] {
+        [
+            !matches!(self.format, None | Some(ResponseFormat::Text)),
+            self.grammar.is_some(),
+            self.json_schema.is_some(),
+        ]
+    }
+
     /// Whether the request asks for a constraint.
     pub(super) fn any(&self) -> bool {
-        !matches!(self.format, None | Some(ResponseFormat::Text))
-            || self.grammar.is_some()
-            || self.json_schema.is_some()
+        self.given().contains(&true)
     }
 
     pub(super) fn take(sampling: &mut Sampling) -> Asked {
@@ -39,13 +47,7 @@ pub(super) fn constraint(
     asked: Asked,
     front: &Front,
 ) -> Result<Option<RequestConstraint>, ApiError> {
-    let formatted = !matches!(asked.format, None | Some(ResponseFormat::Text));
-    let given = [
-        formatted,
-        asked.grammar.is_some(),
-        asked.json_schema.is_some(),
-    ];
-    if given.iter().filter(|&&g| g).count() > 1 {
+    if asked.given().iter().filter(|&&g| g).count() > 1 {
         return Err(ApiError::invalid(
             "response_format",
             "one constraint per request: response_format, grammar or json_schema",

@@ -202,8 +202,7 @@ fn chat_job(front: &Front, body: &Bytes) -> Prepared {
         Model::of(front),
     )?;
     job.generate.constraint = plan.constraint(front, asked)?;
-    job.shown_tokens = plan.shown_tokens(front);
-    job.tools = plan.reply();
+    job.tools = plan.reply(front);
     Ok((job, stream))
 }
 
@@ -324,7 +323,6 @@ fn job_of(
         stops,
         logprobs,
         session: None,
-        shown_tokens: Vec::new(),
         tools: None,
     })
 }
@@ -464,12 +462,8 @@ async fn respond(
                 model: &front.model_id,
             };
             let mut calls = Vec::new();
-            if let Some(mut filter) = filter {
-                let (mut text, _) = filter.push(&done.text, Vec::new()).unwrap_or_default();
-                let (rest, _, made) = filter.finish();
-                text.push_str(&rest);
-                done.text = text;
-                calls = made;
+            if let Some(filter) = filter {
+                (done.text, calls) = filter.whole(&done.text);
                 done.finish = finish_reason(done.finish, &calls);
             }
             let lps = logprobs.then_some(done.logprobs.as_slice());
@@ -520,26 +514,31 @@ fn events(
     let body = pieces.flat_map(move |piece| {
         let chunks = answer.chunks();
         let mut out = Vec::new();
-        let piece = match (piece, &mut filter) {
-            (Piece::Text { text, logprobs }, Some(f)) => match f.push(&text, logprobs) {
-                Some((text, logprobs)) => Piece::Text { text, logprobs },
-                None => return stream::iter(out),
+        // With tools, text is shown as the filter lets it through, and the
+        // calls go out before the finishing chunk.
+        let piece = match piece {
+            Piece::Text { text, logprobs } => match filter.as_mut() {
+                Some(f) => match f.push(&text, logprobs) {
+                    Some((text, logprobs)) => Piece::Text { text, logprobs },
+                    None => return stream::iter(out),
+                },
+                None => Piece::Text { text, logprobs },
             },
-            (Piece::Done { finish, usage }, Some(_)) => {
-                let Some(f) = filter.take() else {
-                    return stream::iter(out);
-                };
-                let (text, logprobs, calls) = f.finish();
-                if !text.is_empty() || !logprobs.is_empty() {
-                    out.push(chunks.piece(&text, &logprobs, text_offset));
+            Piece::Done { finish, usage } => match filter.take() {
+                Some(f) => {
+                    let (text, logprobs, calls) = f.finish();
+                    if !text.is_empty() || !logprobs.is_empty() {
+                        out.push(chunks.piece(&text, &logprobs, text_offset));
+                    }
+                    if !calls.is_empty() {
+                        out.push(chunks.tool_calls(&calls));
+                    }
+                    let finish = finish_reason(finish, &calls);
+                    Piece::Done { finish, usage }
                 }
-                if !calls.is_empty() {
-                    out.push(chunks.tool_calls(&calls));
-                }
-                let finish = finish_reason(finish, &calls);
-                Piece::Done { finish, usage }
-            }
-            (piece, _) => piece,
+                None => Piece::Done { finish, usage },
+            },
+            failed => failed,
         };
         out.extend(match piece {
             Piece::Text { text, logprobs } => {

@@ -21,6 +21,9 @@ use crate::tools::{self, PromptInput, ToolCall, ToolSyntax, Toolbox};
 pub struct ReplyPlan {
     pub syntax: ToolSyntax,
     pub parallel: bool,
+    /// Control tokens whose text is part of the reply (the family's call
+    /// markers), which a reply otherwise leaves out.
+    pub shown_tokens: Vec<u32>,
 }
 
 /// A chat request's tools, worked out.
@@ -69,20 +72,12 @@ impl ToolPlan {
     }
 
     /// How the reply is read; `None` when the tools do not shape it.
-    pub(super) fn reply(&self) -> Option<ReplyPlan> {
-        self.toolbox.shapes_reply().then_some(ReplyPlan {
+    pub(super) fn reply(&self, front: &Front) -> Option<ReplyPlan> {
+        self.toolbox.shapes_reply().then(|| ReplyPlan {
             syntax: self.toolbox.syntax,
             parallel: self.toolbox.parallel,
+            shown_tokens: tools::marker_tokens(self.toolbox.syntax, &front.tokenizer),
         })
-    }
-
-    /// Control tokens whose text is part of the reply (the family's call
-    /// markers), which a reply otherwise leaves out.
-    pub(super) fn shown_tokens(&self, front: &Front) -> Vec<u32> {
-        if !self.toolbox.shapes_reply() {
-            return Vec::new();
-        }
-        tools::marker_tokens(self.toolbox.syntax, &front.tokenizer)
     }
 }
 
@@ -163,6 +158,14 @@ impl ReplyFilter {
         self.logprobs.extend(logprobs);
         let shown = self.reader.push(text);
         (!shown.is_empty()).then(|| (shown, std::mem::take(&mut self.logprobs)))
+    }
+
+    /// A whole reply (not streamed), read: its text and its calls.
+    pub(super) fn whole(mut self, reply: &str) -> (String, Vec<ToolCall>) {
+        let (mut text, _) = self.push(reply, Vec::new()).unwrap_or_default();
+        let (rest, _, calls) = self.finish();
+        text.push_str(&rest);
+        (text, calls)
     }
 
     /// The end: the text still to show, its log-probabilities, the calls.
