@@ -31,11 +31,15 @@ pub(crate) type TileFn<const NT: usize> = unsafe fn(usize, *const u8, [*const u8
 /// stride between tokens in out)`; see `gemm_blocks32::matmul`.
 pub(crate) type GemmFn = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize);
 
-/// The single-row and tiled forms of one weight × activation dot. Both are
-/// instances of one generic kernel, so they agree bit for bit.
+/// The single-row and tiled forms of one weight × activation dot. All are
+/// instances of one generic kernel, so they agree bit for bit. The 2- and
+/// 4-token forms serve short chunks (speculative verification passes), which
+/// would otherwise load every weight block once per token.
 #[derive(Clone, Copy)]
 pub(crate) struct DotKernel {
     pub one: TileFn<1>,
+    pub pair: TileFn<2>,
+    pub quad: TileFn<4>,
     pub tile: TileFn<TILE>,
 }
 
@@ -157,11 +161,13 @@ pub(crate) struct Kernels {
     pub swiglu_ggml: unsafe fn(&mut [f32], &[f32]),
 }
 
-/// Builds the two forms of a generic tile kernel.
+/// Builds the forms of a generic tile kernel.
 macro_rules! dot_kernel {
     ($($f:ident)::+) => {
         DotKernel {
             one: $($f)::+::<1>,
+            pair: $($f)::+::<2>,
+            quad: $($f)::+::<4>,
             tile: $($f)::+::<TILE>,
         }
     };

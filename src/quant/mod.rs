@@ -40,7 +40,7 @@ pub use dispatch::{supported_levels, SimdLevel};
 pub use gelu::geglu_ggml;
 pub use types::{GgmlType, QK_K};
 
-use dispatch::{DotKernel, Kernels, TILE};
+use dispatch::{DotKernel, Kernels, TileFn, TILE};
 
 /// Why a quantization call was refused.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -435,7 +435,9 @@ fn gemm_min_tokens(w_ty: GgmlType) -> usize {
 
 /// The one-row kernels over `rows`, for tokens `first_token..n_tokens`,
 /// into `out[t * out_rows + r]`: tiles of [`TILE`] tokens over chunks of
-/// rows that stay in L2, then the tokens left one at a time.
+/// rows that stay in L2, then what is left in tiles of 4, 2 and 1 (a short
+/// chunk, such as a speculative verification pass, still loads each weight
+/// block once for several tokens).
 #[allow(clippy::too_many_arguments)] // one matmul's shapes, passed through
 fn tiled(
     shape: &DotShape,
@@ -447,49 +449,86 @@ fn tiled(
     rows: std::ops::Range<usize>,
     first_token: usize,
 ) {
-    let DotShape {
-        kernel,
-        blocks,
-        w_row_bytes,
-        act_row_bytes,
-    } = *shape;
     if rows.is_empty() || first_token >= n_tokens {
         return;
     }
-    let chunk_rows = (ROW_CHUNK_BYTES / w_row_bytes.max(1)).max(1);
-    let act_ptr = |t: usize| acts[t * act_row_bytes..].as_ptr();
-    let prefetch_row_ahead = |r: usize| {
-        let ahead = w_rows
-            .as_ptr()
-            .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
-        prefetch_bytes(ahead, w_row_bytes);
-    };
+    let chunk_rows = (ROW_CHUNK_BYTES / shape.w_row_bytes.max(1)).max(1);
+    let kernel = shape.kernel;
     for chunk_start in rows.clone().step_by(chunk_rows) {
-        let chunk_end = (chunk_start + chunk_rows).min(rows.end);
+        let chunk = chunk_start..(chunk_start + chunk_rows).min(rows.end);
+        let pass = TilePass {
+            shape,
+            w_rows,
+            acts,
+            out_rows,
+            rows: chunk,
+            first_token,
+        };
         let mut t = first_token;
-        while t + TILE <= n_tokens {
-            let tile_acts: [*const u8; TILE] = std::array::from_fn(|i| act_ptr(t + i));
-            for r in chunk_start..chunk_end {
-                if t == first_token {
-                    prefetch_row_ahead(r);
-                }
-                let w = w_rows[r * w_row_bytes..].as_ptr();
-                // SAFETY: the level is supported; row `r` and tokens
-                // `t..t + TILE` lie inside the checked buffers.
-                let res = unsafe { (kernel.tile)(blocks, w, tile_acts) };
-                for (i, v) in res.into_iter().enumerate() {
-                    out[(t + i) * out_rows + r] = v;
-                }
+        // SAFETY: for each call, the level is supported; `pass` holds
+        // checked buffers and every tile below ends at or before `n_tokens`.
+        unsafe {
+            while t + TILE <= n_tokens {
+                pass.run(kernel.tile, t, out);
+                t += TILE;
             }
-            t += TILE;
+            if t + 4 <= n_tokens {
+                pass.run(kernel.quad, t, out);
+                t += 4;
+            }
+            if t + 2 <= n_tokens {
+                pass.run(kernel.pair, t, out);
+                t += 2;
+            }
+            if t < n_tokens {
+                pass.run(kernel.one, t, out);
+            }
         }
-        for tt in t..n_tokens {
-            let a = act_ptr(tt);
-            for r in chunk_start..chunk_end {
-                prefetch_row_ahead(r);
-                let w = w_rows[r * w_row_bytes..].as_ptr();
-                // SAFETY: as above, for the single token `tt`.
-                out[tt * out_rows + r] = unsafe { (kernel.one)(blocks, w, [a])[0] };
+    }
+}
+
+/// One chunk of weight rows under [`tiled`], run a tile of tokens at a time.
+struct TilePass<'a> {
+    shape: &'a DotShape,
+    w_rows: &'a [u8],
+    acts: &'a [u8],
+    out_rows: usize,
+    rows: std::ops::Range<usize>,
+    /// The chunk's first tile asks for weight rows ahead of use; later
+    /// tiles find them cached.
+    first_token: usize,
+}
+
+impl TilePass<'_> {
+    /// Tokens `t..t + NT` against every row of the chunk.
+    ///
+    /// # Safety
+    /// `kernel` must be of a supported level and of the shape's format; the
+    /// buffers must be the checked ones of the matmul, with `t + NT` at most
+    /// its token count.
+    #[inline(always)]
+    unsafe fn run<const NT: usize>(&self, kernel: TileFn<NT>, t: usize, out: &mut [f32]) {
+        let DotShape {
+            blocks,
+            w_row_bytes,
+            act_row_bytes,
+            ..
+        } = *self.shape;
+        let acts: [*const u8; NT] =
+            std::array::from_fn(|i| self.acts[(t + i) * act_row_bytes..].as_ptr());
+        for r in self.rows.clone() {
+            if t == self.first_token || NT == 1 {
+                let ahead = self
+                    .w_rows
+                    .as_ptr()
+                    .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
+                prefetch_bytes(ahead, w_row_bytes);
+            }
+            let w = self.w_rows[r * w_row_bytes..].as_ptr();
+            // SAFETY: the caller's promise; row `r` lies in the checked rows.
+            let res = unsafe { kernel(blocks, w, acts) };
+            for (i, v) in res.into_iter().enumerate() {
+                out[(t + i) * self.out_rows + r] = v;
             }
         }
     }

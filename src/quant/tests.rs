@@ -175,7 +175,7 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
             let w: Vec<u8> = (0..rows)
                 .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
                 .collect();
-            for tokens in [1usize, 2, 3, 5, 8, 17, 35] {
+            for tokens in [1usize, 2, 3, 4, 5, 6, 7, 8, 15, 17, 35] {
                 let acts: Vec<u8> = (0..tokens)
                     .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
                     .collect();
