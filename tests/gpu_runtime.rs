@@ -102,6 +102,7 @@ fn append(rt: &Runtime, id: SessionId, tokens: Vec<u32>) {
 fn request(id: SessionId, seed: u64) -> GenerateRequest {
     GenerateRequest {
         constraint: None,
+        speculate: None,
         id,
         max_tokens: 6,
         sampling: SamplingOptions {

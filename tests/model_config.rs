@@ -545,6 +545,7 @@ fn a_long_sliding_window_session_holds_only_its_window() {
             &Tenant::NONE,
             GenerateRequest {
                 constraint: None,
+                speculate: None,
                 id,
                 max_tokens: 24,
                 sampling: SamplingOptions::default(),

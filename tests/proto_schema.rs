@@ -74,11 +74,14 @@ const EXTENSION_FIELDS: &[&str] = &[
     "GenerateRequest.stop_sequences = 22: repeated .kakeya.v1.StopSequence",
     "GenerateRequest.top_logprobs = 23: optional uint32",
     "GenerateRequest.constraint = 24: .kakeya.v1.OutputConstraint",
+    "GenerateRequest.speculate = 25: optional bool",
     "GenerateResponse.logprobs = 16: oneof payload .kakeya.v1.TokenLogprobs",
     "GenerateDone.seed_used = 16: uint64",
     "GenerateDone.history_length = 17: uint64",
     "GenerateDone.prefill_token_count = 18: uint64",
     "GenerateDone.stop_sequence_index = 19: optional uint32",
+    "GenerateDone.speculation_proposed_token_count = 20: uint64",
+    "GenerateDone.speculation_accepted_token_count = 21: uint64",
     "GetSessionInfoResponse.kv_pages_held = 16: uint64",
     "GetSessionInfoResponse.kv_page_bytes = 17: uint64",
     "GetSessionInfoResponse.client_label = 18: string",
@@ -89,6 +92,8 @@ const EXTENSION_FIELDS: &[&str] = &[
     "GetSessionInfoResponse.busy = 23: bool",
     "GetSessionInfoResponse.durable = 24: bool",
     "GetSessionInfoResponse.backend = 25: string",
+    "GetSessionInfoResponse.speculation_proposed_token_count = 26: uint64",
+    "GetSessionInfoResponse.speculation_accepted_token_count = 27: uint64",
 ];
 
 /// Messages this project adds (any field numbers).
@@ -749,6 +754,8 @@ fn generate_done() -> runtime::GenerateDone {
     m.set_history_length(4242);
     m.set_prefill_token_count(300);
     m.set_stop_sequence_index(1);
+    m.set_speculation_proposed_token_count(40);
+    m.set_speculation_accepted_token_count(31);
     m
 }
 
@@ -813,6 +820,7 @@ fn every_runtime_message_matches_its_golden_bytes_and_decodes_back() {
     second_stop.set_token_ids(vec![2]);
     m.set_stop_sequences(vec![stop, second_stop].into());
     m.set_top_logprobs(5);
+    m.set_speculate(false);
     check_golden("generate_request", &m);
 
     let mut constraint = runtime::OutputConstraint::new();
@@ -857,6 +865,8 @@ fn every_runtime_message_matches_its_golden_bytes_and_decodes_back() {
     m.set_truncated_token_count(17);
     m.set_logits_digest(0x0123_4567_89ab_cdef);
     m.set_busy(true);
+    m.set_speculation_proposed_token_count(40);
+    m.set_speculation_accepted_token_count(31);
     check_golden("get_session_info_response", &m);
 }
 

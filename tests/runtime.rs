@@ -59,6 +59,7 @@ fn append(rt: &Runtime, id: SessionId, tokens: &[u32]) -> Result<u64, RuntimeErr
 fn request(id: SessionId, max_tokens: u32, sampling: SamplingOptions) -> GenerateRequest {
     GenerateRequest {
         constraint: None,
+        speculate: None,
         id,
         max_tokens,
         sampling,

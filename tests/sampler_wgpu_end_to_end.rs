@@ -84,6 +84,7 @@ fn generate_all(sampler: SelectedSampler, sessions: u32) -> Vec<(Vec<u32>, Vec<T
         };
         let request = GenerateRequest {
             constraint: None,
+            speculate: None,
             id,
             max_tokens: 24,
             sampling,

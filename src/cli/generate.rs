@@ -41,12 +41,11 @@ pub struct GenerateArgs {
     pub constraint: ConstraintArgs,
     /// Speculative decoding: `lookup` verifies tokens the history proposes
     /// (prompt lookup) several per forward pass, with the very tokens plain
-    /// decoding gives (faster where the output copies its context, slower
-    /// where it copies little: docs/PERFORMANCE.md); `none`
-    /// decodes one token per pass. A constrained generation, or one on a
-    /// GPU, decodes plainly.
-    #[arg(long, value_enum, default_value_t = Speculate::None)]
-    pub speculate: Speculate,
+    /// decoding gives (docs/PERFORMANCE.md); `none` decodes one token per
+    /// pass. A constrained generation, or one on a GPU, decodes plainly
+    /// [default: lookup here; with --server, the server's default].
+    #[arg(long, value_enum)]
+    pub speculate: Option<Speculate>,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
@@ -56,7 +55,8 @@ pub struct GenerateArgs {
     pub connect: ConnectArgs,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Speculate {
     None,
     Lookup,
@@ -209,7 +209,8 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         None => None,
     };
     let on_token = write_through(&mut writer, &mut io_error);
-    let generation = if constraint.is_none() && args.speculate == Speculate::Lookup {
+    let speculate = args.speculate.unwrap_or(Speculate::Lookup) == Speculate::Lookup;
+    let generation = if constraint.is_none() && speculate {
         let (generation, counts) =
             engine.generate_speculative(&mut session, &params, args.max_tokens, stops, on_token)?;
         tracing::info!(
@@ -241,11 +242,6 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
 }
 
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
-    if args.speculate != Speculate::None {
-        return Err(CliError::Usage(
-            "--speculate lookup runs with a local model; the server decodes plainly".into(),
-        ));
-    }
     let tokenizer = super::load_tokenizer(&args.model.path())?;
     let prompt = prompt_tokens(&args, &tokenizer)?;
     let params = sampling_params(&args, tokenizer.vocab_size())?;
@@ -280,6 +276,9 @@ fn continue_remotely(
         eprintln!("(the server dropped {dropped} prompt tokens to fit the context)");
     }
     let mut req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
+    if let Some(speculate) = args.speculate {
+        req.set_speculate(speculate == Speculate::Lookup);
+    }
     if let Some(spec) = args.constraint.spec()? {
         req.set_constraint(to_proto(&spec));
     }

@@ -14,6 +14,7 @@ use serde::Deserialize;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
+use super::generate::Speculate;
 use super::DeviceChoice;
 use super::{CliError, DEFAULT_MODEL};
 use crate::cluster::coordinator::{ShardPlan, ShardSpec};
@@ -24,7 +25,7 @@ use crate::durable::{Durability, SessionStore};
 use crate::durable::{StateLimits as Limits, DEFAULT_MIN_FREE_BYTES};
 use crate::model::Model;
 use crate::runtime::GpuLayers;
-use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig};
+use crate::runtime::{EvictionPolicy, LocalLayers, OverflowPolicy, RuntimeConfig, Speculation};
 use crate::sampler::{SamplerChoice, SelectedSampler};
 use crate::server::http::HttpLimits;
 use crate::server::tokens::AccessTokens;
@@ -212,6 +213,14 @@ pub struct ServeArgs {
     /// included; start-up fails if there is none) [default: auto].
     #[arg(long, env = "INFERD_SAMPLER", value_parser = super::sampler_choice_parser())]
     pub sampler: Option<SamplerChoice>,
+    /// Speculative decoding for Generates that do not choose
+    /// (GenerateRequest.speculate): `lookup` proposes tokens that followed
+    /// the history's last tokens where they occurred before and verifies
+    /// several per forward pass, emitting exactly plain decoding's tokens;
+    /// `none` decodes one token per pass. Layers on a GPU or on shards, and
+    /// constrained calls, decode plainly [default: lookup].
+    #[arg(long, value_enum, env = "INFERD_SPECULATE")]
+    pub speculate: Option<Speculate>,
     /// Where the model's layers run: `cpu`, `gpu` (any Vulkan/Metal
     /// adapter, lavapipe included; start-up fails if there is none) or
     /// `auto` (a hardware GPU if there is one and the model fits, else the
@@ -292,6 +301,7 @@ struct FileConfig {
     durability: Option<DurabilityArg>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
+    speculate: Option<Speculate>,
     device: Option<DeviceChoice>,
     shards: Option<Vec<String>>,
     shard_encoding: Option<ShardEncoding>,
@@ -358,6 +368,7 @@ pub struct Settings {
     pub durability: DurabilityArg,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
+    pub speculate: Speculate,
     pub device: DeviceChoice,
     /// Empty: this process runs every layer.
     pub shards: Vec<ShardSpec>,
@@ -523,6 +534,10 @@ impl ServeArgs {
                 None => None,
             },
             sampler: self.sampler.or(file.sampler).unwrap_or_default(),
+            speculate: self
+                .speculate
+                .or(file.speculate)
+                .unwrap_or(Speculate::Lookup),
             device: self.device.or(file.device).unwrap_or_default(),
             shards: shard_list(self.shards.as_deref(), file.shards.as_deref())?,
             shard_encoding: self
@@ -705,6 +720,10 @@ impl Settings {
             layers: match shards {
                 Some(plan) => Arc::new(ShardLayers::new(plan)),
                 None => Arc::new(LocalLayers),
+            },
+            speculation: match self.speculate {
+                Speculate::None => Speculation::None,
+                Speculate::Lookup => Speculation::Lookup,
             },
             ..RuntimeConfig::default()
         };

@@ -241,6 +241,18 @@ fn render_generation(e: &mut Exposition, stats: &RuntimeStats) {
         "Tokens generated over all sessions.",
         stats.tokens_generated,
     );
+    e.single(
+        "speculation_proposed_tokens_total",
+        "counter",
+        "Tokens speculation proposed and computed in verification passes.",
+        stats.speculation_proposed,
+    );
+    e.single(
+        "speculation_accepted_tokens_total",
+        "counter",
+        "Proposed tokens that were the tokens sampled (emitted without a pass of their own).",
+        stats.speculation_accepted,
+    );
 }
 
 /// Session invariant violations and the shared KV pool's pages and bytes.
@@ -717,6 +729,8 @@ mod tests {
             inv1_violations: 0,
             inv2_violations: 1,
             tokens_generated: 40,
+            speculation_proposed: 30,
+            speculation_accepted: 21,
             prefill_tokens: 123,
             prefill_duration: HistogramSnapshot {
                 bounds: PREFILL_BUCKETS.to_vec(),
@@ -937,6 +951,8 @@ mod tests {
         assert_eq!(get("inferd_session_total", &[("outcome", "created")]), 7.0);
         assert_eq!(get("inferd_session_total", &[("outcome", "forked")]), 2.0);
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);
+        assert_eq!(get("inferd_speculation_proposed_tokens_total", &[]), 30.0);
+        assert_eq!(get("inferd_speculation_accepted_tokens_total", &[]), 21.0);
         assert_eq!(get("inferd_restore_kept_tokens_total", &[]), 4080.0);
         assert_eq!(get("inferd_session_spill_bytes", &[]), 1048576.0);
         assert_eq!(get("inferd_session_spill_read_tokens_total", &[]), 992.0);

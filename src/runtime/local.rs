@@ -79,4 +79,8 @@ impl StepRunner for LocalRunner {
             .forward(&mut seqs, pool, scratch)
             .map_err(|e| StepError::SessionsLost(e.into()))
     }
+
+    fn verifies_proposals(&self) -> bool {
+        true
+    }
 }

@@ -54,5 +54,5 @@ pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, S
 pub use types::{
     AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
     GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,
-    RuntimeConfig, SamplingOptions, SessionInfo, StopReason,
+    RuntimeConfig, SamplingOptions, SessionInfo, Speculation, SpeculationCounts, StopReason,
 };

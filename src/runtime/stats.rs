@@ -118,6 +118,11 @@ pub struct Counters {
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: AtomicU64,
     pub tokens_generated: AtomicU64,
+    /// Tokens speculation proposed (and computed in verification passes).
+    pub speculation_proposed: AtomicU64,
+    /// Proposed tokens that were the ones sampled, emitted without a pass
+    /// of their own.
+    pub speculation_accepted: AtomicU64,
     /// Prompt tokens computed (appends and truncation re-prefills).
     pub prefill_tokens: AtomicU64,
     /// How long each append or truncation re-prefill took to compute.
@@ -212,6 +217,9 @@ pub struct RuntimeStats {
     pub inv1_violations: u64,
     pub inv2_violations: u64,
     pub tokens_generated: u64,
+    /// Tokens speculation proposed, and those accepted.
+    pub speculation_proposed: u64,
+    pub speculation_accepted: u64,
     /// Prompt tokens computed (appends and truncation re-prefills).
     pub prefill_tokens: u64,
     pub prefill_duration: HistogramSnapshot,

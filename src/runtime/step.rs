@@ -79,6 +79,16 @@ pub trait StepRunner: Send {
         false
     }
 
+    /// Whether `forward` computes every row of a feed that asks for all of
+    /// them (`LogitsWanted::All`) into the scratch logits, and takes a
+    /// session's KV cut back afterwards (`SessionKv::roll_back_to`) with
+    /// nothing else to forget: what speculative decoding needs to verify
+    /// proposed tokens. The layers in this process do; shards hold KV of
+    /// their own, and a GPU keeps its logits.
+    fn verifies_proposals(&self) -> bool {
+        false
+    }
+
     /// A copy of the session's kept logits.
     fn kept_logits(&self, session: SessionId) -> Result<Vec<f32>, RuntimeError> {
         Err(RuntimeError::Internal(format!(

@@ -105,6 +105,23 @@ pub struct RuntimeConfig {
     /// live as long as the process.
     #[cfg(not(loom))]
     pub state: Option<Arc<crate::durable::SessionStore>>,
+    /// How a Generate that does not say otherwise speculates
+    /// (`GenerateRequest::speculate`): tokens stay plain decoding's either
+    /// way.
+    pub speculation: Speculation,
+}
+
+/// Speculative decoding in the workers: several tokens verified in one
+/// forward pass, each accepted only where it is the token plain decoding
+/// samples there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Speculation {
+    /// Plain decoding: one token a step.
+    None,
+    /// Prompt lookup: what followed the last tokens where they occurred
+    /// before in the session's history (`crate::speculate`).
+    #[default]
+    Lookup,
 }
 
 impl Default for RuntimeConfig {
@@ -123,6 +140,7 @@ impl Default for RuntimeConfig {
             prefix_cache_pages: 0,
             idle_ttl: Duration::from_secs(1800),
             overflow: OverflowPolicy::Truncate { sink: 4 },
+            speculation: Speculation::default(),
             eviction: EvictionPolicy::Lru,
             worker_queue: 1024,
             session_queue: 8,
@@ -335,6 +353,10 @@ pub struct GenerateRequest {
     pub stop_sequences: Vec<Vec<u32>>,
     /// What the output must match, compiled by the front door.
     pub constraint: Option<RequestConstraint>,
+    /// Whether to speculate (prompt lookup): `None` takes the server's
+    /// [`RuntimeConfig::speculation`]. The tokens are the same either way;
+    /// only the number of forward passes differs.
+    pub speculate: Option<bool>,
 }
 
 impl GenerateRequest {
@@ -414,6 +436,17 @@ pub struct GenerateDone {
     pub total_duration: Duration,
     pub seed_used: u64,
     pub history_length: u64,
+    /// Tokens speculation proposed in this call, and how many of them were
+    /// the tokens sampled (and emitted).
+    pub speculation: SpeculationCounts,
+}
+
+/// What speculation did: proposed tokens (each computed in a verification
+/// pass) and accepted ones (emitted without a pass of their own).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpeculationCounts {
+    pub proposed: u64,
+    pub accepted: u64,
 }
 
 /// One event of a Generate stream. A stream ends with exactly one `Done`
@@ -541,6 +574,9 @@ pub struct SessionInfo {
     pub durable: bool,
     /// Where its layers are computed: "cpu", "gpu" or "shards".
     pub backend: &'static str,
+    /// Speculation's counts over every Generate of the session since this
+    /// process has held it.
+    pub speculation: SpeculationCounts,
 }
 
 /// A unary reply on its way from a worker.
@@ -593,6 +629,7 @@ mod tests {
     fn request(edit: impl FnOnce(&mut GenerateRequest)) -> GenerateRequest {
         let mut req = GenerateRequest {
             constraint: None,
+            speculate: None,
             id: SessionId::NEVER_ISSUED,
             max_tokens: 4,
             sampling: SamplingOptions::default(),

@@ -97,6 +97,7 @@ pub fn generate_request(req: &pb::GenerateRequest) -> GenerateRequest {
         .collect();
     GenerateRequest {
         constraint: None,
+        speculate: req.has_speculate().then(|| req.get_speculate()),
         id: SessionId::parse_or_never_issued(req.get_session_id()),
         max_tokens: req.get_max_tokens(),
         sampling,
@@ -129,6 +130,8 @@ pub fn done_message(done: &GenerateDone) -> pb::GenerateResponse {
         msg.set_stop_sequence_index(index);
     }
     msg.set_history_length(done.history_length);
+    msg.set_speculation_proposed_token_count(done.speculation.proposed);
+    msg.set_speculation_accepted_token_count(done.speculation.accepted);
     let mut response = pb::GenerateResponse::new();
     response.set_done(msg);
     response
@@ -197,12 +200,15 @@ pub fn info_message(info: &SessionInfo, page_bytes: u64) -> pb::GetSessionInfoRe
     msg.set_busy(info.busy);
     msg.set_durable(info.durable);
     msg.set_backend(info.backend.to_string());
+    msg.set_speculation_proposed_token_count(info.speculation.proposed);
+    msg.set_speculation_accepted_token_count(info.speculation.accepted);
     msg
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::SpeculationCounts;
 
     fn generate(f: impl FnOnce(&mut pb::GenerateRequest)) -> GenerateRequest {
         let mut req = pb::GenerateRequest::new();
@@ -326,11 +332,17 @@ mod tests {
             logits_digest: 0xcbf2_9ce4_8422_2325,
             durable: true,
             backend: "gpu",
+            speculation: SpeculationCounts {
+                proposed: 12,
+                accepted: 9,
+            },
         };
         let msg = info_message(&info, 4096);
         assert!(msg.get_busy());
         assert!(msg.get_durable());
         assert_eq!(msg.get_backend(), "gpu");
+        assert_eq!(msg.get_speculation_proposed_token_count(), 12);
+        assert_eq!(msg.get_speculation_accepted_token_count(), 9);
         assert_eq!(msg.get_logits_digest(), 0);
         assert_eq!(msg.get_eos_token_ids(), &[2]);
         info.history_length = 3;

@@ -385,6 +385,8 @@ impl Runtime {
             inv1_violations: load(&c.inv1_violations),
             inv2_violations: load(&c.inv2_violations),
             tokens_generated: load(&c.tokens_generated),
+            speculation_proposed: load(&c.speculation_proposed),
+            speculation_accepted: load(&c.speculation_accepted),
             prefill_tokens: load(&c.prefill_tokens),
             prefill_duration: c.prefill_duration.snapshot(),
             kv_live_bytes: self

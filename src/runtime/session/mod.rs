@@ -224,6 +224,14 @@ impl Session {
         }
     }
 
+    /// Cuts the KV back to `len` positions, dropping what a step computed
+    /// past the history it will commit (speculation's refused tokens),
+    /// before that commit; the committed length is not touched.
+    pub(crate) fn drop_uncommitted(&mut self, len: usize) -> Result<(), crate::kv::KvError> {
+        debug_assert!(len >= self.history.len(), "only uncommitted positions go");
+        self.kv.roll_back_to(len)
+    }
+
     /// A step went through: `fed` joins the history, `logits` (the last fed
     /// position's row, when it was asked for) become the next logits, and
     /// the invariants are checked.
@@ -341,6 +349,7 @@ impl Session {
             },
             durable: self.journal.is_some(),
             backend,
+            speculation: Default::default(),
         }
     }
 

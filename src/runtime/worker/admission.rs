@@ -352,7 +352,17 @@ impl Worker {
                 events,
                 cancel,
             } => {
-                if let Err(e) = start_generate(slot, *gen, &events, &cancel, deadline) {
+                // Proposals are verified against plain decoding's samples;
+                // a constrained call samples under a mask that moves with
+                // every token, so it decodes plainly.
+                let speculate = gen
+                    .req
+                    .speculate
+                    .unwrap_or(self.cfg.speculation == Speculation::Lookup)
+                    && gen.req.constraint.is_none()
+                    && self.runner.verifies_proposals();
+                let lookup = speculate.then(Lookup::default);
+                if let Err(e) = start_generate(slot, *gen, lookup, &events, &cancel, deadline) {
                     let _ = events.try_send(GenerateEvent::Error(e));
                 }
                 None
@@ -455,14 +465,16 @@ pub(super) fn info(
     } else {
         slot.last_used.elapsed().as_secs_f64()
     };
-    slot.session.info(
+    let mut info = slot.session.info(
         id,
         runner,
         backend,
         slot.committed_len(),
         busy,
         idle_seconds,
-    )
+    );
+    info.speculation = slot.speculation;
+    info
 }
 
 /// Makes a Generate (its arguments checked at the runtime's boundary)
@@ -472,6 +484,7 @@ pub(super) fn info(
 fn start_generate(
     slot: &mut SessionSlot,
     admitted: AdmittedGenerate,
+    lookup: Option<Lookup>,
     events: &NotifySender<GenerateEvent>,
     cancel: &Arc<AtomicBool>,
     deadline: Option<Instant>,
@@ -505,6 +518,8 @@ fn start_generate(
         before_rewrite: None,
         constraint: req.constraint.as_ref().and_then(|c| c.take()).map(Box::new),
         mask: Vec::new(),
+        lookup,
+        speculation: SpeculationCounts::default(),
     };
     slot.active = Some(Active {
         work: Work::Generate(Box::new(gen)),

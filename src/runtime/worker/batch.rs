@@ -31,6 +31,7 @@ impl Worker {
         let context = self.model.config.context;
         let chunk = self.chunk_at(slot.session.history().len());
         slot.feed.clear();
+        slot.feed_proposed = 0;
         let Some(active) = slot.active.as_mut() else {
             return false;
         };
@@ -195,6 +196,7 @@ impl Worker {
     /// whose pages were given back cannot be undone: that session goes.
     pub(super) fn fail_step(&mut self, id: SessionId, slot: &mut SessionSlot, err: RuntimeError) {
         slot.feed.clear();
+        slot.feed_proposed = 0;
         slot.last_used = Instant::now();
         let Some(mut active) = slot.active.take() else {
             return;
@@ -230,9 +232,16 @@ impl Worker {
     pub(super) fn commit_batch(&mut self, ids: Vec<SessionId>, kept: &[bool], rows: &LogitRows) {
         let vocab = self.model.config.vocab;
         for (i, id) in ids.into_iter().enumerate() {
-            let row = rows.per_sequence.get(i).and_then(|r| r.end.checked_sub(1));
+            let range = rows.per_sequence.get(i).cloned();
+            let row = range.as_ref().and_then(|r| r.end.checked_sub(1));
             let kept = kept.get(i).copied().unwrap_or(false);
-            self.with_session(id, |w, slot| w.commit_one(id, slot, row, kept, vocab));
+            self.with_session(id, |w, slot| {
+                if slot.feed_proposed > 0 {
+                    w.commit_speculative(id, slot, range)
+                } else {
+                    w.commit_one(id, slot, row, kept, vocab)
+                }
+            });
         }
     }
 

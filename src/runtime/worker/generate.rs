@@ -85,6 +85,7 @@ impl Worker {
                             gen.pending_logprobs = sampled.logprobs.take();
                         }
                     }
+                    self.propose(id);
                 }
                 Err(e) => {
                     let end = Err(e.clone().into());
@@ -243,6 +244,7 @@ impl Worker {
                 total_duration: gen.started.elapsed(),
                 seed_used: gen.seed_used,
                 history_length,
+                speculation: gen.speculation,
             }),
             Err(e) => GenerateEvent::Error(e),
         };
@@ -440,7 +442,7 @@ fn advance_constraint(
 /// A Generate's `token` went through the model: it is counted and sent
 /// (with its log-probabilities), and the call's end returned when the
 /// reader is gone or a stop condition holds.
-fn token_fed(
+pub(super) fn token_fed(
     slot: &mut SessionSlot,
     token: u32,
     shared: &WorkersState,

@@ -19,8 +19,9 @@
 //!
 //! The rooms: [`admission`] (creation, the session FIFO, removal, TTL),
 //! [`room`] (pages, eviction, truncation, undo), [`batch`] (plan, forward,
-//! commit, invariants) and [`generate`] (sampling, stop conditions,
-//! events).
+//! commit, invariants), [`generate`] (sampling, stop conditions,
+//! events) and [`speculate`] (proposed tokens fed with the sampled one,
+//! verified and rolled back).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -38,12 +39,14 @@ use super::stats::WorkerGauges;
 use super::step::{StepError, StepRunner};
 use super::{
     AppendReply, CloseReply, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
-    OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo, StopReason, Tenant,
+    OverflowPolicy, RuntimeConfig, RuntimeError, SessionId, SessionInfo, Speculation,
+    SpeculationCounts, StopReason, Tenant,
 };
 use crate::durable::{Record, Recovered};
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{SampleRequest, Sampled, SamplerBackend, SamplerError};
+use crate::speculate::Lookup;
 use crate::threads::ThreadPool;
 use commands::Reply;
 pub(crate) use commands::{AdmittedGenerate, Command, Op};
@@ -59,6 +62,7 @@ mod generate;
 mod restore;
 mod room;
 mod shared;
+mod speculate;
 #[cfg(test)]
 mod tests;
 mod work;
@@ -79,6 +83,9 @@ pub(crate) struct Worker {
     to_sample: Vec<SessionId>,
     /// The batch's answers, reused across steps.
     sampled: Vec<Result<Sampled, SamplerError>>,
+    /// A generating session's history and what follows it, for a lookup
+    /// or a verification (reused across steps).
+    lookup_history: Vec<u32>,
     sessions: HashMap<SessionId, SessionSlot>,
     /// What runs the layers: the model here, or the shards.
     runner: Box<dyn StepRunner>,
@@ -152,6 +159,7 @@ impl Worker {
             sampler,
             to_sample: Vec::new(),
             sampled: Vec::new(),
+            lookup_history: Vec::new(),
             sessions: HashMap::new(),
             runner,
             waiting_creates: VecDeque::new(),

@@ -158,6 +158,7 @@ fn cancel_in_the_middle_of_a_shift(w: &mut Worker, id: SessionId) -> Vec<Generat
                 w.model.config.vocab,
                 GenerateRequest {
                     constraint: None,
+                    speculate: None,
                     id,
                     max_tokens: 40,
                     sampling: Default::default(),

@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use super::super::notify::NotifySender;
 use super::super::session::{Session, Undo};
 use super::super::{
-    AppendReply, CreateSession, ForkReply, GenerateEvent, RuntimeError, SessionId, StopReason,
-    Tenant,
+    AppendReply, CreateSession, ForkReply, GenerateEvent, RuntimeError, SessionId,
+    SpeculationCounts, StopReason, Tenant,
 };
 use super::commands::{Op, Reply};
 use crate::constraint::Constraint;
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, TokenLogprobs};
+use crate::speculate::Lookup;
 
 pub(super) struct Queued {
     pub(super) op: Op,
@@ -67,6 +68,10 @@ pub(super) struct Generating {
     /// before each sample).
     pub(super) constraint: Option<Box<Constraint>>,
     pub(super) mask: Vec<u32>,
+    /// The call's proposer when it speculates (`speculate.rs`), and what
+    /// speculation did in it.
+    pub(super) lookup: Option<Lookup>,
+    pub(super) speculation: SpeculationCounts,
 }
 
 pub(super) enum Work {
@@ -178,6 +183,11 @@ pub(super) struct SessionSlot {
     /// What this step feeds for the session.
     pub(super) feed: Vec<u32>,
     pub(super) feed_logits: LogitsWanted,
+    /// Of `feed`, the tokens after the first that speculation proposed
+    /// (their rows are verified after the step).
+    pub(super) feed_proposed: usize,
+    /// Speculation's counts over the session's Generates.
+    pub(super) speculation: SpeculationCounts,
     /// Removed during the operation that holds it (see
     /// [`Worker::with_session`]): it does not go back into the map.
     pub(super) removed: bool,
@@ -193,6 +203,8 @@ impl SessionSlot {
             short_since: None,
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
+            feed_proposed: 0,
+            speculation: SpeculationCounts::default(),
             removed: false,
         }
     }

@@ -1,0 +1,285 @@
+//! Speculative decoding in the server, through a real `inferd serve` and a
+//! stock gRPC client: with `GenerateRequest.speculate` on, a Generate
+//! streams the tokens and log-probabilities plain decoding streams, ends
+//! the same way (stop ids, stop sequences, max_tokens) and leaves the same
+//! history and logits digest, for greedy and seeded sampling with
+//! penalties, with prompts appended whole or in chunks, beside batch
+//! neighbours and after a restart from the state directory; a cancelled
+//! call leaves a history plain decoding could have left; GetSessionInfo and
+//! the metrics count what was proposed and accepted.
+
+mod support;
+
+use inferd::gguf::GgufFile;
+use inferd::proto::kakeya_v1::runtime as pb;
+use inferd::tokenizer::Tokenizer;
+use std::time::Duration;
+use support::{greedy, seeded, Client, Generated, Inferd, REFERENCE};
+
+/// Prompts whose answers copy their context (so lookups propose and many
+/// proposals are accepted), and one with nothing to copy.
+const PROMPTS: [&str; 3] = [
+    "Repeat this code exactly, renaming add to plus:\n\
+     def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n\
+     def mul(a, b):\n    return a * b\n",
+    "Summarise this, quoting its key sentence word for word: The river Arno flows \
+     through Florence. In November 1966 it flooded the city, and the water rose above \
+     six metres in some streets. Volunteers from many countries came to save the books.",
+    "Tell me about your favourite season.",
+];
+
+fn serve(extra: &[&str]) -> Inferd {
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        REFERENCE,
+        "--workers",
+        "2",
+        "--sampler",
+        "cpu",
+    ];
+    args.extend_from_slice(extra);
+    Inferd::start(&args)
+}
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_gguf(&GgufFile::open(REFERENCE).expect("model")).expect("tokenizer")
+}
+
+/// The chat-formatted tokens of `prompt` as the user's turn.
+fn prompt_tokens(tokenizer: &Tokenizer, prompt: &str) -> Vec<u32> {
+    let text = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
+    tokenizer.encode(&text, false, true).expect("encodes")
+}
+
+/// A session holding `tokens`, appended in pieces of `chunk`, with the
+/// model's end-of-generation ids as its stop ids.
+fn session(client: &Client, tokenizer: &Tokenizer, tokens: &[u32], chunk: usize) -> String {
+    let mut req = pb::CreateSessionRequest::new();
+    req.set_client_label("speculation test".into());
+    req.set_eos_token_ids(tokenizer.eog_tokens().to_vec());
+    let id = client
+        .rpc
+        .create_session(&req)
+        .expect("created")
+        .take_session_id();
+    for piece in tokens.chunks(chunk) {
+        client.append(&id, piece).expect("append");
+    }
+    id
+}
+
+/// The requests compared: greedy with log-probabilities, and seeded ones
+/// through temperature, the filters and the penalties.
+fn requests(id: &str, n: u32) -> Vec<pb::GenerateRequest> {
+    let mut penalised = seeded(id, n, 11);
+    penalised.set_presence_penalty(0.4);
+    penalised.set_frequency_penalty(0.2);
+    penalised.set_min_p(0.05);
+    penalised.set_top_logprobs(3);
+    let mut hot = seeded(id, n, 12);
+    hot.set_temperature(1.0);
+    vec![greedy(id, n, 2), seeded(id, n, 10), penalised, hot]
+}
+
+fn with_speculation(mut req: pb::GenerateRequest, on: bool) -> pb::GenerateRequest {
+    req.set_speculate(on);
+    req
+}
+
+/// What a finished call left: its stream, and the session's history
+/// length, logits digest and speculation counts after it.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    run: Generated,
+    history_length: u64,
+    digest: u64,
+}
+
+fn run(client: &Client, id: &str, req: &pb::GenerateRequest) -> (Outcome, (u64, u64)) {
+    let run = client.generate(req);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    let info = client.info(id).expect("info");
+    let counts = (
+        info.get_speculation_proposed_token_count(),
+        info.get_speculation_accepted_token_count(),
+    );
+    let outcome = Outcome {
+        run,
+        history_length: info.get_history_length(),
+        digest: info.get_logits_digest(),
+    };
+    (outcome, counts)
+}
+
+#[test]
+fn speculation_streams_plain_decodings_tokens_and_leaves_the_same_session() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let server = serve(&["--metrics-listen", "127.0.0.1:0"]);
+    let client = Client::connect(&server.addr);
+    let (mut proposed, mut accepted) = (0, 0);
+    for prompt in PROMPTS {
+        let tokens = prompt_tokens(&tokenizer, prompt);
+        for (k, req) in requests("", 96).into_iter().enumerate() {
+            let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
+            let fast_id = session(&client, &tokenizer, &tokens, 7);
+            let mut plain_req = with_speculation(req.clone(), false);
+            plain_req.set_session_id(plain_id.clone());
+            let mut fast_req = with_speculation(req, true);
+            fast_req.set_session_id(fast_id.clone());
+            let (plain, none) = run(&client, &plain_id, &plain_req);
+            let (fast, _) = run(&client, &fast_id, &fast_req);
+            assert_eq!(none, (0, 0), "plain decoding proposed nothing");
+            assert_eq!(fast, plain, "{prompt:?}, request {k}");
+            // The next call continues both the same way (a user turn, then
+            // another answer).
+            let turn = prompt_tokens(&tokenizer, "Again, please.");
+            client.append(&plain_id, &turn).expect("append");
+            client.append(&fast_id, &turn).expect("append");
+            let (plain, _) = run(&client, &plain_id, &plain_req);
+            let (fast, counts) = run(&client, &fast_id, &fast_req);
+            assert_eq!(fast, plain, "{prompt:?}, request {k}, second call");
+            // The session's counts sum both calls'.
+            proposed += counts.0;
+            accepted += counts.1;
+            client.close(&plain_id).expect("close");
+            client.close(&fast_id).expect("close");
+        }
+    }
+    eprintln!("{accepted} of {proposed} proposed tokens accepted");
+    assert!(
+        accepted > 0 && proposed >= accepted,
+        "{accepted} of {proposed}"
+    );
+    let scraped = support::scrape(server.metrics.as_deref().expect("metrics"));
+    assert_eq!(
+        support::sample(&scraped, "inferd_speculation_proposed_tokens_total"),
+        Some(proposed as f64)
+    );
+    assert_eq!(
+        support::sample(&scraped, "inferd_speculation_accepted_tokens_total"),
+        Some(accepted as f64)
+    );
+}
+
+#[test]
+fn stops_limits_and_cancels_end_where_plain_decoding_ends() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let server = serve(&[]);
+    let client = Client::connect(&server.addr);
+    let tokens = prompt_tokens(&tokenizer, PROMPTS[0]);
+    let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
+    let (whole, _) = run(
+        &client,
+        &plain_id,
+        &with_speculation(greedy(&plain_id, 80, 0), false),
+    );
+    let generated = &whole.run.tokens;
+    assert!(generated.len() > 30, "{} tokens", generated.len());
+
+    // A stop sequence from the middle of the answer, and a max_tokens that
+    // ends a proposal's run early.
+    let mut stop = pb::StopSequence::new();
+    stop.set_token_ids(generated[20..22].to_vec());
+    for edit in [
+        Box::new(move |r: &mut pb::GenerateRequest| r.set_stop_sequences(vec![stop.clone()].into()))
+            as Box<dyn Fn(&mut pb::GenerateRequest)>,
+        Box::new(|r: &mut pb::GenerateRequest| r.set_max_tokens(17)),
+    ] {
+        let mut outcomes = Vec::new();
+        for on in [false, true] {
+            let id = session(&client, &tokenizer, &tokens, usize::MAX);
+            let mut req = with_speculation(greedy(&id, 80, 0), on);
+            edit(&mut req);
+            outcomes.push(run(&client, &id, &req).0);
+        }
+        assert_eq!(outcomes[1], outcomes[0]);
+        assert!(outcomes[0].run.tokens.len() < generated.len());
+    }
+
+    // A client that goes away mid-stream: whatever the session kept is a
+    // prefix of the answer, its last position computed (the digest of the
+    // same history built by appending).
+    let id = session(&client, &tokenizer, &tokens, usize::MAX);
+    let cut =
+        client.generate_watching(&with_speculation(greedy(&id, 80, 0), true), Some(9), |_| {});
+    assert_eq!(cut.tokens, generated[..9]);
+    let info = support::retry_unavailable(Duration::from_secs(30), || {
+        let info = client.info(&id).expect("info");
+        let mut done = Generated::default();
+        if !info.get_busy() {
+            done.done = Some((0, info.get_history_length()));
+        } else {
+            done.error = Some((14, "busy".into()));
+        }
+        done
+    });
+    let kept = info.done.expect("idle").1 as usize - tokens.len();
+    assert!(kept >= 9 && kept <= generated.len(), "kept {kept}");
+    let rebuilt = session(&client, &tokenizer, &tokens, usize::MAX);
+    client.append(&rebuilt, &generated[..kept]).expect("append");
+    assert_eq!(
+        client.info(&id).expect("info").get_logits_digest(),
+        client.info(&rebuilt).expect("info").get_logits_digest(),
+        "the cancelled session's logits"
+    );
+}
+
+#[test]
+fn speculative_tokens_do_not_depend_on_neighbours_or_a_restart() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let tokens = prompt_tokens(&tokenizer, PROMPTS[1]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = dir.path().join("state");
+    let state = state.to_str().expect("UTF-8 path");
+    let mut server = serve(&["--state-dir", state]);
+    let client = Client::connect(&server.addr);
+    let kept = session(&client, &tokenizer, &tokens, usize::MAX);
+    let alone_id = session(&client, &tokenizer, &tokens, usize::MAX);
+    let mut req = seeded(&alone_id, 64, 5);
+    req.set_top_logprobs(2);
+    let alone = client.generate(&with_speculation(req.clone(), false));
+    assert!(alone.error.is_none(), "{:?}", alone.error);
+
+    // Four at once on two workers, speculating or not, in shared steps.
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..4)
+            .map(|k| {
+                let (addr, tokenizer, tokens, req) = (&server.addr, &tokenizer, &tokens, &req);
+                scope.spawn(move || {
+                    let client = Client::connect(addr);
+                    let id = session(&client, tokenizer, tokens, 5 + k);
+                    let mut req = with_speculation(req.clone(), k != 3);
+                    req.set_session_id(id);
+                    client.generate(&req)
+                })
+            })
+            .collect();
+        for run in runs {
+            assert_eq!(run.join().expect("a run"), alone, "beside neighbours");
+        }
+    });
+
+    // After a restart, in the session the state directory kept.
+    server.signal("TERM");
+    server.wait_exit(Duration::from_secs(60)).expect("stops");
+    let server = serve(&["--state-dir", state]);
+    let client = Client::connect(&server.addr);
+    let mut again = with_speculation(req, true);
+    again.set_session_id(kept.clone());
+    let restored = support::retry_unavailable(Duration::from_secs(60), || client.generate(&again));
+    assert_eq!(restored, alone, "after a restart");
+    let info = client.info(&kept).expect("info");
+    assert!(info.get_speculation_proposed_token_count() > 0);
+}
