@@ -10,6 +10,7 @@
 //! channel, and a full stream makes only that session sit out steps.
 
 mod board;
+mod config;
 mod error;
 pub mod limits;
 #[cfg(loom)]
@@ -36,6 +37,7 @@ mod worker;
 
 pub use crate::base::{BadTenant, SessionId, Tenant};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
+pub use config::{EvictionPolicy, OverflowPolicy, RuntimeConfig, Speculation};
 pub use error::{RuntimeError, StatusKind};
 #[cfg(not(loom))]
 pub use gpu_layers::GpuLayers;
@@ -52,7 +54,7 @@ pub use stats::{
 #[cfg(not(loom))]
 pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, StepRunner};
 pub use types::{
-    AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply, ForkSession,
-    GenerateDone, GenerateEvent, GenerateRequest, GenerateStream, OverflowPolicy, Pending,
-    RuntimeConfig, SamplingOptions, SessionInfo, Speculation, SpeculationCounts, StopReason,
+    AppendReply, AppendTokens, CloseReply, CreateSession, ForkReply, ForkSession, GenerateDone,
+    GenerateEvent, GenerateRequest, GenerateStream, Pending, SamplingOptions, SessionInfo,
+    SpeculationCounts, StopReason,
 };

@@ -1,0 +1,140 @@
+//! The runtime's configuration: workers, KV budget, limits, what makes
+//! room, the sampler, where the layers run and how Generates speculate.
+
+#[cfg(not(loom))]
+use std::sync::Arc;
+use std::time::Duration;
+
+#[cfg(not(loom))]
+use super::{Layers, LocalLayers};
+use crate::kv::DEFAULT_PAGE_POSITIONS;
+use crate::sampler::SelectedSampler;
+
+/// What to do when a history would outgrow the model's context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverflowPolicy {
+    /// Keep the first `sink` tokens and the most recent window, re-prefilled
+    /// into fresh KV, and report how many were dropped.
+    Truncate { sink: usize },
+    /// Refuse to grow: an Append is an `InvalidArgument`, a Generate ends
+    /// with [`StopReason::Truncated`] when the context is full.
+    Stop,
+}
+
+/// What to do when the KV pool is empty or the session limit is reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    /// Evict the least recently used idle session, on any worker.
+    #[default]
+    Lru,
+    /// Never evict: the call is `ResourceExhausted`.
+    None,
+}
+
+/// How a runtime is sized.
+#[derive(Clone, Debug)]
+pub struct RuntimeConfig {
+    /// Worker threads, each owning a shard of the sessions.
+    pub workers: usize,
+    /// Pin worker `i` to core `i` (modulo the cores seen at start).
+    pub pin_cores: bool,
+    /// A worker waiting for its own work takes tasks of another worker's
+    /// forward pass, so one busy session can use the idle workers' cores
+    /// (`threads::CoreGroup`); results are the same bits either way.
+    pub lend_cores: bool,
+    /// KV memory budget in bytes, rounded down to whole pages (at least one).
+    pub kv_bytes: u64,
+    /// Positions per KV page.
+    pub page_positions: usize,
+    /// Most prompt tokens one session feeds per worker step.
+    pub prefill_chunk: usize,
+    /// About how long one worker step may take: a long prompt, or one deep
+    /// in a long history (where attention dominates), is fed in chunks
+    /// small enough that the worker gets back to its other sessions' calls
+    /// (and checks deadlines) this often. Never below one token a step.
+    pub prefill_step_budget: Duration,
+    /// Most live sessions over all workers.
+    pub max_sessions: usize,
+    /// With a state directory, an LRU eviction spills the session (its KV
+    /// given back, its history kept, to be fed again by its next call)
+    /// instead of ending it, while fewer than this many are spilled.
+    pub max_spilled_sessions: usize,
+    /// Bytes of KV pages spilled sessions may have written out to the state
+    /// directory in all; a session spilled beyond it keeps only its history
+    /// (computed again when called).
+    pub max_spill_bytes: u64,
+    /// Pool pages (one layer's page each) of shared-prefix pages kept after
+    /// the last session holding them let go, for a later session with the
+    /// same history prefix; they give way when the pool is short.
+    pub prefix_cache_pages: usize,
+    /// A session idle this long is evicted.
+    pub idle_ttl: Duration,
+    pub overflow: OverflowPolicy,
+    /// Whether a full pool or session limit evicts idle sessions.
+    pub eviction: EvictionPolicy,
+    /// Commands waiting for one worker; a full queue is `ResourceExhausted`.
+    pub worker_queue: usize,
+    /// Appends and Generates waiting behind a busy session.
+    pub session_queue: usize,
+    /// Events buffered per Generate stream (at least 4).
+    pub stream_capacity: usize,
+    /// The sampler every worker uses, resolved once at start-up (the CPU
+    /// reference by default; `SelectedSampler::resolve` picks a GPU).
+    pub sampler: SelectedSampler,
+    /// Where the layers run: [`LocalLayers`] (this process) unless
+    /// `serve --shards` hands the runtime a chain of shards.
+    #[cfg(not(loom))]
+    pub layers: Arc<dyn Layers>,
+    /// The state directory's journals (`serve --state-dir`): sessions are
+    /// journaled as calls complete and restored at start. `None`: sessions
+    /// live as long as the process.
+    #[cfg(not(loom))]
+    pub state: Option<Arc<crate::durable::SessionStore>>,
+    /// How a Generate that does not say otherwise speculates
+    /// (`GenerateRequest::speculate`): tokens stay plain decoding's either
+    /// way.
+    pub speculation: Speculation,
+}
+
+/// Speculative decoding in the workers: several tokens verified in one
+/// forward pass, each accepted only where it is the token plain decoding
+/// samples there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Speculation {
+    /// Plain decoding: one token a step.
+    None,
+    /// Prompt lookup: what followed the last tokens where they occurred
+    /// before in the session's history (`crate::speculate`).
+    #[default]
+    Lookup,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            pin_cores: true,
+            lend_cores: true,
+            kv_bytes: 256 << 20,
+            page_positions: DEFAULT_PAGE_POSITIONS,
+            prefill_chunk: 64,
+            prefill_step_budget: Duration::from_millis(200),
+            max_sessions: 1024,
+            max_spilled_sessions: 4096,
+            max_spill_bytes: 16 << 30,
+            prefix_cache_pages: 0,
+            idle_ttl: Duration::from_secs(1800),
+            overflow: OverflowPolicy::Truncate { sink: 4 },
+            speculation: Speculation::default(),
+            eviction: EvictionPolicy::Lru,
+            worker_queue: 1024,
+            session_queue: 8,
+            stream_capacity: 32,
+            sampler: SelectedSampler::Cpu,
+            #[cfg(not(loom))]
+            layers: Arc::new(LocalLayers),
+            #[cfg(not(loom))]
+            state: None,
+        }
+    }
+}
