@@ -4,16 +4,16 @@
 //!
 //! The proposal is what followed the most recent earlier occurrence of the
 //! history's last `n` tokens, for the longest `n` (from [`MIN_NGRAM`] up to
-//! [`MAX_NGRAM`]) that occurred before: agent sessions repeat themselves (code being edited, a
-//! document quoted, tool output echoed), and there the continuation is
-//! often a copy. [`Lookup`] sizes the proposal by how the last one fared:
-//! 1, 3, 7, then 15 tokens while proposals are accepted whole (with the
-//! sampled token, passes of 2, 4, 8 and 16: whole tiles of the matrix
-//! kernels from 8 on, where a proposed token costs least), back to 1 after
-//! any refusal; after a proposal refused outright it rests a while. A
-//! proposal costs
-//! nothing when there is none; verifying changes no token (the caller
-//! samples every position as plain decoding would).
+//! [`MAX_NGRAM`]) that occurred before: agent sessions repeat themselves
+//! (code being edited, a document quoted, tool output echoed), and there
+//! the continuation is often a copy. [`Lookup`] sizes each proposal by what
+//! it is expected to earn: from a decayed estimate of how often a proposed
+//! token is accepted, the length (1, 3, 7 or 15: with the sampled token,
+//! whole tiles of the matrix kernels) whose expected tokens per unit of
+//! verification cost ([`PASS_COST`]) is highest. After a proposal refused
+//! outright it rests a while. A proposal costs nothing when there is none;
+//! verifying changes no token (the caller samples every position as plain
+//! decoding would).
 
 /// The longest run of last tokens looked up.
 pub const MAX_NGRAM: usize = 4;
@@ -22,23 +22,34 @@ pub const MAX_NGRAM: usize = 4;
 /// text they recur by chance, and every refused proposal costs).
 pub const MIN_NGRAM: usize = 3;
 
-/// The steps a lookup rests after a first proposal refused outright (a
-/// refused token costs about a decode step), and the most it rests after
-/// several in a row.
+/// The steps a lookup rests after a first proposal refused outright, and
+/// the most it rests after several in a row.
 pub const FIRST_REST: usize = 4;
 pub const MAX_REST: usize = 64;
 
-/// The most tokens proposed at once (a pass of 16 with the sampled one).
-pub const MAX_PROPOSAL: usize = 15;
+/// The proposal lengths, with what a pass verifying each costs in decode
+/// steps (the sampled token and the proposal, every row's logits): the
+/// 2-, 4-, 8- and 16-token chunks of `benches/forward` on the reference
+/// model (1.25, 1.86, 3.09 and 5.95 steps) plus about a fifth of a step for
+/// each extra row's output projection, which those chunks do not compute
+/// (fitted to the whole-process runs in docs/PERFORMANCE.md).
+pub const PASS_COST: [(usize, f32); 4] = [(1, 1.45), (3, 2.46), (7, 4.49), (15, 8.95)];
+
+/// How much each earlier proposal's outcome still counts after another:
+/// acceptance changes quickly where a copied span begins or ends.
+const DECAY: f32 = 0.8;
 
 /// How far back a lookup searches (tokens), so that a step's cost stays
 /// bounded in a long session.
 pub const SEARCH_WINDOW: usize = 16_384;
 
-/// A session's proposer, with the proposal length it has learned.
+/// A session's proposer, with what it has learned of its acceptance.
 #[derive(Clone, Debug)]
 pub struct Lookup {
-    length: usize,
+    /// Decayed counts of proposed tokens accepted, and of proposals cut
+    /// short by a refused token (a geometric run's successes and ends).
+    accepted_weight: f32,
+    refused_weight: f32,
     /// Steps to go without a lookup.
     resting: usize,
     /// How long the last rest was (it doubles while proposals keep being
@@ -51,7 +62,9 @@ pub struct Lookup {
 impl Default for Lookup {
     fn default() -> Self {
         Lookup {
-            length: 1,
+            // Even odds until something was proposed.
+            accepted_weight: 1.0,
+            refused_weight: 1.0,
             resting: 0,
             rest: 0,
             proposed: 0,
@@ -62,16 +75,17 @@ impl Default for Lookup {
 
 impl Lookup {
     /// The tokens that may follow `history`, at most `limit` (and at most
-    /// the learned length); empty when the history's tail occurred nowhere
-    /// before. After a proposal refused outright it rests (proposes nothing) for a
-    /// number of steps that doubles with each such refusal, up to
-    /// [`MAX_REST`]: a session with nothing to copy soon costs nothing.
+    /// the length worth proposing now, [`Lookup::length`]); empty when the
+    /// history's tail occurred nowhere before. After a proposal refused
+    /// outright it rests (proposes nothing) for a number of steps that
+    /// doubles with each such refusal, up to [`MAX_REST`]: a session with
+    /// nothing to copy soon costs nothing.
     pub fn propose<'h>(&mut self, history: &'h [u32], limit: usize) -> &'h [u32] {
         if self.resting > 0 {
             self.resting -= 1;
             return &[];
         }
-        let want = self.length.min(limit);
+        let want = self.length().min(limit);
         if want == 0 {
             return &[];
         }
@@ -94,6 +108,23 @@ impl Lookup {
         &[]
     }
 
+    /// The proposal length with the most expected tokens (the sampled one
+    /// and the accepted run) per unit of its pass's cost, under the
+    /// estimated chance `p` that a proposed token is accepted.
+    pub fn length(&self) -> usize {
+        let p = self.accepted_weight / (self.accepted_weight + self.refused_weight);
+        let mut best = (f32::MIN, 1);
+        for (length, cost) in PASS_COST {
+            // 1 + p + p^2 + ... + p^length: a run stops at its first refusal.
+            let expected: f32 = (0..=length).map(|i| p.powi(i as i32)).sum();
+            let per_cost = expected / cost;
+            if per_cost > best.0 {
+                best = (per_cost, length);
+            }
+        }
+        best.1
+    }
+
     /// Learns from a proposal of `proposed` tokens of which the first
     /// `accepted` were the ones sampled.
     pub fn learn(&mut self, proposed: usize, accepted: usize) {
@@ -102,11 +133,9 @@ impl Lookup {
         }
         self.proposed += proposed as u64;
         self.accepted += accepted as u64;
-        self.length = if accepted == proposed {
-            (self.length * 2 + 1).min(MAX_PROPOSAL)
-        } else {
-            1
-        };
+        self.accepted_weight = self.accepted_weight * DECAY + accepted as f32;
+        self.refused_weight =
+            self.refused_weight * DECAY + f32::from(u8::from(accepted < proposed));
         if accepted == 0 {
             self.rest = (self.rest * 2).clamp(FIRST_REST, MAX_REST);
             self.resting = self.rest;
@@ -127,13 +156,18 @@ mod tests {
 
     #[test]
     fn the_longest_most_recent_match_proposes_what_followed_it() {
-        let mut lookup = Lookup::default();
         // The tail "4 2 3" occurred twice before: the later one was
-        // followed by "7 8 4 2".
+        // followed by "7 8 4 2 3" (up to the history's end).
         let history = [1, 4, 2, 3, 9, 5, 4, 2, 3, 7, 8, 4, 2, 3];
-        assert_eq!(lookup.propose(&history, 8), &[7]);
-        lookup.learn(1, 1);
-        assert_eq!(lookup.propose(&history, 8), &[7, 8, 4]);
+        assert_eq!(Lookup::default().propose(&history, 8), &[7]);
+        // One that has seen its proposals accepted proposes more.
+        let mut lookup = Lookup {
+            accepted_weight: 100.0,
+            refused_weight: 0.01,
+            ..Lookup::default()
+        };
+        assert_eq!(lookup.propose(&history, 8), &[7, 8, 4, 2, 3]);
+        assert_eq!(lookup.propose(&history, 3), &[7, 8, 4]);
         // A longer tail wins over a more recent shorter one.
         let history = [5, 6, 7, 8, 1, 0, 9, 6, 7, 8, 2, 5, 6, 7, 8];
         assert_eq!(lookup.propose(&history, 2), &[1, 0]);
@@ -142,17 +176,27 @@ mod tests {
     }
 
     #[test]
-    fn the_length_follows_acceptance() {
+    fn the_length_grows_while_proposals_are_accepted_and_falls_after_refusals() {
         let mut lookup = Lookup::default();
-        let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
-        for (len, then) in [(1, 1), (3, 3), (7, 7)] {
-            assert_eq!(lookup.propose(&history, 100).len(), len);
-            lookup.learn(len, then);
+        let history: Vec<u32> = (0..80).map(|i| i % 20).collect();
+        // Accepted whole, proposal after proposal: never shorter, up to 7.
+        let mut lengths = Vec::new();
+        for _ in 0..8 {
+            let len = lookup.propose(&history, 100).len();
+            lengths.push(len);
+            lookup.learn(len, len);
         }
-        assert_eq!(lookup.propose(&history, 100).len(), MAX_PROPOSAL);
-        lookup.learn(15, 2);
-        assert_eq!(lookup.propose(&history, 100).len(), 1);
-        assert_eq!(lookup.counts(), (26, 13));
+        assert_eq!(lengths[0], 1, "{lengths:?}");
+        assert!(lengths.windows(2).all(|w| w[0] <= w[1]), "{lengths:?}");
+        assert_eq!(*lengths.last().unwrap(), 7, "{lengths:?}");
+        // Refused after one token, twice: back to short proposals.
+        for _ in 0..2 {
+            let len = lookup.propose(&history, 100).len();
+            lookup.learn(len, 1);
+        }
+        assert!(lookup.propose(&history, 100).len() <= 3);
+        let (proposed, accepted) = lookup.counts();
+        assert!(accepted > 0 && proposed > accepted);
     }
 
     #[test]
