@@ -112,6 +112,32 @@ fn speculation_gives_plain_decodings_tokens_on_the_reference_model() {
     );
 }
 
+/// Gemma 3 270M, whose sliding-window layers give pages back as the
+/// history grows past their window (512): a history past it, which the
+/// model goes on copying, so that proposals are accepted and refused runs
+/// are rolled back where window pages are being given back.
+#[test]
+fn speculation_gives_plain_decodings_tokens_on_gemma_past_its_window() {
+    if !support::have_gemma() {
+        return;
+    }
+    let path = support::GEMMA;
+    let model = Arc::new(Model::load(path).expect("model"));
+    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(path).expect("gguf")).expect("tokenizer");
+    let passage = "The river Arno flows through Florence from east to west. In November \
+                   1966 it flooded the city, and volunteers came to save the books. ";
+    let mut prompt = tokenizer.encode(passage, true, true).expect("encode");
+    while prompt.len() < 540 {
+        prompt.extend(tokenizer.encode(passage, false, true).expect("encode"));
+    }
+    let (proposed, accepted, steps, plain_steps) = compare(model, &prompt, 48, &[]);
+    eprintln!(
+        "gemma: {accepted} of {proposed} proposed accepted; {steps} forward passes for \
+         {plain_steps} tokens"
+    );
+    assert!(accepted > 0, "nothing was accepted");
+}
+
 #[test]
 fn speculation_gives_plain_decodings_tokens_when_proposals_fail() {
     // A prompt that repeats itself, so that lookups propose; the random

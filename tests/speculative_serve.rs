@@ -283,3 +283,48 @@ fn speculative_tokens_do_not_depend_on_neighbours_or_a_restart() {
     let info = client.info(&kept).expect("info");
     assert!(info.get_speculation_proposed_token_count() > 0);
 }
+
+/// Gemma 3 270M through the server, its history past the sliding window
+/// (512), where the worker gives window pages back after each step: the
+/// refused positions are dropped before that, and the answers stay plain
+/// decoding's.
+#[test]
+fn gemma_past_its_window_gives_plain_decodings_answers() {
+    if !support::have_gemma() {
+        return;
+    }
+    let server = Inferd::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        support::GEMMA,
+        "--workers",
+        "2",
+        "--sampler",
+        "cpu",
+    ]);
+    let client = Client::connect(&server.addr);
+    let tokenizer =
+        Tokenizer::from_gguf(&GgufFile::open(support::GEMMA).expect("model")).expect("tokenizer");
+    let passage = "The river Arno flows through Florence from east to west. In November \
+                   1966 it flooded the city, and volunteers came to save the books. ";
+    let mut tokens = tokenizer.encode(passage, true, true).expect("encodes");
+    while tokens.len() < 540 {
+        tokens.extend(tokenizer.encode(passage, false, true).expect("encodes"));
+    }
+    let mut accepted = 0;
+    for (k, req) in requests("", 48).into_iter().enumerate() {
+        let mut outcomes = Vec::new();
+        for on in [false, true] {
+            let id = session(&client, &tokenizer, &tokens, 100);
+            let mut req = with_speculation(req.clone(), on);
+            req.set_session_id(id.clone());
+            let (outcome, counts) = run(&client, &id, &req);
+            accepted += counts.1;
+            outcomes.push(outcome);
+        }
+        assert_eq!(outcomes[1], outcomes[0], "request {k}");
+    }
+    assert!(accepted > 0, "nothing was accepted");
+}

@@ -71,6 +71,24 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 pub const STREAM_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Whether the reference model is here; says so loudly when it is not.
+/// Gemma 3 270M (base), with sliding-window layers (`scripts/fetch-model
+/// gemma3-270m`).
+pub const GEMMA: &str = "models/gemma-3-270m-q4_k_m.gguf";
+
+/// Whether Gemma 3 270M is here; under `INFERD_REQUIRE_MODELS` its absence
+/// fails the test instead of skipping it.
+pub fn have_gemma() -> bool {
+    let here = std::path::Path::new(GEMMA).exists();
+    if !here {
+        assert!(
+            std::env::var_os("INFERD_REQUIRE_MODELS").is_none(),
+            "{GEMMA} is missing (scripts/fetch-model gemma3-270m)"
+        );
+        eprintln!("\n!!! SKIPPED: {GEMMA} is missing (scripts/fetch-model gemma3-270m)\n");
+    }
+    here
+}
+
 pub fn have_reference() -> bool {
     let here = std::path::Path::new(REFERENCE).exists();
     if !here {
