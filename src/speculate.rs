@@ -35,6 +35,18 @@ pub const MAX_REST: usize = 64;
 /// (fitted to the whole-process runs in docs/PERFORMANCE.md).
 pub const PASS_COST: [(usize, f32); 4] = [(1, 1.45), (3, 2.46), (7, 4.49), (15, 8.95)];
 
+/// What a pass verifying `proposed` tokens costs in decode steps: the
+/// [`PASS_COST`] of the shortest length that holds them (1 for none).
+pub fn pass_cost(proposed: usize) -> f32 {
+    if proposed == 0 {
+        return 1.0;
+    }
+    PASS_COST
+        .iter()
+        .find(|(length, _)| *length >= proposed)
+        .map_or(PASS_COST[PASS_COST.len() - 1].1, |(_, cost)| *cost)
+}
+
 /// How much each earlier proposal's outcome still counts after another:
 /// acceptance changes quickly where a copied span begins or ends.
 const DECAY: f32 = 0.8;
@@ -43,13 +55,61 @@ const DECAY: f32 = 0.8;
 /// bounded in a long session.
 pub const SEARCH_WINDOW: usize = 16_384;
 
-/// A session's proposer, with what it has learned of its acceptance.
+/// How long a proposal should be, from what the last ones earned: a
+/// decayed estimate of the chance that a proposed token is accepted.
 #[derive(Clone, Debug)]
-pub struct Lookup {
+pub struct Sizer {
     /// Decayed counts of proposed tokens accepted, and of proposals cut
     /// short by a refused token (a geometric run's successes and ends).
     accepted_weight: f32,
     refused_weight: f32,
+}
+
+impl Default for Sizer {
+    fn default() -> Self {
+        // Even odds until something was proposed.
+        Sizer {
+            accepted_weight: 1.0,
+            refused_weight: 1.0,
+        }
+    }
+}
+
+impl Sizer {
+    /// The proposal length (of [`PASS_COST`]'s) with the most expected
+    /// tokens (the sampled one and the accepted run) per unit of cost: its
+    /// pass's, plus `cost_per_proposed` decode steps for making each
+    /// proposed token (a draft model's step; nothing for a lookup).
+    pub fn length(&self, cost_per_proposed: f32) -> usize {
+        let p = self.accepted_weight / (self.accepted_weight + self.refused_weight);
+        let mut best = (f32::MIN, 1);
+        for (length, cost) in PASS_COST {
+            // 1 + p + p^2 + ... + p^length: a run stops at its first refusal.
+            let expected: f32 = (0..=length).map(|i| p.powi(i as i32)).sum();
+            let per_cost = expected / (cost + cost_per_proposed * length as f32);
+            if per_cost > best.0 {
+                best = (per_cost, length);
+            }
+        }
+        best.1
+    }
+
+    /// Learns from a proposal of `proposed` tokens of which the first
+    /// `accepted` were the ones sampled.
+    pub fn learn(&mut self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        self.accepted_weight = self.accepted_weight * DECAY + accepted as f32;
+        self.refused_weight =
+            self.refused_weight * DECAY + f32::from(u8::from(accepted < proposed));
+    }
+}
+
+/// A session's proposer, with what it has learned of its acceptance.
+#[derive(Clone, Debug, Default)]
+pub struct Lookup {
+    sizer: Sizer,
     /// Steps to go without a lookup.
     resting: usize,
     /// How long the last rest was (it doubles while proposals keep being
@@ -57,20 +117,6 @@ pub struct Lookup {
     rest: usize,
     proposed: u64,
     accepted: u64,
-}
-
-impl Default for Lookup {
-    fn default() -> Self {
-        Lookup {
-            // Even odds until something was proposed.
-            accepted_weight: 1.0,
-            refused_weight: 1.0,
-            resting: 0,
-            rest: 0,
-            proposed: 0,
-            accepted: 0,
-        }
-    }
 }
 
 impl Lookup {
@@ -108,21 +154,9 @@ impl Lookup {
         &[]
     }
 
-    /// The proposal length with the most expected tokens (the sampled one
-    /// and the accepted run) per unit of its pass's cost, under the
-    /// estimated chance `p` that a proposed token is accepted.
+    /// The length worth proposing now.
     pub fn length(&self) -> usize {
-        let p = self.accepted_weight / (self.accepted_weight + self.refused_weight);
-        let mut best = (f32::MIN, 1);
-        for (length, cost) in PASS_COST {
-            // 1 + p + p^2 + ... + p^length: a run stops at its first refusal.
-            let expected: f32 = (0..=length).map(|i| p.powi(i as i32)).sum();
-            let per_cost = expected / cost;
-            if per_cost > best.0 {
-                best = (per_cost, length);
-            }
-        }
-        best.1
+        self.sizer.length(0.0)
     }
 
     /// Learns from a proposal of `proposed` tokens of which the first
@@ -133,9 +167,7 @@ impl Lookup {
         }
         self.proposed += proposed as u64;
         self.accepted += accepted as u64;
-        self.accepted_weight = self.accepted_weight * DECAY + accepted as f32;
-        self.refused_weight =
-            self.refused_weight * DECAY + f32::from(u8::from(accepted < proposed));
+        self.sizer.learn(proposed, accepted);
         if accepted == 0 {
             self.rest = (self.rest * 2).clamp(FIRST_REST, MAX_REST);
             self.resting = self.rest;
@@ -162,8 +194,10 @@ mod tests {
         assert_eq!(Lookup::default().propose(&history, 8), &[7]);
         // One that has seen its proposals accepted proposes more.
         let mut lookup = Lookup {
-            accepted_weight: 100.0,
-            refused_weight: 0.01,
+            sizer: Sizer {
+                accepted_weight: 100.0,
+                refused_weight: 0.01,
+            },
             ..Lookup::default()
         };
         assert_eq!(lookup.propose(&history, 8), &[7, 8, 4, 2, 3]);

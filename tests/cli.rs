@@ -46,26 +46,56 @@ fn generate_ids_reproduces_llamacpp_greedy() {
             .collect()
     };
     let prompt = ids(&case["prompt"]).join(",");
+    // Plain, prompt-lookup and draft-model decoding (the model drafting for
+    // itself) alike.
+    let model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    for speculation in [
+        &["--speculate", "none"][..],
+        &["--speculate", "lookup"],
+        &["--draft-model", model],
+    ] {
+        let mut args = vec![
+            "generate",
+            "--tokens",
+            &prompt,
+            "--format",
+            "ids",
+            "--temperature",
+            "0",
+            "-n",
+            "32",
+            "--ignore-eos",
+            "--threads",
+            "2",
+        ];
+        args.extend_from_slice(speculation);
+        let out = inferd(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(got, ids(&case["generated_by_prefill"]), "{speculation:?}");
+    }
+    // A draft needs its model, and a draft model is for drafting.
+    let out = inferd(&["generate", "--tokens", "1,2", "--speculate", "draft"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--draft-model"), "{}", stderr(&out));
     let out = inferd(&[
         "generate",
         "--tokens",
-        &prompt,
-        "--format",
-        "ids",
-        "--temperature",
-        "0",
-        "-n",
-        "32",
-        "--ignore-eos",
-        "--threads",
-        "2",
+        "1,2",
+        "--speculate",
+        "lookup",
+        "--draft-model",
+        model,
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(str::to_owned)
-        .collect();
-    assert_eq!(got, ids(&case["generated_by_prefill"]));
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--speculate draft"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]

@@ -4,14 +4,19 @@
 //! repeats itself, so proposals are made and many accepted) and on the
 //! synthetic model with random weights (where most are refused, so the
 //! roll-back path runs every step); and it needs fewer forward passes where
-//! the history repeats.
+//! the history repeats. A draft model's proposals (`Draft`) are verified
+//! the same way: the same tokens whether the draft agrees with the main
+//! model (itself) or not (another model of the same vocabulary).
 
 mod support;
 
-use inferd::engine::{Engine, EngineConfig};
+use inferd::engine::{Draft, Engine, EngineConfig, Proposer};
+use inferd::gguf::synthetic::SyntheticLlama;
 use inferd::gguf::GgufFile;
 use inferd::model::Model;
+use inferd::quant::GgmlType;
 use inferd::sampler::SamplingParams;
+use inferd::speculate::Lookup;
 use inferd::tokenizer::Tokenizer;
 use std::sync::Arc;
 
@@ -42,10 +47,23 @@ fn setups() -> Vec<SamplingParams> {
     ]
 }
 
-/// Plain and speculative runs of `prompt` under every setup: the same
-/// tokens and stop; returns the proposed and accepted counts and the
-/// forward passes (speculative, plain) over all of them.
+/// Plain and prompt-lookup runs of `prompt` under every setup: see
+/// [`compare_with`].
 fn compare(model: Arc<Model>, prompt: &[u32], max: usize, stops: &[u32]) -> (u64, u64, u64, u64) {
+    compare_with(model, prompt, max, stops, || Box::new(Lookup::default()))
+}
+
+/// Plain runs of `prompt` under every setup, and runs verifying what a
+/// fresh proposer from `proposer` proposes: the same tokens and stop,
+/// history, KV length and next logits; returns the proposed and accepted
+/// counts and the forward passes (speculative, plain) over all of them.
+fn compare_with(
+    model: Arc<Model>,
+    prompt: &[u32],
+    max: usize,
+    stops: &[u32],
+    proposer: impl Fn() -> Box<dyn Proposer>,
+) -> (u64, u64, u64, u64) {
     let cfg = EngineConfig {
         threads: 2,
         ..EngineConfig::default()
@@ -61,8 +79,9 @@ fn compare(model: Arc<Model>, prompt: &[u32], max: usize, stops: &[u32]) -> (u64
         let mut fast = engine.new_session();
         engine.append(&mut fast, prompt).expect("append");
         let mut streamed = Vec::new();
+        let mut proposer = proposer();
         let (got, counts) = engine
-            .generate_speculative(&mut fast, params, max, stops, |t| {
+            .generate_proposed(&mut fast, proposer.as_mut(), params, max, stops, |t| {
                 streamed.push(t);
                 true
             })
@@ -145,4 +164,71 @@ fn speculation_gives_plain_decodings_tokens_when_proposals_fail() {
     let prompt: Vec<u32> = (0..48).map(|i| 1 + (i % 12) as u32).collect();
     let (proposed, _, _, _) = compare(support::tiny_model(), &prompt, 40, &[]);
     assert!(proposed > 0, "nothing was proposed");
+}
+
+/// A draft engine for `model` (two threads, the default KV budget).
+fn draft_of(model: &Arc<Model>) -> Box<dyn Proposer> {
+    let cfg = EngineConfig {
+        threads: 2,
+        ..EngineConfig::default()
+    };
+    let vocab = model.config.vocab;
+    Box::new(Draft::new(Arc::clone(model), &cfg, vocab).expect("draft"))
+}
+
+#[test]
+fn a_draft_model_gives_plain_decodings_tokens_whether_it_agrees_or_not() {
+    let main = support::tiny_model();
+    let prompt: Vec<u32> = (0..24).map(|i| 1 + (i * 7 % 50) as u32).collect();
+    // The main model as its own draft: greedy proposals are accepted.
+    let (proposed, accepted, steps, plain_steps) =
+        compare_with(Arc::clone(&main), &prompt, 40, &[], || draft_of(&main));
+    assert!(
+        accepted > 0 && steps < plain_steps,
+        "{accepted}/{proposed}, {steps} passes"
+    );
+    // Another model of the same vocabulary: most proposals are refused.
+    let other = SyntheticLlama {
+        n_layers: 1,
+        seed: 99,
+        weight_type: GgmlType::Q8_0,
+        ..SyntheticLlama::tiny()
+    };
+    let file = GgufFile::from_bytes(other.build()).expect("parses");
+    let other = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+    let (proposed, _, _, _) = compare_with(main, &prompt, 40, &[], || draft_of(&other));
+    assert!(proposed > 0, "nothing was proposed");
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused() {
+    let main = support::tiny_model();
+    let small = SyntheticLlama {
+        vocab: 300,
+        ..SyntheticLlama::tiny()
+    };
+    let file = GgufFile::from_bytes(small.build()).expect("parses");
+    let small = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+    let err = Draft::new(small, &EngineConfig::default(), main.config.vocab)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("300 tokens"), "{err}");
+}
+
+#[test]
+fn the_reference_model_drafting_for_itself_gives_plain_decodings_tokens() {
+    if !support::have_reference() {
+        return;
+    }
+    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
+    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(support::REFERENCE).expect("gguf"))
+        .expect("tokenizer");
+    let text = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n\
+                <|im_start|>assistant\n";
+    let prompt = tokenizer.encode(text, false, true).expect("encode");
+    let stops = tokenizer.eog_tokens().to_vec();
+    let (proposed, accepted, steps, plain_steps) =
+        compare_with(Arc::clone(&model), &prompt, 64, &stops, || draft_of(&model));
+    eprintln!("draft: {accepted} of {proposed}; {steps} passes for {plain_steps} tokens");
+    assert!(accepted > 0 && steps < plain_steps);
 }

@@ -11,7 +11,12 @@ use super::client::{generate_request, GenerateEnd, RemoteClient};
 use super::constrain::{to_proto, ConstraintArgs};
 use super::remote::ConnectArgs;
 use super::{CliError, ModelArgs, SamplingArgs};
+use std::sync::Arc;
+
+use crate::engine::{Draft, Engine, EngineConfig, Proposer};
+use crate::model::Model;
 use crate::sampler::SamplingParams;
+use crate::speculate::Lookup;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 #[derive(Debug, Args)]
@@ -40,12 +45,18 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub constraint: ConstraintArgs,
     /// Speculative decoding: `lookup` verifies tokens the history proposes
-    /// (prompt lookup) several per forward pass, with the very tokens plain
-    /// decoding gives (docs/PERFORMANCE.md); `none` decodes one token per
-    /// pass. A constrained generation, or one on a GPU, decodes plainly
-    /// [default: lookup here; with --server, the server's default].
+    /// (prompt lookup) several per forward pass, `draft` the tokens a
+    /// draft model (--draft-model) proposes, with the very tokens plain
+    /// decoding gives either way (docs/PERFORMANCE.md); `none` decodes one
+    /// token per pass. A constrained generation, or one on a GPU, decodes
+    /// plainly [default: draft with --draft-model, else lookup; with
+    /// --server, the server's default].
     #[arg(long, value_enum)]
     pub speculate: Option<Speculate>,
+    /// A smaller GGUF model with the same vocabulary (the same tokens in
+    /// the same order) that proposes tokens for `--speculate draft`.
+    #[arg(long, conflicts_with = "server")]
+    pub draft_model: Option<std::path::PathBuf>,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
@@ -60,6 +71,7 @@ pub struct GenerateArgs {
 pub enum Speculate {
     None,
     Lookup,
+    Draft,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -208,11 +220,22 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         }
         None => None,
     };
+    let mut proposer: Option<Box<dyn Proposer>> = match speculation(&args)? {
+        _ if constraint.is_some() => None,
+        Speculate::None => None,
+        Speculate::Lookup => Some(Box::new(Lookup::default())),
+        Speculate::Draft => Some(Box::new(draft(&args, &engine)?)),
+    };
     let on_token = write_through(&mut writer, &mut io_error);
-    let speculate = args.speculate.unwrap_or(Speculate::Lookup) == Speculate::Lookup;
-    let generation = if constraint.is_none() && speculate {
-        let (generation, counts) =
-            engine.generate_speculative(&mut session, &params, args.max_tokens, stops, on_token)?;
+    let generation = if let Some(proposer) = proposer.as_deref_mut() {
+        let (generation, counts) = engine.generate_proposed(
+            &mut session,
+            proposer,
+            &params,
+            args.max_tokens,
+            stops,
+            on_token,
+        )?;
         tracing::info!(
             proposed = counts.proposed,
             accepted = counts.accepted,
@@ -239,6 +262,49 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         eprintln!("(the output stopped before it could match its constraint)");
     }
     Ok(())
+}
+
+/// The speculation asked for: `--speculate`, else draft with a draft model
+/// and lookup without.
+fn speculation(args: &GenerateArgs) -> Result<Speculate, CliError> {
+    match (args.speculate, &args.draft_model) {
+        (Some(Speculate::Draft), None) => Err(CliError::Usage(
+            "--speculate draft needs --draft-model".into(),
+        )),
+        (Some(mode), Some(_)) if mode != Speculate::Draft => Err(CliError::Usage(format!(
+            "--draft-model is for --speculate draft, not {mode:?}"
+        ))),
+        (Some(mode), _) => Ok(mode),
+        (None, Some(_)) => Ok(Speculate::Draft),
+        (None, None) => Ok(Speculate::Lookup),
+    }
+}
+
+/// The draft model of `--draft-model`, on the main engine's threads and
+/// KV budget, checked to speak the main model's vocabulary token for token.
+fn draft(args: &GenerateArgs, engine: &Engine) -> Result<Draft, CliError> {
+    let path = args
+        .draft_model
+        .as_deref()
+        .expect("checked by speculation()");
+    let model = Model::load(path).map_err(|source| CliError::ModelLoad {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let tokens = "tokenizer.ggml.tokens";
+    if model.gguf().get(tokens) != engine.model().gguf().get(tokens) {
+        return Err(CliError::Usage(format!(
+            "the draft model {} does not have the main model's vocabulary",
+            path.display()
+        )));
+    }
+    let cfg = EngineConfig {
+        threads: engine.threads(),
+        kv_bytes: engine.kv_pool().mapped_bytes() as u64,
+        ..EngineConfig::default()
+    };
+    let vocab = engine.model().config.vocab;
+    Ok(Draft::new(Arc::new(model), &cfg, vocab)?)
 }
 
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
@@ -276,8 +342,15 @@ fn continue_remotely(
         eprintln!("(the server dropped {dropped} prompt tokens to fit the context)");
     }
     let mut req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
-    if let Some(speculate) = args.speculate {
-        req.set_speculate(speculate == Speculate::Lookup);
+    match args.speculate {
+        Some(Speculate::Draft) => {
+            return Err(CliError::Usage(
+                "--speculate draft runs with a local model (the server speculates by lookup)"
+                    .into(),
+            ))
+        }
+        Some(speculate) => req.set_speculate(speculate == Speculate::Lookup),
+        None => {}
     }
     if let Some(spec) = args.constraint.spec()? {
         req.set_constraint(to_proto(&spec));

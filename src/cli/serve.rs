@@ -724,6 +724,13 @@ impl Settings {
             speculation: match self.speculate {
                 Speculate::None => Speculation::None,
                 Speculate::Lookup => Speculation::Lookup,
+                Speculate::Draft => {
+                    return Err(CliError::Usage(
+                        "serve speculates by lookup or not at all: draft models run in \
+                         `inferd generate --draft-model` for now"
+                            .into(),
+                    ))
+                }
             },
             ..RuntimeConfig::default()
         };

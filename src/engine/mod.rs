@@ -8,6 +8,7 @@
 //! computes anything, so bad input or a full pool leaves the session
 //! exactly as it was.
 
+mod draft;
 mod speculative;
 
 use std::sync::Arc;
@@ -36,6 +37,11 @@ pub enum EngineError {
     EmptyHistory,
     #[error(transparent)]
     Constraint(#[from] crate::constraint::ConstraintError),
+    /// A draft model must speak the main model's vocabulary.
+    #[error(
+        "the draft model has {draft} tokens, the main model {main}: they must share one vocabulary"
+    )]
+    DraftVocabulary { draft: usize, main: usize },
     /// The GPU failed (at start, or during a step: the session is then lost).
     #[cfg(not(loom))]
     #[error(transparent)]
@@ -120,7 +126,8 @@ impl Session {
 }
 
 pub use crate::stop::StopReason;
-pub use speculative::Speculation;
+pub use draft::Draft;
+pub use speculative::{Proposer, Speculation};
 
 /// What a generation produced.
 #[derive(Clone, Debug, PartialEq, Eq)]

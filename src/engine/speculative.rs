@@ -1,6 +1,6 @@
 //! Speculative decoding in the engine: each step feeds the sampled token
-//! together with the tokens prompt lookup proposes after it (`speculate`)
-//! in one forward pass, then samples every proposed position from its own
+//! together with the tokens a [`Proposer`] proposes after it (prompt
+//! lookup, `speculate`, or a draft model, `draft`) in one forward pass, then samples every proposed position from its own
 //! row of logits, exactly as plain decoding would sample it (the same
 //! logits, since a chunk's rows are the bits one-at-a-time decoding
 //! computes; the same history for the penalties; the same position for the
@@ -9,10 +9,33 @@
 //! So the tokens are the plain decoding's, to the bit, whatever was
 //! proposed.
 
+use std::time::{Duration, Instant};
+
 use super::{Engine, EngineError, Generation, Session, StopReason};
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, SampleRequest, SamplerBackend, SamplingParams};
 use crate::speculate::Lookup;
+
+/// What proposes the tokens a speculative step verifies.
+pub trait Proposer {
+    /// Tokens that may follow `history` (which ends with the token just
+    /// sampled), at most `limit`; empty when there is nothing to propose.
+    fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError>;
+
+    /// The first `accepted` of `proposed` tokens were the ones sampled; the
+    /// verification pass took `pass`.
+    fn learn(&mut self, proposed: usize, accepted: usize, pass: Duration);
+}
+
+impl Proposer for Lookup {
+    fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
+        Ok(Lookup::propose(self, history, limit).to_vec())
+    }
+
+    fn learn(&mut self, proposed: usize, accepted: usize, _pass: Duration) {
+        Lookup::learn(self, proposed, accepted);
+    }
+}
 
 /// What speculation did in one generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,6 +58,29 @@ impl Engine {
         params: &SamplingParams,
         max_tokens: usize,
         stop_tokens: &[u32],
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<(Generation, Speculation), EngineError> {
+        let mut lookup = Lookup::default();
+        self.generate_proposed(
+            session,
+            &mut lookup,
+            params,
+            max_tokens,
+            stop_tokens,
+            on_token,
+        )
+    }
+
+    /// [`Engine::generate`] verifying what `proposer` proposes: the same
+    /// tokens and stop, in fewer forward passes where proposals are
+    /// accepted. On a GPU engine it is plain decoding.
+    pub fn generate_proposed(
+        &mut self,
+        session: &mut Session,
+        proposer: &mut dyn Proposer,
+        params: &SamplingParams,
+        max_tokens: usize,
+        stop_tokens: &[u32],
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<(Generation, Speculation), EngineError> {
         #[cfg(not(loom))]
@@ -48,7 +94,6 @@ impl Engine {
         }
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
-        let mut lookup = Lookup::default();
         let mut counts = Speculation::default();
         let mut tokens = Vec::new();
         let mut feed = Vec::new();
@@ -68,13 +113,16 @@ impl Engine {
             let room = (max_tokens - tokens.len() - 1).min(context.saturating_sub(position + 1));
             feed.clear();
             feed.push(first);
-            if !is_stop {
+            if !is_stop && room > 0 {
                 session.history.push(first);
-                feed.extend_from_slice(lookup.propose(&session.history, room));
+                let proposal = proposer.propose(&session.history, room);
                 session.history.pop();
+                feed.extend(proposal?);
             }
             let proposed = feed.len() - 1;
+            let started = Instant::now();
             let row0 = self.feed_all(session, &feed)?;
+            let pass = started.elapsed();
             counts.steps += 1;
             tokens.push(first);
             let go_on = on_token(first);
@@ -107,7 +155,7 @@ impl Engine {
                     }
                 }
             }
-            lookup.learn(proposed, accepted);
+            proposer.learn(proposed, accepted, pass);
             counts.proposed += proposed as u64;
             counts.accepted += accepted as u64;
             // Keep the sampled token and the accepted run; the logits after

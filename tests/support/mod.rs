@@ -70,7 +70,6 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Upper bound of any Generate stream.
 pub const STREAM_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Whether the reference model is here; says so loudly when it is not.
 /// Gemma 3 270M (base), with sliding-window layers (`scripts/fetch-model
 /// gemma3-270m`).
 pub const GEMMA: &str = "models/gemma-3-270m-q4_k_m.gguf";
@@ -89,6 +88,7 @@ pub fn have_gemma() -> bool {
     here
 }
 
+/// Whether the reference model is here; says so loudly when it is not.
 pub fn have_reference() -> bool {
     let here = std::path::Path::new(REFERENCE).exists();
     if !here {
