@@ -81,6 +81,18 @@ impl Sizer {
     /// pass's, plus `cost_per_proposed` decode steps for making each
     /// proposed token (a draft model's step; nothing for a lookup).
     pub fn length(&self, cost_per_proposed: f32) -> usize {
+        self.best(cost_per_proposed).1
+    }
+
+    /// [`Sizer::length`], if proposing it is expected to beat plain
+    /// decoding's one token per decode step.
+    pub fn worth(&self, cost_per_proposed: f32) -> Option<usize> {
+        let (per_cost, length) = self.best(cost_per_proposed);
+        (per_cost > 1.0).then_some(length)
+    }
+
+    /// The best expected tokens per decode step, and its length.
+    fn best(&self, cost_per_proposed: f32) -> (f32, usize) {
         let p = self.accepted_weight / (self.accepted_weight + self.refused_weight);
         let mut best = (f32::MIN, 1);
         for (length, cost) in PASS_COST {
@@ -91,7 +103,7 @@ impl Sizer {
                 best = (per_cost, length);
             }
         }
-        best.1
+        best
     }
 
     /// Learns from a proposal of `proposed` tokens of which the first

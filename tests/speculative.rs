@@ -166,14 +166,14 @@ fn speculation_gives_plain_decodings_tokens_when_proposals_fail() {
     assert!(proposed > 0, "nothing was proposed");
 }
 
-/// A draft engine for `model` (two threads, the default KV budget).
-fn draft_of(model: &Arc<Model>) -> Box<dyn Proposer> {
+/// A draft engine for `model` drafting for `main` (two threads, the
+/// default KV budget).
+fn draft_of(model: &Arc<Model>, main: &Model) -> Box<dyn Proposer> {
     let cfg = EngineConfig {
         threads: 2,
         ..EngineConfig::default()
     };
-    let vocab = model.config.vocab;
-    Box::new(Draft::new(Arc::clone(model), &cfg, vocab).expect("draft"))
+    Box::new(Draft::new(Arc::clone(model), &cfg, main).expect("draft"))
 }
 
 #[test]
@@ -182,7 +182,9 @@ fn a_draft_model_gives_plain_decodings_tokens_whether_it_agrees_or_not() {
     let prompt: Vec<u32> = (0..24).map(|i| 1 + (i * 7 % 50) as u32).collect();
     // The main model as its own draft: greedy proposals are accepted.
     let (proposed, accepted, steps, plain_steps) =
-        compare_with(Arc::clone(&main), &prompt, 40, &[], || draft_of(&main));
+        compare_with(Arc::clone(&main), &prompt, 40, &[], || {
+            draft_of(&main, &main)
+        });
     assert!(
         accepted > 0 && steps < plain_steps,
         "{accepted}/{proposed}, {steps} passes"
@@ -196,7 +198,9 @@ fn a_draft_model_gives_plain_decodings_tokens_whether_it_agrees_or_not() {
     };
     let file = GgufFile::from_bytes(other.build()).expect("parses");
     let other = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
-    let (proposed, _, _, _) = compare_with(main, &prompt, 40, &[], || draft_of(&other));
+    let (proposed, _, _, _) = compare_with(Arc::clone(&main), &prompt, 40, &[], || {
+        draft_of(&other, &main)
+    });
     assert!(proposed > 0, "nothing was proposed");
 }
 
@@ -209,7 +213,7 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
     };
     let file = GgufFile::from_bytes(small.build()).expect("parses");
     let small = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
-    let err = Draft::new(small, &EngineConfig::default(), main.config.vocab)
+    let err = Draft::new(small, &EngineConfig::default(), &main)
         .err()
         .expect("refused");
     assert!(err.to_string().contains("300 tokens"), "{err}");
@@ -228,7 +232,9 @@ fn the_reference_model_drafting_for_itself_gives_plain_decodings_tokens() {
     let prompt = tokenizer.encode(text, false, true).expect("encode");
     let stops = tokenizer.eog_tokens().to_vec();
     let (proposed, accepted, steps, plain_steps) =
-        compare_with(Arc::clone(&model), &prompt, 64, &stops, || draft_of(&model));
+        compare_with(Arc::clone(&model), &prompt, 64, &stops, || {
+            draft_of(&model, &model)
+        });
     eprintln!("draft: {accepted} of {proposed}; {steps} passes for {plain_steps} tokens");
     assert!(accepted > 0 && steps < plain_steps);
 }

@@ -303,8 +303,7 @@ fn draft(args: &GenerateArgs, engine: &Engine) -> Result<Draft, CliError> {
         kv_bytes: engine.kv_pool().mapped_bytes() as u64,
         ..EngineConfig::default()
     };
-    let vocab = engine.model().config.vocab;
-    Ok(Draft::new(Arc::new(model), &cfg, vocab)?)
+    Ok(Draft::new(Arc::new(model), &cfg, engine.model())?)
 }
 
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {

@@ -8,7 +8,9 @@
 //!
 //! How many tokens it proposes follows the acceptance it has seen and what
 //! a draft step costs next to a main decode step, both measured as it runs
-//! (`speculate::Sizer`).
+//! (`speculate::Sizer`); while no proposal is expected to beat plain
+//! decoding it proposes nothing, trying one token every [`PROBE_EVERY`]
+//! steps to see whether that changed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +19,10 @@ use super::speculative::Proposer;
 use super::{Engine, EngineConfig, EngineError, Session};
 use crate::model::Model;
 use crate::speculate::{pass_cost, Sizer};
+
+/// How often a draft that does not pay proposes one token anyway, to
+/// measure again.
+pub const PROBE_EVERY: usize = 16;
 
 /// A draft model and its session.
 pub struct Draft {
@@ -27,20 +33,28 @@ pub struct Draft {
     /// verification pass over its cost in decode steps).
     draft_step: Option<Duration>,
     main_step: Option<Duration>,
-    /// How long the last proposal took to make, and how many tokens.
+    /// What a draft step costs in main decode steps until both are timed.
+    prior_cost: f32,
+    /// How long the last proposal took to make, and in how many draft steps.
     last: (Duration, usize),
+    /// Steps since the draft last proposed.
+    idle: usize,
 }
 
 impl Draft {
-    /// A draft engine for `model`, which must have `vocab` tokens (the main
-    /// model's; a caller also checks that the tokens are the same ones).
-    pub fn new(model: Arc<Model>, cfg: &EngineConfig, vocab: usize) -> Result<Self, EngineError> {
-        if model.config.vocab != vocab {
+    /// A draft engine for `model`, which must have as many tokens as
+    /// `main` (a caller also checks that they are the same ones).
+    pub fn new(model: Arc<Model>, cfg: &EngineConfig, main: &Model) -> Result<Self, EngineError> {
+        if model.config.vocab != main.config.vocab {
             return Err(EngineError::DraftVocabulary {
                 draft: model.config.vocab,
-                main: vocab,
+                main: main.config.vocab,
             });
         }
+        // Until measured, a step is taken to cost what reading the weights
+        // does: decode streams them once per token.
+        let weights = |m: &Model| (m.gguf().file_len() - m.gguf().data_start()).max(1) as f32;
+        let prior = weights(&model) / weights(main);
         let engine = Engine::new(model, cfg)?;
         let session = engine.new_session();
         Ok(Draft {
@@ -49,16 +63,17 @@ impl Draft {
             sizer: Sizer::default(),
             draft_step: None,
             main_step: None,
+            prior_cost: prior,
             last: (Duration::ZERO, 0),
+            idle: 0,
         })
     }
 
-    /// What one draft step costs in main decode steps (1 until measured,
-    /// which keeps proposals short until then).
+    /// What one draft step costs in main decode steps.
     fn step_cost(&self) -> f32 {
         match (self.draft_step, self.main_step) {
             (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
-            _ => 1.0,
+            _ => self.prior_cost,
         }
     }
 
@@ -66,7 +81,8 @@ impl Draft {
     /// `history`, short of its last token (which is fed again, so that the
     /// draft's next logits are there to propose from); a cut its pages
     /// cannot take (a sliding window gave them back) starts it afresh.
-    fn sync(&mut self, history: &[u32]) -> Result<(), EngineError> {
+    /// Returns how many tokens it fed.
+    fn sync(&mut self, history: &[u32]) -> Result<usize, EngineError> {
         let shared = self
             .session
             .history
@@ -85,18 +101,33 @@ impl Draft {
             }
         }
         let have = self.session.history.len();
-        self.engine.append(&mut self.session, &history[have..])
+        self.engine.append(&mut self.session, &history[have..])?;
+        Ok(history.len() - have)
     }
 }
 
 impl Proposer for Draft {
     fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
-        let want = self.sizer.length(self.step_cost()).min(limit);
+        let worth = match self.sizer.worth(self.step_cost()) {
+            Some(length) => Some(length),
+            None if self.idle + 1 >= PROBE_EVERY => Some(1),
+            None => None,
+        };
+        let want = worth.unwrap_or(0).min(limit);
         if want == 0 || history.is_empty() {
+            self.idle += 1;
             return Ok(Vec::new());
         }
-        self.sync(history)?;
+        self.idle = 0;
         let started = Instant::now();
+        let fed = self.sync(history)?;
+        // Catching up on a token or two (the steady state) is timed as a
+        // draft step; a longer catch-up (the prompt) is not.
+        let (started, steps) = if fed <= 2 {
+            (started, want)
+        } else {
+            (Instant::now(), want - 1)
+        };
         let mut proposal = Vec::with_capacity(want);
         while proposal.len() < want {
             let token = argmax(&self.session.next_logits);
@@ -105,7 +136,7 @@ impl Proposer for Draft {
                 self.engine.append(&mut self.session, &[token])?;
             }
         }
-        self.last = (started.elapsed(), want);
+        self.last = (started.elapsed(), steps);
         Ok(proposal)
     }
 
@@ -114,11 +145,9 @@ impl Proposer for Draft {
         let decay = |old: Option<Duration>, new: Duration| {
             Some(old.map_or(new, |old| old.mul_f32(0.7) + new.mul_f32(0.3)))
         };
-        // A proposal of n tokens ran n - 1 draft steps (the first came from
-        // the logits its catching up left).
-        let (took, tokens) = self.last;
-        if tokens > 1 {
-            self.draft_step = decay(self.draft_step, took / (tokens - 1) as u32);
+        let (took, steps) = self.last;
+        if steps > 0 {
+            self.draft_step = decay(self.draft_step, took / steps as u32);
         }
         self.main_step = decay(self.main_step, pass.div_f32(pass_cost(proposed)));
         self.last = (Duration::ZERO, 0);
