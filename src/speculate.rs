@@ -91,19 +91,16 @@ impl Sizer {
         (per_cost > 1.0).then_some(length)
     }
 
+    /// Whether any proposal could beat plain decoding were every proposed
+    /// token accepted: if not, proposing (or trying to) only costs.
+    pub fn could_pay(cost_per_proposed: f32) -> bool {
+        best_at(1.0, cost_per_proposed).0 > 1.0
+    }
+
     /// The best expected tokens per decode step, and its length.
     fn best(&self, cost_per_proposed: f32) -> (f32, usize) {
         let p = self.accepted_weight / (self.accepted_weight + self.refused_weight);
-        let mut best = (f32::MIN, 1);
-        for (length, cost) in PASS_COST {
-            // 1 + p + p^2 + ... + p^length: a run stops at its first refusal.
-            let expected: f32 = (0..=length).map(|i| p.powi(i as i32)).sum();
-            let per_cost = expected / (cost + cost_per_proposed * length as f32);
-            if per_cost > best.0 {
-                best = (per_cost, length);
-            }
-        }
-        best
+        best_at(p, cost_per_proposed)
     }
 
     /// Learns from a proposal of `proposed` tokens of which the first
@@ -116,6 +113,21 @@ impl Sizer {
         self.refused_weight =
             self.refused_weight * DECAY + f32::from(u8::from(accepted < proposed));
     }
+}
+
+/// The best expected tokens per decode step over [`PASS_COST`]'s lengths,
+/// and its length, for a proposed token accepted with chance `p`.
+fn best_at(p: f32, cost_per_proposed: f32) -> (f32, usize) {
+    let mut best = (f32::MIN, 1);
+    for (length, cost) in PASS_COST {
+        // 1 + p + p^2 + ... + p^length: a run stops at its first refusal.
+        let expected: f32 = (0..=length).map(|i| p.powi(i as i32)).sum();
+        let per_cost = expected / (cost + cost_per_proposed * length as f32);
+        if per_cost > best.0 {
+            best = (per_cost, length);
+        }
+    }
+    best
 }
 
 /// A session's proposer, with what it has learned of its acceptance.

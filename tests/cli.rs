@@ -52,7 +52,7 @@ fn generate_ids_reproduces_llamacpp_greedy() {
     for speculation in [
         &["--speculate", "none"][..],
         &["--speculate", "lookup"],
-        &["--draft-model", model],
+        &["--draft-model", model, "--draft-tokens", "3"],
     ] {
         let mut args = vec![
             "generate",

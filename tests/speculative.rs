@@ -167,13 +167,15 @@ fn speculation_gives_plain_decodings_tokens_when_proposals_fail() {
 }
 
 /// A draft engine for `model` drafting for `main` (two threads, the
-/// default KV budget).
+/// default KV budget), proposing 3 tokens a step: a draft as costly as the
+/// main model never pays, so sized proposals would be none.
 fn draft_of(model: &Arc<Model>, main: &Model) -> Box<dyn Proposer> {
     let cfg = EngineConfig {
         threads: 2,
         ..EngineConfig::default()
     };
-    Box::new(Draft::new(Arc::clone(model), &cfg, main).expect("draft"))
+    let draft = Draft::new(Arc::clone(model), &cfg, main).expect("draft");
+    Box::new(draft.with_fixed_length(Some(3)))
 }
 
 #[test]
@@ -237,4 +239,21 @@ fn the_reference_model_drafting_for_itself_gives_plain_decodings_tokens() {
         });
     eprintln!("draft: {accepted} of {proposed}; {steps} passes for {plain_steps} tokens");
     assert!(accepted > 0 && steps < plain_steps);
+}
+
+#[test]
+fn a_draft_too_slow_to_pay_proposes_nothing() {
+    // The main model drafting for itself costs a whole decode step per
+    // proposed token: no proposal can pay, so sized proposals are none.
+    let main = support::tiny_model();
+    let prompt: Vec<u32> = (0..24).map(|i| 1 + (i * 7 % 50) as u32).collect();
+    let cfg = EngineConfig {
+        threads: 2,
+        ..EngineConfig::default()
+    };
+    let (proposed, _, steps, plain_steps) =
+        compare_with(Arc::clone(&main), &prompt, 40, &[], || {
+            Box::new(Draft::new(Arc::clone(&main), &cfg, &main).expect("draft"))
+        });
+    assert_eq!((proposed, steps), (0, plain_steps));
 }

@@ -57,6 +57,11 @@ pub struct GenerateArgs {
     /// the same order) that proposes tokens for `--speculate draft`.
     #[arg(long, conflicts_with = "server")]
     pub draft_model: Option<std::path::PathBuf>,
+    /// Tokens the draft model proposes each step [default: as many as are
+    /// expected to pay, from the acceptance and the draft's cost measured
+    /// as it runs; none while drafting does not pay].
+    #[arg(long, requires = "draft_model")]
+    pub draft_tokens: Option<usize>,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
@@ -303,7 +308,8 @@ fn draft(args: &GenerateArgs, engine: &Engine) -> Result<Draft, CliError> {
         kv_bytes: engine.kv_pool().mapped_bytes() as u64,
         ..EngineConfig::default()
     };
-    Ok(Draft::new(Arc::new(model), &cfg, engine.model())?)
+    let draft = Draft::new(Arc::new(model), &cfg, engine.model())?;
+    Ok(draft.with_fixed_length(args.draft_tokens))
 }
 
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {

@@ -10,7 +10,8 @@
 //! a draft step costs next to a main decode step, both measured as it runs
 //! (`speculate::Sizer`); while no proposal is expected to beat plain
 //! decoding it proposes nothing, trying one token every [`PROBE_EVERY`]
-//! steps to see whether that changed.
+//! steps to see whether that changed, unless its steps cost too much for
+//! any proposal to pay even if every token were accepted.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +40,8 @@ pub struct Draft {
     last: (Duration, usize),
     /// Steps since the draft last proposed.
     idle: usize,
+    /// A proposal length fixed by the caller instead of sized.
+    fixed: Option<usize>,
 }
 
 impl Draft {
@@ -66,7 +69,15 @@ impl Draft {
             prior_cost: prior,
             last: (Duration::ZERO, 0),
             idle: 0,
+            fixed: None,
         })
+    }
+
+    /// Proposes `length` tokens every step instead of sizing proposals by
+    /// what they earn (`None`: sized).
+    pub fn with_fixed_length(mut self, length: Option<usize>) -> Self {
+        self.fixed = length;
+        self
     }
 
     /// What one draft step costs in main decode steps.
@@ -108,9 +119,12 @@ impl Draft {
 
 impl Proposer for Draft {
     fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
-        let worth = match self.sizer.worth(self.step_cost()) {
+        let cost = self.step_cost();
+        let worth = match self.fixed.map_or_else(|| self.sizer.worth(cost), Some) {
             Some(length) => Some(length),
-            None if self.idle + 1 >= PROBE_EVERY => Some(1),
+            // Probing is worth it only if acceptance is what is lacking: a
+            // draft too slow to pay even when always right stays idle.
+            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(cost) => Some(1),
             None => None,
         };
         let want = worth.unwrap_or(0).min(limit);
