@@ -118,6 +118,13 @@ impl Draft {
 }
 
 impl Proposer for Draft {
+    fn prepare(&mut self, history: &[u32]) -> Result<(), EngineError> {
+        if self.fixed.is_some() || Sizer::could_pay(self.step_cost()) {
+            self.sync(history)?;
+        }
+        Ok(())
+    }
+
     fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
         let cost = self.step_cost();
         let worth = match self.fixed.map_or_else(|| self.sizer.worth(cost), Some) {

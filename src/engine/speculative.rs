@@ -18,6 +18,13 @@ use crate::speculate::Lookup;
 
 /// What proposes the tokens a speculative step verifies.
 pub trait Proposer {
+    /// Called once before a generation continues `history`: a proposer
+    /// with state of its own (a draft model's KV) catches up here, with
+    /// the prompt, rather than in the middle of decoding.
+    fn prepare(&mut self, _history: &[u32]) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     /// Tokens that may follow `history` (which ends with the token just
     /// sampled), at most `limit`; empty when there is nothing to propose.
     fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError>;
@@ -94,6 +101,7 @@ impl Engine {
         }
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
+        proposer.prepare(&session.history)?;
         let mut counts = Speculation::default();
         let mut tokens = Vec::new();
         let mut feed = Vec::new();
