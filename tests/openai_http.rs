@@ -316,3 +316,48 @@ fn curl_reads_the_stream_as_server_sent_events() {
         assert_eq!(support::sample(&metrics, &name), Some(1.0), "{metrics}");
     }
 }
+
+#[test]
+fn the_speculate_extension_changes_the_passes_not_the_text() {
+    if !have_reference() {
+        return;
+    }
+    if Command::new("curl").arg("--version").output().is_err() {
+        eprintln!("SKIPPED (LOUDLY): curl is not installed; scripts/setup installs it");
+        assert!(!support::vocabs_required(), "curl is missing in CI");
+        return;
+    }
+    let server = serve(&["--metrics-listen", "127.0.0.1:0"]);
+    let http = server.http.clone().expect("an http address");
+    let proposed = || {
+        let metrics = support::scrape(server.metrics.as_deref().expect("metrics"));
+        support::sample(&metrics, "inferd_speculation_proposed_tokens_total").unwrap_or(0.0)
+    };
+    let ask = |speculate: bool| {
+        let body = serde_json::json!({
+            "model": "any",
+            "messages": [{"role": "user", "content":
+                "Repeat exactly: the quick brown fox jumps over the lazy dog, \
+                 the quick brown fox jumps over the lazy dog."}],
+            "max_tokens": 40,
+            "temperature": 0,
+            "speculate": speculate,
+        });
+        let out = Command::new("curl")
+            .args(["-sS", "-H", "Content-Type: application/json", "-d"])
+            .arg(body.to_string())
+            .arg(format!("http://{http}/v1/chat/completions"))
+            .output()
+            .expect("curl");
+        let reply: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        reply["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content")
+            .to_owned()
+    };
+    let plain = ask(false);
+    assert_eq!(proposed(), 0.0, "a plain call proposes nothing");
+    let fast = ask(true);
+    assert_eq!(fast, plain);
+    assert!(proposed() > 0.0, "the speculating call proposed nothing");
+}

@@ -299,7 +299,7 @@ fn job_of(
     check_stops(&stops)?;
     let generate = GenerateRequest {
         constraint: None,
-        speculate: None,
+        speculate: s.speculate,
         // The request's session, once there is one.
         id: SessionId::NEVER_ISSUED,
         max_tokens,

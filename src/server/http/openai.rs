@@ -147,6 +147,11 @@ pub struct Sampling {
     pub grammar: Option<String>,
     #[serde(default)]
     pub json_schema: Option<serde_json::Value>,
+    /// inferd's extension, as `GenerateRequest.speculate`: `false` decodes
+    /// one token per forward pass, `true` speculates; absent, the server's
+    /// default. The output is the same either way.
+    #[serde(default)]
+    pub speculate: Option<bool>,
 }
 
 /// OpenAI's `response_format`.
