@@ -15,6 +15,8 @@
 //! verifying changes no token (the caller samples every position as plain
 //! decoding would).
 
+use std::collections::HashMap;
+
 /// The longest run of last tokens looked up.
 pub const MAX_NGRAM: usize = 4;
 
@@ -130,10 +132,59 @@ fn best_at(p: f32, cost_per_proposed: f32) -> (f32, usize) {
     best
 }
 
+/// Where each run of 3 and of 4 tokens ([`MIN_NGRAM`], [`MAX_NGRAM`]) of a
+/// history last ended, kept up to date as the history grows.
+#[derive(Clone, Debug, Default)]
+struct RunIndex {
+    /// History tokens indexed, and the last of them: a history shorter
+    /// than that, or with another token there (a window shift rewrote it),
+    /// is indexed afresh.
+    len: usize,
+    last: Option<u32>,
+    /// Run → the end (exclusive) of its most recent occurrence.
+    ends3: HashMap<[u32; 3], usize>,
+    ends4: HashMap<[u32; 4], usize>,
+}
+
+const _: () = assert!(MIN_NGRAM == 3 && MAX_NGRAM == 4);
+
+impl RunIndex {
+    /// Indexes what `history` added since the last call (only its last
+    /// [`SEARCH_WINDOW`] tokens when starting afresh).
+    fn catch_up(&mut self, history: &[u32]) {
+        let same = self.len <= history.len()
+            && (self.len == 0 || history.get(self.len - 1) == self.last.as_ref());
+        if !same {
+            *self = RunIndex::default();
+        }
+        let first_end = self.len.max(history.len().saturating_sub(SEARCH_WINDOW)) + 1;
+        for end in first_end..=history.len() {
+            if let Ok(run) = <[u32; 3]>::try_from(&history[end.saturating_sub(3)..end]) {
+                self.ends3.insert(run, end);
+            }
+            if let Ok(run) = <[u32; 4]>::try_from(&history[end.saturating_sub(4)..end]) {
+                self.ends4.insert(run, end);
+            }
+        }
+        self.len = history.len();
+        self.last = history.last().copied();
+    }
+
+    /// The end of the most recent occurrence of `run` (3 or 4 tokens).
+    fn last_end(&self, run: &[u32]) -> Option<usize> {
+        match run.len() {
+            3 => self.ends3.get(<&[u32; 3]>::try_from(run).ok()?).copied(),
+            4 => self.ends4.get(<&[u32; 4]>::try_from(run).ok()?).copied(),
+            _ => None,
+        }
+    }
+}
+
 /// A session's proposer, with what it has learned of its acceptance.
 #[derive(Clone, Debug, Default)]
 pub struct Lookup {
     sizer: Sizer,
+    index: RunIndex,
     /// Steps to go without a lookup.
     resting: usize,
     /// How long the last rest was (it doubles while proposals keep being
@@ -144,38 +195,47 @@ pub struct Lookup {
 }
 
 impl Lookup {
-    /// The tokens that may follow `history`, at most `limit` (and at most
-    /// the length worth proposing now, [`Lookup::length`]); empty when the
-    /// history's tail occurred nowhere before. After a proposal refused
-    /// outright it rests (proposes nothing) for a number of steps that
-    /// doubles with each such refusal, up to [`MAX_REST`]: a session with
-    /// nothing to copy soon costs nothing.
-    pub fn propose<'h>(&mut self, history: &'h [u32], limit: usize) -> &'h [u32] {
+    /// Writes into `out` the tokens that may follow `history` and then
+    /// `next` (the token just sampled), at most `limit` (and at most the
+    /// length worth proposing now, [`Lookup::length`]): what followed the
+    /// most recent earlier occurrence of the last [`MAX_NGRAM`] (else
+    /// [`MIN_NGRAM`]) tokens within the last [`SEARCH_WINDOW`]; nothing
+    /// when they occurred nowhere before. After a proposal refused outright
+    /// it rests (proposes nothing) for a number of steps that doubles with
+    /// each such refusal, up to [`MAX_REST`]: a session with nothing to
+    /// copy soon costs nothing. The runs of `history` are indexed as it
+    /// grows, so a lookup costs the same at any length.
+    pub fn propose_after(&mut self, history: &[u32], next: u32, limit: usize, out: &mut Vec<u32>) {
+        out.clear();
         if self.resting > 0 {
             self.resting -= 1;
-            return &[];
+            return;
         }
         let want = self.length().min(limit);
         if want == 0 {
-            return &[];
+            return;
         }
-        let start = history.len().saturating_sub(SEARCH_WINDOW);
+        self.index.catch_up(history);
+        // `history` and then `next`, without copying the history.
+        let len = history.len() + 1;
+        let at = |i: usize| if i < history.len() { history[i] } else { next };
+        let window_start = len.saturating_sub(SEARCH_WINDOW);
         for n in (MIN_NGRAM..=MAX_NGRAM).rev() {
-            if history.len() <= n {
+            if len <= n {
                 continue;
             }
-            let tail = &history[history.len() - n..];
-            // Most recent first; the match must end before the tail does.
-            let found = (start..history.len() - n)
-                .rev()
-                .find(|&at| &history[at..at + n] == tail);
-            if let Some(at) = found {
-                let from = at + n;
-                let end = (from + want).min(history.len());
-                return &history[from..end];
+            let mut tail = [0u32; MAX_NGRAM];
+            for (slot, i) in tail.iter_mut().zip(len - n..len) {
+                *slot = at(i);
+            }
+            // The match must start in the window (and, being indexed from
+            // `history` alone, ends before the tail does).
+            let found = self.index.last_end(&tail[..n]);
+            if let Some(end) = found.filter(|&e| e - n >= window_start) {
+                out.extend((end..(end + want).min(len)).map(at));
+                return;
             }
         }
-        &[]
     }
 
     /// The length worth proposing now.
@@ -210,12 +270,75 @@ impl Lookup {
 mod tests {
     use super::*;
 
+    /// [`Lookup::propose_after`] with the history's last token as `next`.
+    fn propose(lookup: &mut Lookup, history: &[u32], limit: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        if let Some((&next, before)) = history.split_last() {
+            lookup.propose_after(before, next, limit, &mut out);
+        }
+        out
+    }
+
+    /// The search the index replaces: the most recent earlier occurrence
+    /// of the last 4, else 3, tokens within the window.
+    fn searched(history: &[u32], want: usize) -> Vec<u32> {
+        let start = history.len().saturating_sub(SEARCH_WINDOW);
+        for n in (MIN_NGRAM..=MAX_NGRAM).rev() {
+            if history.len() <= n {
+                continue;
+            }
+            let tail = &history[history.len() - n..];
+            let found = (start..history.len() - n)
+                .rev()
+                .find(|&at| &history[at..at + n] == tail);
+            if let Some(at) = found {
+                return history[at + n..(at + n + want).min(history.len())].to_vec();
+            }
+        }
+        Vec::new()
+    }
+
+    #[test]
+    fn the_index_finds_what_a_search_finds_as_the_history_grows_and_is_rewritten() {
+        let eager = || Lookup {
+            sizer: Sizer {
+                accepted_weight: 100.0,
+                refused_weight: 0.01,
+            },
+            ..Lookup::default()
+        };
+        let mut lookup = eager();
+        let mut state = 12345u64;
+        let mut history: Vec<u32> = Vec::new();
+        for step in 0..3000 {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+            // Few distinct tokens, so runs recur; now and then a rewrite.
+            history.push(((state >> 33) % 7) as u32);
+            if step % 997 == 996 {
+                history.drain(4..history.len() / 2);
+            }
+            let want = lookup.length();
+            assert_eq!(
+                propose(&mut lookup, &history, 100),
+                searched(&history, want),
+                "step {step}"
+            );
+        }
+        // A fresh lookup on a long history indexes only the window.
+        let long: Vec<u32> = (0..SEARCH_WINDOW as u32 + 50).map(|i| i % 5000).collect();
+        let mut fresh = eager();
+        assert_eq!(
+            propose(&mut fresh, &long, 100),
+            searched(&long, fresh.length())
+        );
+    }
+
     #[test]
     fn the_longest_most_recent_match_proposes_what_followed_it() {
         // The tail "4 2 3" occurred twice before: the later one was
         // followed by "7 8 4 2 3" (up to the history's end).
         let history = [1, 4, 2, 3, 9, 5, 4, 2, 3, 7, 8, 4, 2, 3];
-        assert_eq!(Lookup::default().propose(&history, 8), &[7]);
+        assert_eq!(propose(&mut Lookup::default(), &history, 8), [7]);
         // One that has seen its proposals accepted proposes more.
         let mut lookup = Lookup {
             sizer: Sizer {
@@ -224,13 +347,13 @@ mod tests {
             },
             ..Lookup::default()
         };
-        assert_eq!(lookup.propose(&history, 8), &[7, 8, 4, 2, 3]);
-        assert_eq!(lookup.propose(&history, 3), &[7, 8, 4]);
+        assert_eq!(propose(&mut lookup, &history, 8), [7, 8, 4, 2, 3]);
+        assert_eq!(propose(&mut lookup, &history, 3), [7, 8, 4]);
         // A longer tail wins over a more recent shorter one.
         let history = [5, 6, 7, 8, 1, 0, 9, 6, 7, 8, 2, 5, 6, 7, 8];
-        assert_eq!(lookup.propose(&history, 2), &[1, 0]);
-        assert!(lookup.propose(&[1, 2, 3, 4], 8).is_empty());
-        assert!(lookup.propose(&history, 0).is_empty());
+        assert_eq!(propose(&mut lookup, &history, 2), [1, 0]);
+        assert!(propose(&mut lookup, &[1, 2, 3, 4], 8).is_empty());
+        assert!(propose(&mut lookup, &history, 0).is_empty());
     }
 
     #[test]
@@ -240,7 +363,7 @@ mod tests {
         // Accepted whole, proposal after proposal: never shorter, up to 7.
         let mut lengths = Vec::new();
         for _ in 0..8 {
-            let len = lookup.propose(&history, 100).len();
+            let len = propose(&mut lookup, &history, 100).len();
             lengths.push(len);
             lookup.learn(len, len);
         }
@@ -249,10 +372,10 @@ mod tests {
         assert_eq!(*lengths.last().unwrap(), 7, "{lengths:?}");
         // Refused after one token, twice: back to short proposals.
         for _ in 0..2 {
-            let len = lookup.propose(&history, 100).len();
+            let len = propose(&mut lookup, &history, 100).len();
             lookup.learn(len, 1);
         }
-        assert!(lookup.propose(&history, 100).len() <= 3);
+        assert!(propose(&mut lookup, &history, 100).len() <= 3);
         let (proposed, accepted) = lookup.counts();
         assert!(accepted > 0 && proposed > accepted);
     }
@@ -263,20 +386,20 @@ mod tests {
         let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
         // Rests of 4, 8, 16 steps after three refusals in a row.
         for rest in [FIRST_REST, 8, 16] {
-            assert!(!lookup.propose(&history, 100).is_empty());
+            assert!(!propose(&mut lookup, &history, 100).is_empty());
             lookup.learn(1, 0);
             for _ in 0..rest {
-                assert!(lookup.propose(&history, 100).is_empty());
+                assert!(propose(&mut lookup, &history, 100).is_empty());
             }
         }
         // An accepted token ends the resting.
-        assert!(!lookup.propose(&history, 100).is_empty());
+        assert!(!propose(&mut lookup, &history, 100).is_empty());
         lookup.learn(1, 1);
-        assert!(!lookup.propose(&history, 100).is_empty());
+        assert!(!propose(&mut lookup, &history, 100).is_empty());
         lookup.learn(2, 0);
         for _ in 0..FIRST_REST {
-            assert!(lookup.propose(&history, 100).is_empty());
+            assert!(propose(&mut lookup, &history, 100).is_empty());
         }
-        assert!(!lookup.propose(&history, 100).is_empty());
+        assert!(!propose(&mut lookup, &history, 100).is_empty());
     }
 }

@@ -36,7 +36,11 @@ pub trait Proposer {
 
 impl Proposer for Lookup {
     fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
-        Ok(Lookup::propose(self, history, limit).to_vec())
+        let mut proposal = Vec::new();
+        if let Some((&next, before)) = history.split_last() {
+            self.propose_after(before, next, limit, &mut proposal);
+        }
+        Ok(proposal)
     }
 
     fn learn(&mut self, proposed: usize, accepted: usize, _pass: Duration) {

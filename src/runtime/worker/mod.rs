@@ -83,8 +83,8 @@ pub(crate) struct Worker {
     to_sample: Vec<SessionId>,
     /// The batch's answers, reused across steps.
     sampled: Vec<Result<Sampled, SamplerError>>,
-    /// A generating session's history and what follows it, for a lookup
-    /// or a verification (reused across steps).
+    /// A lookup's proposal, or a generating session's history and what
+    /// follows it for a verification (reused across steps).
     lookup_history: Vec<u32>,
     sessions: HashMap<SessionId, SessionSlot>,
     /// What runs the layers: the model here, or the shards.

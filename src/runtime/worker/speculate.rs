@@ -13,7 +13,6 @@ use std::ops::Range;
 
 use super::generate::token_fed;
 use super::*;
-use crate::speculate::SEARCH_WINDOW;
 
 impl Worker {
     /// Adds what the session's lookup proposes after the token just
@@ -59,12 +58,8 @@ impl Worker {
         if limit == 0 {
             return;
         }
-        let history = session.history();
-        self.lookup_history.clear();
-        self.lookup_history
-            .extend_from_slice(&history[position.saturating_sub(SEARCH_WINDOW)..]);
-        self.lookup_history.push(token);
-        let proposal = lookup.propose(&self.lookup_history, limit);
+        let proposal = &mut self.lookup_history;
+        lookup.propose_after(session.history(), token, limit, proposal);
         // Pages for the proposal only if they are free now: speculation
         // never evicts anything.
         if proposal.is_empty() || session.reserve(position + 1 + proposal.len()).is_err() {
