@@ -1,13 +1,13 @@
 //! Speculative decoding in the engine: each step feeds the sampled token
 //! together with the tokens a [`Proposer`] proposes after it (prompt
-//! lookup, `speculate`, or a draft model, `draft`) in one forward pass, then samples every proposed position from its own
-//! row of logits, exactly as plain decoding would sample it (the same
-//! logits, since a chunk's rows are the bits one-at-a-time decoding
-//! computes; the same history for the penalties; the same position for the
-//! sampler's counter). The first proposed token that differs from the one
-//! sampled ends the accepted run; the positions after it are rolled back.
-//! So the tokens are the plain decoding's, to the bit, whatever was
-//! proposed.
+//! lookup, `speculate`, or a draft model, `draft`) in one forward pass,
+//! then samples every proposed position from its own row of logits,
+//! exactly as plain decoding would sample it (the same logits, since a
+//! chunk's rows are the bits one-at-a-time decoding computes; the same
+//! history for the penalties; the same position for the sampler's
+//! counter). The first proposed token that differs from the one sampled
+//! ends the accepted run; the positions after it are rolled back. So the
+//! tokens are the plain decoding's, to the bit, whatever was proposed.
 
 use std::time::{Duration, Instant};
 

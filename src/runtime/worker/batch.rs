@@ -31,7 +31,6 @@ impl Worker {
         let context = self.model.config.context;
         let chunk = self.chunk_at(slot.session.history().len());
         slot.feed.clear();
-        slot.feed_proposed = 0;
         let Some(active) = slot.active.as_mut() else {
             return false;
         };
@@ -196,7 +195,6 @@ impl Worker {
     /// whose pages were given back cannot be undone: that session goes.
     pub(super) fn fail_step(&mut self, id: SessionId, slot: &mut SessionSlot, err: RuntimeError) {
         slot.feed.clear();
-        slot.feed_proposed = 0;
         slot.last_used = Instant::now();
         let Some(mut active) = slot.active.take() else {
             return;
@@ -236,7 +234,7 @@ impl Worker {
             let row = range.as_ref().and_then(|r| r.end.checked_sub(1));
             let kept = kept.get(i).copied().unwrap_or(false);
             self.with_session(id, |w, slot| {
-                if slot.feed_proposed > 0 {
+                if slot.proposed() > 0 {
                     w.commit_speculative(id, slot, range)
                 } else {
                     w.commit_one(id, slot, row, kept, vocab)

@@ -28,7 +28,6 @@ impl Worker {
             active,
             feed,
             feed_logits,
-            feed_proposed,
             ..
         } = slot;
         let Some(Active {
@@ -67,7 +66,6 @@ impl Worker {
         }
         feed.extend_from_slice(proposal);
         *feed_logits = LogitsWanted::All;
-        *feed_proposed = proposal.len();
     }
 
     /// Applies a step that fed a sampled token and a proposal after it
@@ -81,7 +79,7 @@ impl Worker {
         rows: Option<Range<usize>>,
     ) {
         let vocab = self.model.config.vocab;
-        let proposed = std::mem::take(&mut slot.feed_proposed);
+        let proposed = slot.proposed();
         let feed = std::mem::take(&mut slot.feed);
         let Some(rows) = rows.filter(|r| r.len() == feed.len()) else {
             let err = RuntimeError::Internal("a speculative step returned no row per token".into());

@@ -183,9 +183,6 @@ pub(super) struct SessionSlot {
     /// What this step feeds for the session.
     pub(super) feed: Vec<u32>,
     pub(super) feed_logits: LogitsWanted,
-    /// Of `feed`, the tokens after the first that speculation proposed
-    /// (their rows are verified after the step).
-    pub(super) feed_proposed: usize,
     /// Speculation's counts over the session's Generates.
     pub(super) speculation: SpeculationCounts,
     /// Removed during the operation that holds it (see
@@ -203,9 +200,19 @@ impl SessionSlot {
             short_since: None,
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
-            feed_proposed: 0,
             speculation: SpeculationCounts::default(),
             removed: false,
+        }
+    }
+
+    /// How many tokens of this step's feed speculation proposed: a feed
+    /// that wants every row's logits is a sampled token and a proposal
+    /// after it (their rows are verified after the step).
+    pub(super) fn proposed(&self) -> usize {
+        if self.feed_logits == LogitsWanted::All {
+            self.feed.len().saturating_sub(1)
+        } else {
+            0
         }
     }
 
