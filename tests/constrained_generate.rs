@@ -297,21 +297,7 @@ fn constrained_tokens_do_not_depend_on_batch_neighbours_a_restart_or_shards() {
     let dir = tempfile::tempdir().expect("temp dir");
     let state = dir.path().join("state");
     let state = state.to_str().expect("UTF-8 path");
-    let serve = |extra: &[&str]| {
-        let mut args = vec![
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            REFERENCE,
-            "--workers",
-            "2",
-            "--sampler",
-            "cpu",
-        ];
-        args.extend_from_slice(extra);
-        Inferd::start(&args)
-    };
+    let serve = |extra: &[&str]| support::serve_model(REFERENCE, extra);
 
     // Alone, on a server that keeps its sessions.
     let mut server = serve(&["--state-dir", state]);

@@ -14,21 +14,24 @@ use support::{have_reference, Inferd};
 const CLIENT: &str = "tests/interop/openai_client.py";
 
 fn serve(extra: &[&str]) -> Inferd {
-    let mut args = vec![
-        "serve",
-        "--model",
+    support::serve_model(
         support::REFERENCE,
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--workers",
-        "2",
-        "--sampler",
-        "cpu",
-    ];
-    args.extend_from_slice(extra);
-    Inferd::start(&args)
+        &[&["--http-listen", "127.0.0.1:0"], extra].concat(),
+    )
+}
+
+/// Whether the reference model and curl are here; a missing curl is a
+/// loud skip, and a failure where the tests' requirements are enforced.
+fn have_reference_and_curl() -> bool {
+    if !have_reference() {
+        return false;
+    }
+    if Command::new("curl").arg("--version").output().is_err() {
+        eprintln!("SKIPPED (LOUDLY): curl is not installed; scripts/setup installs it");
+        assert!(!support::vocabs_required(), "curl is missing in CI");
+        return false;
+    }
+    true
 }
 
 fn run_client(python: &Path, server: &Inferd, token: Option<&str>) {
@@ -172,11 +175,7 @@ fn dir_file(name: &str, bytes: &[u8]) -> (tempfile::TempDir, std::path::PathBuf)
 /// With the server's TLS certificate the HTTP API is HTTPS only.
 #[test]
 fn with_tls_the_http_api_serves_https_only() {
-    if !have_reference() {
-        return;
-    }
-    if Command::new("curl").arg("--version").output().is_err() {
-        assert!(!support::vocabs_required(), "curl is missing in CI");
+    if !have_reference_and_curl() {
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
@@ -216,12 +215,7 @@ fn with_tls_the_http_api_serves_https_only() {
 /// `curl -N` sees `data: {...}` chunks, the usage, then `data: [DONE]`.
 #[test]
 fn curl_reads_the_stream_as_server_sent_events() {
-    if !have_reference() {
-        return;
-    }
-    if Command::new("curl").arg("--version").output().is_err() {
-        eprintln!("SKIPPED (LOUDLY): curl is not installed; scripts/setup installs it");
-        assert!(!support::vocabs_required(), "curl is missing in CI");
+    if !have_reference_and_curl() {
         return;
     }
     let server = serve(&["--metrics-listen", "127.0.0.1:0"]);
@@ -319,12 +313,7 @@ fn curl_reads_the_stream_as_server_sent_events() {
 
 #[test]
 fn the_speculate_extension_changes_the_passes_not_the_text() {
-    if !have_reference() {
-        return;
-    }
-    if Command::new("curl").arg("--version").output().is_err() {
-        eprintln!("SKIPPED (LOUDLY): curl is not installed; scripts/setup installs it");
-        assert!(!support::vocabs_required(), "curl is missing in CI");
+    if !have_reference_and_curl() {
         return;
     }
     let server = serve(&["--metrics-listen", "127.0.0.1:0"]);

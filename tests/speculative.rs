@@ -47,6 +47,27 @@ fn setups() -> Vec<SamplingParams> {
     ]
 }
 
+/// Engines here compute on two threads.
+fn two_threads() -> EngineConfig {
+    EngineConfig {
+        threads: 2,
+        ..EngineConfig::default()
+    }
+}
+
+/// The reference model and its tokenizer.
+fn reference() -> (Arc<Model>, Tokenizer) {
+    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
+    let tokenizer = Tokenizer::from_gguf(model.gguf()).expect("tokenizer");
+    (model, tokenizer)
+}
+
+/// A synthetic model, through the real loader.
+fn synthetic(cfg: SyntheticLlama) -> Arc<Model> {
+    let file = GgufFile::from_bytes(cfg.build()).expect("parses");
+    Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"))
+}
+
 /// Plain and prompt-lookup runs of `prompt` under every setup: see
 /// [`compare_with`].
 fn compare(model: Arc<Model>, prompt: &[u32], max: usize, stops: &[u32]) -> (u64, u64, u64, u64) {
@@ -64,11 +85,7 @@ fn compare_with(
     stops: &[u32],
     proposer: impl Fn() -> Box<dyn Proposer>,
 ) -> (u64, u64, u64, u64) {
-    let cfg = EngineConfig {
-        threads: 2,
-        ..EngineConfig::default()
-    };
-    let mut engine = Engine::new(model, &cfg).expect("engine");
+    let mut engine = Engine::new(model, &two_threads()).expect("engine");
     let (mut proposed, mut accepted, mut steps, mut plain_steps) = (0, 0, 0, 0);
     for (k, params) in setups().iter().enumerate() {
         let mut plain = engine.new_session();
@@ -108,9 +125,7 @@ fn speculation_gives_plain_decodings_tokens_on_the_reference_model() {
     if !support::have_reference() {
         return;
     }
-    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
-    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(support::REFERENCE).expect("gguf"))
-        .expect("tokenizer");
+    let (model, tokenizer) = reference();
     let code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n\
                 def mul(a, b):\n    return a * b\n";
     let text = format!(
@@ -170,11 +185,7 @@ fn speculation_gives_plain_decodings_tokens_when_proposals_fail() {
 /// default KV budget), proposing 3 tokens a step: a draft as costly as the
 /// main model never pays, so sized proposals would be none.
 fn draft_of(model: &Arc<Model>, main: &Model) -> Box<dyn Proposer> {
-    let cfg = EngineConfig {
-        threads: 2,
-        ..EngineConfig::default()
-    };
-    let draft = Draft::new(Arc::clone(model), &cfg, main).expect("draft");
+    let draft = Draft::new(Arc::clone(model), &two_threads(), main).expect("draft");
     Box::new(draft.with_fixed_length(Some(3)))
 }
 
@@ -198,8 +209,7 @@ fn a_draft_model_gives_plain_decodings_tokens_whether_it_agrees_or_not() {
         weight_type: GgmlType::Q8_0,
         ..SyntheticLlama::tiny()
     };
-    let file = GgufFile::from_bytes(other.build()).expect("parses");
-    let other = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+    let other = synthetic(other);
     let (proposed, _, _, _) = compare_with(Arc::clone(&main), &prompt, 40, &[], || {
         draft_of(&other, &main)
     });
@@ -213,8 +223,7 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
         vocab: 300,
         ..SyntheticLlama::tiny()
     };
-    let file = GgufFile::from_bytes(small.build()).expect("parses");
-    let small = Arc::new(Model::from_gguf(Arc::new(file)).expect("loads"));
+    let small = synthetic(small);
     let err = Draft::new(small, &EngineConfig::default(), &main)
         .err()
         .expect("refused");
@@ -226,9 +235,7 @@ fn the_reference_model_drafting_for_itself_gives_plain_decodings_tokens() {
     if !support::have_reference() {
         return;
     }
-    let model = Arc::new(Model::load(support::REFERENCE).expect("model"));
-    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(support::REFERENCE).expect("gguf"))
-        .expect("tokenizer");
+    let (model, tokenizer) = reference();
     let text = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n\
                 <|im_start|>assistant\n";
     let prompt = tokenizer.encode(text, false, true).expect("encode");
@@ -247,10 +254,7 @@ fn a_draft_too_slow_to_pay_proposes_nothing() {
     // proposed token: no proposal can pay, so sized proposals are none.
     let main = support::tiny_model();
     let prompt: Vec<u32> = (0..24).map(|i| 1 + (i * 7 % 50) as u32).collect();
-    let cfg = EngineConfig {
-        threads: 2,
-        ..EngineConfig::default()
-    };
+    let cfg = two_threads();
     let (proposed, _, steps, plain_steps) =
         compare_with(Arc::clone(&main), &prompt, 40, &[], || {
             Box::new(Draft::new(Arc::clone(&main), &cfg, &main).expect("draft"))

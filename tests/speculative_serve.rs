@@ -29,19 +29,7 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn serve(extra: &[&str]) -> Inferd {
-    let mut args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        REFERENCE,
-        "--workers",
-        "2",
-        "--sampler",
-        "cpu",
-    ];
-    args.extend_from_slice(extra);
-    Inferd::start(&args)
+    support::serve_model(REFERENCE, extra)
 }
 
 fn tokenizer() -> Tokenizer {
@@ -293,17 +281,7 @@ fn gemma_past_its_window_gives_plain_decodings_answers() {
     if !support::have_gemma() {
         return;
     }
-    let server = Inferd::start(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        support::GEMMA,
-        "--workers",
-        "2",
-        "--sampler",
-        "cpu",
-    ]);
+    let server = support::serve_model(support::GEMMA, &[]);
     let client = Client::connect(&server.addr);
     let tokenizer =
         Tokenizer::from_gguf(&GgufFile::open(support::GEMMA).expect("model")).expect("tokenizer");

@@ -65,6 +65,24 @@ pub fn small_llama(
     }
 }
 
+/// `inferd serve` of `model` on a free loopback port, with two workers
+/// and the CPU sampler, and `extra` arguments.
+pub fn serve_model(model: &str, extra: &[&str]) -> Inferd {
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model,
+        "--workers",
+        "2",
+        "--sampler",
+        "cpu",
+    ];
+    args.extend_from_slice(extra);
+    Inferd::start(&args)
+}
+
 /// Upper bound of any unary call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Upper bound of any Generate stream.
