@@ -2,7 +2,9 @@
 //! step at a given history length, a 64-token prefill chunk, and the short
 //! chunks speculative decoding verifies (2, 4, 8 and 16 tokens after the
 //! same history: what a proposal costs against one decode step), in
-//! tokens per second. Skips (with a message) when the model is absent.
+//! tokens per second; and those chunks as speculative decoding really
+//! feeds them, every row's logits computed (`verify_k_at_256`). Skips
+//! (with a message) when the model is absent.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use inferd::engine::{Engine, EngineConfig};
-use inferd::model::Model;
+use inferd::kv::{KvPool, KvPoolConfig, SessionKv};
+use inferd::model::{LogitsWanted, Model, Scratch, Sequence};
+use inferd::threads::ThreadPool;
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -80,5 +84,54 @@ fn forward(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, forward);
+/// Passes as a verification feeds them: the same history, then k tokens
+/// with every row's logits (the output projection of each row included).
+fn verify(c: &mut Criterion) {
+    if !Path::new(REFERENCE).exists() {
+        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+        return;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let model = Model::load(REFERENCE).expect("reference model loads");
+    let layout = model.kv_layout(model.config.n_layers, 16);
+    let kv = Arc::new(
+        KvPool::new(KvPoolConfig::anonymous(layout, 64 * layout.n_layers)).expect("kv pool"),
+    );
+    let pool = ThreadPool::new(threads);
+    let mut scratch = Scratch::default();
+    let vocab = model.config.vocab as u32;
+    let history: Vec<u32> = (0..256u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let mut feed = |session: &mut SessionKv, tokens: &[u32], logits: LogitsWanted| {
+        let mut batch = [Sequence {
+            kv: session,
+            tokens,
+            logits,
+        }];
+        model
+            .forward(&mut batch, &pool, &mut scratch)
+            .expect("forward");
+    };
+
+    let mut group = c.benchmark_group(format!("forward/{threads}threads"));
+    group.sample_size(20);
+    for k in [1usize, 2, 4, 8, 16] {
+        group.throughput(Throughput::Elements(k as u64));
+        group.bench_function(format!("verify_{k}_at_256"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let mut session = SessionKv::new(Arc::clone(&kv));
+                    feed(&mut session, &history, LogitsWanted::None);
+                    let t0 = Instant::now();
+                    feed(&mut session, &history[..k], LogitsWanted::All);
+                    total += t0.elapsed();
+                }
+                total
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, forward, verify);
 criterion_main!(benches);
