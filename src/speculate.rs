@@ -49,6 +49,22 @@ pub fn pass_cost(proposed: usize) -> f32 {
         .map_or(PASS_COST[PASS_COST.len() - 1].1, |(_, cost)| *cost)
 }
 
+/// How often a draft model that does not pay proposes one token anyway,
+/// to measure its acceptance again.
+pub const PROBE_EVERY: usize = 16;
+
+/// A draft model's proposal: the highest logit's token (the first of
+/// equals).
+pub fn greedy(logits: &[f32]) -> u32 {
+    let mut best = (f32::NEG_INFINITY, 0usize);
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best.0 {
+            best = (v, i);
+        }
+    }
+    best.1 as u32
+}
+
 /// How much each earlier proposal's outcome still counts after another:
 /// acceptance changes quickly where a copied span begins or ends.
 const DECAY: f32 = 0.8;

@@ -96,6 +96,44 @@ fn generate_ids_reproduces_llamacpp_greedy() {
         "{}",
         stderr(&out)
     );
+    // The same rules for `serve`, whose draft model is checked at start.
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--model", model, "--check"];
+        args.extend_from_slice(extra);
+        inferd(&args)
+    };
+    let out = serve(&["--speculate", "draft"]);
+    assert!(
+        stderr(&out).contains("needs --draft-model"),
+        "{}",
+        stderr(&out)
+    );
+    let out = serve(&["--draft-tokens", "3"]);
+    assert!(
+        stderr(&out).contains("needs --draft-model"),
+        "{}",
+        stderr(&out)
+    );
+    let out = serve(&["--speculate", "none", "--draft-model", model]);
+    assert!(
+        stderr(&out).contains("--speculate draft"),
+        "{}",
+        stderr(&out)
+    );
+    let out = serve(&["--draft-model", model, "--draft-tokens", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(shown.contains("speculation by draft model"), "{shown}");
+    let gemma = "models/gemma-3-270m-q4_k_m.gguf";
+    if std::path::Path::new(gemma).exists() {
+        let out = serve(&["--draft-model", gemma]);
+        assert!(!out.status.success());
+        assert!(
+            stderr(&out).contains("does not have the main model's vocabulary"),
+            "{}",
+            stderr(&out)
+        );
+    }
 }
 
 #[test]

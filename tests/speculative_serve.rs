@@ -306,3 +306,140 @@ fn gemma_past_its_window_gives_plain_decodings_answers() {
     }
     assert!(accepted > 0, "nothing was accepted");
 }
+
+/// `serve --draft-model`: the reference model drafting for itself (three
+/// tokens a step, so that it proposes although its steps cost as much as
+/// the main model's) through the same checks as a lookup: the tokens,
+/// log-probabilities, history and digest of plain decoding, over two calls
+/// on a session, greedy (its proposals accepted) and seeded (refused more
+/// often).
+#[test]
+fn a_draft_model_in_the_server_gives_plain_decodings_tokens() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let server = serve(&[
+        "--draft-model",
+        REFERENCE,
+        "--draft-tokens",
+        "3",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let client = Client::connect(&server.addr);
+    let (mut proposed, mut accepted) = (0, 0);
+    for prompt in &PROMPTS[..2] {
+        let tokens = prompt_tokens(&tokenizer, prompt);
+        for (k, req) in requests("", 64).into_iter().enumerate() {
+            let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
+            let fast_id = session(&client, &tokenizer, &tokens, 7);
+            let mut plain_req = with_speculation(req.clone(), false);
+            plain_req.set_session_id(plain_id.clone());
+            let mut fast_req = with_speculation(req, true);
+            fast_req.set_session_id(fast_id.clone());
+            for call in 0..2 {
+                if call == 1 {
+                    let turn = prompt_tokens(&tokenizer, "Again, please.");
+                    client.append(&plain_id, &turn).expect("append");
+                    client.append(&fast_id, &turn).expect("append");
+                }
+                let (plain, none) = run(&client, &plain_id, &plain_req);
+                let (fast, _) = run(&client, &fast_id, &fast_req);
+                assert_eq!(none, (0, 0), "plain decoding proposed nothing");
+                assert_eq!(fast, plain, "{prompt:?}, request {k}, call {call}");
+            }
+            let info = client.info(&fast_id).expect("info");
+            let counts = (
+                info.get_speculation_proposed_token_count(),
+                info.get_speculation_accepted_token_count(),
+            );
+            if k == 0 {
+                // Greedy: the draft proposes the main model's own greedy
+                // tokens, so nearly all are accepted.
+                assert!(counts.1 * 10 >= counts.0 * 9, "greedy: {counts:?}");
+            }
+            proposed += counts.0;
+            accepted += counts.1;
+            client.close(&plain_id).expect("close");
+            client.close(&fast_id).expect("close");
+        }
+    }
+    eprintln!("draft: {accepted} of {proposed} proposed tokens accepted");
+    assert!(
+        accepted > 0 && proposed > accepted,
+        "{accepted} of {proposed}"
+    );
+    let scraped = support::scrape(server.metrics.as_deref().expect("metrics"));
+    assert_eq!(
+        support::sample(&scraped, "inferd_speculation_proposed_tokens_total"),
+        Some(proposed as f64)
+    );
+}
+
+/// Drafts in a small pool: three sessions with one long prompt on two
+/// workers, so that one worker holds two of them while its draft pages
+/// (half of the draft's share, which holds as many positions as the main
+/// model's) are enough for one. They generate one by one, staying open,
+/// a call's draft dropping an idle session's; then all are called again
+/// at once (a draft that finds no room proposes nothing, a dropped one is
+/// fed again). Every stream is plain decoding's, and the metrics count the
+/// drops.
+#[test]
+fn drafts_dropped_for_room_leave_the_tokens_unchanged() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let tokens = prompt_tokens(&tokenizer, &PROMPTS[1].repeat(6));
+    let turn = prompt_tokens(&tokenizer, "Again, please.");
+    // 64 MiB: 32 for the main model (about 1,450 positions: the three
+    // sessions), 16 for each worker's drafts (about 720 positions: one of
+    // these sessions, not two).
+    let server = serve(&[
+        "--kv-mib",
+        "64",
+        "--draft-model",
+        REFERENCE,
+        "--draft-tokens",
+        "3",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let client = Client::connect(&server.addr);
+    let generate = |client: &Client, id: &str, speculate: bool| {
+        let run = client.generate(&with_speculation(greedy(id, 40, 0), speculate));
+        assert!(run.error.is_none(), "{:?}", run.error);
+        run
+    };
+    let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
+    let first = generate(&client, &plain_id, false);
+    client.append(&plain_id, &turn).expect("append");
+    let second = generate(&client, &plain_id, false);
+    client.close(&plain_id).expect("close");
+    let ids: Vec<String> = (0..3)
+        .map(|k| {
+            let id = session(&client, &tokenizer, &tokens, 50 + k);
+            assert_eq!(generate(&client, &id, true), first, "session {k}");
+            client.append(&id, &turn).expect("append");
+            id
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = (ids.iter())
+            .map(|id| {
+                let (addr, generate) = (&server.addr, &generate);
+                scope.spawn(move || generate(&Client::connect(addr), id, true))
+            })
+            .collect();
+        for run in runs {
+            assert_eq!(run.join().expect("a run"), second, "at once");
+        }
+    });
+    let scraped = support::scrape(server.metrics.as_deref().expect("metrics"));
+    let dropped = support::sample(&scraped, "inferd_draft_kv_dropped_total").unwrap_or(0.0);
+    let accepted = support::sample(&scraped, "inferd_speculation_accepted_tokens_total");
+    eprintln!("{dropped} drafts dropped, {accepted:?} tokens accepted");
+    assert!(dropped >= 1.0, "{dropped} drafts dropped");
+    assert!(accepted.is_some_and(|a| a > 0.0));
+}

@@ -50,7 +50,8 @@ pub struct GenerateArgs {
     /// decoding gives either way (docs/PERFORMANCE.md); `none` decodes one
     /// token per pass. A constrained generation, or one on a GPU, decodes
     /// plainly [default: draft with --draft-model, else lookup; with
-    /// --server, the server's default].
+    /// --server, the server's default; there `lookup` and `draft` both ask
+    /// the server to speculate its own way].
     #[arg(long, value_enum)]
     pub speculate: Option<Speculate>,
     /// A smaller GGUF model with the same vocabulary (the same tokens in
@@ -225,12 +226,13 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         }
         None => None,
     };
-    let mut proposer: Option<Box<dyn Proposer>> = match speculation(&args)? {
-        _ if constraint.is_some() => None,
-        Speculate::None => None,
-        Speculate::Lookup => Some(Box::new(Lookup::default())),
-        Speculate::Draft => Some(Box::new(draft(&args, &engine)?)),
-    };
+    let mut proposer: Option<Box<dyn Proposer>> =
+        match speculation_mode(args.speculate, args.draft_model.is_some())? {
+            _ if constraint.is_some() => None,
+            Speculate::None => None,
+            Speculate::Lookup => Some(Box::new(Lookup::default())),
+            Speculate::Draft => Some(Box::new(draft(&args, &engine)?)),
+        };
     let on_token = write_through(&mut writer, &mut io_error);
     let generation = if let Some(proposer) = proposer.as_deref_mut() {
         let (generation, counts) = engine.generate_proposed(
@@ -270,39 +272,51 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
 }
 
 /// The speculation asked for: `--speculate`, else draft with a draft model
-/// and lookup without.
-fn speculation(args: &GenerateArgs) -> Result<Speculate, CliError> {
-    match (args.speculate, &args.draft_model) {
-        (Some(Speculate::Draft), None) => Err(CliError::Usage(
+/// and lookup without; a draft mode without a draft model, or a draft
+/// model for another mode, is a usage error.
+pub(super) fn speculation_mode(
+    asked: Option<Speculate>,
+    draft_model: bool,
+) -> Result<Speculate, CliError> {
+    match (asked, draft_model) {
+        (Some(Speculate::Draft), false) => Err(CliError::Usage(
             "--speculate draft needs --draft-model".into(),
         )),
-        (Some(mode), Some(_)) if mode != Speculate::Draft => Err(CliError::Usage(format!(
-            "--draft-model is for --speculate draft, not {mode:?}"
+        (Some(mode), true) if mode != Speculate::Draft => Err(CliError::Usage(format!(
+            "--draft-model is for --speculate draft, not {}",
+            format!("{mode:?}").to_lowercase()
         ))),
         (Some(mode), _) => Ok(mode),
-        (None, Some(_)) => Ok(Speculate::Draft),
-        (None, None) => Ok(Speculate::Lookup),
+        (None, true) => Ok(Speculate::Draft),
+        (None, false) => Ok(Speculate::Lookup),
     }
 }
 
-/// The draft model of `--draft-model`, on the main engine's threads and
-/// KV budget, checked to speak the main model's vocabulary token for token.
-fn draft(args: &GenerateArgs, engine: &Engine) -> Result<Draft, CliError> {
-    let path = args
-        .draft_model
-        .as_deref()
-        .expect("checked by speculation()");
+/// Loads the draft model at `path`, checked to speak `main`'s vocabulary
+/// token for token.
+pub(super) fn load_draft(path: &std::path::Path, main: &Model) -> Result<Model, CliError> {
     let model = Model::load(path).map_err(|source| CliError::ModelLoad {
         path: path.display().to_string(),
         source,
     })?;
     let tokens = "tokenizer.ggml.tokens";
-    if model.gguf().get(tokens) != engine.model().gguf().get(tokens) {
+    if model.gguf().get(tokens) != main.gguf().get(tokens) {
         return Err(CliError::Usage(format!(
             "the draft model {} does not have the main model's vocabulary",
             path.display()
         )));
     }
+    Ok(model)
+}
+
+/// The draft model of `--draft-model`, on the main engine's threads and
+/// KV budget.
+fn draft(args: &GenerateArgs, engine: &Engine) -> Result<Draft, CliError> {
+    let path = args
+        .draft_model
+        .as_deref()
+        .expect("checked by speculation_mode()");
+    let model = load_draft(path, engine.model())?;
     let cfg = EngineConfig {
         threads: engine.threads(),
         kv_bytes: engine.kv_pool().mapped_bytes() as u64,
@@ -347,14 +361,10 @@ fn continue_remotely(
         eprintln!("(the server dropped {dropped} prompt tokens to fit the context)");
     }
     let mut req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
+    // The server speculates its own way (lookup, or its draft model):
+    // a request can only ask for speculation or opt out of it.
     match args.speculate {
-        Some(Speculate::Draft) => {
-            return Err(CliError::Usage(
-                "--speculate draft runs with a local model (the server speculates by lookup)"
-                    .into(),
-            ))
-        }
-        Some(speculate) => req.set_speculate(speculate == Speculate::Lookup),
+        Some(speculate) => req.set_speculate(speculate != Speculate::None),
         None => {}
     }
     if let Some(spec) = args.constraint.spec()? {

@@ -217,10 +217,23 @@ pub struct ServeArgs {
     /// (GenerateRequest.speculate): `lookup` proposes tokens that followed
     /// the history's last tokens where they occurred before and verifies
     /// several per forward pass, emitting exactly plain decoding's tokens;
-    /// `none` decodes one token per pass. Layers on a GPU or on shards, and
-    /// constrained calls, decode plainly [default: lookup].
+    /// `none` decodes one token per pass; `draft` has the --draft-model
+    /// propose its greedy continuation. Layers on a GPU or on shards, and
+    /// constrained calls, decode plainly [default: draft with a draft
+    /// model, else lookup].
     #[arg(long, value_enum, env = "INFERD_SPECULATE")]
     pub speculate: Option<Speculate>,
+    /// A smaller GGUF model with the main model's vocabulary (token for
+    /// token) that proposes tokens for speculative decoding; its KV comes
+    /// out of --kv-mib (the share that holds as many positions as the main
+    /// model's).
+    #[arg(long, env = "INFERD_DRAFT_MODEL")]
+    pub draft_model: Option<PathBuf>,
+    /// Tokens the draft model proposes every step, instead of the length
+    /// that its acceptance and its cost against the main model say pays
+    /// (1-15).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=15))]
+    pub draft_tokens: Option<u16>,
     /// Where the model's layers run: `cpu`, `gpu` (any Vulkan/Metal
     /// adapter, lavapipe included; start-up fails if there is none) or
     /// `auto` (a hardware GPU if there is one and the model fits, else the
@@ -302,6 +315,7 @@ struct FileConfig {
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
     speculate: Option<Speculate>,
+    draft_model: Option<PathBuf>,
     device: Option<DeviceChoice>,
     shards: Option<Vec<String>>,
     shard_encoding: Option<ShardEncoding>,
@@ -369,6 +383,8 @@ pub struct Settings {
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
     pub speculate: Speculate,
+    pub draft_model: Option<PathBuf>,
+    pub draft_tokens: Option<usize>,
     pub device: DeviceChoice,
     /// Empty: this process runs every layer.
     pub shards: Vec<ShardSpec>,
@@ -534,10 +550,17 @@ impl ServeArgs {
                 None => None,
             },
             sampler: self.sampler.or(file.sampler).unwrap_or_default(),
-            speculate: self
-                .speculate
-                .or(file.speculate)
-                .unwrap_or(Speculate::Lookup),
+            speculate: super::generate::speculation_mode(
+                self.speculate.or(file.speculate),
+                self.draft_model.is_some() || file.draft_model.is_some(),
+            )?,
+            draft_model: self.draft_model.clone().or(file.draft_model.clone()),
+            draft_tokens: match self.draft_tokens {
+                Some(_) if self.draft_model.is_none() && file.draft_model.is_none() => {
+                    return Err(CliError::Usage("--draft-tokens needs --draft-model".into()))
+                }
+                tokens => tokens.map(usize::from),
+            },
             device: self.device.or(file.device).unwrap_or_default(),
             shards: shard_list(self.shards.as_deref(), file.shards.as_deref())?,
             shard_encoding: self
@@ -724,14 +747,9 @@ impl Settings {
             speculation: match self.speculate {
                 Speculate::None => Speculation::None,
                 Speculate::Lookup => Speculation::Lookup,
-                Speculate::Draft => {
-                    return Err(CliError::Usage(
-                        "serve speculates by lookup or not at all: draft models run in \
-                         `inferd generate --draft-model` for now"
-                            .into(),
-                    ))
-                }
+                Speculate::Draft => Speculation::Draft,
             },
+            draft_tokens: self.draft_tokens,
             ..RuntimeConfig::default()
         };
         let mut cfg = ServeConfig::new(self.listen.clone(), runtime);
@@ -857,6 +875,16 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     })?;
     let model = Arc::new(model);
     let mut cfg = settings.serve_config(&model)?;
+    if let Some(path) = &settings.draft_model {
+        if settings.device != DeviceChoice::Cpu || !settings.shards.is_empty() {
+            return Err(CliError::Usage(
+                "--draft-model speculates with layers run here on the CPU (not with --device \
+                 or --shards)"
+                    .into(),
+            ));
+        }
+        cfg.runtime.draft_model = Some(Arc::new(super::generate::load_draft(path, &model)?));
+    }
     if settings.device != DeviceChoice::Cpu {
         if !settings.shards.is_empty() {
             return Err(CliError::Usage(
@@ -890,7 +918,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     if args.check {
         println!(
             "configuration ok: model {} ({} layers, vocabulary {}, context {}), listen {}, \
-             {} workers, KV {}, tls {}, auth token {}, sampler {}, {}, sessions {}",
+             {} workers, KV {}, tls {}, auth token {}, sampler {}, {}, {}, sessions {}",
             settings.model.display(),
             model.config.n_layers,
             model.config.vocab,
@@ -915,6 +943,10 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                 None => "cpu".into(),
             },
             cfg.runtime.layers.describe(),
+            match (&settings.draft_model, settings.speculate) {
+                (Some(path), _) => format!("speculation by draft model {}", path.display()),
+                (None, mode) => format!("speculation {}", format!("{mode:?}").to_lowercase()),
+            },
             match &settings.state_dir {
                 Some(dir) => format!(
                     "kept in {} ({} durability)",

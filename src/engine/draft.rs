@@ -19,11 +19,7 @@ use std::time::{Duration, Instant};
 use super::speculative::Proposer;
 use super::{Engine, EngineConfig, EngineError, Session};
 use crate::model::Model;
-use crate::speculate::{pass_cost, Sizer};
-
-/// How often a draft that does not pay proposes one token anyway, to
-/// measure again.
-pub const PROBE_EVERY: usize = 16;
+use crate::speculate::{greedy, pass_cost, Sizer, PROBE_EVERY};
 
 /// A draft model and its session.
 pub struct Draft {
@@ -151,7 +147,7 @@ impl Proposer for Draft {
         };
         let mut proposal = Vec::with_capacity(want);
         while proposal.len() < want {
-            let token = argmax(&self.session.next_logits);
+            let token = greedy(&self.session.next_logits);
             proposal.push(token);
             if proposal.len() < want {
                 self.engine.append(&mut self.session, &[token])?;
@@ -173,15 +169,4 @@ impl Proposer for Draft {
         self.main_step = decay(self.main_step, pass.div_f32(pass_cost(proposed)));
         self.last = (Duration::ZERO, 0);
     }
-}
-
-/// The highest logit's token (the first of equals).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = (f32::NEG_INFINITY, 0usize);
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best.0 {
-            best = (v, i);
-        }
-    }
-    best.1 as u32
 }

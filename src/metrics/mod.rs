@@ -253,6 +253,12 @@ fn render_generation(e: &mut Exposition, stats: &RuntimeStats) {
         "Proposed tokens that were the tokens sampled (emitted without a pass of their own).",
         stats.speculation_accepted,
     );
+    e.single(
+        "draft_kv_dropped_total",
+        "counter",
+        "Sessions' draft-model KV dropped to make room for another session's draft.",
+        stats.draft_kv_dropped,
+    );
 }
 
 /// Session invariant violations and the shared KV pool's pages and bytes.
@@ -731,6 +737,7 @@ mod tests {
             tokens_generated: 40,
             speculation_proposed: 30,
             speculation_accepted: 21,
+            draft_kv_dropped: 2,
             prefill_tokens: 123,
             prefill_duration: HistogramSnapshot {
                 bounds: PREFILL_BUCKETS.to_vec(),
@@ -953,6 +960,7 @@ mod tests {
         assert_eq!(get("inferd_prefix_reused_tokens_total", &[]), 64.0);
         assert_eq!(get("inferd_speculation_proposed_tokens_total", &[]), 30.0);
         assert_eq!(get("inferd_speculation_accepted_tokens_total", &[]), 21.0);
+        assert_eq!(get("inferd_draft_kv_dropped_total", &[]), 2.0);
         assert_eq!(get("inferd_restore_kept_tokens_total", &[]), 4080.0);
         assert_eq!(get("inferd_session_spill_bytes", &[]), 1048576.0);
         assert_eq!(get("inferd_session_spill_read_tokens_total", &[]), 992.0);

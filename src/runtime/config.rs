@@ -94,6 +94,15 @@ pub struct RuntimeConfig {
     /// (`GenerateRequest::speculate`): tokens stay plain decoding's either
     /// way.
     pub speculation: Speculation,
+    /// The draft model of [`Speculation::Draft`] (the main model's
+    /// vocabulary, token for token: the caller checks). Its KV comes out
+    /// of `kv_bytes`: each worker keeps a pool of draft pages sized so the
+    /// draft holds as many positions as the main model.
+    #[cfg(not(loom))]
+    pub draft_model: Option<Arc<crate::model::Model>>,
+    /// Tokens a draft proposes every step instead of the length its
+    /// acceptance and costs say pays (`None`: sized that way).
+    pub draft_tokens: Option<usize>,
 }
 
 /// Speculative decoding in the workers: several tokens verified in one
@@ -107,6 +116,10 @@ pub enum Speculation {
     /// before in the session's history (`crate::speculate`).
     #[default]
     Lookup,
+    /// A smaller model of the same vocabulary proposes its greedy
+    /// continuation ([`RuntimeConfig::draft_model`]); without a draft
+    /// model, or with layers that cannot verify, plain decoding.
+    Draft,
 }
 
 impl Default for RuntimeConfig {
@@ -135,6 +148,9 @@ impl Default for RuntimeConfig {
             layers: Arc::new(LocalLayers),
             #[cfg(not(loom))]
             state: None,
+            #[cfg(not(loom))]
+            draft_model: None,
+            draft_tokens: None,
         }
     }
 }

@@ -123,6 +123,9 @@ pub struct Counters {
     /// Proposed tokens that were the ones sampled, emitted without a pass
     /// of their own.
     pub speculation_accepted: AtomicU64,
+    /// Sessions' draft-model KV dropped to make room for another's draft
+    /// (fed again when next needed).
+    pub draft_kv_dropped: AtomicU64,
     /// Prompt tokens computed (appends and truncation re-prefills).
     pub prefill_tokens: AtomicU64,
     /// How long each append or truncation re-prefill took to compute.
@@ -220,6 +223,8 @@ pub struct RuntimeStats {
     /// Tokens speculation proposed, and those accepted.
     pub speculation_proposed: u64,
     pub speculation_accepted: u64,
+    /// Sessions' draft-model KV dropped for another's.
+    pub draft_kv_dropped: u64,
     /// Prompt tokens computed (appends and truncation re-prefills).
     pub prefill_tokens: u64,
     pub prefill_duration: HistogramSnapshot,

@@ -11,11 +11,11 @@ use std::time::Instant;
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
 use super::notify::NotifySender;
-use super::worker::{AdmittedGenerate, Command, Op, Worker, WorkersState};
+use super::worker::{AdmittedGenerate, Command, DraftRunner, Op, Worker, WorkersState};
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply,
-    ForkSession, GenerateRequest, GenerateStream, Pending, RuntimeConfig, RuntimeError,
-    RuntimeStats, SessionId, SessionInfo, Tenant, WorkerGauges, WorkerStats,
+    ForkSession, GenerateRequest, GenerateStream, Layers, Pending, RuntimeConfig, RuntimeError,
+    RuntimeStats, SessionId, SessionInfo, Speculation, Tenant, WorkerGauges, WorkerStats,
 };
 use crate::kv::{KvPool, PrefixIndex};
 use crate::model::Model;
@@ -387,6 +387,7 @@ impl Runtime {
             tokens_generated: load(&c.tokens_generated),
             speculation_proposed: load(&c.speculation_proposed),
             speculation_accepted: load(&c.speculation_accepted),
+            draft_kv_dropped: load(&c.draft_kv_dropped),
             prefill_tokens: load(&c.prefill_tokens),
             prefill_duration: c.prefill_duration.snapshot(),
             kv_live_bytes: self

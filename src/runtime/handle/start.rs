@@ -31,6 +31,29 @@ fn take_back_pages(pool: &mut KvPool, recovered: &mut [crate::durable::Recovered
     }
 }
 
+/// With a draft model to speculate with (and layers in this process to
+/// verify its proposals), takes its KV out of the budget: the draft gets
+/// the share that lets it hold as many positions as the main model, split
+/// evenly over the workers. Returns each worker's draft bytes.
+fn split_for_draft(
+    model: &Model,
+    layers: &Arc<dyn Layers>,
+    cfg: &mut RuntimeConfig,
+) -> Option<u64> {
+    let draft = cfg.draft_model.as_ref()?;
+    if cfg.speculation != Speculation::Draft || layers.backend() != "cpu" {
+        return None;
+    }
+    let per_position = |m: &Model| {
+        m.kv_layout(m.config.n_layers, cfg.page_positions)
+            .bytes_per_position() as u128
+    };
+    let (main, draft) = (per_position(model), per_position(draft));
+    let draft_share = (u128::from(cfg.kv_bytes) * draft / (main + draft).max(1)) as u64;
+    cfg.kv_bytes -= draft_share;
+    Some(draft_share / cfg.workers as u64)
+}
+
 impl Runtime {
     /// Maps the KV pool and spawns `cfg.workers` worker threads, pinned one
     /// per core when asked (a failed pin is logged, not fatal).
@@ -41,6 +64,7 @@ impl Runtime {
         cfg.stream_capacity = cfg.stream_capacity.max(4);
         cfg.worker_queue = cfg.worker_queue.max(1);
         let layers = Arc::clone(&cfg.layers);
+        let draft_bytes = split_for_draft(&model, &layers, &mut cfg);
         let mut kv_pool = layers.kv_pool(&model, &mut cfg)?;
         // Sessions of the state directory come back before any worker
         // runs: the pages they take back from the kept page file are
@@ -84,6 +108,15 @@ impl Runtime {
                 Arc::clone(&shared),
                 Arc::clone(&gauges),
             )?;
+            let worker = match (&cfg.draft_model, draft_bytes) {
+                (Some(draft), Some(bytes)) => worker.with_draft(DraftRunner::new(
+                    Arc::clone(draft),
+                    &model,
+                    cfg.page_positions,
+                    bytes,
+                )?),
+                _ => worker,
+            };
             let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
             let thread = std::thread::Builder::new()
                 .name(format!("inferd-worker-{index}"))

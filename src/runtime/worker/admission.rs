@@ -358,11 +358,17 @@ impl Worker {
                 let speculate = gen
                     .req
                     .speculate
-                    .unwrap_or(self.cfg.speculation == Speculation::Lookup)
+                    .unwrap_or(self.cfg.speculation != Speculation::None)
                     && gen.req.constraint.is_none()
                     && self.runner.verifies_proposals();
-                let lookup = speculate.then(Lookup::default);
-                if let Err(e) = start_generate(slot, *gen, lookup, &events, &cancel, deadline) {
+                // A server that drafts proposes with its draft model; one
+                // that does not, or a call asking for speculation from a
+                // server that speculates not at all, by lookup.
+                let proposer = speculate.then(|| match &self.draft {
+                    Some(_) if self.cfg.speculation == Speculation::Draft => Proposer::Draft,
+                    _ => Proposer::Lookup(Lookup::default()),
+                });
+                if let Err(e) = start_generate(slot, *gen, proposer, &events, &cancel, deadline) {
                     let _ = events.try_send(GenerateEvent::Error(e));
                 }
                 None
@@ -484,7 +490,7 @@ pub(super) fn info(
 fn start_generate(
     slot: &mut SessionSlot,
     admitted: AdmittedGenerate,
-    lookup: Option<Lookup>,
+    proposer: Option<Proposer>,
     events: &NotifySender<GenerateEvent>,
     cancel: &Arc<AtomicBool>,
     deadline: Option<Instant>,
@@ -518,7 +524,7 @@ fn start_generate(
         before_rewrite: None,
         constraint: req.constraint.as_ref().and_then(|c| c.take()).map(Box::new),
         mask: Vec::new(),
-        lookup,
+        proposer,
         speculation: SpeculationCounts::default(),
     };
     slot.active = Some(Active {

@@ -132,8 +132,13 @@ impl Worker {
         let mut fed = Vec::new();
         let mut kept = Vec::new();
         let keeps = self.runner.keeps_logits();
+        // A step of decode tokens alone (each maybe with a proposal) times
+        // a main decode step for the draft's costs.
+        let (mut decode_only, mut longest_proposal) = (true, 0);
         for (id, slot) in self.sessions.iter_mut() {
             if !slot.feed.is_empty() {
+                decode_only &= slot.feed.len() == 1 + slot.proposed() && !slot.prefilling();
+                longest_proposal = longest_proposal.max(slot.proposed());
                 ids.push(*id);
                 fed.push((slot.feed.len(), slot.session.history().len()));
                 // A generating session samples its logits where they are.
@@ -161,6 +166,9 @@ impl Worker {
             .forward(&mut feeds, &self.compute, &mut self.scratch);
         drop(feeds);
         self.learn_step_cost(started.elapsed(), &fed);
+        if let Some(draft) = self.draft.as_mut().filter(|_| decode_only) {
+            draft.learn_main_step(started.elapsed(), longest_proposal);
+        }
         self.count_step(ids.len());
         match result {
             Ok(rows) => self.commit_batch(ids, &kept, &rows),

@@ -94,6 +94,7 @@ impl Worker {
             }
         }
         self.sampled = sampled;
+        self.propose_drafts();
     }
 
     /// Fills the mask of every planned session with a constraint; one whose

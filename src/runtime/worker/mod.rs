@@ -20,8 +20,8 @@
 //! The rooms: [`admission`] (creation, the session FIFO, removal, TTL),
 //! [`room`] (pages, eviction, truncation, undo), [`batch`] (plan, forward,
 //! commit, invariants), [`generate`] (sampling, stop conditions,
-//! events) and [`speculate`] (proposed tokens fed with the sampled one,
-//! verified and rolled back).
+//! events), [`speculate`] (proposed tokens fed with the sampled one,
+//! verified and rolled back) and [`draft`] (a draft model's proposals).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -50,6 +50,7 @@ use crate::speculate::Lookup;
 use crate::threads::ThreadPool;
 use commands::Reply;
 pub(crate) use commands::{AdmittedGenerate, Command, Op};
+pub(crate) use draft::DraftRunner;
 use fork::Forking;
 pub(crate) use shared::WorkersState;
 use work::*;
@@ -57,6 +58,7 @@ use work::*;
 mod admission;
 mod batch;
 mod commands;
+mod draft;
 mod fork;
 mod generate;
 mod restore;
@@ -86,6 +88,10 @@ pub(crate) struct Worker {
     /// A lookup's proposal, or a generating session's history and what
     /// follows it for a verification (reused across steps).
     lookup_history: Vec<u32>,
+    /// The draft model, when the runtime drafts and the runner verifies.
+    draft: Option<DraftRunner>,
+    /// Sessions to draft for this step, and the most each may propose.
+    to_draft: Vec<(SessionId, usize)>,
     sessions: HashMap<SessionId, SessionSlot>,
     /// What runs the layers: the model here, or the shards.
     runner: Box<dyn StepRunner>,
@@ -160,6 +166,8 @@ impl Worker {
             to_sample: Vec::new(),
             sampled: Vec::new(),
             lookup_history: Vec::new(),
+            draft: None,
+            to_draft: Vec::new(),
             sessions: HashMap::new(),
             runner,
             waiting_creates: VecDeque::new(),
@@ -167,6 +175,15 @@ impl Worker {
             last_sweep: Instant::now(),
             ns_per_weighted_token: None,
         })
+    }
+
+    /// Drafts with `draft` for the Generates that speculate, if the
+    /// runner can verify proposals (else it decodes plainly).
+    pub(crate) fn with_draft(mut self, draft: DraftRunner) -> Self {
+        if self.runner.verifies_proposals() {
+            self.draft = Some(draft);
+        }
+        self
     }
 
     /// The loop: runs until `Shutdown` or until every sender is gone.

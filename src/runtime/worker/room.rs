@@ -36,6 +36,8 @@ impl Worker {
     }
 
     fn evict_slot(&mut self, id: SessionId, slot: &mut SessionSlot) {
+        // The draft's positions go either way (fed again if it comes back).
+        slot.draft = None;
         // A spill keeps the logits' digest.
         if slot.session.is_durable() {
             if let Err(e) = slot.session.bring_logits_home(id, &*self.runner) {

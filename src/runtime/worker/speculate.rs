@@ -17,18 +17,19 @@ use super::*;
 impl Worker {
     /// Adds what the session's lookup proposes after the token just
     /// sampled for it (its feed's only token) to its feed, as far as
-    /// `max_tokens`, the context, the stream's room and free pages allow.
+    /// `max_tokens`, the context, the stream's room and free pages allow;
+    /// or, for a call that drafts, notes the session for this step's
+    /// drafting.
     pub(super) fn propose(&mut self, id: SessionId) {
         let context = self.model.config.context;
         let Some(slot) = self.sessions.get_mut(&id) else {
             return;
         };
+        let Some((token, limit)) = proposal_room(slot, context) else {
+            return;
+        };
         let SessionSlot {
-            session,
-            active,
-            feed,
-            feed_logits,
-            ..
+            session, active, ..
         } = slot;
         let Some(Active {
             work: Work::Generate(gen),
@@ -37,35 +38,19 @@ impl Worker {
         else {
             return;
         };
-        let (Some(lookup), &[token]) = (gen.lookup.as_mut(), &feed[..]) else {
-            return;
-        };
-        if session.eos().contains(&token) {
-            return;
+        let mut proposal = std::mem::take(&mut self.lookup_history);
+        proposal.clear();
+        match gen.proposer.as_mut() {
+            Some(Proposer::Lookup(lookup)) => {
+                lookup.propose_after(session.history(), token, limit, &mut proposal);
+            }
+            // Drafted for with the step's other drafting sessions, after
+            // the sampling (`propose_drafts`).
+            Some(Proposer::Draft) => self.to_draft.push((id, limit)),
+            None => {}
         }
-        let position = session.history().len();
-        let tokens_left = (gen.max_tokens as usize).saturating_sub(gen.generated.len() + 1);
-        let context_left = context.saturating_sub(position + 1);
-        // Each emitted token takes one event (two with log-probabilities);
-        // the sampled token's and the terminal event come first.
-        let per_token = 1 + usize::from(gen.top_logprobs > 0);
-        let stream_left = gen.events.capacity().map_or(usize::MAX, |capacity| {
-            let free = capacity.saturating_sub(gen.events.len());
-            (free.saturating_sub(1) / per_token).saturating_sub(1)
-        });
-        let limit = tokens_left.min(context_left).min(stream_left);
-        if limit == 0 {
-            return;
-        }
-        let proposal = &mut self.lookup_history;
-        lookup.propose_after(session.history(), token, limit, proposal);
-        // Pages for the proposal only if they are free now: speculation
-        // never evicts anything.
-        if proposal.is_empty() || session.reserve(position + 1 + proposal.len()).is_err() {
-            return;
-        }
-        feed.extend_from_slice(proposal);
-        *feed_logits = LogitsWanted::All;
+        add_proposal(slot, &proposal);
+        self.lookup_history = proposal;
     }
 
     /// Applies a step that fed a sampled token and a proposal after it
@@ -198,8 +183,14 @@ impl Worker {
         {
             gen.speculation.proposed += proposed as u64;
             gen.speculation.accepted += emitted as u64;
-            if let Some(lookup) = gen.lookup.as_mut() {
-                lookup.learn(proposed, accepted);
+            match gen.proposer.as_mut() {
+                Some(Proposer::Lookup(lookup)) => lookup.learn(proposed, accepted),
+                Some(Proposer::Draft) => {
+                    if let Some(draft) = slot.draft.as_mut() {
+                        draft.learn(proposed, accepted);
+                    }
+                }
+                None => {}
             }
         }
     }
@@ -214,4 +205,47 @@ fn set_pending_logprobs(slot: &mut SessionSlot, logprobs: Option<crate::sampler:
     {
         gen.pending_logprobs = logprobs;
     }
+}
+
+/// The sampled token a generating session's feed holds (its only token),
+/// and how many tokens may be proposed after it: as far as `max_tokens`,
+/// the context and the stream's room allow. `None`: nothing may be.
+pub(super) fn proposal_room(slot: &SessionSlot, context: usize) -> Option<(u32, usize)> {
+    let Some(Active {
+        work: Work::Generate(gen),
+        ..
+    }) = slot.active.as_ref()
+    else {
+        return None;
+    };
+    let &[token] = &slot.feed[..] else {
+        return None;
+    };
+    if gen.proposer.is_none() || slot.session.eos().contains(&token) {
+        return None;
+    }
+    let position = slot.session.history().len();
+    let tokens_left = (gen.max_tokens as usize).saturating_sub(gen.generated.len() + 1);
+    let context_left = context.saturating_sub(position + 1);
+    // Each emitted token takes one event (two with log-probabilities);
+    // the sampled token's and the terminal event come first.
+    let per_token = 1 + usize::from(gen.top_logprobs > 0);
+    let stream_left = gen.events.capacity().map_or(usize::MAX, |capacity| {
+        let free = capacity.saturating_sub(gen.events.len());
+        (free.saturating_sub(1) / per_token).saturating_sub(1)
+    });
+    let limit = tokens_left.min(context_left).min(stream_left);
+    (limit > 0).then_some((token, limit))
+}
+
+/// Feeds `proposal` after the session's sampled token, every row's logits
+/// wanted; its pages only if they are free now (speculation never evicts
+/// anything).
+pub(super) fn add_proposal(slot: &mut SessionSlot, proposal: &[u32]) {
+    let position = slot.session.history().len();
+    if proposal.is_empty() || slot.session.reserve(position + 1 + proposal.len()).is_err() {
+        return;
+    }
+    slot.feed.extend_from_slice(proposal);
+    slot.feed_logits = LogitsWanted::All;
 }

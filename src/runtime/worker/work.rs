@@ -14,6 +14,7 @@ use super::super::{
     SpeculationCounts, StopReason, Tenant,
 };
 use super::commands::{Op, Reply};
+use super::draft::DraftKv;
 use crate::constraint::Constraint;
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, TokenLogprobs};
@@ -70,8 +71,17 @@ pub(super) struct Generating {
     pub(super) mask: Vec<u32>,
     /// The call's proposer when it speculates (`speculate.rs`), and what
     /// speculation did in it.
-    pub(super) lookup: Option<Lookup>,
+    pub(super) proposer: Option<Proposer>,
     pub(super) speculation: SpeculationCounts,
+}
+
+/// Where a speculating Generate's proposals come from.
+pub(super) enum Proposer {
+    /// Its own history (the call's lookup and what it learned).
+    Lookup(Lookup),
+    /// The worker's draft model, from the session's draft KV
+    /// ([`SessionSlot::draft`], kept across calls).
+    Draft,
 }
 
 pub(super) enum Work {
@@ -185,6 +195,10 @@ pub(super) struct SessionSlot {
     pub(super) feed_logits: LogitsWanted,
     /// Speculation's counts over the session's Generates.
     pub(super) speculation: SpeculationCounts,
+    /// The draft model's positions for this session, when a draft
+    /// proposed for it: a cache, dropped whenever its pages are wanted and
+    /// fed again from the history.
+    pub(super) draft: Option<DraftKv>,
     /// Removed during the operation that holds it (see
     /// [`Worker::with_session`]): it does not go back into the map.
     pub(super) removed: bool,
@@ -201,6 +215,7 @@ impl SessionSlot {
             feed: Vec::new(),
             feed_logits: LogitsWanted::None,
             speculation: SpeculationCounts::default(),
+            draft: None,
             removed: false,
         }
     }
@@ -214,6 +229,14 @@ impl SessionSlot {
         } else {
             0
         }
+    }
+
+    /// Whether this step's feed is part of a prompt (or of a history being
+    /// fed again), not a sampled token.
+    pub(super) fn prefilling(&self) -> bool {
+        self.active
+            .as_ref()
+            .is_some_and(|active| active.fed < active.pending.len())
     }
 
     /// The committed history's length: a history being fed again (a

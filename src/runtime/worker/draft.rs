@@ -1,0 +1,331 @@
+//! Draft-model speculation in the workers (`serve --draft-model`): a
+//! smaller model of the same vocabulary proposes its greedy continuation
+//! of each drafting session, and the step verifies it as it verifies a
+//! lookup's (`speculate.rs`), so the tokens stay plain decoding's.
+//!
+//! Each worker keeps its own pool of draft pages (its share of the draft's
+//! part of the KV budget) and, per session, the draft's positions
+//! ([`DraftKv`]): a cache of a prefix of the session's history. Before
+//! proposing, a session's draft is cut back to what it shares with the
+//! history and fed what it lacks; a long catch-up (a new prompt) goes in
+//! chunks over several steps, proposing nothing until it is done. All the
+//! step's drafting sessions advance together, one batched draft pass per
+//! proposed token. When the pool is short, other sessions' drafts are
+//! dropped, least recently used first, to be fed again when next needed;
+//! a spill drops the session's draft too. Nothing of the draft is ever
+//! journaled: it is computed again from the history.
+//!
+//! Each session sizes its proposals from the acceptance it has seen and
+//! what a draft step costs next to a main decode step on this worker (the
+//! ratio of the weights' sizes until both are timed); while no proposal
+//! is expected to pay it proposes nothing, one token every
+//! [`PROBE_EVERY`] steps to see whether that changed.
+
+use std::collections::HashMap;
+
+use super::speculate::add_proposal;
+use super::*;
+use crate::kv::KvPoolConfig;
+use crate::model::Sequence;
+use crate::speculate::{greedy, pass_cost, Sizer, PROBE_EVERY};
+
+/// A worker's draft model, its pages and what its steps cost.
+pub(crate) struct DraftRunner {
+    model: Arc<Model>,
+    pool: Arc<KvPool>,
+    scratch: Scratch,
+    /// Recent time of one batched draft step, and of one main decode step
+    /// (a decode-only step over its verification cost in decode steps).
+    draft_step: Option<Duration>,
+    main_step: Option<Duration>,
+    /// What a draft step costs in main decode steps until both are timed.
+    prior_cost: f32,
+}
+
+impl DraftRunner {
+    /// A draft of `model` for `main` with `bytes` of draft pages (at least
+    /// one page for every layer).
+    pub(crate) fn new(
+        model: Arc<Model>,
+        main: &Model,
+        page_positions: usize,
+        bytes: u64,
+    ) -> Result<Self, RuntimeError> {
+        let layout = model.kv_layout(model.config.n_layers, page_positions);
+        let pages = KvPool::pages_for_bytes(&layout, bytes).max(layout.n_layers);
+        let pool = KvPool::new(KvPoolConfig::anonymous(layout, pages))
+            .map_err(|e| RuntimeError::Internal(format!("the draft model's KV pool: {e}")))?;
+        // Until measured, a step is taken to cost what reading the weights
+        // does: decode streams them once per token.
+        let weights = |m: &Model| (m.gguf().file_len() - m.gguf().data_start()).max(1) as f32;
+        let prior_cost = weights(&model) / weights(main);
+        Ok(DraftRunner {
+            model,
+            pool: Arc::new(pool),
+            scratch: Scratch::default(),
+            draft_step: None,
+            main_step: None,
+            prior_cost,
+        })
+    }
+
+    /// What one draft step costs in main decode steps.
+    fn step_cost(&self) -> f32 {
+        match (self.draft_step, self.main_step) {
+            (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
+            _ => self.prior_cost,
+        }
+    }
+
+    /// Learns a main decode step's time from a step that fed only
+    /// generating sessions' tokens, the longest proposal among them
+    /// `proposed` tokens.
+    pub(super) fn learn_main_step(&mut self, took: Duration, proposed: usize) {
+        self.main_step = decayed(self.main_step, took.div_f32(pass_cost(proposed)));
+    }
+}
+
+/// Recent steps count most; one odd step moves the estimate only so far.
+fn decayed(old: Option<Duration>, new: Duration) -> Option<Duration> {
+    Some(old.map_or(new, |old| old.mul_f32(0.7) + new.mul_f32(0.3)))
+}
+
+/// A session's positions in the draft model and what its proposals earned.
+pub(crate) struct DraftKv {
+    kv: SessionKv,
+    /// The tokens `kv` holds: a prefix of the session's history, then
+    /// maybe proposed tokens it has not accepted yet.
+    history: Vec<u32>,
+    sizer: Sizer,
+    /// Steps since it last proposed.
+    idle: usize,
+    used: Instant,
+}
+
+impl DraftKv {
+    fn new(pool: &Arc<KvPool>) -> Self {
+        DraftKv {
+            kv: SessionKv::new(Arc::clone(pool)),
+            history: Vec::new(),
+            sizer: Sizer::default(),
+            idle: 0,
+            used: Instant::now(),
+        }
+    }
+
+    /// Learns from a verified proposal.
+    pub(super) fn learn(&mut self, proposed: usize, accepted: usize) {
+        self.sizer.learn(proposed, accepted);
+    }
+
+    /// How many tokens to propose now, a draft step costing `cost` main
+    /// decode steps: `fixed` if the server says so, else what the
+    /// acceptance seen says pays, else one every [`PROBE_EVERY`] steps
+    /// unless no proposal could pay at all.
+    fn wanted(&mut self, cost: f32, fixed: Option<usize>) -> usize {
+        let want = match fixed.or_else(|| self.sizer.worth(cost)) {
+            Some(length) => length,
+            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(cost) => 1,
+            None => 0,
+        };
+        if want == 0 {
+            self.idle += 1;
+        } else {
+            self.idle = 0;
+        }
+        want
+    }
+}
+
+/// One session's drafting this step.
+struct Plan {
+    id: SessionId,
+    /// What the next draft pass feeds it.
+    feed: Vec<u32>,
+    /// Tokens to propose (0: it only catches up this step).
+    want: usize,
+    proposal: Vec<u32>,
+}
+
+impl Worker {
+    /// Drafts for every session noted by `propose` this step, in batched
+    /// draft passes, and adds each proposal to its session's feed.
+    pub(super) fn propose_drafts(&mut self) {
+        let mut asked = std::mem::take(&mut self.to_draft);
+        if let Some(mut draft) = self.draft.take() {
+            let mut plans = self.plan_drafts(&mut draft, &asked);
+            self.run_drafts(&mut draft, &mut plans);
+            for plan in plans {
+                if let Some(slot) = self.sessions.get_mut(&plan.id) {
+                    if plan.proposal.len() == plan.want {
+                        add_proposal(slot, &plan.proposal);
+                    }
+                }
+            }
+            self.draft = Some(draft);
+        }
+        asked.clear();
+        self.to_draft = asked;
+    }
+
+    /// Sizes each asking session's proposal, brings its draft in line with
+    /// its history (cut back, then the tokens it lacks to be fed) and
+    /// reserves the draft pages that takes.
+    fn plan_drafts(&mut self, draft: &mut DraftRunner, asked: &[(SessionId, usize)]) -> Vec<Plan> {
+        let cost = draft.step_cost();
+        let context = draft.model.config.context;
+        let chunk = self.cfg.prefill_chunk.max(1);
+        let mut plans = Vec::new();
+        for &(id, limit) in asked {
+            let Some(slot) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let &[token] = &slot.feed[..] else {
+                continue;
+            };
+            let state = slot.draft.get_or_insert_with(|| DraftKv::new(&draft.pool));
+            state.used = Instant::now();
+            let want = state.wanted(cost, self.cfg.draft_tokens).min(limit);
+            let history = slot.session.history();
+            let target = history.len() + 1;
+            if want == 0 || target + want > context {
+                continue;
+            }
+            let at = |i: usize| history.get(i).copied().unwrap_or(token);
+            // Short of the last token, which is fed again so that the
+            // draft's logits after it are there to propose from.
+            let shared = (state.history.iter().enumerate())
+                .take_while(|&(i, &t)| i < target && t == at(i))
+                .count()
+                .min(target - 1);
+            if shared < state.history.len() {
+                if state.kv.roll_back_to(shared).is_ok() {
+                    state.history.truncate(shared);
+                } else {
+                    *state = DraftKv::new(&draft.pool);
+                }
+            }
+            let have = state.history.len();
+            let catch_up = (target - have).min(chunk);
+            let want = if have + catch_up == target { want } else { 0 };
+            plans.push(Plan {
+                id,
+                feed: (have..have + catch_up).map(at).collect(),
+                want,
+                proposal: Vec::with_capacity(want),
+            });
+        }
+        let planned: Vec<SessionId> = plans.iter().map(|p| p.id).collect();
+        plans.retain(|plan| self.reserve_draft(plan, &planned));
+        plans
+    }
+
+    /// Reserves the draft pages `plan` feeds into, dropping other
+    /// sessions' drafts (least recently used first, none of `planned`)
+    /// while the pool is short. Whether it got them.
+    fn reserve_draft(&mut self, plan: &Plan, planned: &[SessionId]) -> bool {
+        loop {
+            let Some(state) = self
+                .sessions
+                .get_mut(&plan.id)
+                .and_then(|slot| slot.draft.as_mut())
+            else {
+                return false;
+            };
+            let positions = state.history.len() + plan.feed.len() + plan.want.saturating_sub(1);
+            if state.kv.reserve(positions).is_ok() {
+                return true;
+            }
+            let oldest = (self.sessions.iter())
+                .filter(|(id, slot)| slot.draft.is_some() && !planned.contains(id))
+                .min_by_key(|(_, slot)| slot.draft.as_ref().map(|d| d.used))
+                .map(|(id, _)| *id);
+            match oldest.and_then(|id| self.sessions.get_mut(&id)) {
+                Some(slot) => {
+                    slot.draft = None;
+                    let dropped = &self.shared.counters.draft_kv_dropped;
+                    dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                None => return false,
+            }
+        }
+    }
+
+    /// Runs the planned draft passes: the tokens each draft lacks, then
+    /// one greedy token a pass while any plan wants more.
+    fn run_drafts(&mut self, draft: &mut DraftRunner, plans: &mut [Plan]) {
+        let vocab = draft.model.config.vocab;
+        let index: HashMap<SessionId, usize> =
+            plans.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
+        let mut first = true;
+        loop {
+            let mut seqs = Vec::new();
+            let mut who = Vec::new();
+            let mut catching_up = false;
+            for (id, slot) in self.sessions.iter_mut() {
+                let (Some(&i), Some(state)) = (index.get(id), slot.draft.as_mut()) else {
+                    continue;
+                };
+                if plans[i].feed.is_empty() {
+                    continue;
+                }
+                catching_up |= plans[i].feed.len() > 2;
+                seqs.push(Sequence {
+                    kv: &mut state.kv,
+                    tokens: &plans[i].feed,
+                    logits: LogitsWanted::Last,
+                });
+                who.push(i);
+            }
+            if seqs.is_empty() {
+                return;
+            }
+            let started = Instant::now();
+            let result = draft
+                .model
+                .forward(&mut seqs, &self.compute, &mut draft.scratch);
+            drop(seqs);
+            let rows = match result {
+                Ok(rows) => rows,
+                Err(e) => {
+                    // Only speed is lost: the drafts go, nothing is proposed.
+                    tracing::error!(worker = self.index, "draft pass failed: {e}");
+                    for plan in plans.iter_mut() {
+                        // A length no proposal reaches: none is added.
+                        plan.want = usize::MAX;
+                        if let Some(slot) = self.sessions.get_mut(&plan.id) {
+                            slot.draft = None;
+                        }
+                    }
+                    return;
+                }
+            };
+            // A catch-up over a prompt is not a draft step's cost.
+            if !first || !catching_up {
+                draft.draft_step = decayed(draft.draft_step, started.elapsed());
+            }
+            first = false;
+            for (b, &i) in who.iter().enumerate() {
+                let plan = &mut plans[i];
+                let Some(state) = self
+                    .sessions
+                    .get_mut(&plan.id)
+                    .and_then(|slot| slot.draft.as_mut())
+                else {
+                    continue;
+                };
+                state.history.append(&mut plan.feed);
+                let Some(row) = rows.per_sequence.get(b).and_then(|r| r.end.checked_sub(1)) else {
+                    continue;
+                };
+                if plan.proposal.len() < plan.want {
+                    let token = greedy(&draft.scratch.logits[row * vocab..][..vocab]);
+                    plan.proposal.push(token);
+                    if plan.proposal.len() < plan.want {
+                        plan.feed.push(token);
+                    }
+                }
+            }
+        }
+    }
+}
