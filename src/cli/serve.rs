@@ -927,6 +927,12 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
             settings.workers,
             if !settings.shards.is_empty() {
                 "on the shards".to_owned()
+            } else if let Some(draft) = cfg.runtime.draft_kv_bytes(&model) {
+                format!(
+                    "{} MiB ({} MiB of it for the draft model)",
+                    cfg.runtime.kv_bytes >> 20,
+                    draft >> 20
+                )
             } else {
                 format!("{} MiB", cfg.runtime.kv_bytes >> 20)
             },

@@ -122,6 +122,25 @@ pub enum Speculation {
     Draft,
 }
 
+#[cfg(not(loom))]
+impl RuntimeConfig {
+    /// The part of `kv_bytes` the draft model's KV takes when the runtime
+    /// drafts: the share that holds as many positions as the main
+    /// model's rest does.
+    pub fn draft_kv_bytes(&self, main: &crate::model::Model) -> Option<u64> {
+        let draft = self.draft_model.as_ref()?;
+        if self.speculation != Speculation::Draft {
+            return None;
+        }
+        let per_position = |m: &crate::model::Model| {
+            m.kv_layout(m.config.n_layers, self.page_positions)
+                .bytes_per_position() as u128
+        };
+        let (main, draft) = (per_position(main), per_position(draft));
+        Some((u128::from(self.kv_bytes) * draft / (main + draft).max(1)) as u64)
+    }
+}
+
 impl Default for RuntimeConfig {
     fn default() -> Self {
         Self {

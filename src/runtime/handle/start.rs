@@ -32,24 +32,18 @@ fn take_back_pages(pool: &mut KvPool, recovered: &mut [crate::durable::Recovered
 }
 
 /// With a draft model to speculate with (and layers in this process to
-/// verify its proposals), takes its KV out of the budget: the draft gets
-/// the share that lets it hold as many positions as the main model, split
-/// evenly over the workers. Returns each worker's draft bytes.
+/// verify its proposals), takes its KV out of the budget
+/// ([`RuntimeConfig::draft_kv_bytes`]), split evenly over the workers.
+/// Returns each worker's draft bytes.
 fn split_for_draft(
     model: &Model,
     layers: &Arc<dyn Layers>,
     cfg: &mut RuntimeConfig,
 ) -> Option<u64> {
-    let draft = cfg.draft_model.as_ref()?;
-    if cfg.speculation != Speculation::Draft || layers.backend() != "cpu" {
+    if layers.backend() != "cpu" {
         return None;
     }
-    let per_position = |m: &Model| {
-        m.kv_layout(m.config.n_layers, cfg.page_positions)
-            .bytes_per_position() as u128
-    };
-    let (main, draft) = (per_position(model), per_position(draft));
-    let draft_share = (u128::from(cfg.kv_bytes) * draft / (main + draft).max(1)) as u64;
+    let draft_share = cfg.draft_kv_bytes(model)?;
     cfg.kv_bytes -= draft_share;
     Some(draft_share / cfg.workers as u64)
 }
