@@ -15,7 +15,7 @@ use super::worker::{AdmittedGenerate, Command, DraftRunner, Op, Worker, WorkersS
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply,
     ForkSession, GenerateRequest, GenerateStream, Layers, Pending, RuntimeConfig, RuntimeError,
-    RuntimeStats, SessionId, SessionInfo, Speculation, Tenant, WorkerGauges, WorkerStats,
+    RuntimeStats, SessionId, SessionInfo, Tenant, WorkerGauges, WorkerStats,
 };
 use crate::kv::{KvPool, PrefixIndex};
 use crate::model::Model;
