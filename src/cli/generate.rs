@@ -363,9 +363,8 @@ fn continue_remotely(
     let mut req = generate_request(session_id, args.max_tokens, params, Some(params.seed));
     // The server speculates its own way (lookup, or its draft model):
     // a request can only ask for speculation or opt out of it.
-    match args.speculate {
-        Some(speculate) => req.set_speculate(speculate != Speculate::None),
-        None => {}
+    if let Some(speculate) = args.speculate {
+        req.set_speculate(speculate != Speculate::None);
     }
     if let Some(spec) = args.constraint.spec()? {
         req.set_constraint(to_proto(&spec));

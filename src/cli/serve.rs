@@ -316,6 +316,7 @@ struct FileConfig {
     sampler: Option<SamplerChoice>,
     speculate: Option<Speculate>,
     draft_model: Option<PathBuf>,
+    draft_tokens: Option<u16>,
     device: Option<DeviceChoice>,
     shards: Option<Vec<String>>,
     shard_encoding: Option<ShardEncoding>,
@@ -555,9 +556,14 @@ impl ServeArgs {
                 self.draft_model.is_some() || file.draft_model.is_some(),
             )?,
             draft_model: self.draft_model.clone().or(file.draft_model.clone()),
-            draft_tokens: match self.draft_tokens {
+            draft_tokens: match self.draft_tokens.or(file.draft_tokens) {
                 Some(_) if self.draft_model.is_none() && file.draft_model.is_none() => {
                     return Err(CliError::Usage("--draft-tokens needs --draft-model".into()))
+                }
+                Some(n) if !(1..=15).contains(&n) => {
+                    return Err(CliError::Usage(format!(
+                        "draft_tokens is {n}; it must be 1-15"
+                    )))
                 }
                 tokens => tokens.map(usize::from),
             },
