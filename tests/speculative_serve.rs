@@ -6,7 +6,10 @@
 //! penalties, with prompts appended whole or in chunks, beside batch
 //! neighbours and after a restart from the state directory; a cancelled
 //! call leaves a history plain decoding could have left; GetSessionInfo and
-//! the metrics count what was proposed and accepted.
+//! the metrics count what was proposed and accepted. The same with a draft
+//! model (`serve --draft-model`), also when drafts are dropped for room;
+//! and a model split over shards (which decode plainly) answers what one
+//! speculating host answers.
 
 mod support;
 
@@ -442,4 +445,46 @@ fn drafts_dropped_for_room_leave_the_tokens_unchanged() {
     eprintln!("{dropped} drafts dropped, {accepted:?} tokens accepted");
     assert!(dropped >= 1.0, "{dropped} drafts dropped");
     assert!(accepted.is_some_and(|a| a > 0.0));
+}
+
+/// A model split over two shards decodes plainly (the shards hold the KV
+/// and take no rewind), so a Generate asking for speculation there gives
+/// what one host gives while it speculates: the same tokens,
+/// log-probabilities, history and digest, with nothing proposed.
+#[test]
+fn a_shard_split_gives_what_one_speculating_host_gives() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let one_host = serve(&[]);
+    let shards: Vec<Inferd> = ["0..15", "15..30"]
+        .iter()
+        .map(|layers| Inferd::shard(layers, "127.0.0.1:0"))
+        .collect();
+    let list = format!("{},{}", shards[0].addr, shards[1].addr);
+    let split = serve(&["--shards", &list]);
+    let (here, there) = (
+        Client::connect(&one_host.addr),
+        Client::connect(&split.addr),
+    );
+    let mut proposed = 0;
+    for prompt in &PROMPTS[..2] {
+        let tokens = prompt_tokens(&tokenizer, prompt);
+        for (k, req) in requests("", 40).into_iter().enumerate() {
+            let mut outcomes = Vec::new();
+            for client in [&here, &there] {
+                let id = session(client, &tokenizer, &tokens, 11);
+                let mut req = with_speculation(req.clone(), true);
+                req.set_session_id(id.clone());
+                let (outcome, counts) = run(client, &id, &req);
+                outcomes.push((outcome, counts));
+                client.close(&id).expect("close");
+            }
+            assert_eq!(outcomes[1].0, outcomes[0].0, "{prompt:?}, request {k}");
+            assert_eq!(outcomes[1].1, (0, 0), "the shards proposed nothing");
+            proposed += outcomes[0].1 .0;
+        }
+    }
+    assert!(proposed > 0, "the one host speculated");
 }
