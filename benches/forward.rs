@@ -1,4 +1,5 @@
-//! End-to-end speed of the forward pass on the reference model: one decode
+//! End-to-end speed of the forward pass on the reference model (or
+//! `INFERD_BENCH_MODEL`): one decode
 //! step at a given history length, a 64-token prefill chunk, and the short
 //! chunks speculative decoding verifies (2, 4, 8 and 16 tokens after the
 //! same history: what a proposal costs against one decode step), in
@@ -18,12 +19,23 @@ use inferd::threads::ThreadPool;
 
 const REFERENCE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-fn engine(threads: usize) -> Option<Engine> {
-    if !Path::new(REFERENCE).exists() {
-        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+/// The model timed: `INFERD_BENCH_MODEL`, else the reference model.
+fn model_path() -> String {
+    std::env::var("INFERD_BENCH_MODEL").unwrap_or_else(|_| REFERENCE.to_owned())
+}
+
+/// The model, or `None` (said) when its file is absent.
+fn load_model() -> Option<Model> {
+    let path = model_path();
+    if !Path::new(&path).exists() {
+        eprintln!("SKIPPED: {path} is absent; run scripts/fetch-model");
         return None;
     }
-    let model = Arc::new(Model::load(REFERENCE).expect("reference model loads"));
+    Some(Model::load(&path).expect("the model loads"))
+}
+
+fn engine(threads: usize) -> Option<Engine> {
+    let model = Arc::new(load_model()?);
     Some(
         Engine::new(
             model,
@@ -87,12 +99,10 @@ fn forward(c: &mut Criterion) {
 /// Passes as a verification feeds them: the same history, then k tokens
 /// with every row's logits (the output projection of each row included).
 fn verify(c: &mut Criterion) {
-    if !Path::new(REFERENCE).exists() {
-        eprintln!("SKIPPED: {REFERENCE} is absent; run scripts/fetch-model");
+    let Some(model) = load_model() else {
         return;
-    }
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let model = Model::load(REFERENCE).expect("reference model loads");
     let layout = model.kv_layout(model.config.n_layers, 16);
     let kv = Arc::new(
         KvPool::new(KvPoolConfig::anonymous(layout, 64 * layout.n_layers)).expect("kv pool"),

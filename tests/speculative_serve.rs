@@ -488,3 +488,82 @@ fn a_shard_split_gives_what_one_speculating_host_gives() {
     }
     assert!(proposed > 0, "the one host speculated");
 }
+
+/// A deadline that runs out while a session speculates: the call ends
+/// DEADLINE_EXCEEDED within a step or so, and the session keeps a prefix of
+/// plain decoding's answer with its last position computed (the digest of
+/// that history built by appending) and takes the next call as usual.
+#[test]
+fn a_deadline_mid_speculation_leaves_a_whole_session() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let server = serve(&[]);
+    let client = Client::connect(&server.addr);
+    let tokens = prompt_tokens(&tokenizer, PROMPTS[1]);
+    let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
+    let whole = client.generate(&with_speculation(greedy(&plain_id, 300, 0), false));
+    assert!(whole.error.is_none(), "{:?}", whole.error);
+
+    let id = session(&client, &tokenizer, &tokens, usize::MAX);
+    let req = with_speculation(greedy(&id, 300, 0), true);
+    let started = std::time::Instant::now();
+    let mut stream = client
+        .rpc
+        .generate_opt(
+            &req,
+            grpcio::CallOption::default().timeout(Duration::from_millis(400)),
+        )
+        .expect("stream");
+    let mut streamed = Vec::new();
+    let mut code = None;
+    while let Some(item) = futures_executor::block_on(futures_util::StreamExt::next(&mut stream)) {
+        match item {
+            Ok(msg) if msg.has_done() => break,
+            Ok(msg) if !msg.has_logprobs() && !msg.has_truncated() => {
+                streamed.push(msg.get_token_id())
+            }
+            Ok(_) => {}
+            Err(grpcio::Error::RpcFailure(status)) => {
+                code = Some(status.code());
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(code, Some(grpcio::RpcStatusCode::DEADLINE_EXCEEDED));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(streamed.len() < whole.tokens.len(), "the deadline cut it");
+    assert_eq!(streamed, whole.tokens[..streamed.len()]);
+    let info = support::retry_unavailable(Duration::from_secs(30), || {
+        let info = client.info(&id).expect("info");
+        let mut done = Generated::default();
+        if info.get_busy() {
+            done.error = Some((14, "busy".into()));
+        } else {
+            done.done = Some((0, info.get_history_length()));
+        }
+        done
+    });
+    let kept = info.done.expect("idle").1 as usize - tokens.len();
+    assert!(
+        kept >= streamed.len() && kept <= whole.tokens.len(),
+        "kept {kept}"
+    );
+    let rebuilt = session(&client, &tokenizer, &tokens, usize::MAX);
+    client
+        .append(&rebuilt, &whole.tokens[..kept])
+        .expect("append");
+    assert_eq!(
+        client.info(&id).expect("info").get_logits_digest(),
+        client.info(&rebuilt).expect("info").get_logits_digest(),
+        "the session's logits after the deadline"
+    );
+    // The next call goes on from there as plain decoding would.
+    let mut next = with_speculation(greedy(&id, 8, 0), true);
+    next.set_session_id(id.clone());
+    let mut plain_next = with_speculation(greedy(&rebuilt, 8, 0), false);
+    plain_next.set_session_id(rebuilt.clone());
+    assert_eq!(client.generate(&next), client.generate(&plain_next));
+}
