@@ -8,7 +8,8 @@
 //! ([`DraftKv`]): a cache of a prefix of the session's history. Before
 //! proposing, a session's draft is cut back to what it shares with the
 //! history and fed what it lacks; a long catch-up (a new prompt) goes in
-//! chunks over several steps, proposing nothing until it is done. All the
+//! chunks over several steps (each about a main prefill chunk's cost),
+//! proposing nothing until it is done. All the
 //! step's drafting sessions advance together, one batched draft pass per
 //! proposed token. When the pool is short, other sessions' drafts are
 //! dropped, least recently used first, to be fed again when next needed;
@@ -174,7 +175,10 @@ impl Worker {
     fn plan_drafts(&mut self, draft: &mut DraftRunner, asked: &[(SessionId, usize)]) -> Vec<Plan> {
         let cost = draft.step_cost();
         let context = draft.model.config.context;
-        let chunk = self.cfg.prefill_chunk.max(1);
+        // A catch-up step feeds what costs about a main prefill chunk: a
+        // draft ten times cheaper takes ten times the tokens (up to 16x).
+        let most = self.cfg.prefill_chunk.max(1);
+        let chunk = ((most as f32 / cost.max(1.0 / 16.0)) as usize).clamp(most, 16 * most);
         let mut plans = Vec::new();
         for &(id, limit) in asked {
             let Some(slot) = self.sessions.get_mut(&id) else {
