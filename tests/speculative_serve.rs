@@ -8,8 +8,10 @@
 //! call leaves a history plain decoding could have left; GetSessionInfo and
 //! the metrics count what was proposed and accepted. The same with a draft
 //! model (`serve --draft-model`), also when drafts are dropped for room;
-//! and a model split over shards (which decode plainly) answers what one
-//! speculating host answers.
+//! forks and sharers of a prompt's pages continue as plain decoding does;
+//! a deadline mid-speculation leaves a whole session; and a model split
+//! over shards (which decode plainly) answers what one speculating host
+//! answers.
 
 mod support;
 
@@ -566,4 +568,52 @@ fn a_deadline_mid_speculation_leaves_a_whole_session() {
     let mut plain_next = with_speculation(greedy(&rebuilt, 8, 0), false);
     plain_next.set_session_id(rebuilt.clone());
     assert_eq!(client.generate(&next), client.generate(&plain_next));
+}
+
+/// Forks and shared prefixes under speculation: a session that speculated
+/// is forked at its end and short of it, and sessions with one prompt
+/// share its pages; every fork and sharer, speculating (by lookup, and
+/// with a draft model), continues as a plain session with the same
+/// history does.
+#[test]
+fn forks_and_shared_prefixes_continue_as_plain_decoding_does() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let tokens = prompt_tokens(&tokenizer, PROMPTS[0]);
+    for extra in [
+        &[][..],
+        &["--draft-model", REFERENCE, "--draft-tokens", "3"],
+    ] {
+        let server = serve(extra);
+        let client = Client::connect(&server.addr);
+        let source = session(&client, &tokenizer, &tokens, usize::MAX);
+        let first = client.generate(&with_speculation(greedy(&source, 40, 0), true));
+        assert!(first.error.is_none(), "{:?}", first.error);
+        let length = client.info(&source).expect("info").get_history_length();
+        for at in [length, length - 17] {
+            let fork = client.fork(&source, at);
+            // The same history built by appending, decoded plainly.
+            let plain = session(&client, &tokenizer, &tokens, usize::MAX);
+            let kept = at as usize - tokens.len();
+            client
+                .append(&plain, &first.tokens[..kept])
+                .expect("append");
+            let mut req = with_speculation(seeded(&fork, 40, 3), true);
+            let forked = client.generate(&req);
+            req = with_speculation(seeded(&plain, 40, 3), false);
+            assert_eq!(forked, client.generate(&req), "{extra:?}, fork at {at}");
+            assert_eq!(
+                client.info(&fork).expect("info").get_logits_digest(),
+                client.info(&plain).expect("info").get_logits_digest(),
+            );
+        }
+        // Sharers of the prompt's pages, one after another, speculating.
+        for k in 0..2 {
+            let sharer = session(&client, &tokenizer, &tokens, 13 + k);
+            let run = client.generate(&with_speculation(greedy(&sharer, 40, 0), true));
+            assert_eq!(run, first, "{extra:?}, sharer {k}");
+        }
+    }
 }
