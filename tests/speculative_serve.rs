@@ -447,6 +447,15 @@ fn drafts_dropped_for_room_leave_the_tokens_unchanged() {
     eprintln!("{dropped} drafts dropped, {accepted:?} tokens accepted");
     assert!(dropped >= 1.0, "{dropped} drafts dropped");
     assert!(accepted.is_some_and(|a| a > 0.0));
+    // The pools' size is the draft's half of the budget; the open
+    // sessions' drafts hold some of it.
+    let pool = support::sample(&scraped, "inferd_draft_kv_pool_bytes").unwrap_or(0.0);
+    let held = support::sample(&scraped, "inferd_draft_kv_held_bytes").unwrap_or(0.0);
+    assert!(
+        pool > 30.0 * 1048576.0 && pool <= 32.0 * 1048576.0,
+        "{pool}"
+    );
+    assert!(held > 0.0 && held <= pool, "{held} of {pool}");
 }
 
 /// A model split over two shards decodes plainly (the shards hold the KV

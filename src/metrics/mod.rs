@@ -213,6 +213,18 @@ fn render_sessions(e: &mut Exposition, stats: &RuntimeStats) {
         "History tokens of all live sessions.",
         stats.history_tokens,
     );
+    e.single(
+        "draft_kv_held_bytes",
+        "gauge",
+        "Bytes of draft-model KV pages the sessions' drafts hold (serve --draft-model).",
+        stats.draft_kv_held_bytes,
+    );
+    e.single(
+        "draft_kv_pool_bytes",
+        "gauge",
+        "Bytes of the draft model's KV pools over all workers (0 without one).",
+        stats.draft_kv_pool_bytes,
+    );
 }
 
 /// Prefill (tokens and the duration histogram) and generated tokens.
@@ -747,6 +759,8 @@ mod tests {
             },
             kv_live_bytes: 4096,
             history_tokens: 16,
+            draft_kv_held_bytes: 1024,
+            draft_kv_pool_bytes: 8192,
             kv_free_pages: 10,
             kv_total_pages: 12,
             workers: vec![
@@ -998,6 +1012,8 @@ mod tests {
             1.0
         );
         assert_eq!(get("inferd_session_kv_live_bytes", &[]), 4096.0);
+        assert_eq!(get("inferd_draft_kv_held_bytes", &[]), 1024.0);
+        assert_eq!(get("inferd_draft_kv_pool_bytes", &[]), 8192.0);
         assert_eq!(get("inferd_generate_prefill_tokens_total", &[]), 123.0);
         let bucket = "inferd_generate_prefill_duration_seconds_bucket";
         assert_eq!(get(bucket, &[("le", "0.001")]), 0.0);

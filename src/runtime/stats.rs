@@ -147,6 +147,10 @@ pub struct WorkerGauges {
     pub kv_live_bytes: AtomicU64,
     /// History tokens of its sessions.
     pub history_tokens: AtomicU64,
+    /// Bytes of its draft pool's pages its sessions' drafts hold, and of
+    /// the whole pool (0 without a draft model).
+    pub draft_kv_held_bytes: AtomicU64,
+    pub draft_kv_pool_bytes: AtomicU64,
     /// Tokens decoded per second.
     pub decode_rate: DecodeRate,
 }
@@ -232,6 +236,10 @@ pub struct RuntimeStats {
     pub kv_live_bytes: u64,
     /// History tokens of all live sessions.
     pub history_tokens: u64,
+    /// Draft-model KV bytes the sessions' drafts hold, and the draft pools'
+    /// size, over all workers.
+    pub draft_kv_held_bytes: u64,
+    pub draft_kv_pool_bytes: u64,
     pub kv_free_pages: u64,
     pub kv_total_pages: u64,
     pub workers: Vec<WorkerStats>,

@@ -400,6 +400,12 @@ impl Runtime {
                 .iter()
                 .map(|w| load(&w.gauges.history_tokens))
                 .sum(),
+            draft_kv_held_bytes: (self.workers.iter())
+                .map(|w| load(&w.gauges.draft_kv_held_bytes))
+                .sum(),
+            draft_kv_pool_bytes: (self.workers.iter())
+                .map(|w| load(&w.gauges.draft_kv_pool_bytes))
+                .sum(),
             kv_free_pages: self.kv_pool.free_pages() as u64,
             kv_total_pages: self.kv_pool.total_pages() as u64,
             workers,

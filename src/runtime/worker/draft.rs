@@ -70,6 +70,14 @@ impl DraftRunner {
         })
     }
 
+    /// Bytes of the pool's pages held by drafts, and of the whole pool.
+    pub(super) fn pages_in_use(&self) -> (u64, u64) {
+        let page = self.pool.page_bytes() as u64;
+        let total = self.pool.total_pages() as u64;
+        let free = self.pool.free_pages() as u64;
+        (total.saturating_sub(free) * page, total * page)
+    }
+
     /// What one draft step costs in main decode steps.
     fn step_cost(&self) -> f32 {
         match (self.draft_step, self.main_step) {

@@ -220,6 +220,11 @@ impl Worker {
             .store(self.sessions.len() as u64, Ordering::Relaxed);
         g.kv_live_bytes.store(kv_bytes, Ordering::Relaxed);
         g.history_tokens.store(history, Ordering::Relaxed);
+        if let Some(draft) = &self.draft {
+            let (held, pool) = draft.pages_in_use();
+            g.draft_kv_held_bytes.store(held, Ordering::Relaxed);
+            g.draft_kv_pool_bytes.store(pool, Ordering::Relaxed);
+        }
         g.queued_ops.store(queued, Ordering::Relaxed);
         self.shared
             .board
