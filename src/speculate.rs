@@ -14,8 +14,13 @@
 //! outright it rests a while. A proposal costs nothing when there is none;
 //! verifying changes no token (the caller samples every position as plain
 //! decoding would).
+//!
+//! A draft model's proposals (the engine's `Draft`, the workers' drafts)
+//! are sized by the same [`Sizer`], with what a draft step costs
+//! ([`DraftCost`]) and probing while nothing pays ([`DraftPace`]).
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 /// The longest run of last tokens looked up.
 pub const MAX_NGRAM: usize = 4;
@@ -130,6 +135,83 @@ impl Sizer {
         self.accepted_weight = self.accepted_weight * DECAY + accepted as f32;
         self.refused_weight =
             self.refused_weight * DECAY + f32::from(u8::from(accepted < proposed));
+    }
+}
+
+/// What one step of a draft model costs in main decode steps, measured as
+/// it runs: recent times of a draft step and of a main decode step (a
+/// verification pass over its [`pass_cost`]); until both are timed, the
+/// ratio of the two models' weight bytes (decode streams them once per
+/// token).
+#[derive(Clone, Debug)]
+pub struct DraftCost {
+    draft_step: Option<Duration>,
+    main_step: Option<Duration>,
+    prior: f32,
+}
+
+impl DraftCost {
+    /// For a draft of `draft_bytes` of weights drafting for `main_bytes`.
+    pub fn new(draft_bytes: u64, main_bytes: u64) -> Self {
+        DraftCost {
+            draft_step: None,
+            main_step: None,
+            prior: draft_bytes.max(1) as f32 / main_bytes.max(1) as f32,
+        }
+    }
+
+    /// A draft step's cost in main decode steps.
+    pub fn per_step(&self) -> f32 {
+        match (self.draft_step, self.main_step) {
+            (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
+            _ => self.prior,
+        }
+    }
+
+    /// Learns from a draft step that took `took`.
+    pub fn learn_draft_step(&mut self, took: Duration) {
+        self.draft_step = decayed(self.draft_step, took);
+    }
+
+    /// Learns from a verification pass of `proposed` tokens that took `pass`.
+    pub fn learn_main_pass(&mut self, pass: Duration, proposed: usize) {
+        self.main_step = decayed(self.main_step, pass.div_f32(pass_cost(proposed)));
+    }
+}
+
+/// Recent steps count most; one odd step moves an estimate only so far.
+fn decayed(old: Option<Duration>, new: Duration) -> Option<Duration> {
+    Some(old.map_or(new, |old| old.mul_f32(0.7) + new.mul_f32(0.3)))
+}
+
+/// How many tokens a draft model proposes: what its acceptance and cost
+/// say pays ([`Sizer`]), else one every [`PROBE_EVERY`] steps to see
+/// whether acceptance changed, unless no proposal could pay even if every
+/// token were accepted.
+#[derive(Clone, Debug, Default)]
+pub struct DraftPace {
+    sizer: Sizer,
+    /// Steps since it last proposed.
+    idle: usize,
+}
+
+impl DraftPace {
+    /// Tokens to propose now, a draft step costing `cost` main decode
+    /// steps (`fixed`: a length the caller chose instead).
+    pub fn wanted(&mut self, cost: f32, fixed: Option<usize>) -> usize {
+        let want = match fixed.or_else(|| self.sizer.worth(cost)) {
+            Some(length) => length,
+            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(cost) => 1,
+            None => 0,
+        };
+        self.idle = if want == 0 { self.idle + 1 } else { 0 };
+        want
+    }
+
+    /// Learns from a proposal of `proposed` tokens of which the first
+    /// `accepted` were the ones sampled.
+    pub fn learn(&mut self, proposed: usize, accepted: usize) {
+        self.sizer.learn(proposed, accepted);
     }
 }
 

@@ -8,10 +8,9 @@
 //!
 //! How many tokens it proposes follows the acceptance it has seen and what
 //! a draft step costs next to a main decode step, both measured as it runs
-//! (`speculate::Sizer`); while no proposal is expected to beat plain
-//! decoding it proposes nothing, trying one token every [`PROBE_EVERY`]
-//! steps to see whether that changed, unless its steps cost too much for
-//! any proposal to pay even if every token were accepted.
+//! (`speculate::DraftPace`, `speculate::DraftCost`); while no proposal is
+//! expected to beat plain decoding it proposes nothing but an occasional
+//! probe, and a draft too costly to pay even if always right stays idle.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,23 +18,16 @@ use std::time::{Duration, Instant};
 use super::speculative::Proposer;
 use super::{Engine, EngineConfig, EngineError, Session};
 use crate::model::Model;
-use crate::speculate::{greedy, pass_cost, Sizer, PROBE_EVERY};
+use crate::speculate::{greedy, DraftCost, DraftPace, Sizer};
 
 /// A draft model and its session.
 pub struct Draft {
     engine: Engine,
     session: Session,
-    sizer: Sizer,
-    /// Recent time of one draft step, and of one main decode step (a
-    /// verification pass over its cost in decode steps).
-    draft_step: Option<Duration>,
-    main_step: Option<Duration>,
-    /// What a draft step costs in main decode steps until both are timed.
-    prior_cost: f32,
+    pace: DraftPace,
+    cost: DraftCost,
     /// How long the last proposal took to make, and in how many draft steps.
     last: (Duration, usize),
-    /// Steps since the draft last proposed.
-    idle: usize,
     /// A proposal length fixed by the caller instead of sized.
     fixed: Option<usize>,
 }
@@ -50,21 +42,15 @@ impl Draft {
                 main: main.config.vocab,
             });
         }
-        // Until measured, a step is taken to cost what reading the weights
-        // does: decode streams them once per token.
-        let weights = |m: &Model| (m.gguf().file_len() - m.gguf().data_start()).max(1) as f32;
-        let prior = weights(&model) / weights(main);
+        let cost = DraftCost::new(model.weight_bytes(), main.weight_bytes());
         let engine = Engine::new(model, cfg)?;
         let session = engine.new_session();
         Ok(Draft {
             engine,
             session,
-            sizer: Sizer::default(),
-            draft_step: None,
-            main_step: None,
-            prior_cost: prior,
+            pace: DraftPace::default(),
+            cost,
             last: (Duration::ZERO, 0),
-            idle: 0,
             fixed: None,
         })
     }
@@ -74,14 +60,6 @@ impl Draft {
     pub fn with_fixed_length(mut self, length: Option<usize>) -> Self {
         self.fixed = length;
         self
-    }
-
-    /// What one draft step costs in main decode steps.
-    fn step_cost(&self) -> f32 {
-        match (self.draft_step, self.main_step) {
-            (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
-            _ => self.prior_cost,
-        }
     }
 
     /// Cuts the draft session back to the longest prefix it shares with
@@ -115,27 +93,20 @@ impl Draft {
 
 impl Proposer for Draft {
     fn prepare(&mut self, history: &[u32]) -> Result<(), EngineError> {
-        if self.fixed.is_some() || Sizer::could_pay(self.step_cost()) {
+        if self.fixed.is_some() || Sizer::could_pay(self.cost.per_step()) {
             self.sync(history)?;
         }
         Ok(())
     }
 
     fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
-        let cost = self.step_cost();
-        let worth = match self.fixed.map_or_else(|| self.sizer.worth(cost), Some) {
-            Some(length) => Some(length),
-            // Probing is worth it only if acceptance is what is lacking: a
-            // draft too slow to pay even when always right stays idle.
-            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(cost) => Some(1),
-            None => None,
-        };
-        let want = worth.unwrap_or(0).min(limit);
+        let want = self
+            .pace
+            .wanted(self.cost.per_step(), self.fixed)
+            .min(limit);
         if want == 0 || history.is_empty() {
-            self.idle += 1;
             return Ok(Vec::new());
         }
-        self.idle = 0;
         let started = Instant::now();
         let fed = self.sync(history)?;
         // Catching up on a token or two (the steady state) is timed as a
@@ -158,15 +129,11 @@ impl Proposer for Draft {
     }
 
     fn learn(&mut self, proposed: usize, accepted: usize, pass: Duration) {
-        self.sizer.learn(proposed, accepted);
-        let decay = |old: Option<Duration>, new: Duration| {
-            Some(old.map_or(new, |old| old.mul_f32(0.7) + new.mul_f32(0.3)))
-        };
-        let (took, steps) = self.last;
+        self.pace.learn(proposed, accepted);
+        let (took, steps) = std::mem::take(&mut self.last);
         if steps > 0 {
-            self.draft_step = decay(self.draft_step, took / steps as u32);
+            self.cost.learn_draft_step(took / steps as u32);
         }
-        self.main_step = decay(self.main_step, pass.div_f32(pass_cost(proposed)));
-        self.last = (Duration::ZERO, 0);
+        self.cost.learn_main_pass(pass, proposed);
     }
 }

@@ -106,6 +106,11 @@ impl Model {
         &self.file
     }
 
+    /// Bytes of the file's tensor data: what a decode step streams.
+    pub fn weight_bytes(&self) -> u64 {
+        self.file.file_len().saturating_sub(self.file.data_start()) as u64
+    }
+
     /// The weights' locations.
     pub fn weights(&self) -> &Weights {
         &self.weights

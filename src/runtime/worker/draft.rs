@@ -17,10 +17,8 @@
 //! journaled: it is computed again from the history.
 //!
 //! Each session sizes its proposals from the acceptance it has seen and
-//! what a draft step costs next to a main decode step on this worker (the
-//! ratio of the weights' sizes until both are timed); while no proposal
-//! is expected to pay it proposes nothing, one token every
-//! [`PROBE_EVERY`] steps to see whether that changed.
+//! what a draft step costs next to a main decode step on this worker
+//! (`speculate::DraftPace`, `speculate::DraftCost`, as the engine's draft).
 
 use std::collections::HashMap;
 
@@ -28,19 +26,15 @@ use super::speculate::add_proposal;
 use super::*;
 use crate::kv::KvPoolConfig;
 use crate::model::Sequence;
-use crate::speculate::{greedy, pass_cost, Sizer, PROBE_EVERY};
+use crate::speculate::{greedy, DraftCost, DraftPace};
 
 /// A worker's draft model, its pages and what its steps cost.
 pub(crate) struct DraftRunner {
     model: Arc<Model>,
     pool: Arc<KvPool>,
     scratch: Scratch,
-    /// Recent time of one batched draft step, and of one main decode step
-    /// (a decode-only step over its verification cost in decode steps).
-    draft_step: Option<Duration>,
-    main_step: Option<Duration>,
-    /// What a draft step costs in main decode steps until both are timed.
-    prior_cost: f32,
+    /// A batched draft step against a decode-only main step.
+    cost: DraftCost,
 }
 
 impl DraftRunner {
@@ -56,47 +50,29 @@ impl DraftRunner {
         let pages = KvPool::pages_for_bytes(&layout, bytes).max(layout.n_layers);
         let pool = KvPool::new(KvPoolConfig::anonymous(layout, pages))
             .map_err(|e| RuntimeError::Internal(format!("the draft model's KV pool: {e}")))?;
-        // Until measured, a step is taken to cost what reading the weights
-        // does: decode streams them once per token.
-        let weights = |m: &Model| (m.gguf().file_len() - m.gguf().data_start()).max(1) as f32;
-        let prior_cost = weights(&model) / weights(main);
+        let cost = DraftCost::new(model.weight_bytes(), main.weight_bytes());
         Ok(DraftRunner {
             model,
             pool: Arc::new(pool),
             scratch: Scratch::default(),
-            draft_step: None,
-            main_step: None,
-            prior_cost,
+            cost,
         })
     }
 
     /// Bytes of the pool's pages held by drafts, and of the whole pool.
-    pub(super) fn pages_in_use(&self) -> (u64, u64) {
+    pub(super) fn kv_bytes(&self) -> (u64, u64) {
         let page = self.pool.page_bytes() as u64;
         let total = self.pool.total_pages() as u64;
         let free = self.pool.free_pages() as u64;
         (total.saturating_sub(free) * page, total * page)
     }
 
-    /// What one draft step costs in main decode steps.
-    fn step_cost(&self) -> f32 {
-        match (self.draft_step, self.main_step) {
-            (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
-            _ => self.prior_cost,
-        }
-    }
-
     /// Learns a main decode step's time from a step that fed only
     /// generating sessions' tokens, the longest proposal among them
     /// `proposed` tokens.
     pub(super) fn learn_main_step(&mut self, took: Duration, proposed: usize) {
-        self.main_step = decayed(self.main_step, took.div_f32(pass_cost(proposed)));
+        self.cost.learn_main_pass(took, proposed);
     }
-}
-
-/// Recent steps count most; one odd step moves the estimate only so far.
-fn decayed(old: Option<Duration>, new: Duration) -> Option<Duration> {
-    Some(old.map_or(new, |old| old.mul_f32(0.7) + new.mul_f32(0.3)))
 }
 
 /// A session's positions in the draft model and what its proposals earned.
@@ -105,9 +81,7 @@ pub(crate) struct DraftKv {
     /// The tokens `kv` holds: a prefix of the session's history, then
     /// maybe proposed tokens it has not accepted yet.
     history: Vec<u32>,
-    sizer: Sizer,
-    /// Steps since it last proposed.
-    idle: usize,
+    pace: DraftPace,
     used: Instant,
 }
 
@@ -116,33 +90,14 @@ impl DraftKv {
         DraftKv {
             kv: SessionKv::new(Arc::clone(pool)),
             history: Vec::new(),
-            sizer: Sizer::default(),
-            idle: 0,
+            pace: DraftPace::default(),
             used: Instant::now(),
         }
     }
 
     /// Learns from a verified proposal.
     pub(super) fn learn(&mut self, proposed: usize, accepted: usize) {
-        self.sizer.learn(proposed, accepted);
-    }
-
-    /// How many tokens to propose now, a draft step costing `cost` main
-    /// decode steps: `fixed` if the server says so, else what the
-    /// acceptance seen says pays, else one every [`PROBE_EVERY`] steps
-    /// unless no proposal could pay at all.
-    fn wanted(&mut self, cost: f32, fixed: Option<usize>) -> usize {
-        let want = match fixed.or_else(|| self.sizer.worth(cost)) {
-            Some(length) => length,
-            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(cost) => 1,
-            None => 0,
-        };
-        if want == 0 {
-            self.idle += 1;
-        } else {
-            self.idle = 0;
-        }
-        want
+        self.pace.learn(proposed, accepted);
     }
 }
 
@@ -181,7 +136,7 @@ impl Worker {
     /// its history (cut back, then the tokens it lacks to be fed) and
     /// reserves the draft pages that takes.
     fn plan_drafts(&mut self, draft: &mut DraftRunner, asked: &[(SessionId, usize)]) -> Vec<Plan> {
-        let cost = draft.step_cost();
+        let cost = draft.cost.per_step();
         let context = draft.model.config.context;
         // A catch-up step feeds what costs about a main prefill chunk: a
         // draft ten times cheaper takes ten times the tokens (up to 16x).
@@ -197,7 +152,7 @@ impl Worker {
             };
             let state = slot.draft.get_or_insert_with(|| DraftKv::new(&draft.pool));
             state.used = Instant::now();
-            let want = state.wanted(cost, self.cfg.draft_tokens).min(limit);
+            let want = state.pace.wanted(cost, self.cfg.draft_tokens).min(limit);
             let history = slot.session.history();
             let target = history.len() + 1;
             if want == 0 || target + want > context {
@@ -314,7 +269,7 @@ impl Worker {
             };
             // A catch-up over a prompt is not a draft step's cost.
             if !first || !catching_up {
-                draft.draft_step = decayed(draft.draft_step, started.elapsed());
+                draft.cost.learn_draft_step(started.elapsed());
             }
             first = false;
             for (b, &i) in who.iter().enumerate() {

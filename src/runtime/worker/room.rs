@@ -221,7 +221,7 @@ impl Worker {
         g.kv_live_bytes.store(kv_bytes, Ordering::Relaxed);
         g.history_tokens.store(history, Ordering::Relaxed);
         if let Some(draft) = &self.draft {
-            let (held, pool) = draft.pages_in_use();
+            let (held, pool) = draft.kv_bytes();
             g.draft_kv_held_bytes.store(held, Ordering::Relaxed);
             g.draft_kv_pool_bytes.store(pool, Ordering::Relaxed);
         }
