@@ -58,11 +58,11 @@ pub struct GenerateArgs {
     /// the same order) that proposes tokens for `--speculate draft`.
     #[arg(long, conflicts_with = "server")]
     pub draft_model: Option<std::path::PathBuf>,
-    /// Tokens the draft model proposes each step [default: as many as are
-    /// expected to pay, from the acceptance and the draft's cost measured
-    /// as it runs; none while drafting does not pay].
-    #[arg(long, requires = "draft_model")]
-    pub draft_tokens: Option<usize>,
+    /// Tokens the draft model proposes each step, 1-15 [default: as many
+    /// as are expected to pay, from the acceptance and the draft's cost
+    /// measured as it runs; none while drafting does not pay].
+    #[arg(long, requires = "draft_model", value_parser = clap::value_parser!(u16).range(1..=15))]
+    pub draft_tokens: Option<u16>,
     /// Output: the continuation as text, or its token ids.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
@@ -323,7 +323,7 @@ fn draft(args: &GenerateArgs, engine: &Engine) -> Result<Draft, CliError> {
         ..EngineConfig::default()
     };
     let draft = Draft::new(Arc::new(model), &cfg, engine.model())?;
-    Ok(draft.with_fixed_length(args.draft_tokens))
+    Ok(draft.with_fixed_length(args.draft_tokens.map(usize::from)))
 }
 
 fn run_remote(args: GenerateArgs) -> Result<(), CliError> {
