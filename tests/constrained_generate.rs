@@ -352,11 +352,7 @@ fn constrained_tokens_do_not_depend_on_batch_neighbours_a_restart_or_shards() {
     drop(server);
 
     // The model split over two shards.
-    let shards: Vec<Inferd> = ["0..15", "15..30"]
-        .iter()
-        .map(|l| Inferd::shard(l, "127.0.0.1:0"))
-        .collect();
-    let list = format!("{},{}", shards[0].addr, shards[1].addr);
+    let (_shards, list) = Inferd::shards(&["0..15", "15..30"]);
     let coordinator = serve(&["--shards", &list]);
     let client = Client::connect(&coordinator.addr);
     let split = person_run(

@@ -134,11 +134,7 @@ fn a_model_split_over_two_or_three_shards_answers_bit_for_bit_like_one_host() {
         assert_eq!(t.greedy.logprob_bits.len(), 24 * 4);
     }
 
-    let two: Vec<Inferd> = ["0..15", "15..30"]
-        .iter()
-        .map(|l| Inferd::shard(l, "127.0.0.1:0"))
-        .collect();
-    let list = format!("{},{}", two[0].addr, two[1].addr);
+    let (_two, list) = Inferd::shards(&["0..15", "15..30"]);
     let coordinator = serve(&["--shards", &list]);
     assert_eq!(transcripts(&coordinator.addr), one_host, "2 shards");
     drop(coordinator);

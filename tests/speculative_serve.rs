@@ -107,6 +107,51 @@ fn run(client: &Client, id: &str, req: &pb::GenerateRequest) -> (Outcome, (u64, 
     (outcome, counts)
 }
 
+/// For each prompt and each of [`requests`]: one session decoding plainly
+/// and one speculating (its prompt appended in chunks of 7), called twice
+/// with a user turn between, each call's outcome the same in both. The
+/// speculating sessions' (proposed, accepted) counts over both calls, per
+/// request, prompt after prompt.
+fn compare_with_plain(
+    client: &Client,
+    tokenizer: &Tokenizer,
+    prompts: &[&str],
+    n: u32,
+) -> Vec<(u64, u64)> {
+    let turn = prompt_tokens(tokenizer, "Again, please.");
+    let mut counts = Vec::new();
+    for prompt in prompts {
+        let tokens = prompt_tokens(tokenizer, prompt);
+        for (k, req) in requests("", n).into_iter().enumerate() {
+            let plain_id = session(client, tokenizer, &tokens, usize::MAX);
+            let fast_id = session(client, tokenizer, &tokens, 7);
+            let mut plain_req = with_speculation(req.clone(), false);
+            plain_req.set_session_id(plain_id.clone());
+            let mut fast_req = with_speculation(req, true);
+            fast_req.set_session_id(fast_id.clone());
+            let mut session_counts = (0, 0);
+            for call in 0..2 {
+                // The next call continues both the same way (a user turn,
+                // then another answer).
+                if call == 1 {
+                    client.append(&plain_id, &turn).expect("append");
+                    client.append(&fast_id, &turn).expect("append");
+                }
+                let (plain, none) = run(client, &plain_id, &plain_req);
+                let (fast, fast_counts) = run(client, &fast_id, &fast_req);
+                assert_eq!(none, (0, 0), "plain decoding proposed nothing");
+                assert_eq!(fast, plain, "{prompt:?}, request {k}, call {call}");
+                // The session's counts sum both calls'.
+                session_counts = fast_counts;
+            }
+            counts.push(session_counts);
+            client.close(&plain_id).expect("close");
+            client.close(&fast_id).expect("close");
+        }
+    }
+    counts
+}
+
 #[test]
 fn speculation_streams_plain_decodings_tokens_and_leaves_the_same_session() {
     if !support::have_reference() {
@@ -115,35 +160,8 @@ fn speculation_streams_plain_decodings_tokens_and_leaves_the_same_session() {
     let tokenizer = tokenizer();
     let server = serve(&["--metrics-listen", "127.0.0.1:0"]);
     let client = Client::connect(&server.addr);
-    let (mut proposed, mut accepted) = (0, 0);
-    for prompt in PROMPTS {
-        let tokens = prompt_tokens(&tokenizer, prompt);
-        for (k, req) in requests("", 96).into_iter().enumerate() {
-            let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
-            let fast_id = session(&client, &tokenizer, &tokens, 7);
-            let mut plain_req = with_speculation(req.clone(), false);
-            plain_req.set_session_id(plain_id.clone());
-            let mut fast_req = with_speculation(req, true);
-            fast_req.set_session_id(fast_id.clone());
-            let (plain, none) = run(&client, &plain_id, &plain_req);
-            let (fast, _) = run(&client, &fast_id, &fast_req);
-            assert_eq!(none, (0, 0), "plain decoding proposed nothing");
-            assert_eq!(fast, plain, "{prompt:?}, request {k}");
-            // The next call continues both the same way (a user turn, then
-            // another answer).
-            let turn = prompt_tokens(&tokenizer, "Again, please.");
-            client.append(&plain_id, &turn).expect("append");
-            client.append(&fast_id, &turn).expect("append");
-            let (plain, _) = run(&client, &plain_id, &plain_req);
-            let (fast, counts) = run(&client, &fast_id, &fast_req);
-            assert_eq!(fast, plain, "{prompt:?}, request {k}, second call");
-            // The session's counts sum both calls'.
-            proposed += counts.0;
-            accepted += counts.1;
-            client.close(&plain_id).expect("close");
-            client.close(&fast_id).expect("close");
-        }
-    }
+    let counts = compare_with_plain(&client, &tokenizer, &PROMPTS, 96);
+    let (proposed, accepted) = counts.iter().fold((0, 0), |(p, a), c| (p + c.0, a + c.1));
     eprintln!("{accepted} of {proposed} proposed tokens accepted");
     assert!(
         accepted > 0 && proposed >= accepted,
@@ -333,43 +351,14 @@ fn a_draft_model_in_the_server_gives_plain_decodings_tokens() {
         "127.0.0.1:0",
     ]);
     let client = Client::connect(&server.addr);
-    let (mut proposed, mut accepted) = (0, 0);
-    for prompt in &PROMPTS[..2] {
-        let tokens = prompt_tokens(&tokenizer, prompt);
-        for (k, req) in requests("", 64).into_iter().enumerate() {
-            let plain_id = session(&client, &tokenizer, &tokens, usize::MAX);
-            let fast_id = session(&client, &tokenizer, &tokens, 7);
-            let mut plain_req = with_speculation(req.clone(), false);
-            plain_req.set_session_id(plain_id.clone());
-            let mut fast_req = with_speculation(req, true);
-            fast_req.set_session_id(fast_id.clone());
-            for call in 0..2 {
-                if call == 1 {
-                    let turn = prompt_tokens(&tokenizer, "Again, please.");
-                    client.append(&plain_id, &turn).expect("append");
-                    client.append(&fast_id, &turn).expect("append");
-                }
-                let (plain, none) = run(&client, &plain_id, &plain_req);
-                let (fast, _) = run(&client, &fast_id, &fast_req);
-                assert_eq!(none, (0, 0), "plain decoding proposed nothing");
-                assert_eq!(fast, plain, "{prompt:?}, request {k}, call {call}");
-            }
-            let info = client.info(&fast_id).expect("info");
-            let counts = (
-                info.get_speculation_proposed_token_count(),
-                info.get_speculation_accepted_token_count(),
-            );
-            if k == 0 {
-                // Greedy: the draft proposes the main model's own greedy
-                // tokens, so nearly all are accepted.
-                assert!(counts.1 * 10 >= counts.0 * 9, "greedy: {counts:?}");
-            }
-            proposed += counts.0;
-            accepted += counts.1;
-            client.close(&plain_id).expect("close");
-            client.close(&fast_id).expect("close");
-        }
+    let counts = compare_with_plain(&client, &tokenizer, &PROMPTS[..2], 64);
+    // Greedy (each prompt's first request): the draft proposes the main
+    // model's own greedy tokens, so nearly all are accepted.
+    for greedy_counts in counts.iter().step_by(requests("", 0).len()) {
+        let (proposed, accepted) = greedy_counts;
+        assert!(accepted * 10 >= proposed * 9, "greedy: {greedy_counts:?}");
     }
+    let (proposed, accepted) = counts.iter().fold((0, 0), |(p, a), c| (p + c.0, a + c.1));
     eprintln!("draft: {accepted} of {proposed} proposed tokens accepted");
     assert!(
         accepted > 0 && proposed > accepted,
@@ -469,11 +458,7 @@ fn a_shard_split_gives_what_one_speculating_host_gives() {
     }
     let tokenizer = tokenizer();
     let one_host = serve(&[]);
-    let shards: Vec<Inferd> = ["0..15", "15..30"]
-        .iter()
-        .map(|layers| Inferd::shard(layers, "127.0.0.1:0"))
-        .collect();
-    let list = format!("{},{}", shards[0].addr, shards[1].addr);
+    let (_shards, list) = Inferd::shards(&["0..15", "15..30"]);
     let split = serve(&["--shards", &list]);
     let (here, there) = (
         Client::connect(&one_host.addr),

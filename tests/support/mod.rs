@@ -201,6 +201,17 @@ impl Inferd {
         Inferd::start(&shard_args(layers, listen))
     }
 
+    /// One shard per layer range of the reference model on loopback, and
+    /// their addresses as `serve --shards` takes them.
+    pub fn shards(ranges: &[&str]) -> (Vec<Inferd>, String) {
+        let shards: Vec<Inferd> = (ranges.iter())
+            .map(|layers| Inferd::shard(layers, "127.0.0.1:0"))
+            .collect();
+        let list = shards.iter().map(|s| s.addr.as_str()).collect::<Vec<_>>();
+        let list = list.join(",");
+        (shards, list)
+    }
+
     /// The port it listens on.
     pub fn port(&self) -> u16 {
         self.addr
