@@ -80,7 +80,7 @@ fn best_case(c: &mut Criterion) {
     let _ = c;
     for &(ty, rows, n, name) in SHAPES {
         let w = weights(ty, rows, n);
-        for tokens in [1usize, 16] {
+        for tokens in [1usize, 2, 4, 8, 16] {
             let acts = activations(ty, n, tokens);
             let mut out = vec![0.0f32; rows * tokens];
             let runs = if rows > 10_000 { 20 } else { 300 };

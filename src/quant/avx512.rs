@@ -91,7 +91,7 @@ pub(crate) unsafe fn dot_q4_1_q8_1<const NT: usize>(
 /// See the file header; both pointers readable for 16 bytes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
+pub(crate) unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
     // SAFETY: the body needs only what callers of this `unsafe fn` promise
     // (the file's rule above, and its `# Safety` section if it has one).
     unsafe {
@@ -112,7 +112,7 @@ unsafe fn unpack_nibbles_x2(p0: *const u8, p1: *const u8) -> __m512i {
 /// See the file header; both pointers readable for 32 bytes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
+pub(crate) unsafe fn load_x2(p0: *const u8, p1: *const u8) -> __m512i {
     // SAFETY: the body needs only what callers of this `unsafe fn` promise
     // (the file's rule above, and its `# Safety` section if it has one).
     unsafe {

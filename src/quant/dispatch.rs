@@ -31,16 +31,38 @@ pub(crate) type TileFn<const NT: usize> = unsafe fn(usize, *const u8, [*const u8
 /// stride between tokens in out)`; see `gemm_blocks32::matmul`.
 pub(crate) type GemmFn = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize);
 
+/// A kernel over 8 weight rows at once (`w`, the row stride in bytes) for
+/// `NT` activation rows: `out[t][r]`, the bits of the one-row kernel. The
+/// flag asks it to prefetch the 8 rows that follow.
+///
+/// # Safety
+/// The CPU must support the table's level; every row (`w + r * stride`)
+/// must be valid for `nb` weight blocks and each activation pointer for
+/// `nb` activation blocks.
+pub(crate) type Rows8Fn<const NT: usize> =
+    unsafe fn(usize, *const u8, usize, [*const u8; NT], bool) -> [[f32; 8]; NT];
+
+/// The token-count forms of a [`Rows8Fn`] kernel.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows8Kernel {
+    pub one: Rows8Fn<1>,
+    pub pair: Rows8Fn<2>,
+    pub quad: Rows8Fn<4>,
+    pub tile: Rows8Fn<TILE>,
+}
+
 /// The single-row and tiled forms of one weight × activation dot. All are
 /// instances of one generic kernel, so they agree bit for bit. The 2- and
 /// 4-token forms serve short chunks (speculative verification passes), which
-/// would otherwise load every weight block once per token.
+/// would otherwise load every weight block once per token. `rows8`, where
+/// a level has it, does the same for 8 rows at once, with the same bits.
 #[derive(Clone, Copy)]
 pub(crate) struct DotKernel {
     pub one: TileFn<1>,
     pub pair: TileFn<2>,
     pub quad: TileFn<4>,
     pub tile: TileFn<TILE>,
+    pub rows8: Option<Rows8Kernel>,
 }
 
 /// A SIMD level.
@@ -169,6 +191,18 @@ macro_rules! dot_kernel {
             pair: $($f)::+::<2>,
             quad: $($f)::+::<4>,
             tile: $($f)::+::<TILE>,
+            rows8: None,
+        }
+    };
+    ($($f:ident)::+, rows8 $block:ty) => {
+        DotKernel {
+            rows8: Some(Rows8Kernel {
+                one: rows8::rows8::<$block, 1>,
+                pair: rows8::rows8::<$block, 2>,
+                quad: rows8::rows8::<$block, 4>,
+                tile: rows8::rows8::<$block, TILE>,
+            }),
+            ..dot_kernel!($($f)::+)
         }
     };
 }
@@ -421,7 +455,7 @@ static SCALAR: Kernels = SCALAR_TABLE;
 
 #[cfg(target_arch = "x86_64")]
 mod x86_tables {
-    use super::super::{avx2, avx512, gemm_blocks32, gemm_kquant};
+    use super::super::{avx2, avx512, gemm_blocks32, gemm_kquant, rows8};
     use super::*;
 
     float_tile!(avx2_f16, avx2::dot_f16_ptr);
@@ -481,12 +515,12 @@ mod x86_tables {
 
     pub(crate) static AVX512: Kernels = Kernels {
         level: SimdLevel::Avx512,
-        q4_0: dot_kernel!(avx512::dot_q4_0_q8_0),
-        q4_1: dot_kernel!(avx512::dot_q4_1_q8_1),
-        q5_0: dot_kernel!(avx512::dot_q5_0_q8_0),
-        q5_1: dot_kernel!(avx512::dot_q5_1_q8_1),
-        q8_0: dot_kernel!(avx512::dot_q8_0_q8_0),
-        iq4_nl: dot_kernel!(avx512::dot_iq4_nl_q8_0),
+        q4_0: dot_kernel!(avx512::dot_q4_0_q8_0, rows8 BlockQ4_0),
+        q4_1: dot_kernel!(avx512::dot_q4_1_q8_1, rows8 BlockQ4_1),
+        q5_0: dot_kernel!(avx512::dot_q5_0_q8_0, rows8 BlockQ5_0),
+        q5_1: dot_kernel!(avx512::dot_q5_1_q8_1, rows8 BlockQ5_1),
+        q8_0: dot_kernel!(avx512::dot_q8_0_q8_0, rows8 BlockQ8_0),
+        iq4_nl: dot_kernel!(avx512::dot_iq4_nl_q8_0, rows8 BlockIQ4NL),
         q2_k: dot_kernel!(avx2::dot_q2_k_q8_k),
         q3_k: dot_kernel!(avx2::dot_q3_k_q8_k),
         q4_k: dot_kernel!(avx512::dot_q4_k_q8_k),

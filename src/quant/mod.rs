@@ -11,7 +11,9 @@
 //! tokens, and every thread uses the same kernels. On AVX-512, batches go
 //! through row-group kernels (`gemm_blocks32`, `gemm_kquant`) that unpack
 //! 8 rows once per call (per 512 tokens for the K-quants) and keep each
-//! row's lanes and float steps.
+//! row's lanes and float steps; shorter ones (decode, verification passes)
+//! of the 32-element formats through `rows8`, which unpacks 8 rows per
+//! block in registers.
 
 mod blocks;
 mod dispatch;
@@ -29,6 +31,8 @@ mod gemm_blocks32;
 mod gemm_kquant;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod rows8;
 
 use thiserror::Error;
 
@@ -40,7 +44,7 @@ pub use dispatch::{supported_levels, SimdLevel};
 pub use gelu::geglu_ggml;
 pub use types::{GgmlType, QK_K};
 
-use dispatch::{DotKernel, Kernels, TileFn, TILE};
+use dispatch::{DotKernel, Kernels, Rows8Fn, TileFn, TILE};
 
 /// Why a quantization call was refused.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -422,14 +426,15 @@ const GEMM_GROUP: usize = 8;
 
 /// Fewest tokens for which unpacking a row group pays off. Measured
 /// (`inferd bench -t 2`, AVX-512): at 16 tokens the K-quant kernel already
-/// gains (1B Q4_K_M pp16 138-148 against 126-141 tokens/s) while the
-/// 32-element formats' loses (SmolLM2 pp16 600-620 against 675-680); at
-/// 32 both gain (pp32 817-824 against 730-734, 168-177 against 150-151).
+/// gains (1B Q4_K_M pp16 138-148 against 126-141 tokens/s). The
+/// 32-element formats' 8-row register kernel (`rows8`) beats it at 32
+/// tokens (SmolLM2 pp32 568-573 against 534-547) and loses at 48 (576-583
+/// against 599-618).
 fn gemm_min_tokens(w_ty: GgmlType) -> usize {
     if w_ty.block_len() == QK_K {
         16
     } else {
-        32
+        48
     }
 }
 
@@ -452,7 +457,9 @@ fn tiled(
     if rows.is_empty() || first_token >= n_tokens {
         return;
     }
-    let chunk_rows = (ROW_CHUNK_BYTES / shape.w_row_bytes.max(1)).max(1);
+    // Whole groups of 8 rows per chunk, for the kernels that take 8.
+    let fit = ROW_CHUNK_BYTES / shape.w_row_bytes.max(1);
+    let chunk_rows = if fit >= 8 { fit / 8 * 8 } else { fit.max(1) };
     let kernel = shape.kernel;
     for chunk_start in rows.clone().step_by(chunk_rows) {
         let chunk = chunk_start..(chunk_start + chunk_rows).min(rows.end);
@@ -468,20 +475,21 @@ fn tiled(
         // SAFETY: for each call, the level is supported; `pass` holds
         // checked buffers and every tile below ends at or before `n_tokens`.
         unsafe {
+            let rows8 = kernel.rows8;
             while t + TILE <= n_tokens {
-                pass.run(kernel.tile, t, out);
+                pass.run(kernel.tile, rows8.map(|k| k.tile), t, out);
                 t += TILE;
             }
             if t + 4 <= n_tokens {
-                pass.run(kernel.quad, t, out);
+                pass.run(kernel.quad, rows8.map(|k| k.quad), t, out);
                 t += 4;
             }
             if t + 2 <= n_tokens {
-                pass.run(kernel.pair, t, out);
+                pass.run(kernel.pair, rows8.map(|k| k.pair), t, out);
                 t += 2;
             }
             if t < n_tokens {
-                pass.run(kernel.one, t, out);
+                pass.run(kernel.one, rows8.map(|k| k.one), t, out);
             }
         }
     }
@@ -500,14 +508,21 @@ struct TilePass<'a> {
 }
 
 impl TilePass<'_> {
-    /// Tokens `t..t + NT` against every row of the chunk.
+    /// Tokens `t..t + NT` against every row of the chunk: 8 rows at a time
+    /// through `rows8` where the level has it, the rest one at a time.
     ///
     /// # Safety
-    /// `kernel` must be of a supported level and of the shape's format; the
-    /// buffers must be the checked ones of the matmul, with `t + NT` at most
-    /// its token count.
+    /// `kernel` and `rows8` must be of a supported level and of the shape's
+    /// format; the buffers must be the checked ones of the matmul, with
+    /// `t + NT` at most its token count.
     #[inline(always)]
-    unsafe fn run<const NT: usize>(&self, kernel: TileFn<NT>, t: usize, out: &mut [f32]) {
+    unsafe fn run<const NT: usize>(
+        &self,
+        kernel: TileFn<NT>,
+        rows8: Option<Rows8Fn<NT>>,
+        t: usize,
+        out: &mut [f32],
+    ) {
         let DotShape {
             blocks,
             w_row_bytes,
@@ -516,8 +531,23 @@ impl TilePass<'_> {
         } = *self.shape;
         let acts: [*const u8; NT] =
             std::array::from_fn(|i| self.acts[(t + i) * act_row_bytes..].as_ptr());
-        for r in self.rows.clone() {
-            if t == self.first_token || NT == 1 {
+        let prefetch = t == self.first_token || NT == 1;
+        let mut r = self.rows.start;
+        if let Some(rows8) = rows8 {
+            while r + 8 <= self.rows.end {
+                let w = self.w_rows[r * w_row_bytes..].as_ptr();
+                // SAFETY: the caller's promise; rows `r..r + 8` lie in the
+                // checked rows, `w_row_bytes` apart.
+                let res = unsafe { rows8(blocks, w, w_row_bytes, acts, prefetch) };
+                for (i, rows) in res.iter().enumerate() {
+                    let at = (t + i) * self.out_rows + r;
+                    out[at..at + 8].copy_from_slice(rows);
+                }
+                r += 8;
+            }
+        }
+        for r in r..self.rows.end {
+            if prefetch {
                 let ahead = self
                     .w_rows
                     .as_ptr()

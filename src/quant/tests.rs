@@ -169,13 +169,14 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
                 32 => 96,
                 _ => 512,
             };
-            // Two groups of 8 rows and 3 more: the row-group kernels take
-            // the groups, the one-row kernels the rest and the last tokens.
+            // Two groups of 8 rows and 3 more: the row-group kernels (50
+            // tokens) or the 8-row register kernels (fewer) take the
+            // groups, the one-row kernels the rest and the last tokens.
             let rows = 19;
             let w: Vec<u8> = (0..rows)
                 .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
                 .collect();
-            for tokens in [1usize, 2, 3, 4, 5, 6, 7, 8, 15, 17, 35] {
+            for tokens in [1usize, 2, 3, 4, 5, 6, 7, 8, 15, 17, 35, 50] {
                 let acts: Vec<u8> = (0..tokens)
                     .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
                     .collect();
