@@ -117,12 +117,13 @@ fn compare_with_plain(
     tokenizer: &Tokenizer,
     prompts: &[&str],
     n: u32,
+    shape: impl Fn(pb::GenerateRequest) -> pb::GenerateRequest,
 ) -> Vec<(u64, u64)> {
     let turn = prompt_tokens(tokenizer, "Again, please.");
     let mut counts = Vec::new();
     for prompt in prompts {
         let tokens = prompt_tokens(tokenizer, prompt);
-        for (k, req) in requests("", n).into_iter().enumerate() {
+        for (k, req) in requests("", n).into_iter().map(&shape).enumerate() {
             let plain_id = session(client, tokenizer, &tokens, usize::MAX);
             let fast_id = session(client, tokenizer, &tokens, 7);
             let mut plain_req = with_speculation(req.clone(), false);
@@ -160,7 +161,7 @@ fn speculation_streams_plain_decodings_tokens_and_leaves_the_same_session() {
     let tokenizer = tokenizer();
     let server = serve(&["--metrics-listen", "127.0.0.1:0"]);
     let client = Client::connect(&server.addr);
-    let counts = compare_with_plain(&client, &tokenizer, &PROMPTS, 96);
+    let counts = compare_with_plain(&client, &tokenizer, &PROMPTS, 96, |r| r);
     let (proposed, accepted) = counts.iter().fold((0, 0), |(p, a), c| (p + c.0, a + c.1));
     eprintln!("{accepted} of {proposed} proposed tokens accepted");
     assert!(
@@ -175,6 +176,45 @@ fn speculation_streams_plain_decodings_tokens_and_leaves_the_same_session() {
     assert_eq!(
         support::sample(&scraped, "inferd_speculation_accepted_tokens_total"),
         Some(accepted as f64)
+    );
+}
+
+/// A record to copy under a schema that holds it, and the schema.
+const RECORD_PROMPTS: [&str; 2] = [
+    "Copy this record exactly as JSON: {\"name\": \"Ada Lovelace\", \"born\": 1815, \
+     \"field\": \"mathematics\", \"tags\": [\"engine\", \"notes\", \"poetry\"]}",
+    "Tell me about your favourite season, as JSON.",
+];
+const RECORD_SCHEMA: &str = r#"{"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40},
+    "born": {"type": "integer"},
+    "field": {"type": "string", "maxLength": 40},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4}},
+    "required": ["name", "born", "field", "tags"], "additionalProperties": false}"#;
+
+/// `req` held to [`RECORD_SCHEMA`].
+fn constrained(mut req: pb::GenerateRequest) -> pb::GenerateRequest {
+    let mut c = pb::OutputConstraint::new();
+    c.set_json_schema(RECORD_SCHEMA.into());
+    req.set_constraint(c);
+    req
+}
+
+#[test]
+fn constrained_calls_speculate_under_each_rows_mask() {
+    if !support::have_reference() {
+        return;
+    }
+    let tokenizer = tokenizer();
+    let server = serve(&[]);
+    let client = Client::connect(&server.addr);
+    let counts = compare_with_plain(&client, &tokenizer, &RECORD_PROMPTS, 96, constrained);
+    let (proposed, accepted) = counts.iter().fold((0, 0), |(p, a), c| (p + c.0, a + c.1));
+    eprintln!("constrained: {accepted} of {proposed} proposed tokens accepted");
+    // The record is copied through the grammar: most of it by proposals.
+    assert!(
+        accepted >= 20 && proposed >= accepted,
+        "{accepted} of {proposed}"
     );
 }
 
@@ -351,7 +391,7 @@ fn a_draft_model_in_the_server_gives_plain_decodings_tokens() {
         "127.0.0.1:0",
     ]);
     let client = Client::connect(&server.addr);
-    let counts = compare_with_plain(&client, &tokenizer, &PROMPTS[..2], 64);
+    let counts = compare_with_plain(&client, &tokenizer, &PROMPTS[..2], 64, |r| r);
     // Greedy (each prompt's first request): the draft proposes the main
     // model's own greedy tokens, so nearly all are accepted.
     for greedy_counts in counts.iter().step_by(requests("", 0).len()) {
@@ -368,6 +408,15 @@ fn a_draft_model_in_the_server_gives_plain_decodings_tokens() {
     assert_eq!(
         support::sample(&scraped, "inferd_speculation_proposed_tokens_total"),
         Some(proposed as f64)
+    );
+    // A draft knows nothing of a call's grammar: its proposals are cut to
+    // what the grammar takes, then verified under each row's mask.
+    let counts = compare_with_plain(&client, &tokenizer, &RECORD_PROMPTS[..1], 64, constrained);
+    let (proposed, accepted) = counts.iter().fold((0, 0), |(p, a), c| (p + c.0, a + c.1));
+    eprintln!("draft, constrained: {accepted} of {proposed} proposed tokens accepted");
+    assert!(
+        accepted > 0 && proposed >= accepted,
+        "{accepted} of {proposed}"
     );
 }
 

@@ -317,6 +317,35 @@ impl Constraint {
         self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
     }
 
+    /// A copy at the same point of the grammar, to work out the masks of
+    /// proposed tokens (speculative decoding) without moving this one.
+    pub fn probe(&self) -> Constraint {
+        Constraint {
+            matcher: self.matcher.clone(),
+            vocab: self.vocab,
+            first: None,
+            eos: self.eos,
+        }
+    }
+
+    /// How many of `tokens` the grammar takes one after another from here,
+    /// stopping before a stop id (the text would end there) or anything
+    /// out of the vocabulary. Nothing moves.
+    pub fn valid_prefix(&mut self, tokens: &[u32], stop_ids: &[u32]) -> usize {
+        let upto = tokens
+            .iter()
+            .position(|t| stop_ids.contains(t) || *t as usize >= self.vocab || *t == self.eos)
+            .unwrap_or(tokens.len());
+        if upto == 0 || self.matcher.is_stopped() {
+            return 0;
+        }
+        guarded(
+            || self.matcher.validate_tokens(&tokens[..upto]),
+            ConstraintError::Step,
+        )
+        .unwrap_or(0)
+    }
+
     /// How a generation that reached `max_tokens` ends: a text cut mid-match
     /// does not meet its constraint, and says so.
     pub fn end_at_limit(&mut self) -> StopReason {

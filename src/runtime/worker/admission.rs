@@ -352,14 +352,12 @@ impl Worker {
                 events,
                 cancel,
             } => {
-                // Proposals are verified against plain decoding's samples;
-                // a constrained call samples under a mask that moves with
-                // every token, so it decodes plainly.
+                // Proposals are verified against plain decoding's samples
+                // (a constrained call's under each row's own mask).
                 let speculate = gen
                     .req
                     .speculate
                     .unwrap_or(self.cfg.speculation != Speculation::None)
-                    && gen.req.constraint.is_none()
                     && self.runner.verifies_proposals();
                 // A server that drafts proposes with its draft model; one
                 // that does not, or a call asking for speculation from a

@@ -421,7 +421,7 @@ fn announce_idle(slot: &SessionSlot, shared: &WorkersState, worker: usize) {
 }
 
 /// Moves the session's constraint past its sampled `token`.
-fn advance_constraint(
+pub(super) fn advance_constraint(
     slot: &mut SessionSlot,
     token: u32,
 ) -> Result<(), crate::constraint::ConstraintError> {

@@ -88,6 +88,8 @@ pub(crate) struct Worker {
     /// A lookup's proposal, or a generating session's history and what
     /// follows it for a verification (reused across steps).
     lookup_history: Vec<u32>,
+    /// A constrained verification's mask per proposed row, reused.
+    row_masks: Vec<Vec<u32>>,
     /// The draft model, when the runtime drafts and the runner verifies.
     draft: Option<DraftRunner>,
     /// Sessions to draft for this step, and the most each may propose.
@@ -166,6 +168,7 @@ impl Worker {
             to_sample: Vec::new(),
             sampled: Vec::new(),
             lookup_history: Vec::new(),
+            row_masks: Vec::new(),
             draft: None,
             to_draft: Vec::new(),
             sessions: HashMap::new(),

@@ -5,14 +5,18 @@
 //! (the same history before it, the same position for the sampler's
 //! counter); the run up to the first disagreement is emitted token by
 //! token with plain decoding's stop checks, and the KV of everything after
-//! the last emitted token is dropped before the commit. The tokens,
-//! log-probabilities, history and next logits are plain decoding's; only
-//! the number of forward passes differs.
+//! the last emitted token is dropped before the commit. A constrained
+//! call's proposal is cut to what its grammar takes, and each row is
+//! sampled under the mask the grammar gives after the tokens before it (a
+//! copy of the constraint walks the proposal; the call's own moves only
+//! past what is emitted). The tokens, log-probabilities, history and next
+//! logits are plain decoding's; only the number of forward passes differs.
 
 use std::ops::Range;
 
-use super::generate::token_fed;
+use super::generate::{advance_constraint, token_fed};
 use super::*;
+use crate::constraint::{Allowed, Constraint};
 
 impl Worker {
     /// Adds what the session's lookup proposes after the token just
@@ -85,9 +89,15 @@ impl Worker {
         for (j, &token) in feed[..=accepted].iter().enumerate() {
             if j > 0 {
                 set_pending_logprobs(slot, logprobs.next().flatten());
+                // The sampled token moved the constraint when it was
+                // sampled; an accepted one moves it now.
+                if let Err(e) = advance_constraint(slot, token) {
+                    end = Some(Err(RuntimeError::invalid(e.to_string())));
+                    break;
+                }
             }
             kept = j + 1;
-            end = token_fed(slot, token, &self.shared, &self.gauges);
+            end = token_fed(slot, token, &self.shared, &self.gauges).map(Ok);
             if end.is_some() {
                 break;
             }
@@ -112,7 +122,7 @@ impl Worker {
             slot.session.list_full_pages(id, index);
         }
         if let Some(end) = end {
-            self.finish_generate(id, slot, Ok(end));
+            self.finish_generate(id, slot, end);
         }
         self.settle_kv(id, slot);
     }
@@ -140,14 +150,22 @@ impl Worker {
         self.lookup_history.clear();
         self.lookup_history.extend_from_slice(history);
         self.lookup_history.extend_from_slice(feed);
-        let requests: Vec<SampleRequest<'_>> = (1..feed.len())
+        let rows = match &gen.constraint {
+            Some(constraint) => {
+                let eos = slot.session.eos();
+                row_masks(constraint, &feed[1..], eos, &mut self.row_masks)
+            }
+            None => feed.len() - 1,
+        };
+        let masks = &self.row_masks;
+        let requests: Vec<SampleRequest<'_>> = (1..=rows)
             .map(|j| SampleRequest {
                 logits: &self.scratch.logits[(first_row + j - 1) * vocab..][..vocab],
                 params: &gen.params,
                 history: &self.lookup_history[..position + j],
                 position: (position + j) as u64,
                 top_logprobs: gen.top_logprobs,
-                mask: None,
+                mask: gen.constraint.is_some().then(|| &masks[j - 1][..]),
             })
             .collect();
         let mut out = Vec::with_capacity(requests.len());
@@ -194,6 +212,35 @@ impl Worker {
             }
         }
     }
+}
+
+/// The masks under which plain decoding would sample each of `proposal`'s
+/// positions, the tokens before it taken by a copy of `constraint`, into
+/// `masks[j]`; returns how many positions have one (it stops where the
+/// text would be complete or stuck, where plain decoding samples nothing,
+/// and after a token the grammar refuses, whose own row still gets its
+/// mask).
+fn row_masks(
+    constraint: &Constraint,
+    proposal: &[u32],
+    eos: &[u32],
+    masks: &mut Vec<Vec<u32>>,
+) -> usize {
+    let mut probe = constraint.probe();
+    masks.resize_with(masks.len().max(proposal.len()), Vec::new);
+    for (j, &token) in proposal.iter().enumerate() {
+        match probe.allowed(eos, &mut masks[j]) {
+            Ok(Allowed::Tokens) => {}
+            _ => return j,
+        }
+        let taken = masks[j]
+            .get(token as usize / 32)
+            .is_some_and(|w| w & (1 << (token % 32)) != 0);
+        if !taken || probe.accept(token, eos).is_err() {
+            return j + 1;
+        }
+    }
+    proposal.len()
 }
 
 /// The log-probabilities to send with the next emitted token.
@@ -243,6 +290,16 @@ pub(super) fn proposal_room(slot: &SessionSlot, context: usize) -> Option<(u32, 
 /// anything).
 pub(super) fn add_proposal(slot: &mut SessionSlot, proposal: &[u32]) {
     let position = slot.session.history().len();
+    let take = match slot.active.as_ref() {
+        Some(Active {
+            work: Work::Generate(gen),
+            ..
+        }) => gen.constraint.as_ref().map_or(proposal.len(), |c| {
+            c.probe().valid_prefix(proposal, slot.session.eos())
+        }),
+        _ => proposal.len(),
+    };
+    let proposal = &proposal[..take];
     if proposal.is_empty() || slot.session.reserve(position + 1 + proposal.len()).is_err() {
         return;
     }
