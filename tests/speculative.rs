@@ -6,7 +6,8 @@
 //! roll-back path runs every step); and it needs fewer forward passes where
 //! the history repeats. A draft model's proposals (`Draft`) are verified
 //! the same way: the same tokens whether the draft agrees with the main
-//! model (itself) or not (another model of the same vocabulary).
+//! model (itself) or not (another model of the same vocabulary). So are a
+//! constrained generation's, each proposed position under its own mask.
 
 mod support;
 
@@ -98,10 +99,18 @@ fn compare_with(
         let mut streamed = Vec::new();
         let mut proposer = proposer();
         let (got, counts) = engine
-            .generate_proposed(&mut fast, proposer.as_mut(), params, max, stops, |t| {
-                streamed.push(t);
-                true
-            })
+            .generate_proposed(
+                &mut fast,
+                proposer.as_mut(),
+                params,
+                max,
+                stops,
+                None,
+                |t| {
+                    streamed.push(t);
+                    true
+                },
+            )
             .expect("speculative");
         assert_eq!(got, want, "setup {k}");
         assert_eq!(streamed, want.tokens, "setup {k}: tokens as they came");
@@ -260,4 +269,62 @@ fn a_draft_too_slow_to_pay_proposes_nothing() {
             Box::new(Draft::new(Arc::clone(&main), &cfg, &main).expect("draft"))
         });
     assert_eq!((proposed, steps), (0, plain_steps));
+}
+
+#[test]
+fn constrained_speculation_gives_plain_constrained_decodings_tokens() {
+    if !support::have_reference() {
+        return;
+    }
+    use inferd::constraint::{ConstraintCompiler, ConstraintSpec};
+    let (model, tokenizer) = reference();
+    let vocab = model.config.vocab;
+    let compiler = ConstraintCompiler::new(&tokenizer, vocab).expect("compiler");
+    let schema = ConstraintSpec::JsonSchema(
+        r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+            "born": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string",
+            "maxLength": 16}, "maxItems": 4}}, "required": ["name", "born", "tags"],
+            "additionalProperties": false}"#
+            .into(),
+    );
+    let text = "<|im_start|>user\nCopy this record exactly as JSON: {\"name\": \"Ada Lovelace\", \
+                \"born\": 1815, \"tags\": [\"engine\", \"notes\", \"poetry\"]}<|im_end|>\n\
+                <|im_start|>assistant\n";
+    let prompt = tokenizer.encode(text, false, true).expect("encodes");
+    let stops = tokenizer.eog_tokens().to_vec();
+    let mut engine = Engine::new(model, &two_threads()).expect("engine");
+    let (mut proposed, mut accepted) = (0, 0);
+    for (k, params) in setups().iter().enumerate() {
+        let mut plain = engine.new_session();
+        engine.append(&mut plain, &prompt).expect("append");
+        let mut c = compiler.compile(&schema).expect("compiles");
+        let want = engine
+            .generate_constrained(&mut plain, params, 96, &stops, Some(&mut c), |_| true)
+            .expect("plain");
+        let mut fast = engine.new_session();
+        engine.append(&mut fast, &prompt).expect("append");
+        let mut c = compiler.compile(&schema).expect("compiles");
+        let mut lookup = Lookup::default();
+        let (got, counts) = engine
+            .generate_proposed(
+                &mut fast,
+                &mut lookup,
+                params,
+                96,
+                &stops,
+                Some(&mut c),
+                |_| true,
+            )
+            .expect("speculative");
+        assert_eq!(got, want, "setup {k}");
+        assert_eq!(fast.history(), plain.history(), "setup {k}");
+        assert_eq!(fast.next_logits(), plain.next_logits(), "setup {k}");
+        proposed += counts.proposed;
+        accepted += counts.accepted;
+    }
+    eprintln!("constrained: {accepted} of {proposed} proposed tokens accepted");
+    assert!(
+        accepted >= 10 && proposed >= accepted,
+        "{accepted} of {proposed}"
+    );
 }

@@ -48,8 +48,9 @@ pub struct GenerateArgs {
     /// (prompt lookup) several per forward pass, `draft` the tokens a
     /// draft model (--draft-model) proposes, with the very tokens plain
     /// decoding gives either way (docs/PERFORMANCE.md); `none` decodes one
-    /// token per pass. A constrained generation, or one on a GPU, decodes
-    /// plainly [default: draft with --draft-model, else lookup; with
+    /// token per pass. A constrained generation samples each proposed
+    /// position under its own mask; one on a GPU decodes plainly
+    /// [default: draft with --draft-model, else lookup; with
     /// --server, the server's default; there `lookup` and `draft` both ask
     /// the server to speculate its own way].
     #[arg(long, value_enum)]
@@ -228,7 +229,6 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     };
     let mut proposer: Option<Box<dyn Proposer>> =
         match speculation_mode(args.speculate, args.draft_model.is_some())? {
-            _ if constraint.is_some() => None,
             Speculate::None => None,
             Speculate::Lookup => Some(Box::new(Lookup::default())),
             Speculate::Draft => Some(Box::new(draft(&args, &engine)?)),
@@ -241,6 +241,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
             &params,
             args.max_tokens,
             stops,
+            constraint.as_mut(),
             on_token,
         )?;
         tracing::info!(

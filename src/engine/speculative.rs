@@ -7,11 +7,13 @@
 //! history for the penalties; the same position for the sampler's
 //! counter). The first proposed token that differs from the one sampled
 //! ends the accepted run; the positions after it are rolled back. So the
-//! tokens are the plain decoding's, to the bit, whatever was proposed.
+//! tokens are the plain decoding's, to the bit, whatever was proposed. A
+//! constraint's masks come from a copy of it walked along the proposal.
 
 use std::time::{Duration, Instant};
 
 use super::{Engine, EngineError, Generation, Session, StopReason};
+use crate::constraint::Constraint;
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, SampleRequest, SamplerBackend, SamplingParams};
 use crate::speculate::Lookup;
@@ -78,13 +80,18 @@ impl Engine {
             params,
             max_tokens,
             stop_tokens,
+            None,
             on_token,
         )
     }
 
-    /// [`Engine::generate`] verifying what `proposer` proposes: the same
-    /// tokens and stop, in fewer forward passes where proposals are
-    /// accepted. On a GPU engine it is plain decoding.
+    /// [`Engine::generate_constrained`] verifying what `proposer`
+    /// proposes: the same tokens and stop, in fewer forward passes where
+    /// proposals are accepted. A constrained generation's proposal is cut
+    /// to what the grammar takes, and each proposed position is sampled
+    /// under the mask the grammar gives after the tokens before it. On a
+    /// GPU engine it is plain decoding.
+    #[allow(clippy::too_many_arguments)] // generate_constrained's, and the proposer
     pub fn generate_proposed(
         &mut self,
         session: &mut Session,
@@ -92,11 +99,19 @@ impl Engine {
         params: &SamplingParams,
         max_tokens: usize,
         stop_tokens: &[u32],
+        mut constraint: Option<&mut Constraint>,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<(Generation, Speculation), EngineError> {
         #[cfg(not(loom))]
         if self.gpu.is_some() {
-            let plain = self.generate(session, params, max_tokens, stop_tokens, on_token)?;
+            let plain = self.generate_constrained(
+                session,
+                params,
+                max_tokens,
+                stop_tokens,
+                constraint,
+                on_token,
+            )?;
             return Ok((plain, Speculation::default()));
         }
         let params = params.clone().checked(self.model.config.vocab)?;
@@ -109,9 +124,17 @@ impl Engine {
         let mut counts = Speculation::default();
         let mut tokens = Vec::new();
         let mut feed = Vec::new();
+        let mut mask = Vec::new();
         let stop = loop {
             if tokens.len() >= max_tokens {
-                break StopReason::MaxTokens;
+                break constraint
+                    .as_mut()
+                    .map_or(StopReason::MaxTokens, |c| c.end_at_limit());
+            }
+            if let Some(c) = constraint.as_mut() {
+                if let Some(end) = c.allowed(stop_tokens, &mut mask)?.end() {
+                    break end;
+                }
             }
             let position = session.history.len();
             let first = sample(
@@ -119,7 +142,11 @@ impl Engine {
                 &session.next_logits,
                 &params,
                 &session.history,
+                constraint.is_some().then_some(&mask[..]),
             )?;
+            if let Some(c) = constraint.as_mut() {
+                c.accept(first, stop_tokens)?;
+            }
             let is_stop = stop_tokens.contains(&first);
             // Only what may still be emitted, and fits the context.
             let room = (max_tokens - tokens.len() - 1).min(context.saturating_sub(position + 1));
@@ -129,7 +156,11 @@ impl Engine {
                 session.history.push(first);
                 let proposal = proposer.propose(&session.history, room);
                 session.history.pop();
-                feed.extend(proposal?);
+                let proposal = proposal?;
+                let take = constraint.as_ref().map_or(proposal.len(), |c| {
+                    c.probe().valid_prefix(&proposal, stop_tokens)
+                });
+                feed.extend_from_slice(&proposal[..take]);
             }
             let proposed = feed.len() - 1;
             let started = Instant::now();
@@ -138,31 +169,39 @@ impl Engine {
             counts.steps += 1;
             tokens.push(first);
             let go_on = on_token(first);
-            let mut end = if is_stop {
-                Some(StopReason::Eos)
-            } else if !go_on {
-                Some(StopReason::Cancelled)
-            } else {
-                None
-            };
+            let mut end = emitted_end(constraint.as_deref(), is_stop, go_on);
             let mut accepted = 0;
+            // The masks of the proposed positions come from a copy of the
+            // constraint walked along the proposal.
+            let mut probe = constraint.as_ref().map(|c| c.probe());
             if end.is_none() {
                 for i in 0..proposed {
+                    if let Some(p) = probe.as_mut() {
+                        if p.allowed(stop_tokens, &mut mask)?.end().is_some() {
+                            break;
+                        }
+                    }
                     let at = position + 1 + i;
                     let row = &self.scratch.logits[(row0 + i) * vocab..][..vocab];
-                    let sampled = sample(&mut self.sampler, row, &params, &session.history[..at])?;
+                    let sampled = sample(
+                        &mut self.sampler,
+                        row,
+                        &params,
+                        &session.history[..at],
+                        probe.is_some().then_some(&mask[..]),
+                    )?;
                     if sampled != feed[1 + i] {
                         break;
+                    }
+                    if let (Some(p), Some(c)) = (probe.as_mut(), constraint.as_mut()) {
+                        p.accept(sampled, stop_tokens)?;
+                        c.accept(sampled, stop_tokens)?;
                     }
                     accepted += 1;
                     tokens.push(sampled);
                     let go_on = on_token(sampled);
-                    if stop_tokens.contains(&sampled) {
-                        end = Some(StopReason::Eos);
-                        break;
-                    }
-                    if !go_on {
-                        end = Some(StopReason::Cancelled);
+                    end = emitted_end(constraint.as_deref(), stop_tokens.contains(&sampled), go_on);
+                    if end.is_some() {
                         break;
                     }
                 }
@@ -200,13 +239,28 @@ impl Engine {
     }
 }
 
+/// How a generation ends after emitting a token, as plain decoding ends
+/// it: a complete constraint, a stop id, a caller that wants no more.
+fn emitted_end(constraint: Option<&Constraint>, is_stop: bool, go_on: bool) -> Option<StopReason> {
+    if let Some(end) = constraint.and_then(|c| c.end_after(is_stop)) {
+        Some(end)
+    } else if is_stop {
+        Some(StopReason::Eos)
+    } else if !go_on {
+        Some(StopReason::Cancelled)
+    } else {
+        None
+    }
+}
+
 /// The token plain decoding samples from `logits` after `history` (its
-/// position is the history's length).
+/// position is the history's length), under `mask` when constrained.
 fn sample(
     sampler: &mut SamplerBackend,
     logits: &[f32],
     params: &CheckedParams,
     history: &[u32],
+    mask: Option<&[u32]>,
 ) -> Result<u32, EngineError> {
     let request = SampleRequest {
         logits,
@@ -214,7 +268,7 @@ fn sample(
         history,
         position: history.len() as u64,
         top_logprobs: 0,
-        mask: None,
+        mask,
     };
     Ok(sampler.sample(request)?.token)
 }
