@@ -18,6 +18,8 @@
 //!   decode that verifies several at once.
 //! - [`durable`]: session journals in a state directory, so sessions
 //!   outlive the process.
+//! - [`replica`]: session histories in PostgreSQL for replicas behind a
+//!   proxy: leases with fencing epochs, take-over by another replica.
 //! - [`runtime`]: the server core: sessions sharded over pinned workers with
 //!   continuous batching and the session contract, free of any transport.
 //! - [`proto`]: the gRPC wire types generated from `protos/` (client API,
@@ -64,6 +66,8 @@ pub mod model;
 #[cfg(not(loom))]
 pub mod proto;
 pub mod quant;
+#[cfg(not(loom))]
+pub mod replica;
 pub mod runtime;
 pub mod sampler;
 #[cfg(not(loom))]

@@ -1,12 +1,14 @@
 //! What the tests of a split model share: `inferd` processes that say where
 //! they listen, a stock grpcio client of `kakeya.v1.RuntimeService`, and a
 //! Prometheus scrape. Every wait is bounded. `golden`: what the tests
-//! against llama.cpp's golden vectors share.
+//! against llama.cpp's golden vectors share; `postgres`: a PostgreSQL
+//! server of a test's own.
 
 #![allow(dead_code)]
 
 pub mod durable;
 pub mod golden;
+pub mod postgres;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -1,0 +1,392 @@
+//! One replica thread's connection to the session store, and the
+//! statements it writes through.
+//!
+//! Every write names the lease it writes under (owner and epoch) in its own
+//! `WHERE`, so it lands only while that lease holds: a replica whose lease
+//! was taken over gets [`StoreError::Fenced`] and nothing is written. A
+//! statement that fails for any other reason (the database gone, the
+//! connection cut) is [`StoreError::Unavailable`]: the change it carried is
+//! not in the store, and the caller must not acknowledge it. The next call
+//! connects again.
+
+use std::time::Duration;
+
+use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
+use postgres::config::SslMode;
+use postgres::types::ToSql;
+use postgres::{Client, Config, NoTls};
+use postgres_openssl::MakeTlsConnector;
+use thiserror::Error;
+
+use super::schema;
+
+/// How long a lease lasts unless renewed.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+
+/// Why a store call failed.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    /// The URL is not one PostgreSQL takes.
+    #[error("session store URL: {0}")]
+    Url(String),
+    /// The database could not be reached or did not answer; nothing of the
+    /// call was written.
+    #[error("session store unavailable: {0}")]
+    Unavailable(String),
+    /// The database's schema is newer than this build.
+    #[error("the session store's schema is version {found}; this build knows up to {known}")]
+    SchemaTooNew { found: i32, known: i32 },
+    /// The lease this write named no longer holds: another replica took the
+    /// session over (or closed it) since.
+    #[error("session {id}: its lease was taken over (epoch {epoch} no longer holds)")]
+    Fenced { id: String, epoch: i64 },
+    /// No session has this id.
+    #[error("session {0} is not in the store")]
+    NotFound(String),
+    /// A session with this id exists already.
+    #[error("session {0} is in the store already")]
+    Exists(String),
+    /// Another replica holds the session, for about this long yet unless it
+    /// renews.
+    #[error("session {id} is held by replica {owner} for {left:?} more")]
+    HeldElsewhere {
+        id: String,
+        owner: String,
+        left: Duration,
+    },
+}
+
+impl From<postgres::Error> for StoreError {
+    fn from(e: postgres::Error) -> Self {
+        StoreError::Unavailable(match e.as_db_error() {
+            Some(db) => format!("{}: {}", db.code().code(), db.message()),
+            None => e.to_string(),
+        })
+    }
+}
+
+/// A session's ownership by this replica: writes are fenced by its epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub epoch: i64,
+}
+
+/// What the store keeps of a session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionRow {
+    pub label: String,
+    pub eos: Vec<u32>,
+    pub history: Vec<u32>,
+    /// How many writes made the row (its first included).
+    pub changes: i64,
+}
+
+/// A connection to the store, writing as replica `replica`.
+pub struct Store {
+    config: Config,
+    tls: Option<MakeTlsConnector>,
+    client: Option<Client>,
+    replica: String,
+    lease_secs: f64,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("replica", &self.replica)
+            .field("connected", &self.client.is_some())
+            .finish()
+    }
+}
+
+impl Store {
+    /// Connects to `url` (`postgres://user:password@host:port/db?...`, TLS
+    /// as its `sslmode` asks: `disable`, `prefer`, the default, or
+    /// `require`, which encrypt without checking the server's certificate,
+    /// as libpq does), brings the schema to [`schema::SCHEMA_VERSION`]
+    /// (refusing a newer one) and writes as `replica`, with leases of
+    /// `lease`.
+    pub fn connect(url: &str, replica: &str, lease: Duration) -> Result<Store, StoreError> {
+        let config: Config = url
+            .parse()
+            .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
+        let tls = match config.get_ssl_mode() {
+            SslMode::Disable => None,
+            _ => {
+                let mut builder = SslConnector::builder(SslMethod::tls())
+                    .map_err(|e| StoreError::Url(format!("TLS: {e}")))?;
+                builder.set_verify(SslVerifyMode::NONE);
+                Some(MakeTlsConnector::new(builder.build()))
+            }
+        };
+        let mut store = Store {
+            config,
+            tls,
+            client: None,
+            replica: replica.to_owned(),
+            lease_secs: lease.as_secs_f64(),
+        };
+        schema::migrate(store.client()?)?;
+        Ok(store)
+    }
+
+    /// The replica this store writes as.
+    pub fn replica(&self) -> &str {
+        &self.replica
+    }
+
+    /// The connection, made again if the last one failed.
+    fn client(&mut self) -> Result<&mut Client, StoreError> {
+        if self.client.as_ref().is_some_and(Client::is_closed) {
+            self.client = None;
+        }
+        if self.client.is_none() {
+            let client = match &self.tls {
+                Some(tls) => self.config.connect(tls.clone())?,
+                None => self.config.connect(NoTls)?,
+            };
+            self.client = Some(client);
+        }
+        Ok(self.client.as_mut().expect("connected above"))
+    }
+
+    /// Runs `call` on the connection; a failure that leaves the connection
+    /// in doubt drops it, so that the next call connects again.
+    fn with<T>(
+        &mut self,
+        call: impl FnOnce(&mut Client, &str, f64) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let (replica, lease) = (self.replica.clone(), self.lease_secs);
+        let result = call(self.client()?, &replica, lease);
+        if matches!(result, Err(StoreError::Unavailable(_))) {
+            self.client = None;
+        }
+        result
+    }
+
+    /// Adds a session holding `history`, owned by this replica.
+    pub fn create(
+        &mut self,
+        id: &str,
+        label: &str,
+        eos: &[u32],
+        history: &[u32],
+    ) -> Result<Lease, StoreError> {
+        self.with(|client, replica, lease| {
+            let row = client
+                .query_opt(
+                    "INSERT INTO inferd_sessions
+                         (id, label, eos, history, changes, owner, epoch, lease_until)
+                     VALUES ($1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second')
+                     ON CONFLICT (id) DO NOTHING
+                     RETURNING epoch",
+                    &[
+                        &id,
+                        &label,
+                        &to_bytes(eos),
+                        &to_bytes(history),
+                        &replica,
+                        &lease,
+                    ],
+                )?
+                .ok_or_else(|| StoreError::Exists(id.to_owned()))?;
+            Ok(Lease { epoch: row.get(0) })
+        })
+    }
+
+    /// Appends `tokens` to the session's history, under `lease`.
+    pub fn append(&mut self, id: &str, lease: Lease, tokens: &[u32]) -> Result<(), StoreError> {
+        self.fenced_write(
+            id,
+            lease,
+            "UPDATE inferd_sessions
+             SET history = history || $4, changes = changes + 1, updated_at = now()
+             WHERE id = $1 AND owner = $2 AND epoch = $3",
+            &[&to_bytes(tokens)],
+        )
+    }
+
+    /// Replaces the session's history (a rewind: a truncation, a turn
+    /// taken back), under `lease`.
+    pub fn set_history(
+        &mut self,
+        id: &str,
+        lease: Lease,
+        history: &[u32],
+    ) -> Result<(), StoreError> {
+        self.fenced_write(
+            id,
+            lease,
+            "UPDATE inferd_sessions
+             SET history = $4, changes = changes + 1, updated_at = now()
+             WHERE id = $1 AND owner = $2 AND epoch = $3",
+            &[&to_bytes(history)],
+        )
+    }
+
+    /// Runs a write whose first parameters are the id, this replica and
+    /// the lease's epoch, then `more`; no row written means the lease no
+    /// longer holds.
+    fn fenced_write(
+        &mut self,
+        id: &str,
+        lease: Lease,
+        sql: &str,
+        more: &[&(dyn ToSql + Sync)],
+    ) -> Result<(), StoreError> {
+        self.with(|client, replica, _| {
+            let mut params: Vec<&(dyn ToSql + Sync)> = vec![&id, &replica, &lease.epoch];
+            params.extend_from_slice(more);
+            match client.execute(sql, &params)? {
+                0 => Err(StoreError::Fenced {
+                    id: id.to_owned(),
+                    epoch: lease.epoch,
+                }),
+                _ => Ok(()),
+            }
+        })
+    }
+
+    /// Takes the session over: when this replica owns it already, or its
+    /// owner's lease ran out. The epoch moves on either way, so writes
+    /// under any earlier lease are refused from now on. Returns the new
+    /// lease and what the store holds.
+    pub fn take(&mut self, id: &str) -> Result<(Lease, SessionRow), StoreError> {
+        self.with(|client, replica, lease| {
+            let taken = client.query_opt(
+                "UPDATE inferd_sessions
+                 SET owner = $2, epoch = epoch + 1, lease_until = now() + $3 * interval '1 second'
+                 WHERE id = $1 AND (owner = $2 OR lease_until <= now())
+                 RETURNING epoch, label, eos, history, changes",
+                &[&id, &replica, &lease],
+            )?;
+            if let Some(row) = taken {
+                let session = SessionRow {
+                    label: row.get(1),
+                    eos: from_bytes(row.get(2)),
+                    history: from_bytes(row.get(3)),
+                    changes: row.get(4),
+                };
+                return Ok((Lease { epoch: row.get(0) }, session));
+            }
+            let holder = client.query_opt(
+                "SELECT owner, GREATEST(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8
+                 FROM inferd_sessions WHERE id = $1",
+                &[&id],
+            )?;
+            Err(match holder {
+                Some(row) => StoreError::HeldElsewhere {
+                    id: id.to_owned(),
+                    owner: row.get(0),
+                    left: Duration::from_secs_f64(row.get::<_, f64>(1)),
+                },
+                None => StoreError::NotFound(id.to_owned()),
+            })
+        })
+    }
+
+    /// What the store holds of a session, and its owner and epoch; taking
+    /// nothing.
+    pub fn load(&mut self, id: &str) -> Result<Option<(SessionRow, String, i64)>, StoreError> {
+        self.with(|client, _, _| {
+            let row = client.query_opt(
+                "SELECT label, eos, history, changes, owner, epoch
+                 FROM inferd_sessions WHERE id = $1",
+                &[&id],
+            )?;
+            Ok(row.map(|row| {
+                let session = SessionRow {
+                    label: row.get(0),
+                    eos: from_bytes(row.get(1)),
+                    history: from_bytes(row.get(2)),
+                    changes: row.get(3),
+                };
+                (session, row.get(4), row.get(5))
+            }))
+        })
+    }
+
+    /// Renews this replica's leases on `held` (`(id, epoch)`), and returns
+    /// the ids among them whose lease no longer holds (taken over or closed
+    /// by another replica): their KV must be dropped.
+    pub fn renew(&mut self, held: &[(String, i64)]) -> Result<Vec<String>, StoreError> {
+        let ids: Vec<&str> = held.iter().map(|(id, _)| id.as_str()).collect();
+        let epochs: Vec<i64> = held.iter().map(|&(_, epoch)| epoch).collect();
+        self.with(|client, replica, lease| {
+            let mut tx = client.transaction()?;
+            tx.execute(
+                "UPDATE inferd_sessions AS s
+                 SET lease_until = now() + $3 * interval '1 second'
+                 FROM unnest($1::text[], $2::int8[]) AS h(id, epoch)
+                 WHERE s.id = h.id AND s.epoch = h.epoch AND s.owner = $4",
+                &[&ids, &epochs, &lease, &replica],
+            )?;
+            let lost = tx
+                .query(
+                    "SELECT h.id FROM unnest($1::text[], $2::int8[]) AS h(id, epoch)
+                     WHERE NOT EXISTS (SELECT 1 FROM inferd_sessions s
+                         WHERE s.id = h.id AND s.epoch = h.epoch AND s.owner = $3)",
+                    &[&ids, &epochs, &replica],
+                )?
+                .iter()
+                .map(|row| row.get(0))
+                .collect();
+            tx.commit()?;
+            Ok(lost)
+        })
+    }
+
+    /// Gives the session up but keeps its row (a drain, a spill): another
+    /// replica may take it at once.
+    pub fn release(&mut self, id: &str, lease: Lease) -> Result<(), StoreError> {
+        self.fenced_write(
+            id,
+            lease,
+            "UPDATE inferd_sessions SET lease_until = now()
+             WHERE id = $1 AND owner = $2 AND epoch = $3",
+            &[],
+        )
+    }
+
+    /// Deletes the session, under `lease`.
+    pub fn close(&mut self, id: &str, lease: Lease) -> Result<(), StoreError> {
+        self.fenced_write(
+            id,
+            lease,
+            "DELETE FROM inferd_sessions WHERE id = $1 AND owner = $2 AND epoch = $3",
+            &[],
+        )
+    }
+}
+
+/// Token ids as the store keeps them: 4 bytes each, little-endian.
+fn to_bytes(tokens: &[u32]) -> Vec<u8> {
+    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+/// The token ids of [`to_bytes`]' bytes (a torn last id is dropped: the
+/// store writes whole ones only).
+fn from_bytes(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_round_trip_through_their_bytes() {
+        let ids = [0, 1, 49151, u32::MAX];
+        assert_eq!(from_bytes(&to_bytes(&ids)), ids);
+        assert!(from_bytes(&[]).is_empty());
+    }
+
+    #[test]
+    fn bad_urls_are_refused_before_connecting() {
+        let e = Store::connect("postgres://host:notaport/db", "r", DEFAULT_LEASE).unwrap_err();
+        assert!(matches!(e, StoreError::Url(_)), "{e}");
+    }
+}
