@@ -385,15 +385,14 @@ impl Engine {
         // Whether the next logits are the ones a step kept on the GPU.
         let mut on_device = false;
         let stop = loop {
-            if tokens.len() >= max_tokens {
-                break constraint
-                    .as_mut()
-                    .map_or(StopReason::MaxTokens, |c| c.end_at_limit());
-            }
-            if let Some(c) = constraint.as_mut() {
-                if let Some(end) = c.allowed(stop_tokens, &mut mask)?.end() {
-                    break end;
-                }
+            if let Some(end) = end_before_sampling(
+                constraint.as_deref_mut(),
+                &tokens,
+                max_tokens,
+                stop_tokens,
+                &mut mask,
+            )? {
+                break end;
             }
             let request = SampleRequest {
                 logits: &session.next_logits,
@@ -536,4 +535,26 @@ impl Engine {
             decode,
         })
     }
+}
+
+/// How a generation ends before sampling its next token, if it does:
+/// `max_tokens` reached (cut mid-match for a constraint), or a constraint
+/// whose text is complete or stuck. Otherwise `mask` holds the
+/// constraint's mask for the next token.
+pub(crate) fn end_before_sampling(
+    constraint: Option<&mut crate::constraint::Constraint>,
+    tokens: &[u32],
+    max_tokens: usize,
+    stop_tokens: &[u32],
+    mask: &mut Vec<u32>,
+) -> Result<Option<StopReason>, EngineError> {
+    match constraint {
+        _ if tokens.len() < max_tokens => {}
+        Some(c) => return Ok(Some(c.end_at_limit())),
+        None => return Ok(Some(StopReason::MaxTokens)),
+    }
+    Ok(match constraint {
+        Some(c) => c.allowed(stop_tokens, mask)?.end(),
+        None => None,
+    })
 }

@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Engine, EngineError, Generation, Session, StopReason};
+use super::{end_before_sampling, Engine, EngineError, Generation, Session, StopReason};
 use crate::constraint::Constraint;
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, SampleRequest, SamplerBackend, SamplingParams};
@@ -126,15 +126,14 @@ impl Engine {
         let mut feed = Vec::new();
         let mut mask = Vec::new();
         let stop = loop {
-            if tokens.len() >= max_tokens {
-                break constraint
-                    .as_mut()
-                    .map_or(StopReason::MaxTokens, |c| c.end_at_limit());
-            }
-            if let Some(c) = constraint.as_mut() {
-                if let Some(end) = c.allowed(stop_tokens, &mut mask)?.end() {
-                    break end;
-                }
+            if let Some(end) = end_before_sampling(
+                constraint.as_deref_mut(),
+                &tokens,
+                max_tokens,
+                stop_tokens,
+                &mut mask,
+            )? {
+                break end;
             }
             let position = session.history.len();
             let first = sample(

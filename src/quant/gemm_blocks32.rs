@@ -265,23 +265,44 @@ unsafe fn group_tile<W: Weights32>(
         }
         let mut out = [[0.0f32; GROUP]; TOKENS];
         for ((out, acc), min_acc) in out.iter_mut().zip(&acc).zip(&min_acc) {
-            let mut mins = [0.0f32; GROUP];
-            _mm256_storeu_ps(mins.as_mut_ptr(), *min_acc);
-            let mut lanes = [0.0f32; GROUP * 8];
-            for (p, pair) in acc.iter().enumerate() {
-                _mm512_storeu_ps(lanes[16 * p..].as_mut_ptr(), *pair);
-            }
-            for (row, (o, l)) in out.iter_mut().zip(lanes.chunks_exact(8)).enumerate() {
-                let l: &[f32; 8] = l.try_into().expect("8 lanes");
-                *o = if <W::Act as Act32>::HAS_MIN {
-                    hsum8(l) + mins[row]
-                } else {
-                    hsum8(l)
-                };
-            }
+            *out = finish_rows::<W>(acc, *min_acc);
         }
         out
     }
+}
+
+/// The 8 rows' outputs of one token from the pairs' lane accumulators and
+/// the rows' minimum sums: `hsum8` of each row's lanes, then its `m * s`
+/// sum for the formats with a minimum (the scalar reference's last steps).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and AVX.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+pub(crate) unsafe fn finish_rows<W: Weights32>(
+    acc: &[__m512; PAIRS],
+    min_acc: __m256,
+) -> [f32; GROUP] {
+    let mut mins = [0.0f32; GROUP];
+    let mut lanes = [0.0f32; GROUP * 8];
+    // SAFETY: both arrays hold what is stored; the caller promises the
+    // features.
+    unsafe {
+        _mm256_storeu_ps(mins.as_mut_ptr(), min_acc);
+        for (p, pair) in acc.iter().enumerate() {
+            _mm512_storeu_ps(lanes[16 * p..].as_mut_ptr(), *pair);
+        }
+    }
+    let mut out = [0.0f32; GROUP];
+    for (row, (o, l)) in out.iter_mut().zip(lanes.chunks_exact(8)).enumerate() {
+        let l: &[f32; 8] = l.try_into().expect("8 lanes");
+        *o = if <W::Act as Act32>::HAS_MIN {
+            hsum8(l) + mins[row]
+        } else {
+            hsum8(l)
+        };
+    }
+    out
 }
 
 /// Rows `0..groups * 8` of `w` (`nb` blocks of `W` each) times tokens

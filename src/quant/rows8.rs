@@ -25,11 +25,11 @@ use super::avx512::{load_x2, unpack_nibbles_x2};
 use super::blocks::{
     BlockIQ4NL, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_IQ4NL,
 };
-use super::gemm_blocks32::{Act32, Weights32};
-use super::scalar::hsum8;
+use super::gemm_blocks32::{finish_rows, Act32, Weights32};
 
-/// Rows per call.
+/// Rows per call: a row group of `gemm_blocks32`, whose last steps it shares.
 pub(crate) const ROWS: usize = 8;
+const _: () = assert!(ROWS == super::gemm_blocks32::GROUP);
 /// Tokens per register tile: 4 pairs of rows times 4 tokens of 16-lane
 /// accumulators, the unpacked quants and scales of the block beside them.
 const TOKENS: usize = 4;
@@ -85,103 +85,55 @@ unsafe fn with_fifth_bits(q: __m512i, qh0: [u8; 4], qh1: [u8; 4]) -> __m512i {
     _mm512_mask_add_epi8(q, bits, q, _mm512_set1_epi8(16))
 }
 
-impl InRegisters for BlockQ4_0 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
-    unsafe fn quants_x2(b0: *const Self, b1: *const Self) -> __m512i {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            unpack_nibbles_x2(
-                addr_of!((*b0).qs) as *const u8,
-                addr_of!((*b1).qs) as *const u8,
-            )
-        }
-    }
-    #[inline(always)]
-    unsafe fn scale_bits(b: *const Self) -> u32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { d_only(b as *const u8) }
-    }
+/// The packed quants of block pointer `b`.
+macro_rules! qs {
+    ($b:ident) => {
+        addr_of!((*$b).qs) as *const u8
+    };
 }
 
-impl InRegisters for BlockQ4_1 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
-    unsafe fn quants_x2(b0: *const Self, b1: *const Self) -> __m512i {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            unpack_nibbles_x2(
-                addr_of!((*b0).qs) as *const u8,
-                addr_of!((*b1).qs) as *const u8,
-            )
+/// Implements [`InRegisters`] for `$block`: `$quants` makes the biased
+/// quants of blocks `$b0` and `$b1`, `$scales` reads a block's scale bits.
+macro_rules! in_registers {
+    ($block:ty, $scales:ident, |$b0:ident, $b1:ident| $quants:expr) => {
+        impl InRegisters for $block {
+            #[inline]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
+            unsafe fn quants_x2($b0: *const Self, $b1: *const Self) -> __m512i {
+                // SAFETY: forwarded from the caller.
+                unsafe { $quants }
+            }
+            #[inline(always)]
+            unsafe fn scale_bits(b: *const Self) -> u32 {
+                // SAFETY: forwarded from the caller.
+                unsafe { $scales(b as *const u8) }
+            }
         }
-    }
-    #[inline(always)]
-    unsafe fn scale_bits(b: *const Self) -> u32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { d_and_m(b as *const u8) }
-    }
+    };
 }
 
-impl InRegisters for BlockQ5_0 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
-    unsafe fn quants_x2(b0: *const Self, b1: *const Self) -> __m512i {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            let q = unpack_nibbles_x2(
-                addr_of!((*b0).qs) as *const u8,
-                addr_of!((*b1).qs) as *const u8,
-            );
-            with_fifth_bits(q, (*b0).qh, (*b1).qh)
-        }
-    }
-    #[inline(always)]
-    unsafe fn scale_bits(b: *const Self) -> u32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { d_only(b as *const u8) }
-    }
-}
-
-impl InRegisters for BlockQ5_1 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
-    unsafe fn quants_x2(b0: *const Self, b1: *const Self) -> __m512i {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            let q = unpack_nibbles_x2(
-                addr_of!((*b0).qs) as *const u8,
-                addr_of!((*b1).qs) as *const u8,
-            );
-            with_fifth_bits(q, (*b0).qh, (*b1).qh)
-        }
-    }
-    #[inline(always)]
-    unsafe fn scale_bits(b: *const Self) -> u32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { d_and_m(b as *const u8) }
-    }
-}
-
-impl InRegisters for BlockQ8_0 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
-    unsafe fn quants_x2(b0: *const Self, b1: *const Self) -> __m512i {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            let q = load_x2(
-                addr_of!((*b0).qs) as *const u8,
-                addr_of!((*b1).qs) as *const u8,
-            );
-            _mm512_xor_si512(q, _mm512_set1_epi8(-128))
-        }
-    }
-    #[inline(always)]
-    unsafe fn scale_bits(b: *const Self) -> u32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { d_only(b as *const u8) }
-    }
-}
+in_registers!(BlockQ4_0, d_only, |b0, b1| unpack_nibbles_x2(
+    qs!(b0),
+    qs!(b1)
+));
+in_registers!(BlockQ4_1, d_and_m, |b0, b1| unpack_nibbles_x2(
+    qs!(b0),
+    qs!(b1)
+));
+in_registers!(BlockQ5_0, d_only, |b0, b1| with_fifth_bits(
+    unpack_nibbles_x2(qs!(b0), qs!(b1)),
+    (*b0).qh,
+    (*b1).qh
+));
+in_registers!(BlockQ5_1, d_and_m, |b0, b1| with_fifth_bits(
+    unpack_nibbles_x2(qs!(b0), qs!(b1)),
+    (*b0).qh,
+    (*b1).qh
+));
+in_registers!(BlockQ8_0, d_only, |b0, b1| _mm512_xor_si512(
+    load_x2(qs!(b0), qs!(b1)),
+    _mm512_set1_epi8(-128)
+));
 
 /// IQ4_NL's values plus 128, as the kernel's unsigned quants.
 const IQ4NL_BIASED: [u8; 16] = {
@@ -194,27 +146,10 @@ const IQ4NL_BIASED: [u8; 16] = {
     out
 };
 
-impl InRegisters for BlockIQ4NL {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")]
-    unsafe fn quants_x2(b0: *const Self, b1: *const Self) -> __m512i {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            let idx = unpack_nibbles_x2(
-                addr_of!((*b0).qs) as *const u8,
-                addr_of!((*b1).qs) as *const u8,
-            );
-            let table =
-                _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_BIASED.as_ptr() as *const __m128i));
-            _mm512_shuffle_epi8(table, idx)
-        }
-    }
-    #[inline(always)]
-    unsafe fn scale_bits(b: *const Self) -> u32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { d_only(b as *const u8) }
-    }
-}
+in_registers!(BlockIQ4NL, d_only, |b0, b1| _mm512_shuffle_epi8(
+    _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_BIASED.as_ptr() as *const __m128i)),
+    unpack_nibbles_x2(qs!(b0), qs!(b1))
+));
 
 /// Rows `0..8` (row `r` at `w + r * stride`, `nb` blocks of `W`) times the
 /// `NT` activation rows `a` (`nb` blocks each): `out[t][r]`, the bits of
@@ -340,24 +275,8 @@ unsafe fn tile<W: InRegisters, const T: usize>(
     }
     let mut out = [[0.0f32; ROWS]; T];
     for ((out, acc), min_acc) in out.iter_mut().zip(&acc).zip(&min_acc) {
-        let mut mins = [0.0f32; ROWS];
-        let mut lanes = [0.0f32; ROWS * 8];
-        // SAFETY: both arrays hold what is stored; the caller promises the
-        // features.
-        unsafe {
-            _mm256_storeu_ps(mins.as_mut_ptr(), *min_acc);
-            for (p, pair) in acc.iter().enumerate() {
-                _mm512_storeu_ps(lanes[16 * p..].as_mut_ptr(), *pair);
-            }
-        }
-        for (row, (o, l)) in out.iter_mut().zip(lanes.chunks_exact(8)).enumerate() {
-            let l: &[f32; 8] = l.try_into().expect("8 lanes");
-            *o = if <W::Act as Act32>::HAS_MIN {
-                hsum8(l) + mins[row]
-            } else {
-                hsum8(l)
-            };
-        }
+        // SAFETY: the caller promises the features.
+        *out = unsafe { finish_rows::<W>(acc, *min_acc) };
     }
     out
 }
