@@ -234,33 +234,14 @@ unsafe fn group_tile<W: Weights32>(
     // pointer covers `mins.len()` blocks; all other reads go through
     // references.
     unsafe {
-        let bias = _mm512_set1_epi8(W::BIAS as i8);
         let mut acc = [[_mm512_setzero_ps(); PAIRS]; TOKENS];
         let mut min_acc = [_mm256_setzero_ps(); TOKENS];
         for (b, (group, m)) in pairs.chunks_exact(PAIRS).zip(mins).enumerate() {
             let w = [0, 1, 2, 3].map(|p| _mm512_load_si512(group[p].q.as_ptr() as *const __m512i));
             let m = _mm256_loadu_ps(m.as_ptr());
+            let d = [0, 1, 2, 3].map(|p| _mm512_load_ps(group[p].d.as_ptr()));
             for t in 0..TOKENS {
-                let yb = &*y[t].add(b);
-                let act =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.qs().as_ptr() as *const __m256i));
-                // Each lane starts at -bias times its 4 activation bytes.
-                let start = if W::BIAS == 0 {
-                    _mm512_setzero_si512()
-                } else {
-                    let biased = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, act);
-                    _mm512_sub_epi32(_mm512_setzero_si512(), biased)
-                };
-                let dy = _mm512_broadcastss_ps(f16_one(yb.d_bits()));
-                for p in 0..PAIRS {
-                    let lanes = _mm512_dpbusd_epi32(start, w[p], act);
-                    let dd = _mm512_mul_ps(_mm512_load_ps(group[p].d.as_ptr()), dy);
-                    acc[t][p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[t][p]);
-                }
-                if <W::Act as Act32>::HAS_MIN {
-                    min_acc[t] =
-                        _mm256_fmadd_ps(m, _mm256_broadcastss_ps(f16_one(yb.s_bits())), min_acc[t]);
-                }
+                block_step::<W>(&mut acc[t], &mut min_acc[t], (&w, &d, m), &*y[t].add(b));
             }
         }
         let mut out = [[0.0f32; GROUP]; TOKENS];
@@ -268,6 +249,44 @@ unsafe fn group_tile<W: Weights32>(
             *out = finish_rows::<W>(acc, *min_acc);
         }
         out
+    }
+}
+
+/// One block of one token against a group's 8 rows: the pairs' biased
+/// quants, scales (each row's on its 8 lanes) and the rows' minimums,
+/// into the token's lane and minimum accumulators.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn block_step<W: Weights32>(
+    acc: &mut [__m512; PAIRS],
+    min_acc: &mut __m256,
+    (w, d, m): (&[__m512i; PAIRS], &[__m512; PAIRS], __m256),
+    yb: &W::Act,
+) {
+    // SAFETY: the caller promises the features; every read goes through
+    // a reference.
+    unsafe {
+        let act = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.qs().as_ptr() as *const __m256i));
+        // Each lane starts at -bias times its 4 activation bytes.
+        let start = if W::BIAS == 0 {
+            _mm512_setzero_si512()
+        } else {
+            let bias = _mm512_set1_epi8(W::BIAS as i8);
+            let biased = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, act);
+            _mm512_sub_epi32(_mm512_setzero_si512(), biased)
+        };
+        let dy = _mm512_broadcastss_ps(f16_one(yb.d_bits()));
+        for p in 0..PAIRS {
+            let lanes = _mm512_dpbusd_epi32(start, w[p], act);
+            let dd = _mm512_mul_ps(d[p], dy);
+            acc[p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[p]);
+        }
+        if <W::Act as Act32>::HAS_MIN {
+            *min_acc = _mm256_fmadd_ps(m, _mm256_broadcastss_ps(f16_one(yb.s_bits())), *min_acc);
+        }
     }
 }
 

@@ -20,12 +20,11 @@
 use std::arch::x86_64::*;
 use std::ptr::{addr_of, read_unaligned};
 
-use super::avx2::f16_one;
 use super::avx512::{load_x2, unpack_nibbles_x2};
 use super::blocks::{
     BlockIQ4NL, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_IQ4NL,
 };
-use super::gemm_blocks32::{finish_rows, Act32, Weights32};
+use super::gemm_blocks32::{block_step, finish_rows, Weights32};
 
 /// Rows per call: a row group of `gemm_blocks32`, whose last steps it shares.
 pub(crate) const ROWS: usize = 8;
@@ -229,7 +228,6 @@ unsafe fn tile<W: InRegisters, const T: usize>(
         )
     });
     let mins = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-    let bias = _mm512_set1_epi8(W::BIAS as i8);
     let rows: [*const W; ROWS] = std::array::from_fn(|r| w.wrapping_add(r * stride) as *const W);
     let mut acc = [[_mm512_setzero_ps(); 4]; T];
     let mut min_acc = [_mm256_setzero_ps(); T];
@@ -250,26 +248,7 @@ unsafe fn tile<W: InRegisters, const T: usize>(
             let d: [__m512; 4] = std::array::from_fn(|p| _mm512_permutexvar_ps(pair_d[p], scales));
             let m = _mm512_castps512_ps256(_mm512_permutexvar_ps(mins, scales));
             for t in 0..T {
-                let yb = &*a[t].add(b);
-                let act =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.qs().as_ptr() as *const __m256i));
-                // Each lane starts at -bias times its 4 activation bytes.
-                let start = if W::BIAS == 0 {
-                    _mm512_setzero_si512()
-                } else {
-                    let biased = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, act);
-                    _mm512_sub_epi32(_mm512_setzero_si512(), biased)
-                };
-                let dy = _mm512_broadcastss_ps(f16_one(yb.d_bits()));
-                for p in 0..4 {
-                    let lanes = _mm512_dpbusd_epi32(start, q[p], act);
-                    let dd = _mm512_mul_ps(d[p], dy);
-                    acc[t][p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[t][p]);
-                }
-                if <W::Act as Act32>::HAS_MIN {
-                    min_acc[t] =
-                        _mm256_fmadd_ps(m, _mm256_broadcastss_ps(f16_one(yb.s_bits())), min_acc[t]);
-                }
+                block_step::<W>(&mut acc[t], &mut min_acc[t], (&q, &d, m), &*a[t].add(b));
             }
         }
     }
