@@ -319,7 +319,7 @@ impl Constraint {
 
     /// A copy at the same point of the grammar, to work out the masks of
     /// proposed tokens (speculative decoding) without moving this one.
-    pub fn probe(&self) -> Constraint {
+    fn probe(&self) -> Constraint {
         Constraint {
             matcher: self.matcher.clone(),
             vocab: self.vocab,
@@ -331,7 +331,7 @@ impl Constraint {
     /// How many of `tokens` the grammar takes one after another from here,
     /// stopping before a stop id (the text would end there) or anything
     /// out of the vocabulary. Nothing moves.
-    pub fn valid_prefix(&mut self, tokens: &[u32], stop_ids: &[u32]) -> usize {
+    pub fn valid_prefix(&self, tokens: &[u32], stop_ids: &[u32]) -> usize {
         let upto = tokens
             .iter()
             .position(|t| stop_ids.contains(t) || *t as usize >= self.vocab || *t == self.eos)
@@ -339,11 +339,42 @@ impl Constraint {
         if upto == 0 || self.matcher.is_stopped() {
             return 0;
         }
+        // On a copy: a refused token may leave a matcher in an error state.
+        let mut probe = self.probe();
         guarded(
-            || self.matcher.validate_tokens(&tokens[..upto]),
+            || probe.matcher.validate_tokens(&tokens[..upto]),
             ConstraintError::Step,
         )
         .unwrap_or(0)
+    }
+
+    /// The masks under which each position of `proposal` (tokens that may
+    /// follow the text so far) is sampled, each after the tokens before it,
+    /// into `masks[j]`; returns how many positions have one. It stops where
+    /// the text would be complete or stuck (nothing is sampled there), and
+    /// after a token the grammar refuses (whose own position still gets its
+    /// mask). Nothing moves: a copy walks the proposal.
+    pub fn proposal_masks(
+        &self,
+        proposal: &[u32],
+        stop_ids: &[u32],
+        masks: &mut Vec<Vec<u32>>,
+    ) -> usize {
+        let mut probe = self.probe();
+        masks.resize_with(masks.len().max(proposal.len()), Vec::new);
+        for (j, &token) in proposal.iter().enumerate() {
+            match probe.allowed(stop_ids, &mut masks[j]) {
+                Ok(Allowed::Tokens) => {}
+                _ => return j,
+            }
+            let taken = masks[j]
+                .get(token as usize / 32)
+                .is_some_and(|w| w & (1 << (token % 32)) != 0);
+            if !taken || probe.accept(token, stop_ids).is_err() {
+                return j + 1;
+            }
+        }
+        proposal.len()
     }
 
     /// How a generation that reached `max_tokens` ends: a text cut mid-match

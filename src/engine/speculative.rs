@@ -8,7 +8,8 @@
 //! counter). The first proposed token that differs from the one sampled
 //! ends the accepted run; the positions after it are rolled back. So the
 //! tokens are the plain decoding's, to the bit, whatever was proposed. A
-//! constraint's masks come from a copy of it walked along the proposal.
+//! constraint's masks come from a copy of it walked along the proposal
+//! (`Constraint::proposal_masks`, as the server's workers use).
 
 use std::time::{Duration, Instant};
 
@@ -125,6 +126,7 @@ impl Engine {
         let mut tokens = Vec::new();
         let mut feed = Vec::new();
         let mut mask = Vec::new();
+        let mut row_masks = Vec::new();
         let stop = loop {
             if let Some(end) = end_before_sampling(
                 constraint.as_deref_mut(),
@@ -156,9 +158,9 @@ impl Engine {
                 let proposal = proposer.propose(&session.history, room);
                 session.history.pop();
                 let proposal = proposal?;
-                let take = constraint.as_ref().map_or(proposal.len(), |c| {
-                    c.probe().valid_prefix(&proposal, stop_tokens)
-                });
+                let take = constraint
+                    .as_ref()
+                    .map_or(proposal.len(), |c| c.valid_prefix(&proposal, stop_tokens));
                 feed.extend_from_slice(&proposal[..take]);
             }
             let proposed = feed.len() - 1;
@@ -170,16 +172,11 @@ impl Engine {
             let go_on = on_token(first);
             let mut end = emitted_end(constraint.as_deref(), is_stop, go_on);
             let mut accepted = 0;
-            // The masks of the proposed positions come from a copy of the
-            // constraint walked along the proposal.
-            let mut probe = constraint.as_ref().map(|c| c.probe());
+            let rows = constraint.as_ref().map_or(proposed, |c| {
+                c.proposal_masks(&feed[1..], stop_tokens, &mut row_masks)
+            });
             if end.is_none() {
-                for i in 0..proposed {
-                    if let Some(p) = probe.as_mut() {
-                        if p.allowed(stop_tokens, &mut mask)?.end().is_some() {
-                            break;
-                        }
-                    }
+                for i in 0..rows {
                     let at = position + 1 + i;
                     let row = &self.scratch.logits[(row0 + i) * vocab..][..vocab];
                     let sampled = sample(
@@ -187,13 +184,12 @@ impl Engine {
                         row,
                         &params,
                         &session.history[..at],
-                        probe.is_some().then_some(&mask[..]),
+                        constraint.is_some().then(|| &row_masks[i][..]),
                     )?;
                     if sampled != feed[1 + i] {
                         break;
                     }
-                    if let (Some(p), Some(c)) = (probe.as_mut(), constraint.as_mut()) {
-                        p.accept(sampled, stop_tokens)?;
+                    if let Some(c) = constraint.as_mut() {
                         c.accept(sampled, stop_tokens)?;
                     }
                     accepted += 1;

@@ -32,6 +32,7 @@ const _: () = assert!(ROWS == super::gemm_blocks32::GROUP);
 /// Tokens per register tile: 4 pairs of rows times 4 tokens of 16-lane
 /// accumulators, the unpacked quants and scales of the block beside them.
 const TOKENS: usize = 4;
+const _: () = assert!(super::dispatch::TILE.is_multiple_of(TOKENS));
 
 /// A 32-element weight format whose blocks unpack in registers.
 pub(crate) trait InRegisters: Weights32 {
@@ -167,29 +168,17 @@ pub(crate) unsafe fn rows8<W: InRegisters, const NT: usize>(
     prefetch: bool,
 ) -> [[f32; ROWS]; NT] {
     let a = a.map(|p| p as *const W::Act);
+    if NT <= TOKENS {
+        // SAFETY: forwarded from the caller.
+        return unsafe { tile::<W, NT>(nb, w, stride, a, prefetch) };
+    }
     let mut out = [[0.0f32; ROWS]; NT];
-    // SAFETY: forwarded from the caller, a tile of tokens at a time.
-    unsafe {
-        if NT <= TOKENS {
-            let res = tile::<W, NT>(nb, w, stride, a, prefetch);
-            out.copy_from_slice(&res);
-        } else {
-            // Only the first tile of tokens finds the rows uncached.
-            for (i, (o, t)) in out.chunks_mut(TOKENS).zip(a.chunks(TOKENS)).enumerate() {
-                let prefetch = prefetch && i == 0;
-                match *t {
-                    [t0, t1, t2, t3] => {
-                        o.copy_from_slice(&tile::<W, 4>(nb, w, stride, [t0, t1, t2, t3], prefetch))
-                    }
-                    [t0, t1] => o.copy_from_slice(&tile::<W, 2>(nb, w, stride, [t0, t1], prefetch)),
-                    _ => {
-                        for (o, &t) in o.iter_mut().zip(t) {
-                            *o = tile::<W, 1>(nb, w, stride, [t], prefetch)[0];
-                        }
-                    }
-                }
-            }
-        }
+    // Tiles of TOKENS tokens (NT is the tiled path's TILE here); only the
+    // first finds the rows uncached.
+    for (i, (o, t)) in out.chunks_mut(TOKENS).zip(a.chunks(TOKENS)).enumerate() {
+        let t: [*const W::Act; TOKENS] = t.try_into().expect("NT is a multiple of TOKENS");
+        // SAFETY: forwarded from the caller.
+        o.copy_from_slice(&unsafe { tile::<W, TOKENS>(nb, w, stride, t, prefetch && i == 0) });
     }
     out
 }

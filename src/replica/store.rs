@@ -150,16 +150,24 @@ impl Store {
         Ok(self.client.as_mut().expect("connected above"))
     }
 
-    /// Runs `call` on the connection; a failure that leaves the connection
-    /// in doubt drops it, so that the next call connects again.
+    /// Runs `call` on the connection with this replica's name and lease
+    /// length; a failure that leaves the connection in doubt drops it, so
+    /// that the next call connects again.
     fn with<T>(
         &mut self,
         call: impl FnOnce(&mut Client, &str, f64) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let (replica, lease) = (self.replica.clone(), self.lease_secs);
-        let result = call(self.client()?, &replica, lease);
+        self.client()?;
+        let Store {
+            client,
+            replica,
+            lease_secs,
+            ..
+        } = self;
+        let connection = client.as_mut().expect("connected above");
+        let result = call(connection, replica, *lease_secs);
         if matches!(result, Err(StoreError::Unavailable(_))) {
-            self.client = None;
+            *client = None;
         }
         result
     }

@@ -16,7 +16,6 @@ use std::ops::Range;
 
 use super::generate::{advance_constraint, token_fed};
 use super::*;
-use crate::constraint::{Allowed, Constraint};
 
 impl Worker {
     /// Adds what the session's lookup proposes after the token just
@@ -150,13 +149,10 @@ impl Worker {
         self.lookup_history.clear();
         self.lookup_history.extend_from_slice(history);
         self.lookup_history.extend_from_slice(feed);
-        let rows = match &gen.constraint {
-            Some(constraint) => {
-                let eos = slot.session.eos();
-                row_masks(constraint, &feed[1..], eos, &mut self.row_masks)
-            }
-            None => feed.len() - 1,
-        };
+        let eos = slot.session.eos();
+        let rows = gen.constraint.as_ref().map_or(feed.len() - 1, |c| {
+            c.proposal_masks(&feed[1..], eos, &mut self.row_masks)
+        });
         let masks = &self.row_masks;
         let requests: Vec<SampleRequest<'_>> = (1..=rows)
             .map(|j| SampleRequest {
@@ -214,35 +210,6 @@ impl Worker {
     }
 }
 
-/// The masks under which plain decoding would sample each of `proposal`'s
-/// positions, the tokens before it taken by a copy of `constraint`, into
-/// `masks[j]`; returns how many positions have one (it stops where the
-/// text would be complete or stuck, where plain decoding samples nothing,
-/// and after a token the grammar refuses, whose own row still gets its
-/// mask).
-fn row_masks(
-    constraint: &Constraint,
-    proposal: &[u32],
-    eos: &[u32],
-    masks: &mut Vec<Vec<u32>>,
-) -> usize {
-    let mut probe = constraint.probe();
-    masks.resize_with(masks.len().max(proposal.len()), Vec::new);
-    for (j, &token) in proposal.iter().enumerate() {
-        match probe.allowed(eos, &mut masks[j]) {
-            Ok(Allowed::Tokens) => {}
-            _ => return j,
-        }
-        let taken = masks[j]
-            .get(token as usize / 32)
-            .is_some_and(|w| w & (1 << (token % 32)) != 0);
-        if !taken || probe.accept(token, eos).is_err() {
-            return j + 1;
-        }
-    }
-    proposal.len()
-}
-
 /// The log-probabilities to send with the next emitted token.
 fn set_pending_logprobs(slot: &mut SessionSlot, logprobs: Option<crate::sampler::TokenLogprobs>) {
     if let Some(Active {
@@ -295,7 +262,7 @@ pub(super) fn add_proposal(slot: &mut SessionSlot, proposal: &[u32]) {
             work: Work::Generate(gen),
             ..
         }) => gen.constraint.as_ref().map_or(proposal.len(), |c| {
-            c.probe().valid_prefix(proposal, slot.session.eos())
+            c.valid_prefix(proposal, slot.session.eos())
         }),
         _ => proposal.len(),
     };
