@@ -9,13 +9,23 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use inferd::replica::{Lease, Store, StoreError, SCHEMA_VERSION};
+use inferd::replica::{Lease, NewSession, Store, StoreError, SCHEMA_VERSION};
 use support::postgres::Postgres;
 
 const SHORT: Duration = Duration::from_millis(600);
 
 fn store(pg: &Postgres, replica: &str, lease: Duration) -> Store {
     Store::connect(&pg.url, replica, lease).expect("connects")
+}
+
+/// A session of no tenant as it is first written.
+fn session<'a>(label: &'a str, eos: &'a [u32], history: &'a [u32]) -> NewSession<'a> {
+    NewSession {
+        label,
+        eos,
+        tenant: None,
+        history,
+    }
 }
 
 /// Waits out a lease of [`SHORT`].
@@ -55,10 +65,12 @@ fn a_replica_whose_session_was_taken_over_writes_nothing_more() {
     let Some(pg) = Postgres::start() else { return };
     let mut a = store(&pg, "a", SHORT);
     let mut b = store(&pg, "b", SHORT);
-    let lease_a = a.create("s1", "chat", &[2], &[1, 5, 9]).expect("created");
+    let lease_a = a
+        .create("s1", &session("chat", &[2], &[1, 5, 9]))
+        .expect("created");
     a.append("s1", lease_a, &[10, 11]).expect("appended");
     // A live lease is not taken.
-    match b.take("s1") {
+    match b.take("s1", None) {
         Err(StoreError::HeldElsewhere { owner, left, .. }) => {
             assert_eq!(owner, "a");
             assert!(left <= SHORT, "{left:?}");
@@ -67,7 +79,7 @@ fn a_replica_whose_session_was_taken_over_writes_nothing_more() {
     }
     // Once it runs out (the owner paused, cut off or dead), it is.
     after_lease();
-    let (lease_b, row) = b.take("s1").expect("taken over");
+    let (lease_b, row) = b.take("s1", None).expect("taken over");
     assert!(lease_b.epoch > lease_a.epoch);
     assert_eq!(row.history, [1, 5, 9, 10, 11]);
     assert_eq!(
@@ -103,19 +115,19 @@ fn a_replica_whose_session_was_taken_over_writes_nothing_more() {
         .expect("renews")
         .is_empty());
     assert!(matches!(
-        a.take("s1"),
+        a.take("s1", None),
         Err(StoreError::HeldElsewhere { .. })
     ));
     // Given up, it is taken at once; closed, it is gone.
     b.release("s1", lease_b).expect("released");
-    let (lease_a2, row) = a.take("s1").expect("taken back");
+    let (lease_a2, row) = a.take("s1", None).expect("taken back");
     assert_eq!(row.history, [1, 5, 9, 10, 11, 12]);
     assert!(matches!(
         b.append("s1", lease_b, &[1]),
         Err(StoreError::Fenced { .. })
     ));
     a.close("s1", lease_a2).expect("closed");
-    assert!(matches!(b.take("s1"), Err(StoreError::NotFound(_))));
+    assert!(matches!(b.take("s1", None), Err(StoreError::NotFound(_))));
     assert!(a.load("s1").expect("reads").is_none());
 }
 
@@ -124,19 +136,19 @@ fn ids_are_unique_and_unknown_ones_are_not_found() {
     let Some(pg) = Postgres::start() else { return };
     let mut a = store(&pg, "a", SHORT);
     let mut b = store(&pg, "b", SHORT);
-    let lease = a.create("s1", "", &[], &[]).expect("created");
+    let lease = a.create("s1", &session("", &[], &[])).expect("created");
     assert!(matches!(
-        b.create("s1", "", &[], &[7]),
+        b.create("s1", &session("", &[], &[7])),
         Err(StoreError::Exists(_))
     ));
-    assert!(matches!(b.take("nope"), Err(StoreError::NotFound(_))));
+    assert!(matches!(b.take("nope", None), Err(StoreError::NotFound(_))));
     assert!(matches!(
         b.append("nope", Lease { epoch: 1 }, &[1]),
         Err(StoreError::Fenced { .. })
     ));
     // The owner itself takes its session again with a new epoch (a
     // restarted replica), fencing its own earlier lease.
-    let (again, row) = a.take("s1").expect("taken");
+    let (again, row) = a.take("s1", None).expect("taken");
     assert!(again.epoch > lease.epoch && row.history.is_empty());
     assert!(matches!(
         a.append("s1", lease, &[1]),
@@ -148,7 +160,8 @@ fn ids_are_unique_and_unknown_ones_are_not_found() {
 fn replicas_racing_for_a_session_leave_one_owner() {
     let Some(pg) = Postgres::start() else { return };
     let mut a = store(&pg, "a", SHORT);
-    a.create("s1", "", &[], &[1, 2, 3]).expect("created");
+    a.create("s1", &session("", &[], &[1, 2, 3]))
+        .expect("created");
     after_lease();
     let url = pg.url.clone();
     let racers: Vec<_> = (0..6)
@@ -157,7 +170,7 @@ fn replicas_racing_for_a_session_leave_one_owner() {
             std::thread::spawn(move || {
                 let mut s = Store::connect(&url, &format!("r{i}"), Duration::from_secs(30))
                     .expect("connects");
-                s.take("s1").map(|(lease, _)| (i, lease))
+                s.take("s1", None).map(|(lease, _)| (i, lease))
             })
         })
         .collect();
@@ -182,7 +195,7 @@ fn a_store_that_goes_away_fails_calls_typed_and_loses_nothing_acknowledged() {
         return;
     };
     let mut a = store(&pg, "a", Duration::from_secs(60));
-    let lease = a.create("s1", "", &[], &[1]).expect("created");
+    let lease = a.create("s1", &session("", &[], &[1])).expect("created");
     let mut acknowledged = vec![1];
     for t in 2..6 {
         a.append("s1", lease, &[t]).expect("appended");
@@ -201,4 +214,34 @@ fn a_store_that_goes_away_fails_calls_typed_and_loses_nothing_acknowledged() {
     acknowledged.push(9);
     let (row, _, _) = a.load("s1").expect("reads").expect("there");
     assert_eq!(row.history, acknowledged);
+}
+
+#[test]
+fn another_tenants_session_is_not_found_and_orphans_idle_past_the_ttl_are_swept() {
+    let Some(pg) = Postgres::start() else { return };
+    let mut a = store(&pg, "a", SHORT);
+    let mut b = store(&pg, "b", SHORT);
+    let alices = NewSession {
+        tenant: Some("alice"),
+        ..session("", &[], &[1, 2])
+    };
+    a.create("s1", &alices).expect("created");
+    after_lease();
+    // Another tenant's call finds nothing, and moves nothing.
+    assert!(matches!(
+        b.take("s1", Some("bob")),
+        Err(StoreError::NotFound(_))
+    ));
+    let (_, owner, epoch) = a.load("s1").expect("reads").expect("there");
+    assert_eq!((owner.as_str(), epoch), ("a", 1));
+    let (lease, row) = b
+        .take("s1", Some("alice"))
+        .expect("the owner's call takes it");
+    assert_eq!(row.tenant.as_deref(), Some("alice"));
+    // A held session is never swept; one let go is, once idle long enough.
+    assert_eq!(a.sweep_idle(Duration::ZERO).expect("sweeps"), 0);
+    b.release("s1", lease).expect("released");
+    assert_eq!(a.sweep_idle(Duration::from_secs(3600)).expect("sweeps"), 0);
+    assert_eq!(a.sweep_idle(Duration::ZERO).expect("sweeps"), 1);
+    assert!(a.load("s1").expect("reads").is_none());
 }

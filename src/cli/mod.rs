@@ -16,6 +16,7 @@ mod make_model;
 mod memory;
 mod relay;
 pub mod remote;
+mod replica;
 mod serve;
 mod session;
 mod shard;
@@ -54,7 +55,7 @@ pub enum Command {
     /// Measure prefill and decode speed (the llama-bench equivalent).
     Bench(BenchArgs),
     /// Serve kakeya.v1.RuntimeService over gRPC.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Drive a session on an inferd server by token ids, for scripts.
     #[command(subcommand)]
     Session(session::SessionCommand),
@@ -287,7 +288,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench(args),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Session(command) => session::run(command),
         Command::Shard(args) => shard::run(args),
         Command::Relay(args) => relay::run(args),

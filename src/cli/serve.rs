@@ -201,6 +201,25 @@ pub struct ServeArgs {
     /// When a session's change is on disk, with --state-dir [default: sync].
     #[arg(long, value_enum, env = "INFERD_DURABILITY")]
     pub durability: Option<DurabilityArg>,
+    /// Keep every session's history in this PostgreSQL database
+    /// (`postgres://USER:PASSWORD@HOST:PORT/DB?sslmode=...`), shared by
+    /// replicas behind a proxy: a change is there before its call is
+    /// answered, and a call for a session another replica held (dead,
+    /// drained or out of reach) takes it over and rebuilds it. Not with
+    /// --state-dir [default: off].
+    #[arg(long, env = "INFERD_SESSION_STORE", hide_env_values = true)]
+    pub session_store: Option<String>,
+    /// With --session-store, this replica's name in the store's leases:
+    /// unique among running replicas and stable across restarts (a pod's
+    /// name), so that a replica started again takes its sessions back at
+    /// once [default: HOSTNAME-PID].
+    #[arg(long, env = "INFERD_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// With --session-store, seconds a session's lease lasts unless its
+    /// replica renews it (every third of it): how long a dead replica's
+    /// sessions wait before another takes them over [default: 10].
+    #[arg(long, env = "INFERD_LEASE_SECS")]
+    pub lease_secs: Option<f64>,
     /// Seconds to let calls finish after SIGTERM/SIGINT before cancelling
     /// them [default: 30].
     #[arg(long, env = "INFERD_DRAIN_TIMEOUT")]
@@ -312,6 +331,9 @@ struct FileConfig {
     max_state_mib: Option<u64>,
     min_free_mib: Option<u64>,
     durability: Option<DurabilityArg>,
+    session_store: Option<String>,
+    replica_id: Option<String>,
+    lease_secs: Option<f64>,
     completion_queues: Option<usize>,
     sampler: Option<SamplerChoice>,
     speculate: Option<Speculate>,
@@ -381,6 +403,8 @@ pub struct Settings {
     /// What the state directory may take of the disk.
     pub state_limits: Limits,
     pub durability: DurabilityArg,
+    /// The replicas' session store, this replica's name and the lease.
+    pub replica: Option<super::replica::ReplicaSettings>,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
     pub speculate: Speculate,
@@ -527,6 +551,12 @@ impl ServeArgs {
             drain_timeout: seconds(
                 "drain-timeout",
                 self.drain_timeout.or(file.drain_timeout).unwrap_or(30.0),
+            )?,
+            replica: super::replica::ReplicaSettings::merge(
+                self.session_store.clone().or(file.session_store),
+                self.replica_id.clone().or(file.replica_id),
+                self.lease_secs.or(file.lease_secs),
+                self.state_dir.is_some() || file.state_dir.is_some(),
             )?,
             state_dir: self.state_dir.clone().or(file.state_dir),
             max_spilled_sessions: self
@@ -965,7 +995,10 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                     dir.display(),
                     format!("{:?}", settings.durability).to_lowercase()
                 ),
-                None => "in memory only".into(),
+                None => match &settings.replica {
+                    Some(replica) => replica.describe(),
+                    None => "in memory only".into(),
+                },
             },
         );
         if !settings.shards.is_empty() {
@@ -974,6 +1007,10 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         return Ok(());
     }
     cfg.runtime.state = settings.session_store()?;
+    cfg.runtime.replica = match &settings.replica {
+        Some(replica) => Some(replica.connect()?),
+        None => None,
+    };
     let server = Server::start(model, cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     tracing::info!(
         model = %settings.model.display(),

@@ -136,6 +136,9 @@ pub fn render(stats: &RuntimeStats, server: &ServerNumbers) -> String {
     render_spill(&mut e, stats);
     render_state_dir(&mut e, stats);
     render_restore(&mut e, stats);
+    if let Some(replica) = &stats.replica {
+        render_replica(&mut e, replica);
+    }
     render_prefix_cache(&mut e, stats);
     render_workers(&mut e, stats);
     if let Some(shards) = &stats.shards {
@@ -336,6 +339,41 @@ fn render_spill(e: &mut Exposition, stats: &RuntimeStats) {
         "counter",
         "Tokens of spilled sessions whose KV was read back from disk instead of computed.",
         stats.spill_read_tokens,
+    );
+}
+
+/// The replicas' session store: sessions moved here and their tokens,
+/// leases lost to other replicas, statements that failed.
+fn render_replica(e: &mut Exposition, r: &crate::runtime::ReplicaStats) {
+    e.single(
+        "replica_takeovers_total",
+        "counter",
+        "Sessions this replica took over from the session store (each one moved here).",
+        r.takeovers,
+    );
+    e.single(
+        "replica_takeover_tokens_total",
+        "counter",
+        "History tokens of the sessions taken over, fed again unless shared pages held them.",
+        r.takeover_tokens,
+    );
+    e.single(
+        "replica_leases_lost_total",
+        "counter",
+        "Sessions dropped here because another replica took their lease.",
+        r.leases_lost,
+    );
+    e.single(
+        "replica_handoffs_total",
+        "counter",
+        "Sessions let go here because another replica asked for them (a call for them reached it).",
+        r.handoffs,
+    );
+    e.single(
+        "replica_store_failures_total",
+        "counter",
+        "Session store statements that failed; each write's call was undone and failed UNAVAILABLE.",
+        r.store_failures,
     );
 }
 
@@ -728,6 +766,13 @@ mod tests {
             restore_digest_mismatches: 1,
             sessions_spilled: 6,
             journal_failures: 1,
+            replica: Some(crate::runtime::ReplicaStats {
+                takeovers: 3,
+                takeover_tokens: 2000,
+                leases_lost: 1,
+                handoffs: 4,
+                store_failures: 2,
+            }),
             state_dir_writable: Some(false),
             state_dir_write_failures: 4,
             spilled_now: 2,
@@ -984,6 +1029,11 @@ mod tests {
         assert_eq!(get("inferd_session_restore_refused_total", &[]), 1.0);
         assert_eq!(get("inferd_session_spilled_total", &[]), 6.0);
         assert_eq!(get("inferd_session_journal_failures_total", &[]), 1.0);
+        assert_eq!(get("inferd_replica_takeovers_total", &[]), 3.0);
+        assert_eq!(get("inferd_replica_takeover_tokens_total", &[]), 2000.0);
+        assert_eq!(get("inferd_replica_leases_lost_total", &[]), 1.0);
+        assert_eq!(get("inferd_replica_handoffs_total", &[]), 4.0);
+        assert_eq!(get("inferd_replica_store_failures_total", &[]), 2.0);
         assert_eq!(get("inferd_state_dir_writable", &[]), 0.0);
         assert_eq!(get("inferd_state_dir_write_failures_total", &[]), 4.0);
         assert_eq!(get("inferd_state_bytes", &[]), 8192.0);

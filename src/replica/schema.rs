@@ -8,15 +8,16 @@ use postgres::Client;
 use super::store::StoreError;
 
 /// The newest schema this build reads and writes.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// The advisory lock the migrations take (an arbitrary constant: "inferd").
 const MIGRATION_LOCK: i64 = 0x696e_6665_7264;
 
 /// Migration `n` brings a database at version `n - 1` to `n`.
-const MIGRATIONS: [(i32, &str); 1] = [(
-    1,
-    "CREATE TABLE inferd_sessions (
+const MIGRATIONS: [(i32, &str); 2] = [
+    (
+        1,
+        "CREATE TABLE inferd_sessions (
          id text PRIMARY KEY,
          label text NOT NULL,
          eos bytea NOT NULL,
@@ -29,7 +30,15 @@ const MIGRATIONS: [(i32, &str); 1] = [(
          updated_at timestamptz NOT NULL DEFAULT now()
      );
      CREATE INDEX inferd_sessions_owner ON inferd_sessions (owner);",
-)];
+    ),
+    // Who a session belongs to (NULL: anyone's), so that a session that
+    // moves keeps its owner; and what the idle-session sweep looks at.
+    (
+        2,
+        "ALTER TABLE inferd_sessions ADD COLUMN tenant text;
+         CREATE INDEX inferd_sessions_idle ON inferd_sessions (updated_at);",
+    ),
+];
 
 /// Brings the database to [`SCHEMA_VERSION`], or refuses one that is newer.
 pub(crate) fn migrate(client: &mut Client) -> Result<(), StoreError> {

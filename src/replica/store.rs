@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
 use postgres::config::SslMode;
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::ToSql;
 use postgres::{Client, Config, NoTls};
 use postgres_openssl::MakeTlsConnector;
@@ -22,6 +23,12 @@ use super::schema;
 
 /// How long a lease lasts unless renewed.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+
+/// How long connecting may take unless the URL says (`connect_timeout`).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Idle time before the connection's TCP keepalive probes start.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 
 /// Why a store call failed.
 #[derive(Debug, Error)]
@@ -75,10 +82,21 @@ pub struct Lease {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionRow {
     pub label: String,
+    /// Who the session belongs to (`None`: anyone's).
+    pub tenant: Option<String>,
     pub eos: Vec<u32>,
     pub history: Vec<u32>,
     /// How many writes made the row (its first included).
     pub changes: i64,
+}
+
+/// A session as it is first written.
+#[derive(Clone, Copy, Debug)]
+pub struct NewSession<'a> {
+    pub label: &'a str,
+    pub eos: &'a [u32],
+    pub tenant: Option<&'a str>,
+    pub history: &'a [u32],
 }
 
 /// A connection to the store, writing as replica `replica`.
@@ -88,7 +106,13 @@ pub struct Store {
     client: Option<Client>,
     replica: String,
     lease_secs: f64,
+    /// Whether the connection has LISTENed for hand-off requests (it
+    /// must again after connecting anew).
+    listening: bool,
 }
+
+/// The channel hand-off requests travel on (`NOTIFY`): "OWNER ID".
+const HANDOFF_CHANNEL: &str = "inferd_handoff";
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -107,9 +131,15 @@ impl Store {
     /// (refusing a newer one) and writes as `replica`, with leases of
     /// `lease`.
     pub fn connect(url: &str, replica: &str, lease: Duration) -> Result<Store, StoreError> {
-        let config: Config = url
+        let mut config: Config = url
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
+        // A database that does not answer fails the call within seconds
+        // instead of holding the worker that asked.
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        config.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
         let tls = match config.get_ssl_mode() {
             SslMode::Disable => None,
             _ => {
@@ -125,6 +155,7 @@ impl Store {
             client: None,
             replica: replica.to_owned(),
             lease_secs: lease.as_secs_f64(),
+            listening: false,
         };
         schema::migrate(store.client()?)?;
         Ok(store)
@@ -146,6 +177,7 @@ impl Store {
                 None => self.config.connect(NoTls)?,
             };
             self.client = Some(client);
+            self.listening = false;
         }
         Ok(self.client.as_mut().expect("connected above"))
     }
@@ -172,29 +204,24 @@ impl Store {
         result
     }
 
-    /// Adds a session holding `history`, owned by this replica.
-    pub fn create(
-        &mut self,
-        id: &str,
-        label: &str,
-        eos: &[u32],
-        history: &[u32],
-    ) -> Result<Lease, StoreError> {
+    /// Adds a session, held by this replica.
+    pub fn create(&mut self, id: &str, session: &NewSession) -> Result<Lease, StoreError> {
         self.with(|client, replica, lease| {
             let row = client
                 .query_opt(
                     "INSERT INTO inferd_sessions
-                         (id, label, eos, history, changes, owner, epoch, lease_until)
-                     VALUES ($1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second')
+                         (id, label, eos, history, changes, owner, epoch, lease_until, tenant)
+                     VALUES ($1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second', $7)
                      ON CONFLICT (id) DO NOTHING
                      RETURNING epoch",
                     &[
                         &id,
-                        &label,
-                        &to_bytes(eos),
-                        &to_bytes(history),
+                        &session.label,
+                        &to_bytes(session.eos),
+                        &to_bytes(session.history),
                         &replica,
                         &lease,
+                        &session.tenant,
                     ],
                 )?
                 .ok_or_else(|| StoreError::Exists(id.to_owned()))?;
@@ -255,18 +282,26 @@ impl Store {
         })
     }
 
-    /// Takes the session over: when this replica owns it already, or its
-    /// owner's lease ran out. The epoch moves on either way, so writes
-    /// under any earlier lease are refused from now on. Returns the new
-    /// lease and what the store holds.
-    pub fn take(&mut self, id: &str) -> Result<(Lease, SessionRow), StoreError> {
+    /// Takes the session over for a caller of tenant `caller` (`None`:
+    /// any session): when this replica owns it already, or its owner's
+    /// lease ran out. The epoch moves on either way, so writes under any
+    /// earlier lease are refused from now on. Returns the new lease and
+    /// what the store holds. A session of another tenant is
+    /// [`StoreError::NotFound`], like one that does not exist, and is left
+    /// as it is.
+    pub fn take(
+        &mut self,
+        id: &str,
+        caller: Option<&str>,
+    ) -> Result<(Lease, SessionRow), StoreError> {
         self.with(|client, replica, lease| {
             let taken = client.query_opt(
                 "UPDATE inferd_sessions
                  SET owner = $2, epoch = epoch + 1, lease_until = now() + $3 * interval '1 second'
                  WHERE id = $1 AND (owner = $2 OR lease_until <= now())
-                 RETURNING epoch, label, eos, history, changes",
-                &[&id, &replica, &lease],
+                     AND (tenant IS NULL OR $4::text IS NULL OR tenant = $4)
+                 RETURNING epoch, label, eos, history, changes, tenant",
+                &[&id, &replica, &lease, &caller],
             )?;
             if let Some(row) = taken {
                 let session = SessionRow {
@@ -274,13 +309,15 @@ impl Store {
                     eos: from_bytes(row.get(2)),
                     history: from_bytes(row.get(3)),
                     changes: row.get(4),
+                    tenant: row.get(5),
                 };
                 return Ok((Lease { epoch: row.get(0) }, session));
             }
             let holder = client.query_opt(
                 "SELECT owner, GREATEST(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8
-                 FROM inferd_sessions WHERE id = $1",
-                &[&id],
+                 FROM inferd_sessions
+                 WHERE id = $1 AND (tenant IS NULL OR $2::text IS NULL OR tenant = $2)",
+                &[&id, &caller],
             )?;
             Err(match holder {
                 Some(row) => StoreError::HeldElsewhere {
@@ -298,7 +335,7 @@ impl Store {
     pub fn load(&mut self, id: &str) -> Result<Option<(SessionRow, String, i64)>, StoreError> {
         self.with(|client, _, _| {
             let row = client.query_opt(
-                "SELECT label, eos, history, changes, owner, epoch
+                "SELECT label, eos, history, changes, owner, epoch, tenant
                  FROM inferd_sessions WHERE id = $1",
                 &[&id],
             )?;
@@ -308,6 +345,7 @@ impl Store {
                     eos: from_bytes(row.get(1)),
                     history: from_bytes(row.get(2)),
                     changes: row.get(3),
+                    tenant: row.get(6),
                 };
                 (session, row.get(4), row.get(5))
             }))
@@ -354,6 +392,72 @@ impl Store {
              WHERE id = $1 AND owner = $2 AND epoch = $3",
             &[],
         )
+    }
+
+    /// Deletes the sessions no replica holds that have not changed for
+    /// `idle` (their owner died or let them go, and nobody called them
+    /// since): the idle TTL of sessions that outlived their replica.
+    /// Returns how many went.
+    pub fn sweep_idle(&mut self, idle: Duration) -> Result<u64, StoreError> {
+        self.with(|client, _, _| {
+            Ok(client.execute(
+                "DELETE FROM inferd_sessions
+                 WHERE lease_until <= now() AND updated_at <= now() - $1 * interval '1 second'",
+                &[&idle.as_secs_f64()],
+            )?)
+        })
+    }
+
+    /// Asks replica `owner` to let session `id` go as soon as nothing runs
+    /// on it (a call for it reached this replica instead): a notification
+    /// its [`Store::handoff_requests`] hears.
+    pub fn ask_handoff(&mut self, id: &str, owner: &str) -> Result<(), StoreError> {
+        self.with(|client, _, _| {
+            client.execute(
+                "SELECT pg_notify($1, $2)",
+                &[&HANDOFF_CHANNEL, &format!("{owner} {id}")],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Waits up to `wait` for requests to let sessions go addressed to this
+    /// replica, and returns their ids (none when `wait` passed). For a
+    /// store of its own: the connection listens from the first call on.
+    pub fn handoff_requests(&mut self, wait: Duration) -> Result<Vec<String>, StoreError> {
+        self.client()?;
+        let Store {
+            client,
+            replica,
+            listening,
+            ..
+        } = self;
+        let connection = client.as_mut().expect("connected above");
+        let result = (|| {
+            if !*listening {
+                connection.batch_execute(&format!("LISTEN {HANDOFF_CHANNEL}"))?;
+                *listening = true;
+            }
+            let mut asked = Vec::new();
+            let mut notifications = connection.notifications();
+            let first = notifications.timeout_iter(wait).next()?;
+            let mine = |payload: &str| {
+                payload
+                    .split_once(' ')
+                    .filter(|(owner, _)| *owner == replica.as_str())
+                    .map(|(_, id)| id.to_owned())
+            };
+            asked.extend(first.iter().filter_map(|n| mine(n.payload())));
+            let mut pending = notifications.iter();
+            while let Some(n) = pending.next()? {
+                asked.extend(mine(n.payload()));
+            }
+            Ok(asked)
+        })();
+        if result.is_err() {
+            *client = None;
+        }
+        result.map_err(|e: postgres::Error| StoreError::from(e))
     }
 
     /// Deletes the session, under `lease`.

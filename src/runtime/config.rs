@@ -90,6 +90,12 @@ pub struct RuntimeConfig {
     /// live as long as the process.
     #[cfg(not(loom))]
     pub state: Option<Arc<crate::durable::SessionStore>>,
+    /// The replicas' session store (`serve --session-store`): every
+    /// session's history is written there before its call is answered,
+    /// and a call for a session this replica does not hold takes it over
+    /// from there. Not with `state`.
+    #[cfg(not(loom))]
+    pub replica: Option<ReplicaConfig>,
     /// How a Generate that does not say otherwise speculates
     /// (`GenerateRequest::speculate`): tokens stay plain decoding's either
     /// way.
@@ -103,6 +109,30 @@ pub struct RuntimeConfig {
     /// Tokens a draft proposes every step instead of the length its
     /// acceptance and costs say pays (`None`: sized that way).
     pub draft_tokens: Option<usize>,
+}
+
+/// Where the replicas keep their sessions, and this replica's part.
+#[cfg(not(loom))]
+#[derive(Clone)]
+pub struct ReplicaConfig {
+    /// The PostgreSQL URL (it may hold a password: never logged).
+    pub url: String,
+    /// This replica's name in the store's leases: stable across restarts
+    /// so that a replica started again takes its sessions back at once.
+    pub replica: String,
+    /// How long a lease lasts unless renewed: how long a dead replica's
+    /// sessions wait before another may take them over.
+    pub lease: Duration,
+}
+
+#[cfg(not(loom))]
+impl std::fmt::Debug for ReplicaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaConfig")
+            .field("replica", &self.replica)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Speculative decoding in the workers: several tokens verified in one
@@ -167,6 +197,8 @@ impl Default for RuntimeConfig {
             layers: Arc::new(LocalLayers),
             #[cfg(not(loom))]
             state: None,
+            #[cfg(not(loom))]
+            replica: None,
             #[cfg(not(loom))]
             draft_model: None,
             draft_tokens: None,

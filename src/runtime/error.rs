@@ -61,6 +61,12 @@ pub enum RuntimeError {
     /// failing disk): the change is undone and nothing was kept.
     #[error("not made durable, nothing changed: {0}")]
     NotDurable(String),
+    /// Another replica took the session over (this one's lease ran out
+    /// while it was paused or cut off): nothing of the call was kept, and
+    /// this replica dropped the session. Calling again reaches it where it
+    /// is now.
+    #[error("the session moved to another replica, nothing changed: {0}")]
+    Moved(String),
     /// A shard of a split model failed this step (`inferd serve --shards`):
     /// the status says how, the message names the shard. The session is
     /// kept and rebuilt on the shards on its next call unless the message
@@ -80,7 +86,9 @@ impl RuntimeError {
             }
             RuntimeError::FailedPrecondition(_) => StatusKind::FailedPrecondition,
             RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
-            RuntimeError::Unavailable | RuntimeError::NotDurable(_) => StatusKind::Unavailable,
+            RuntimeError::Unavailable | RuntimeError::NotDurable(_) | RuntimeError::Moved(_) => {
+                StatusKind::Unavailable
+            }
             RuntimeError::Internal(_) => StatusKind::Internal,
             RuntimeError::Shard { status, .. } => *status,
         }

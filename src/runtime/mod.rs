@@ -37,6 +37,8 @@ mod worker;
 
 pub use crate::base::{BadTenant, SessionId, Tenant};
 pub use board::{EvictionBoard, EvictionTicket, OpenRequests};
+#[cfg(not(loom))]
+pub use config::ReplicaConfig;
 pub use config::{EvictionPolicy, OverflowPolicy, RuntimeConfig, Speculation};
 pub use error::{RuntimeError, StatusKind};
 #[cfg(not(loom))]
@@ -48,8 +50,8 @@ pub use local::LocalLayers;
 pub use rate::{DecodeRate, RATE_BUCKETS, RATE_WINDOW_SECS};
 pub use request_constraint::RequestConstraint;
 pub use stats::{
-    Counters, DurationHistogram, HistogramSnapshot, RuntimeStats, WorkerGauges, WorkerStats,
-    PREFILL_BUCKETS,
+    Counters, DurationHistogram, HistogramSnapshot, ReplicaStats, RuntimeStats, WorkerGauges,
+    WorkerStats, PREFILL_BUCKETS,
 };
 #[cfg(not(loom))]
 pub use step::{Layers, ShardSnapshot, ShardStatsSnapshot, StepError, StepFeed, StepRunner};

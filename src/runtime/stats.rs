@@ -117,6 +117,16 @@ pub struct Counters {
     pub restore_refused: AtomicU64,
     /// Sessions removed after an invariant violation or a failed step.
     pub sessions_failed: AtomicU64,
+    /// Sessions taken over from the replicas' store (a call for a session
+    /// this replica did not hold), and the history tokens they brought.
+    pub replica_takeovers: AtomicU64,
+    pub replica_takeover_tokens: AtomicU64,
+    /// Sessions dropped because another replica took their lease.
+    pub replica_leases_lost: AtomicU64,
+    /// Sessions let go because another replica asked for them.
+    pub replica_handoffs: AtomicU64,
+    /// Store statements that failed (each write's call undone and failed).
+    pub replica_store_failures: AtomicU64,
     pub tokens_generated: AtomicU64,
     /// Tokens speculation proposed (and computed in verification passes).
     pub speculation_proposed: AtomicU64,
@@ -191,6 +201,9 @@ pub struct RuntimeStats {
     pub spill_read_tokens: u64,
     /// Journal writes that failed (each call undone and refused).
     pub journal_failures: u64,
+    /// The replicas' store (`None`: none): sessions taken over from it and
+    /// their history tokens, leases lost, statements that failed.
+    pub replica: Option<ReplicaStats>,
     /// Whether the state directory takes writes now (`None`: no state
     /// directory).
     pub state_dir_writable: Option<bool>,
@@ -299,4 +312,14 @@ mod tests {
         assert_eq!(c[5], (0.05, 3));
         assert_eq!(c[c.len() - 1], (f64::INFINITY, 4));
     }
+}
+
+/// What a replica's store did, since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplicaStats {
+    pub takeovers: u64,
+    pub takeover_tokens: u64,
+    pub leases_lost: u64,
+    pub handoffs: u64,
+    pub store_failures: u64,
 }

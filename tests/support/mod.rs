@@ -2,13 +2,16 @@
 //! they listen, a stock grpcio client of `kakeya.v1.RuntimeService`, and a
 //! Prometheus scrape. Every wait is bounded. `golden`: what the tests
 //! against llama.cpp's golden vectors share; `postgres`: a PostgreSQL
-//! server of a test's own.
+//! server of a test's own; `haproxy`: HAProxy on the shipped replica
+//! configuration; `replicas`: `inferd serve --session-store` processes.
 
 #![allow(dead_code)]
 
 pub mod durable;
 pub mod golden;
+pub mod haproxy;
 pub mod postgres;
+pub mod replicas;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -11,15 +11,18 @@ use std::time::Instant;
 use crossbeam_channel::{bounded, Sender, TrySendError};
 
 use super::notify::NotifySender;
-use super::worker::{AdmittedGenerate, Command, DraftRunner, Op, Worker, WorkersState};
+use super::worker::{
+    AdmittedGenerate, Command, DraftRunner, Op, ReplicaSeat, Worker, WorkersState,
+};
 use super::{
     notify, AppendReply, AppendTokens, CloseReply, CreateSession, EvictionPolicy, ForkReply,
-    ForkSession, GenerateRequest, GenerateStream, Layers, Pending, RuntimeConfig, RuntimeError,
-    RuntimeStats, SessionId, SessionInfo, Tenant, WorkerGauges, WorkerStats,
+    ForkSession, GenerateRequest, GenerateStream, Layers, Pending, ReplicaStats, RuntimeConfig,
+    RuntimeError, RuntimeStats, SessionId, SessionInfo, Tenant, WorkerGauges, WorkerStats,
 };
 use crate::kv::{KvPool, PrefixIndex};
 use crate::model::Model;
 
+mod handoff;
 mod start;
 
 struct WorkerHandle {
@@ -39,6 +42,9 @@ pub struct Runtime {
     cfg: RuntimeConfig,
     /// Tokens in the model's vocabulary: what requests are checked against.
     vocab: usize,
+    /// With a session store: the thread hearing other replicas' requests
+    /// to let sessions go.
+    handoff: Option<handoff::HandoffEar>,
 }
 
 impl Runtime {
@@ -362,6 +368,13 @@ impl Runtime {
             restore_digest_mismatches: load(&c.restore_digest_mismatches),
             sessions_spilled: load(&c.sessions_spilled),
             journal_failures: load(&c.journal_failures),
+            replica: self.cfg.replica.as_ref().map(|_| ReplicaStats {
+                takeovers: load(&c.replica_takeovers),
+                takeover_tokens: load(&c.replica_takeover_tokens),
+                leases_lost: load(&c.replica_leases_lost),
+                handoffs: load(&c.replica_handoffs),
+                store_failures: load(&c.replica_store_failures),
+            }),
             state_dir_writable: self.cfg.state.as_ref().map(|s| s.health().writable()),
             state_dir_write_failures: self.cfg.state.as_ref().map_or(0, |s| s.health().failures()),
             spilled_now: self.shared.spilled_sessions.load(Ordering::Relaxed) as u64,
@@ -422,6 +435,9 @@ impl Runtime {
 
     fn stop(&mut self) {
         self.drain();
+        // No more sessions are let go on request: the workers let every
+        // one go as they stop.
+        self.handoff = None;
         for w in &self.workers {
             // A full queue still sees the disconnect once the sender drops.
             let _ = w.commands.try_send(Command::Shutdown);

@@ -48,6 +48,17 @@ fn split_for_draft(
     Some(draft_share / cfg.workers as u64)
 }
 
+/// Worker `index`'s connection to the replicas' store (the first worker
+/// also sweeps the store's idle orphans).
+fn connect_seat(
+    replica: &super::super::ReplicaConfig,
+    index: usize,
+) -> Result<ReplicaSeat, RuntimeError> {
+    let store = crate::replica::Store::connect(&replica.url, &replica.replica, replica.lease)
+        .map_err(|e| RuntimeError::NotDurable(format!("worker {index}: {e}")))?;
+    Ok(ReplicaSeat::new(store, replica.lease, index == 0))
+}
+
 impl Runtime {
     /// Maps the KV pool and spawns `cfg.workers` worker threads, pinned one
     /// per core when asked (a failed pin is logged, not fatal).
@@ -57,6 +68,12 @@ impl Runtime {
         cfg.prefill_chunk = cfg.prefill_chunk.max(1);
         cfg.stream_capacity = cfg.stream_capacity.max(4);
         cfg.worker_queue = cfg.worker_queue.max(1);
+        if cfg.state.is_some() && cfg.replica.is_some() {
+            return Err(RuntimeError::invalid(
+                "a state directory and a session store are alternatives: \
+                 with a store, the store keeps the sessions",
+            ));
+        }
         let layers = Arc::clone(&cfg.layers);
         let draft_bytes = split_for_draft(&model, &layers, &mut cfg);
         let mut kv_pool = layers.kv_pool(&model, &mut cfg)?;
@@ -111,6 +128,10 @@ impl Runtime {
                 )?),
                 _ => worker,
             };
+            let worker = match &cfg.replica {
+                Some(replica) => worker.with_replica(connect_seat(replica, index)?),
+                None => worker,
+            };
             let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
             let thread = std::thread::Builder::new()
                 .name(format!("inferd-worker-{index}"))
@@ -160,7 +181,15 @@ impl Runtime {
                 }
             }
         }
+        let handoff = match &cfg.replica {
+            Some(replica) => {
+                let senders = workers.iter().map(|w| w.commands.clone()).collect();
+                Some(handoff::HandoffEar::start(replica, senders)?)
+            }
+            None => None,
+        };
         Ok(Runtime {
+            handoff,
             kv_page_bytes,
             workers,
             kv_pool,

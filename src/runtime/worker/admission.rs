@@ -55,6 +55,13 @@ impl Worker {
                 }
             }
         }
+        if let Some(seat) = self.replica.as_mut().filter(|_| !w.transient) {
+            if let Err(e) = seat.create(id, &session, &[], &self.shared.counters) {
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                let _ = w.reply.send(Err(e));
+                return None;
+            }
+        }
         self.add_session(id, SessionSlot::new(session));
         self.shared
             .counters
@@ -166,14 +173,22 @@ impl Worker {
         self.trim_prefix_cache();
         self.runner.release(id);
         self.place_counter(slot).fetch_sub(1, Ordering::AcqRel);
+        if let Some(seat) = self.replica.as_mut() {
+            seat.leave(id, reason);
+        }
         let c = &self.shared.counters;
         let counter = match reason {
-            Removal::Ttl => &c.evicted_ttl,
-            Removal::Lru => &c.evicted_lru,
-            Removal::Close => &c.evicted_close,
-            Removal::Failed => &c.sessions_failed,
+            Removal::Ttl => Some(&c.evicted_ttl),
+            Removal::Lru => Some(&c.evicted_lru),
+            Removal::Close => Some(&c.evicted_close),
+            Removal::Failed => Some(&c.sessions_failed),
+            // Counted when the lease was found lost.
+            Removal::Moved => None,
+            Removal::HandedOff => Some(&c.replica_handoffs),
         };
-        counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
         self.gauges
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
@@ -267,6 +282,14 @@ impl Worker {
         match op {
             Op::Close { reply } => {
                 let len = slot.session.history().len() as u64;
+                // The store's row goes first: a close it did not take
+                // fails, and the session stays.
+                if let Some(seat) = self.replica.as_mut() {
+                    if let Err(e) = seat.close(id, &self.shared.counters) {
+                        let _ = reply.send(Err(e));
+                        return None;
+                    }
+                }
                 self.remove_slot(id, slot, Removal::Close);
                 let _ = reply.send(Ok(CloseReply {
                     final_history_length: len,

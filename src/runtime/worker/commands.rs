@@ -45,6 +45,9 @@ pub(crate) enum Command {
     /// A session read back from the state directory: add it and feed its
     /// history again.
     Restore(Box<Recovered>),
+    /// Another replica asks for session `id` (a call for it reached it):
+    /// let it go if nothing runs or waits on it.
+    HandOff(SessionId),
     Shutdown,
 }
 

@@ -159,6 +159,17 @@ impl Worker {
                 }
             }
         }
+        if let Some(seat) = self.replica.as_mut() {
+            let history = &src.session.history()[..at];
+            if let Err(e) = seat.create(fork, &slot.session, history, &self.shared.counters) {
+                self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
+                match slot.active.take() {
+                    Some(active) => finish_with_error(active, e),
+                    None => drop(answer_now.map(|reply| reply.send(Err(e)))),
+                }
+                return;
+            }
+        }
         let shared_pages = slot.session.kv().shared_pages();
         self.add_session(fork, slot);
         self.shared

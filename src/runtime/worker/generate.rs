@@ -215,8 +215,10 @@ impl Worker {
                     .filter(|added| !added.is_empty())
                     .map(|added| Record::Append(added.to_vec()))
             };
+            let counters = &self.shared.counters;
             let journaled = match record {
-                Some(record) => slot.session.journal(record, &self.shared.counters),
+                Some(record) => keep_in_store(self.replica.as_mut(), id, &record, counters)
+                    .and_then(|()| slot.session.journal(record, counters)),
                 None => Ok(()),
             };
             match journaled {
@@ -288,7 +290,8 @@ impl Worker {
             .as_ref()
             .is_some_and(|a| a.fed < a.pending.len())
         {
-            if let Err(e) = prompt_fed(slot, n_fed, &self.shared, self.index) {
+            let store = self.replica.as_mut();
+            if let Err(e) = prompt_fed(id, slot, n_fed, store, &self.shared, self.index) {
                 // Not journaled: the call is undone as if it had failed.
                 self.abandon(id, slot, Err(e));
             }
@@ -303,6 +306,17 @@ impl Worker {
     }
 }
 
+/// Writes a change of the session's history to the replicas' store, when
+/// the worker has one.
+fn keep_in_store(
+    store: Option<&mut ReplicaSeat>,
+    id: SessionId,
+    record: &Record,
+    counters: &Counters,
+) -> Result<(), RuntimeError> {
+    store.map_or(Ok(()), |seat| seat.keep(id, record, counters))
+}
+
 /// `n_fed` more prompt tokens of the session's call are in. Once all are,
 /// an append's change is journaled, and from then on the call can no longer
 /// be undone: an append or a fork is answered, a Generate reports a
@@ -310,8 +324,10 @@ impl Worker {
 /// take the change, and the caller undoes the call (its undo is still
 /// there).
 fn prompt_fed(
+    id: SessionId,
     slot: &mut SessionSlot,
     n_fed: usize,
+    store: Option<&mut ReplicaSeat>,
     shared: &WorkersState,
     worker: usize,
 ) -> Result<(), RuntimeError> {
@@ -341,6 +357,7 @@ fn prompt_fed(
         return Ok(());
     }
     if let Some(record) = record {
+        keep_in_store(store, id, &record, counters)?;
         slot.session.journal(record, counters)?;
     }
     let Some(active) = slot.active.as_mut() else {

@@ -35,7 +35,7 @@ use super::notify::NotifySender;
 use super::session::{
     count_journal_failure, keep_window, read_spill_at_start, Session, Undo, UndoKind,
 };
-use super::stats::WorkerGauges;
+use super::stats::{Counters, WorkerGauges};
 use super::step::{StepError, StepRunner};
 use super::{
     AppendReply, CloseReply, EvictionPolicy, ForkReply, GenerateDone, GenerateEvent,
@@ -52,6 +52,7 @@ use commands::Reply;
 pub(crate) use commands::{AdmittedGenerate, Command, Op};
 pub(crate) use draft::DraftRunner;
 use fork::Forking;
+pub(crate) use replica::ReplicaSeat;
 pub(crate) use shared::WorkersState;
 use work::*;
 
@@ -61,6 +62,7 @@ mod commands;
 mod draft;
 mod fork;
 mod generate;
+mod replica;
 mod restore;
 mod room;
 mod shared;
@@ -102,6 +104,9 @@ pub(crate) struct Worker {
     /// answered.
     evict_wait: Option<EvictionTicket>,
     last_sweep: Instant,
+    /// Its part in a replica set: the store's connection and the leases
+    /// held (`serve --session-store`).
+    replica: Option<ReplicaSeat>,
     /// Nanoseconds one step spends per depth-weighted token (see
     /// [`depth_weight`]), averaged over recent steps: sizes prefill chunks
     /// to the step budget.
@@ -176,6 +181,7 @@ impl Worker {
             waiting_creates: VecDeque::new(),
             evict_wait: None,
             last_sweep: Instant::now(),
+            replica: None,
             ns_per_weighted_token: None,
         })
     }
@@ -210,6 +216,7 @@ impl Worker {
             if stop {
                 break;
             }
+            self.replica_upkeep();
             self.serve_evictions();
             let mut progressed = self.retry_creates();
             progressed |= self.step();
@@ -267,6 +274,7 @@ impl Worker {
     }
 
     fn fail_everything(&mut self) {
+        self.leave_replica_set();
         let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
         for id in ids {
             if let Some(mut slot) = self.sessions.remove(&id) {
@@ -311,6 +319,22 @@ impl Worker {
                     self.waiting_creates.push_back(w);
                 }
             }
+            Command::Info { id, caller, reply } if self.not_here(id) => {
+                self.call_elsewhere(id, replica::Call::Info { caller, reply });
+            }
+            Command::Enqueue {
+                id,
+                caller,
+                op,
+                deadline,
+            } if self.not_here(id) => {
+                let call = replica::Call::Enqueue {
+                    caller,
+                    op,
+                    deadline,
+                };
+                self.call_elsewhere(id, call);
+            }
             Command::Info { id, caller, reply } => {
                 let info = match session_for(&mut self.sessions, id, &caller) {
                     Some(slot) => Ok(admission::info(
@@ -324,6 +348,7 @@ impl Worker {
                 let _ = reply.send(info);
             }
             Command::Restore(session) => self.restore(*session),
+            Command::HandOff(id) => self.hand_off(id),
             Command::Enqueue {
                 id,
                 caller,

@@ -178,6 +178,10 @@ pub(super) enum Removal {
     Close,
     /// An invariant broke or the forward pass failed.
     Failed,
+    /// Another replica holds the session's lease now (its row stays).
+    Moved,
+    /// Let go for another replica that asked for it (its row stays).
+    HandedOff,
 }
 
 /// A session as its worker schedules it: the session itself, the

@@ -1,0 +1,538 @@
+//! A worker's part in a replica set (`serve --session-store`, CONTRACT
+//! §2.14): its own connection to the store, the leases of the sessions it
+//! holds, and the store's side of each change.
+//!
+//! Every change of a held session's history is written to the store, fenced
+//! by the session's lease, before the call that made it is answered; a write
+//! that does not land undoes the call as a failed journal write does. The
+//! leases are renewed every third of their length; one another replica took
+//! (this one paused or cut off past its lease) drops the session here, and
+//! so does every held lease once the store has been out of reach for a
+//! whole lease. A call for a session this worker does not hold takes it over
+//! from the store: the lease is taken (waiting out another owner's live one
+//! within the call's deadline), and the session joins as a spilled one
+//! holding the stored history, fed again by its first call that needs KV
+//! (shared prefix pages mapped), so the call runs after everything the store
+//! has.
+
+use std::collections::HashSet;
+
+use super::*;
+use crate::replica::{Lease, NewSession, Store, StoreError};
+
+/// The store, and what this worker holds of it.
+pub(crate) struct ReplicaSeat {
+    store: Store,
+    lease: Duration,
+    held: HashMap<SessionId, Lease>,
+    /// Sessions whose lease no longer holds: dropped on the worker's next
+    /// turn, and never written for again.
+    lost: HashSet<SessionId>,
+    last_renewal: Instant,
+    /// Until when every held lease surely holds: the start of the last
+    /// renewal that landed, plus the lease.
+    held_until: Instant,
+    /// Calls for sessions another replica holds, waiting for its lease to
+    /// run out, in arrival order per session.
+    waiting: HashMap<SessionId, WaitingTake>,
+    /// Whether this worker also deletes the store's orphans idle past the
+    /// TTL (one worker per replica does), and when it last did.
+    sweeps: bool,
+    last_sweep: Instant,
+}
+
+/// A call for a session that is not here, as its command carried it.
+pub(super) enum Call {
+    Enqueue {
+        caller: Tenant,
+        op: Op,
+        deadline: Option<Instant>,
+    },
+    Info {
+        caller: Tenant,
+        reply: Reply<SessionInfo>,
+    },
+}
+
+impl Call {
+    fn caller(&self) -> &Tenant {
+        match self {
+            Call::Enqueue { caller, .. } | Call::Info { caller, .. } => caller,
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        match self {
+            Call::Enqueue { deadline, .. } => *deadline,
+            Call::Info { .. } => None,
+        }
+    }
+
+    fn fail(self, err: RuntimeError) {
+        match self {
+            Call::Enqueue { op, .. } => op.fail(err),
+            Call::Info { reply, .. } => drop(reply.send(Err(err))),
+        }
+    }
+
+    fn into_command(self, id: SessionId) -> Command {
+        match self {
+            Call::Enqueue {
+                caller,
+                op,
+                deadline,
+            } => Command::Enqueue {
+                id,
+                caller,
+                op,
+                deadline,
+            },
+            Call::Info { caller, reply } => Command::Info { id, caller, reply },
+        }
+    }
+}
+
+/// Calls waiting for another replica's lease on their session to end.
+struct WaitingTake {
+    calls: VecDeque<Call>,
+    retry_at: Instant,
+    wait: Wait,
+}
+
+/// How long calls have waited for a session held elsewhere.
+#[derive(Clone, Copy)]
+struct Wait {
+    /// When the wait ends for calls without a deadline.
+    give_up_at: Instant,
+    /// When the holder was last asked to let the session go.
+    asked_at: Option<Instant>,
+}
+
+/// How often a session held elsewhere is tried again.
+const TAKE_RETRY: Duration = Duration::from_millis(100);
+/// How often its holder is asked again to let it go (it lets go only when
+/// nothing runs or waits on the session there).
+const ASK_AGAIN: Duration = Duration::from_millis(500);
+
+impl ReplicaSeat {
+    pub(crate) fn new(store: Store, lease: Duration, sweeps: bool) -> Self {
+        let now = Instant::now();
+        ReplicaSeat {
+            store,
+            lease,
+            held: HashMap::new(),
+            lost: HashSet::new(),
+            last_renewal: now,
+            held_until: now + lease,
+            waiting: HashMap::new(),
+            sweeps,
+            last_sweep: now,
+        }
+    }
+
+    /// The store's answer to a write as the call sees it; a lease that no
+    /// longer holds marks the session lost.
+    fn failed(&mut self, id: SessionId, err: StoreError, counters: &Counters) -> RuntimeError {
+        match err {
+            StoreError::Fenced { .. } => {
+                self.lose(id, counters);
+                RuntimeError::Moved(err.to_string())
+            }
+            StoreError::NotFound(_) => {
+                // Deleted by another replica after taking it over.
+                self.lose(id, counters);
+                RuntimeError::Moved(err.to_string())
+            }
+            other => {
+                counters
+                    .replica_store_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::error!(session = %id, "session store write failed, the call is undone: {other}");
+                RuntimeError::NotDurable(other.to_string())
+            }
+        }
+    }
+
+    fn lose(&mut self, id: SessionId, counters: &Counters) {
+        if self.held.remove(&id).is_some() {
+            counters.replica_leases_lost.fetch_add(1, Ordering::Relaxed);
+        }
+        self.lost.insert(id);
+    }
+
+    /// Writes a new session (`history` empty, or a fork's) under a new
+    /// lease.
+    pub(super) fn create(
+        &mut self,
+        id: SessionId,
+        session: &Session,
+        history: &[u32],
+        counters: &Counters,
+    ) -> Result<(), RuntimeError> {
+        let row = NewSession {
+            label: session.label(),
+            eos: session.eos(),
+            tenant: session.owner().identity(),
+            history,
+        };
+        match self.store.create(&id.to_string(), &row) {
+            Ok(lease) => {
+                self.held.insert(id, lease);
+                Ok(())
+            }
+            Err(StoreError::Exists(_)) => Err(RuntimeError::Internal(format!(
+                "session id {id} drawn twice across the replicas"
+            ))),
+            Err(e) => Err(self.failed(id, e, counters)),
+        }
+    }
+
+    /// Writes a change of a held session's history (`Append` or `Reset`).
+    /// A session created transient (never in the store) writes nothing.
+    pub(super) fn keep(
+        &mut self,
+        id: SessionId,
+        record: &Record,
+        counters: &Counters,
+    ) -> Result<(), RuntimeError> {
+        if self.lost.contains(&id) {
+            return Err(RuntimeError::Moved(format!(
+                "session {id}: this replica's lease on it ended"
+            )));
+        }
+        let Some(&lease) = self.held.get(&id) else {
+            return Ok(());
+        };
+        let key = id.to_string();
+        let written = match record {
+            Record::Append(tokens) => self.store.append(&key, lease, tokens),
+            Record::Reset(history) => self.store.set_history(&key, lease, history),
+            Record::Pages(_) | Record::Digest(_) => Ok(()),
+        };
+        written.map_err(|e| self.failed(id, e, counters))
+    }
+
+    /// Deletes a held session's row (CloseSession): the call fails, and the
+    /// session stays, when the store does not take it.
+    pub(super) fn close(&mut self, id: SessionId, counters: &Counters) -> Result<(), RuntimeError> {
+        let Some(&lease) = self.held.get(&id) else {
+            return Ok(());
+        };
+        self.store
+            .close(&id.to_string(), lease)
+            .map_err(|e| self.failed(id, e, counters))?;
+        self.held.remove(&id);
+        Ok(())
+    }
+
+    /// The session leaves this worker for `reason`: its row goes with it
+    /// when the session ends (TTL, a failure), and stays, let go for any
+    /// replica to take at once, when only its KV goes (an LRU eviction).
+    /// Errors are logged: a row left behind is deleted by the store's idle
+    /// sweep, a lease left behind runs out.
+    pub(super) fn leave(&mut self, id: SessionId, reason: Removal) {
+        self.lost.remove(&id);
+        let Some(lease) = self.held.remove(&id) else {
+            return;
+        };
+        let key = id.to_string();
+        let result = match reason {
+            Removal::Ttl | Removal::Failed | Removal::Close => self.store.close(&key, lease),
+            Removal::Lru | Removal::HandedOff => self.store.release(&key, lease),
+            Removal::Moved => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!(session = %id, ?reason, "session store: {e}");
+        }
+    }
+
+    /// Lets every held session go (the worker stops): another replica may
+    /// take each at once.
+    fn release_all(&mut self) {
+        for (id, lease) in std::mem::take(&mut self.held) {
+            if let Err(e) = self.store.release(&id.to_string(), lease) {
+                tracing::warn!(session = %id, "letting the session go: {e}");
+                return;
+            }
+        }
+    }
+
+    /// Renews the held leases when a third of a lease has passed since
+    /// the last renewal; marks lost those another replica took, or all of
+    /// them once the store has been out of reach for a whole lease.
+    fn renew_if_due(&mut self, counters: &Counters) {
+        if self.last_renewal.elapsed() < self.lease / 3 {
+            return;
+        }
+        let started = Instant::now();
+        self.last_renewal = started;
+        if self.held.is_empty() {
+            self.held_until = started + self.lease;
+            return;
+        }
+        let held: Vec<(String, i64)> = self
+            .held
+            .iter()
+            .map(|(id, lease)| (id.to_string(), lease.epoch))
+            .collect();
+        match self.store.renew(&held) {
+            Ok(lost) => {
+                self.held_until = started + self.lease;
+                for key in lost {
+                    if let Some(id) = self.held.keys().copied().find(|id| id.to_string() == key) {
+                        tracing::warn!(session = %id, "another replica took the session over");
+                        self.lose(id, counters);
+                    }
+                }
+            }
+            Err(e) => {
+                counters
+                    .replica_store_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                if started >= self.held_until {
+                    tracing::error!(
+                        sessions = self.held.len(),
+                        "the session store was out of reach for a whole lease: \
+                         dropping the sessions held here ({e})"
+                    );
+                    let ids: Vec<SessionId> = self.held.keys().copied().collect();
+                    for id in ids {
+                        self.lose(id, counters);
+                    }
+                } else {
+                    tracing::warn!("renewing leases: {e}");
+                }
+            }
+        }
+    }
+
+    /// Deletes the store's sessions that nobody holds and that have not
+    /// changed for `idle_ttl`, every quarter of it (at most every second).
+    fn sweep_if_due(&mut self, idle_ttl: Duration) {
+        let every = (idle_ttl / 4).max(Duration::from_secs(1));
+        if !self.sweeps || self.last_sweep.elapsed() < every {
+            return;
+        }
+        self.last_sweep = Instant::now();
+        match self.store.sweep_idle(idle_ttl) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(sessions = n, "idle sessions no replica held deleted"),
+            Err(e) => tracing::warn!("sweeping idle sessions: {e}"),
+        }
+    }
+}
+
+impl Worker {
+    /// Takes part in a replica set through `seat`.
+    pub(crate) fn with_replica(mut self, seat: ReplicaSeat) -> Self {
+        self.replica = Some(seat);
+        self
+    }
+
+    /// Whether a call for session `id` goes to the store: a replica's
+    /// worker that does not hold it.
+    pub(super) fn not_here(&self, id: SessionId) -> bool {
+        self.replica.is_some() && !self.sessions.contains_key(&id)
+    }
+
+    /// A call for a session this worker does not hold: behind the calls
+    /// already waiting for it, or taken over now.
+    pub(super) fn call_elsewhere(&mut self, id: SessionId, call: Call) {
+        let Some(seat) = self.replica.as_mut() else {
+            return call.fail(RuntimeError::NotFound);
+        };
+        if let Some(waiting) = seat.waiting.get_mut(&id) {
+            waiting.calls.push_back(call);
+            return;
+        }
+        self.take_over(id, VecDeque::from([call]), None);
+    }
+
+    /// Takes session `id` over from the store for `calls` (in order), or
+    /// waits for its owner's lease to end (`wait`: how long they have
+    /// waited so far), or fails them.
+    fn take_over(&mut self, id: SessionId, calls: VecDeque<Call>, wait: Option<Wait>) {
+        let now = Instant::now();
+        let mut live = VecDeque::with_capacity(calls.len());
+        for call in calls {
+            if call.deadline().is_some_and(|d| d <= now) {
+                call.fail(RuntimeError::DeadlineExceeded);
+            } else {
+                live.push_back(call);
+            }
+        }
+        while let Some(call) = live.pop_front() {
+            if self.sessions.contains_key(&id) {
+                self.handle(call.into_command(id));
+                continue;
+            }
+            let Some(seat) = self.replica.as_mut() else {
+                return call.fail(RuntimeError::NotFound);
+            };
+            let caller = call.caller().identity().map(str::to_owned);
+            match seat.store.take(&id.to_string(), caller.as_deref()) {
+                Ok((lease, row)) => {
+                    if let Err(e) = self.adopt(id, lease, row) {
+                        call.fail(e);
+                        continue;
+                    }
+                    self.handle(call.into_command(id));
+                }
+                Err(StoreError::HeldElsewhere { left, owner, .. }) => {
+                    tracing::debug!(session = %id, %owner, ?left, "waiting for another replica's lease");
+                    live.push_front(call);
+                    let seat = self.replica.as_mut().expect("checked above");
+                    let mut wait = wait.unwrap_or(Wait {
+                        give_up_at: now + 2 * seat.lease,
+                        asked_at: None,
+                    });
+                    if wait
+                        .asked_at
+                        .is_none_or(|at| now.duration_since(at) >= ASK_AGAIN)
+                    {
+                        if let Err(e) = seat.store.ask_handoff(&id.to_string(), &owner) {
+                            tracing::debug!(session = %id, "asking {owner} for the session: {e}");
+                        }
+                        wait.asked_at = Some(now);
+                    }
+                    seat.waiting.insert(
+                        id,
+                        WaitingTake {
+                            calls: live,
+                            retry_at: now + left.clamp(Duration::from_millis(10), TAKE_RETRY),
+                            wait,
+                        },
+                    );
+                    return;
+                }
+                Err(StoreError::NotFound(_)) => call.fail(RuntimeError::NotFound),
+                Err(e) => {
+                    self.shared
+                        .counters
+                        .replica_store_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(session = %id, "taking the session over: {e}");
+                    call.fail(RuntimeError::NotDurable(e.to_string()));
+                }
+            }
+        }
+    }
+
+    /// Adds a session taken over from the store: spilled, holding the
+    /// stored history, fed again when a call needs its KV.
+    fn adopt(
+        &mut self,
+        id: SessionId,
+        lease: Lease,
+        row: crate::replica::SessionRow,
+    ) -> Result<(), RuntimeError> {
+        let owner = match row.tenant.as_deref().map(Tenant::new).transpose() {
+            Ok(owner) => owner.unwrap_or_default(),
+            Err(e) => return Err(RuntimeError::Internal(format!("stored session {id}: {e}"))),
+        };
+        let placed = self.claim_spilled_place();
+        let seat = self.replica.as_mut().expect("a replica's worker");
+        seat.held.insert(id, lease);
+        if !placed {
+            // Let go again at once: another replica may have room.
+            seat.leave(id, Removal::Lru);
+            return Err(sessions_exhausted());
+        }
+        seat.lost.remove(&id);
+        let tokens = row.history.len();
+        let kv = SessionKv::new(Arc::clone(&self.kv_pool));
+        let mut session = Session::new(kv, row.label, row.eos, owner);
+        session.restored_spilled(row.history, None, None);
+        self.add_session(id, SessionSlot::new(session));
+        let counters = &self.shared.counters;
+        counters.replica_takeovers.fetch_add(1, Ordering::Relaxed);
+        counters
+            .replica_takeover_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        tracing::info!(session = %id, worker = self.index, tokens, epoch = lease.epoch, "session taken over from the store");
+        Ok(())
+    }
+
+    /// The store's upkeep, once a turn: leases renewed when due, lost
+    /// sessions dropped, waiting take-overs tried again, idle orphans swept.
+    pub(super) fn replica_upkeep(&mut self) {
+        let Some(seat) = self.replica.as_mut() else {
+            return;
+        };
+        seat.renew_if_due(&self.shared.counters);
+        seat.sweep_if_due(self.cfg.idle_ttl);
+        let lost: Vec<SessionId> = seat.lost.drain().collect();
+        for id in lost {
+            self.drop_moved(id);
+        }
+        let now = Instant::now();
+        let Some(seat) = self.replica.as_mut() else {
+            return;
+        };
+        let due: Vec<SessionId> = seat
+            .waiting
+            .iter()
+            .filter(|(_, w)| {
+                w.retry_at <= now
+                    || w.calls
+                        .iter()
+                        .any(|c| c.deadline().is_some_and(|d| d <= now))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            let Some(waiting) = self.replica.as_mut().and_then(|s| s.waiting.remove(&id)) else {
+                continue;
+            };
+            if now >= waiting.wait.give_up_at {
+                for call in waiting.calls {
+                    call.fail(RuntimeError::Unavailable);
+                }
+                continue;
+            }
+            self.take_over(id, waiting.calls, Some(waiting.wait));
+        }
+    }
+
+    /// Drops a session whose lease another replica holds now: what runs or
+    /// waits on it fails (call again: it reaches the session where it is).
+    fn drop_moved(&mut self, id: SessionId) {
+        let moved = || RuntimeError::Moved(format!("session {id}: another replica holds it now"));
+        self.with_session(id, |w, slot| {
+            if let Some(active) = slot.active.take() {
+                if matches!(active.work, Work::Generate(_)) {
+                    w.runner.cancel(id);
+                }
+                finish_with_error(active, moved());
+            }
+            for q in slot.queue.drain(..) {
+                q.op.fail(moved());
+            }
+            w.remove_slot(id, slot, Removal::Moved);
+        });
+    }
+
+    /// Another replica asked for session `id`: it is let go (its KV
+    /// dropped, its row kept, the lease ended) when nothing runs or waits
+    /// on it; else the asker asks again.
+    pub(super) fn hand_off(&mut self, id: SessionId) {
+        let idle = self.sessions.get(&id).is_some_and(SessionSlot::idle);
+        if idle && self.replica.is_some() {
+            tracing::info!(session = %id, worker = self.index, "session let go for another replica");
+            self.remove(id, Removal::HandedOff);
+        }
+    }
+
+    /// The worker stops: every held session is let go in the store.
+    pub(super) fn leave_replica_set(&mut self) {
+        let Some(seat) = self.replica.as_mut() else {
+            return;
+        };
+        for (_, waiting) in seat.waiting.drain() {
+            for call in waiting.calls {
+                call.fail(RuntimeError::Unavailable);
+            }
+        }
+        seat.release_all();
+    }
+}

@@ -1,0 +1,142 @@
+//! Three replicas behind HAProxy on the shipped configuration
+//! (`deploy/replicas/haproxy.cfg`), one PostgreSQL of the test's own, stock
+//! gRPC clients that know only the proxy's address: the client contract
+//! holds whichever replica a channel reaches, a session used through
+//! several channels moves between replicas with the same answers, and
+//! killing the replica that holds 16 conversations loses no acknowledged
+//! token while every conversation goes on through the proxy.
+
+mod support;
+
+use grpcio::RpcStatusCode;
+use support::durable::{cold_digest, cold_greedy, reference_server, write_model};
+use support::haproxy::HaProxy;
+use support::postgres::Postgres;
+use support::replicas::{prompt, replica, row, unavailable};
+use support::{greedy, seeded, Client, Inferd};
+
+/// Three replicas of `model` (leases of `lease` seconds) and HAProxy in
+/// front of them.
+fn replica_set(model: &std::path::Path, pg: &Postgres, lease: &str) -> (Vec<Inferd>, HaProxy) {
+    let replicas: Vec<Inferd> = ["r1", "r2", "r3"]
+        .into_iter()
+        .map(|name| replica(model, pg, name, lease, &["--http-listen", "127.0.0.1:0"]))
+        .collect();
+    let addrs: Vec<(String, String)> = replicas
+        .iter()
+        .map(|r| (r.addr.clone(), r.http.clone().expect("an HTTP listener")))
+        .collect();
+    let proxy = HaProxy::start(&addrs);
+    (replicas, proxy)
+}
+
+#[test]
+fn the_client_contract_holds_through_the_proxy_on_any_replica() {
+    if !support::haproxy::installed() {
+        return;
+    }
+    let Some(pg) = Postgres::start() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let (_replicas, proxy) = replica_set(&model, &pg, "10");
+    let (_reference_server, reference) = reference_server();
+    // Six channels: HAProxy spreads their connections over the replicas.
+    let clients: Vec<Client> = (0..6).map(|_| Client::connect(&proxy.grpc)).collect();
+
+    for (n, client) in clients.iter().enumerate() {
+        let id = client.create();
+        let mut history = prompt(n, 0);
+        assert_eq!(client.append(&id, &history).expect("appended"), 6);
+        // Out of the vocabulary: INVALID_ARGUMENT, and nothing changed.
+        let bad = client.append(&id, &[1 << 20]).expect_err("refused");
+        assert_eq!(bad.0, RpcStatusCode::INVALID_ARGUMENT, "{bad:?}");
+        let got = client.generate(&greedy(&id, 5, 0));
+        assert!(got.error.is_none(), "{got:?}");
+        assert_eq!(got.tokens, cold_greedy(&reference, &history, 5));
+        history.extend(&got.tokens);
+        // A seeded Generate through the whole sampling chain, the same on
+        // the session's replica as on the reference.
+        let seeded_here = client.generate(&seeded(&id, 6, 7 + n as u64));
+        assert!(seeded_here.error.is_none(), "{seeded_here:?}");
+        let twin = reference.create();
+        reference.append(&twin, &history).expect("reference append");
+        let seeded_there = reference.generate(&seeded(&twin, 6, 7 + n as u64));
+        assert_eq!(seeded_here.tokens, seeded_there.tokens);
+        reference.close(&twin).expect("closed");
+        history.extend(&seeded_here.tokens);
+        let info = client.info(&id).expect("info");
+        assert_eq!(info.get_history_length(), history.len() as u64);
+        assert_eq!(info.get_logits_digest(), cold_digest(&reference, &history));
+        // The same session through another channel (most likely another
+        // replica): it moves, with its history and answers.
+        let other = &clients[(n + 1) % clients.len()];
+        let got = other.generate(&greedy(&id, 3, 0));
+        assert!(got.error.is_none(), "{got:?}");
+        assert_eq!(got.tokens, cold_greedy(&reference, &history, 3));
+        history.extend(&got.tokens);
+        let (stored, _, _) = row(&pg, &id).expect("in the store");
+        assert_eq!(stored, history);
+        assert_eq!(client.close(&id).expect("closed"), history.len() as u64);
+        for c in [client, other] {
+            let gone = c.info(&id).expect_err("closed everywhere");
+            assert_eq!(gone.0, RpcStatusCode::NOT_FOUND, "{gone:?}");
+        }
+        assert!(row(&pg, &id).is_none());
+    }
+    let unknown = clients[0]
+        .info("00112233445566778899aabbccddeeff")
+        .expect_err("never made");
+    assert_eq!(unknown.0, RpcStatusCode::NOT_FOUND);
+}
+
+#[test]
+fn killing_the_replica_that_holds_sixteen_conversations_loses_nothing_through_the_proxy() {
+    if !support::haproxy::installed() {
+        return;
+    }
+    let Some(pg) = Postgres::start() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let (mut replicas, proxy) = replica_set(&model, &pg, "2");
+    let (_reference_server, reference) = reference_server();
+
+    // One channel: one connection, so one replica holds all 16.
+    let client = Client::connect(&proxy.grpc);
+    let mut sessions: Vec<(String, Vec<u32>)> = Vec::new();
+    for n in 0..16 {
+        let id = client.create();
+        let history = prompt(n, 0);
+        client.append(&id, &history).expect("appended");
+        sessions.push((id, history));
+    }
+    for (id, history) in &mut sessions {
+        let got = client.generate(&greedy(id, 3, 0));
+        assert!(got.error.is_none(), "{got:?}");
+        history.extend(&got.tokens);
+    }
+    let (_, holder, _) = row(&pg, &sessions[0].0).expect("in the store");
+    for (id, _) in &sessions {
+        assert_eq!(row(&pg, id).expect("in the store").1, holder);
+    }
+    let index = ["r1", "r2", "r3"]
+        .iter()
+        .position(|name| *name == holder)
+        .expect("a replica's name");
+    replicas[index].kill();
+
+    // The same channel: grpc reconnects through the proxy to a live
+    // replica; each conversation answers after at most one UNAVAILABLE.
+    for (id, history) in &sessions {
+        let (stored, _, _) = row(&pg, id).expect("in the store");
+        assert_eq!(&stored, history, "{id}: acknowledged tokens missing");
+        let mut got = client.generate(&greedy(id, 4, 0));
+        if unavailable(&got) {
+            got = client.generate(&greedy(id, 4, 0));
+        }
+        assert!(got.error.is_none(), "{id}: {got:?}");
+        assert_eq!(got.tokens, cold_greedy(&reference, history, 4), "{id}");
+        let (stored, owner, _) = row(&pg, id).expect("in the store");
+        assert_ne!(owner, holder);
+        assert_eq!(stored.len(), history.len() + 4);
+    }
+}

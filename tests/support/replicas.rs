@@ -1,0 +1,67 @@
+//! What the replica tests share: `inferd serve --session-store` processes
+//! of a test's PostgreSQL, the store's row of a session, a replica's
+//! metrics, and prompts inside the synthetic model's vocabulary.
+
+use std::path::Path;
+
+use grpcio::RpcStatusCode;
+
+use super::postgres::Postgres;
+use super::{sample, scrape, Generated, Inferd};
+
+/// `inferd serve` as replica `name` of the store at `pg`, leases of `lease`
+/// seconds, with a metrics endpoint, and `extra` arguments.
+pub fn replica(model: &Path, pg: &Postgres, name: &str, lease: &str, extra: &[&str]) -> Inferd {
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        "--model",
+        model.to_str().expect("UTF-8 path"),
+        "--session-store",
+        &pg.url,
+        "--replica-id",
+        name,
+        "--lease-secs",
+        lease,
+    ];
+    args.extend_from_slice(extra);
+    Inferd::start(&args)
+}
+
+/// The store's row of session `id`: its history, owner and epoch.
+pub fn row(pg: &Postgres, id: &str) -> Option<(Vec<u32>, String, i64)> {
+    let row = pg
+        .client()
+        .query_opt(
+            "SELECT history, owner, epoch FROM inferd_sessions WHERE id = $1",
+            &[&id],
+        )
+        .expect("reads the store")?;
+    let bytes: Vec<u8> = row.get(0);
+    let history = bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Some((history, row.get(1), row.get(2)))
+}
+
+pub fn metric(process: &Inferd, name: &str) -> f64 {
+    let text = scrape(process.metrics.as_deref().expect("a metrics endpoint"));
+    sample(&text, name).unwrap_or_else(|| panic!("{name} not in the metrics"))
+}
+
+pub fn unavailable(g: &Generated) -> bool {
+    matches!(&g.error, Some((code, _)) if *code == i32::from(RpcStatusCode::UNAVAILABLE))
+}
+
+/// Prompt tokens of session `n`'s round `k` (inside the model's vocabulary).
+pub fn prompt(n: usize, k: usize) -> Vec<u32> {
+    (0..6)
+        .map(|i| ((n * 37 + k * 11 + i * 5) % 300) as u32 + 3)
+        .collect()
+}
