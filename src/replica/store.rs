@@ -30,6 +30,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Idle time before the connection's TCP keepalive probes start.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 
+/// How long sent data may stay unacknowledged before the connection is
+/// given up.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Why a store call failed.
 #[derive(Debug, Error)]
 pub enum StoreError {
@@ -139,7 +143,14 @@ impl Store {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
-        config.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+        // A database cut off mid-statement (no reset, no answer) fails the
+        // statement within seconds too, not after TCP's minutes.
+        config
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .keepalives_interval(Duration::from_secs(2))
+            .keepalives_retries(3)
+            .tcp_user_timeout(TCP_USER_TIMEOUT);
         let tls = match config.get_ssl_mode() {
             SslMode::Disable => None,
             _ => {
