@@ -11,97 +11,74 @@ use crate::runtime::ReplicaConfig;
 /// Longest name a replica may take (it is in every lease row).
 const MAX_REPLICA_ID: usize = 128;
 
-/// The replica settings, before the store is connected.
-#[derive(Clone)]
-pub struct ReplicaSettings {
-    url: String,
-    replica: String,
-    lease: Duration,
-}
-
-impl std::fmt::Debug for ReplicaSettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplicaSettings")
-            .field("replica", &self.replica)
-            .field("lease", &self.lease)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ReplicaSettings {
-    /// The settings from flags, environment or file; `None` without a
-    /// store. The other two need one, and a state directory excludes it.
-    pub fn merge(
-        url: Option<String>,
-        replica: Option<String>,
-        lease_secs: Option<f64>,
-        state_dir: bool,
-    ) -> Result<Option<ReplicaSettings>, CliError> {
-        let Some(url) = url else {
-            if replica.is_some() || lease_secs.is_some() {
-                return Err(CliError::Usage(
-                    "--replica-id and --lease-secs need --session-store".into(),
-                ));
-            }
-            return Ok(None);
-        };
-        if state_dir {
+/// The replica settings from flags, environment or file; `None` without a
+/// store. The other two need one, and a state directory excludes it.
+pub fn settings(
+    url: Option<String>,
+    replica: Option<String>,
+    lease_secs: Option<f64>,
+    state_dir: bool,
+) -> Result<Option<ReplicaConfig>, CliError> {
+    let Some(url) = url else {
+        if replica.is_some() || lease_secs.is_some() {
             return Err(CliError::Usage(
-                "--session-store and --state-dir are alternatives: with a session store, \
-                 the store keeps the sessions"
-                    .into(),
+                "--replica-id and --lease-secs need --session-store".into(),
             ));
         }
-        let replica = match replica {
-            Some(name) => name,
-            None => default_replica_id(),
-        };
-        if replica.is_empty()
-            || replica.len() > MAX_REPLICA_ID
-            || !replica.bytes().all(|b| b.is_ascii_graphic())
-        {
+        return Ok(None);
+    };
+    if state_dir {
+        return Err(CliError::Usage(
+            "--session-store and --state-dir are alternatives: with a session store, \
+             the store keeps the sessions"
+                .into(),
+        ));
+    }
+    let replica = match replica {
+        Some(name) => name,
+        None => default_replica_id(),
+    };
+    if replica.is_empty()
+        || replica.len() > MAX_REPLICA_ID
+        || !replica.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(CliError::Usage(format!(
+            "--replica-id must be 1 to {MAX_REPLICA_ID} printable ASCII characters \
+             without spaces, got {replica:?}"
+        )));
+    }
+    let lease = match lease_secs {
+        None => DEFAULT_LEASE,
+        Some(secs) if (0.5..=3600.0).contains(&secs) => Duration::from_secs_f64(secs),
+        Some(secs) => {
             return Err(CliError::Usage(format!(
-                "--replica-id must be 1 to {MAX_REPLICA_ID} printable ASCII characters \
-                 without spaces, got {replica:?}"
-            )));
+                "--lease-secs must be 0.5 to 3600 seconds, got {secs}"
+            )))
         }
-        let lease = match lease_secs {
-            None => DEFAULT_LEASE,
-            Some(secs) if (0.5..=3600.0).contains(&secs) => Duration::from_secs_f64(secs),
-            Some(secs) => {
-                return Err(CliError::Usage(format!(
-                    "--lease-secs must be 0.5 to 3600 seconds, got {secs}"
-                )))
-            }
-        };
-        Ok(Some(ReplicaSettings {
-            url,
-            replica,
-            lease,
-        }))
-    }
+    };
+    Ok(Some(ReplicaConfig {
+        url,
+        replica,
+        lease,
+    }))
+}
 
-    /// What `serve --check` says of where the sessions are kept (not the
-    /// URL, which may hold a password).
-    pub fn describe(&self) -> String {
-        format!(
-            "kept in the session store as replica {} (leases of {:?})",
-            self.replica, self.lease
-        )
-    }
+/// What `serve --check` says of where the sessions are kept (not the URL,
+/// which may hold a password).
+pub fn describe(replica: &ReplicaConfig) -> String {
+    format!(
+        "kept in the session store as replica {} (leases of {:?})",
+        replica.replica, replica.lease
+    )
+}
 
-    /// Connects to the store once (its schema brought up to date, a newer
-    /// one refused): the runtime's workers then connect on their own.
-    pub fn connect(&self) -> Result<ReplicaConfig, CliError> {
-        Store::connect(&self.url, &self.replica, self.lease)
-            .map_err(|e| CliError::Usage(format!("--session-store: {e}")))?;
-        tracing::info!(replica = %self.replica, lease = ?self.lease, "session store connected");
-        Ok(ReplicaConfig {
-            url: self.url.clone(),
-            replica: self.replica.clone(),
-            lease: self.lease,
-        })
-    }
+/// Connects to the store once (its schema brought up to date, a newer one
+/// refused): the runtime's workers then connect on their own.
+pub fn connect(replica: &ReplicaConfig) -> Result<(), CliError> {
+    Store::connect(&replica.url, &replica.replica, replica.lease)
+        .map_err(|e| CliError::Usage(format!("--session-store: {e}")))?;
+    tracing::info!(replica = %replica.replica, lease = ?replica.lease, "session store connected");
+    Ok(())
 }
 
 /// `HOSTNAME-PID`: unique among running processes, not stable across
@@ -134,16 +111,12 @@ mod tests {
     #[test]
     fn replica_settings_are_checked() {
         let url = || Some("postgres://u@localhost/db".to_owned());
-        assert!(ReplicaSettings::merge(None, None, None, false)
-            .unwrap()
-            .is_none());
-        assert!(ReplicaSettings::merge(None, Some("a".into()), None, false).is_err());
-        assert!(ReplicaSettings::merge(url(), None, None, true).is_err());
-        assert!(ReplicaSettings::merge(url(), Some("a b".into()), None, false).is_err());
-        assert!(ReplicaSettings::merge(url(), None, Some(0.1), false).is_err());
-        let s = ReplicaSettings::merge(url(), None, Some(2.0), false)
-            .unwrap()
-            .unwrap();
+        assert!(settings(None, None, None, false).unwrap().is_none());
+        assert!(settings(None, Some("a".into()), None, false).is_err());
+        assert!(settings(url(), None, None, true).is_err());
+        assert!(settings(url(), Some("a b".into()), None, false).is_err());
+        assert!(settings(url(), None, Some(0.1), false).is_err());
+        let s = settings(url(), None, Some(2.0), false).unwrap().unwrap();
         assert_eq!(s.lease, Duration::from_secs(2));
         assert!(s.replica.ends_with(&format!("-{}", std::process::id())));
         assert!(!format!("{s:?}").contains("postgres://"));

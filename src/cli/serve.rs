@@ -404,7 +404,7 @@ pub struct Settings {
     pub state_limits: Limits,
     pub durability: DurabilityArg,
     /// The replicas' session store, this replica's name and the lease.
-    pub replica: Option<super::replica::ReplicaSettings>,
+    pub replica: Option<crate::runtime::ReplicaConfig>,
     pub completion_queues: Option<usize>,
     pub sampler: SamplerChoice,
     pub speculate: Speculate,
@@ -552,7 +552,7 @@ impl ServeArgs {
                 "drain-timeout",
                 self.drain_timeout.or(file.drain_timeout).unwrap_or(30.0),
             )?,
-            replica: super::replica::ReplicaSettings::merge(
+            replica: super::replica::settings(
                 self.session_store.clone().or(file.session_store),
                 self.replica_id.clone().or(file.replica_id),
                 self.lease_secs.or(file.lease_secs),
@@ -996,7 +996,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
                     format!("{:?}", settings.durability).to_lowercase()
                 ),
                 None => match &settings.replica {
-                    Some(replica) => replica.describe(),
+                    Some(replica) => super::replica::describe(replica),
                     None => "in memory only".into(),
                 },
             },
@@ -1007,10 +1007,10 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         return Ok(());
     }
     cfg.runtime.state = settings.session_store()?;
-    cfg.runtime.replica = match &settings.replica {
-        Some(replica) => Some(replica.connect()?),
-        None => None,
-    };
+    if let Some(replica) = &settings.replica {
+        super::replica::connect(replica)?;
+        cfg.runtime.replica = Some(replica.clone());
+    }
     let server = Server::start(model, cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     tracing::info!(
         model = %settings.model.display(),

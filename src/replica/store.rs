@@ -315,14 +315,7 @@ impl Store {
                 &[&id, &replica, &lease, &caller],
             )?;
             if let Some(row) = taken {
-                let session = SessionRow {
-                    label: row.get(1),
-                    eos: from_bytes(row.get(2)),
-                    history: from_bytes(row.get(3)),
-                    changes: row.get(4),
-                    tenant: row.get(5),
-                };
-                return Ok((Lease { epoch: row.get(0) }, session));
+                return Ok((Lease { epoch: row.get(0) }, session_row(&row, 1)));
             }
             let holder = client.query_opt(
                 "SELECT owner, GREATEST(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8
@@ -346,20 +339,11 @@ impl Store {
     pub fn load(&mut self, id: &str) -> Result<Option<(SessionRow, String, i64)>, StoreError> {
         self.with(|client, _, _| {
             let row = client.query_opt(
-                "SELECT label, eos, history, changes, owner, epoch, tenant
+                "SELECT label, eos, history, changes, tenant, owner, epoch
                  FROM inferd_sessions WHERE id = $1",
                 &[&id],
             )?;
-            Ok(row.map(|row| {
-                let session = SessionRow {
-                    label: row.get(0),
-                    eos: from_bytes(row.get(1)),
-                    history: from_bytes(row.get(2)),
-                    changes: row.get(3),
-                    tenant: row.get(6),
-                };
-                (session, row.get(4), row.get(5))
-            }))
+            Ok(row.map(|row| (session_row(&row, 0), row.get(5), row.get(6))))
         })
     }
 
@@ -437,38 +421,28 @@ impl Store {
     /// store of its own: the connection listens from the first call on.
     pub fn handoff_requests(&mut self, wait: Duration) -> Result<Vec<String>, StoreError> {
         self.client()?;
-        let Store {
-            client,
-            replica,
-            listening,
-            ..
-        } = self;
-        let connection = client.as_mut().expect("connected above");
-        let result = (|| {
-            if !*listening {
-                connection.batch_execute(&format!("LISTEN {HANDOFF_CHANNEL}"))?;
-                *listening = true;
+        let listen = !self.listening;
+        let asked = self.with(|client, replica, _| {
+            if listen {
+                client.batch_execute(&format!("LISTEN {HANDOFF_CHANNEL}"))?;
             }
-            let mut asked = Vec::new();
-            let mut notifications = connection.notifications();
-            let first = notifications.timeout_iter(wait).next()?;
             let mine = |payload: &str| {
                 payload
                     .split_once(' ')
-                    .filter(|(owner, _)| *owner == replica.as_str())
+                    .filter(|(owner, _)| *owner == replica)
                     .map(|(_, id)| id.to_owned())
             };
-            asked.extend(first.iter().filter_map(|n| mine(n.payload())));
+            let mut notifications = client.notifications();
+            let first = notifications.timeout_iter(wait).next()?;
+            let mut asked: Vec<String> = first.iter().filter_map(|n| mine(n.payload())).collect();
             let mut pending = notifications.iter();
             while let Some(n) = pending.next()? {
                 asked.extend(mine(n.payload()));
             }
             Ok(asked)
-        })();
-        if result.is_err() {
-            *client = None;
-        }
-        result.map_err(|e: postgres::Error| StoreError::from(e))
+        })?;
+        self.listening = true;
+        Ok(asked)
     }
 
     /// Deletes the session, under `lease`.
@@ -479,6 +453,18 @@ impl Store {
             "DELETE FROM inferd_sessions WHERE id = $1 AND owner = $2 AND epoch = $3",
             &[],
         )
+    }
+}
+
+/// A session's row from a result row holding label, eos, history,
+/// changes and tenant from column `at` on.
+fn session_row(row: &postgres::Row, at: usize) -> SessionRow {
+    SessionRow {
+        label: row.get(at),
+        eos: from_bytes(row.get(at + 1)),
+        history: from_bytes(row.get(at + 2)),
+        changes: row.get(at + 3),
+        tenant: row.get(at + 4),
     }
 }
 
