@@ -5,8 +5,10 @@ which supplies the Python environment and PostgreSQL).
 
 Sections:
 
-  latency   4 clients, each looping append(16) / Generate(8) on a session
-            of its own for --seconds: p50 and p99 of each call with the
+  latency   --clients clients (1: the store's cost alone, no queueing
+            behind other sessions), each looping append(16) / Generate(8)
+            on a session of its own for --seconds: p50 and p99 of each
+            call with the
             sessions in memory only, in a state directory
             (--durability sync) and in the session store; the three
             alternate, --runs times.
@@ -121,7 +123,8 @@ def latency(args, pb, rpc, pg):
                         n += 1
                     client.close(sid)
 
-                threads = [threading.Thread(target=loop, args=(i,)) for i in range(4)]
+                threads = [threading.Thread(target=loop, args=(i,))
+                           for i in range(args.clients)]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -129,7 +132,7 @@ def latency(args, pb, rpc, pg):
                 channel.close()
             if "--state-dir" in extra:
                 shutil.rmtree(extra[1], ignore_errors=True)
-    print(f"\n4 sessions looping append(16) / Generate(8) for {args.seconds} s, "
+    print(f"\n{args.clients} sessions looping append(16) / Generate(8) for {args.seconds} s, "
           f"{args.runs} runs alternating, {args.binary}")
     print("| sessions kept | AppendTokens p50 ms | p99 ms | Generate(8) p50 ms | p99 ms | calls |")
     print("|---|---|---|---|---|---|")
@@ -139,9 +142,11 @@ def latency(args, pb, rpc, pg):
               f"{percentile(g, 0.5):.2f} | {percentile(g, 0.99):.2f} | {len(a)} |")
 
 
-def fill(client, sid, tokens):
+def fill(client, sid, tokens, salt):
+    """Appends `tokens` tokens, 500 at a time; sessions of other salts
+    share no prefix (nothing to map instead of computing)."""
     for start in range(0, tokens, 500):
-        client.append(sid, prompt_ids(min(500, tokens - start), salt=start))
+        client.append(sid, prompt_ids(min(500, tokens - start), salt=salt * 100 + start))
 
 
 def timed_generate(client, pb, sid):
@@ -153,7 +158,7 @@ def timed_generate(client, pb, sid):
 
 def move(args, pb, rpc, pg):
     times = {"stays on a": [], "handed over to b (a alive)": [],
-             "taken over by b (a killed)": []}
+             "taken over by b (a killed)": [], "its prefill on a (the appends)": []}
     for _ in range(args.runs):
         a = replica(args, pg, "a")
         b = replica(args, pg, "b")
@@ -161,13 +166,15 @@ def move(args, pb, rpc, pg):
             ca, on_a = connect(a.addr, pb, rpc)
             cb, on_b = connect(b.addr, pb, rpc)
             stays = on_a.create(label="stays").session_id
-            fill(on_a, stays, args.move_tokens)
+            fill(on_a, stays, args.move_tokens, 1)
             times["stays on a"].append(timed_generate(on_a, pb, stays))
             moves = on_a.create(label="moves").session_id
-            fill(on_a, moves, args.move_tokens)
+            t0 = time.monotonic()
+            fill(on_a, moves, args.move_tokens, 2)
+            times["its prefill on a (the appends)"].append((time.monotonic() - t0) * 1e3)
             times["handed over to b (a alive)"].append(timed_generate(on_b, pb, moves))
             dies = on_a.create(label="dies").session_id
-            fill(on_a, dies, args.move_tokens)
+            fill(on_a, dies, args.move_tokens, 3)
             a.proc.kill()
             a.proc.wait()
             times["taken over by b (a killed)"].append(timed_generate(on_b, pb, dies))
@@ -192,7 +199,7 @@ def capacity(args, pb, rpc, pg):
             while True:
                 try:
                     sid = client.create(label="c").session_id
-                    fill(client, sid, args.move_tokens)
+                    fill(client, sid, args.move_tokens, 10 + held)
                     held += 1
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -229,6 +236,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--lease-secs", type=float, default=2)
     ap.add_argument("--move-tokens", type=int, default=2000)
     ap.add_argument("--kv-mib", type=int, default=256)
