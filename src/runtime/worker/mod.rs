@@ -1,10 +1,11 @@
 //! One worker thread: it alone owns its shard of sessions (a plain map, no
 //! locks) and its compute context, and runs the step loop.
 //!
-//! Each turn of the loop: take every waiting command; serve eviction
-//! requests from other workers; retry creations waiting for a place; start
-//! the next queued operation of each idle session (check what needs the
-//! session, reserve KV, then mutate); build ONE batch holding a decode token
+//! Each turn of the loop: with a session store, renew leases and drop the
+//! sessions whose lease moved ([`replica`]); take every waiting command;
+//! serve eviction requests from other workers; retry creations waiting for
+//! a place; start the next queued operation of each idle session (check
+//! what needs the session, reserve KV, then mutate); build ONE batch holding a decode token
 //! for every generating session whose stream has room and a prefill chunk
 //! for every session with prompt tokens left; run one forward through the
 //! worker's [`StepRunner`] (the model here, or the shards); commit, check
@@ -21,7 +22,8 @@
 //! [`room`] (pages, eviction, truncation, undo), [`batch`] (plan, forward,
 //! commit, invariants), [`generate`] (sampling, stop conditions,
 //! events), [`speculate`] (proposed tokens fed with the sampled one,
-//! verified and rolled back) and [`draft`] (a draft model's proposals).
+//! verified and rolled back), [`draft`] (a draft model's proposals) and
+//! [`replica`] (the session store's leases, writes and take-overs).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -204,6 +206,9 @@ impl Worker {
             let Ok(mut next) = self.wait_for_command(&commands, &wake, timeout) else {
                 break;
             };
+            // Leases first: a worker back from a pause learns which of its
+            // sessions moved before it answers anything about them.
+            self.replica_upkeep();
             let mut stop = false;
             while let Some(cmd) = next {
                 if matches!(cmd, Command::Shutdown) {
@@ -216,7 +221,6 @@ impl Worker {
             if stop {
                 break;
             }
-            self.replica_upkeep();
             self.serve_evictions();
             let mut progressed = self.retry_creates();
             progressed |= self.step();

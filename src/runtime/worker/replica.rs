@@ -9,8 +9,9 @@
 //! (this one paused or cut off past its lease) drops the session here, and
 //! so does every held lease once the store has been out of reach for a
 //! whole lease. A call for a session this worker does not hold takes it over
-//! from the store: the lease is taken (waiting out another owner's live one
-//! within the call's deadline), and the session joins as a spilled one
+//! from the store: the lease is taken (a live holder asked to hand the
+//! session over, a dead or paused one's lease waited out, within the call's
+//! deadline), and the session joins as a spilled one
 //! holding the stored history, fed again by its first call that needs KV
 //! (shared prefix pages mapped), so the call runs after everything the store
 //! has.
