@@ -2,7 +2,8 @@
 //! (`deploy/replicas/haproxy.cfg`), one PostgreSQL of the test's own, stock
 //! gRPC clients that know only the proxy's address: the client contract
 //! holds whichever replica a channel reaches, a session used through
-//! several channels moves between replicas with the same answers, and
+//! several channels moves between replicas with the same answers, the
+//! OpenAI API's requests bound to a session stay on one replica, and
 //! killing the replica that holds 16 conversations loses no acknowledged
 //! token while every conversation goes on through the proxy.
 
@@ -139,4 +140,62 @@ fn killing_the_replica_that_holds_sixteen_conversations_loses_nothing_through_th
         assert_ne!(owner, holder);
         assert_eq!(stored.len(), history.len() + 4);
     }
+}
+
+#[test]
+fn the_openai_api_through_the_proxy_keeps_a_bound_session_on_one_replica() {
+    if !support::haproxy::installed() || !support::have_reference() {
+        return;
+    }
+    let Some(pg) = Postgres::start() else { return };
+    let (replicas, proxy) = replica_set(std::path::Path::new(support::REFERENCE), &pg, "10");
+    // Made and first fed through gRPC (whichever replica that reaches).
+    let grpc = Client::connect(&proxy.grpc);
+    let id = grpc.create();
+    let mut prompt: Vec<u32> = vec![1, 504, 3575, 282, 4649, 314];
+    grpc.append(&id, &prompt).expect("appended");
+    let mut owners = Vec::new();
+    for turn in 0..3 {
+        prompt.extend([9, 45, 17 + turn]);
+        let body = serde_json::json!({
+            "model": "any",
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+        });
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "--fail-with-body",
+                "-H",
+                "Content-Type: application/json",
+            ])
+            .args(["-H", &format!("x-inferd-session: {id}")])
+            .args(["-d", &body.to_string()])
+            .arg(format!("http://{}/v1/completions", proxy.http))
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "turn {turn}: {text}");
+        let reply: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        let generated = reply["usage"]["completion_tokens"].as_u64().expect("usage");
+        // Only what the prompt adds was appended to the bound session.
+        let (stored, owner, _) = row(&pg, &id).expect("in the store");
+        assert_eq!(
+            stored.len() as u64,
+            prompt.len() as u64 + generated,
+            "turn {turn}"
+        );
+        assert_eq!(&stored[..prompt.len()], &prompt[..]);
+        prompt = stored;
+        owners.push(owner);
+    }
+    // The header's hash keeps the conversation on one replica: at most the
+    // first request moved it from where gRPC made it.
+    assert!(owners.iter().all(|o| *o == owners[0]), "{owners:?}");
+    let moves: f64 = replicas
+        .iter()
+        .map(|r| support::replicas::metric(r, "inferd_replica_takeovers_total"))
+        .sum();
+    assert!(moves <= 1.0, "{moves} moves");
 }

@@ -59,6 +59,8 @@ pub struct HaProxy {
     child: Child,
     /// Where gRPC clients connect.
     pub grpc: String,
+    /// Where HTTP (OpenAI API) clients connect.
+    pub http: String,
 }
 
 impl HaProxy {
@@ -73,7 +75,7 @@ impl HaProxy {
             .stderr(Stdio::null())
             .spawn()
             .expect("start haproxy");
-        let grpc = env[0].1.clone();
+        let (grpc, http) = (env[0].1.clone(), env[1].1.clone());
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(&grpc).is_err() {
             assert!(
@@ -82,7 +84,7 @@ impl HaProxy {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        HaProxy { child, grpc }
+        HaProxy { child, grpc, http }
     }
 }
 
