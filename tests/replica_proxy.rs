@@ -9,6 +9,10 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use grpcio::RpcStatusCode;
 use support::durable::{cold_digest, cold_greedy, reference_server, write_model};
 use support::haproxy::HaProxy;
@@ -101,44 +105,74 @@ fn killing_the_replica_that_holds_sixteen_conversations_loses_nothing_through_th
     let (mut replicas, proxy) = replica_set(&model, &pg, "2");
     let (_reference_server, reference) = reference_server();
 
-    // One channel: one connection, so one replica holds all 16.
+    // One channel (one connection, so one replica holds all 16), with 16
+    // conversations on it at once, each keeping what a call acknowledged.
     let client = Client::connect(&proxy.grpc);
-    let mut sessions: Vec<(String, Vec<u32>)> = Vec::new();
-    for n in 0..16 {
-        let id = client.create();
-        let history = prompt(n, 0);
-        client.append(&id, &history).expect("appended");
-        sessions.push((id, history));
-    }
-    for (id, history) in &mut sessions {
-        let got = client.generate(&greedy(id, 3, 0));
-        assert!(got.error.is_none(), "{got:?}");
-        history.extend(&got.tokens);
-    }
-    let (_, holder, _) = row(&pg, &sessions[0].0).expect("in the store");
-    for (id, _) in &sessions {
+    let ids: Vec<String> = (0..16).map(|_| client.create()).collect();
+    let (_, holder, _) = row(&pg, &ids[0]).expect("in the store");
+    for id in &ids {
         assert_eq!(row(&pg, id).expect("in the store").1, holder);
     }
+    let stop = Arc::new(AtomicBool::new(false));
+    let conversations: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(n, id)| {
+            let (client, id, stop) = (client.clone(), id.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut acknowledged = Vec::new();
+                for k in 0.. {
+                    if stop.load(Ordering::Relaxed) && k >= 2 {
+                        break;
+                    }
+                    let tokens = prompt(n, k);
+                    if client.append(&id, &tokens).is_err() {
+                        break;
+                    }
+                    acknowledged.extend_from_slice(&tokens);
+                    let got = client.generate(&greedy(&id, 3, 0));
+                    if got.done.is_none() {
+                        break;
+                    }
+                    acknowledged.extend_from_slice(&got.tokens);
+                }
+                (id, acknowledged)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
     let index = ["r1", "r2", "r3"]
         .iter()
         .position(|name| *name == holder)
         .expect("a replica's name");
     replicas[index].kill();
+    let sessions: Vec<(String, Vec<u32>)> = conversations
+        .into_iter()
+        .map(|t| t.join().expect("a conversation"))
+        .collect();
 
     // The same channel: grpc reconnects through the proxy to a live
     // replica; each conversation answers after at most one UNAVAILABLE.
-    for (id, history) in &sessions {
+    for (id, acknowledged) in &sessions {
+        assert!(
+            acknowledged.len() >= 6,
+            "{id}: the conversation never began"
+        );
+        // Every acknowledged token is in the store; at most the call the
+        // kill cut off is there beyond them.
         let (stored, _, _) = row(&pg, id).expect("in the store");
-        assert_eq!(&stored, history, "{id}: acknowledged tokens missing");
+        assert_eq!(&stored[..acknowledged.len()], &acknowledged[..], "{id}");
+        assert!(stored.len() - acknowledged.len() <= 6, "{id}");
         let mut got = client.generate(&greedy(id, 4, 0));
         if unavailable(&got) {
             got = client.generate(&greedy(id, 4, 0));
         }
         assert!(got.error.is_none(), "{id}: {got:?}");
-        assert_eq!(got.tokens, cold_greedy(&reference, history, 4), "{id}");
-        let (stored, owner, _) = row(&pg, id).expect("in the store");
+        assert_eq!(got.tokens, cold_greedy(&reference, &stored, 4), "{id}");
+        let (after, owner, _) = row(&pg, id).expect("in the store");
         assert_ne!(owner, holder);
-        assert_eq!(stored.len(), history.len() + 4);
+        assert_eq!(after.len(), stored.len() + 4);
     }
 }
 
