@@ -17,7 +17,7 @@ use grpcio::RpcStatusCode;
 use support::durable::{cold_digest, cold_greedy, reference_server, write_model};
 use support::haproxy::HaProxy;
 use support::postgres::Postgres;
-use support::replicas::{prompt, replica, row, unavailable};
+use support::replicas::{converse, prompt, replica, row, unavailable};
 use support::{greedy, seeded, Client, Inferd};
 
 /// Three replicas of `model` (leases of `lease` seconds) and HAProxy in
@@ -120,22 +120,7 @@ fn killing_the_replica_that_holds_sixteen_conversations_loses_nothing_through_th
         .map(|(n, id)| {
             let (client, id, stop) = (client.clone(), id.clone(), Arc::clone(&stop));
             std::thread::spawn(move || {
-                let mut acknowledged = Vec::new();
-                for k in 0.. {
-                    if stop.load(Ordering::Relaxed) && k >= 2 {
-                        break;
-                    }
-                    let tokens = prompt(n, k);
-                    if client.append(&id, &tokens).is_err() {
-                        break;
-                    }
-                    acknowledged.extend_from_slice(&tokens);
-                    let got = client.generate(&greedy(&id, 3, 0));
-                    if got.done.is_none() {
-                        break;
-                    }
-                    acknowledged.extend_from_slice(&got.tokens);
-                }
+                let acknowledged = converse(&client, &id, n, &stop);
                 (id, acknowledged)
             })
         })

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use grpcio::RpcStatusCode;
 use support::durable::{cold_digest, cold_greedy, reference_server, write_model};
 use support::postgres::Postgres;
-use support::replicas::{metric, prompt, replica, row, unavailable};
+use support::replicas::{converse, metric, prompt, replica, row, unavailable};
 use support::{greedy, Client};
 
 #[test]
@@ -39,22 +39,7 @@ fn sixteen_sessions_of_a_killed_replica_go_on_elsewhere_bit_for_bit() {
         let (stop, report) = (Arc::clone(&stop), report.clone());
         threads.push(std::thread::spawn(move || {
             let id = client.create();
-            let mut acknowledged = Vec::new();
-            for k in 0.. {
-                if stop.load(Ordering::Relaxed) && k >= 2 {
-                    break;
-                }
-                let tokens = prompt(n, k);
-                if client.append(&id, &tokens).is_err() {
-                    break;
-                }
-                acknowledged.extend_from_slice(&tokens);
-                let got = client.generate(&greedy(&id, 3, 0));
-                if got.done.is_none() {
-                    break;
-                }
-                acknowledged.extend_from_slice(&got.tokens);
-            }
+            let acknowledged = converse(&client, &id, n, &stop);
             report.send((id, acknowledged)).expect("reported");
         }));
     }

@@ -3,11 +3,12 @@
 //! metrics, and prompts inside the synthetic model's vocabulary.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use grpcio::RpcStatusCode;
 
 use super::postgres::Postgres;
-use super::{sample, scrape, Generated, Inferd};
+use super::{greedy, sample, scrape, Client, Generated, Inferd};
 
 /// `inferd serve` as replica `name` of the store at `pg`, leases of `lease`
 /// seconds, with a metrics endpoint, and `extra` arguments.
@@ -64,4 +65,27 @@ pub fn prompt(n: usize, k: usize) -> Vec<u32> {
     (0..6)
         .map(|i| ((n * 37 + k * 11 + i * 5) % 300) as u32 + 3)
         .collect()
+}
+
+/// Conversation `n` on session `id`: rounds of an append of [`prompt`]s
+/// and a greedy Generate(3), until `stop` (after two rounds at least) or a
+/// call fails. Returns the tokens the calls acknowledged, in order.
+pub fn converse(client: &Client, id: &str, n: usize, stop: &AtomicBool) -> Vec<u32> {
+    let mut acknowledged = Vec::new();
+    for k in 0.. {
+        if stop.load(Ordering::Relaxed) && k >= 2 {
+            break;
+        }
+        let tokens = prompt(n, k);
+        if client.append(id, &tokens).is_err() {
+            break;
+        }
+        acknowledged.extend_from_slice(&tokens);
+        let got = client.generate(&greedy(id, 3, 0));
+        if got.done.is_none() {
+            break;
+        }
+        acknowledged.extend_from_slice(&got.tokens);
+    }
+    acknowledged
 }
