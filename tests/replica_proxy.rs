@@ -17,7 +17,7 @@ use grpcio::RpcStatusCode;
 use support::durable::{cold_digest, cold_greedy, reference_server, write_model};
 use support::haproxy::HaProxy;
 use support::postgres::Postgres;
-use support::replicas::{converse, prompt, replica, row, unavailable};
+use support::replicas::{after_a_kill, converse, prompt, replica, row};
 use support::{greedy, seeded, Client, Inferd};
 
 /// Three replicas of `model` (leases of `lease` seconds) and HAProxy in
@@ -140,20 +140,7 @@ fn killing_the_replica_that_holds_sixteen_conversations_loses_nothing_through_th
     // The same channel: grpc reconnects through the proxy to a live
     // replica; each conversation answers after at most one UNAVAILABLE.
     for (id, acknowledged) in &sessions {
-        assert!(
-            acknowledged.len() >= 6,
-            "{id}: the conversation never began"
-        );
-        // Every acknowledged token is in the store; at most the call the
-        // kill cut off is there beyond them.
-        let (stored, _, _) = row(&pg, id).expect("in the store");
-        assert_eq!(&stored[..acknowledged.len()], &acknowledged[..], "{id}");
-        assert!(stored.len() - acknowledged.len() <= 6, "{id}");
-        let mut got = client.generate(&greedy(id, 4, 0));
-        if unavailable(&got) {
-            got = client.generate(&greedy(id, 4, 0));
-        }
-        assert!(got.error.is_none(), "{id}: {got:?}");
+        let (stored, got) = after_a_kill(&pg, &client, id, acknowledged, 4);
         assert_eq!(got.tokens, cold_greedy(&reference, &stored, 4), "{id}");
         let (after, owner, _) = row(&pg, id).expect("in the store");
         assert_ne!(owner, holder);

@@ -135,6 +135,14 @@ impl Store {
     /// (refusing a newer one) and writes as `replica`, with leases of
     /// `lease`.
     pub fn connect(url: &str, replica: &str, lease: Duration) -> Result<Store, StoreError> {
+        let mut store = Store::open(url, replica, lease)?;
+        schema::migrate(store.client()?)?;
+        Ok(store)
+    }
+
+    /// As [`Store::connect`], for a schema another connection of this
+    /// process has brought up to date: connects, and migrates nothing.
+    pub fn open(url: &str, replica: &str, lease: Duration) -> Result<Store, StoreError> {
         let mut config: Config = url
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
@@ -168,7 +176,7 @@ impl Store {
             lease_secs: lease.as_secs_f64(),
             listening: false,
         };
-        schema::migrate(store.client()?)?;
+        store.client()?;
         Ok(store)
     }
 

@@ -89,3 +89,34 @@ pub fn converse(client: &Client, id: &str, n: usize, stop: &AtomicBool) -> Vec<u
     }
     acknowledged
 }
+
+/// After the replica holding session `id` was killed mid-conversation: the
+/// store holds every `acknowledged` token, and beyond them at most the
+/// call the kill cut off; the next greedy Generate of `n` tokens through
+/// `client` answers after at most one UNAVAILABLE. Returns the stored
+/// history and that Generate.
+pub fn after_a_kill(
+    pg: &Postgres,
+    client: &Client,
+    id: &str,
+    acknowledged: &[u32],
+    n: u32,
+) -> (Vec<u32>, Generated) {
+    assert!(
+        acknowledged.len() >= 6,
+        "{id}: the conversation never began"
+    );
+    let (stored, _, _) = row(pg, id).expect("the session is in the store");
+    assert_eq!(
+        &stored[..acknowledged.len()],
+        acknowledged,
+        "{id}: acknowledged tokens missing from the store"
+    );
+    assert!(stored.len() - acknowledged.len() <= 6, "{id}: {stored:?}");
+    let mut got = client.generate(&greedy(id, n, 0));
+    if unavailable(&got) {
+        got = client.generate(&greedy(id, n, 0));
+    }
+    assert!(got.error.is_none(), "{id}: {got:?}");
+    (stored, got)
+}

@@ -32,7 +32,8 @@ impl HandoffEar {
         replica: &ReplicaConfig,
         workers: Vec<Sender<Command>>,
     ) -> Result<HandoffEar, RuntimeError> {
-        let mut store = Store::connect(&replica.url, &replica.replica, replica.lease)
+        // The workers' first connection brought the schema up to date.
+        let mut store = Store::open(&replica.url, &replica.replica, replica.lease)
             .map_err(|e| RuntimeError::NotDurable(format!("hand-off listener: {e}")))?;
         // Listening from now on, before any worker takes calls.
         store

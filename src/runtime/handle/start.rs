@@ -48,13 +48,19 @@ fn split_for_draft(
     Some(draft_share / cfg.workers as u64)
 }
 
-/// Worker `index`'s connection to the replicas' store (the first worker
-/// also sweeps the store's idle orphans).
+/// Worker `index`'s connection to the replicas' store: the first brings
+/// the schema up to date (and sweeps the store's idle orphans later), the
+/// others find it so.
 fn connect_seat(
     replica: &super::super::ReplicaConfig,
     index: usize,
 ) -> Result<ReplicaSeat, RuntimeError> {
-    let store = crate::replica::Store::connect(&replica.url, &replica.replica, replica.lease)
+    let connect = if index == 0 {
+        crate::replica::Store::connect
+    } else {
+        crate::replica::Store::open
+    };
+    let store = connect(&replica.url, &replica.replica, replica.lease)
         .map_err(|e| RuntimeError::NotDurable(format!("worker {index}: {e}")))?;
     Ok(ReplicaSeat::new(store, replica.lease, index == 0))
 }

@@ -297,15 +297,28 @@ impl Worker {
 
     /// Removes a session whose call failed, telling every waiter.
     pub(super) fn fail_slot(&mut self, id: SessionId, slot: &mut SessionSlot, err: RuntimeError) {
+        self.end_slot(id, slot, Removal::Failed, err, || RuntimeError::NotFound);
+    }
+
+    /// Removes the session an operation holds for `reason`: its running
+    /// operation ends with `err`, each queued one with `queued()`.
+    pub(super) fn end_slot(
+        &mut self,
+        id: SessionId,
+        slot: &mut SessionSlot,
+        reason: Removal,
+        err: RuntimeError,
+        queued: impl Fn() -> RuntimeError,
+    ) {
         if slot.removed {
             return;
         }
-        self.remove_slot(id, slot, Removal::Failed);
+        self.remove_slot(id, slot, reason);
         if let Some(active) = slot.active.take() {
             finish_with_error(active, err);
         }
         for q in slot.queue.drain(..) {
-            q.op.fail(RuntimeError::NotFound);
+            q.op.fail(queued());
         }
     }
 }

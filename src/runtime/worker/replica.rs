@@ -135,12 +135,8 @@ impl ReplicaSeat {
     /// longer holds marks the session lost.
     fn failed(&mut self, id: SessionId, err: StoreError, counters: &Counters) -> RuntimeError {
         match err {
-            StoreError::Fenced { .. } => {
-                self.lose(id, counters);
-                RuntimeError::Moved(err.to_string())
-            }
-            StoreError::NotFound(_) => {
-                // Deleted by another replica after taking it over.
+            // Not found: deleted by another replica after taking it over.
+            StoreError::Fenced { .. } | StoreError::NotFound(_) => {
                 self.lose(id, counters);
                 RuntimeError::Moved(err.to_string())
             }
@@ -252,6 +248,8 @@ impl ReplicaSeat {
     fn release_all(&mut self) {
         for (id, lease) in std::mem::take(&mut self.held) {
             if let Err(e) = self.store.release(&id.to_string(), lease) {
+                // The store is out of reach: the other leases run out too,
+                // without a wait for each.
                 tracing::warn!(session = %id, "letting the session go: {e}");
                 return;
             }
@@ -279,11 +277,9 @@ impl ReplicaSeat {
         match self.store.renew(&held) {
             Ok(lost) => {
                 self.held_until = started + self.lease;
-                for key in lost {
-                    if let Some(id) = self.held.keys().copied().find(|id| id.to_string() == key) {
-                        tracing::warn!(session = %id, "another replica took the session over");
-                        self.lose(id, counters);
-                    }
+                for id in lost.iter().filter_map(|key| SessionId::parse(key).ok()) {
+                    tracing::warn!(session = %id, "another replica took the session over");
+                    self.lose(id, counters);
                 }
             }
             Err(e) => {
@@ -433,12 +429,14 @@ impl Worker {
         };
         let placed = self.claim_spilled_place();
         let seat = self.replica.as_mut().expect("a replica's worker");
-        seat.held.insert(id, lease);
         if !placed {
             // Let go again at once: another replica may have room.
-            seat.leave(id, Removal::Lru);
+            if let Err(e) = seat.store.release(&id.to_string(), lease) {
+                tracing::warn!(session = %id, "letting the session go: {e}");
+            }
             return Err(sessions_exhausted());
         }
+        seat.held.insert(id, lease);
         seat.lost.remove(&id);
         let tokens = row.history.len();
         let kv = SessionKv::new(Arc::clone(&self.kv_pool));
@@ -500,16 +498,7 @@ impl Worker {
     fn drop_moved(&mut self, id: SessionId) {
         let moved = || RuntimeError::Moved(format!("session {id}: another replica holds it now"));
         self.with_session(id, |w, slot| {
-            if let Some(active) = slot.active.take() {
-                if matches!(active.work, Work::Generate(_)) {
-                    w.runner.cancel(id);
-                }
-                finish_with_error(active, moved());
-            }
-            for q in slot.queue.drain(..) {
-                q.op.fail(moved());
-            }
-            w.remove_slot(id, slot, Removal::Moved);
+            w.end_slot(id, slot, Removal::Moved, moved(), moved)
         });
     }
 
