@@ -139,7 +139,7 @@ fn haproxy_accepts_the_shipped_configuration() {
             )
         })
         .collect();
-    let out = Command::new("haproxy")
+    let out = Command::new(support::haproxy::binary())
         .args(["-c", "-f", support::haproxy::CONFIG])
         .envs(support::haproxy::environment(&replicas))
         .output()
@@ -151,7 +151,7 @@ fn haproxy_accepts_the_shipped_configuration() {
         String::from_utf8_lossy(&out.stderr)
     );
     // Without its addresses it does not start.
-    let out = Command::new("haproxy")
+    let out = Command::new(support::haproxy::binary())
         .args(["-c", "-f", support::haproxy::CONFIG])
         .env_remove("INFERD_PROXY_GRPC")
         .output()

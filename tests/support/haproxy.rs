@@ -8,10 +8,20 @@ use std::time::{Duration, Instant};
 
 pub const CONFIG: &str = "deploy/replicas/haproxy.cfg";
 
+/// The HAProxy binary: on PATH, or where Debian puts it (/usr/sbin, which
+/// a user's PATH may lack).
+pub fn binary() -> &'static str {
+    if Command::new("haproxy").arg("-v").output().is_ok() {
+        "haproxy"
+    } else {
+        "/usr/sbin/haproxy"
+    }
+}
+
 /// Whether HAProxy is installed; where the tests require PostgreSQL
 /// (`scripts/test`, whose setup installs both) a missing one fails them.
 pub fn installed() -> bool {
-    let found = Command::new("haproxy")
+    let found = Command::new(binary())
         .arg("-v")
         .output()
         .is_ok_and(|o| o.status.success());
@@ -68,7 +78,7 @@ impl HaProxy {
     /// and waits until it accepts connections.
     pub fn start(replicas: &[(String, String)]) -> HaProxy {
         let env = environment(replicas);
-        let child = Command::new("haproxy")
+        let child = Command::new(binary())
             .args(["-f", CONFIG, "-db"])
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
