@@ -23,9 +23,23 @@ use support::{greedy, seeded, Client, Inferd};
 /// Three replicas of `model` (leases of `lease` seconds) and HAProxy in
 /// front of them.
 fn replica_set(model: &std::path::Path, pg: &Postgres, lease: &str) -> (Vec<Inferd>, HaProxy) {
+    replica_set_with(model, pg, lease, &[])
+}
+
+/// [`replica_set`] with `extra` arguments for every replica.
+fn replica_set_with(
+    model: &std::path::Path,
+    pg: &Postgres,
+    lease: &str,
+    extra: &[&str],
+) -> (Vec<Inferd>, HaProxy) {
+    let args: Vec<&str> = ["--http-listen", "127.0.0.1:0"]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
     let replicas: Vec<Inferd> = ["r1", "r2", "r3"]
         .into_iter()
-        .map(|name| replica(model, pg, name, lease, &["--http-listen", "127.0.0.1:0"]))
+        .map(|name| replica(model, pg, name, lease, &args))
         .collect();
     let addrs: Vec<(String, String)> = replicas
         .iter()
@@ -73,8 +87,13 @@ fn the_client_contract_holds_through_the_proxy_on_any_replica() {
         assert_eq!(info.get_history_length(), history.len() as u64);
         assert_eq!(info.get_logits_digest(), cold_digest(&reference, &history));
         // The same session through another channel (most likely another
-        // replica): it moves, with its history and answers.
+        // replica): it moves, with its history, KV and answers; a
+        // GetSessionInfo that moves it answers with the digest it had.
         let other = &clients[(n + 1) % clients.len()];
+        let moved = other.info(&id).expect("info where it moved");
+        assert_eq!(moved.get_history_length(), history.len() as u64);
+        assert_eq!(moved.get_logits_digest(), info.get_logits_digest());
+        assert!(moved.get_kv_live_bytes() > 0, "{moved:?}");
         let got = other.generate(&greedy(&id, 3, 0));
         assert!(got.error.is_none(), "{got:?}");
         assert_eq!(got.tokens, cold_greedy(&reference, &history, 3));
@@ -92,6 +111,55 @@ fn the_client_contract_holds_through_the_proxy_on_any_replica() {
         .info("00112233445566778899aabbccddeeff")
         .expect_err("never made");
     assert_eq!(unknown.0, RpcStatusCode::NOT_FOUND);
+}
+
+/// The stock Python client's whole contract walk
+/// (`tests/interop/runtime_client.py`, stubs generated from the published
+/// protos) through the proxy, its calls spread over three channels so that
+/// its sessions move between the replicas on nearly every call; then its
+/// seeded-sampling and idle-TTL walk on replicas with a 2 s TTL.
+#[test]
+fn the_stock_python_contract_walk_passes_through_the_proxy_with_sessions_moving() {
+    if !support::haproxy::installed() || !support::have_reference() {
+        return;
+    }
+    let Some(python) = support::python_env() else {
+        return;
+    };
+    let Some(pg) = Postgres::start() else { return };
+    let model = std::path::Path::new(support::REFERENCE);
+    let walk = |proxy: &HaProxy, replicas: &[Inferd], args: &[&str]| {
+        let out = std::process::Command::new(&python)
+            .arg("tests/interop/runtime_client.py")
+            .arg(&proxy.grpc)
+            .args(["--spread", "3"])
+            .args(args)
+            .output()
+            .expect("run the python client");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("interop: every check passed"),
+            "the python client failed (exit {:?}):\n{stdout}\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        let moves: f64 = replicas
+            .iter()
+            .map(|r| support::replicas::metric(r, "inferd_replica_takeovers_total"))
+            .sum();
+        assert!(moves >= 3.0, "the sessions never moved: {moves} take-overs");
+    };
+    {
+        let limits = ["--max-sessions", "2", "--eviction", "none"];
+        let (replicas, proxy) = replica_set_with(model, &pg, "10", &limits);
+        walk(
+            &proxy,
+            &replicas,
+            &["--max-sessions", "2", "--eviction", "none"],
+        );
+    }
+    let (replicas, proxy) = replica_set_with(model, &pg, "10", &["--idle-ttl", "2"]);
+    walk(&proxy, &replicas, &["--idle-ttl", "2"]);
 }
 
 #[test]

@@ -9,13 +9,19 @@ cancellation (CONTRACT section 2), and inferd's ForkSession extension
 (section 2.11) from stubs of its own schema.
 
 Usage: runtime_client.py HOST:PORT [--max-sessions N] [--eviction none|lru]
-       runtime_client.py HOST:PORT --idle-ttl SECONDS
+                         [--spread N]
+       runtime_client.py HOST:PORT --idle-ttl SECONDS [--spread N]
 
 The server must run with the same `--max-sessions N --eviction POLICY`
 (defaults: 2, none) and hold no other sessions. With `--idle-ttl` (the
 server's `--idle-ttl`) only seeded sampling (the same seed draws the same
-tokens) and idle-TTL eviction are checked. Exits 0 when every check passes; otherwise
-prints what differed and exits 1.
+tokens) and idle-TTL eviction are checked. With `--spread N` (for
+replicas behind a proxy) the client opens N channels, each its own
+connection, and sends each call on the next one, so a session's calls
+reach different replicas and the session moves between them; the session
+limit is then checked on one channel (one replica), since the replicas'
+limits add up. Exits 0 when every check passes; otherwise prints what
+differed and exits 1.
 """
 
 import argparse
@@ -89,12 +95,20 @@ def protoc(include, out_dir, proto):
 
 
 class Client:
-    """The generated stub plus the helpers the checks share."""
+    """The generated stubs (one per channel, used in turn) plus the helpers
+    the checks share."""
 
-    def __init__(self, channel, pb, rpc):
+    def __init__(self, channels, pb, rpc):
         self.pb = pb
-        self.stub = rpc.RuntimeServiceStub(channel)
+        self.stubs = [rpc.RuntimeServiceStub(channel) for channel in channels]
+        self.calls = 0
         self.vocab_size = None
+
+    @property
+    def stub(self):
+        """The stub of the next channel in turn."""
+        self.calls += 1
+        return self.stubs[self.calls % len(self.stubs)]
 
     def create(self, label="interop", eos=()):
         reply = self.stub.CreateSession(
@@ -230,13 +244,14 @@ def check_lifecycle(c):
     return tokens
 
 
-def check_fork(c, channel, ext_pb, ext_rpc):
+def check_fork(c, channels, ext_pb, ext_rpc):
     """ForkSession: the fork continues exactly like a session fed the same
     history, and outlives its source. Needs two free session places."""
-    stub = ext_rpc.SessionServiceStub(channel)
+    stubs = [ext_rpc.SessionServiceStub(channel) for channel in channels]
 
     def fork(sid, **at):
-        return stub.ForkSession(
+        stubs.append(stubs.pop(0))
+        return stubs[0].ForkSession(
             ext_pb.ForkSessionRequest(session_id=sid, **at), timeout=CALL_TIMEOUT
         )
 
@@ -605,6 +620,18 @@ def check_idle_ttl(c, ttl):
     print(f"ok   a session idle past the {ttl} s TTL is evicted")
 
 
+def open_channels(address, count):
+    """count channels to address, each on a connection of its own (gRPC
+    would otherwise share one among channels to the same target), ready."""
+    channels = [
+        grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(count)
+    ]
+    for channel in channels:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    return channels
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("address", help="HOST:PORT of a running inferd serve")
@@ -612,33 +639,39 @@ def main():
     parser.add_argument("--eviction", choices=["none", "lru"], default="none")
     parser.add_argument("--idle-ttl", type=float,
                         help="the server's idle TTL: run only the seeded-sampling and TTL checks")
+    parser.add_argument("--spread", type=int, default=1,
+                        help="channels to send the calls over in turn (replicas behind a proxy)")
     args = parser.parse_args()
     if args.idle_ttl is not None:
         with tempfile.TemporaryDirectory(prefix="inferd-stubs-") as out_dir:
             pb, rpc, *_ = generate_stubs(out_dir)
-            with grpc.insecure_channel(args.address) as channel:
-                grpc.channel_ready_future(channel).result(timeout=30)
-                c = Client(channel, pb, rpc)
-                check_seeded(c)
-                check_idle_ttl(c, args.idle_ttl)
+            channels = open_channels(args.address, args.spread)
+            c = Client(channels, pb, rpc)
+            check_seeded(c)
+            check_idle_ttl(c, args.idle_ttl)
+            for channel in channels:
+                channel.close()
         print("interop: every check passed")
         return
 
     with tempfile.TemporaryDirectory(prefix="inferd-stubs-") as out_dir:
         pb, rpc, health_pb, health_rpc, ext_pb, ext_rpc = generate_stubs(out_dir)
-        with grpc.insecure_channel(args.address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
-            c = Client(channel, pb, rpc)
+        channels = open_channels(args.address, args.spread)
+        c = Client(channels, pb, rpc)
+        for channel in channels:
             check_health(channel, health_pb, health_rpc)
-            greedy = check_lifecycle(c)
-            check_fork(c, channel, ext_pb, ext_rpc)
-            check_eos(c, greedy)
-            check_invalid_arguments(c)
-            check_unparsable_bodies(channel)
-            check_bounds(c)
-            check_resource_exhausted(c, args.max_sessions, args.eviction)
-            check_deadline(c)
-            check_cancellation(c)
+        greedy = check_lifecycle(c)
+        check_fork(c, channels, ext_pb, ext_rpc)
+        check_eos(c, greedy)
+        check_invalid_arguments(c)
+        check_unparsable_bodies(channels[0])
+        check_bounds(c)
+        # The session limit is one replica's: checked on one channel.
+        check_resource_exhausted(Client(channels[:1], pb, rpc), args.max_sessions, args.eviction)
+        check_deadline(c)
+        check_cancellation(c)
+        for channel in channels:
+            channel.close()
     print("interop: every check passed")
 
 

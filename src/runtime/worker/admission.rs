@@ -300,6 +300,11 @@ impl Worker {
                 let _ = reply.send(Ok(slot.session.history().to_vec()));
                 None
             }
+            Op::Info { reply } => {
+                let backend = self.cfg.layers.backend();
+                let _ = reply.send(Ok(info(id, &*self.runner, backend, slot)));
+                None
+            }
             Op::Append { tokens, reply } => match self.start_append(id, slot, &tokens) {
                 Ok(Begin::Later) => Some(Queued {
                     op: Op::Append { tokens, reply },

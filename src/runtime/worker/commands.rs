@@ -67,6 +67,12 @@ pub(crate) enum Op {
     History {
         reply: Reply<Vec<u32>>,
     },
+    /// GetSessionInfo once the session's KV is in place: the answer for a
+    /// session a replica takes over from the store by this call (its
+    /// logits digest is then the one it had before it moved).
+    Info {
+        reply: Reply<SessionInfo>,
+    },
     Close {
         reply: Reply<CloseReply>,
     },
@@ -89,7 +95,7 @@ impl Op {
         match self {
             Op::Append { tokens, .. } => !tokens.is_empty(),
             Op::Generate { .. } | Op::Fork { .. } => true,
-            Op::History { .. } | Op::Close { .. } => false,
+            Op::History { .. } | Op::Info { .. } | Op::Close { .. } => false,
         }
     }
 
@@ -99,6 +105,7 @@ impl Op {
             Op::Append { reply, .. } => drop(reply.send(Err(err))),
             Op::Close { reply } => drop(reply.send(Err(err))),
             Op::History { reply } => drop(reply.send(Err(err))),
+            Op::Info { reply } => drop(reply.send(Err(err))),
             Op::Fork { reply, .. } => drop(reply.send(Err(err))),
             Op::Generate { events, .. } => drop(events.try_send(GenerateEvent::Error(err))),
         }

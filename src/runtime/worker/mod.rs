@@ -324,7 +324,12 @@ impl Worker {
                 }
             }
             Command::Info { id, caller, reply } if self.not_here(id) => {
-                self.call_elsewhere(id, replica::Call::Info { caller, reply });
+                let call = replica::Call {
+                    caller,
+                    op: Op::Info { reply },
+                    deadline: None,
+                };
+                self.call_elsewhere(id, call);
             }
             Command::Enqueue {
                 id,
@@ -332,7 +337,7 @@ impl Worker {
                 op,
                 deadline,
             } if self.not_here(id) => {
-                let call = replica::Call::Enqueue {
+                let call = replica::Call {
                     caller,
                     op,
                     deadline,

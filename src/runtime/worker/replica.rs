@@ -42,53 +42,26 @@ pub(crate) struct ReplicaSeat {
     last_sweep: Instant,
 }
 
-/// A call for a session that is not here, as its command carried it.
-pub(super) enum Call {
-    Enqueue {
-        caller: Tenant,
-        op: Op,
-        deadline: Option<Instant>,
-    },
-    Info {
-        caller: Tenant,
-        reply: Reply<SessionInfo>,
-    },
+/// A call for a session that is not here: an operation for its FIFO (a
+/// GetSessionInfo too, as [`Op::Info`], so that it answers once the
+/// session's KV is back, with its logits digest).
+pub(super) struct Call {
+    pub(super) caller: Tenant,
+    pub(super) op: Op,
+    pub(super) deadline: Option<Instant>,
 }
 
 impl Call {
-    fn caller(&self) -> &Tenant {
-        match self {
-            Call::Enqueue { caller, .. } | Call::Info { caller, .. } => caller,
-        }
-    }
-
-    fn deadline(&self) -> Option<Instant> {
-        match self {
-            Call::Enqueue { deadline, .. } => *deadline,
-            Call::Info { .. } => None,
-        }
-    }
-
     fn fail(self, err: RuntimeError) {
-        match self {
-            Call::Enqueue { op, .. } => op.fail(err),
-            Call::Info { reply, .. } => drop(reply.send(Err(err))),
-        }
+        self.op.fail(err)
     }
 
     fn into_command(self, id: SessionId) -> Command {
-        match self {
-            Call::Enqueue {
-                caller,
-                op,
-                deadline,
-            } => Command::Enqueue {
-                id,
-                caller,
-                op,
-                deadline,
-            },
-            Call::Info { caller, reply } => Command::Info { id, caller, reply },
+        Command::Enqueue {
+            id,
+            caller: self.caller,
+            op: self.op,
+            deadline: self.deadline,
         }
     }
 }
@@ -352,7 +325,7 @@ impl Worker {
         let now = Instant::now();
         let mut live = VecDeque::with_capacity(calls.len());
         for call in calls {
-            if call.deadline().is_some_and(|d| d <= now) {
+            if call.deadline.is_some_and(|d| d <= now) {
                 call.fail(RuntimeError::DeadlineExceeded);
             } else {
                 live.push_back(call);
@@ -366,7 +339,7 @@ impl Worker {
             let Some(seat) = self.replica.as_mut() else {
                 return call.fail(RuntimeError::NotFound);
             };
-            let caller = call.caller().identity().map(str::to_owned);
+            let caller = call.caller.identity().map(str::to_owned);
             match seat.store.take(&id.to_string(), caller.as_deref()) {
                 Ok((lease, row)) => {
                     if let Err(e) = self.adopt(id, lease, row) {
@@ -472,10 +445,7 @@ impl Worker {
             .waiting
             .iter()
             .filter(|(_, w)| {
-                w.retry_at <= now
-                    || w.calls
-                        .iter()
-                        .any(|c| c.deadline().is_some_and(|d| d <= now))
+                w.retry_at <= now || w.calls.iter().any(|c| c.deadline.is_some_and(|d| d <= now))
             })
             .map(|(id, _)| *id)
             .collect();
