@@ -272,3 +272,61 @@ fn a_live_replica_hands_an_idle_session_over_at_once() {
     assert_eq!(metric(&b, "inferd_replica_handoffs_total"), 1.0);
     assert_eq!(metric(&b, "inferd_replica_takeovers_total"), 2.0);
 }
+
+#[test]
+fn a_live_replica_keeps_a_session_that_is_mid_call_and_lets_it_go_after() {
+    if !support::have_reference() {
+        return;
+    }
+    let Some(pg) = Postgres::start() else { return };
+    let model = std::path::Path::new(support::REFERENCE);
+    // Short leases: the other replica's call gives up after a second.
+    let a = replica(model, &pg, "a", "0.5", &[]);
+    let b = replica(model, &pg, "b", "0.5", &[]);
+    let (on_a, on_b) = (Client::connect(&a.addr), Client::connect(&b.addr));
+    let id = on_a.create();
+    let prompt = [1, 504, 3458, 282, 4667, 30, 216, 1095, 314];
+    on_a.append(&id, &prompt).expect("appended on a");
+
+    // A long Generate on a, read to its 800th token and then cancelled.
+    let (started, running) = mpsc::channel();
+    let generating = {
+        let (client, id) = (on_a.clone(), id.clone());
+        std::thread::spawn(move || {
+            client.generate_watching(&greedy(&id, 4000, 0), Some(800), |n| {
+                if n == 1 {
+                    let _ = started.send(());
+                }
+            })
+        })
+    };
+    running
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the Generate started");
+    let t0 = Instant::now();
+    let refused = on_b.info(&id).expect_err("held by a, mid-call");
+    assert_eq!(refused.0, RpcStatusCode::UNAVAILABLE, "{refused:?}");
+    assert!(refused.1.contains("held by another replica"), "{refused:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(
+        !generating.is_finished(),
+        "the Generate ended before b gave up"
+    );
+    let got = generating.join().expect("the Generate");
+    assert!(got.error.is_none(), "{got:?}");
+    assert_eq!(got.tokens.len(), 800);
+    assert_eq!(row(&pg, &id).expect("in the store").1, "a");
+    assert_eq!(metric(&a, "inferd_replica_handoffs_total"), 0.0);
+
+    // Once the cancelled Generate has stopped, b's call moves it: the
+    // history has every token a streamed, and nothing after them.
+    let moved = on_b.info(&id).expect("moved to b");
+    let (stored, owner, _) = row(&pg, &id).expect("in the store");
+    assert_eq!(owner, "b");
+    assert_eq!(moved.get_history_length(), stored.len() as u64);
+    assert_eq!(&stored[..prompt.len()], &prompt);
+    let committed = &stored[prompt.len()..];
+    assert!(committed.len() >= 800, "{} committed", committed.len());
+    assert_eq!(&committed[..800], &got.tokens[..]);
+    assert_eq!(metric(&a, "inferd_replica_handoffs_total"), 1.0);
+}

@@ -413,3 +413,58 @@ fn one_bare_token_serves_as_before_and_its_sessions_outlive_a_rotation() {
     let alice = Caller::connect(&server, "n3w-token");
     assert_eq!(alice.close(&id).expect("close"), 6);
 }
+
+/// Replicas sharing a store (CONTRACT §2.14) keep sessions bound to their
+/// token: another tenant's call for a session held on another replica is
+/// NOT_FOUND there, exactly as an id never issued, and moves nothing (the
+/// lease and its epoch stay where they were); its owner's call through
+/// the other replica moves it, history and all.
+#[test]
+fn another_tenants_call_on_another_replica_finds_nothing_and_moves_nothing() {
+    use support::postgres::Postgres;
+    use support::replicas::{replica, row};
+    let Some(pg) = Postgres::start() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let tokens = dir.path().join("tokens");
+    write_tokens(&tokens, &format!("alice: {ALICE}\nbob: {BOB}\n"));
+    let auth = ["--auth-token-file", tokens.to_str().expect("UTF-8 path")];
+    let first = replica(&model, &pg, "r1", "10", &auth);
+    let second = replica(&model, &pg, "r2", "10", &auth);
+
+    let alice_here = Caller::connect(&first, ALICE);
+    let id = alice_here.create().expect("create");
+    assert_eq!(alice_here.append(&id, &[5, 6, 7, 8]).expect("append"), 4);
+    let (history, owner, epoch) = row(&pg, &id).expect("in the store");
+    assert_eq!((history.len(), owner.as_str()), (4, "r1"));
+
+    Caller::connect(&second, BOB).finds_nothing_at(&id, "bob on the other replica");
+    assert_eq!(row(&pg, &id), Some((history.clone(), owner, epoch)));
+    assert_eq!(alice_here.info(&id).expect("still held by r1"), 4);
+    for (process, name) in [(&first, "r1"), (&second, "r2")] {
+        // The metrics endpoint wants a token too.
+        let addr = process.metrics.as_deref().expect("a metrics endpoint");
+        let mut stream = TcpStream::connect(addr).expect("metrics endpoint");
+        write!(
+            stream,
+            "GET /metrics HTTP/1.0\r\nAuthorization: Bearer {ALICE}\r\n\r\n"
+        )
+        .expect("request");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("response");
+        for counter in ["handoffs", "takeovers"] {
+            let metric = format!("inferd_replica_{counter}_total");
+            let n = support::sample(&text, &metric).unwrap_or_else(|| panic!("{text}"));
+            assert_eq!(n, 0.0, "{name}: {n} {counter}");
+        }
+    }
+
+    let alice_there = Caller::connect(&second, ALICE);
+    assert_eq!(alice_there.append(&id, &[9]).expect("moved"), 5);
+    let (history, owner, moved_epoch) = row(&pg, &id).expect("in the store");
+    assert_eq!((history, owner.as_str()), (vec![5, 6, 7, 8, 9], "r2"));
+    assert!(moved_epoch > epoch);
+    Caller::connect(&first, BOB).finds_nothing_at(&id, "bob on the first replica");
+    assert_eq!(alice_there.close(&id).expect("closed"), 5);
+    assert!(row(&pg, &id).is_none());
+}

@@ -67,6 +67,11 @@ pub enum RuntimeError {
     /// is now.
     #[error("the session moved to another replica, nothing changed: {0}")]
     Moved(String),
+    /// Another replica holds the session and did not let it go (nor did
+    /// its lease run out) within the wait a take-over allows: nothing of
+    /// the call was done. Calling again may find it free.
+    #[error("the session is held by another replica, nothing changed: {0}")]
+    HeldElsewhere(String),
     /// A shard of a split model failed this step (`inferd serve --shards`):
     /// the status says how, the message names the shard. The session is
     /// kept and rebuilt on the shards on its next call unless the message
@@ -86,9 +91,10 @@ impl RuntimeError {
             }
             RuntimeError::FailedPrecondition(_) => StatusKind::FailedPrecondition,
             RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
-            RuntimeError::Unavailable | RuntimeError::NotDurable(_) | RuntimeError::Moved(_) => {
-                StatusKind::Unavailable
-            }
+            RuntimeError::Unavailable
+            | RuntimeError::NotDurable(_)
+            | RuntimeError::Moved(_)
+            | RuntimeError::HeldElsewhere(_) => StatusKind::Unavailable,
             RuntimeError::Internal(_) => StatusKind::Internal,
             RuntimeError::Shard { status, .. } => *status,
         }

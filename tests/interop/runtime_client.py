@@ -96,9 +96,11 @@ def protoc(include, out_dir, proto):
 
 class Client:
     """The generated stubs (one per channel, used in turn) plus the helpers
-    the checks share."""
+    the checks share. `channels` is one channel or a list of them."""
 
     def __init__(self, channels, pb, rpc):
+        if not isinstance(channels, (list, tuple)):
+            channels = [channels]
         self.pb = pb
         self.stubs = [rpc.RuntimeServiceStub(channel) for channel in channels]
         self.calls = 0

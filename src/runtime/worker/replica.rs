@@ -454,8 +454,12 @@ impl Worker {
                 continue;
             };
             if now >= waiting.wait.give_up_at {
+                let lease = self.replica.as_ref().map_or(Duration::ZERO, |s| s.lease);
                 for call in waiting.calls {
-                    call.fail(RuntimeError::Unavailable);
+                    call.fail(RuntimeError::HeldElsewhere(format!(
+                        "session {id} was not let go within twice the lease ({:?})",
+                        2 * lease
+                    )));
                 }
                 continue;
             }
