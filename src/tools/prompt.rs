@@ -6,7 +6,7 @@
 //! system turn (one is added when there is none), an assistant turn's calls
 //! become its text `{"tool_calls": [{"name": ..., "arguments": {...}}]}`,
 //! and a run of tool results becomes one user turn `{"tool_results":
-//! [{"tool_call_id": ..., "name": ..., "content": ...}]}`, so that even a
+//! [{"name": ..., "content": ...}]}`, so that even a
 //! template that insists on alternating user and assistant turns (Gemma's)
 //! takes the conversation.
 
@@ -75,8 +75,10 @@ fn generic_history(messages: Vec<Message>) -> Vec<Message> {
                     .find(|(i, _)| i == id)
                     .map(|(_, n)| n.clone())
             });
+            // No call id: the model is shown its calls without theirs, so
+            // ids (drawn at random per reply) would only make one
+            // conversation read differently each time it is sent.
             results.push(json!({
-                "tool_call_id": message.tool_call_id,
                 "name": name,
                 "content": message.content,
             }));
