@@ -184,6 +184,8 @@ fn the_database_restarted_under_traffic_fails_calls_typed_and_loses_nothing() {
     assert!(metric(&a, "inferd_replica_store_failures_total") >= 8.0);
 
     pg.start_again();
+    // A replica's calls fail at once for a second after a failed connect.
+    std::thread::sleep(inferd::replica::RETRY_CONNECT);
     for (n, id) in ids.iter().enumerate() {
         client
             .append(id, &prompt(n, 2))
@@ -329,4 +331,90 @@ fn a_live_replica_keeps_a_session_that_is_mid_call_and_lets_it_go_after() {
     assert!(committed.len() >= 800, "{} committed", committed.len());
     assert_eq!(&committed[..800], &got.tokens[..]);
     assert_eq!(metric(&a, "inferd_replica_handoffs_total"), 1.0);
+}
+
+/// A write the database committed but whose answer never came back (the
+/// connection cut right after the statement left): the call failed, so the
+/// session holds what it held before it, and the store is set back to
+/// that too, by the worker's next turn or the session's next write,
+/// before the session goes on. Nothing the client was told failed is kept.
+#[test]
+fn a_write_committed_without_an_answer_is_set_right_in_the_store() {
+    let Some(pg) = Postgres::start() else { return };
+    let cutter = support::cutter::Cutter::start(&pg);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let url = cutter.url(&pg);
+    let a = support::Inferd::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+        "--model",
+        model.to_str().expect("UTF-8 path"),
+        "--session-store",
+        &url,
+        "--replica-id",
+        "a",
+    ]);
+    let (_reference_server, reference) = reference_server();
+    let client = Client::connect(&a.addr);
+    let id = client.create();
+    let start = prompt(2, 0);
+    client.append(&id, &start).expect("appended");
+
+    // The next append's statement reaches the database; its answer does not.
+    cutter.arm("history = history ||");
+    let lost = client.append(&id, &prompt(2, 1)).expect_err("no answer");
+    assert_eq!(lost.0, RpcStatusCode::UNAVAILABLE, "{lost:?}");
+    assert_eq!(cutter.cuts(), 1);
+    let info = client.info(&id).expect("info");
+    assert_eq!(info.get_history_length(), start.len() as u64);
+    // The store took it all the same (the create, the first append, the
+    // lost one), and is set back within a few turns of the worker (a
+    // renewal every third of the lease wakes it): one change more.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (stored, owner, _) = row(&pg, &id).expect("in the store");
+        assert_eq!(owner, "a");
+        if stored == start {
+            assert_eq!(changes(&pg, &id), 4);
+            break;
+        }
+        assert_eq!(stored.len(), 2 * start.len(), "{stored:?}");
+        assert!(
+            Instant::now() < deadline,
+            "the store still holds {stored:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Again, now for a Generate's tokens, with the session's next write
+    // (an append at once) setting the store right.
+    cutter.arm("history = history ||");
+    let got = client.generate(&greedy(&id, 3, 0));
+    assert!(unavailable(&got), "{got:?}");
+    let more = prompt(2, 2);
+    client.append(&id, &more).expect("appended");
+    let history: Vec<u32> = start.iter().chain(&more).copied().collect();
+    assert_eq!(row(&pg, &id).expect("in the store").0, history);
+    let got = client.generate(&greedy(&id, 4, 0));
+    assert!(got.error.is_none(), "{got:?}");
+    assert_eq!(got.tokens, cold_greedy(&reference, &history, 4));
+    let after: Vec<u32> = history.iter().chain(&got.tokens).copied().collect();
+    assert_eq!(row(&pg, &id).expect("in the store").0, after);
+    assert_eq!(cutter.cuts(), 2);
+    // The Generate's lost write, the store set right (by the worker's turn
+    // or by the append, whichever came first), the append, the Generate.
+    let n = changes(&pg, &id);
+    assert!(n == 7 || n == 8, "{n} changes");
+}
+
+/// How many writes made session `id`'s row.
+fn changes(pg: &Postgres, id: &str) -> i64 {
+    pg.client()
+        .query_one("SELECT changes FROM inferd_sessions WHERE id = $1", &[&id])
+        .expect("reads the store")
+        .get(0)
 }

@@ -25,6 +25,7 @@ fn session<'a>(label: &'a str, eos: &'a [u32], history: &'a [u32]) -> NewSession
         eos,
         tenant: None,
         history,
+        source: None,
     }
 }
 
@@ -87,7 +88,33 @@ fn a_replica_whose_session_was_taken_over_writes_nothing_more() {
         ("chat", &[2][..], 2)
     );
     // The old owner comes back: every write it tries is refused, and
-    // changes nothing.
+    // changes nothing; a fork of its stale copy is not written either.
+    let stale_fork = NewSession {
+        source: Some(("s1", lease_a)),
+        ..session("chat", &[2], &[1, 5, 9])
+    };
+    match a.create("s1-fork", &stale_fork) {
+        Err(StoreError::Fenced { id, epoch }) => {
+            assert_eq!((id.as_str(), epoch), ("s1", lease_a.epoch))
+        }
+        other => panic!("a fork of a lost session was written: {other:?}"),
+    }
+    assert!(a.load("s1-fork").expect("reads").is_none());
+    // The holder's fork is.
+    let fork = NewSession {
+        source: Some(("s1", lease_b)),
+        ..session("chat", &[2], &[1, 5])
+    };
+    b.create("s1-fork", &fork)
+        .expect("a fork of a held session");
+    assert_eq!(
+        b.load("s1-fork")
+            .expect("reads")
+            .expect("written")
+            .0
+            .history,
+        [1, 5]
+    );
     for refused in [
         a.append("s1", lease_a, &[99]),
         a.set_history("s1", lease_a, &[1]),
@@ -209,6 +236,8 @@ fn a_store_that_goes_away_fails_calls_typed_and_loses_nothing_acknowledged() {
     }
     assert!(started.elapsed() < Duration::from_secs(10), "failed fast");
     pg.start_again();
+    // The failed connects' pause (the calls in it fail at once) ends.
+    std::thread::sleep(inferd::replica::RETRY_CONNECT);
     a.append("s1", lease, &[9])
         .expect("appended after the restart");
     acknowledged.push(9);

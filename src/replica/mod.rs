@@ -15,4 +15,4 @@ mod schema;
 mod store;
 
 pub use schema::SCHEMA_VERSION;
-pub use store::{Lease, NewSession, SessionRow, Store, StoreError, DEFAULT_LEASE};
+pub use store::{Lease, NewSession, SessionRow, Store, StoreError, DEFAULT_LEASE, RETRY_CONNECT};

@@ -5,9 +5,12 @@
 //! `WHERE`, so it lands only while that lease holds: a replica whose lease
 //! was taken over gets [`StoreError::Fenced`] and nothing is written. A
 //! statement that fails for any other reason (the database gone, the
-//! connection cut) is [`StoreError::Unavailable`]: the change it carried is
-//! not in the store, and the caller must not acknowledge it. The next call
-//! connects again.
+//! connection cut) is [`StoreError::Unavailable`]: the caller must not
+//! acknowledge the change it carried, which may or may not have been
+//! committed (an answer lost on the way back); the caller makes the store
+//! agree with it again by its next write. The next call connects again,
+//! but not within [`RETRY_CONNECT`] of a failed try, so that a database
+//! out of reach costs the calls meanwhile no wait.
 
 use std::time::Duration;
 
@@ -34,14 +37,24 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 /// given up.
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The database's own limits on this connection's statements, lock waits
+/// and open transactions (ms): a statement stuck behind a row lock that a
+/// cut-off replica's transaction holds fails instead of holding a worker,
+/// and such a transaction is ended by the database.
+const SERVER_TIMEOUTS: &str =
+    "-c statement_timeout=10000 -c lock_timeout=10000 -c idle_in_transaction_session_timeout=10000";
+
+/// After a failed connect, how long calls fail at once before the next try.
+pub const RETRY_CONNECT: Duration = Duration::from_secs(1);
+
 /// Why a store call failed.
 #[derive(Debug, Error)]
 pub enum StoreError {
     /// The URL is not one PostgreSQL takes.
     #[error("session store URL: {0}")]
     Url(String),
-    /// The database could not be reached or did not answer; nothing of the
-    /// call was written.
+    /// The database could not be reached or did not answer: the call's
+    /// change was not acknowledged (see the module's header).
     #[error("session store unavailable: {0}")]
     Unavailable(String),
     /// The database's schema is newer than this build.
@@ -101,6 +114,11 @@ pub struct NewSession<'a> {
     pub eos: &'a [u32],
     pub tenant: Option<&'a str>,
     pub history: &'a [u32],
+    /// A fork's source and the lease this replica holds on it: the fork is
+    /// written only while that lease holds (else [`StoreError::Fenced`]
+    /// for the source), so a replica that lost the source cannot fork a
+    /// stale copy of it.
+    pub source: Option<(&'a str, Lease)>,
 }
 
 /// A connection to the store, writing as replica `replica`.
@@ -113,6 +131,8 @@ pub struct Store {
     /// Whether the connection has LISTENed for hand-off requests (it
     /// must again after connecting anew).
     listening: bool,
+    /// After a failed connect: no new try before this.
+    retry_at: Option<std::time::Instant>,
 }
 
 /// The channel hand-off requests travel on (`NOTIFY`): "OWNER ID".
@@ -159,6 +179,11 @@ impl Store {
             .keepalives_interval(Duration::from_secs(2))
             .keepalives_retries(3)
             .tcp_user_timeout(TCP_USER_TIMEOUT);
+        let options = match config.get_options() {
+            Some(own) => format!("{own} {SERVER_TIMEOUTS}"),
+            None => SERVER_TIMEOUTS.to_owned(),
+        };
+        config.options(&options);
         let tls = match config.get_ssl_mode() {
             SslMode::Disable => None,
             _ => {
@@ -175,6 +200,7 @@ impl Store {
             replica: replica.to_owned(),
             lease_secs: lease.as_secs_f64(),
             listening: false,
+            retry_at: None,
         };
         store.client()?;
         Ok(store)
@@ -191,10 +217,18 @@ impl Store {
             self.client = None;
         }
         if self.client.is_none() {
-            let client = match &self.tls {
-                Some(tls) => self.config.connect(tls.clone())?,
-                None => self.config.connect(NoTls)?,
+            let now = std::time::Instant::now();
+            if let Some(left) = self.retry_at.and_then(|at| at.checked_duration_since(now)) {
+                return Err(StoreError::Unavailable(format!(
+                    "the database was out of reach a moment ago; next try in {left:.1?}"
+                )));
+            }
+            let connected = match &self.tls {
+                Some(tls) => self.config.connect(tls.clone()),
+                None => self.config.connect(NoTls),
             };
+            let client = connected.inspect_err(|_| self.retry_at = Some(now + RETRY_CONNECT))?;
+            self.retry_at = None;
             self.client = Some(client);
             self.listening = false;
         }
@@ -223,28 +257,51 @@ impl Store {
         result
     }
 
-    /// Adds a session, held by this replica.
+    /// Adds a session, held by this replica (a fork only while this
+    /// replica holds its source: [`NewSession::source`]).
     pub fn create(&mut self, id: &str, session: &NewSession) -> Result<Lease, StoreError> {
+        let (source, source_epoch) = match session.source {
+            Some((source, lease)) => (Some(source), lease.epoch),
+            None => (None, 0),
+        };
         self.with(|client, replica, lease| {
-            let row = client
-                .query_opt(
-                    "INSERT INTO inferd_sessions
-                         (id, label, eos, history, changes, owner, epoch, lease_until, tenant)
-                     VALUES ($1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second', $7)
-                     ON CONFLICT (id) DO NOTHING
-                     RETURNING epoch",
-                    &[
-                        &id,
-                        &session.label,
-                        &to_bytes(session.eos),
-                        &to_bytes(session.history),
-                        &replica,
-                        &lease,
-                        &session.tenant,
-                    ],
-                )?
-                .ok_or_else(|| StoreError::Exists(id.to_owned()))?;
-            Ok(Lease { epoch: row.get(0) })
+            let row = client.query_opt(
+                "INSERT INTO inferd_sessions
+                     (id, label, eos, history, changes, owner, epoch, lease_until, tenant)
+                 SELECT $1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second', $7
+                 WHERE $8::text IS NULL OR EXISTS (
+                     SELECT 1 FROM inferd_sessions WHERE id = $8 AND owner = $5 AND epoch = $9)
+                 ON CONFLICT (id) DO NOTHING
+                 RETURNING epoch",
+                &[
+                    &id,
+                    &session.label,
+                    &to_bytes(session.eos),
+                    &to_bytes(session.history),
+                    &replica,
+                    &lease,
+                    &session.tenant,
+                    &source,
+                    &source_epoch,
+                ],
+            )?;
+            if let Some(row) = row {
+                return Ok(Lease { epoch: row.get(0) });
+            }
+            let Some(source) = source else {
+                return Err(StoreError::Exists(id.to_owned()));
+            };
+            let held = client.query_opt(
+                "SELECT 1 FROM inferd_sessions WHERE id = $1 AND owner = $2 AND epoch = $3",
+                &[&source, &replica, &source_epoch],
+            )?;
+            Err(match held {
+                Some(_) => StoreError::Exists(id.to_owned()),
+                None => StoreError::Fenced {
+                    id: source.to_owned(),
+                    epoch: source_epoch,
+                },
+            })
         })
     }
 
@@ -361,27 +418,25 @@ impl Store {
     pub fn renew(&mut self, held: &[(String, i64)]) -> Result<Vec<String>, StoreError> {
         let ids: Vec<&str> = held.iter().map(|(id, _)| id.as_str()).collect();
         let epochs: Vec<i64> = held.iter().map(|&(_, epoch)| epoch).collect();
+        // One statement, no transaction: row locks never outlive it.
         self.with(|client, replica, lease| {
-            let mut tx = client.transaction()?;
-            tx.execute(
-                "UPDATE inferd_sessions AS s
-                 SET lease_until = now() + $3 * interval '1 second'
-                 FROM unnest($1::text[], $2::int8[]) AS h(id, epoch)
-                 WHERE s.id = h.id AND s.epoch = h.epoch AND s.owner = $4",
-                &[&ids, &epochs, &lease, &replica],
-            )?;
-            let lost = tx
+            let renewed: std::collections::HashSet<String> = client
                 .query(
-                    "SELECT h.id FROM unnest($1::text[], $2::int8[]) AS h(id, epoch)
-                     WHERE NOT EXISTS (SELECT 1 FROM inferd_sessions s
-                         WHERE s.id = h.id AND s.epoch = h.epoch AND s.owner = $3)",
-                    &[&ids, &epochs, &replica],
+                    "UPDATE inferd_sessions AS s
+                     SET lease_until = now() + $3 * interval '1 second'
+                     FROM unnest($1::text[], $2::int8[]) AS h(id, epoch)
+                     WHERE s.id = h.id AND s.epoch = h.epoch AND s.owner = $4
+                     RETURNING s.id",
+                    &[&ids, &epochs, &lease, &replica],
                 )?
                 .iter()
                 .map(|row| row.get(0))
                 .collect();
-            tx.commit()?;
-            Ok(lost)
+            Ok(held
+                .iter()
+                .filter(|(id, _)| !renewed.contains(id))
+                .map(|(id, _)| id.clone())
+                .collect())
         })
     }
 

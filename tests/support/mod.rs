@@ -3,10 +3,12 @@
 //! Prometheus scrape. Every wait is bounded. `golden`: what the tests
 //! against llama.cpp's golden vectors share; `postgres`: a PostgreSQL
 //! server of a test's own; `haproxy`: HAProxy on the shipped replica
-//! configuration; `replicas`: `inferd serve --session-store` processes.
+//! configuration; `replicas`: `inferd serve --session-store` processes;
+//! `cutter`: a relay that cuts a PostgreSQL connection after a statement.
 
 #![allow(dead_code)]
 
+pub mod cutter;
 pub mod durable;
 pub mod golden;
 pub mod haproxy;

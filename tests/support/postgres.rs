@@ -71,6 +71,11 @@ fn free_port() -> u16 {
 }
 
 impl Postgres {
+    /// The loopback port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// A new server, or `None` (said on stderr) where PostgreSQL is not
     /// installed and the tests do not require it.
     pub fn start() -> Option<Postgres> {

@@ -56,7 +56,7 @@ impl Worker {
             }
         }
         if let Some(seat) = self.replica.as_mut().filter(|_| !w.transient) {
-            if let Err(e) = seat.create(id, &session, &[], &self.shared.counters) {
+            if let Err(e) = seat.create(id, &session, &[], None, &self.shared.counters) {
                 self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                 let _ = w.reply.send(Err(e));
                 return None;
@@ -174,7 +174,7 @@ impl Worker {
         self.runner.release(id);
         self.place_counter(slot).fetch_sub(1, Ordering::AcqRel);
         if let Some(seat) = self.replica.as_mut() {
-            seat.leave(id, reason);
+            seat.leave(id, reason, slot.session.history());
         }
         let c = &self.shared.counters;
         let counter = match reason {

@@ -161,7 +161,8 @@ impl Worker {
         }
         if let Some(seat) = self.replica.as_mut() {
             let history = &src.session.history()[..at];
-            if let Err(e) = seat.create(fork, &slot.session, history, &self.shared.counters) {
+            let counters = &self.shared.counters;
+            if let Err(e) = seat.create(fork, &slot.session, history, Some(source), counters) {
                 self.shared.live_sessions.fetch_sub(1, Ordering::AcqRel);
                 match slot.active.take() {
                     Some(active) => finish_with_error(active, e),

@@ -217,8 +217,11 @@ impl Worker {
             };
             let counters = &self.shared.counters;
             let journaled = match record {
-                Some(record) => keep_in_store(self.replica.as_mut(), id, &record, counters)
-                    .and_then(|()| slot.session.journal(record, counters)),
+                Some(record) => {
+                    let history = slot.session.history();
+                    keep_in_store(self.replica.as_mut(), id, &record, history, counters)
+                        .and_then(|()| slot.session.journal(record, counters))
+                }
                 None => Ok(()),
             };
             match journaled {
@@ -312,9 +315,10 @@ fn keep_in_store(
     store: Option<&mut ReplicaSeat>,
     id: SessionId,
     record: &Record,
+    history: &[u32],
     counters: &Counters,
 ) -> Result<(), RuntimeError> {
-    store.map_or(Ok(()), |seat| seat.keep(id, record, counters))
+    store.map_or(Ok(()), |seat| seat.keep(id, record, history, counters))
 }
 
 /// `n_fed` more prompt tokens of the session's call are in. Once all are,
@@ -357,7 +361,7 @@ fn prompt_fed(
         return Ok(());
     }
     if let Some(record) = record {
-        keep_in_store(store, id, &record, counters)?;
+        keep_in_store(store, id, &record, slot.session.history(), counters)?;
         slot.session.journal(record, counters)?;
     }
     let Some(active) = slot.active.as_mut() else {

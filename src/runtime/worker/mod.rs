@@ -328,6 +328,7 @@ impl Worker {
                     caller,
                     op: Op::Info { reply },
                     deadline: None,
+                    arrived: Instant::now(),
                 };
                 self.call_elsewhere(id, call);
             }
@@ -341,6 +342,7 @@ impl Worker {
                     caller,
                     op,
                     deadline,
+                    arrived: Instant::now(),
                 };
                 self.call_elsewhere(id, call);
             }

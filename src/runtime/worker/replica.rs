@@ -29,6 +29,11 @@ pub(crate) struct ReplicaSeat {
     /// Sessions whose lease no longer holds: dropped on the worker's next
     /// turn, and never written for again.
     lost: HashSet<SessionId>,
+    /// Held sessions whose last write failed without an answer: it may
+    /// have been committed although the call was undone here, so the next
+    /// write sets the whole history (as a failed sync rewrites a journal
+    /// whole), and the session is not let go before that.
+    unsure: HashSet<SessionId>,
     last_renewal: Instant,
     /// Until when every held lease surely holds: the start of the last
     /// renewal that landed, plus the lease.
@@ -49,6 +54,9 @@ pub(super) struct Call {
     pub(super) caller: Tenant,
     pub(super) op: Op,
     pub(super) deadline: Option<Instant>,
+    /// When it reached this worker: it waits for a session held elsewhere
+    /// at most two leases from then.
+    pub(super) arrived: Instant,
 }
 
 impl Call {
@@ -73,11 +81,9 @@ struct WaitingTake {
     wait: Wait,
 }
 
-/// How long calls have waited for a session held elsewhere.
+/// The wait of calls for a session held elsewhere.
 #[derive(Clone, Copy)]
 struct Wait {
-    /// When the wait ends for calls without a deadline.
-    give_up_at: Instant,
     /// When the holder was last asked to let the session go.
     asked_at: Option<Instant>,
 }
@@ -96,6 +102,7 @@ impl ReplicaSeat {
             lease,
             held: HashMap::new(),
             lost: HashSet::new(),
+            unsure: HashSet::new(),
             last_renewal: now,
             held_until: now + lease,
             waiting: HashMap::new(),
@@ -130,20 +137,29 @@ impl ReplicaSeat {
         self.lost.insert(id);
     }
 
-    /// Writes a new session (`history` empty, or a fork's) under a new
-    /// lease.
+    /// Writes a new session (`history` empty, or a fork's, made from
+    /// held session `source` while its lease holds) under a new lease.
     pub(super) fn create(
         &mut self,
         id: SessionId,
         session: &Session,
         history: &[u32],
+        source: Option<SessionId>,
         counters: &Counters,
     ) -> Result<(), RuntimeError> {
+        if let Some(source) = source.filter(|s| self.lost.contains(s)) {
+            return Err(RuntimeError::Moved(format!(
+                "session {source}: this replica's lease on it ended"
+            )));
+        }
+        let source_key = source.map(|s| s.to_string());
+        let fenced_by = source.and_then(|s| self.held.get(&s).copied());
         let row = NewSession {
             label: session.label(),
             eos: session.eos(),
             tenant: session.owner().identity(),
             history,
+            source: source_key.as_deref().zip(fenced_by),
         };
         match self.store.create(&id.to_string(), &row) {
             Ok(lease) => {
@@ -153,16 +169,24 @@ impl ReplicaSeat {
             Err(StoreError::Exists(_)) => Err(RuntimeError::Internal(format!(
                 "session id {id} drawn twice across the replicas"
             ))),
+            Err(e @ StoreError::Fenced { .. }) => {
+                let source = source.expect("only a fork is fenced at its creation");
+                Err(self.failed(source, e, counters))
+            }
+            // The new session is not here: a row written without an answer
+            // is nobody's, and the idle sweep deletes it.
             Err(e) => Err(self.failed(id, e, counters)),
         }
     }
 
-    /// Writes a change of a held session's history (`Append` or `Reset`).
-    /// A session created transient (never in the store) writes nothing.
+    /// Writes a change of a held session's history (`Append` or `Reset`;
+    /// `history`: the session's history with it). A session created
+    /// transient (never in the store) writes nothing.
     pub(super) fn keep(
         &mut self,
         id: SessionId,
         record: &Record,
+        history: &[u32],
         counters: &Counters,
     ) -> Result<(), RuntimeError> {
         if self.lost.contains(&id) {
@@ -175,21 +199,64 @@ impl ReplicaSeat {
         };
         let key = id.to_string();
         let written = match record {
+            _ if self.unsure.contains(&id) => self.store.set_history(&key, lease, history),
             Record::Append(tokens) => self.store.append(&key, lease, tokens),
             Record::Reset(history) => self.store.set_history(&key, lease, history),
-            Record::Pages(_) | Record::Digest(_) => Ok(()),
+            Record::Pages(_) | Record::Digest(_) => return Ok(()),
         };
-        written.map_err(|e| self.failed(id, e, counters))
+        self.settled(id, written)
+            .map_err(|e| self.failed(id, e, counters))
+    }
+
+    /// Notes what a write of held session `id` left the store knowing: an
+    /// answered write settles it, one without an answer leaves it unsure.
+    fn settled<T>(
+        &mut self,
+        id: SessionId,
+        written: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        match &written {
+            Ok(_) => {
+                self.unsure.remove(&id);
+            }
+            Err(StoreError::Unavailable(_)) => {
+                self.unsure.insert(id);
+            }
+            Err(_) => {}
+        }
+        written
+    }
+
+    /// Makes the store hold `history` for unsure session `id` (its last
+    /// write went unanswered); nothing to do for a settled one.
+    pub(super) fn resync(
+        &mut self,
+        id: SessionId,
+        history: &[u32],
+        counters: &Counters,
+    ) -> Result<(), RuntimeError> {
+        let Some(&lease) = self.held.get(&id).filter(|_| self.unsure.contains(&id)) else {
+            return Ok(());
+        };
+        let written = self.store.set_history(&id.to_string(), lease, history);
+        self.settled(id, written)
+            .map_err(|e| self.failed(id, e, counters))
+    }
+
+    /// Unsure sessions, to be settled when the store answers again.
+    pub(super) fn unsure(&self) -> Vec<SessionId> {
+        self.unsure.iter().copied().collect()
     }
 
     /// Deletes a held session's row (CloseSession): the call fails, and the
-    /// session stays, when the store does not take it.
+    /// session stays, when the store does not take it (if the delete was
+    /// committed all the same, the session's next write finds it gone).
     pub(super) fn close(&mut self, id: SessionId, counters: &Counters) -> Result<(), RuntimeError> {
         let Some(&lease) = self.held.get(&id) else {
             return Ok(());
         };
-        self.store
-            .close(&id.to_string(), lease)
+        let closed = self.store.close(&id.to_string(), lease);
+        self.settled(id, closed)
             .map_err(|e| self.failed(id, e, counters))?;
         self.held.remove(&id);
         Ok(())
@@ -200,15 +267,25 @@ impl ReplicaSeat {
     /// replica to take at once, when only its KV goes (an LRU eviction).
     /// Errors are logged: a row left behind is deleted by the store's idle
     /// sweep, a lease left behind runs out.
-    pub(super) fn leave(&mut self, id: SessionId, reason: Removal) {
+    /// An unsure session (`history`: what it holds) is set right first,
+    /// or, when the store does not take that either, its lease is left to
+    /// run out.
+    pub(super) fn leave(&mut self, id: SessionId, reason: Removal, history: &[u32]) {
         self.lost.remove(&id);
+        let unsure = self.unsure.remove(&id);
         let Some(lease) = self.held.remove(&id) else {
             return;
         };
         let key = id.to_string();
         let result = match reason {
             Removal::Ttl | Removal::Failed | Removal::Close => self.store.close(&key, lease),
-            Removal::Lru | Removal::HandedOff => self.store.release(&key, lease),
+            Removal::Lru | Removal::HandedOff => {
+                let set_right = match unsure {
+                    true => self.store.set_history(&key, lease, history),
+                    false => Ok(()),
+                };
+                set_right.and_then(|()| self.store.release(&key, lease))
+            }
             Removal::Moved => Ok(()),
         };
         if let Err(e) = result {
@@ -259,7 +336,9 @@ impl ReplicaSeat {
                 counters
                     .replica_store_failures
                     .fetch_add(1, Ordering::Relaxed);
-                if started >= self.held_until {
+                // Now, not when the renewal started: it may have waited for
+                // the database for seconds.
+                if Instant::now() >= self.held_until {
                     tracing::error!(
                         sessions = self.held.len(),
                         "the session store was out of reach for a whole lease: \
@@ -312,6 +391,14 @@ impl Worker {
             return call.fail(RuntimeError::NotFound);
         };
         if let Some(waiting) = seat.waiting.get_mut(&id) {
+            let limit = self.cfg.session_queue;
+            if waiting.calls.len() >= limit {
+                return call.fail(RuntimeError::ResourceExhausted {
+                    what: "session wait queue".into(),
+                    asked: waiting.calls.len() as u64 + 1,
+                    free: 0,
+                });
+            }
             waiting.calls.push_back(call);
             return;
         }
@@ -352,10 +439,7 @@ impl Worker {
                     tracing::debug!(session = %id, %owner, ?left, "waiting for another replica's lease");
                     live.push_front(call);
                     let seat = self.replica.as_mut().expect("checked above");
-                    let mut wait = wait.unwrap_or(Wait {
-                        give_up_at: now + 2 * seat.lease,
-                        asked_at: None,
-                    });
+                    let mut wait = wait.unwrap_or(Wait { asked_at: None });
                     if wait
                         .asked_at
                         .is_none_or(|at| now.duration_since(at) >= ASK_AGAIN)
@@ -400,8 +484,29 @@ impl Worker {
             Ok(owner) => owner.unwrap_or_default(),
             Err(e) => return Err(RuntimeError::Internal(format!("stored session {id}: {e}"))),
         };
-        let placed = self.claim_spilled_place();
+        let (vocab, context) = (self.model.config.vocab, self.model.config.context);
+        let misfit = match row.history.iter().find(|&&t| t as usize >= vocab) {
+            Some(token) => Some(format!(
+                "token {token} is outside the vocabulary of {vocab}"
+            )),
+            None => (row.history.len() > context).then(|| {
+                format!(
+                    "{} tokens exceed the context of {context}",
+                    row.history.len()
+                )
+            }),
+        };
+        let placed = misfit.is_none() && self.claim_spilled_place();
         let seat = self.replica.as_mut().expect("a replica's worker");
+        if let Some(misfit) = misfit {
+            // Replicas of another model share this store: let it go for them.
+            if let Err(e) = seat.store.release(&id.to_string(), lease) {
+                tracing::warn!(session = %id, "letting the session go: {e}");
+            }
+            return Err(RuntimeError::Internal(format!(
+                "stored session {id} does not fit this replica's model: {misfit}"
+            )));
+        }
         if !placed {
             // Let go again at once: another replica may have room.
             if let Err(e) = seat.store.release(&id.to_string(), lease) {
@@ -433,6 +538,21 @@ impl Worker {
         };
         seat.renew_if_due(&self.shared.counters);
         seat.sweep_if_due(self.cfg.idle_ttl);
+        // Unsure sessions are set right once the store answers again; a
+        // busy one is, by its call's own write.
+        for id in seat.unsure() {
+            let Some(slot) = self.sessions.get(&id).filter(|slot| slot.idle()) else {
+                continue;
+            };
+            let seat = self.replica.as_mut().expect("checked above");
+            if let Err(e) = seat.resync(id, slot.session.history(), &self.shared.counters) {
+                tracing::debug!(session = %id, "setting the store right: {e}");
+                break;
+            }
+        }
+        let Some(seat) = self.replica.as_mut() else {
+            return;
+        };
         let lost: Vec<SessionId> = seat.lost.drain().collect();
         for id in lost {
             self.drop_moved(id);
@@ -441,11 +561,16 @@ impl Worker {
         let Some(seat) = self.replica.as_mut() else {
             return;
         };
+        let longest = 2 * seat.lease;
+        let given_up = |c: &Call| now.duration_since(c.arrived) >= longest;
         let due: Vec<SessionId> = seat
             .waiting
             .iter()
             .filter(|(_, w)| {
-                w.retry_at <= now || w.calls.iter().any(|c| c.deadline.is_some_and(|d| d <= now))
+                w.retry_at <= now
+                    || w.calls
+                        .iter()
+                        .any(|c| given_up(c) || c.deadline.is_some_and(|d| d <= now))
             })
             .map(|(id, _)| *id)
             .collect();
@@ -453,17 +578,16 @@ impl Worker {
             let Some(waiting) = self.replica.as_mut().and_then(|s| s.waiting.remove(&id)) else {
                 continue;
             };
-            if now >= waiting.wait.give_up_at {
-                let lease = self.replica.as_ref().map_or(Duration::ZERO, |s| s.lease);
-                for call in waiting.calls {
-                    call.fail(RuntimeError::HeldElsewhere(format!(
-                        "session {id} was not let go within twice the lease ({:?})",
-                        2 * lease
-                    )));
-                }
-                continue;
+            let (expired, calls): (VecDeque<Call>, VecDeque<Call>) =
+                waiting.calls.into_iter().partition(given_up);
+            for call in expired {
+                call.fail(RuntimeError::HeldElsewhere(format!(
+                    "session {id} was not let go within twice the lease ({longest:?})"
+                )));
             }
-            self.take_over(id, waiting.calls, Some(waiting.wait));
+            if !calls.is_empty() {
+                self.take_over(id, calls, Some(waiting.wait));
+            }
         }
     }
 
@@ -480,8 +604,17 @@ impl Worker {
     /// dropped, its row kept, the lease ended) when nothing runs or waits
     /// on it; else the asker asks again.
     pub(super) fn hand_off(&mut self, id: SessionId) {
-        let idle = self.sessions.get(&id).is_some_and(SessionSlot::idle);
-        if idle && self.replica.is_some() {
+        let Some(slot) = self.sessions.get(&id).filter(|slot| slot.idle()) else {
+            return;
+        };
+        let Some(seat) = self.replica.as_mut() else {
+            return;
+        };
+        // Not before the store holds what the session holds.
+        if seat
+            .resync(id, slot.session.history(), &self.shared.counters)
+            .is_ok()
+        {
             tracing::info!(session = %id, worker = self.index, "session let go for another replica");
             self.remove(id, Removal::HandedOff);
         }
@@ -497,6 +630,17 @@ impl Worker {
                 call.fail(RuntimeError::Unavailable);
             }
         }
-        seat.release_all();
+        for id in seat.unsure() {
+            let Some(slot) = self.sessions.get(&id) else {
+                continue;
+            };
+            let seat = self.replica.as_mut().expect("checked above");
+            if let Err(e) = seat.resync(id, slot.session.history(), &self.shared.counters) {
+                tracing::warn!(session = %id, "setting the store right before stopping: {e}");
+            }
+        }
+        if let Some(seat) = self.replica.as_mut() {
+            seat.release_all();
+        }
     }
 }
