@@ -418,3 +418,46 @@ fn changes(pg: &Postgres, id: &str) -> i64 {
         .expect("reads the store")
         .get(0)
 }
+
+/// Replicas of two model files on one store (a rolling upgrade): a session
+/// made with one is not continued by a replica of the other, which says
+/// so (FAILED_PRECONDITION) and leaves it where it is; its own replica
+/// goes on with it.
+#[test]
+fn a_replica_of_another_model_does_not_continue_a_session() {
+    let Some(pg) = Postgres::start() else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = write_model(dir.path());
+    let other = dir.path().join("other.gguf");
+    let spec = inferd::gguf::synthetic::SyntheticLlama {
+        seed: 99,
+        ..support::durable::model_spec()
+    };
+    std::fs::write(&other, spec.build()).expect("write the other model");
+    let mut a = replica(&model, &pg, "a", "0.5", &[]);
+    let b = replica(&other, &pg, "b", "0.5", &[]);
+    let (on_a, on_b) = (Client::connect(&a.addr), Client::connect(&b.addr));
+    let id = on_a.create();
+    let history = prompt(3, 0);
+    on_a.append(&id, &history).expect("appended on a");
+    // Even once a is gone and its lease ran out, b does not take it.
+    a.kill();
+    std::thread::sleep(Duration::from_millis(800));
+    let before = row(&pg, &id).expect("in the store");
+    for refused in [
+        on_b.info(&id).map(drop),
+        on_b.append(&id, &prompt(3, 1)).map(drop),
+    ] {
+        let (code, message) = refused.expect_err("another model's session");
+        assert_eq!(code, RpcStatusCode::FAILED_PRECONDITION, "{message}");
+        assert!(message.contains("another model file"), "{message}");
+    }
+    assert_eq!(row(&pg, &id), Some(before));
+    assert_eq!(metric(&b, "inferd_replica_takeovers_total"), 0.0);
+    // A replica of its own model goes on with it.
+    let (_reference_server, reference) = reference_server();
+    let a_again = replica(&model, &pg, "a", "0.5", &[]);
+    let got = Client::connect(&a_again.addr).generate(&greedy(&id, 3, 0));
+    assert!(got.error.is_none(), "{got:?}");
+    assert_eq!(got.tokens, cold_greedy(&reference, &history, 3));
+}

@@ -60,6 +60,8 @@ pub fn settings(
         url,
         replica,
         lease,
+        // Hashed once the model is chosen (serve's start, not its check).
+        model_sha256: None,
     }))
 }
 

@@ -1009,7 +1009,11 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     cfg.runtime.state = settings.session_store()?;
     if let Some(replica) = &settings.replica {
         super::replica::connect(replica)?;
-        cfg.runtime.replica = Some(replica.clone());
+        let model_sha256 = Some(sha256_of_file(&settings.model)?);
+        cfg.runtime.replica = Some(crate::runtime::ReplicaConfig {
+            model_sha256,
+            ..replica.clone()
+        });
     }
     let server = Server::start(model, cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     tracing::info!(

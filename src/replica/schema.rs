@@ -8,13 +8,13 @@ use postgres::Client;
 use super::store::StoreError;
 
 /// The newest schema this build reads and writes.
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// The advisory lock the migrations take (an arbitrary constant: "inferd").
 const MIGRATION_LOCK: i64 = 0x696e_6665_7264;
 
 /// Migration `n` brings a database at version `n - 1` to `n`.
-const MIGRATIONS: [(i32, &str); 2] = [
+const MIGRATIONS: [(i32, &str); 3] = [
     (
         1,
         "CREATE TABLE inferd_sessions (
@@ -38,6 +38,10 @@ const MIGRATIONS: [(i32, &str); 2] = [
         "ALTER TABLE inferd_sessions ADD COLUMN tenant text;
          CREATE INDEX inferd_sessions_idle ON inferd_sessions (updated_at);",
     ),
+    // The SHA-256 of the model file a session was made with (NULL: rows
+    // from before), so that replicas of another model (a rolling upgrade
+    // on one store) do not continue it with other bits.
+    (3, "ALTER TABLE inferd_sessions ADD COLUMN model bytea;"),
 ];
 
 /// Brings the database to [`SCHEMA_VERSION`], or refuses one that is newer.

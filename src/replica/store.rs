@@ -70,6 +70,9 @@ pub enum StoreError {
     /// A session with this id exists already.
     #[error("session {0} is in the store already")]
     Exists(String),
+    /// The session was made with another model file than this replica's.
+    #[error("session {0} was made with another model file (its SHA-256 differs)")]
+    OtherModel(String),
     /// Another replica holds the session, for about this long yet unless it
     /// renews.
     #[error("session {id} is held by replica {owner} for {left:?} more")]
@@ -131,6 +134,9 @@ pub struct Store {
     /// Whether the connection has LISTENed for hand-off requests (it
     /// must again after connecting anew).
     listening: bool,
+    /// The SHA-256 of the model file this replica serves: written with its
+    /// new sessions, and sessions of another one are not taken.
+    model: Option<Vec<u8>>,
     /// After a failed connect: no new try before this.
     retry_at: Option<std::time::Instant>,
 }
@@ -200,10 +206,19 @@ impl Store {
             replica: replica.to_owned(),
             lease_secs: lease.as_secs_f64(),
             listening: false,
+            model: None,
             retry_at: None,
         };
         store.client()?;
         Ok(store)
+    }
+
+    /// The store for a replica serving the model file whose SHA-256 is
+    /// `sha256`: its new sessions name it, and it takes no session made
+    /// with another.
+    pub fn for_model(mut self, sha256: Option<[u8; 32]>) -> Store {
+        self.model = sha256.map(|h| h.to_vec());
+        self
     }
 
     /// The replica this store writes as.
@@ -264,11 +279,12 @@ impl Store {
             Some((source, lease)) => (Some(source), lease.epoch),
             None => (None, 0),
         };
+        let model = self.model.clone();
         self.with(|client, replica, lease| {
             let row = client.query_opt(
                 "INSERT INTO inferd_sessions
-                     (id, label, eos, history, changes, owner, epoch, lease_until, tenant)
-                 SELECT $1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second', $7
+                     (id, label, eos, history, changes, owner, epoch, lease_until, tenant, model)
+                 SELECT $1, $2, $3, $4, 1, $5, 1, now() + $6 * interval '1 second', $7, $10
                  WHERE $8::text IS NULL OR EXISTS (
                      SELECT 1 FROM inferd_sessions WHERE id = $8 AND owner = $5 AND epoch = $9)
                  ON CONFLICT (id) DO NOTHING
@@ -283,6 +299,7 @@ impl Store {
                     &session.tenant,
                     &source,
                     &source_epoch,
+                    &model,
                 ],
             )?;
             if let Some(row) = row {
@@ -370,25 +387,29 @@ impl Store {
         id: &str,
         caller: Option<&str>,
     ) -> Result<(Lease, SessionRow), StoreError> {
+        let model = self.model.clone();
         self.with(|client, replica, lease| {
             let taken = client.query_opt(
                 "UPDATE inferd_sessions
                  SET owner = $2, epoch = epoch + 1, lease_until = now() + $3 * interval '1 second'
                  WHERE id = $1 AND (owner = $2 OR lease_until <= now())
                      AND (tenant IS NULL OR $4::text IS NULL OR tenant = $4)
+                     AND (model IS NULL OR $5::bytea IS NULL OR model = $5)
                  RETURNING epoch, label, eos, history, changes, tenant",
-                &[&id, &replica, &lease, &caller],
+                &[&id, &replica, &lease, &caller, &model],
             )?;
             if let Some(row) = taken {
                 return Ok((Lease { epoch: row.get(0) }, session_row(&row, 1)));
             }
             let holder = client.query_opt(
-                "SELECT owner, GREATEST(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8
+                "SELECT owner, GREATEST(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8,
+                     model IS NOT NULL AND $3::bytea IS NOT NULL AND model <> $3
                  FROM inferd_sessions
                  WHERE id = $1 AND (tenant IS NULL OR $2::text IS NULL OR tenant = $2)",
-                &[&id, &caller],
+                &[&id, &caller, &model],
             )?;
             Err(match holder {
+                Some(row) if row.get::<_, bool>(2) => StoreError::OtherModel(id.to_owned()),
                 Some(row) => StoreError::HeldElsewhere {
                     id: id.to_owned(),
                     owner: row.get(0),

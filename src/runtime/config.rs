@@ -123,6 +123,9 @@ pub struct ReplicaConfig {
     /// How long a lease lasts unless renewed: how long a dead replica's
     /// sessions wait before another may take them over.
     pub lease: Duration,
+    /// The SHA-256 of the model file served: the store's sessions made
+    /// with another are not taken (`None`: not checked).
+    pub model_sha256: Option<[u8; 32]>,
 }
 
 #[cfg(not(loom))]

@@ -72,6 +72,10 @@ pub enum RuntimeError {
     /// the call was done. Calling again may find it free.
     #[error("the session is held by another replica, nothing changed: {0}")]
     HeldElsewhere(String),
+    /// The session (in the replicas' store) was made with another model
+    /// file than this replica serves: it is not continued here.
+    #[error("{0}")]
+    OtherModel(String),
     /// A shard of a split model failed this step (`inferd serve --shards`):
     /// the status says how, the message names the shard. The session is
     /// kept and rebuilt on the shards on its next call unless the message
@@ -89,7 +93,9 @@ impl RuntimeError {
             RuntimeError::ResourceExhausted { .. } | RuntimeError::StateDirFull(_) => {
                 StatusKind::ResourceExhausted
             }
-            RuntimeError::FailedPrecondition(_) => StatusKind::FailedPrecondition,
+            RuntimeError::FailedPrecondition(_) | RuntimeError::OtherModel(_) => {
+                StatusKind::FailedPrecondition
+            }
             RuntimeError::DeadlineExceeded => StatusKind::DeadlineExceeded,
             RuntimeError::Unavailable
             | RuntimeError::NotDurable(_)

@@ -61,7 +61,8 @@ fn connect_seat(
         crate::replica::Store::open
     };
     let store = connect(&replica.url, &replica.replica, replica.lease)
-        .map_err(|e| RuntimeError::NotDurable(format!("worker {index}: {e}")))?;
+        .map_err(|e| RuntimeError::NotDurable(format!("worker {index}: {e}")))?
+        .for_model(replica.model_sha256);
     Ok(ReplicaSeat::new(store, replica.lease, index == 0))
 }
 

@@ -54,7 +54,7 @@ use commands::Reply;
 pub(crate) use commands::{AdmittedGenerate, Command, Op};
 pub(crate) use draft::DraftRunner;
 use fork::Forking;
-pub(crate) use replica::ReplicaSeat;
+pub(crate) use seat::ReplicaSeat;
 pub(crate) use shared::WorkersState;
 use work::*;
 
@@ -67,6 +67,7 @@ mod generate;
 mod replica;
 mod restore;
 mod room;
+mod seat;
 mod shared;
 mod speculate;
 #[cfg(test)]
