@@ -344,20 +344,7 @@ fn a_write_committed_without_an_answer_is_set_right_in_the_store() {
     let cutter = support::cutter::Cutter::start(&pg);
     let dir = tempfile::tempdir().expect("temp dir");
     let model = write_model(dir.path());
-    let url = cutter.url(&pg);
-    let a = support::Inferd::start(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        "1",
-        "--model",
-        model.to_str().expect("UTF-8 path"),
-        "--session-store",
-        &url,
-        "--replica-id",
-        "a",
-    ]);
+    let a = support::replicas::replica_of(&model, &cutter.url(&pg), "a", "10", &[]);
     let (_reference_server, reference) = reference_server();
     let client = Client::connect(&a.addr);
     let id = client.create();

@@ -13,6 +13,11 @@ use super::{greedy, sample, scrape, Client, Generated, Inferd};
 /// `inferd serve` as replica `name` of the store at `pg`, leases of `lease`
 /// seconds, with a metrics endpoint, and `extra` arguments.
 pub fn replica(model: &Path, pg: &Postgres, name: &str, lease: &str, extra: &[&str]) -> Inferd {
+    replica_of(model, &pg.url, name, lease, extra)
+}
+
+/// [`replica`] of the store at `url`.
+pub fn replica_of(model: &Path, url: &str, name: &str, lease: &str, extra: &[&str]) -> Inferd {
     let mut args = vec![
         "serve",
         "--listen",
@@ -24,7 +29,7 @@ pub fn replica(model: &Path, pg: &Postgres, name: &str, lease: &str, extra: &[&s
         "--model",
         model.to_str().expect("UTF-8 path"),
         "--session-store",
-        &pg.url,
+        url,
         "--replica-id",
         name,
         "--lease-secs",
