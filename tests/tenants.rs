@@ -444,14 +444,7 @@ fn another_tenants_call_on_another_replica_finds_nothing_and_moves_nothing() {
     for (process, name) in [(&first, "r1"), (&second, "r2")] {
         // The metrics endpoint wants a token too.
         let addr = process.metrics.as_deref().expect("a metrics endpoint");
-        let mut stream = TcpStream::connect(addr).expect("metrics endpoint");
-        write!(
-            stream,
-            "GET /metrics HTTP/1.0\r\nAuthorization: Bearer {ALICE}\r\n\r\n"
-        )
-        .expect("request");
-        let mut text = String::new();
-        stream.read_to_string(&mut text).expect("response");
+        let text = support::scrape_as(addr, Some(ALICE));
         for counter in ["handoffs", "takeovers"] {
             let metric = format!("inferd_replica_{counter}_total");
             let n = support::sample(&text, &metric).unwrap_or_else(|| panic!("{text}"));

@@ -295,11 +295,17 @@ pub fn shard_args(layers: &str, listen: &str) -> Vec<&'static str> {
 
 /// The body of `GET /metrics` at `addr`.
 pub fn scrape(addr: &str) -> String {
+    scrape_as(addr, None)
+}
+
+/// [`scrape`] sending `token` as a bearer token (a server with tokens).
+pub fn scrape_as(addr: &str, token: Option<&str>) -> String {
     let mut stream = TcpStream::connect(addr).expect("metrics endpoint");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
-    write!(stream, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").expect("request");
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: x\r\n{auth}\r\n").expect("request");
     let mut text = String::new();
     stream.read_to_string(&mut text).expect("response");
     text.split_once("\r\n\r\n")
