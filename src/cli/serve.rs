@@ -414,6 +414,9 @@ pub struct Settings {
     /// Empty: this process runs every layer.
     pub shards: Vec<ShardSpec>,
     pub shard_encoding: ShardEncoding,
+    /// The model file's SHA-256, read once whoever asks first (the shards'
+    /// handshake, the journals, the replicas' store).
+    model_sha256: std::cell::OnceCell<[u8; 32]>,
 }
 
 /// KV memory, by size or by page count.
@@ -603,6 +606,7 @@ impl ServeArgs {
                 .shard_encoding
                 .or(file.shard_encoding)
                 .unwrap_or_default(),
+            model_sha256: std::cell::OnceCell::new(),
         })
     }
 }
@@ -679,13 +683,22 @@ fn read_file(what: &str, path: &Path) -> Result<Vec<u8>, CliError> {
 }
 
 impl Settings {
+    /// The model file's SHA-256, hashed on first use.
+    fn model_sha256(&self) -> Result<[u8; 32], CliError> {
+        if let Some(hash) = self.model_sha256.get() {
+            return Ok(*hash);
+        }
+        let hash = sha256_of_file(&self.model)?;
+        Ok(*self.model_sha256.get_or_init(|| hash))
+    }
+
     /// Where the layers run when shards are listed: every shard must serve
     /// its range of this very file (checked by SHA-256 at the handshake).
     fn shard_plan(&self, model: &Model) -> Result<Option<Arc<ShardPlan>>, CliError> {
         if self.shards.is_empty() {
             return Ok(None);
         }
-        let hash = sha256_of_file(&self.model)?;
+        let hash = self.model_sha256()?;
         let plan = ShardPlan::new(
             model.config.n_layers,
             model.config.hidden,
@@ -704,7 +717,7 @@ impl Settings {
         let Some(dir) = &self.state_dir else {
             return Ok(None);
         };
-        let hash = sha256_of_file(&self.model)?;
+        let hash = self.model_sha256()?;
         let durability = match self.durability {
             DurabilityArg::Sync => Durability::Sync,
             DurabilityArg::Batch => Durability::Batch,
@@ -1009,7 +1022,7 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
     cfg.runtime.state = settings.session_store()?;
     if let Some(replica) = &settings.replica {
         super::replica::connect(replica)?;
-        let model_sha256 = Some(sha256_of_file(&settings.model)?);
+        let model_sha256 = Some(settings.model_sha256()?);
         cfg.runtime.replica = Some(crate::runtime::ReplicaConfig {
             model_sha256,
             ..replica.clone()

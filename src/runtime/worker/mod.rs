@@ -2,7 +2,7 @@
 //! locks) and its compute context, and runs the step loop.
 //!
 //! Each turn of the loop: with a session store, renew leases and drop the
-//! sessions whose lease moved ([`replica`]); take every waiting command;
+//! sessions whose lease moved ([`seat`], [`replica`]); take every waiting command;
 //! serve eviction requests from other workers; retry creations waiting for
 //! a place; start the next queued operation of each idle session (check
 //! what needs the session, reserve KV, then mutate); build ONE batch holding a decode token
@@ -22,8 +22,9 @@
 //! [`room`] (pages, eviction, truncation, undo), [`batch`] (plan, forward,
 //! commit, invariants), [`generate`] (sampling, stop conditions,
 //! events), [`speculate`] (proposed tokens fed with the sampled one,
-//! verified and rolled back), [`draft`] (a draft model's proposals) and
-//! [`replica`] (the session store's leases, writes and take-overs).
+//! verified and rolled back), [`draft`] (a draft model's proposals),
+//! [`seat`] (the session store's leases and writes) and [`replica`]
+//! (take-overs and hand-offs between replicas).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

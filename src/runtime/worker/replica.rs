@@ -230,18 +230,7 @@ impl Worker {
         };
         seat.renew_if_due(&self.shared.counters);
         seat.sweep_if_due(self.cfg.idle_ttl);
-        // Unsure sessions are set right once the store answers again; a
-        // busy one is, by its call's own write.
-        for id in seat.unsure() {
-            let Some(slot) = self.sessions.get(&id).filter(|slot| slot.idle()) else {
-                continue;
-            };
-            let seat = self.replica.as_mut().expect("checked above");
-            if let Err(e) = seat.resync(id, slot.session.history(), &self.shared.counters) {
-                tracing::debug!(session = %id, "setting the store right: {e}");
-                break;
-            }
-        }
+        self.settle_unsure();
         let Some(seat) = self.replica.as_mut() else {
             return;
         };
@@ -322,17 +311,26 @@ impl Worker {
                 call.fail(RuntimeError::Unavailable);
             }
         }
-        for id in seat.unsure() {
-            let Some(slot) = self.sessions.get(&id) else {
-                continue;
-            };
-            let seat = self.replica.as_mut().expect("checked above");
-            if let Err(e) = seat.resync(id, slot.session.history(), &self.shared.counters) {
-                tracing::warn!(session = %id, "setting the store right before stopping: {e}");
-            }
-        }
+        self.settle_unsure();
         if let Some(seat) = self.replica.as_mut() {
             seat.release_all();
+        }
+    }
+
+    /// Sets the store right for the idle unsure sessions (a busy one is,
+    /// by its call's own write), until the store fails again.
+    fn settle_unsure(&mut self) {
+        let Some(seat) = self.replica.as_mut() else {
+            return;
+        };
+        for id in seat.unsure() {
+            let Some(slot) = self.sessions.get(&id).filter(|slot| slot.idle()) else {
+                continue;
+            };
+            if let Err(e) = seat.resync(id, slot.session.history(), &self.shared.counters) {
+                tracing::warn!(session = %id, "setting the store right: {e}");
+                return;
+            }
         }
     }
 }

@@ -28,18 +28,18 @@ pub(crate) struct ReplicaSeat {
     /// have been committed although the call was undone here, so the next
     /// write sets the whole history (as a failed sync rewrites a journal
     /// whole), and the session is not let go before that.
-    pub(super) unsure: HashSet<SessionId>,
-    pub(super) last_renewal: Instant,
+    unsure: HashSet<SessionId>,
+    last_renewal: Instant,
     /// Until when every held lease surely holds: the start of the last
     /// renewal that landed, plus the lease.
-    pub(super) held_until: Instant,
+    held_until: Instant,
     /// Calls for sessions another replica holds, waiting for its lease to
     /// run out, in arrival order per session.
     pub(super) waiting: HashMap<SessionId, WaitingTake>,
     /// Whether this worker also deletes the store's orphans idle past the
     /// TTL (one worker per replica does), and when it last did.
-    pub(super) sweeps: bool,
-    pub(super) last_sweep: Instant,
+    sweeps: bool,
+    last_sweep: Instant,
 }
 
 impl ReplicaSeat {
