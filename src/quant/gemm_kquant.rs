@@ -5,20 +5,19 @@
 //! `vec_dot`'s lane `j` is `Σ_r scale(r, j) · P(r, j)`, `P(r, j)` the exact
 //! sum of quants `4j..4j + 4` of 32-quant run `r` times their activations,
 //! `scale(r, j)` the sub-block scale of those quants. Here one `vpdpbusd`
-//! forms the 16 `P` of two runs (their four-quant groups interleaved, so
-//! `P(r, j)` and `P(r + 1, j)` are neighbours), `vpackssdw` narrows two
-//! such vectors (four runs) to 16 bits, where every `P` fits (at most
-//! 4 · 63 · 128), and one `vpdpwssd` scales each neighbour pair and sums it
-//! into a lane: 2 + 1 multiplies per four runs, where scaling each run's
-//! `vpmaddubsw` pairs (the layout before this one) took 2 + 2. Activations
-//! are interleaved the same way, 512 tokens at a time. After a
-//! super-block's 8 runs, each lane `j` sits in two places (runs 0, 1, 4, 5
-//! and runs 2, 3, 6, 7); adding them for two rows at once gives both rows' lanes in one
-//! vector, and the float steps, Q4_K's minimum term and Q6_K's `-32`
-//! offset included, are `scalar::dot_q4_k_q8_k`'s and
-//! `scalar::dot_q6_k_q8_k`'s, two rows per instruction. Integer sums are
-//! exact in any order, so every output has the bits `vec_dot` returns for
-//! its pair.
+//! forms the 16 `P` of two runs of one row (their four-quant groups
+//! interleaved, so `P(r, j)` and `P(r + 1, j)` are neighbours),
+//! `vpackssdw` narrows the vectors of two rows to 16 bits, where every `P`
+//! fits (at most 4 · 63 · 128), and one `vpdpwssd` scales each neighbour
+//! pair and sums it into a lane: per 128-bit lane `k`, lanes `2k, 2k + 1`
+//! of the first row and then of the second, the layout the float step
+//! wants, so the integer lanes of two rows need no shuffling before it.
+//! Activations are interleaved the same way, 512 tokens at a time. The
+//! float steps, Q4_K's minimum term (two tokens per instruction) and Q6_K's
+//! `-32` offset (the lanes' starting value) included, are
+//! `scalar::dot_q4_k_q8_k`'s and `scalar::dot_q6_k_q8_k`'s, two rows per
+//! instruction. Integer sums are exact in any order, so every output has
+//! the bits `vec_dot` returns for its pair.
 
 #![allow(clippy::missing_safety_doc)] // the `# Safety` of each function is stated below
 
@@ -51,28 +50,28 @@ pub(crate) struct RowBlock {
     /// each in turn: bytes `8m..8m + 4` are quants `4m..4m + 4` of run
     /// `2c`, bytes `8m + 4..8m + 8` the same of run `2c + 1`.
     q: [[u8; 64]; 4],
-    /// For chunks `2p` and `2p + 1`, the scale of each 16-bit value after
-    /// narrowing: in 128-bit lane `k`, lanes `2k, 2k, 2k + 1, 2k + 1,`
-    /// twice, of runs `4p, 4p + 1, 4p, 4p + 1, 4p + 2, 4p + 3, 4p + 2,
-    /// 4p + 3`.
-    scale: [[i16; 32]; 2],
 }
 
-/// The float and minimum data of a pair of rows in one super-block, laid
-/// out as the lanes the kernel forms: lanes `4k, 4k + 1` are the first
-/// row's, `4k + 2, 4k + 3` the second's.
+/// The scales, float and minimum data of a pair of rows in one
+/// super-block, laid out as the lanes the kernel forms: lanes `4k, 4k + 1`
+/// are the first row's, `4k + 2, 4k + 3` the second's.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub(crate) struct PairScales {
+    /// For chunk `c`, the scale of each 16-bit value after narrowing both
+    /// rows: in 128-bit lane `k`, runs `2c, 2c + 1, 2c, 2c + 1` of the
+    /// first row, then the same of the second (lanes `2k, 2k, 2k + 1,
+    /// 2k + 1` of each).
+    scale: [[i16; 32]; 4],
     d: [f32; 16],
     /// Q4_K: each row's 8 sub-block minimums.
     mins: [i16; 16],
     /// Q4_K: each row's minimum scale on its 4 minimum lanes.
     dmin: [f32; 8],
-    /// Q6_K: the scales of the 16-quant groups `4k..4k + 4` of the first
-    /// row, then of the second, in 128-bit lane `k` (against
+    /// Q6_K: the negated scales of the 16-quant groups `4k..4k + 4` of the
+    /// first row, then of the second, in 128-bit lane `k` (against
     /// [`TokenBlock::group_sums`], for the offset term).
-    group_scales: [i16; 32],
+    neg_group_scales: [i16; 32],
 }
 
 /// One token's super-block: activations interleaved as [`RowBlock::q`],
@@ -84,46 +83,59 @@ struct TokenBlock {
     /// The 16 activation sums of 16 quants, groups `4k..4k + 4` twice in
     /// 128-bit lane `k`.
     group_sums: [i16; 32],
-    /// The 8 sums of 32 quants (one per sub-block).
-    sums: [i16; 8],
     d: f32,
 }
 
+/// Two neighbouring tokens' data for Q4_K's minimum term, one super-block.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct TokenPair {
+    /// The first token's 8 sums of 32 quants (one per sub-block) twice,
+    /// then the second's.
+    sums: [i16; 32],
+    /// The first token's scale negated on 8 lanes, then the second's.
+    neg_d: [f32; 16],
+}
+
 // The kernel's aligned loads rely on these offsets.
-const _: () = assert!(std::mem::offset_of!(RowBlock, scale) % 64 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, d) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, mins) % 32 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, dmin) % 32 == 0);
-const _: () = assert!(std::mem::offset_of!(PairScales, group_scales) % 64 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, neg_group_scales) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(TokenBlock, group_sums) % 64 == 0);
-const _: () = assert!(std::mem::offset_of!(TokenBlock, sums) % 16 == 0);
+const _: () = assert!(std::mem::offset_of!(TokenPair, neg_d) % 64 == 0);
 
-const EMPTY_ROW: RowBlock = RowBlock {
-    q: [[0; 64]; 4],
-    scale: [[0; 32]; 2],
-};
+const EMPTY_ROW: RowBlock = RowBlock { q: [[0; 64]; 4] };
 const EMPTY_PAIR: PairScales = PairScales {
+    scale: [[0; 32]; 4],
     d: [0.0; 16],
     mins: [0; 16],
     dmin: [0.0; 8],
-    group_scales: [0; 32],
+    neg_group_scales: [0; 32],
 };
 const EMPTY_TOKEN: TokenBlock = TokenBlock {
     q: [[0; 64]; 4],
     group_sums: [0; 32],
-    sums: [0; 8],
     d: 0.0,
+};
+const EMPTY_TOKEN_PAIR: TokenPair = TokenPair {
+    sums: [0; 32],
+    neg_d: [0.0; 16],
 };
 
 /// Per-thread scratch, reused across calls so that prefill does not
 /// allocate per matrix.
 #[derive(Default)]
 struct Scratch {
-    /// The unpacked groups of a block: `[group][super-block][row]`.
+    /// The unpacked groups of a block: `[group][pair][super-block][row
+    /// of the pair]`, so that one pair's super-blocks are read in order.
     rows: Vec<RowBlock>,
-    /// `[group][super-block][pair]`.
+    /// `[group][pair][super-block]`.
     pairs: Vec<PairScales>,
     /// `[token][super-block]`.
     tokens: Vec<TokenBlock>,
+    /// `[token / 2][super-block]`.
+    token_pairs: Vec<TokenPair>,
 }
 
 thread_local! {
@@ -166,14 +178,15 @@ pub(crate) trait KRuns: bytemuck::Pod {
     unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize);
 }
 
-/// `rb.scale` from `scale[h][r]`, the scale of run `r`'s first (`h` = 0)
-/// and second 16 quants (the same for Q4_K's 32-quant sub-blocks).
+/// Row `half`'s part of `ps.scale` from `scale[h][r]`, the scale of run
+/// `r`'s first (`h` = 0) and second 16 quants (the same for Q4_K's
+/// 32-quant sub-blocks).
 #[inline(always)]
-fn run_scales(rb: &mut RowBlock, scale: &[[i16; 8]; 2]) {
-    for (p, out) in rb.scale.iter_mut().enumerate() {
+fn run_scales(ps: &mut PairScales, half: usize, scale: &[[i16; 8]; 2]) {
+    for (c, out) in ps.scale.iter_mut().enumerate() {
         for (k, lane) in out.chunks_exact_mut(8).enumerate() {
-            let s = &scale[k / 2][4 * p..4 * p + 4];
-            lane.copy_from_slice(&[s[0], s[1], s[0], s[1], s[2], s[3], s[2], s[3]]);
+            let s = &scale[k / 2][2 * c..2 * c + 2];
+            lane[4 * half..4 * half + 4].copy_from_slice(&[s[0], s[1], s[0], s[1]]);
         }
     }
 }
@@ -194,7 +207,7 @@ impl KRuns for BlockQ4K {
         }
         let (sc, mn) = scales_mins_k4(&self.scales);
         let sc = sc.map(|s| s as i16);
-        run_scales(rb, &[sc, sc]);
+        run_scales(ps, half, &[sc, sc]);
         for k in 0..4 {
             ps.d[4 * k + 2 * half..][..2].fill(self.d());
         }
@@ -217,7 +230,8 @@ impl KRuns for BlockQ6K {
         }
         let sc = self.scales.map(|s| s as i8 as i16);
         run_scales(
-            rb,
+            ps,
+            half,
             &[
                 std::array::from_fn(|r| sc[2 * r]),
                 std::array::from_fn(|r| sc[2 * r + 1]),
@@ -225,7 +239,12 @@ impl KRuns for BlockQ6K {
         );
         for k in 0..4 {
             ps.d[4 * k + 2 * half..][..2].fill(self.d());
-            ps.group_scales[8 * k + 4 * half..][..4].copy_from_slice(&sc[4 * k..4 * k + 4]);
+            for (g, &s) in ps.neg_group_scales[8 * k + 4 * half..][..4]
+                .iter_mut()
+                .zip(&sc[4 * k..4 * k + 4])
+            {
+                *g = -s;
+            }
         }
     }
 }
@@ -243,19 +262,30 @@ unsafe fn unpack_group<K: KRuns>(
 ) {
     for b in 0..nb {
         for row in 0..GROUP {
-            let (rb, ps) = (&mut rows[b * GROUP + row], &mut pairs[b * PAIRS + row / 2]);
+            let pair = row / 2;
+            let (rb, ps) = (
+                &mut rows[(pair * nb + b) * 2 + row % 2],
+                &mut pairs[pair * nb + b],
+            );
             // SAFETY: the caller promises AVX2, FMA and F16C.
             unsafe { w[row * nb + b].unpack(rb, ps, row % 2) };
         }
     }
 }
 
-/// Interleaves `acts` (tokens of `nb` super-blocks) into `tokens`.
+/// Interleaves `acts` (tokens of `nb` super-blocks) into `tokens`, and
+/// writes each neighbouring pair's minimum-term data into `pairs`.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, AVX2, FMA and F16C.
+/// The CPU must support AVX-512 F, AVX2, FMA and F16C. `acts` must hold
+/// an even number of tokens.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn prepare_tokens(acts: &[BlockQ8K], tokens: &mut [TokenBlock]) {
+unsafe fn prepare_tokens(
+    nb: usize,
+    acts: &[BlockQ8K],
+    tokens: &mut [TokenBlock],
+    pairs: &mut [TokenPair],
+) {
     let twice = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);
     for (y, tb) in acts.iter().zip(tokens.iter_mut()) {
         // SAFETY: `qs` holds 256 bytes and `bsums` 32, `tb`'s fields are
@@ -272,29 +302,22 @@ unsafe fn prepare_tokens(acts: &[BlockQ8K], tokens: &mut [TokenBlock]) {
                 tb.group_sums.as_mut_ptr() as *mut __m512i,
                 _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(bsums)),
             );
-            _mm_store_si128(tb.sums.as_mut_ptr() as *mut __m128i, sub_block_sums(y));
         }
         tb.d = y.d();
     }
-}
-
-/// The 16 scaled lanes of four runs (chunks `x`, `y` of the weights and
-/// the activations) added into `acc`.
-///
-/// # Safety
-/// The CPU must support AVX-512 F, BW and VNNI.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn four_runs(
-    acc: __m512i,
-    (wx, wy): (__m512i, __m512i),
-    (ax, ay): (__m512i, __m512i),
-    scale: __m512i,
-) -> __m512i {
-    let zero = _mm512_setzero_si512();
-    let px = _mm512_dpbusd_epi32(zero, wx, ax);
-    let py = _mm512_dpbusd_epi32(zero, wy, ay);
-    _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(px, py), scale)
+    for (i, y) in acts.iter().enumerate() {
+        let pair = &mut pairs[(i / (2 * nb)) * nb + i % nb];
+        let half = (i / nb) % 2;
+        // SAFETY: `sums` holds 32 values; the caller promises the features.
+        unsafe {
+            let sums = sub_block_sums(y);
+            _mm256_storeu_si256(
+                pair.sums.as_mut_ptr().add(16 * half) as *mut __m256i,
+                _mm256_broadcastsi128_si256(sums),
+            );
+        }
+        pair.neg_d[8 * half..8 * half + 8].fill(-y.d());
+    }
 }
 
 /// Loads 64 aligned bytes.
@@ -308,9 +331,10 @@ unsafe fn load(bytes: &[u8; 64]) -> __m512i {
     unsafe { _mm512_load_si512(bytes.as_ptr() as *const __m512i) }
 }
 
-/// Rows `2 * pair` and `2 * pair + 1` of the unpacked group times
-/// [`TOKENS`] tokens (`y[t]`: each token's super-blocks): `out[t]` holds
-/// the two rows.
+/// A pair of unpacked rows (`rows[2 * b + half]`, `pairs[b]`: super-block
+/// `b`) times [`TOKENS`] tokens (`y[t]`: each token's super-blocks;
+/// `y_pairs[i]`: those of tokens `2i` and `2i + 1`): `out[t]` holds the two
+/// rows.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
@@ -318,70 +342,72 @@ unsafe fn load(bytes: &[u8; 64]) -> __m512i {
 unsafe fn pair_tile<K: KRuns>(
     rows: &[RowBlock],
     pairs: &[PairScales],
-    pair: usize,
     y: [&[TokenBlock]; TOKENS],
+    y_pairs: [&[TokenPair]; TOKENS / 2],
 ) -> [[f32; 2]; TOKENS] {
     // SAFETY: the caller promises the CPU features; every read goes
     // through a reference.
     unsafe {
+        let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); TOKENS];
-        let mut acc_min = [_mm256_setzero_ps(); TOKENS];
-        for (b, ps) in pairs.iter().skip(pair).step_by(PAIRS).enumerate() {
-            let (r0, r1) = (&rows[b * GROUP + 2 * pair], &rows[b * GROUP + 2 * pair + 1]);
+        let mut acc_min = [_mm512_setzero_ps(); TOKENS / 2];
+        for (b, (ps, r)) in pairs.iter().zip(rows.chunks_exact(2)).enumerate() {
+            let (r0, r1) = (&r[0], &r[1]);
             let yb = y.map(|t| &t[b]);
-            let mut quant = [[_mm512_setzero_si512(); TOKENS]; 2];
-            for p in 0..2 {
-                let w0 = (load(&r0.q[2 * p]), load(&r0.q[2 * p + 1]));
-                let w1 = (load(&r1.q[2 * p]), load(&r1.q[2 * p + 1]));
-                let s0 = _mm512_load_si512(r0.scale[p].as_ptr() as *const __m512i);
-                let s1 = _mm512_load_si512(r1.scale[p].as_ptr() as *const __m512i);
-                for t in 0..TOKENS {
-                    let a = (load(&yb[t].q[2 * p]), load(&yb[t].q[2 * p + 1]));
-                    quant[0][t] = four_runs(quant[0][t], w0, a, s0);
-                    quant[1][t] = four_runs(quant[1][t], w1, a, s1);
+            let mut lanes = [zero; TOKENS];
+            if !K::HAS_MIN {
+                // The -32 of every quant, per lane: 32 times the scaled
+                // 16-quant activation sums of the lane's two groups, the
+                // lanes' starting value.
+                let neg_scales = _mm512_load_si512(ps.neg_group_scales.as_ptr() as *const __m512i);
+                for (lanes, yb) in lanes.iter_mut().zip(&yb) {
+                    let sums = _mm512_load_si512(yb.group_sums.as_ptr() as *const __m512i);
+                    *lanes = _mm512_slli_epi32::<5>(_mm512_madd_epi16(sums, neg_scales));
+                }
+            }
+            // The pair's weights and scales stay in 12 registers while each
+            // token passes over them.
+            let w0: [__m512i; 4] = std::array::from_fn(|c| load(&r0.q[c]));
+            let w1: [__m512i; 4] = std::array::from_fn(|c| load(&r1.q[c]));
+            let scale: [__m512i; 4] =
+                std::array::from_fn(|c| _mm512_load_si512(ps.scale[c].as_ptr() as *const __m512i));
+            for (lanes, yb) in lanes.iter_mut().zip(&yb) {
+                for c in 0..4 {
+                    let a = load(&yb.q[c]);
+                    let p0 = _mm512_dpbusd_epi32(zero, w0[c], a);
+                    let p1 = _mm512_dpbusd_epi32(zero, w1[c], a);
+                    *lanes = _mm512_dpwssd_epi32(*lanes, _mm512_packs_epi32(p0, p1), scale[c]);
                 }
             }
             let d = _mm512_load_ps(ps.d.as_ptr());
-            let mins = _mm256_load_si256(ps.mins.as_ptr() as *const __m256i);
-            let dmin = _mm256_load_ps(ps.dmin.as_ptr());
-            let group_scales = _mm512_load_si512(ps.group_scales.as_ptr() as *const __m512i);
-            for t in 0..TOKENS {
-                // Lane j of runs 0, 1, 4, 5 plus lane j of runs 2, 3, 6, 7,
-                // both rows: [r0 j, r0 j + 1, r1 j, r1 j + 1] per 128 bits.
-                let lanes = _mm512_add_epi32(
-                    _mm512_unpacklo_epi64(quant[0][t], quant[1][t]),
-                    _mm512_unpackhi_epi64(quant[0][t], quant[1][t]),
-                );
-                let dy = yb[t].d;
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(dy));
-                if K::HAS_MIN {
-                    acc[t] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[t]);
-                    let sums = _mm_load_si128(yb[t].sums.as_ptr() as *const __m128i);
-                    let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(
-                        mins,
-                        _mm256_broadcastsi128_si256(sums),
-                    ));
-                    let dm = _mm256_mul_ps(_mm256_set1_ps(-dy), dmin);
-                    acc_min[t] = _mm256_fmadd_ps(dm, m, acc_min[t]);
-                } else {
-                    // The -32 of every quant, per lane: 32 times the scaled
-                    // 16-quant activation sums of the lane's two groups.
-                    let sums = _mm512_load_si512(yb[t].group_sums.as_ptr() as *const __m512i);
-                    let offset = _mm512_slli_epi32::<5>(_mm512_madd_epi16(sums, group_scales));
-                    let lanes = _mm512_sub_epi32(lanes, offset);
-                    acc[t] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[t]);
+            for ((acc, lanes), yb) in acc.iter_mut().zip(&lanes).zip(&yb) {
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(yb.d));
+                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*lanes), *acc);
+            }
+            if K::HAS_MIN {
+                let mins =
+                    _mm512_broadcast_i64x4(_mm256_load_si256(ps.mins.as_ptr() as *const __m256i));
+                let dmin = _mm512_broadcast_f32x8(_mm256_load_ps(ps.dmin.as_ptr()));
+                for (acc_min, yp) in acc_min.iter_mut().zip(&y_pairs) {
+                    let yp = &yp[b];
+                    let sums = _mm512_load_si512(yp.sums.as_ptr() as *const __m512i);
+                    let m = _mm512_cvtepi32_ps(_mm512_madd_epi16(mins, sums));
+                    let dm = _mm512_mul_ps(_mm512_load_ps(yp.neg_d.as_ptr()), dmin);
+                    *acc_min = _mm512_fmadd_ps(dm, m, *acc_min);
                 }
             }
         }
         let mut out = [[0.0f32; 2]; TOKENS];
-        for ((out, acc), acc_min) in out.iter_mut().zip(&acc).zip(&acc_min) {
+        let mut m = [0.0f32; 8 * TOKENS];
+        for (i, acc_min) in acc_min.iter().enumerate() {
+            _mm512_storeu_ps(m.as_mut_ptr().add(16 * i), *acc_min);
+        }
+        for (t, (out, acc)) in out.iter_mut().zip(&acc).enumerate() {
             let mut l = [0.0f32; 16];
-            let mut m = [0.0f32; 8];
             _mm512_storeu_ps(l.as_mut_ptr(), *acc);
-            _mm256_storeu_ps(m.as_mut_ptr(), *acc_min);
             for (half, o) in out.iter_mut().enumerate() {
                 let lanes: [f32; 8] = std::array::from_fn(|j| l[4 * (j / 2) + 2 * half + j % 2]);
-                let mins: &[f32; 4] = m[4 * half..][..4].try_into().expect("4 lanes");
+                let mins: &[f32; 4] = m[8 * t + 4 * half..][..4].try_into().expect("4 lanes");
                 *o = if K::HAS_MIN {
                     hsum8(&lanes) + hsum4(mins)
                 } else {
@@ -445,10 +471,19 @@ pub(crate) unsafe fn matmul_in_chunks<K: KRuns>(
         s.rows.resize(BLOCK_GROUPS * nb * GROUP, EMPTY_ROW);
         s.pairs.resize(BLOCK_GROUPS * nb * PAIRS, EMPTY_PAIR);
         s.tokens.resize(chunk.min(n_tokens) * nb, EMPTY_TOKEN);
+        s.token_pairs
+            .resize(chunk.min(n_tokens) / 2 * nb, EMPTY_TOKEN_PAIR);
         for c0 in (0..n_tokens).step_by(chunk) {
             let c1 = (c0 + chunk).min(n_tokens);
             // SAFETY: the caller promises the features.
-            unsafe { prepare_tokens(&acts[c0 * nb..c1 * nb], &mut s.tokens) };
+            unsafe {
+                prepare_tokens(
+                    nb,
+                    &acts[c0 * nb..c1 * nb],
+                    &mut s.tokens,
+                    &mut s.token_pairs,
+                )
+            };
             for g0 in (0..groups).step_by(BLOCK_GROUPS) {
                 let block = BLOCK_GROUPS.min(groups - g0);
                 for g in 0..block {
@@ -458,22 +493,48 @@ pub(crate) unsafe fn matmul_in_chunks<K: KRuns>(
                     // SAFETY: the caller promises the features.
                     unsafe { unpack_group(group, nb, rows, pairs) };
                 }
-                for t0 in (c0..c1).step_by(TOKENS) {
-                    let y = std::array::from_fn(|t| &s.tokens[(t0 - c0 + t) * nb..][..nb]);
-                    for g in 0..block {
-                        let rows = &s.rows[g * nb * GROUP..][..nb * GROUP];
-                        let pairs = &s.pairs[g * nb * PAIRS..][..nb * PAIRS];
-                        for pair in 0..PAIRS {
-                            // SAFETY: the caller promises the features.
-                            let res = unsafe { pair_tile::<K>(rows, pairs, pair, y) };
-                            for (t, two) in res.iter().enumerate() {
-                                let at = (t0 + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
-                                out[at..at + 2].copy_from_slice(two);
-                            }
-                        }
-                    }
-                }
+                // SAFETY: the caller promises the features; the scratch
+                // holds `block` unpacked groups and tokens `c0..c1`.
+                unsafe { block_tiles::<K>(s, nb, block, c0..c1, g0, out, out_stride) };
             }
         }
     });
+}
+
+/// Tokens `tokens` (a multiple of [`TOKENS`], interleaved in `s` from
+/// the first) times the `block` unpacked groups of `s`, groups `g0..` of
+/// the matrix, into `out`. One function with the kernel's features, so
+/// that [`pair_tile`] is inlined into the loop over its tiles.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn block_tiles<K: KRuns>(
+    s: &Scratch,
+    nb: usize,
+    block: usize,
+    tokens: std::ops::Range<usize>,
+    g0: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let c0 = tokens.start;
+    for t0 in tokens.step_by(TOKENS) {
+        let y = std::array::from_fn(|t| &s.tokens[(t0 - c0 + t) * nb..][..nb]);
+        let y_pairs = std::array::from_fn(|i| &s.token_pairs[((t0 - c0) / 2 + i) * nb..][..nb]);
+        for g in 0..block {
+            let rows = &s.rows[g * nb * GROUP..][..nb * GROUP];
+            let pairs = &s.pairs[g * nb * PAIRS..][..nb * PAIRS];
+            for pair in 0..PAIRS {
+                let rows = &rows[pair * nb * 2..][..nb * 2];
+                let pairs = &pairs[pair * nb..][..nb];
+                // SAFETY: the caller promises the features.
+                let res = unsafe { pair_tile::<K>(rows, pairs, y, y_pairs) };
+                for (t, two) in res.iter().enumerate() {
+                    let at = (t0 + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
+                    out[at..at + 2].copy_from_slice(two);
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,88 @@
+//! Prompt-sized matrix products on one thread: the Llama-3.2-1B shapes
+//! (hidden 2048, FFN 8192) at 512 tokens, the work of a prefill chunk, in
+//! each format a Q4_K_M or Q8_0 file stores them. Prints the best of a few
+//! runs (the figure least disturbed on a shared machine) as milliseconds,
+//! nanoseconds per output and 256 weights, and multiply-adds per second.
+//! `INFERD_SIMD=scalar|avx2|avx512` picks a level.
+//!
+//! Run: `cargo bench --bench prefill_kernels`
+
+use criterion::black_box;
+use inferd::quant::{self, activation_type, matmul, quantize_row, GgmlType};
+use std::time::Instant;
+
+/// A deterministic pseudo-random byte stream (xorshift).
+fn bytes(len: usize, mut seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect()
+}
+
+/// Weight rows of random quants whose f16 scales are small and finite.
+fn weights(ty: GgmlType, rows: usize, n: usize) -> Vec<u8> {
+    let mut w = bytes(rows * ty.row_bytes(n).expect("whole blocks"), 42);
+    let scale = half::f16::from_f32(0.01).to_le_bytes();
+    let scale_offsets: &[usize] = match ty {
+        GgmlType::Q6_K => &[208],
+        GgmlType::Q4_K => &[0, 2],
+        _ => &[0],
+    };
+    for block in w.chunks_exact_mut(ty.block_bytes()) {
+        for &o in scale_offsets {
+            block[o..o + 2].copy_from_slice(&scale);
+        }
+    }
+    w
+}
+
+fn activations(ty: GgmlType, n: usize, tokens: usize) -> Vec<u8> {
+    let act = activation_type(ty).expect("supported weight type");
+    let row = act.row_bytes(n).expect("whole blocks");
+    let mut out = vec![0u8; row * tokens];
+    for (t, chunk) in out.chunks_exact_mut(row).enumerate() {
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 31 + t * 7) % 97) as f32 / 48.0 - 1.0)
+            .collect();
+        quantize_row(act, &x, chunk).expect("quantize");
+    }
+    out
+}
+
+const TOKENS: usize = 512;
+const RUNS: usize = 5;
+const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
+    (GgmlType::Q4_K, 8192, 2048, "q4_k 8192x2048 (gate, up)"),
+    (GgmlType::Q4_K, 2048, 8192, "q4_k 2048x8192 (down)"),
+    (GgmlType::Q6_K, 2048, 8192, "q6_k 2048x8192 (down)"),
+    (GgmlType::Q8_0, 8192, 2048, "q8_0 8192x2048 (gate, up)"),
+];
+
+fn main() {
+    eprintln!("SIMD level: {}", quant::simd_level());
+    for &(ty, rows, n, name) in SHAPES {
+        let w = weights(ty, rows, n);
+        let acts = activations(ty, n, TOKENS);
+        let mut out = vec![0.0f32; rows * TOKENS];
+        let best = (0..RUNS)
+            .map(|_| {
+                let start = Instant::now();
+                matmul(ty, n, black_box(&w), black_box(&acts), TOKENS, &mut out);
+                start.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+            .as_secs_f64();
+        let outputs = (rows * TOKENS) as f64;
+        eprintln!(
+            "{name} x {TOKENS} tokens: {:.1} ms, {:.3} ns per output and 256 weights, {:.1} G multiply-adds/s",
+            best * 1e3,
+            best * 1e9 / (outputs * n as f64 / 256.0),
+            outputs * n as f64 / best / 1e9
+        );
+    }
+}
