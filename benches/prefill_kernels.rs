@@ -3,7 +3,8 @@
 //! each format a Q4_K_M or Q8_0 file stores them. Prints the best of a few
 //! runs (the figure least disturbed on a shared machine) as milliseconds,
 //! nanoseconds per output and 256 weights, and multiply-adds per second.
-//! `INFERD_SIMD=scalar|avx2|avx512` picks a level.
+//! `INFERD_SIMD=scalar|avx2|avx512` picks a level; `INFERD_BENCH_TOKENS=N`
+//! another token count (1 times the decode kernels on the same matrices).
 //!
 //! Run: `cargo bench --bench prefill_kernels`
 
@@ -53,7 +54,7 @@ fn activations(ty: GgmlType, n: usize, tokens: usize) -> Vec<u8> {
     out
 }
 
-const TOKENS: usize = 512;
+const DEFAULT_TOKENS: usize = 512;
 const RUNS: usize = 5;
 const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
     (GgmlType::Q4_K, 8192, 2048, "q4_k 8192x2048 (gate, up)"),
@@ -64,22 +65,31 @@ const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
 
 fn main() {
     eprintln!("SIMD level: {}", quant::simd_level());
+    let tokens = std::env::var("INFERD_BENCH_TOKENS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or(DEFAULT_TOKENS);
+    // Short products take too little time for one run to be timed well.
+    let repeat = (DEFAULT_TOKENS / tokens).max(1);
     for &(ty, rows, n, name) in SHAPES {
         let w = weights(ty, rows, n);
-        let acts = activations(ty, n, TOKENS);
-        let mut out = vec![0.0f32; rows * TOKENS];
+        let acts = activations(ty, n, tokens);
+        let mut out = vec![0.0f32; rows * tokens];
         let best = (0..RUNS)
             .map(|_| {
                 let start = Instant::now();
-                matmul(ty, n, black_box(&w), black_box(&acts), TOKENS, &mut out);
-                start.elapsed()
+                for _ in 0..repeat {
+                    matmul(ty, n, black_box(&w), black_box(&acts), tokens, &mut out);
+                }
+                start.elapsed() / repeat as u32
             })
             .min()
             .unwrap_or_default()
             .as_secs_f64();
-        let outputs = (rows * TOKENS) as f64;
+        let outputs = (rows * tokens) as f64;
         eprintln!(
-            "{name} x {TOKENS} tokens: {:.1} ms, {:.3} ns per output and 256 weights, {:.1} G multiply-adds/s",
+            "{name} x {tokens} tokens: {:.1} ms, {:.3} ns per output and 256 weights, {:.1} G multiply-adds/s",
             best * 1e3,
             best * 1e9 / (outputs * n as f64 / 256.0),
             outputs * n as f64 / best / 1e9
