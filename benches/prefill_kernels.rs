@@ -9,50 +9,12 @@
 //! Run: `cargo bench --bench prefill_kernels`
 
 use criterion::black_box;
-use inferd::quant::{self, activation_type, matmul, quantize_row, GgmlType};
+use inferd::quant::{self, matmul, GgmlType};
 use std::time::Instant;
 
-/// A deterministic pseudo-random byte stream (xorshift).
-fn bytes(len: usize, mut seed: u64) -> Vec<u8> {
-    (0..len)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed as u8
-        })
-        .collect()
-}
-
-/// Weight rows of random quants whose f16 scales are small and finite.
-fn weights(ty: GgmlType, rows: usize, n: usize) -> Vec<u8> {
-    let mut w = bytes(rows * ty.row_bytes(n).expect("whole blocks"), 42);
-    let scale = half::f16::from_f32(0.01).to_le_bytes();
-    let scale_offsets: &[usize] = match ty {
-        GgmlType::Q6_K => &[208],
-        GgmlType::Q4_K => &[0, 2],
-        _ => &[0],
-    };
-    for block in w.chunks_exact_mut(ty.block_bytes()) {
-        for &o in scale_offsets {
-            block[o..o + 2].copy_from_slice(&scale);
-        }
-    }
-    w
-}
-
-fn activations(ty: GgmlType, n: usize, tokens: usize) -> Vec<u8> {
-    let act = activation_type(ty).expect("supported weight type");
-    let row = act.row_bytes(n).expect("whole blocks");
-    let mut out = vec![0u8; row * tokens];
-    for (t, chunk) in out.chunks_exact_mut(row).enumerate() {
-        let x: Vec<f32> = (0..n)
-            .map(|i| ((i * 31 + t * 7) % 97) as f32 / 48.0 - 1.0)
-            .collect();
-        quantize_row(act, &x, chunk).expect("quantize");
-    }
-    out
-}
+#[path = "support/quant_inputs.rs"]
+mod quant_inputs;
+use quant_inputs::{activations, weights};
 
 const DEFAULT_TOKENS: usize = 512;
 const RUNS: usize = 5;
