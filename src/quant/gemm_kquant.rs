@@ -32,9 +32,10 @@ use super::scalar::{hsum4, hsum8};
 /// Rows unpacked together (4 pairs).
 pub(crate) const GROUP: usize = 8;
 const PAIRS: usize = GROUP / 2;
-/// Tokens per register tile of one pair: with two rows, each token needs
-/// two integer and two float accumulators besides the tile's weights
-/// (measured: 2 tokens ran as fast, 8 spilled and ran 20% slower).
+/// Tokens per register tile of one pair: each token needs an integer and a
+/// float accumulator (and every two tokens a minimum-term one) besides the
+/// pair's 12 registers of weights and scales (measured with the layout
+/// before this one: 2 tokens ran as fast, 8 spilled and ran 20% slower).
 const TOKENS: usize = 4;
 const _: () = assert!(TILE.is_multiple_of(TOKENS));
 /// Groups unpacked together: each tile of tokens, read from L2 once, serves
@@ -168,7 +169,7 @@ unsafe fn interleave_runs(first: __m256i, second: __m256i, out: &mut [u8; 64]) {
 /// A K-quant super-block format the kernel handles.
 pub(crate) trait KRuns: bytemuck::Pod {
     /// Q4_K's minimum term (a second accumulator) rather than Q6_K's
-    /// offset (subtracted from the integer lanes).
+    /// offset (the integer lanes' starting value).
     const HAS_MIN: bool;
     /// Writes this super-block as row `rb` and as row `half` (0 or 1) of
     /// its pair's `ps`.
@@ -287,9 +288,12 @@ unsafe fn prepare_tokens(
     pairs: &mut [TokenPair],
 ) {
     let twice = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);
-    for (y, tb) in acts.iter().zip(tokens.iter_mut()) {
+    for (i, (y, tb)) in acts.iter().zip(tokens.iter_mut()).enumerate() {
+        let pair = &mut pairs[(i / (2 * nb)) * nb + i % nb];
+        let half = (i / nb) % 2;
         // SAFETY: `qs` holds 256 bytes and `bsums` 32, `tb`'s fields are
-        // aligned (see the offset checks); the caller promises the
+        // aligned (see the offset checks), the pair's `sums` hold 32 values
+        // (this token's from `16 * half`); the caller promises the
         // features.
         unsafe {
             for c in 0..4 {
@@ -302,21 +306,13 @@ unsafe fn prepare_tokens(
                 tb.group_sums.as_mut_ptr() as *mut __m512i,
                 _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(bsums)),
             );
-        }
-        tb.d = y.d();
-    }
-    for (i, y) in acts.iter().enumerate() {
-        let pair = &mut pairs[(i / (2 * nb)) * nb + i % nb];
-        let half = (i / nb) % 2;
-        // SAFETY: `sums` holds 32 values; the caller promises the features.
-        unsafe {
-            let sums = sub_block_sums(y);
             _mm256_storeu_si256(
                 pair.sums.as_mut_ptr().add(16 * half) as *mut __m256i,
-                _mm256_broadcastsi128_si256(sums),
+                _mm256_broadcastsi128_si256(sub_block_sums(y)),
             );
         }
-        pair.neg_d[8 * half..8 * half + 8].fill(-y.d());
+        tb.d = y.d();
+        pair.neg_d[8 * half..8 * half + 8].fill(-tb.d);
     }
 }
 
