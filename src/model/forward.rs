@@ -1102,7 +1102,7 @@ fn for_each_block(
 /// of `block`.
 fn prefetch_rows(block: &[f16], (column, values): (usize, usize), kv_dim: usize) {
     for row in block.get(column..).unwrap_or_default().chunks(kv_dim) {
-        quant::prefetch_bytes(row.as_ptr() as *const u8, values * 2);
+        quant::prefetch_bytes(row.as_ptr() as *const u8, values * 2, quant::CacheLevel::L1);
     }
 }
 

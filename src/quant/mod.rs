@@ -391,29 +391,54 @@ fn matmul_with(
 }
 
 /// How far ahead of the row being dotted one-token matmuls ask for weight
-/// bytes. Decode streams each weight once; with both cores streaming, the
-/// hardware prefetchers alone left the one-token kernels waiting on loads
-/// (measured, reference model, `inferd bench -t 2 --gen-tokens 128`, eight
-/// runs alternating: 221-272 tokens/s without, 225-302 at 4 KiB, 2 KiB and
-/// 8 KiB between; at one thread no clear change).
+/// bytes, for rows of at most [`ROW_PREFETCH_MAX_BYTES`]. Decode streams
+/// each weight once; with both cores streaming, the hardware prefetchers
+/// alone left the one-token kernels waiting on loads of the reference
+/// model's 360-byte rows (measured on a Zen 5 machine, `inferd bench -t 2
+/// --gen-tokens 128`, eight runs alternating: 221-272 tokens/s without,
+/// 225-302 at 4 KiB, 2 KiB and 8 KiB between; at one thread no clear
+/// change).
 const PREFETCH_AHEAD: usize = 4096;
 
-/// Asks the cache for the `len` bytes at `p` (a hint: nothing is read, and
+/// The longest weight row the one-row kernels' caller prefetches. Longer
+/// rows are long sequential streams the hardware prefetchers follow on
+/// their own, and asking for a whole row's lines at once stalls the core
+/// on the cache's outstanding-miss limit: on a Zen 4 machine the 1B-shape
+/// Q4_K_M (rows of 1152 and 4608 bytes) decoded at 36.7-38.1 tokens/s
+/// without the prefetch against 31.4-31.6 with it (`inferd bench -t 2
+/// --gen-tokens 128`, alternating), 21.2-24.6 against 16.4-17.9 on one
+/// thread; the 360-byte rows of the reference model were level either way.
+const ROW_PREFETCH_MAX_BYTES: usize = 1024;
+
+/// Which cache a prefetch fills.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum CacheLevel {
+    /// The first level: bytes needed within a few hundred cycles.
+    L1,
+    /// The second level: bytes needed later, or too many to hold in the
+    /// first level beside the ones in use.
+    L2,
+}
+
+/// Asks `level` for the `len` bytes at `p` (a hint: nothing is read, and
 /// an address past the end of a buffer is harmless).
 #[inline(always)]
-pub(crate) fn prefetch_bytes(p: *const u8, len: usize) {
+pub(crate) fn prefetch_bytes(p: *const u8, len: usize, level: CacheLevel) {
     #[cfg(target_arch = "x86_64")]
     for off in (0..len).step_by(64) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let line = p.wrapping_add(off) as *const i8;
         // SAFETY: SSE is part of x86_64; a prefetch never faults, whatever
         // the address.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(off) as *const i8,
-            )
+            match level {
+                CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(line),
+                CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(line),
+            }
         };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len);
+    let _ = (p, len, level);
 }
 
 /// Rows per group of a row-group kernel.
@@ -547,12 +572,12 @@ impl TilePass<'_> {
             }
         }
         for r in r..self.rows.end {
-            if prefetch {
+            if prefetch && w_row_bytes <= ROW_PREFETCH_MAX_BYTES {
                 let ahead = self
                     .w_rows
                     .as_ptr()
                     .wrapping_add(r * w_row_bytes + PREFETCH_AHEAD);
-                prefetch_bytes(ahead, w_row_bytes);
+                prefetch_bytes(ahead, w_row_bytes, CacheLevel::L1);
             }
             let w = self.w_rows[r * w_row_bytes..].as_ptr();
             // SAFETY: the caller's promise; row `r` lies in the checked rows.
