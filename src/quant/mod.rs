@@ -402,12 +402,13 @@ const PREFETCH_AHEAD: usize = 4096;
 
 /// The longest weight row the one-row kernels' caller prefetches. Longer
 /// rows are long sequential streams the hardware prefetchers follow on
-/// their own, and asking for a whole row's lines at once stalls the core
-/// on the cache's outstanding-miss limit: on a Zen 4 machine the 1B-shape
-/// Q4_K_M (rows of 1152 and 4608 bytes) decoded at 36.7-38.1 tokens/s
-/// without the prefetch against 31.4-31.6 with it (`inferd bench -t 2
-/// --gen-tokens 128`, alternating), 21.2-24.6 against 16.4-17.9 on one
-/// thread; the 360-byte rows of the reference model were level either way.
+/// their own, and asking for a whole row's lines at once cost more than it
+/// saved (a one-thread profile put 15% of a decode on those prefetch
+/// instructions): on a Zen 4 machine the 1B-shape Q4_K_M (rows of 1152 and
+/// 4608 bytes) decoded at 36.7-38.1 tokens/s without the prefetch against
+/// 31.4-31.6 with it (`inferd bench -t 2 --gen-tokens 128`, alternating),
+/// 21.2-24.6 against 16.4-17.9 on one thread; the reference model's
+/// 360-byte rows (this path at the AVX2 level) were level either way.
 const ROW_PREFETCH_MAX_BYTES: usize = 1024;
 
 /// Which cache a prefetch fills.
