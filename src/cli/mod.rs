@@ -385,6 +385,7 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
     let reps = args.repetitions.max(1);
     // One untimed warm-up so page faults and first-touch costs are not measured.
     engine.bench(0, args.prompt_tokens.min(16), args.gen_tokens.min(4))?;
+    crate::model::phases::reset();
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         let r = engine.bench(args.depth, args.prompt_tokens, args.gen_tokens)?;
@@ -416,6 +417,9 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
             println!("pp{:<6} {pp:>8.2} tokens/s{at}", args.prompt_tokens);
             println!("tg{:<6} {tg:>8.2} tokens/s{at}", args.gen_tokens);
         }
+    }
+    if crate::model::phases::enabled() {
+        eprint!("{}", crate::model::phases::report(engine.threads()));
     }
     Ok(())
 }

@@ -40,6 +40,7 @@ use crate::quant;
 use crate::threads::ThreadPool;
 
 use super::arch::{FfnActivation, RopeLayout};
+use super::phases::{self, Phase};
 use super::weights::{LayerWeights, Matrix};
 use super::{Model, ModelError};
 
@@ -184,6 +185,7 @@ impl Model {
         let mut x = std::mem::take(&mut scratch.x);
         resize(&mut x, n_tokens * self.config.hidden);
         let mut offset = 0;
+        let embed_time = phases::time(Phase::Outside);
         for s in seqs.iter() {
             self.embed(
                 s.tokens,
@@ -191,6 +193,7 @@ impl Model {
             )?;
             offset += s.tokens.len();
         }
+        drop(embed_time);
         let mut feeds: Vec<LayerFeed<'_>> = seqs
             .iter_mut()
             .map(|s| LayerFeed {
@@ -311,13 +314,28 @@ impl Model {
         let w = &self.weights.layers[layer];
         let window = cfg.layer_window(layer);
         let n = scratch.token_seq.len();
-        rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
+        {
+            let _t = phases::time(Phase::Norm);
+            rms_norm(pool, x, &w.attn_norm, cfg.rms_eps, &mut scratch.xn);
+        }
         self.project_qkv(pool, w, scratch);
-        self.norm_qk_heads(pool, w, scratch);
-        self.rotate_qk(window, scratch);
-        write_kv(seqs, kv_layer, cfg.kv_dim(), scratch)?;
+        {
+            let _t = phases::time(Phase::Norm);
+            self.norm_qk_heads(pool, w, scratch);
+        }
+        {
+            let _t = phases::time(Phase::Rope);
+            self.rotate_qk(window, scratch);
+        }
+        {
+            let _t = phases::time(Phase::WriteKv);
+            write_kv(seqs, kv_layer, cfg.kv_dim(), scratch)?;
+        }
         resize(&mut scratch.att, n * cfg.q_dim());
-        self.attention(pool, seqs, kv_layer, window, scratch)?;
+        {
+            let _t = phases::time(Phase::Attention);
+            self.attention(pool, seqs, kv_layer, window, scratch)?;
+        }
         self.quantize_acts(pool, &w.wo, &scratch.att, n, &mut scratch.acts);
         resize_for_overwrite(&mut scratch.proj, n * cfg.hidden);
         self.matmul(
@@ -328,6 +346,7 @@ impl Model {
             &mut scratch.proj,
             &mut scratch.by_row,
         );
+        let _t = phases::time(Phase::Residual);
         add_block_output(
             pool,
             x,
@@ -364,6 +383,7 @@ impl Model {
             self.matmul(pool, m, &acts, n, out, &mut scratch.by_row);
         }
         scratch.acts = acts;
+        let _t = phases::time(Phase::Residual);
         add_bias(&mut scratch.q, w.bq.as_deref());
         add_bias(&mut scratch.k, w.bk.as_deref());
         add_bias(&mut scratch.v, w.bv.as_deref());
@@ -410,7 +430,10 @@ impl Model {
         let cfg = &self.config;
         let w = &self.weights.layers[layer];
         let n = scratch.token_seq.len();
-        rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
+        {
+            let _t = phases::time(Phase::Norm);
+            rms_norm(pool, x, &w.ffn_norm, cfg.rms_eps, &mut scratch.xn);
+        }
         self.quantize_acts(pool, &w.w_gate, &scratch.xn, n, &mut scratch.acts);
         resize_for_overwrite(&mut scratch.gate, n * cfg.ffn);
         resize_for_overwrite(&mut scratch.up, n * cfg.ffn);
@@ -433,13 +456,16 @@ impl Model {
             &mut scratch.up,
             &mut scratch.by_row,
         );
-        gated_activation(
-            pool,
-            cfg.spec().ffn_activation,
-            &mut scratch.gate,
-            &scratch.up,
-            cfg.ffn,
-        );
+        {
+            let _t = phases::time(Phase::Activation);
+            gated_activation(
+                pool,
+                cfg.spec().ffn_activation,
+                &mut scratch.gate,
+                &scratch.up,
+                cfg.ffn,
+            );
+        }
         self.quantize_acts(pool, &w.w_down, &scratch.gate, n, &mut scratch.acts);
         self.matmul(
             pool,
@@ -449,6 +475,7 @@ impl Model {
             &mut scratch.proj,
             &mut scratch.by_row,
         );
+        let _t = phases::time(Phase::Residual);
         add_block_output(
             pool,
             x,
@@ -541,6 +568,7 @@ impl Model {
         n: usize,
         acts: &mut Vec<u8>,
     ) {
+        let _t = phases::time(Phase::Quantize);
         let act_row = m.act_ty.row_bytes(m.cols).unwrap_or(0);
         resize_for_overwrite(acts, n * act_row);
         let rows_per_task = 16;
@@ -568,17 +596,21 @@ impl Model {
         let w = self.file.tensor_bytes(&m.info);
         let chunk_rows = matmul_chunk_rows(m.rows, pool.threads());
         let kernel = |chunk: usize, dst: &mut [f32]| {
+            let _t = phases::time_matmul_task();
             let r0 = chunk * chunk_rows;
             let rows = dst.len() / n_tokens;
             let w_rows = &w[r0 * m.row_bytes..(r0 + rows) * m.row_bytes];
             quant::matmul(m.ty, m.cols, w_rows, acts, n_tokens, dst);
         };
+        let matmul_time = phases::time(Phase::Matmul);
         if n_tokens == 1 {
             pool.for_each_chunk_mut(&mut out[..m.rows], chunk_rows, &kernel);
             return;
         }
         resize_for_overwrite(by_row, m.rows * n_tokens);
         pool.for_each_chunk_mut(by_row, chunk_rows * n_tokens, &kernel);
+        drop(matmul_time);
+        let _t = phases::time(Phase::Gather);
         // Each chunk of rows is token-major on its own; gather every token's
         // row from the chunks, a block of tokens per task, in contiguous
         // copies of a chunk's width.

@@ -7,6 +7,7 @@
 mod arch;
 mod config;
 mod forward;
+pub mod phases;
 mod weights;
 
 #[cfg(test)]

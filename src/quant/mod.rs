@@ -21,6 +21,8 @@ mod gelu;
 mod scalar;
 mod types;
 
+#[cfg(all(target_arch = "x86_64", not(loom)))]
+pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
