@@ -105,8 +105,8 @@ pub struct Scratch {
     up: Vec<f32>,
     /// Quantized activations, `[tokens][row bytes]`.
     acts: Vec<u8>,
-    /// Matrix output per chunk of rows, each chunk `[tokens][its rows]`.
-    by_row: Vec<f32>,
+    /// The matrix products' own buffers.
+    matmul: MatmulScratch,
     /// RoPE `(cos, sin)` per token and rotated pair, `[tokens][rope_dims]`.
     rope: Vec<f32>,
     /// The same for sliding-window layers (their own RoPE base).
@@ -117,6 +117,16 @@ pub struct Scratch {
     token_seq: Vec<(usize, usize)>,
     /// Logits, `[wanted rows][vocab]`.
     pub logits: Vec<f32>,
+}
+
+/// Buffers of one matrix product at a time.
+#[derive(Default)]
+struct MatmulScratch {
+    /// The output per chunk of rows, each chunk `[tokens][its rows]`.
+    by_row: Vec<f32>,
+    /// The activations as the row-group kernel reads them, made once for
+    /// all of the product's tasks.
+    prepared: quant::PreparedActs,
 }
 
 /// Logits produced by a forward call: for each sequence, the rows of
@@ -325,7 +335,7 @@ impl Model {
         }
         {
             let _t = phases::time(Phase::Rope);
-            self.rotate_qk(window, scratch);
+            self.rotate_qk(pool, window, scratch);
         }
         {
             let _t = phases::time(Phase::WriteKv);
@@ -344,7 +354,7 @@ impl Model {
             &scratch.acts,
             n,
             &mut scratch.proj,
-            &mut scratch.by_row,
+            &mut scratch.matmul,
         );
         let _t = phases::time(Phase::Residual);
         add_block_output(
@@ -380,7 +390,7 @@ impl Model {
                 self.quantize_acts(pool, m, &scratch.xn, n, &mut acts);
                 acts_ty = Some(m.act_ty);
             }
-            self.matmul(pool, m, &acts, n, out, &mut scratch.by_row);
+            self.matmul(pool, m, &acts, n, out, &mut scratch.matmul);
         }
         scratch.acts = acts;
         let _t = phases::time(Phase::Residual);
@@ -405,17 +415,14 @@ impl Model {
 
     /// RoPE on Q and K (a sliding-window layer's own table when `window`
     /// is set), then the architecture's query scale.
-    fn rotate_qk(&self, window: Option<usize>, scratch: &mut Scratch) {
+    fn rotate_qk(&self, pool: &ThreadPool, window: Option<usize>, scratch: &mut Scratch) {
         let cfg = &self.config;
         let rope = match window {
             Some(_) => &scratch.rope_sliding,
             None => &scratch.rope,
         };
-        self.apply_rope(&mut scratch.q, cfg.n_heads, rope);
-        self.apply_rope(&mut scratch.k, cfg.n_kv_heads, rope);
-        if let Some(scale) = cfg.query_scale {
-            scratch.q.iter_mut().for_each(|v| *v *= scale);
-        }
+        self.apply_rope(pool, &mut scratch.q, cfg.n_heads, rope, cfg.query_scale);
+        self.apply_rope(pool, &mut scratch.k, cfg.n_kv_heads, rope, None);
     }
 
     /// Layer `layer`'s feed-forward block:
@@ -443,7 +450,7 @@ impl Model {
             &scratch.acts,
             n,
             &mut scratch.gate,
-            &mut scratch.by_row,
+            &mut scratch.matmul,
         );
         if w.w_up.act_ty != w.w_gate.act_ty {
             self.quantize_acts(pool, &w.w_up, &scratch.xn, n, &mut scratch.acts);
@@ -454,7 +461,7 @@ impl Model {
             &scratch.acts,
             n,
             &mut scratch.up,
-            &mut scratch.by_row,
+            &mut scratch.matmul,
         );
         {
             let _t = phases::time(Phase::Activation);
@@ -473,7 +480,7 @@ impl Model {
             &scratch.acts,
             n,
             &mut scratch.proj,
-            &mut scratch.by_row,
+            &mut scratch.matmul,
         );
         let _t = phases::time(Phase::Residual);
         add_block_output(
@@ -550,7 +557,7 @@ impl Model {
             &mut normed,
         );
         self.quantize_acts(pool, m, &normed, n, &mut scratch.acts);
-        self.matmul(pool, m, &scratch.acts, n, out, &mut scratch.by_row);
+        self.matmul(pool, m, &scratch.acts, n, out, &mut scratch.matmul);
         scratch.att = normed;
         if let Some(cap) = self.config.logit_softcap {
             // As ggml: scale by the reciprocal, tanh, scale back.
@@ -591,8 +598,15 @@ impl Model {
         acts: &[u8],
         n_tokens: usize,
         out: &mut [f32],
-        by_row: &mut Vec<f32>,
+        scratch: &mut MatmulScratch,
     ) {
+        let MatmulScratch { by_row, prepared } = scratch;
+        if n_tokens > 1 && prepared.begin(m.ty, m.cols, n_tokens) {
+            let _t = phases::time(Phase::Quantize);
+            let (fill, chunks) = prepared.parts_mut();
+            pool.for_each_chunk_mut(chunks, 1, &|i, chunk| fill.fill(i, acts, &mut chunk[0]));
+        }
+        let prepared = &*prepared;
         let w = self.file.tensor_bytes(&m.info);
         let chunk_rows = matmul_chunk_rows(m.rows, pool.threads());
         let kernel = |chunk: usize, dst: &mut [f32]| {
@@ -600,7 +614,7 @@ impl Model {
             let r0 = chunk * chunk_rows;
             let rows = dst.len() / n_tokens;
             let w_rows = &w[r0 * m.row_bytes..(r0 + rows) * m.row_bytes];
-            quant::matmul(m.ty, m.cols, w_rows, acts, n_tokens, dst);
+            quant::matmul_prepared(m.ty, m.cols, w_rows, acts, n_tokens, prepared, dst);
         };
         let matmul_time = phases::time(Phase::Matmul);
         if n_tokens == 1 {
@@ -680,24 +694,44 @@ impl Model {
     }
 
     /// Rotates every head of `x` (`[tokens][heads][head_dim]`).
-    fn apply_rope(&self, x: &mut [f32], heads: usize, rope: &[f32]) {
+    /// Rotates every head of each token's row of `x` by its position's
+    /// `(cos, sin)` pairs in `rope`, then multiplies the row by `scale`,
+    /// a few tokens per task (on one thread a long prompt's rotation took
+    /// as long as its norms and quantization together).
+    fn apply_rope(
+        &self,
+        pool: &ThreadPool,
+        x: &mut [f32],
+        heads: usize,
+        rope: &[f32],
+        scale: Option<f32>,
+    ) {
+        const TOKENS_PER_TASK: usize = 8;
         let cfg = &self.config;
         let (hd, rd) = (cfg.head_dim, cfg.rope_dims);
-        for (t, row) in x.chunks_exact_mut(heads * hd).enumerate() {
-            let cs = &rope[t * rd..][..rd];
-            for head in row.chunks_exact_mut(hd) {
-                for i in 0..rd / 2 {
-                    let (a, b) = match cfg.rope_layout() {
-                        RopeLayout::Normal => (2 * i, 2 * i + 1),
-                        RopeLayout::Neox => (i, i + rd / 2),
-                    };
-                    let (cos, sin) = (cs[2 * i], cs[2 * i + 1]);
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0.mul_add(cos, -(x1 * sin));
-                    head[b] = x0.mul_add(sin, x1 * cos);
+        let layout = cfg.rope_layout();
+        let row_len = heads * hd;
+        pool.for_each_chunk_mut(x, row_len * TOKENS_PER_TASK, &|chunk, rows| {
+            for (i, row) in rows.chunks_exact_mut(row_len).enumerate() {
+                let t = chunk * TOKENS_PER_TASK + i;
+                let cs = &rope[t * rd..][..rd];
+                for head in row.chunks_exact_mut(hd) {
+                    for i in 0..rd / 2 {
+                        let (a, b) = match layout {
+                            RopeLayout::Normal => (2 * i, 2 * i + 1),
+                            RopeLayout::Neox => (i, i + rd / 2),
+                        };
+                        let (cos, sin) = (cs[2 * i], cs[2 * i + 1]);
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0.mul_add(cos, -(x1 * sin));
+                        head[b] = x0.mul_add(sin, x1 * cos);
+                    }
+                }
+                if let Some(scale) = scale {
+                    row.iter_mut().for_each(|v| *v *= scale);
                 }
             }
-        }
+        });
     }
 
     /// Causal grouped-query attention of every new token over its own

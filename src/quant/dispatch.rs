@@ -31,6 +31,29 @@ pub(crate) type TileFn<const NT: usize> = unsafe fn(usize, *const u8, [*const u8
 /// stride between tokens in out)`; see `gemm_blocks32::matmul`.
 pub(crate) type GemmFn = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize);
 
+/// A prefill kernel over groups of rows that reads activations prepared
+/// once per matrix product and shared by the product's row tasks:
+/// `prepare` fills a chunk from whole activation rows (blocks per row,
+/// the rows); `matmul` is `(blocks per row, weight rows, groups of rows,
+/// the chunks, out, the stride between tokens in out)`; see
+/// `gemm_kquant::matmul_prepared`.
+///
+/// # Safety
+/// As `gemm_kquant::prepare_chunk` and `gemm_kquant::matmul_prepared`.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct PreparedGemm {
+    pub prepare: unsafe fn(usize, &[u8], &mut TokenChunk),
+    pub matmul: PreparedGemmFn,
+}
+
+/// The product of a [`PreparedGemm`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) type PreparedGemmFn = unsafe fn(usize, &[u8], usize, &[TokenChunk], &mut [f32], usize);
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use super::gemm_kquant::TokenChunk;
+
 /// A kernel over 8 weight rows at once (`w`, the row stride in bytes) for
 /// `NT` activation rows: `out[t][r]`, the bits of the one-row kernel. The
 /// flag asks it to prefetch the 8 rows that follow.
@@ -152,6 +175,11 @@ pub(crate) struct Kernels {
     /// The level's prefill kernel over groups of rows for a weight format,
     /// if it has one.
     pub gemm: fn(GgmlType) -> Option<GemmFn>,
+    /// The level's prefill kernel over groups of rows that reads shared
+    /// prepared activations, for the formats that have one (it then
+    /// stands in for `gemm` where the caller prepared them).
+    #[cfg(target_arch = "x86_64")]
+    pub prepared_gemm: fn(GgmlType) -> Option<PreparedGemm>,
     /// # Safety: the CPU must support the level.
     pub quantize_q8_0: unsafe fn(&[f32], &mut [BlockQ8_0]),
     /// # Safety: the CPU must support the level.
@@ -419,6 +447,12 @@ fn no_gemm(_: GgmlType) -> Option<GemmFn> {
     None
 }
 
+/// No prefill kernel reads prepared activations.
+#[cfg(target_arch = "x86_64")]
+fn no_prepared_gemm(_: GgmlType) -> Option<PreparedGemm> {
+    None
+}
+
 /// The portable reference table (a `const` so other tables can start from it).
 const SCALAR_TABLE: Kernels = Kernels {
     level: SimdLevel::Scalar,
@@ -438,6 +472,8 @@ const SCALAR_TABLE: Kernels = Kernels {
     bf16: dot_kernel!(scalar_bf16),
     f32: dot_kernel!(scalar_f32),
     gemm: no_gemm,
+    #[cfg(target_arch = "x86_64")]
+    prepared_gemm: no_prepared_gemm,
     quantize_q8_0: scalar::quantize_q8_0,
     quantize_q8_1: scalar::quantize_q8_1,
     quantize_q8_k: scalar::quantize_q8_k,
@@ -482,6 +518,23 @@ mod x86_tables {
         })
     }
 
+    /// The AVX-512 VNNI K-quant prefill kernels over shared prepared
+    /// activations.
+    fn avx512_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
+        let prepare = gemm_kquant::prepare_chunk;
+        Some(match ty {
+            GgmlType::Q4_K => PreparedGemm {
+                prepare,
+                matmul: gemm_kquant::matmul_prepared::<BlockQ4K>,
+            },
+            GgmlType::Q6_K => PreparedGemm {
+                prepare,
+                matmul: gemm_kquant::matmul_prepared::<BlockQ6K>,
+            },
+            _ => return None,
+        })
+    }
+
     pub(crate) static AVX2: Kernels = Kernels {
         level: SimdLevel::Avx2,
         q4_0: dot_kernel!(avx2::dot_q4_0_q8_0),
@@ -500,6 +553,7 @@ mod x86_tables {
         bf16: dot_kernel!(avx2_bf16),
         f32: dot_kernel!(avx2_f32),
         gemm: no_gemm,
+        prepared_gemm: no_prepared_gemm,
         quantize_q8_0: avx2::quantize_q8_0,
         quantize_q8_1: avx2::quantize_q8_1,
         quantize_q8_k: avx2::quantize_q8_k,
@@ -531,6 +585,7 @@ mod x86_tables {
         bf16: dot_kernel!(avx2_bf16),
         f32: dot_kernel!(avx2_f32),
         gemm: avx512_gemm,
+        prepared_gemm: avx512_prepared_gemm,
         quantize_q8_0: avx2::quantize_q8_0,
         quantize_q8_1: avx2::quantize_q8_1,
         quantize_q8_k: avx2::quantize_q8_k,

@@ -124,6 +124,39 @@ const EMPTY_TOKEN_PAIR: TokenPair = TokenPair {
     neg_d: [0.0; 16],
 };
 
+/// Some tokens' activations interleaved for the kernel: made once per
+/// matrix product and shared by its row tasks ([`prepare_chunk`],
+/// [`matmul_prepared`]), or per thread by [`matmul`].
+#[derive(Default)]
+pub struct TokenChunk {
+    /// `[token][super-block]`.
+    tokens: Vec<TokenBlock>,
+    /// `[token / 2][super-block]`.
+    pairs: Vec<TokenPair>,
+}
+
+impl TokenChunk {
+    /// Forgets the tokens (keeping the memory).
+    pub(crate) fn clear(&mut self) {
+        self.tokens.clear();
+        self.pairs.clear();
+    }
+
+    /// Whether it holds `tokens` tokens (an even number) of `nb`
+    /// super-blocks, as [`prepare_chunk`] leaves it.
+    pub(crate) fn holds(&self, tokens: usize, nb: usize) -> bool {
+        tokens.is_multiple_of(2)
+            && self.tokens.len() == tokens * nb
+            && self.pairs.len() == tokens / 2 * nb
+    }
+}
+
+/// Tokens per shared [`TokenChunk`]: a multiple of the kernel's tile of
+/// tokens, small enough that a product's chunks are filled in parallel in
+/// even shares.
+pub(crate) const CHUNK_TOKENS: usize = 16;
+const _: () = assert!(CHUNK_TOKENS.is_multiple_of(TILE));
+
 /// Per-thread scratch, reused across calls so that prefill does not
 /// allocate per matrix.
 #[derive(Default)]
@@ -133,10 +166,8 @@ struct Scratch {
     rows: Vec<RowBlock>,
     /// `[group][pair][super-block]`.
     pairs: Vec<PairScales>,
-    /// `[token][super-block]`.
-    tokens: Vec<TokenBlock>,
-    /// `[token / 2][super-block]`.
-    token_pairs: Vec<TokenPair>,
+    /// The tokens of [`matmul`], [`TOKEN_CHUNK`] at a time.
+    tokens: TokenChunk,
 }
 
 thread_local! {
@@ -316,6 +347,22 @@ unsafe fn prepare_tokens(
     }
 }
 
+/// Interleaves `acts` (whole rows of `nb` Q8_K blocks, an even number
+/// of them) into `chunk`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, AVX2, FMA and F16C.
+pub(crate) unsafe fn prepare_chunk(nb: usize, acts: &[u8], chunk: &mut TokenChunk) {
+    let acts: &[BlockQ8K] = bytemuck::cast_slice(acts);
+    let n = acts.len() / nb;
+    debug_assert!(n.is_multiple_of(2) && acts.len() == n * nb);
+    chunk.tokens.resize(n * nb, EMPTY_TOKEN);
+    chunk.pairs.resize(n / 2 * nb, EMPTY_TOKEN_PAIR);
+    // SAFETY: the caller promises the features; the chunk holds `n`
+    // tokens and `n / 2` pairs.
+    unsafe { prepare_tokens(nb, acts, &mut chunk.tokens, &mut chunk.pairs) };
+}
+
 /// Loads 64 aligned bytes.
 ///
 /// # Safety
@@ -460,74 +507,137 @@ pub(crate) unsafe fn matmul_in_chunks<K: KRuns>(
     chunk: usize,
 ) {
     debug_assert!(chunk > 0 && chunk.is_multiple_of(TILE));
-    let w: &[K] = bytemuck::cast_slice(w);
-    let acts: &[BlockQ8K] = bytemuck::cast_slice(acts);
+    let row_bytes = nb * std::mem::size_of::<BlockQ8K>();
     let n_tokens = tiles * TILE;
     SCRATCH.with_borrow_mut(|s| {
-        s.rows.resize(BLOCK_GROUPS * nb * GROUP, EMPTY_ROW);
-        s.pairs.resize(BLOCK_GROUPS * nb * PAIRS, EMPTY_PAIR);
-        s.tokens.resize(chunk.min(n_tokens) * nb, EMPTY_TOKEN);
-        s.token_pairs
-            .resize(chunk.min(n_tokens) / 2 * nb, EMPTY_TOKEN_PAIR);
+        let Scratch {
+            rows,
+            pairs,
+            tokens,
+        } = s;
         for c0 in (0..n_tokens).step_by(chunk) {
             let c1 = (c0 + chunk).min(n_tokens);
-            // SAFETY: the caller promises the features.
+            // SAFETY: the caller promises the features; `acts` holds whole
+            // Q8_K rows of `nb` blocks, `c1 - c0` of them (a multiple of
+            // `TILE`, so even).
             unsafe {
-                prepare_tokens(
+                prepare_chunk(nb, &acts[c0 * row_bytes..c1 * row_bytes], tokens);
+                groups_times_chunks::<K>(
                     nb,
-                    &acts[c0 * nb..c1 * nb],
-                    &mut s.tokens,
-                    &mut s.token_pairs,
-                )
-            };
-            for g0 in (0..groups).step_by(BLOCK_GROUPS) {
-                let block = BLOCK_GROUPS.min(groups - g0);
-                for g in 0..block {
-                    let group = &w[(g0 + g) * GROUP * nb..][..GROUP * nb];
-                    let rows = &mut s.rows[g * nb * GROUP..][..nb * GROUP];
-                    let pairs = &mut s.pairs[g * nb * PAIRS..][..nb * PAIRS];
-                    // SAFETY: the caller promises the features.
-                    unsafe { unpack_group(group, nb, rows, pairs) };
-                }
-                // SAFETY: the caller promises the features; the scratch
-                // holds `block` unpacked groups and tokens `c0..c1`.
-                unsafe { block_tiles::<K>(s, nb, block, c0..c1, g0, out, out_stride) };
+                    w,
+                    groups,
+                    std::slice::from_ref(tokens),
+                    c0,
+                    rows,
+                    pairs,
+                    out,
+                    out_stride,
+                );
             }
         }
     });
 }
 
-/// Tokens `tokens` (a multiple of [`TOKENS`], interleaved in `s` from
-/// the first) times the `block` unpacked groups of `s`, groups `g0..` of
-/// the matrix, into `out`. One function with the kernel's features, so
-/// that [`pair_tile`] is inlined into the loop over its tiles.
+/// Rows `0..groups * 8` of `w` (`nb` super-blocks of `K` each) times the
+/// tokens of `chunks` (from [`prepare_chunk`], each [`CHUNK_TOKENS`]
+/// tokens but the last, which may hold fewer, a multiple of [`TILE`]):
+/// writes `out[t * out_stride + r]`, the bits of `vec_dot` for each pair.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
+/// `w` must hold `groups * 8 * nb` blocks, every chunk be made with `nb`,
+/// and `out` hold at least `(tokens - 1) * out_stride + groups * 8`
+/// values.
+pub(crate) unsafe fn matmul_prepared<K: KRuns>(
+    nb: usize,
+    w: &[u8],
+    groups: usize,
+    chunks: &[TokenChunk],
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    SCRATCH.with_borrow_mut(|s| {
+        let Scratch { rows, pairs, .. } = s;
+        // SAFETY: forwarded from the caller.
+        unsafe { groups_times_chunks::<K>(nb, w, groups, chunks, 0, rows, pairs, out, out_stride) };
+    });
+}
+
+/// The rows of `w` in blocks of [`BLOCK_GROUPS`] groups, each unpacked
+/// once into `rows` and `pairs`, times every token of `chunks` (token
+/// `first_token` onwards, in order).
+///
+/// # Safety
+/// As [`matmul_prepared`], for tokens counted from `first_token`.
+#[allow(clippy::too_many_arguments)] // the product's and the scratch's parts
+unsafe fn groups_times_chunks<K: KRuns>(
+    nb: usize,
+    w: &[u8],
+    groups: usize,
+    chunks: &[TokenChunk],
+    first_token: usize,
+    rows: &mut Vec<RowBlock>,
+    pairs: &mut Vec<PairScales>,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let w: &[K] = bytemuck::cast_slice(w);
+    rows.resize(BLOCK_GROUPS * nb * GROUP, EMPTY_ROW);
+    pairs.resize(BLOCK_GROUPS * nb * PAIRS, EMPTY_PAIR);
+    for g0 in (0..groups).step_by(BLOCK_GROUPS) {
+        let block = BLOCK_GROUPS.min(groups - g0);
+        for g in 0..block {
+            let group = &w[(g0 + g) * GROUP * nb..][..GROUP * nb];
+            let rows = &mut rows[g * nb * GROUP..][..nb * GROUP];
+            let pairs = &mut pairs[g * nb * PAIRS..][..nb * PAIRS];
+            // SAFETY: the caller promises the features.
+            unsafe { unpack_group(group, nb, rows, pairs) };
+        }
+        let mut t0 = first_token;
+        for chunk in chunks {
+            // SAFETY: the caller promises the features; `rows` and `pairs`
+            // hold `block` unpacked groups.
+            unsafe { block_tiles::<K>(rows, pairs, chunk, nb, block, t0, g0, out, out_stride) };
+            t0 += chunk.tokens.len() / nb;
+        }
+    }
+}
+
+/// The tokens of `chunk` (a multiple of [`TOKENS`]; the first is token
+/// `t0` of the product) times the `block` unpacked groups in `rows` and
+/// `pairs`, groups `g0..` of the matrix, into `out`. One function with the
+/// kernel's features, so that [`pair_tile`] is inlined into the loop over
+/// its tiles.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
+#[allow(clippy::too_many_arguments)] // the tile's operands and place
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
 unsafe fn block_tiles<K: KRuns>(
-    s: &Scratch,
+    rows: &[RowBlock],
+    pairs: &[PairScales],
+    chunk: &TokenChunk,
     nb: usize,
     block: usize,
-    tokens: std::ops::Range<usize>,
+    t0: usize,
     g0: usize,
     out: &mut [f32],
     out_stride: usize,
 ) {
-    let c0 = tokens.start;
-    for t0 in tokens.step_by(TOKENS) {
-        let y = std::array::from_fn(|t| &s.tokens[(t0 - c0 + t) * nb..][..nb]);
-        let y_pairs = std::array::from_fn(|i| &s.token_pairs[((t0 - c0) / 2 + i) * nb..][..nb]);
+    let n = chunk.tokens.len() / nb;
+    for c in (0..n).step_by(TOKENS) {
+        let y = std::array::from_fn(|t| &chunk.tokens[(c + t) * nb..][..nb]);
+        let y_pairs = std::array::from_fn(|i| &chunk.pairs[(c / 2 + i) * nb..][..nb]);
         for g in 0..block {
-            let rows = &s.rows[g * nb * GROUP..][..nb * GROUP];
-            let pairs = &s.pairs[g * nb * PAIRS..][..nb * PAIRS];
+            let rows = &rows[g * nb * GROUP..][..nb * GROUP];
+            let pairs = &pairs[g * nb * PAIRS..][..nb * PAIRS];
             for pair in 0..PAIRS {
                 let rows = &rows[pair * nb * 2..][..nb * 2];
                 let pairs = &pairs[pair * nb..][..nb];
                 // SAFETY: the caller promises the features.
                 let res = unsafe { pair_tile::<K>(rows, pairs, y, y_pairs) };
                 for (t, two) in res.iter().enumerate() {
-                    let at = (t0 + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
+                    let at = (t0 + c + t) * out_stride + (g0 + g) * GROUP + 2 * pair;
                     out[at..at + 2].copy_from_slice(two);
                 }
             }

@@ -328,9 +328,179 @@ pub fn matmul(
     n_tokens: usize,
     out: &mut [f32],
 ) {
-    matmul_with(dispatch::active(), w_ty, n, w_rows, acts, n_tokens, out)
+    matmul_with(
+        dispatch::active(),
+        w_ty,
+        n,
+        w_rows,
+        acts,
+        n_tokens,
+        None,
+        out,
+    )
 }
 
+/// [`matmul`] with the activations also in `prepared` (from
+/// [`PreparedActs::begin`] for the same format, row length and token
+/// count, every chunk filled from `acts`): the same bits, without each
+/// call rearranging every token again. A `prepared` made for another
+/// product is not used.
+pub fn matmul_prepared(
+    w_ty: GgmlType,
+    n: usize,
+    w_rows: &[u8],
+    acts: &[u8],
+    n_tokens: usize,
+    prepared: &PreparedActs,
+    out: &mut [f32],
+) {
+    let prepared = (prepared.made_for == Some((w_ty, n, n_tokens))).then_some(prepared);
+    matmul_with(
+        dispatch::active(),
+        w_ty,
+        n,
+        w_rows,
+        acts,
+        n_tokens,
+        prepared,
+        out,
+    )
+}
+
+/// Most tokens a [`PreparedActs`] holds: for longer batches (up to 25 MB
+/// of prepared activations for a 14,336-column matrix at this bound)
+/// each call prepares its own, 512 tokens at a time.
+const PREPARED_MAX_TOKENS: usize = 1024;
+
+/// Activations rearranged once per matrix product for a row-group kernel
+/// that reads them so (the AVX-512 K-quant kernels), shared by the
+/// product's row tasks, each of which would otherwise rearrange every
+/// token itself: a share of the work that grows with the number of tasks
+/// (1.6% of a 2-thread 1B Q4_K_M prefill, eight tasks per matrix, and
+/// eight times as many tasks at 16 threads). [`PreparedActs::begin`],
+/// then [`ChunkFill::fill`] on every chunk of [`PreparedActs::parts_mut`]
+/// (in parallel), then [`matmul_prepared`].
+#[derive(Default)]
+pub struct PreparedActs {
+    /// The weight format, row length and token count of the product the
+    /// chunks are for.
+    made_for: Option<(GgmlType, usize, usize)>,
+    fill: ChunkFill,
+    chunks: Vec<PreparedChunk>,
+}
+
+/// A few tokens' part of a [`PreparedActs`].
+#[cfg(target_arch = "x86_64")]
+pub use gemm_kquant::TokenChunk as PreparedChunk;
+/// A few tokens' part of a [`PreparedActs`] (nothing is prepared here).
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Default)]
+pub struct PreparedChunk;
+
+/// How each chunk of a [`PreparedActs`] is filled.
+#[derive(Clone, Copy, Default)]
+pub struct ChunkFill {
+    chunk_tokens: usize,
+    /// The product's last prepared token (a multiple of [`TILE`]).
+    gemm_tokens: usize,
+    act_row_bytes: usize,
+    blocks: usize,
+    #[cfg(target_arch = "x86_64")]
+    prepare: Option<unsafe fn(usize, &[u8], &mut PreparedChunk)>,
+}
+
+impl PreparedActs {
+    /// Readies the chunks for a product of `w_ty` rows of `n` columns with
+    /// `n_tokens` activation rows, and says whether there is anything to
+    /// prepare (false: the active kernels read the activations as they
+    /// are, or the batch is too short or too long; [`matmul_prepared`]
+    /// then runs as [`matmul`]).
+    pub fn begin(&mut self, w_ty: GgmlType, n: usize, n_tokens: usize) -> bool {
+        self.made_for = None;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let k = dispatch::active();
+            let Some(gemm) = (k.prepared_gemm)(w_ty) else {
+                return false;
+            };
+            if n_tokens < gemm_min_tokens(w_ty) || n_tokens > PREPARED_MAX_TOKENS {
+                return false;
+            }
+            let Ok(shape) = dot_shape(k, w_ty, n) else {
+                return false;
+            };
+            let gemm_tokens = n_tokens / TILE * TILE;
+            let chunk_tokens = gemm_kquant::CHUNK_TOKENS;
+            self.fill = ChunkFill {
+                chunk_tokens,
+                gemm_tokens,
+                act_row_bytes: shape.act_row_bytes,
+                blocks: shape.blocks,
+                prepare: Some(gemm.prepare),
+            };
+            self.chunks
+                .resize_with(gemm_tokens.div_ceil(chunk_tokens), PreparedChunk::default);
+            // A chunk left unfilled then fails `holds` rather than passing
+            // for this product with an earlier one's tokens.
+            self.chunks.iter_mut().for_each(PreparedChunk::clear);
+            self.made_for = Some((w_ty, n, n_tokens));
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (w_ty, n, n_tokens);
+            false
+        }
+    }
+
+    /// Whether every chunk was filled, with rows of `blocks` blocks, for
+    /// the first `n_tokens / TILE * TILE` of `n_tokens` tokens.
+    #[cfg(target_arch = "x86_64")]
+    fn holds(&self, n_tokens: usize, blocks: usize) -> bool {
+        let gemm_tokens = n_tokens / TILE * TILE;
+        let f = &self.fill;
+        f.gemm_tokens == gemm_tokens
+            && f.blocks == blocks
+            && self.chunks.len() == gemm_tokens.div_ceil(f.chunk_tokens)
+            && self.chunks.iter().enumerate().all(|(i, c)| {
+                let t0 = i * f.chunk_tokens;
+                c.holds((t0 + f.chunk_tokens).min(gemm_tokens) - t0, blocks)
+            })
+    }
+
+    /// How to fill the chunks, and the chunks (none unless
+    /// [`PreparedActs::begin`] said there is something to prepare).
+    pub fn parts_mut(&mut self) -> (ChunkFill, &mut [PreparedChunk]) {
+        match self.made_for {
+            Some(_) => (self.fill, &mut self.chunks),
+            None => (self.fill, &mut []),
+        }
+    }
+}
+
+impl ChunkFill {
+    /// Rearranges chunk `index`'s rows of `acts` (the product's activation
+    /// rows) into `chunk`. If `acts` lacks them nothing is written, and
+    /// the product, which checks the lengths again, gives NaN as for any
+    /// bad shape.
+    pub fn fill(&self, index: usize, acts: &[u8], chunk: &mut PreparedChunk) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(prepare) = self.prepare {
+            let t0 = index * self.chunk_tokens;
+            let t1 = (t0 + self.chunk_tokens).min(self.gemm_tokens);
+            if let Some(rows) = acts.get(t0 * self.act_row_bytes..t1 * self.act_row_bytes) {
+                // SAFETY: `prepare` is the active level's (supported by
+                // this CPU); `rows` are whole rows of `blocks` Q8_K
+                // blocks, an even number of them (a multiple of TILE).
+                unsafe { prepare(self.blocks, rows, chunk) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (index, acts, chunk);
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // `matmul_prepared`'s and the table
 fn matmul_with(
     k: &Kernels,
     w_ty: GgmlType,
@@ -338,6 +508,7 @@ fn matmul_with(
     w_rows: &[u8],
     acts: &[u8],
     n_tokens: usize,
+    prepared: Option<&PreparedActs>,
     out: &mut [f32],
 ) {
     let checked = check_matmul(w_ty, n, w_rows.len(), acts.len(), n_tokens, out.len())
@@ -357,7 +528,32 @@ fn matmul_with(
     // Rows in groups through the level's row-group kernel, when it has one
     // for this format and the batch is wide enough to repay unpacking them.
     let (mut gemm_rows, mut gemm_tokens) = (0, 0);
-    if let Some(gemm) = (k.gemm)(w_ty) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some((prepared, gemm)) = prepared
+        .and_then(|p| Some((p, (k.prepared_gemm)(w_ty)?)))
+        .filter(|(p, _)| rows >= GEMM_GROUP && p.holds(n_tokens, shape.blocks))
+    {
+        let groups = rows / GEMM_GROUP;
+        (gemm_rows, gemm_tokens) = (groups * GEMM_GROUP, n_tokens / TILE * TILE);
+        // SAFETY: the level is supported; the checked buffers hold
+        // `rows >= gemm_rows` weight rows, `out` is `n_tokens * rows`, and
+        // the chunks hold the first `gemm_tokens` tokens in order, made
+        // with `shape.blocks` blocks per row (`holds`).
+        unsafe {
+            (gemm.matmul)(
+                shape.blocks,
+                &w_rows[..gemm_rows * shape.w_row_bytes],
+                groups,
+                &prepared.chunks,
+                out,
+                rows,
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = prepared;
+    let gemm = (k.gemm)(w_ty).filter(|_| gemm_rows == 0);
+    if let Some(gemm) = gemm {
         if n_tokens >= gemm_min_tokens(w_ty) && rows >= GEMM_GROUP {
             let groups = rows / GEMM_GROUP;
             let tiles = n_tokens / TILE;

@@ -181,7 +181,7 @@ fn matmul_is_bit_identical_to_vec_dot_for_any_token_count() {
                     .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
                     .collect();
                 let mut out = vec![0.0f32; rows * tokens];
-                matmul_with(k, ty, n, &w, &acts, tokens, &mut out);
+                matmul_with(k, ty, n, &w, &acts, tokens, None, &mut out);
                 let wb = ty.row_bytes(n).expect("whole");
                 let ab = activation_type(ty)
                     .expect("ok")
@@ -741,7 +741,7 @@ fn matmul_matches_llamacpp_kernel_vectors() {
             }
             assert_eq!(q, want_q, "{} {ty}: activation bytes", level.name());
             let mut out = vec![0.0f32; rows * tokens];
-            matmul_with(k, ty, n, &w, &q, tokens, &mut out);
+            matmul_with(k, ty, n, &w, &q, tokens, None, &mut out);
             // The vectors are row-major ([rows][tokens]); matmul writes
             // token-major.
             for (i, (&batched, &one)) in want_batched.iter().zip(&want_vec_dot).enumerate() {
@@ -803,6 +803,59 @@ fn kquant_row_groups_give_the_same_bits_in_any_token_chunks() {
             for t in 0..tokens {
                 let one = vec_dot_with(k, ty, n, &w[r * wb..][..wb], &acts[t * ab..][..ab]);
                 assert_eq!(whole[t * rows + r], one.to_bits(), "{ty} r={r} t={t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn prepared_activations_give_matmuls_bits() {
+    // Activations prepared once per product and shared by its row tasks
+    // (where the active level's kernels read them so) give every output
+    // the bits of the plain product; preparations made for another
+    // product, or left unfilled, are not used.
+    let mut rng = StdRng::seed_from_u64(29);
+    let (n, rows) = (512usize, 19usize);
+    let k = dispatch::active();
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let w: Vec<u8> = (0..rows)
+            .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
+            .collect();
+        let mut prepared = PreparedActs::default();
+        for tokens in [3usize, 16, 24, 41, 50] {
+            let acts: Vec<u8> = (0..tokens)
+                .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
+                .collect();
+            let plain = {
+                let mut out = vec![0.0f32; rows * tokens];
+                matmul(ty, n, &w, &acts, tokens, &mut out);
+                bits(&out)
+            };
+            let with = |prepared: &PreparedActs| {
+                let mut out = vec![0.0f32; rows * tokens];
+                matmul_prepared(ty, n, &w, &acts, tokens, prepared, &mut out);
+                bits(&out)
+            };
+            let wanted = prepared.begin(ty, n, tokens);
+            // Unfilled: not used.
+            assert_eq!(with(&prepared), plain, "{ty} {tokens} tokens, unfilled");
+            let (fill, chunks) = prepared.parts_mut();
+            assert_eq!(wanted, !chunks.is_empty(), "{ty} {tokens}");
+            for (i, chunk) in chunks.iter_mut().enumerate() {
+                fill.fill(i, &acts, chunk);
+            }
+            // Filled, the chunks are the ones the product reads.
+            #[cfg(target_arch = "x86_64")]
+            assert_eq!(prepared.holds(tokens, n / QK_K), wanted, "{ty} {tokens}");
+            assert_eq!(with(&prepared), plain, "{ty} {tokens} tokens, prepared");
+            // Made for another token count or row length: not used.
+            if tokens > 16 {
+                let mut out = vec![0.0f32; rows * 16];
+                let mut plain16 = vec![0.0f32; rows * 16];
+                let ab = acts.len() / tokens;
+                matmul_prepared(ty, n, &w, &acts[..16 * ab], 16, &prepared, &mut out);
+                matmul(ty, n, &w, &acts[..16 * ab], 16, &mut plain16);
+                assert_eq!(bits(&out), bits(&plain16), "{ty} 16 of {tokens} tokens");
             }
         }
     }
