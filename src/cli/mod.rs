@@ -366,6 +366,7 @@ impl ModelArgs {
             model = %path.display(),
             threads = engine.threads(),
             simd = crate::quant::simd_level(),
+            amx = crate::quant::amx_status(),
             device = engine.gpu_adapter().as_deref().unwrap_or("cpu"),
             load_ms = t0.elapsed().as_secs_f64() * 1e3,
             "model loaded"
@@ -412,7 +413,12 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
         ),
         BenchFormat::Text => {
             println!("model    {}", args.model.path().display());
-            println!("threads  {}   simd {}", engine.threads(), crate::quant::simd_level());
+            println!(
+                "threads  {}   simd {}   amx {}",
+                engine.threads(),
+                crate::quant::simd_level(),
+                crate::quant::amx_status()
+            );
             let at = if args.depth > 0 { format!(" @ d{}", args.depth) } else { String::new() };
             println!("pp{:<6} {pp:>8.2} tokens/s{at}", args.prompt_tokens);
             println!("tg{:<6} {tg:>8.2} tokens/s{at}", args.gen_tokens);

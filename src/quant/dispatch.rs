@@ -1,6 +1,6 @@
 //! Run-time choice of the SIMD level: one table of kernel pointers per level,
-//! picked once per process (`INFERD_SIMD=scalar|avx2|avx512` forces a level
-//! when the CPU supports it). All callers, on every thread, use the same
+//! picked once per process (`INFERD_SIMD=scalar|avx2|avx512|amx` forces a
+//! level when the CPU supports it). All callers, on every thread, use the same
 //! table, so results never depend on who calls.
 
 use std::sync::OnceLock;
@@ -43,16 +43,20 @@ pub(crate) type GemmFn = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32]
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct PreparedGemm {
-    pub prepare: unsafe fn(usize, &[u8], &mut TokenChunk),
+    pub prepare: unsafe fn(usize, &[u8], &mut PreparedChunk),
+    /// Whether a chunk holds this many tokens of this many blocks per
+    /// row, as `prepare` leaves it.
+    pub holds: fn(&PreparedChunk, usize, usize) -> bool,
     pub matmul: PreparedGemmFn,
 }
 
 /// The product of a [`PreparedGemm`].
 #[cfg(target_arch = "x86_64")]
-pub(crate) type PreparedGemmFn = unsafe fn(usize, &[u8], usize, &[TokenChunk], &mut [f32], usize);
+pub(crate) type PreparedGemmFn =
+    unsafe fn(usize, &[u8], usize, &[PreparedChunk], &mut [f32], usize);
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use super::gemm_kquant::TokenChunk;
+use super::PreparedChunk;
 
 /// A kernel over 8 weight rows at once (`w`, the row stride in bytes) for
 /// `NT` activation rows: `out[t][r]`, the bits of the one-row kernel. The
@@ -97,6 +101,9 @@ pub enum SimdLevel {
     Avx2,
     /// x86_64 AVX-512 F/BW/DQ/VL + VNNI (with AVX2, FMA, F16C).
     Avx512,
+    /// [`SimdLevel::Avx512`] plus AMX-INT8 tiles (Linux, with the tile
+    /// data permission granted), for the K-quant prefill.
+    Amx,
     /// aarch64 NEON.
     Neon,
 }
@@ -108,6 +115,7 @@ impl SimdLevel {
             Self::Scalar => "scalar",
             Self::Avx2 => "avx2",
             Self::Avx512 => "avx512",
+            Self::Amx => "amx",
             Self::Neon => "neon",
         }
     }
@@ -131,6 +139,8 @@ impl SimdLevel {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(all(target_arch = "x86_64", not(loom)))]
+            Self::Amx => Self::Avx512.is_supported() && super::amx::available().is_ok(),
             #[cfg(target_arch = "aarch64")]
             Self::Neon => true,
             #[allow(unreachable_patterns)]
@@ -491,6 +501,8 @@ static SCALAR: Kernels = SCALAR_TABLE;
 
 #[cfg(target_arch = "x86_64")]
 mod x86_tables {
+    #[cfg(not(loom))]
+    use super::super::amx_kquant;
     use super::super::{avx2, avx512, gemm_blocks32, gemm_kquant, rows8};
     use super::*;
 
@@ -522,13 +534,16 @@ mod x86_tables {
     /// activations.
     fn avx512_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
         let prepare = gemm_kquant::prepare_chunk;
+        let holds = |c: &PreparedChunk, tokens, nb| c.vnni.holds(tokens, nb);
         Some(match ty {
             GgmlType::Q4_K => PreparedGemm {
                 prepare,
+                holds,
                 matmul: gemm_kquant::matmul_prepared::<BlockQ4K>,
             },
             GgmlType::Q6_K => PreparedGemm {
                 prepare,
+                holds,
                 matmul: gemm_kquant::matmul_prepared::<BlockQ6K>,
             },
             _ => return None,
@@ -567,7 +582,49 @@ mod x86_tables {
         swiglu_ggml: avx2::swiglu_ggml,
     };
 
-    pub(crate) static AVX512: Kernels = Kernels {
+    pub(crate) static AVX512: Kernels = AVX512_TABLE;
+
+    /// The AMX tile prefill kernels for Q4_K and Q6_K; the AVX-512 ones
+    /// for the rest.
+    #[cfg(not(loom))]
+    fn amx_gemm(ty: GgmlType) -> Option<GemmFn> {
+        match ty {
+            GgmlType::Q4_K => Some(amx_kquant::matmul::<BlockQ4K>),
+            GgmlType::Q6_K => Some(amx_kquant::matmul::<BlockQ6K>),
+            _ => avx512_gemm(ty),
+        }
+    }
+
+    /// The AMX tile prefill kernels over shared prepared activations.
+    #[cfg(not(loom))]
+    fn amx_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
+        let prepare = amx_kquant::prepare_chunk;
+        let holds = |c: &PreparedChunk, tokens, nb| c.amx.holds(tokens, nb);
+        Some(match ty {
+            GgmlType::Q4_K => PreparedGemm {
+                prepare,
+                holds,
+                matmul: amx_kquant::matmul_prepared::<BlockQ4K>,
+            },
+            GgmlType::Q6_K => PreparedGemm {
+                prepare,
+                holds,
+                matmul: amx_kquant::matmul_prepared::<BlockQ6K>,
+            },
+            _ => return None,
+        })
+    }
+
+    /// AVX-512 with the AMX tile kernels for the K-quant prefill.
+    #[cfg(not(loom))]
+    pub(crate) static AMX: Kernels = Kernels {
+        level: SimdLevel::Amx,
+        gemm: amx_gemm,
+        prepared_gemm: amx_prepared_gemm,
+        ..AVX512_TABLE
+    };
+
+    const AVX512_TABLE: Kernels = Kernels {
         level: SimdLevel::Avx512,
         q4_0: dot_kernel!(avx512::dot_q4_0_q8_0, rows8 BlockQ4_0),
         q4_1: dot_kernel!(avx512::dot_q4_1_q8_1, rows8 BlockQ4_1),
@@ -629,6 +686,8 @@ pub(crate) fn kernels_for(level: SimdLevel) -> Option<&'static Kernels> {
         SimdLevel::Avx2 => Some(&x86_tables::AVX2),
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => Some(&x86_tables::AVX512),
+        #[cfg(all(target_arch = "x86_64", not(loom)))]
+        SimdLevel::Amx => Some(&x86_tables::AMX),
         #[cfg(target_arch = "aarch64")]
         SimdLevel::Neon => Some(&arm_tables::NEON),
         #[allow(unreachable_patterns)]
@@ -637,7 +696,8 @@ pub(crate) fn kernels_for(level: SimdLevel) -> Option<&'static Kernels> {
 }
 
 /// Levels from best to worst.
-const PREFERENCE: [SimdLevel; 4] = [
+const PREFERENCE: [SimdLevel; 5] = [
+    SimdLevel::Amx,
     SimdLevel::Avx512,
     SimdLevel::Avx2,
     SimdLevel::Neon,

@@ -28,6 +28,7 @@ use super::avx2::{q6k_runs, sub_block_sums};
 use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
 use super::scalar::{hsum4, hsum8};
+use super::PreparedChunk;
 
 /// Rows unpacked together (4 pairs).
 pub(crate) const GROUP: usize = 8;
@@ -167,7 +168,7 @@ struct Scratch {
     /// `[group][pair][super-block]`.
     pairs: Vec<PairScales>,
     /// The tokens of [`matmul`], [`TOKEN_CHUNK`] at a time.
-    tokens: TokenChunk,
+    tokens: PreparedChunk,
 }
 
 thread_local! {
@@ -352,7 +353,8 @@ unsafe fn prepare_tokens(
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2, FMA and F16C.
-pub(crate) unsafe fn prepare_chunk(nb: usize, acts: &[u8], chunk: &mut TokenChunk) {
+pub(crate) unsafe fn prepare_chunk(nb: usize, acts: &[u8], chunk: &mut PreparedChunk) {
+    let chunk = &mut chunk.vnni;
     let acts: &[BlockQ8K] = bytemuck::cast_slice(acts);
     let n = acts.len() / nb;
     debug_assert!(n.is_multiple_of(2) && acts.len() == n * nb);
@@ -552,7 +554,7 @@ pub(crate) unsafe fn matmul_prepared<K: KRuns>(
     nb: usize,
     w: &[u8],
     groups: usize,
-    chunks: &[TokenChunk],
+    chunks: &[PreparedChunk],
     out: &mut [f32],
     out_stride: usize,
 ) {
@@ -574,7 +576,7 @@ unsafe fn groups_times_chunks<K: KRuns>(
     nb: usize,
     w: &[u8],
     groups: usize,
-    chunks: &[TokenChunk],
+    chunks: &[PreparedChunk],
     first_token: usize,
     rows: &mut Vec<RowBlock>,
     pairs: &mut Vec<PairScales>,
@@ -594,7 +596,7 @@ unsafe fn groups_times_chunks<K: KRuns>(
             unsafe { unpack_group(group, nb, rows, pairs) };
         }
         let mut t0 = first_token;
-        for chunk in chunks {
+        for chunk in chunks.iter().map(|c| &c.vnni) {
             // SAFETY: the caller promises the features; `rows` and `pairs`
             // hold `block` unpacked groups.
             unsafe { block_tiles::<K>(rows, pairs, chunk, nb, block, t0, g0, out, out_stride) };

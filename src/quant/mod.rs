@@ -23,6 +23,8 @@ mod types;
 
 #[cfg(all(target_arch = "x86_64", not(loom)))]
 pub mod amx;
+#[cfg(all(target_arch = "x86_64", not(loom)))]
+mod amx_kquant;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -95,6 +97,26 @@ pub fn activation_type(weight: GgmlType) -> Result<GgmlType, QuantError> {
 /// Which SIMD level was picked (for a start-up log line).
 pub fn simd_level() -> &'static str {
     dispatch::active().level.name()
+}
+
+/// Whether the AMX tile kernels run, and if not why (for the log line
+/// beside [`simd_level`]).
+pub fn amx_status() -> &'static str {
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    {
+        match amx::available() {
+            _ if dispatch::active().level == SimdLevel::Amx => "in use",
+            Ok(()) => "available, not chosen (INFERD_SIMD)",
+            Err(amx::Unavailable::NoCpuSupport) => "no (the CPU has no AMX-INT8)",
+            Err(amx::Unavailable::PermissionRefused) => {
+                "no (the kernel refused the tile data permission)"
+            }
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+    {
+        "no (not an x86-64 build)"
+    }
 }
 
 /// Bytes of a row of `n` elements of `ty`, or a [`QuantError::PartialBlock`].
@@ -389,13 +411,25 @@ pub struct PreparedActs {
     chunks: Vec<PreparedChunk>,
 }
 
-/// A few tokens' part of a [`PreparedActs`].
-#[cfg(target_arch = "x86_64")]
-pub use gemm_kquant::TokenChunk as PreparedChunk;
-/// A few tokens' part of a [`PreparedActs`] (nothing is prepared here).
-#[cfg(not(target_arch = "x86_64"))]
+/// A few tokens' part of a [`PreparedActs`], in the layout of the kernel
+/// that reads it.
 #[derive(Default)]
-pub struct PreparedChunk;
+pub struct PreparedChunk {
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) vnni: gemm_kquant::TokenChunk,
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    pub(crate) amx: amx_kquant::TokenTiles,
+}
+
+impl PreparedChunk {
+    /// Forgets the tokens (keeping the memory).
+    #[cfg(target_arch = "x86_64")]
+    fn clear(&mut self) {
+        self.vnni.clear();
+        #[cfg(not(loom))]
+        self.amx.clear();
+    }
+}
 
 /// How each chunk of a [`PreparedActs`] is filled.
 #[derive(Clone, Copy, Default)]
@@ -407,6 +441,8 @@ pub struct ChunkFill {
     blocks: usize,
     #[cfg(target_arch = "x86_64")]
     prepare: Option<unsafe fn(usize, &[u8], &mut PreparedChunk)>,
+    #[cfg(target_arch = "x86_64")]
+    chunk_holds: Option<fn(&PreparedChunk, usize, usize) -> bool>,
 }
 
 impl PreparedActs {
@@ -437,6 +473,7 @@ impl PreparedActs {
                 act_row_bytes: shape.act_row_bytes,
                 blocks: shape.blocks,
                 prepare: Some(gemm.prepare),
+                chunk_holds: Some(gemm.holds),
             };
             self.chunks
                 .resize_with(gemm_tokens.div_ceil(chunk_tokens), PreparedChunk::default);
@@ -459,12 +496,15 @@ impl PreparedActs {
     fn holds(&self, n_tokens: usize, blocks: usize) -> bool {
         let gemm_tokens = n_tokens / TILE * TILE;
         let f = &self.fill;
+        let Some(chunk_holds) = f.chunk_holds else {
+            return false;
+        };
         f.gemm_tokens == gemm_tokens
             && f.blocks == blocks
             && self.chunks.len() == gemm_tokens.div_ceil(f.chunk_tokens)
             && self.chunks.iter().enumerate().all(|(i, c)| {
                 let t0 = i * f.chunk_tokens;
-                c.holds((t0 + f.chunk_tokens).min(gemm_tokens) - t0, blocks)
+                chunk_holds(c, (t0 + f.chunk_tokens).min(gemm_tokens) - t0, blocks)
             })
     }
 

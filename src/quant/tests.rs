@@ -598,7 +598,7 @@ fn argument_errors_carry_the_numbers() {
 #[test]
 fn forced_level_names_are_recognised() {
     assert!(SimdLevel::Scalar.is_supported());
-    assert!(["scalar", "avx2", "avx512", "neon"].contains(&simd_level()));
+    assert!(["scalar", "avx2", "avx512", "amx", "neon"].contains(&simd_level()));
 }
 
 /// The type llama.cpp names `name`.
@@ -856,6 +856,120 @@ fn prepared_activations_give_matmuls_bits() {
                 matmul_prepared(ty, n, &w, &acts[..16 * ab], 16, &prepared, &mut out);
                 matmul(ty, n, &w, &acts[..16 * ab], 16, &mut plain16);
                 assert_eq!(bits(&out), bits(&plain16), "{ty} 16 of {tokens} tokens");
+            }
+        }
+    }
+}
+
+/// Q4_K and Q6_K blocks at the extremes of the scaled quants the AMX
+/// kernel splits into bytes: every quant and scale at its largest (and
+/// Q6_K's scales at their most negative).
+#[cfg(all(target_arch = "x86_64", not(loom)))]
+fn saturated_kquant_row(ty: GgmlType, n: usize, negative: bool) -> Vec<u8> {
+    let mut row = vec![0xFFu8; ty.row_bytes(n).expect("whole")];
+    let block = ty.block_bytes();
+    for b in row.chunks_exact_mut(block) {
+        match ty {
+            GgmlType::Q4_K => {
+                b[0..2].copy_from_slice(&f16_bytes(0.01));
+                b[2..4].copy_from_slice(&f16_bytes(0.02));
+            }
+            _ => {
+                // Q6_K: ql[128], qh[64], scales[16], d.
+                let scale = if negative { 0x80 } else { 0x7F };
+                b[192..208].fill(scale);
+                b[208..210].copy_from_slice(&f16_bytes(0.01));
+            }
+        }
+    }
+    row
+}
+
+#[cfg(all(target_arch = "x86_64", not(loom)))]
+#[test]
+fn amx_layouts_and_float_steps_give_vec_dots_bits() {
+    // Through a plain-Rust model of `tdpbusd` and `tdpbssd`, on any
+    // AVX-512 CPU: the scaled quants split into bytes, the token tiles and
+    // the float steps give every output the bits of `vec_dot`, for row
+    // and token counts that are not whole tiles, random and saturated
+    // blocks, each call preparing its own tokens or reading shared ones.
+    // (Where the CPU has AMX, the tests over every level run the real
+    // tiles against `vec_dot` too.)
+    use super::amx_kquant::{matmul_prepared_with, matmul_with, prepare_chunk, ModelTiles};
+    if !SimdLevel::Avx512.is_supported() {
+        eprintln!("AMX LAYOUT TEST SKIPPED: no AVX-512 on this CPU");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(31);
+    let k = table(SimdLevel::Avx512);
+    let (n, rows, tokens) = (512usize, 24usize, 40usize);
+    let nb = n / QK_K;
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let mut w: Vec<u8> = (0..rows - 2)
+            .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
+            .collect();
+        w.extend(saturated_kquant_row(ty, n, false));
+        w.extend(saturated_kquant_row(ty, n, true));
+        let acts: Vec<u8> = (0..tokens)
+            .flat_map(|_| quantized_acts(k, ty, &random_floats(&mut rng, n, 2.0)))
+            .collect();
+        let ab = GgmlType::Q8_K.row_bytes(n).expect("whole");
+        let mut own = vec![0.0f32; rows * tokens];
+        let mut shared = vec![0.0f32; rows * tokens];
+        let mut chunks: Vec<PreparedChunk> = Vec::new();
+        for c in acts.chunks(16 * ab) {
+            let mut chunk = PreparedChunk::default();
+            // SAFETY: none needed by the AMX layout's preparation.
+            unsafe { prepare_chunk(nb, c, &mut chunk) };
+            chunks.push(chunk);
+        }
+        // SAFETY: AVX-512 is supported (checked above) and the model
+        // tiles need nothing more; the buffers hold `rows` rows of `nb`
+        // blocks and `tokens` activation rows.
+        unsafe {
+            match ty {
+                GgmlType::Q4_K => {
+                    matmul_with::<BlockQ4K, ModelTiles>(
+                        nb, &w, rows, &acts, tokens, &mut own, rows,
+                    );
+                    matmul_prepared_with::<BlockQ4K, ModelTiles>(
+                        nb,
+                        &w,
+                        rows,
+                        &chunks,
+                        &mut shared,
+                        rows,
+                    );
+                }
+                _ => {
+                    matmul_with::<BlockQ6K, ModelTiles>(
+                        nb, &w, rows, &acts, tokens, &mut own, rows,
+                    );
+                    matmul_prepared_with::<BlockQ6K, ModelTiles>(
+                        nb,
+                        &w,
+                        rows,
+                        &chunks,
+                        &mut shared,
+                        rows,
+                    );
+                }
+            }
+        }
+        let wb = ty.row_bytes(n).expect("whole");
+        for r in 0..rows {
+            for t in 0..tokens {
+                let one = vec_dot_with(k, ty, n, &w[r * wb..][..wb], &acts[t * ab..][..ab]);
+                assert_eq!(
+                    own[t * rows + r].to_bits(),
+                    one.to_bits(),
+                    "{ty} r={r} t={t}"
+                );
+                assert_eq!(
+                    shared[t * rows + r].to_bits(),
+                    one.to_bits(),
+                    "{ty} r={r} t={t}, shared"
+                );
             }
         }
     }
