@@ -35,7 +35,6 @@ use super::amx::{self, TileConfig};
 use super::avx2::q6k_runs;
 use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
-use super::scalar::{hsum4, hsum8};
 use super::PreparedChunk;
 
 /// Rows per tile (the rows of a tile register).
@@ -406,6 +405,8 @@ struct Lanes {
     acc: [[[f32; TOKENS]; 8]; ROWS],
     /// `[row][minimum lane][token]`.
     acc_min: [[[f32; TOKENS]; 4]; ROWS],
+    /// The outputs, `[row][token]`.
+    sums: [[f32; TOKENS]; ROWS],
 }
 
 impl Default for Lanes {
@@ -415,6 +416,7 @@ impl Default for Lanes {
             c_hi: [[0; ROWS * TOKENS]; 8],
             acc: [[[0.0; TOKENS]; 8]; ROWS],
             acc_min: [[[0.0; TOKENS]; 4]; ROWS],
+            sums: [[0.0; TOKENS]; ROWS],
         }
     }
 }
@@ -568,17 +570,9 @@ unsafe fn products<'c, K: KScaled, T: TileProducts>(
                     let token_blocks = &chunk.tiles[tt * nb..][..nb];
                     // SAFETY: `begin` ran; the caller promises AVX-512.
                     unsafe { tile::<K, T>(row_blocks, token_blocks, lanes) };
-                    let Lanes { acc, acc_min, .. } = &*lanes;
                     for m in 0..real_rows {
                         for n in 0..real_tokens {
-                            let lanes: [f32; 8] = std::array::from_fn(|j| acc[m][j][n]);
-                            let v = if K::HAS_MIN {
-                                let mins: [f32; 4] = std::array::from_fn(|k| acc_min[m][k][n]);
-                                hsum8(&lanes) + hsum4(&mins)
-                            } else {
-                                hsum8(&lanes)
-                            };
-                            out[(t_first + n0 + n) * out_stride + r0 + m] = v;
+                            out[(t_first + n0 + n) * out_stride + r0 + m] = lanes.sums[m][n];
                         }
                     }
                 }
@@ -590,7 +584,9 @@ unsafe fn products<'c, K: KScaled, T: TileProducts>(
 }
 
 /// One tile of rows times one tile of tokens over every super-block: the
-/// lanes' float accumulators in `lanes.acc` and `lanes.acc_min`.
+/// lanes' float accumulators in `lanes.acc` and `lanes.acc_min`, then
+/// each output (`hsum8` of the lanes, plus `hsum4` of the minimum lanes,
+/// each token's the same operations in one vector) in `lanes.sums`.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and DQ; `T::begin` must have run.
@@ -605,6 +601,7 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
         c_hi,
         acc,
         acc_min,
+        sums,
     } = lanes;
     // SAFETY: the caller promises the features and `begin`; every access
     // goes through a reference to an array of the loaded width.
@@ -650,6 +647,20 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
                     }
                 }
             }
+        }
+        for m in 0..ROWS {
+            let l: [__m512; 8] = std::array::from_fn(|j| _mm512_loadu_ps(acc[m][j].as_ptr()));
+            // `hsum8`: lanes `j` and `j + 4` first, then `(0 + 2) + (1 + 3)`.
+            let r: [__m512; 4] = std::array::from_fn(|j| _mm512_add_ps(l[j], l[j + 4]));
+            let mut v = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
+            if K::HAS_MIN {
+                // `hsum4`: `(0 + 2) + (1 + 3)`.
+                let n: [__m512; 4] =
+                    std::array::from_fn(|k| _mm512_loadu_ps(acc_min[m][k].as_ptr()));
+                let mins = _mm512_add_ps(_mm512_add_ps(n[0], n[2]), _mm512_add_ps(n[1], n[3]));
+                v = _mm512_add_ps(v, mins);
+            }
+            _mm512_storeu_ps(sums[m].as_mut_ptr(), v);
         }
     }
 }
