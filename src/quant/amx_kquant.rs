@@ -389,7 +389,7 @@ impl TileProducts for AmxTiles {
 /// Per-thread scratch, reused across calls.
 #[derive(Default)]
 struct Scratch {
-    /// The unpacked rows of one call: `[row tile][super-block]`.
+    /// The unpacked tile of rows in use: `[super-block]`.
     rows: Vec<RowTile>,
     /// The call's own tokens when it prepares them.
     tokens: TokenTiles,
@@ -548,25 +548,30 @@ unsafe fn products<'c, K: KScaled, T: TileProducts>(
             ..
         } = &mut **s;
         let row_tiles = rows.div_ceil(ROWS);
-        unpacked.clear();
-        unpacked.resize(row_tiles * nb, EMPTY_ROWS);
-        for (i, row) in w[..rows * nb].chunks_exact(nb).enumerate() {
-            for (b, block) in row.iter().enumerate() {
-                // SAFETY: the caller promises AVX-512 F and BW, AVX2, FMA
-                // and F16C.
-                unsafe { block.unpack(&mut unpacked[(i / ROWS) * nb + b], i % ROWS) };
-            }
-        }
         // SAFETY: the caller promises the features `T` needs.
         unsafe { T::begin() };
         for rt in 0..row_tiles {
             let r0 = rt * ROWS;
             let real_rows = ROWS.min(rows - r0);
+            // One tile of rows at a time, so that its scaled copy stays in
+            // cache while every token tile passes over it.
+            unpacked.clear();
+            unpacked.resize(nb, EMPTY_ROWS);
+            for (m, row) in w[r0 * nb..(r0 + real_rows) * nb]
+                .chunks_exact(nb)
+                .enumerate()
+            {
+                for (b, block) in row.iter().enumerate() {
+                    // SAFETY: the caller promises AVX-512 F and BW, AVX2,
+                    // FMA and F16C.
+                    unsafe { block.unpack(&mut unpacked[b], m) };
+                }
+            }
             for (t_first, chunk) in chunks.clone() {
                 for tt in 0..chunk.tokens.div_ceil(TOKENS) {
                     let n0 = tt * TOKENS;
                     let real_tokens = TOKENS.min(chunk.tokens - n0);
-                    let row_blocks = &unpacked[rt * nb..][..nb];
+                    let row_blocks = &unpacked[..nb];
                     let token_blocks = &chunk.tiles[tt * nb..][..nb];
                     // SAFETY: `begin` ran; the caller promises AVX-512.
                     unsafe { tile::<K, T>(row_blocks, token_blocks, lanes) };
