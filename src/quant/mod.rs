@@ -392,6 +392,7 @@ pub fn matmul_prepared(
 /// Most tokens a [`PreparedActs`] holds: for longer batches (up to 25 MB
 /// of prepared activations for a 14,336-column matrix at this bound)
 /// each call prepares its own, 512 tokens at a time.
+#[cfg(target_arch = "x86_64")]
 const PREPARED_MAX_TOKENS: usize = 1024;
 
 /// Activations rearranged once per matrix product for a row-group kernel
@@ -434,10 +435,14 @@ impl PreparedChunk {
 /// How each chunk of a [`PreparedActs`] is filled.
 #[derive(Clone, Copy, Default)]
 pub struct ChunkFill {
+    #[cfg(target_arch = "x86_64")]
     chunk_tokens: usize,
     /// The product's last prepared token (a multiple of [`TILE`]).
+    #[cfg(target_arch = "x86_64")]
     gemm_tokens: usize,
+    #[cfg(target_arch = "x86_64")]
     act_row_bytes: usize,
+    #[cfg(target_arch = "x86_64")]
     blocks: usize,
     #[cfg(target_arch = "x86_64")]
     prepare: Option<unsafe fn(usize, &[u8], &mut PreparedChunk)>,
