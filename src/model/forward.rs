@@ -693,7 +693,6 @@ impl Model {
         }
     }
 
-    /// Rotates every head of `x` (`[tokens][heads][head_dim]`).
     /// Rotates every head of each token's row of `x` by its position's
     /// `(cos, sin)` pairs in `rope`, then multiplies the row by `scale`,
     /// a few tokens per task (on one thread a long prompt's rotation took
@@ -712,8 +711,8 @@ impl Model {
         let layout = cfg.rope_layout();
         let row_len = heads * hd;
         pool.for_each_chunk_mut(x, row_len * TOKENS_PER_TASK, &|chunk, rows| {
-            for (i, row) in rows.chunks_exact_mut(row_len).enumerate() {
-                let t = chunk * TOKENS_PER_TASK + i;
+            for (k, row) in rows.chunks_exact_mut(row_len).enumerate() {
+                let t = chunk * TOKENS_PER_TASK + k;
                 let cs = &rope[t * rd..][..rd];
                 for head in row.chunks_exact_mut(hd) {
                     for i in 0..rd / 2 {

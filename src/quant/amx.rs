@@ -272,44 +272,45 @@ unsafe fn time_stores(iters: u64) -> f64 {
     }
 }
 
-/// `c[m][n] += Σ_k a[m][k] · b[k / 4][4n + k % 4]` for `m, n < 16`,
-/// `k < bytes` (`a` unsigned, `b` signed): one `tdpbusd` on tiles loaded
-/// from `a` (16 rows of `bytes`, stride `bytes`) and `b` (`bytes / 4` rows
-/// of 64), `c` loaded, accumulated and stored back.
-///
-/// # Safety
-/// [`available`] must have returned `Ok`; `bytes` a multiple of 4 up to 64.
-pub unsafe fn dpbusd_16x16(a: &[u8], b: &[i8], c: &mut [i32; 256], bytes: u16) {
-    assert!(bytes.is_multiple_of(4) && (4..=64).contains(&bytes));
-    assert!(a.len() >= 16 * bytes as usize && b.len() >= 16 * bytes as usize);
-    let cfg = TileConfig::new()
-        .tile(0, 16, 64)
-        .tile(1, 16, bytes)
-        .tile(2, (bytes / 4) as u8, 64);
-    // SAFETY: the caller promises AMX; the loads and the store stay within
-    // `a`, `b` and `c` (checked above).
-    unsafe {
-        cfg.load();
-        asm!(
-            "tileloadd tmm0, [{c} + {s64}*1]",
-            "tileloadd tmm1, [{a} + {sa}*1]",
-            "tileloadd tmm2, [{b} + {s64}*1]",
-            "tdpbusd tmm0, tmm1, tmm2",
-            "tilestored [{c} + {s64}*1], tmm0",
-            a = in(reg) a.as_ptr(),
-            b = in(reg) b.as_ptr(),
-            c = in(reg) c.as_mut_ptr(),
-            sa = in(reg) bytes as usize,
-            s64 = in(reg) 64usize,
-            options(nostack),
-        );
-        release();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `c[m][n] += Σ_k a[m][k] · b[k / 4][4n + k % 4]` for `m, n < 16`,
+    /// `k < bytes` (`a` unsigned, `b` signed): one `tdpbusd` on tiles loaded
+    /// from `a` (16 rows of `bytes`, stride `bytes`) and `b` (`bytes / 4` rows
+    /// of 64), `c` loaded, accumulated and stored back.
+    ///
+    /// # Safety
+    /// [`available`] must have returned `Ok`; `bytes` a multiple of 4 up to 64.
+    unsafe fn dpbusd_16x16(a: &[u8], b: &[i8], c: &mut [i32; 256], bytes: u16) {
+        assert!(bytes.is_multiple_of(4) && (4..=64).contains(&bytes));
+        assert!(a.len() >= 16 * bytes as usize && b.len() >= 16 * bytes as usize);
+        let cfg =
+            TileConfig::new()
+                .tile(0, 16, 64)
+                .tile(1, 16, bytes)
+                .tile(2, (bytes / 4) as u8, 64);
+        // SAFETY: the caller promises AMX; the loads and the store stay within
+        // `a`, `b` and `c` (checked above).
+        unsafe {
+            cfg.load();
+            asm!(
+                "tileloadd tmm0, [{c} + {s64}*1]",
+                "tileloadd tmm1, [{a} + {sa}*1]",
+                "tileloadd tmm2, [{b} + {s64}*1]",
+                "tdpbusd tmm0, tmm1, tmm2",
+                "tilestored [{c} + {s64}*1], tmm0",
+                a = in(reg) a.as_ptr(),
+                b = in(reg) b.as_ptr(),
+                c = in(reg) c.as_mut_ptr(),
+                sa = in(reg) bytes as usize,
+                s64 = in(reg) 64usize,
+                options(nostack),
+            );
+            release();
+        }
+    }
 
     fn lcg(seed: &mut u64) -> u8 {
         *seed = seed

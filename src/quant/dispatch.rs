@@ -530,24 +530,38 @@ mod x86_tables {
         })
     }
 
+    /// A Q4_K / Q6_K kernel pair over shared prepared activations, as the
+    /// entry for `ty`.
+    fn kquant_prepared(
+        ty: GgmlType,
+        prepare: unsafe fn(usize, &[u8], &mut PreparedChunk),
+        holds: fn(&PreparedChunk, usize, usize) -> bool,
+        [q4_k, q6_k]: [PreparedGemmFn; 2],
+    ) -> Option<PreparedGemm> {
+        let matmul = match ty {
+            GgmlType::Q4_K => q4_k,
+            GgmlType::Q6_K => q6_k,
+            _ => return None,
+        };
+        Some(PreparedGemm {
+            prepare,
+            holds,
+            matmul,
+        })
+    }
+
     /// The AVX-512 VNNI K-quant prefill kernels over shared prepared
     /// activations.
     fn avx512_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
-        let prepare = gemm_kquant::prepare_chunk;
-        let holds = |c: &PreparedChunk, tokens, nb| c.vnni.holds(tokens, nb);
-        Some(match ty {
-            GgmlType::Q4_K => PreparedGemm {
-                prepare,
-                holds,
-                matmul: gemm_kquant::matmul_prepared::<BlockQ4K>,
-            },
-            GgmlType::Q6_K => PreparedGemm {
-                prepare,
-                holds,
-                matmul: gemm_kquant::matmul_prepared::<BlockQ6K>,
-            },
-            _ => return None,
-        })
+        kquant_prepared(
+            ty,
+            gemm_kquant::prepare_chunk,
+            |c, tokens, nb| c.vnni.holds(tokens, nb),
+            [
+                gemm_kquant::matmul_prepared::<BlockQ4K>,
+                gemm_kquant::matmul_prepared::<BlockQ6K>,
+            ],
+        )
     }
 
     pub(crate) static AVX2: Kernels = Kernels {
@@ -598,21 +612,15 @@ mod x86_tables {
     /// The AMX tile prefill kernels over shared prepared activations.
     #[cfg(not(loom))]
     fn amx_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
-        let prepare = amx_kquant::prepare_chunk;
-        let holds = |c: &PreparedChunk, tokens, nb| c.amx.holds(tokens, nb);
-        Some(match ty {
-            GgmlType::Q4_K => PreparedGemm {
-                prepare,
-                holds,
-                matmul: amx_kquant::matmul_prepared::<BlockQ4K>,
-            },
-            GgmlType::Q6_K => PreparedGemm {
-                prepare,
-                holds,
-                matmul: amx_kquant::matmul_prepared::<BlockQ6K>,
-            },
-            _ => return None,
-        })
+        kquant_prepared(
+            ty,
+            amx_kquant::prepare_chunk,
+            |c, tokens, nb| c.amx.holds(tokens, nb),
+            [
+                amx_kquant::matmul_prepared::<BlockQ4K>,
+                amx_kquant::matmul_prepared::<BlockQ6K>,
+            ],
+        )
     }
 
     /// AVX-512 with the AMX tile kernels for the K-quant prefill.

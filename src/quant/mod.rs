@@ -444,10 +444,9 @@ pub struct ChunkFill {
     act_row_bytes: usize,
     #[cfg(target_arch = "x86_64")]
     blocks: usize,
+    /// The kernel the chunks are prepared for.
     #[cfg(target_arch = "x86_64")]
-    prepare: Option<unsafe fn(usize, &[u8], &mut PreparedChunk)>,
-    #[cfg(target_arch = "x86_64")]
-    chunk_holds: Option<fn(&PreparedChunk, usize, usize) -> bool>,
+    kernel: Option<dispatch::PreparedGemm>,
 }
 
 impl PreparedActs {
@@ -477,8 +476,7 @@ impl PreparedActs {
                 gemm_tokens,
                 act_row_bytes: shape.act_row_bytes,
                 blocks: shape.blocks,
-                prepare: Some(gemm.prepare),
-                chunk_holds: Some(gemm.holds),
+                kernel: Some(gemm),
             };
             self.chunks
                 .resize_with(gemm_tokens.div_ceil(chunk_tokens), PreparedChunk::default);
@@ -501,7 +499,7 @@ impl PreparedActs {
     fn holds(&self, n_tokens: usize, blocks: usize) -> bool {
         let gemm_tokens = n_tokens / TILE * TILE;
         let f = &self.fill;
-        let Some(chunk_holds) = f.chunk_holds else {
+        let Some(kernel) = f.kernel else {
             return false;
         };
         f.gemm_tokens == gemm_tokens
@@ -509,7 +507,7 @@ impl PreparedActs {
             && self.chunks.len() == gemm_tokens.div_ceil(f.chunk_tokens)
             && self.chunks.iter().enumerate().all(|(i, c)| {
                 let t0 = i * f.chunk_tokens;
-                chunk_holds(c, (t0 + f.chunk_tokens).min(gemm_tokens) - t0, blocks)
+                (kernel.holds)(c, (t0 + f.chunk_tokens).min(gemm_tokens) - t0, blocks)
             })
     }
 
@@ -530,14 +528,14 @@ impl ChunkFill {
     /// bad shape.
     pub fn fill(&self, index: usize, acts: &[u8], chunk: &mut PreparedChunk) {
         #[cfg(target_arch = "x86_64")]
-        if let Some(prepare) = self.prepare {
+        if let Some(kernel) = self.kernel {
             let t0 = index * self.chunk_tokens;
             let t1 = (t0 + self.chunk_tokens).min(self.gemm_tokens);
             if let Some(rows) = acts.get(t0 * self.act_row_bytes..t1 * self.act_row_bytes) {
-                // SAFETY: `prepare` is the active level's (supported by
+                // SAFETY: `kernel` is the active level's (supported by
                 // this CPU); `rows` are whole rows of `blocks` Q8_K
                 // blocks, an even number of them (a multiple of TILE).
-                unsafe { prepare(self.blocks, rows, chunk) };
+                unsafe { (kernel.prepare)(self.blocks, rows, chunk) };
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -923,38 +923,24 @@ fn amx_layouts_and_float_steps_give_vec_dots_bits() {
             unsafe { prepare_chunk(nb, c, &mut chunk) };
             chunks.push(chunk);
         }
+        type Own = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize);
+        type Shared = unsafe fn(usize, &[u8], usize, &[PreparedChunk], &mut [f32], usize);
+        let (with_own, with_shared): (Own, Shared) = match ty {
+            GgmlType::Q4_K => (
+                matmul_with::<BlockQ4K, ModelTiles>,
+                matmul_prepared_with::<BlockQ4K, ModelTiles>,
+            ),
+            _ => (
+                matmul_with::<BlockQ6K, ModelTiles>,
+                matmul_prepared_with::<BlockQ6K, ModelTiles>,
+            ),
+        };
         // SAFETY: AVX-512 is supported (checked above) and the model
         // tiles need nothing more; the buffers hold `rows` rows of `nb`
         // blocks and `tokens` activation rows.
         unsafe {
-            match ty {
-                GgmlType::Q4_K => {
-                    matmul_with::<BlockQ4K, ModelTiles>(
-                        nb, &w, rows, &acts, tokens, &mut own, rows,
-                    );
-                    matmul_prepared_with::<BlockQ4K, ModelTiles>(
-                        nb,
-                        &w,
-                        rows,
-                        &chunks,
-                        &mut shared,
-                        rows,
-                    );
-                }
-                _ => {
-                    matmul_with::<BlockQ6K, ModelTiles>(
-                        nb, &w, rows, &acts, tokens, &mut own, rows,
-                    );
-                    matmul_prepared_with::<BlockQ6K, ModelTiles>(
-                        nb,
-                        &w,
-                        rows,
-                        &chunks,
-                        &mut shared,
-                        rows,
-                    );
-                }
-            }
+            with_own(nb, &w, rows, &acts, tokens, &mut own, rows);
+            with_shared(nb, &w, rows, &chunks, &mut shared, rows);
         }
         let wb = ty.row_bytes(n).expect("whole");
         for r in 0..rows {
