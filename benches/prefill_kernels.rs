@@ -4,7 +4,9 @@
 //! runs (the figure least disturbed on a shared machine) as milliseconds,
 //! nanoseconds per output and 256 weights, and multiply-adds per second.
 //! `INFERD_SIMD=scalar|avx2|avx512` picks a level; `INFERD_BENCH_TOKENS=N`
-//! another token count (1 times the decode kernels on the same matrices).
+//! another token count (1 times the decode kernels on the same matrices);
+//! `INFERD_BENCH_ROWS=N` another row count (256 keeps a matrix in L2, so
+//! the kernel's own cost shows apart from memory's).
 //!
 //! Run: `cargo bench --bench prefill_kernels`
 
@@ -32,9 +34,14 @@ fn main() {
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&t| t > 0)
         .unwrap_or(DEFAULT_TOKENS);
-    // Short products take too little time for one run to be timed well.
-    let repeat = (DEFAULT_TOKENS / tokens).max(1);
+    let rows_override = std::env::var("INFERD_BENCH_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&r| r > 0);
     for &(ty, rows, n, name) in SHAPES {
+        let rows = rows_override.unwrap_or(rows);
+        // Short products take too little time for one run to be timed well.
+        let repeat = (DEFAULT_TOKENS * 8192 / (tokens * rows)).max(1);
         let w = weights(ty, rows, n);
         let acts = activations(ty, n, tokens);
         let mut out = vec![0.0f32; rows * tokens];
@@ -51,7 +58,7 @@ fn main() {
             .as_secs_f64();
         let outputs = (rows * tokens) as f64;
         eprintln!(
-            "{name} x {tokens} tokens: {:.1} ms, {:.3} ns per output and 256 weights, {:.1} G multiply-adds/s",
+            "{name}, {rows} rows x {tokens} tokens: {:.1} ms, {:.3} ns per output and 256 weights, {:.1} G multiply-adds/s",
             best * 1e3,
             best * 1e9 / (outputs * n as f64 / 256.0),
             outputs * n as f64 / best / 1e9

@@ -14,8 +14,8 @@ use half::f16;
 
 use super::avx2;
 use super::blocks::{
-    scales_mins_k4, BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1,
-    BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 // Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
@@ -501,23 +501,33 @@ unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
 
 /// The 8 integer lanes of a K-quant super-block's 8 runs of 32 unsigned
 /// quants (`q[c]`: runs `2c` and `2c + 1`) against the activation bytes
-/// `yq`, each run's byte pairs times its scales (`scale[c]`, i16 lanes laid
-/// out like the quants): llama.cpp's `maddubs` + `madd` lanes, summed over
-/// the runs. Integer sums are exact, so this equals the 256-bit form run by
-/// run; two runs share each 512-bit step.
+/// `yq`: llama.cpp's `maddubs` + `madd` lanes (lane `m` of run `r` is the
+/// sum of quants `4m..4m + 4` times their activations, times the run's
+/// scale for those quants), summed over the runs.
+///
+/// `vpdpbusd` forms each run's 8 four-quant sums at once (at most
+/// 4 * 63 * 128 in magnitude, so each fits 16 bits); the sums of runs `r`
+/// and `r + 2` share a 32-bit lane as its low and high word, and one
+/// `vpdpwssd` multiplies both by their scales and adds them. `scale[h]`
+/// holds those word pairs for runs `4h..4h + 4` (see [`k_pair_picks`]).
+/// Integer sums are exact, so the lanes equal the 256-bit form's run by run.
 ///
 /// # Safety
 /// See the file header; `yq` readable for 256 bytes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn k_run_lanes(q: &[__m512i; 4], scale: &[__m512i; 4], yq: *const i8) -> __m256i {
+unsafe fn k_run_lanes(q: &[__m512i; 4], scale: &[__m512i; 2], yq: *const i8) -> __m256i {
     // SAFETY: the body needs only what callers of this `unsafe fn` promise
     // (the file's rule above, and its `# Safety` section if it has one).
     unsafe {
         let mut runs = _mm512_setzero_si512();
-        for c in 0..4 {
-            let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
-            runs = _mm512_dpwssd_epi32(runs, _mm512_maddubs_epi16(q[c], y), scale[c]);
+        for h in 0..2 {
+            let y0 = _mm512_loadu_si512(yq.add(128 * h) as *const __m512i);
+            let y1 = _mm512_loadu_si512(yq.add(128 * h + 64) as *const __m512i);
+            let low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * h], y0);
+            let high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2 * h + 1], y1);
+            let both = _mm512_mask_blend_epi16(0xAAAA_AAAA, low, _mm512_slli_epi32(high, 16));
+            runs = _mm512_dpwssd_epi32(runs, both, scale[h]);
         }
         _mm256_add_epi32(
             _mm512_castsi512_si256(runs),
@@ -526,13 +536,87 @@ unsafe fn k_run_lanes(q: &[__m512i; 4], scale: &[__m512i; 4], yq: *const i8) -> 
     }
 }
 
-/// Q4_K × Q8_K tile with two runs of 32 quants per 512-bit step:
-/// `vpmaddubsw` forms the byte pairs and `vpdpwssd` scales them by their
-/// run's scale into the run's 8 lanes (the low 8 for the even run, the high
-/// 8 for the odd), and the two halves are added at the end. Integer sums are
-/// exact, so these are the 8 lanes of [`avx2::dot_q4_k_q8_k`] and the float
-/// steps that follow are its own: the same bits, with half the instructions
-/// per token.
+/// The word indices [`k_run_lanes`]'s scales are gathered by, from a
+/// super-block's scales as i16 words with `per_run` (1 or 2) scales per run
+/// of 32 quants: lane `l` (0..16) of pick `h` holds the scale of run
+/// `r = 4h + l / 8` for its four-quant sum `m = l % 8` as its low word and
+/// that of run `r + 2` as its high word.
+const fn k_pair_picks(per_run: usize) -> [[i16; 32]; 2] {
+    let mut picks = [[0i16; 32]; 2];
+    let mut h = 0;
+    while h < 2 {
+        let mut l = 0;
+        while l < 16 {
+            let (r, m) = (4 * h + l / 8, l % 8);
+            let within = m * (per_run - 1) / 4;
+            picks[h][2 * l] = (per_run * r + within) as i16;
+            picks[h][2 * l + 1] = (per_run * (r + 2) + within) as i16;
+            l += 1;
+        }
+        h += 1;
+    }
+    picks
+}
+
+/// [`k_pair_picks`] as vectors.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn load_picks(picks: &'static [[i16; 32]; 2]) -> [__m512i; 2] {
+    // SAFETY: 64 bytes each, unaligned loads.
+    picks
+        .each_ref()
+        .map(|w| unsafe { _mm512_loadu_si512(w.as_ptr() as *const __m512i) })
+}
+
+/// A Q4_K / Q5_K super-block's 8 six-bit scales (bytes 0..8) and 8 six-bit
+/// minimums (bytes 8..16), unpacked as [`super::blocks::scales_mins_k4`] does but in one
+/// vector: sub-blocks 0..4 keep the low 6 bits of the packed words 0
+/// (scales) and 1 (minimums); sub-blocks 4..8 take word 2's low or high
+/// nibbles, with the top two bits of words 0 or 1 above them.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn scales_mins_k4_x(x: &BlockQ4K) -> __m128i {
+    // SAFETY: the 12 scale bytes are followed by the quants in the same
+    // block, so 16 bytes from them are readable.
+    let words = unsafe { _mm_loadu_si128(x.scales.as_ptr() as *const __m128i) };
+    // Words [0, 2, 1, 2]: the low bits of each output, word 2 shifted by 4
+    // for the minimums' nibbles; [0, 0, 1, 1]: the top two bits, at bits 4, 5.
+    let low = _mm_srlv_epi32(
+        _mm_shuffle_epi32::<0b10_01_10_00>(words),
+        _mm_set_epi32(4, 0, 0, 0),
+    );
+    let top = _mm_srli_epi32::<2>(_mm_shuffle_epi32::<0b01_01_00_00>(words));
+    let from_low = _mm_set_epi32(0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f);
+    // Bits of `low` where `from_low` is set, of `top` elsewhere.
+    let joined = _mm_ternarylogic_epi32::<0xCA>(from_low, low, top);
+    _mm_and_si128(joined, _mm_set1_epi8(0x3f))
+}
+
+/// A K-quant super-block's two f16 scales lying side by side at `p`, as
+/// the low two f32 lanes.
+///
+/// # Safety
+/// See the file header; `p` readable for 4 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn f16_pair(p: *const u8) -> __m128 {
+    // SAFETY: the caller promises 4 readable bytes.
+    let bits = unsafe { (p as *const i32).read_unaligned() };
+    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
+}
+
+/// Q4_K × Q8_K tile: [`k_run_lanes`] forms the 8 integer lanes of
+/// [`avx2::dot_q4_k_q8_k`] (integer sums are exact, whatever the order),
+/// and the float steps that follow are that kernel's own: the same bits,
+/// with fewer instructions per token. The scales and minimums are unpacked
+/// in one vector and the two f16 scales converted together, as one-token
+/// decode pays that per row and super-block.
 ///
 /// # Safety
 /// See the file header.
@@ -548,34 +632,33 @@ pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
         let w = w as *const BlockQ4K;
         let a = a.map(|p| p as *const BlockQ8K);
         let mask = _mm512_set1_epi8(0x0F);
-        // Lanes 0..16 pick scale 2c, lanes 16..32 scale 2c + 1.
-        let pick = [0i16, 1, 2, 3].map(|c| {
-            _mm512_inserti64x4::<1>(_mm512_set1_epi16(2 * c), _mm256_set1_epi16(2 * c + 1))
-        });
+        // One scale per run of 32 quants.
+        let pick = load_picks(&const { k_pair_picks(1) });
         let mut acc = [_mm256_setzero_ps(); NT];
         let mut acc_min = [_mm_setzero_ps(); NT];
         for b in 0..nb {
             let x = &*w.add(b);
-            let (sc, mn) = scales_mins_k4(&x.scales);
-            let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
-            let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(
-                sc.as_ptr() as *const __m128i
-            )));
-            let mut q = [_mm512_setzero_si512(); 4];
-            let mut scale = [_mm512_setzero_si512(); 4];
-            for c in 0..4 {
+            let scales_mins = scales_mins_k4_x(x);
+            let mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(scales_mins, scales_mins));
+            let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(scales_mins));
+            let q = [0, 1, 2, 3].map(|c| {
                 let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
-                q[c] = _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask);
-                scale[c] = _mm512_permutexvar_epi16(pick[c], scales);
-            }
-            let (xd, xdmin) = (x.d(), x.dmin());
+                _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask)
+            });
+            let scale = pick.map(|p| _mm512_permutexvar_epi16(p, scales));
+            // [d, -dmin]: `-(y.d * dmin)` and `y.d * -dmin` are the same bits.
+            let d_dmin = _mm_xor_ps(f16_pair(x.d.as_ptr()), _mm_set_ps(0.0, 0.0, -0.0, 0.0));
             for t in 0..NT {
                 let y = &*a[t].add(b);
+                let scaled = _mm_mul_ps(_mm_set1_ps(y.d()), d_dmin);
                 let m = _mm_cvtepi32_ps(avx2::k4_min_lanes(mins, y));
-                acc_min[t] = _mm_fmadd_ps(_mm_set1_ps(-y.d() * xdmin), m, acc_min[t]);
+                acc_min[t] = _mm_fmadd_ps(_mm_permute_ps::<0b01_01_01_01>(scaled), m, acc_min[t]);
                 let sumi = k_run_lanes(&q, &scale, y.qs.as_ptr() as *const i8);
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(scaled),
+                    _mm256_cvtepi32_ps(sumi),
+                    acc[t],
+                );
             }
         }
         let mut out = [0.0f32; NT];
@@ -602,15 +685,8 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
     unsafe {
         let w = w as *const BlockQ6K;
         let a = a.map(|p| p as *const BlockQ8K);
-        // Each 128-bit quarter `k` of pick `c` selects scale `4c + k`: the
-        // scales of runs 2c and 2c + 1, 16 quants each, as the quants lie.
-        let pick = [0i16, 1, 2, 3].map(|c| {
-            let quarter = |k: i16| _mm_set1_epi16(4 * c + k);
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set_m128i(quarter(1), quarter(0))),
-                _mm256_set_m128i(quarter(3), quarter(2)),
-            )
-        });
+        // Two scales per run, one per 16 quants (four lanes).
+        let pick = load_picks(&const { k_pair_picks(2) });
         let mut acc = [_mm256_setzero_ps(); NT];
         for b in 0..nb {
             let x = &*w.add(b);
