@@ -611,6 +611,47 @@ unsafe fn f16_pair(p: *const u8) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
 }
 
+/// A Q6_K super-block's 8 runs of 32 quants without the -32 offset (0..64),
+/// two runs per vector as [`k_run_lanes`] takes them: `out[2h]` holds runs
+/// `4h` and `4h + 1`, `out[2h + 1]` runs `4h + 2` and `4h + 3`. Run `4h + k`
+/// takes its low nibbles from `ql[64h..64h + 64]` (the low or high nibble
+/// of its half) and its top two bits from `qh[32h..32h + 32]` at bit `2k`;
+/// both halves of a vector share the `qh` bytes, so one variable shift per
+/// word moves each half's two bits to bits 4 and 5.
+///
+/// # Safety
+/// See the file header.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn q6k_runs_x(x: &BlockQ6K) -> [__m512i; 4] {
+    // SAFETY: `ql` holds 128 bytes and `qh` 64, read in range below.
+    unsafe {
+        let nibble = _mm512_set1_epi8(0x0F);
+        let top = _mm512_set1_epi8(0x30);
+        // Per 16-bit word, low half then high half: runs 4h, 4h + 1 take qh
+        // bits 0-1 and 2-3 (shifted left by 4 and 2), runs 4h + 2, 4h + 3 bits
+        // 4-5 and 6-7 (right by 0 and 2). Bits a shift carries across the
+        // word's two bytes land outside 0x30.
+        let left = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+        let right = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
+        let mut out = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            let low = _mm512_loadu_si512(x.ql.as_ptr().add(64 * h) as *const __m512i);
+            let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                x.qh.as_ptr().add(32 * h) as *const __m256i
+            ));
+            let top_even = _mm512_and_si512(_mm512_sllv_epi16(high, left), top);
+            let top_odd = _mm512_and_si512(_mm512_srlv_epi16(high, right), top);
+            // 0xCA: bits of the second operand where the first is set, of the
+            // third elsewhere.
+            out[2 * h] = _mm512_ternarylogic_epi32::<0xCA>(nibble, low, top_even);
+            out[2 * h + 1] =
+                _mm512_ternarylogic_epi32::<0xCA>(nibble, _mm512_srli_epi16::<4>(low), top_odd);
+        }
+        out
+    }
+}
+
 /// Q4_K × Q8_K tile: [`k_run_lanes`] forms the 8 integer lanes of
 /// [`avx2::dot_q4_k_q8_k`] (integer sums are exact, whatever the order),
 /// and the float steps that follow are that kernel's own: the same bits,
@@ -690,8 +731,8 @@ pub(crate) unsafe fn dot_q6_k_q8_k<const NT: usize>(
         let mut acc = [_mm256_setzero_ps(); NT];
         for b in 0..nb {
             let x = &*w.add(b);
-            let (q, _, sc16) = avx2::q6k_runs(x);
-            let q = [0, 1, 2, 3].map(|c| join(q[2 * c], q[2 * c + 1]));
+            let q = q6k_runs_x(x);
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.scales.as_ptr() as *const __m128i));
             let scales = _mm512_castsi256_si512(sc16);
             let sc = pick.map(|p| _mm512_permutexvar_epi16(p, scales));
             let xd = x.d();
