@@ -571,11 +571,11 @@ unsafe fn load_picks(picks: &'static [[i16; 32]; 2]) -> [__m512i; 2] {
         .map(|w| unsafe { _mm512_loadu_si512(w.as_ptr() as *const __m512i) })
 }
 
-/// A Q4_K / Q5_K super-block's 8 six-bit scales (bytes 0..8) and 8 six-bit
-/// minimums (bytes 8..16), unpacked as [`super::blocks::scales_mins_k4`] does but in one
-/// vector: sub-blocks 0..4 keep the low 6 bits of the packed words 0
-/// (scales) and 1 (minimums); sub-blocks 4..8 take word 2's low or high
-/// nibbles, with the top two bits of words 0 or 1 above them.
+/// A Q4_K super-block's 8 six-bit scales (bytes 0..8) and 8 six-bit
+/// minimums (bytes 8..16), unpacked as [`super::blocks::scales_mins_k4`]
+/// does but in one vector: sub-blocks 0..4 keep the low 6 bits of the
+/// packed words 0 (scales) and 1 (minimums); sub-blocks 4..8 take word 2's
+/// low or high nibbles, with the top two bits of words 0 or 1 above them.
 ///
 /// # Safety
 /// See the file header.
