@@ -1,8 +1,9 @@
 //! Prompt-sized matrix products on one thread: the Llama-3.2-1B shapes
 //! (hidden 2048, FFN 8192) at 512 tokens, the work of a prefill chunk, in
-//! each format a Q4_K_M or Q8_0 file stores them. Prints the best of a few
-//! runs (the figure least disturbed on a shared machine) as milliseconds,
-//! nanoseconds per output and 256 weights, and multiply-adds per second.
+//! each format a Q4_K_M, Q5_K_M or Q8_0 file stores them. Prints the best
+//! of a few runs (the figure least disturbed on a shared machine) as
+//! milliseconds, nanoseconds per output and 256 weights, and multiply-adds
+//! per second.
 //! `INFERD_SIMD=scalar|avx2|avx512` picks a level; `INFERD_BENCH_TOKENS=N`
 //! another token count (1 times the decode kernels on the same matrices);
 //! `INFERD_BENCH_ROWS=N` another row count (256 keeps a matrix in L2, so
@@ -24,6 +25,12 @@ const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
     (GgmlType::Q4_K, 8192, 2048, "q4_k 8192x2048 (gate, up)"),
     (GgmlType::Q4_K, 2048, 8192, "q4_k 2048x8192 (down)"),
     (GgmlType::Q6_K, 2048, 8192, "q6_k 2048x8192 (down)"),
+    (
+        GgmlType::Q5_K,
+        8192,
+        2048,
+        "q5_k 8192x2048 (gate, up in Q5_K_M)",
+    ),
     (GgmlType::Q8_0, 8192, 2048, "q8_0 8192x2048 (gate, up)"),
 ];
 

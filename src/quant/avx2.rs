@@ -446,7 +446,7 @@ pub(crate) unsafe fn hsum4_ps(v: __m128) -> f32 {
 /// AVX2 must be available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4_epi32(v: __m128i) -> i32 {
+pub(crate) unsafe fn hsum4_epi32(v: __m128i) -> i32 {
     let s = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
     _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01)))
 }

@@ -14,8 +14,8 @@ use half::f16;
 
 use super::avx2;
 use super::blocks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
+    BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
 };
 
 // Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
@@ -571,20 +571,21 @@ unsafe fn load_picks(picks: &'static [[i16; 32]; 2]) -> [__m512i; 2] {
         .map(|w| unsafe { _mm512_loadu_si512(w.as_ptr() as *const __m512i) })
 }
 
-/// A Q4_K super-block's 8 six-bit scales (bytes 0..8) and 8 six-bit
-/// minimums (bytes 8..16), unpacked as [`super::blocks::scales_mins_k4`]
-/// does but in one vector: sub-blocks 0..4 keep the low 6 bits of the
-/// packed words 0 (scales) and 1 (minimums); sub-blocks 4..8 take word 2's
-/// low or high nibbles, with the top two bits of words 0 or 1 above them.
+/// A Q4_K or Q5_K super-block's 8 six-bit scales (bytes 0..8) and 8
+/// six-bit minimums (bytes 8..16) from its 12 packed bytes at `scales`,
+/// unpacked as [`super::blocks::scales_mins_k4`] does but in one vector:
+/// sub-blocks 0..4 keep the low 6 bits of the packed words 0 (scales) and
+/// 1 (minimums); sub-blocks 4..8 take word 2's low or high nibbles, with
+/// the top two bits of words 0 or 1 above them.
 ///
 /// # Safety
-/// See the file header.
+/// See the file header; 16 bytes readable at `scales` (in both formats the
+/// block goes on after the 12).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn scales_mins_k4_x(x: &BlockQ4K) -> __m128i {
-    // SAFETY: the 12 scale bytes are followed by the quants in the same
-    // block, so 16 bytes from them are readable.
-    let words = unsafe { _mm_loadu_si128(x.scales.as_ptr() as *const __m128i) };
+unsafe fn scales_mins_k4_x(scales: *const u8) -> __m128i {
+    // SAFETY: the caller promises 16 readable bytes.
+    let words = unsafe { _mm_loadu_si128(scales as *const __m128i) };
     // Words [0, 2, 1, 2]: the low bits of each output, word 2 shifted by 4
     // for the minimums' nibbles; [0, 0, 1, 1]: the top two bits, at bits 4, 5.
     let low = _mm_srlv_epi32(
@@ -679,7 +680,7 @@ pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
         let mut acc_min = [_mm_setzero_ps(); NT];
         for b in 0..nb {
             let x = &*w.add(b);
-            let scales_mins = scales_mins_k4_x(x);
+            let scales_mins = scales_mins_k4_x(x.scales.as_ptr());
             let mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(scales_mins, scales_mins));
             let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(scales_mins));
             let q = [0, 1, 2, 3].map(|c| {
@@ -705,6 +706,75 @@ pub(crate) unsafe fn dot_q4_k_q8_k<const NT: usize>(
         let mut out = [0.0f32; NT];
         for t in 0..NT {
             out[t] = avx2::hsum_ps(acc[t]) + avx2::hsum4_ps(acc_min[t]);
+        }
+        out
+    }
+}
+
+/// Q5_K × Q8_K tile: [`avx2::dot_q5_k_q8_k`]'s lanes and float steps
+/// (its minimum term summed in integers and added as one scalar per
+/// super-block), the runs two at a time through [`k_run_lanes`]. A run's
+/// fifth bits are bit `r` of the 32 `qh` bytes; both halves of a vector
+/// read the same `qh` bytes, so one variable shift per 16-bit word brings
+/// each half's bit to bit 4 (from `qh` shifted left by 4 for bits 0-3).
+///
+/// # Safety
+/// See the file header.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_k_q8_k<const NT: usize>(
+    nb: usize,
+    w: *const u8,
+    a: [*const u8; NT],
+) -> [f32; NT] {
+    // SAFETY: the body needs only what callers of this `unsafe fn` promise
+    // (the file's rule above, and its `# Safety` section if it has one).
+    unsafe {
+        let w = w as *const BlockQ5K;
+        let a = a.map(|p| p as *const BlockQ8K);
+        let mask = _mm512_set1_epi8(0x0F);
+        let fifth = _mm512_set1_epi8(0x10);
+        // Right shifts of runs 2c (low half) and 2c + 1 (high half): bits
+        // 0..4 from `qh << 4`, bits 4..8 from `qh`. Bits a shift carries
+        // across a word's two bytes land away from bit 4.
+        let counts = [0i16, 2]
+            .map(|k| _mm512_inserti64x4::<1>(_mm512_set1_epi16(k), _mm256_set1_epi16(k + 1)));
+        let pick = load_picks(&const { k_pair_picks(1) });
+        let mut acc = [_mm256_setzero_ps(); NT];
+        let mut acc_min = [0.0f32; NT];
+        for b in 0..nb {
+            let x = &*w.add(b);
+            let scales_mins = scales_mins_k4_x(x.scales.as_ptr());
+            let mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(scales_mins, scales_mins));
+            let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(scales_mins));
+            let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.qh.as_ptr() as *const __m256i));
+            let high_up = _mm512_slli_epi16::<4>(high);
+            let q = [0, 1, 2, 3].map(|c| {
+                let bits = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c) as *const __m256i);
+                let low = _mm512_and_si512(join(bits, _mm256_srli_epi16(bits, 4)), mask);
+                let from = if c < 2 { high_up } else { high };
+                let top = _mm512_srlv_epi16(from, counts[c % 2]);
+                // 0xCA: bits of the second operand where the first is set,
+                // of the third elsewhere.
+                _mm512_ternarylogic_epi32::<0xCA>(fifth, top, low)
+            });
+            let scale = pick.map(|p| _mm512_permutexvar_epi16(p, scales));
+            let d_dmin = f16_pair(x.d.as_ptr());
+            let (xd, xdmin) = (
+                _mm_cvtss_f32(d_dmin),
+                _mm_cvtss_f32(_mm_movehdup_ps(d_dmin)),
+            );
+            for t in 0..NT {
+                let y = &*a[t].add(b);
+                let summ = avx2::hsum4_epi32(avx2::k4_min_lanes(mins, y));
+                acc_min[t] = (-y.d() * xdmin).mul_add(summ as f32, acc_min[t]);
+                let sumi = k_run_lanes(&q, &scale, y.qs.as_ptr() as *const i8);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(y.d() * xd), _mm256_cvtepi32_ps(sumi), acc[t]);
+            }
+        }
+        let mut out = [0.0f32; NT];
+        for t in 0..NT {
+            out[t] = avx2::hsum_ps(acc[t]) + acc_min[t];
         }
         out
     }

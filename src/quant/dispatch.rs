@@ -643,7 +643,7 @@ mod x86_tables {
         q2_k: dot_kernel!(avx2::dot_q2_k_q8_k),
         q3_k: dot_kernel!(avx2::dot_q3_k_q8_k),
         q4_k: dot_kernel!(avx512::dot_q4_k_q8_k),
-        q5_k: dot_kernel!(avx2::dot_q5_k_q8_k),
+        q5_k: dot_kernel!(avx512::dot_q5_k_q8_k),
         q6_k: dot_kernel!(avx512::dot_q6_k_q8_k),
         iq4_xs: dot_kernel!(avx512::dot_iq4_xs_q8_k),
         f16: dot_kernel!(avx512_f16),
