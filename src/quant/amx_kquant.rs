@@ -1,4 +1,5 @@
-//! Q4_K and Q6_K × Q8_K prefill on AMX tiles, with the bits of `vec_dot`.
+//! Q4_K, Q5_K, Q6_K and IQ4_XS × Q8_K prefill on AMX tiles, with the
+//! bits of `vec_dot`.
 //!
 //! `vec_dot`'s lane `j` of a super-block is the exact integer
 //! `Σ_r Σ_i w(r, 4j + i) · a(32r + 4j + i)` over the 8 runs `r` of 32
@@ -11,8 +12,8 @@
 //! scaled quants of the lane (four per run), B each token's 32 activations
 //! of it (row `r` of B is run `r`).
 //!
-//! A scaled quant does not fit a byte (Q4_K up to 63 · 15, Q6_K from
-//! -128 · 63 to 127 · 63), so it is split: `w = 256 · hi + lo` with `lo`
+//! A scaled quant does not fit a byte (Q4_K up to 63 · 15, Q5_K 63 · 31,
+//! Q6_K from -128 · 63 to 127 · 63, IQ4_XS -127 · -32), so it is split: `w = 256 · hi + lo` with `lo`
 //! the low byte (unsigned) and `hi` the rest (signed, at most 5 bits and
 //! the sign); `tdpbusd` forms `Σ lo · a` and `tdpbssd` `Σ hi · a`, and
 //! the lane is `256 · Σ hi · a + Σ lo · a`, exact in 32 bits. The weights
@@ -32,8 +33,8 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::amx::{self, TileConfig};
-use super::avx2::q6k_runs;
-use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ6K, BlockQ8K};
+use super::avx2::{iq4_values, q6k_runs};
+use super::blocks::{scales_mins_k4, BlockIQ4XS, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
 use super::PreparedChunk;
 
@@ -54,9 +55,9 @@ pub(crate) struct RowTile {
     /// The same, the high parts (signed).
     hi: [[u8; ROWS * DEPTH]; 8],
     d: [f32; ROWS],
-    /// Q4_K: each row's minimum scale.
+    /// Q4_K and Q5_K: each row's minimum scale.
     dmin: [f32; ROWS],
-    /// Q4_K: per minimum lane `k`, each row's minimums of sub-blocks
+    /// Q4_K and Q5_K: per minimum lane `k`, each row's minimums of sub-blocks
     /// `2k` (low half) and `2k + 1` (high half) as 16-bit values.
     mins: [[u32; ROWS]; 4],
     /// Q6_K: per lane `j`, each row's scales of the 16-quant groups `2j`
@@ -73,7 +74,7 @@ pub(crate) struct TokenTile {
     b: [[u8; 8 * 64]; 8],
     d: [f32; TOKENS],
     neg_d: [f32; TOKENS],
-    /// Q4_K: per minimum lane `k`, token `n`'s activation sums of
+    /// Q4_K and Q5_K: per minimum lane `k`, token `n`'s activation sums of
     /// sub-blocks `2k` and `2k + 1` at `2n` and `2n + 1`.
     sub_sums: [[i16; 2 * TOKENS]; 4],
     /// Q6_K: per lane `j`, token `n`'s sums of the 16-quant groups `2j`
@@ -119,10 +120,26 @@ impl TokenTiles {
     }
 }
 
+/// How a format's `vec_dot` adds the part of each quant's value that is
+/// not its scaled quant.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MinTerm {
+    /// IQ4_XS: nothing (its grid values are signed).
+    None,
+    /// Q6_K: the `-32` offset, inside the lanes.
+    Offset,
+    /// Q4_K: the minimums, in 4 float lanes of their own (`hsum4` at the
+    /// end).
+    Lanes,
+    /// Q5_K: the minimums summed exactly per super-block and fused into
+    /// one float.
+    Scalar,
+}
+
 /// A K-quant format the kernel handles.
 pub(crate) trait KScaled: bytemuck::Pod {
-    /// Q4_K's minimum term rather than Q6_K's offset.
-    const HAS_MIN: bool;
+    /// How its `vec_dot` adds the minimums or the offset.
+    const MIN: MinTerm;
     /// Writes this super-block as row `m` of `rt`.
     ///
     /// # Safety
@@ -130,8 +147,8 @@ pub(crate) trait KScaled: bytemuck::Pod {
     unsafe fn unpack(&self, rt: &mut RowTile, m: usize);
 }
 
-/// Writes the 8 runs of row `m` of a super-block (32 unsigned quants
-/// each) times `scale(r)` (each quant's scale as 16-bit lanes) into `rt`'s
+/// Writes the 8 runs of row `m` of a super-block (32 quants each,
+/// unsigned or, with `signed`, signed) times `scale(r)` (each quant's scale as 16-bit lanes) into `rt`'s
 /// lane operands: each run's scaled quants split into low and high bytes,
 /// then the four-byte groups transposed so that lane `j` gathers group `j`
 /// of every run.
@@ -144,13 +161,20 @@ unsafe fn put_runs(
     rt: &mut RowTile,
     m: usize,
     runs: &[__m256i; 8],
+    signed: bool,
     scale: impl Fn(usize) -> __m512i,
 ) {
     let mut lo = [_mm256_setzero_si256(); 8];
     let mut hi = [_mm256_setzero_si256(); 8];
     for r in 0..8 {
-        // Exact in 16 bits: at most 63 · 15 (Q4_K) and 128 · 63 (Q6_K).
-        let w = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(runs[r]), scale(r));
+        // Exact in 16 bits: at most 63 · 15 (Q4_K), 63 · 31 (Q5_K),
+        // 128 · 63 (Q6_K) and 127 · 32 (IQ4_XS).
+        let quants = if signed {
+            _mm512_cvtepi8_epi16(runs[r])
+        } else {
+            _mm512_cvtepu8_epi16(runs[r])
+        };
+        let w = _mm512_mullo_epi16(quants, scale(r));
         lo[r] = _mm512_cvtepi16_epi8(w);
         hi[r] = _mm512_cvtepi16_epi8(_mm512_srai_epi16::<8>(w));
     }
@@ -208,7 +232,7 @@ fn pair16(low: i32, high: i32) -> u32 {
 }
 
 impl KScaled for BlockQ4K {
-    const HAS_MIN: bool = true;
+    const MIN: MinTerm = MinTerm::Lanes;
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack(&self, rt: &mut RowTile, m: usize) {
         let mask = _mm256_set1_epi8(0x0F);
@@ -225,7 +249,43 @@ impl KScaled for BlockQ4K {
         });
         let (sc, mn) = scales_mins_k4(&self.scales);
         // SAFETY: the caller promises the features.
-        unsafe { put_runs(rt, m, &runs, |r| _mm512_set1_epi16(sc[r] as i16)) };
+        unsafe { put_runs(rt, m, &runs, false, |r| _mm512_set1_epi16(sc[r] as i16)) };
+        rt.d[m] = self.d();
+        rt.dmin[m] = self.dmin();
+        for k in 0..4 {
+            rt.mins[k][m] = pair16(mn[2 * k] as i32, mn[2 * k + 1] as i32);
+        }
+    }
+}
+
+impl KScaled for BlockQ5K {
+    const MIN: MinTerm = MinTerm::Scalar;
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn unpack(&self, rt: &mut RowTile, m: usize) {
+        let mask = _mm256_set1_epi8(0x0F);
+        let one = _mm256_set1_epi8(1);
+        // SAFETY: `qh` holds 32 bytes.
+        let qh = unsafe { _mm256_loadu_si256(self.qh.as_ptr() as *const __m256i) };
+        let runs: [__m256i; 8] = std::array::from_fn(|r| {
+            // SAFETY: `qs` holds 128 bytes: run `r` is chunk `r / 2`'s
+            // low (even `r`) or high nibbles, as in Q4_K.
+            let bits =
+                unsafe { _mm256_loadu_si256(self.qs.as_ptr().add(32 * (r / 2)) as *const __m256i) };
+            let low = if r % 2 == 0 {
+                _mm256_and_si256(bits, mask)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask)
+            };
+            // Element `l`'s fifth bit is bit `r` of `qh[l]`: shifted down
+            // within each 16-bit word, each byte's own bit `r` lands in
+            // its bit 0, then moves to bit 4.
+            let shift = _mm_cvtsi32_si128(r as i32);
+            let fifth = _mm256_and_si256(_mm256_srl_epi16(qh, shift), one);
+            _mm256_or_si256(low, _mm256_slli_epi16::<4>(fifth))
+        });
+        let (sc, mn) = scales_mins_k4(&self.scales);
+        // SAFETY: the caller promises the features.
+        unsafe { put_runs(rt, m, &runs, false, |r| _mm512_set1_epi16(sc[r] as i16)) };
         rt.d[m] = self.d();
         rt.dmin[m] = self.dmin();
         for k in 0..4 {
@@ -235,7 +295,7 @@ impl KScaled for BlockQ4K {
 }
 
 impl KScaled for BlockQ6K {
-    const HAS_MIN: bool = false;
+    const MIN: MinTerm = MinTerm::Offset;
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack(&self, rt: &mut RowTile, m: usize) {
         // The unsigned quants (0..64), as `vec_dot` multiplies them; the
@@ -251,11 +311,29 @@ impl KScaled for BlockQ6K {
             )
         };
         // SAFETY: the caller promises the features.
-        unsafe { put_runs(rt, m, &runs, scale) };
+        unsafe { put_runs(rt, m, &runs, false, scale) };
         rt.d[m] = self.d();
         for j in 0..8 {
             rt.scales[j][m] = pair16(sc[2 * j] as i32, sc[2 * j + 1] as i32);
         }
+    }
+}
+
+impl KScaled for BlockIQ4XS {
+    const MIN: MinTerm = MinTerm::None;
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn unpack(&self, rt: &mut RowTile, m: usize) {
+        // SAFETY: `qs` holds 128 bytes, 16 per run; the caller promises
+        // the features.
+        let runs: [__m256i; 8] =
+            std::array::from_fn(|r| unsafe { iq4_values(self.qs.as_ptr().add(16 * r)) });
+        // SAFETY: the caller promises the features.
+        unsafe {
+            put_runs(rt, m, &runs, true, |r| {
+                _mm512_set1_epi16(self.scale(r) as i16)
+            })
+        };
+        rt.d[m] = self.d();
     }
 }
 
@@ -590,8 +668,9 @@ unsafe fn products<'c, K: KScaled, T: TileProducts>(
 
 /// One tile of rows times one tile of tokens over every super-block: the
 /// lanes' float accumulators in `lanes.acc` and `lanes.acc_min`, then
-/// each output (`hsum8` of the lanes, plus `hsum4` of the minimum lanes,
-/// each token's the same operations in one vector) in `lanes.sums`.
+/// each output (`hsum8` of the lanes, plus `hsum4` of the minimum lanes
+/// for Q4_K or the one minimum sum for Q5_K, each token's the same
+/// operations in one vector) in `lanes.sums`.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and DQ; `T::begin` must have run.
@@ -626,7 +705,7 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
                     let lo = _mm512_loadu_si512(c_lo[j][m * TOKENS..].as_ptr() as *const __m512i);
                     let hi = _mm512_loadu_si512(c_hi[j][m * TOKENS..].as_ptr() as *const __m512i);
                     let mut lane = _mm512_add_epi32(_mm512_slli_epi32::<8>(hi), lo);
-                    if !K::HAS_MIN {
+                    if K::MIN == MinTerm::Offset {
                         let sums = _mm512_loadu_si512(tt.group_sums[j].as_ptr() as *const __m512i);
                         let scaled =
                             _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.scales[j][m] as i32));
@@ -638,16 +717,32 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
                         _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lane), _mm512_loadu_ps(a)),
                     );
                 }
-                if K::HAS_MIN {
+                if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
                     // `-y.d() * x.dmin()`.
                     let dm = _mm512_mul_ps(neg_dy, _mm512_set1_ps(rt.dmin[m]));
-                    for (k, acc_min) in acc_min[m].iter_mut().enumerate() {
+                    let mins: [__m512i; 4] = std::array::from_fn(|k| {
                         let sums = _mm512_loadu_si512(tt.sub_sums[k].as_ptr() as *const __m512i);
-                        let mins = _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.mins[k][m] as i32));
-                        let a = acc_min.as_mut_ptr();
+                        _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.mins[k][m] as i32))
+                    });
+                    if K::MIN == MinTerm::Lanes {
+                        for (acc_min, mins) in acc_min[m].iter_mut().zip(mins) {
+                            let a = acc_min.as_mut_ptr();
+                            _mm512_storeu_ps(
+                                a,
+                                _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(mins), _mm512_loadu_ps(a)),
+                            );
+                        }
+                    } else {
+                        // The exact sum of the four, then one step (in
+                        // minimum lane 0).
+                        let sum = _mm512_add_epi32(
+                            _mm512_add_epi32(mins[0], mins[1]),
+                            _mm512_add_epi32(mins[2], mins[3]),
+                        );
+                        let a = acc_min[m][0].as_mut_ptr();
                         _mm512_storeu_ps(
                             a,
-                            _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(mins), _mm512_loadu_ps(a)),
+                            _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(sum), _mm512_loadu_ps(a)),
                         );
                     }
                 }
@@ -658,12 +753,16 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
             // `hsum8`: lanes `j` and `j + 4` first, then `(0 + 2) + (1 + 3)`.
             let r: [__m512; 4] = std::array::from_fn(|j| _mm512_add_ps(l[j], l[j + 4]));
             let mut v = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
-            if K::HAS_MIN {
-                // `hsum4`: `(0 + 2) + (1 + 3)`.
-                let n: [__m512; 4] =
-                    std::array::from_fn(|k| _mm512_loadu_ps(acc_min[m][k].as_ptr()));
-                let mins = _mm512_add_ps(_mm512_add_ps(n[0], n[2]), _mm512_add_ps(n[1], n[3]));
-                v = _mm512_add_ps(v, mins);
+            match K::MIN {
+                MinTerm::None | MinTerm::Offset => {}
+                MinTerm::Lanes => {
+                    // `hsum4`: `(0 + 2) + (1 + 3)`.
+                    let n: [__m512; 4] =
+                        std::array::from_fn(|k| _mm512_loadu_ps(acc_min[m][k].as_ptr()));
+                    let mins = _mm512_add_ps(_mm512_add_ps(n[0], n[2]), _mm512_add_ps(n[1], n[3]));
+                    v = _mm512_add_ps(v, mins);
+                }
+                MinTerm::Scalar => v = _mm512_add_ps(v, _mm512_loadu_ps(acc_min[m][0].as_ptr())),
             }
             _mm512_storeu_ps(sums[m].as_mut_ptr(), v);
         }

@@ -530,19 +530,15 @@ mod x86_tables {
         })
     }
 
-    /// A Q4_K / Q6_K kernel pair over shared prepared activations, as the
-    /// entry for `ty`.
+    /// The entry for `ty` among a level's kernels over shared prepared
+    /// activations (`kernels`: each format it has one for).
     fn kquant_prepared(
         ty: GgmlType,
         prepare: unsafe fn(usize, &[u8], &mut PreparedChunk),
         holds: fn(&PreparedChunk, usize, usize) -> bool,
-        [q4_k, q6_k]: [PreparedGemmFn; 2],
+        kernels: &[(GgmlType, PreparedGemmFn)],
     ) -> Option<PreparedGemm> {
-        let matmul = match ty {
-            GgmlType::Q4_K => q4_k,
-            GgmlType::Q6_K => q6_k,
-            _ => return None,
-        };
+        let matmul = kernels.iter().find(|(t, _)| *t == ty)?.1;
         Some(PreparedGemm {
             prepare,
             holds,
@@ -557,9 +553,9 @@ mod x86_tables {
             ty,
             gemm_kquant::prepare_chunk,
             |c, tokens, nb| c.vnni.holds(tokens, nb),
-            [
-                gemm_kquant::matmul_prepared::<BlockQ4K>,
-                gemm_kquant::matmul_prepared::<BlockQ6K>,
+            &[
+                (GgmlType::Q4_K, gemm_kquant::matmul_prepared::<BlockQ4K>),
+                (GgmlType::Q6_K, gemm_kquant::matmul_prepared::<BlockQ6K>),
             ],
         )
     }
@@ -598,12 +594,14 @@ mod x86_tables {
 
     pub(crate) static AVX512: Kernels = AVX512_TABLE;
 
-    /// The AMX tile prefill kernels for Q4_K and Q6_K; the AVX-512 ones
-    /// for the rest.
+    /// The AMX tile prefill kernels for Q4_K, Q5_K, Q6_K and IQ4_XS; the
+    /// AVX-512 ones for the rest.
     #[cfg(not(loom))]
     fn amx_gemm(ty: GgmlType) -> Option<GemmFn> {
         match ty {
             GgmlType::Q4_K => Some(amx_kquant::matmul::<BlockQ4K>),
+            GgmlType::Q5_K => Some(amx_kquant::matmul::<BlockQ5K>),
+            GgmlType::IQ4_XS => Some(amx_kquant::matmul::<BlockIQ4XS>),
             GgmlType::Q6_K => Some(amx_kquant::matmul::<BlockQ6K>),
             _ => avx512_gemm(ty),
         }
@@ -616,14 +614,17 @@ mod x86_tables {
             ty,
             amx_kquant::prepare_chunk,
             |c, tokens, nb| c.amx.holds(tokens, nb),
-            [
-                amx_kquant::matmul_prepared::<BlockQ4K>,
-                amx_kquant::matmul_prepared::<BlockQ6K>,
+            &[
+                (GgmlType::Q4_K, amx_kquant::matmul_prepared::<BlockQ4K>),
+                (GgmlType::Q5_K, amx_kquant::matmul_prepared::<BlockQ5K>),
+                (GgmlType::Q6_K, amx_kquant::matmul_prepared::<BlockQ6K>),
+                (GgmlType::IQ4_XS, amx_kquant::matmul_prepared::<BlockIQ4XS>),
             ],
         )
     }
 
-    /// AVX-512 with the AMX tile kernels for the K-quant prefill.
+    /// AVX-512 with the AMX tile kernels for the Q4_K, Q5_K, Q6_K and
+    /// IQ4_XS prefill.
     #[cfg(not(loom))]
     pub(crate) static AMX: Kernels = Kernels {
         level: SimdLevel::Amx,

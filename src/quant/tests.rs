@@ -861,18 +861,28 @@ fn prepared_activations_give_matmuls_bits() {
     }
 }
 
-/// Q4_K and Q6_K blocks at the extremes of the scaled quants the AMX
+/// K-quant and IQ4_XS blocks at the extremes of the scaled quants the AMX
 /// kernel splits into bytes: every quant and scale at its largest (and
-/// Q6_K's scales at their most negative).
+/// Q6_K's scales, IQ4_XS's values and scales, at their most negative).
 #[cfg(all(target_arch = "x86_64", not(loom)))]
 fn saturated_kquant_row(ty: GgmlType, n: usize, negative: bool) -> Vec<u8> {
     let mut row = vec![0xFFu8; ty.row_bytes(n).expect("whole")];
     let block = ty.block_bytes();
     for b in row.chunks_exact_mut(block) {
         match ty {
-            GgmlType::Q4_K => {
+            // d, dmin, then scales and quants all ones: 63 · 15 (Q4_K),
+            // 63 · 31 (Q5_K).
+            GgmlType::Q4_K | GgmlType::Q5_K => {
                 b[0..2].copy_from_slice(&f16_bytes(0.01));
                 b[2..4].copy_from_slice(&f16_bytes(0.02));
+            }
+            GgmlType::IQ4_XS => {
+                // d, scales_h[2], scales_l[4], qs[128]: every grid value
+                // 113 with every scale 31, or -127 with -32.
+                if negative {
+                    b.fill(0);
+                }
+                b[0..2].copy_from_slice(&f16_bytes(0.01));
             }
             _ => {
                 // Q6_K: ql[128], qh[64], scales[16], d.
@@ -904,7 +914,12 @@ fn amx_layouts_and_float_steps_give_vec_dots_bits() {
     let k = table(SimdLevel::Avx512);
     let (n, rows, tokens) = (512usize, 24usize, 40usize);
     let nb = n / QK_K;
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+    ] {
         let mut w: Vec<u8> = (0..rows - 2)
             .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
             .collect();
@@ -929,6 +944,14 @@ fn amx_layouts_and_float_steps_give_vec_dots_bits() {
             GgmlType::Q4_K => (
                 matmul_with::<BlockQ4K, ModelTiles>,
                 matmul_prepared_with::<BlockQ4K, ModelTiles>,
+            ),
+            GgmlType::Q5_K => (
+                matmul_with::<BlockQ5K, ModelTiles>,
+                matmul_prepared_with::<BlockQ5K, ModelTiles>,
+            ),
+            GgmlType::IQ4_XS => (
+                matmul_with::<BlockIQ4XS, ModelTiles>,
+                matmul_prepared_with::<BlockIQ4XS, ModelTiles>,
             ),
             _ => (
                 matmul_with::<BlockQ6K, ModelTiles>,
