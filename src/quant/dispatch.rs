@@ -525,6 +525,7 @@ mod x86_tables {
             GgmlType::Q8_0 => matmul::<BlockQ8_0>,
             GgmlType::IQ4_NL => matmul::<BlockIQ4NL>,
             GgmlType::Q4_K => gemm_kquant::matmul::<BlockQ4K>,
+            GgmlType::Q5_K => gemm_kquant::matmul::<BlockQ5K>,
             GgmlType::Q6_K => gemm_kquant::matmul::<BlockQ6K>,
             _ => return None,
         })
@@ -555,6 +556,7 @@ mod x86_tables {
             |c, tokens, nb| c.vnni.holds(tokens, nb),
             &[
                 (GgmlType::Q4_K, gemm_kquant::matmul_prepared::<BlockQ4K>),
+                (GgmlType::Q5_K, gemm_kquant::matmul_prepared::<BlockQ5K>),
                 (GgmlType::Q6_K, gemm_kquant::matmul_prepared::<BlockQ6K>),
             ],
         )

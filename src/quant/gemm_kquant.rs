@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K × Q8_K prefill on AVX-512 VNNI, in the one-row kernels'
+//! Q4_K, Q5_K and Q6_K × Q8_K prefill on AVX-512 VNNI, in the one-row kernels'
 //! (llama.cpp's `vec_dot`) order, with three integer multiplies per 128
 //! quants of a row and token.
 //!
@@ -13,9 +13,10 @@
 //! of the first row and then of the second, the layout the float step
 //! wants, so the integer lanes of two rows need no shuffling before it.
 //! Activations are interleaved the same way, 512 tokens at a time. The
-//! float steps, Q4_K's minimum term (two tokens per instruction) and Q6_K's
-//! `-32` offset (the lanes' starting value) included, are
-//! `scalar::dot_q4_k_q8_k`'s and `scalar::dot_q6_k_q8_k`'s, two rows per
+//! float steps, the minimum terms (two tokens per instruction; Q5_K's
+//! lanes summed exactly first) and Q6_K's `-32` offset (the lanes'
+//! starting value) included, are `scalar::dot_q4_k_q8_k`'s,
+//! `scalar::dot_q5_k_q8_k`'s and `scalar::dot_q6_k_q8_k`'s, two rows per
 //! instruction. Integer sums are exact in any order, so every output has
 //! the bits `vec_dot` returns for its pair.
 
@@ -25,7 +26,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::avx2::{q6k_runs, sub_block_sums};
-use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ6K, BlockQ8K};
+use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
 use super::scalar::{hsum4, hsum8};
 use super::PreparedChunk;
@@ -66,9 +67,9 @@ pub(crate) struct PairScales {
     /// 2k + 1` of each).
     scale: [[i16; 32]; 4],
     d: [f32; 16],
-    /// Q4_K: each row's 8 sub-block minimums.
+    /// Q4_K and Q5_K: each row's 8 sub-block minimums.
     mins: [i16; 16],
-    /// Q4_K: each row's minimum scale on its 4 minimum lanes.
+    /// Q4_K and Q5_K: each row's minimum scale on its 4 minimum lanes.
     dmin: [f32; 8],
     /// Q6_K: the negated scales of the 16-quant groups `4k..4k + 4` of the
     /// first row, then of the second, in 128-bit lane `k` (against
@@ -88,7 +89,7 @@ struct TokenBlock {
     d: f32,
 }
 
-/// Two neighbouring tokens' data for Q4_K's minimum term, one super-block.
+/// Two neighbouring tokens' data for the minimum term, one super-block.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct TokenPair {
@@ -200,9 +201,13 @@ unsafe fn interleave_runs(first: __m256i, second: __m256i, out: &mut [u8; 64]) {
 
 /// A K-quant super-block format the kernel handles.
 pub(crate) trait KRuns: bytemuck::Pod {
-    /// Q4_K's minimum term (a second accumulator) rather than Q6_K's
-    /// offset (the integer lanes' starting value).
+    /// Q4_K's and Q5_K's minimum term (a second accumulator) rather than
+    /// Q6_K's offset (the integer lanes' starting value).
     const HAS_MIN: bool;
+    /// Q5_K: the 4 minimum lanes of a super-block summed exactly before
+    /// their float step (one per row and token, its value then on all 4
+    /// lanes), rather than each lane its own (Q4_K, `hsum4` at the end).
+    const MIN_SUMMED: bool = false;
     /// Writes this super-block as row `rb` and as row `half` (0 or 1) of
     /// its pair's `ps`.
     ///
@@ -228,27 +233,92 @@ impl KRuns for BlockQ4K {
     const HAS_MIN: bool = true;
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
-        let mask = _mm256_set1_epi8(0x0F);
-        for c in 0..4 {
-            // SAFETY: `qs` holds 128 bytes; the caller promises AVX2.
-            unsafe {
-                let bits = _mm256_loadu_si256(self.qs.as_ptr().add(32 * c) as *const __m256i);
-                let low = _mm256_and_si256(bits, mask);
-                let high = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask);
-                interleave_runs(low, high, &mut rb.q[c]);
-            }
+        // SAFETY: the caller promises AVX2, FMA and F16C.
+        unsafe {
+            unpack_k4(
+                &self.qs,
+                None,
+                &self.scales,
+                (self.d(), self.dmin()),
+                rb,
+                ps,
+                half,
+            )
         }
-        let (sc, mn) = scales_mins_k4(&self.scales);
-        let sc = sc.map(|s| s as i16);
-        run_scales(ps, half, &[sc, sc]);
-        for k in 0..4 {
-            ps.d[4 * k + 2 * half..][..2].fill(self.d());
-        }
-        for (j, &m) in mn.iter().enumerate() {
-            ps.mins[8 * half + j] = m as i16;
-        }
-        ps.dmin[4 * half..4 * half + 4].fill(self.dmin());
     }
+}
+
+impl KRuns for BlockQ5K {
+    const HAS_MIN: bool = true;
+    const MIN_SUMMED: bool = true;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
+        // SAFETY: the caller promises AVX2, FMA and F16C.
+        unsafe {
+            unpack_k4(
+                &self.qs,
+                Some(&self.qh),
+                &self.scales,
+                (self.d(), self.dmin()),
+                rb,
+                ps,
+                half,
+            )
+        }
+    }
+}
+
+/// A Q4_K super-block (`qh` none) or a Q5_K one (its fifth bits in `qh`)
+/// as row `rb` and row `half` of its pair's `ps`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_k4(
+    qs: &[u8; 128],
+    qh: Option<&[u8; 32]>,
+    scales: &[u8; 12],
+    (d, dmin): (f32, f32),
+    rb: &mut RowBlock,
+    ps: &mut PairScales,
+    half: usize,
+) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    // SAFETY: `qh` holds 32 bytes.
+    let qh = qh.map(|qh| unsafe { _mm256_loadu_si256(qh.as_ptr() as *const __m256i) });
+    // Element `l` of run `r` has its fifth bit at bit `r` of `qh[l]`:
+    // shifted down within each 16-bit word, each byte's own bit lands in
+    // its bit 0, then moves to bit 4.
+    let fifth = |r: i32| {
+        qh.map_or(_mm256_setzero_si256(), |qh| {
+            let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(r)), one);
+            _mm256_slli_epi16::<4>(bit)
+        })
+    };
+    for c in 0..4 {
+        // SAFETY: `qs` holds 128 bytes; the caller promises AVX2.
+        unsafe {
+            let bits = _mm256_loadu_si256(qs.as_ptr().add(32 * c) as *const __m256i);
+            let low = _mm256_or_si256(_mm256_and_si256(bits, mask), fifth(2 * c as i32));
+            let high = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask),
+                fifth(2 * c as i32 + 1),
+            );
+            interleave_runs(low, high, &mut rb.q[c]);
+        }
+    }
+    let (sc, mn) = scales_mins_k4(scales);
+    let sc = sc.map(|s| s as i16);
+    run_scales(ps, half, &[sc, sc]);
+    for k in 0..4 {
+        ps.d[4 * k + 2 * half..][..2].fill(d);
+    }
+    for (j, &m) in mn.iter().enumerate() {
+        ps.mins[8 * half + j] = m as i16;
+    }
+    ps.dmin[4 * half..4 * half + 4].fill(dmin);
 }
 
 impl KRuns for BlockQ6K {
@@ -436,7 +506,14 @@ unsafe fn pair_tile<K: KRuns>(
                 for (acc_min, yp) in acc_min.iter_mut().zip(&y_pairs) {
                     let yp = &yp[b];
                     let sums = _mm512_load_si512(yp.sums.as_ptr() as *const __m512i);
-                    let m = _mm512_cvtepi32_ps(_mm512_madd_epi16(mins, sums));
+                    let mut m = _mm512_madd_epi16(mins, sums);
+                    if K::MIN_SUMMED {
+                        // Each 128-bit lane holds one row and token's 4
+                        // minimum lanes: their exact sum on all 4.
+                        m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0b10_11_00_01>(m));
+                        m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0b01_00_11_10>(m));
+                    }
+                    let m = _mm512_cvtepi32_ps(m);
                     let dm = _mm512_mul_ps(_mm512_load_ps(yp.neg_d.as_ptr()), dmin);
                     *acc_min = _mm512_fmadd_ps(dm, m, *acc_min);
                 }
@@ -453,7 +530,9 @@ unsafe fn pair_tile<K: KRuns>(
             for (half, o) in out.iter_mut().enumerate() {
                 let lanes: [f32; 8] = std::array::from_fn(|j| l[4 * (j / 2) + 2 * half + j % 2]);
                 let mins: &[f32; 4] = m[8 * t + 4 * half..][..4].try_into().expect("4 lanes");
-                *o = if K::HAS_MIN {
+                *o = if K::MIN_SUMMED {
+                    hsum8(&lanes) + mins[0]
+                } else if K::HAS_MIN {
                     hsum8(&lanes) + hsum4(mins)
                 } else {
                     hsum8(&lanes)

@@ -773,7 +773,7 @@ fn kquant_row_groups_give_the_same_bits_in_any_token_chunks() {
     let k = table(SimdLevel::Avx512);
     let (n, rows, tiles) = (512usize, 24usize, 5usize);
     let tokens = tiles * dispatch::TILE;
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
         let w: Vec<u8> = (0..rows)
             .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
             .collect();
@@ -783,6 +783,7 @@ fn kquant_row_groups_give_the_same_bits_in_any_token_chunks() {
         type Chunked = unsafe fn(usize, &[u8], usize, &[u8], usize, &mut [f32], usize, usize);
         let kernel: Chunked = match ty {
             GgmlType::Q4_K => super::gemm_kquant::matmul_in_chunks::<BlockQ4K>,
+            GgmlType::Q5_K => super::gemm_kquant::matmul_in_chunks::<BlockQ5K>,
             _ => super::gemm_kquant::matmul_in_chunks::<BlockQ6K>,
         };
         let run = |chunk: usize| {
