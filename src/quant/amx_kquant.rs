@@ -33,9 +33,10 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::amx::{self, TileConfig};
-use super::avx2::{iq4_values, q6k_runs};
+use super::avx2::{iq4_values, k4_runs, q6k_runs};
 use super::blocks::{scales_mins_k4, BlockIQ4XS, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
+use super::gemm_kquant::MinTerm;
 use super::PreparedChunk;
 
 /// Rows per tile (the rows of a tile register).
@@ -118,22 +119,6 @@ impl TokenTiles {
     pub(crate) fn holds(&self, tokens: usize, nb: usize) -> bool {
         self.tokens == tokens && self.tiles.len() == tokens.div_ceil(TOKENS) * nb
     }
-}
-
-/// How a format's `vec_dot` adds the part of each quant's value that is
-/// not its scaled quant.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum MinTerm {
-    /// IQ4_XS: nothing (its grid values are signed).
-    None,
-    /// Q6_K: the `-32` offset, inside the lanes.
-    Offset,
-    /// Q4_K: the minimums, in 4 float lanes of their own (`hsum4` at the
-    /// end).
-    Lanes,
-    /// Q5_K: the minimums summed exactly per super-block and fused into
-    /// one float.
-    Scalar,
 }
 
 /// A K-quant format the kernel handles.
@@ -235,25 +220,15 @@ impl KScaled for BlockQ4K {
     const MIN: MinTerm = MinTerm::Lanes;
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack(&self, rt: &mut RowTile, m: usize) {
-        let mask = _mm256_set1_epi8(0x0F);
-        let runs: [__m256i; 8] = std::array::from_fn(|r| {
-            // SAFETY: `qs` holds 128 bytes: run `r` is chunk `r / 2`'s
-            // low (even `r`) or high nibbles.
-            let bits =
-                unsafe { _mm256_loadu_si256(self.qs.as_ptr().add(32 * (r / 2)) as *const __m256i) };
-            if r % 2 == 0 {
-                _mm256_and_si256(bits, mask)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask)
-            }
-        });
-        let (sc, mn) = scales_mins_k4(&self.scales);
         // SAFETY: the caller promises the features.
-        unsafe { put_runs(rt, m, &runs, false, |r| _mm512_set1_epi16(sc[r] as i16)) };
-        rt.d[m] = self.d();
-        rt.dmin[m] = self.dmin();
-        for k in 0..4 {
-            rt.mins[k][m] = pair16(mn[2 * k] as i32, mn[2 * k + 1] as i32);
+        unsafe {
+            put_k4(
+                rt,
+                m,
+                k4_runs(&self.qs, None),
+                &self.scales,
+                (self.d(), self.dmin()),
+            )
         }
     }
 }
@@ -262,35 +237,35 @@ impl KScaled for BlockQ5K {
     const MIN: MinTerm = MinTerm::Scalar;
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack(&self, rt: &mut RowTile, m: usize) {
-        let mask = _mm256_set1_epi8(0x0F);
-        let one = _mm256_set1_epi8(1);
-        // SAFETY: `qh` holds 32 bytes.
-        let qh = unsafe { _mm256_loadu_si256(self.qh.as_ptr() as *const __m256i) };
-        let runs: [__m256i; 8] = std::array::from_fn(|r| {
-            // SAFETY: `qs` holds 128 bytes: run `r` is chunk `r / 2`'s
-            // low (even `r`) or high nibbles, as in Q4_K.
-            let bits =
-                unsafe { _mm256_loadu_si256(self.qs.as_ptr().add(32 * (r / 2)) as *const __m256i) };
-            let low = if r % 2 == 0 {
-                _mm256_and_si256(bits, mask)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask)
-            };
-            // Element `l`'s fifth bit is bit `r` of `qh[l]`: shifted down
-            // within each 16-bit word, each byte's own bit `r` lands in
-            // its bit 0, then moves to bit 4.
-            let shift = _mm_cvtsi32_si128(r as i32);
-            let fifth = _mm256_and_si256(_mm256_srl_epi16(qh, shift), one);
-            _mm256_or_si256(low, _mm256_slli_epi16::<4>(fifth))
-        });
-        let (sc, mn) = scales_mins_k4(&self.scales);
         // SAFETY: the caller promises the features.
-        unsafe { put_runs(rt, m, &runs, false, |r| _mm512_set1_epi16(sc[r] as i16)) };
-        rt.d[m] = self.d();
-        rt.dmin[m] = self.dmin();
-        for k in 0..4 {
-            rt.mins[k][m] = pair16(mn[2 * k] as i32, mn[2 * k + 1] as i32);
+        unsafe {
+            let runs = k4_runs(&self.qs, Some(&self.qh));
+            put_k4(rt, m, runs, &self.scales, (self.d(), self.dmin()))
         }
+    }
+}
+
+/// Row `m` of `rt` from a Q4_K or Q5_K super-block's runs, packed scales
+/// and minimums, and `(d, dmin)`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW, and AVX2.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn put_k4(
+    rt: &mut RowTile,
+    m: usize,
+    runs: [__m256i; 8],
+    scales: &[u8; 12],
+    (d, dmin): (f32, f32),
+) {
+    let (sc, mn) = scales_mins_k4(scales);
+    // SAFETY: the caller promises the features.
+    unsafe { put_runs(rt, m, &runs, false, |r| _mm512_set1_epi16(sc[r] as i16)) };
+    rt.d[m] = d;
+    rt.dmin[m] = dmin;
+    for k in 0..4 {
+        rt.mins[k][m] = pair16(mn[2 * k] as i32, mn[2 * k + 1] as i32);
     }
 }
 

@@ -629,6 +629,37 @@ pub(crate) unsafe fn dot_q5_k_q8_k<const NT: usize>(
     }
 }
 
+/// A Q4_K super-block's (`qh` none) or a Q5_K one's (its fifth bits in
+/// `qh`) 8 runs of 32 unsigned quants in element order: run `r` is chunk
+/// `r / 2` of `qs`, its low (even `r`) or high nibbles, plus 16 where bit
+/// `r` of `qh[l]` is set for element `l`.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn k4_runs(qs: &[u8; 128], qh: Option<&[u8; 32]>) -> [__m256i; 8] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    // SAFETY: `qh` holds 32 bytes.
+    let qh = qh.map(|qh| unsafe { _mm256_loadu_si256(qh.as_ptr() as *const __m256i) });
+    std::array::from_fn(|r| {
+        // SAFETY: `qs` holds 128 bytes, 32 per chunk.
+        let bits = unsafe { _mm256_loadu_si256(qs.as_ptr().add(32 * (r / 2)) as *const __m256i) };
+        let low = if r % 2 == 0 {
+            _mm256_and_si256(bits, mask)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask)
+        };
+        // Shifted down within each 16-bit word, each byte's own bit `r`
+        // lands in its bit 0, then moves to bit 4.
+        qh.map_or(low, |qh| {
+            let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(r as i32)), one);
+            _mm256_or_si256(low, _mm256_slli_epi16::<4>(bit))
+        })
+    })
+}
+
 /// A Q6_K super-block as the 8 runs of 32 quants in element order without
 /// the -32 offset (0..64), each run's pair of 16-element scales as i16
 /// lanes, and the 16 scales as i16 (for the offset term).

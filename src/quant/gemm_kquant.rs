@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::avx2::{q6k_runs, sub_block_sums};
+use super::avx2::{k4_runs, q6k_runs, sub_block_sums};
 use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
 use super::scalar::{hsum4, hsum8};
@@ -199,15 +199,27 @@ unsafe fn interleave_runs(first: __m256i, second: __m256i, out: &mut [u8; 64]) {
     }
 }
 
+/// How a format's `vec_dot` adds the part of each quant's value that is
+/// not its scaled quant (shared with the AMX kernel).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MinTerm {
+    /// IQ4_XS: nothing (its grid values are signed).
+    None,
+    /// Q6_K: the `-32` offset, inside the lanes (their starting value
+    /// here).
+    Offset,
+    /// Q4_K: the minimums, in 4 float lanes of their own (`hsum4` at the
+    /// end).
+    Lanes,
+    /// Q5_K: the minimums summed exactly per super-block and fused into
+    /// one float.
+    Scalar,
+}
+
 /// A K-quant super-block format the kernel handles.
 pub(crate) trait KRuns: bytemuck::Pod {
-    /// Q4_K's and Q5_K's minimum term (a second accumulator) rather than
-    /// Q6_K's offset (the integer lanes' starting value).
-    const HAS_MIN: bool;
-    /// Q5_K: the 4 minimum lanes of a super-block summed exactly before
-    /// their float step (one per row and token, its value then on all 4
-    /// lanes), rather than each lane its own (Q4_K, `hsum4` at the end).
-    const MIN_SUMMED: bool = false;
+    /// How its `vec_dot` adds the minimums or the offset.
+    const MIN: MinTerm;
     /// Writes this super-block as row `rb` and as row `half` (0 or 1) of
     /// its pair's `ps`.
     ///
@@ -230,7 +242,7 @@ fn run_scales(ps: &mut PairScales, half: usize, scale: &[[i16; 8]; 2]) {
 }
 
 impl KRuns for BlockQ4K {
-    const HAS_MIN: bool = true;
+    const MIN: MinTerm = MinTerm::Lanes;
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
         // SAFETY: the caller promises AVX2, FMA and F16C.
@@ -249,8 +261,7 @@ impl KRuns for BlockQ4K {
 }
 
 impl KRuns for BlockQ5K {
-    const HAS_MIN: bool = true;
-    const MIN_SUMMED: bool = true;
+    const MIN: MinTerm = MinTerm::Scalar;
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
         // SAFETY: the caller promises AVX2, FMA and F16C.
@@ -284,30 +295,11 @@ unsafe fn unpack_k4(
     ps: &mut PairScales,
     half: usize,
 ) {
-    let mask = _mm256_set1_epi8(0x0F);
-    let one = _mm256_set1_epi8(1);
-    // SAFETY: `qh` holds 32 bytes.
-    let qh = qh.map(|qh| unsafe { _mm256_loadu_si256(qh.as_ptr() as *const __m256i) });
-    // Element `l` of run `r` has its fifth bit at bit `r` of `qh[l]`:
-    // shifted down within each 16-bit word, each byte's own bit lands in
-    // its bit 0, then moves to bit 4.
-    let fifth = |r: i32| {
-        qh.map_or(_mm256_setzero_si256(), |qh| {
-            let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(r)), one);
-            _mm256_slli_epi16::<4>(bit)
-        })
-    };
+    // SAFETY: the caller promises AVX2, FMA and F16C.
+    let runs = unsafe { k4_runs(qs, qh) };
     for c in 0..4 {
-        // SAFETY: `qs` holds 128 bytes; the caller promises AVX2.
-        unsafe {
-            let bits = _mm256_loadu_si256(qs.as_ptr().add(32 * c) as *const __m256i);
-            let low = _mm256_or_si256(_mm256_and_si256(bits, mask), fifth(2 * c as i32));
-            let high = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(bits), mask),
-                fifth(2 * c as i32 + 1),
-            );
-            interleave_runs(low, high, &mut rb.q[c]);
-        }
+        // SAFETY: the caller promises AVX2.
+        unsafe { interleave_runs(runs[2 * c], runs[2 * c + 1], &mut rb.q[c]) };
     }
     let (sc, mn) = scales_mins_k4(scales);
     let sc = sc.map(|s| s as i16);
@@ -322,7 +314,7 @@ unsafe fn unpack_k4(
 }
 
 impl KRuns for BlockQ6K {
-    const HAS_MIN: bool = false;
+    const MIN: MinTerm = MinTerm::Offset;
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(&self, rb: &mut RowBlock, ps: &mut PairScales, half: usize) {
         // SAFETY: the caller promises AVX2, FMA and F16C.
@@ -470,7 +462,7 @@ unsafe fn pair_tile<K: KRuns>(
             let (r0, r1) = (&r[0], &r[1]);
             let yb = y.map(|t| &t[b]);
             let mut lanes = [zero; TOKENS];
-            if !K::HAS_MIN {
+            if K::MIN == MinTerm::Offset {
                 // The -32 of every quant, per lane: 32 times the scaled
                 // 16-quant activation sums of the lane's two groups, the
                 // lanes' starting value.
@@ -499,7 +491,7 @@ unsafe fn pair_tile<K: KRuns>(
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(yb.d));
                 *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*lanes), *acc);
             }
-            if K::HAS_MIN {
+            if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
                 let mins =
                     _mm512_broadcast_i64x4(_mm256_load_si256(ps.mins.as_ptr() as *const __m256i));
                 let dmin = _mm512_broadcast_f32x8(_mm256_load_ps(ps.dmin.as_ptr()));
@@ -507,7 +499,7 @@ unsafe fn pair_tile<K: KRuns>(
                     let yp = &yp[b];
                     let sums = _mm512_load_si512(yp.sums.as_ptr() as *const __m512i);
                     let mut m = _mm512_madd_epi16(mins, sums);
-                    if K::MIN_SUMMED {
+                    if K::MIN == MinTerm::Scalar {
                         // Each 128-bit lane holds one row and token's 4
                         // minimum lanes: their exact sum on all 4.
                         m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0b10_11_00_01>(m));
@@ -530,12 +522,10 @@ unsafe fn pair_tile<K: KRuns>(
             for (half, o) in out.iter_mut().enumerate() {
                 let lanes: [f32; 8] = std::array::from_fn(|j| l[4 * (j / 2) + 2 * half + j % 2]);
                 let mins: &[f32; 4] = m[8 * t + 4 * half..][..4].try_into().expect("4 lanes");
-                *o = if K::MIN_SUMMED {
-                    hsum8(&lanes) + mins[0]
-                } else if K::HAS_MIN {
-                    hsum8(&lanes) + hsum4(mins)
-                } else {
-                    hsum8(&lanes)
+                *o = match K::MIN {
+                    MinTerm::None | MinTerm::Offset => hsum8(&lanes),
+                    MinTerm::Lanes => hsum8(&lanes) + hsum4(mins),
+                    MinTerm::Scalar => hsum8(&lanes) + mins[0],
                 };
             }
         }
