@@ -995,11 +995,10 @@ impl AttentionLayer<'_> {
             q32.extend(q16.iter().map(|v| v.to_f32()));
             let k_span = |range| kv.k_blocks(kv_layer, range);
             for_each_wide_span(wide, lo..hi, k_span, column, wide_rows, |a0, b0, rows| {
-                for (k, first, a, b) in overlaps(spans, a0..b0) {
-                    let out = &mut scores[offsets[k] + a - first..][..b - a];
+                shared_overlaps(spans, offsets, a0..b0, |ks, at, a, b| {
                     let rows = &rows[(a - a0) * hd..(b - a0) * hd];
-                    wide.dot_rows(&q32[k * hd..][..hd], rows, out);
-                }
+                    wide.dot_rows_shared(q32, ks, rows, scores, at);
+                })
             })
         } else {
             kv.k_blocks(kv_layer, lo..hi).map(|blocks| {
@@ -1042,11 +1041,10 @@ impl AttentionLayer<'_> {
         if let Some(wide) = self.wide {
             let v_span = |range| kv.v_blocks(kv_layer, range);
             for_each_wide_span(wide, lo..hi, v_span, column, wide_rows, |a0, b0, rows| {
-                for (k, first, a, b) in overlaps(spans, a0..b0) {
-                    let w = &scores[offsets[k] + a - first..][..b - a];
-                    let acc = &mut lanes[k * LANES * hd..][..LANES * hd];
-                    wide.axpy_rows(w, &rows[(a - a0) * hd..(b - a0) * hd], acc, a);
-                }
+                shared_overlaps(spans, offsets, a0..b0, |ks, at, a, b| {
+                    let rows = &rows[(a - a0) * hd..(b - a0) * hd];
+                    wide.axpy_rows_shared(scores, at, rows, lanes, ks, a);
+                })
             })
         } else {
             kv.v_blocks(kv_layer, lo..hi).map(|blocks| {
@@ -1184,6 +1182,33 @@ fn overlaps(
             let (a, b) = (range.start.max(first), range.end.min(end));
             (a < b).then_some((k, first, a, b))
         })
+}
+
+/// [`overlaps`] gathered into runs of up to [`quant::SHARED_QUERIES`]
+/// consecutive queries that see the same positions `a..b` of `range` (the
+/// heads of one token, and every query of a tile away from the diagonal),
+/// so one kernel call reads those rows once for all of them:
+/// `each(queries, at, a, b)`, `at[j]` the index in the task's scores of
+/// query `queries[j]`'s weight for position `a`.
+fn shared_overlaps(
+    spans: &[(usize, usize)],
+    offsets: &[usize],
+    range: Range<usize>,
+    mut each: impl FnMut(&[usize], &[usize], usize, usize),
+) {
+    const MAX: usize = quant::SHARED_QUERIES;
+    let (mut ks, mut at, mut len, mut run) = ([0; MAX], [0; MAX], 0, (0, 0));
+    for (k, first, a, b) in overlaps(spans, range) {
+        if len == MAX || (len > 0 && run != (a, b)) {
+            each(&ks[..len], &at[..len], run.0, run.1);
+            len = 0;
+        }
+        (ks[len], at[len], run) = (k, offsets[k] + a - first, (a, b));
+        len += 1;
+    }
+    if len > 0 {
+        each(&ks[..len], &at[..len], run.0, run.1);
+    }
 }
 
 /// `token_seq` cut into runs of at most `tile_len` consecutive entries of

@@ -30,7 +30,7 @@ use super::blocks::{
 /// See the file header.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn hsum512(v: __m512) -> f32 {
+pub(super) unsafe fn hsum512(v: __m512) -> f32 {
     // SAFETY: the body needs only what callers of this `unsafe fn` promise
     // (the file's rule above, and its `# Safety` section if it has one).
     unsafe {
@@ -886,7 +886,7 @@ pub(crate) unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
 /// See the file header.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
-unsafe fn reduce_16_rows(acc: &[__m512; 16], out: &mut [f32]) {
+pub(super) unsafe fn reduce_16_rows(acc: &[__m512; 16], out: &mut [f32]) {
     // Halves: row pair (2p, 2p + 1) -> [h(2p) | h(2p + 1)].
     let h: [__m512; 8] = std::array::from_fn(|p| {
         let (a, b) = (acc[2 * p], acc[2 * p + 1]);

@@ -149,6 +149,22 @@ impl SimdLevel {
     }
 }
 
+/// `(queries, rows, stride, hd, n, outputs)`: each query's dot with rows
+/// `0..n` into its output.
+/// # Safety: the CPU must support the level; rows `0..n` readable for `hd`
+/// values at `stride` apart, each query for `hd`, each output writable for
+/// `n` and apart from the others.
+pub(crate) type DotRowsShared =
+    unsafe fn(&[*const f32], *const f32, usize, usize, usize, &[*mut f32]);
+
+/// `(weights, rows, stride, hd, n, lanes, first)`: each query's weight `i`
+/// times row `i` into lane `(first + i) % 16` of its lanes (`[16][hd]`).
+/// # Safety: the CPU must support the level; rows `0..n` readable for `hd`
+/// values at `stride` apart, each weight run for `n`, each lane block
+/// writable for `16 * hd` and apart from the others.
+pub(crate) type AxpyRowsShared =
+    unsafe fn(&[*const f32], *const f32, usize, usize, usize, &[*mut f32], usize);
+
 /// A level's attention kernels over rows widened to f32 (see
 /// `Kernels::wide_attention`).
 #[derive(Clone, Copy, Debug)]
@@ -156,12 +172,12 @@ pub(crate) struct WideKernels {
     /// # Safety: the CPU must support the level; rows `0..n` readable for
     /// `hd` f16 values at `stride` apart, the output writable for `n * hd`.
     pub widen: unsafe fn(*const f16, usize, usize, usize, *mut f32),
-    /// # Safety: the CPU must support the level; rows `0..out.len()`
-    /// readable for `q.len()` values at `stride` apart.
-    pub dot_rows: unsafe fn(&[f32], *const f32, usize, &mut [f32]),
-    /// # Safety: the CPU must support the level; rows `0..w.len()`
-    /// readable for `lanes.len() / 16` values at `stride` apart.
-    pub axpy_rows: unsafe fn(&[f32], *const f32, usize, &mut [f32], usize),
+    /// Dots of 1 to 4 queries with the same rows.
+    /// # Safety: see [`DotRowsShared`].
+    pub dot_rows_shared: DotRowsShared,
+    /// Weighted sums of the same rows for 1 to 4 queries.
+    /// # Safety: see [`AxpyRowsShared`].
+    pub axpy_rows_shared: AxpyRowsShared,
 }
 
 /// Every kernel of one SIMD level.
@@ -503,7 +519,7 @@ static SCALAR: Kernels = SCALAR_TABLE;
 mod x86_tables {
     #[cfg(not(loom))]
     use super::super::amx_kquant;
-    use super::super::{avx2, avx512, gemm_blocks32, gemm_kquant, rows8};
+    use super::super::{avx2, avx512, avx512_shared_rows, gemm_blocks32, gemm_kquant, rows8};
     use super::*;
 
     float_tile!(avx2_f16, avx2::dot_f16_ptr);
@@ -663,8 +679,8 @@ mod x86_tables {
         axpy_f16_rows: avx512::axpy_f16_rows,
         wide_attention: Some(WideKernels {
             widen: avx512::widen_f16_rows,
-            dot_rows: avx512::dot_f32_rows,
-            axpy_rows: avx512::axpy_f32_rows,
+            dot_rows_shared: avx512_shared_rows::dot_f32_rows_shared,
+            axpy_rows_shared: avx512_shared_rows::axpy_f32_rows_shared,
         }),
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,

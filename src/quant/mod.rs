@@ -30,6 +30,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
+mod avx512_shared_rows;
+#[cfg(target_arch = "x86_64")]
 mod gemm_blocks32;
 #[cfg(target_arch = "x86_64")]
 mod gemm_kquant;
@@ -900,25 +902,98 @@ impl WideAttention {
         unsafe { (self.kernels.widen)(rows.as_ptr(), stride, self.hd, fit, out.as_mut_ptr()) }
     }
 
-    /// [`dot_f16_rows`] of the query `q` (`head_dim` f32 values of an f16
-    /// query) with the widened rows of `rows` (`head_dim` apart) into `out`.
-    pub fn dot_rows(&self, q: &[f32], rows: &[f32], out: &mut [f32]) {
-        assert_eq!(q.len(), self.hd, "dot_rows: query width");
-        let n = (rows.len() / self.hd).min(out.len());
-        debug_assert_eq!(n, out.len(), "dot_rows: rows do not fit");
-        // SAFETY: the level is supported; rows `0..n` lie inside `rows`.
-        unsafe { (self.kernels.dot_rows)(q, rows.as_ptr(), self.hd, &mut out[..n]) }
+    /// [`dot_f16_rows`] of each of the queries `ks` (query `k` at `queries[k *
+    /// head_dim..]`, at most [`SHARED_QUERIES`]) over the same rows, each
+    /// row read once for all of them: query `ks[j]`'s results go to
+    /// `out[at[j]..]`, one per row (query values: the f32 values of the f16
+    /// query). Same bits as one call per query.
+    ///
+    /// # Panics
+    /// If a query or an output run lies outside its buffer, or the output
+    /// runs overlap or are not in ascending order.
+    pub fn dot_rows_shared(
+        &self,
+        queries: &[f32],
+        ks: &[usize],
+        rows: &[f32],
+        out: &mut [f32],
+        at: &[usize],
+    ) {
+        let (hd, n) = (self.hd, rows.len() / self.hd);
+        assert!(ks.len() == at.len() && ks.len() <= SHARED_QUERIES);
+        assert!(ks.iter().all(|&k| (k + 1) * hd <= queries.len()));
+        assert_disjoint_runs(at, n, out.len());
+        let base = out.as_mut_ptr();
+        let mut qs = [std::ptr::null(); SHARED_QUERIES];
+        let mut outs = [std::ptr::null_mut(); SHARED_QUERIES];
+        for (j, (&k, &a)) in ks.iter().zip(at).enumerate() {
+            qs[j] = queries[k * hd..].as_ptr();
+            outs[j] = base.wrapping_add(a);
+        }
+        let m = ks.len();
+        // SAFETY: the level is supported; rows `0..n` lie inside `rows`,
+        // each query inside `queries`, each output run inside `out` and
+        // apart from the others (checked above).
+        unsafe { (self.kernels.dot_rows_shared)(&qs[..m], rows.as_ptr(), hd, hd, n, &outs[..m]) }
     }
 
-    /// [`axpy_f16_rows`] of `w[i]` times widened row `i` of `rows`
-    /// (`head_dim` apart) into lane `(first + i) % 16` of `lanes`
-    /// (`[16][head_dim]`).
-    pub fn axpy_rows(&self, w: &[f32], rows: &[f32], lanes: &mut [f32], first: usize) {
-        assert_eq!(lanes.len(), 16 * self.hd, "axpy_rows: lanes width");
-        let n = (rows.len() / self.hd).min(w.len());
-        debug_assert_eq!(n, w.len(), "axpy_rows: rows do not fit");
-        // SAFETY: the level is supported; rows `0..n` lie inside `rows`.
-        unsafe { (self.kernels.axpy_rows)(&w[..n], rows.as_ptr(), self.hd, lanes, first) }
+    /// [`axpy_f16_rows`] for several queries over the same widened rows,
+    /// each row read once for all of them: query `j`'s weights are
+    /// `weights[at[j]..]` (one per row) and its lanes (`[16][head_dim]`)
+    /// start at `lanes[ks[j] * 16 * head_dim]`; at most [`SHARED_QUERIES`].
+    /// Same bits as one call per query.
+    ///
+    /// # Panics
+    /// If a weight or lane run lies outside its buffer, or `ks` is not
+    /// strictly ascending.
+    pub fn axpy_rows_shared(
+        &self,
+        weights: &[f32],
+        at: &[usize],
+        rows: &[f32],
+        lanes: &mut [f32],
+        ks: &[usize],
+        first: usize,
+    ) {
+        let (hd, n) = (self.hd, rows.len() / self.hd);
+        assert!(ks.len() == at.len() && ks.len() <= SHARED_QUERIES);
+        assert!(at.iter().all(|&a| a + n <= weights.len()));
+        let m = ks.len();
+        let mut lane_starts = [0; SHARED_QUERIES];
+        for (s, &k) in lane_starts.iter_mut().zip(ks) {
+            *s = k * 16 * hd;
+        }
+        assert_disjoint_runs(&lane_starts[..m], 16 * hd, lanes.len());
+        let base = lanes.as_mut_ptr();
+        let mut ws = [std::ptr::null(); SHARED_QUERIES];
+        let mut outs = [std::ptr::null_mut(); SHARED_QUERIES];
+        for j in 0..m {
+            ws[j] = weights[at[j]..].as_ptr();
+            outs[j] = base.wrapping_add(lane_starts[j]);
+        }
+        // SAFETY: the level is supported; rows `0..n` lie inside `rows`,
+        // each weight run inside `weights`, each lane block inside `lanes`
+        // and apart from the others (checked above).
+        unsafe {
+            (self.kernels.axpy_rows_shared)(&ws[..m], rows.as_ptr(), hd, hd, n, &outs[..m], first)
+        }
+    }
+}
+
+/// Most queries one [`WideAttention::dot_rows_shared`] or
+/// [`WideAttention::axpy_rows_shared`] call takes.
+pub const SHARED_QUERIES: usize = 4;
+
+/// Panics unless the runs `starts[j]..starts[j] + len` are ascending, apart
+/// and inside `0..total`.
+fn assert_disjoint_runs(starts: &[usize], len: usize, total: usize) {
+    let mut free = 0;
+    for &s in starts {
+        assert!(
+            s >= free && s + len <= total,
+            "shared rows: output runs overlap or overflow"
+        );
+        free = s + len;
     }
 }
 

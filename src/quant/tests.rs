@@ -398,7 +398,8 @@ fn f16_row_loops_equal_the_one_row_kernels_bit_for_bit() {
 }
 
 /// The widened-row attention kernels give the f16 row loops' bits, for
-/// head widths 64 and 128, runs that start on any lane and end anywhere.
+/// head widths 64, 128 and 80, runs that start on any lane and end anywhere,
+/// for one to four queries over the same rows.
 #[test]
 fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(23);
@@ -407,16 +408,11 @@ fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
         let Some(wide) = k.wide_attention else {
             continue;
         };
-        for (hd, heads) in [(64usize, 3usize), (128, 2)] {
+        for (hd, heads) in [(64usize, 3usize), (128, 2), (80, 2)] {
             let (stride, rows, head) = (hd * heads, 75usize, heads - 1);
             let cache: Vec<half::f16> = (0..rows * stride)
                 .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
                 .collect();
-            let q16: Vec<half::f16> = (0..hd)
-                .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
-                .collect();
-            let q: Vec<f32> = q16.iter().map(|v| v.to_f32()).collect();
-            let w: Vec<f32> = (0..rows).map(|_| rng.gen_range(0.0..1.0)).collect();
             let mut widened = vec![0.0f32; rows * hd];
             // SAFETY: the level is supported; every row lies inside `cache`
             // and `widened`.
@@ -432,34 +428,59 @@ fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
             for (start, n) in [(0usize, rows), (3, 17), (16, 32), (5, 1), (40, 35), (0, 0)] {
                 let f16_rows = cache[start * stride + head * hd..].as_ptr();
                 let f32_rows = widened[start * hd..].as_ptr();
-                let mut got = vec![0.0f32; n];
-                let mut want = vec![0.0f32; n];
-                // SAFETY: as above; rows `start..start + n` exist.
-                unsafe {
-                    (wide.dot_rows)(&q, f32_rows, hd, &mut got);
-                    (k.dot_f16_rows)(&q16, f16_rows, stride, &mut want);
-                }
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{} dot hd={hd} {start}+{n}",
-                    level.name()
-                );
-                for first in [start, start + 7] {
-                    let mut got = vec![0.25f32; 16 * hd];
-                    let mut want = got.clone();
-                    let w = &w[start..start + n];
-                    // SAFETY: as above.
+                // One to four queries over the same rows, each run starting
+                // on another lane.
+                for m in 1..=4usize {
+                    let q16: Vec<Vec<half::f16>> = (0..m)
+                        .map(|_| {
+                            (0..hd)
+                                .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
+                                .collect()
+                        })
+                        .collect();
+                    let queries: Vec<Vec<f32>> = q16
+                        .iter()
+                        .map(|q| q.iter().map(|v| v.to_f32()).collect())
+                        .collect();
+                    let weights: Vec<Vec<f32>> = (0..m)
+                        .map(|_| (0..n).map(|_| rng.gen_range(0.0f32..1.0)).collect())
+                        .collect();
+                    let mut got_dots = vec![vec![0.0f32; n]; m];
+                    let mut got_lanes = vec![vec![0.25f32; 16 * hd]; m];
+                    let qs: Vec<*const f32> = queries.iter().map(|q| q.as_ptr()).collect();
+                    let ws: Vec<*const f32> = weights.iter().map(|w| w.as_ptr()).collect();
+                    let outs: Vec<*mut f32> = got_dots.iter_mut().map(|o| o.as_mut_ptr()).collect();
+                    let lanes: Vec<*mut f32> =
+                        got_lanes.iter_mut().map(|l| l.as_mut_ptr()).collect();
+                    let first = start + 3 * m;
+                    // SAFETY: as above; rows `start..start + n` exist, every
+                    // query holds `hd` values, every weight run and output
+                    // `n`, every lane block `16 * hd`.
                     unsafe {
-                        (wide.axpy_rows)(w, f32_rows, hd, &mut got, first);
-                        (k.axpy_f16_rows)(w, f16_rows, stride, &mut want, first);
+                        (wide.dot_rows_shared)(&qs, f32_rows, hd, hd, n, &outs);
+                        (wide.axpy_rows_shared)(&ws, f32_rows, hd, hd, n, &lanes, first);
                     }
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{} axpy hd={hd} {start}+{n} from lane {first}",
-                        level.name()
-                    );
+                    for j in 0..m {
+                        let mut want = vec![0.0f32; n];
+                        let mut want_lanes = vec![0.25f32; 16 * hd];
+                        // SAFETY: as above.
+                        unsafe {
+                            (k.dot_f16_rows)(&q16[j], f16_rows, stride, &mut want);
+                            (k.axpy_f16_rows)(
+                                &weights[j],
+                                f16_rows,
+                                stride,
+                                &mut want_lanes,
+                                first,
+                            );
+                        }
+                        let what = format!(
+                            "{} hd={hd} {start}+{n} from lane {first}, query {j} of {m}",
+                            level.name()
+                        );
+                        assert_eq!(bits(&got_dots[j]), bits(&want), "dot {what}");
+                        assert_eq!(bits(&got_lanes[j]), bits(&want_lanes), "axpy {what}");
+                    }
                 }
             }
         }
