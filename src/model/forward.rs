@@ -33,14 +33,15 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use half::f16;
+use half::{f16, slice::HalfFloatSliceExt};
 
 use crate::kv::{KvBlocks, KvError, SessionKv};
 use crate::quant;
 use crate::threads::ThreadPool;
 
-use super::arch::{FfnActivation, RopeLayout};
+use super::arch::FfnActivation;
 use super::phases::{self, Phase};
+use super::rope;
 use super::weights::{LayerWeights, Matrix};
 use super::{Model, ModelError};
 
@@ -714,18 +715,7 @@ impl Model {
             for (k, row) in rows.chunks_exact_mut(row_len).enumerate() {
                 let t = chunk * TOKENS_PER_TASK + k;
                 let cs = &rope[t * rd..][..rd];
-                for head in row.chunks_exact_mut(hd) {
-                    for i in 0..rd / 2 {
-                        let (a, b) = match layout {
-                            RopeLayout::Normal => (2 * i, 2 * i + 1),
-                            RopeLayout::Neox => (i, i + rd / 2),
-                        };
-                        let (cos, sin) = (cs[2 * i], cs[2 * i + 1]);
-                        let (x0, x1) = (head[a], head[b]);
-                        head[a] = x0.mul_add(cos, -(x1 * sin));
-                        head[b] = x0.mul_add(sin, x1 * cos);
-                    }
-                }
+                rope::rotate_heads(row, cs, hd, rd, layout);
                 if let Some(scale) = scale {
                     row.iter_mut().for_each(|v| *v *= scale);
                 }
@@ -963,10 +953,10 @@ impl AttentionLayer<'_> {
     fn gather_queries(&self, tq: &TaskQueries, q16: &mut Vec<f16>) {
         let hd = self.head_dim;
         q16.clear();
-        for k in 0..tq.count {
+        q16.resize(tq.count * hd, f16::ZERO);
+        for (k, q16) in q16.chunks_exact_mut(hd).enumerate() {
             let (t, h) = tq.token_head(k);
-            let q = &self.q_all[(t * self.n_heads + h) * hd..][..hd];
-            q16.extend(q.iter().map(|&v| f16::from_f32(v)));
+            q16.convert_from_f32_slice(&self.q_all[(t * self.n_heads + h) * hd..][..hd]);
         }
     }
 
@@ -992,7 +982,8 @@ impl AttentionLayer<'_> {
         let column = (kv_head * hd, kv_dim);
         if let Some(wide) = self.wide {
             q32.clear();
-            q32.extend(q16.iter().map(|v| v.to_f32()));
+            q32.resize(q16.len(), 0.0);
+            q16.convert_to_f32_slice(q32);
             let k_span = |range| kv.k_blocks(kv_layer, range);
             for_each_wide_span(wide, lo..hi, k_span, column, wide_rows, |a0, b0, rows| {
                 shared_overlaps(spans, offsets, a0..b0, |ks, at, a, b| {

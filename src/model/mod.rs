@@ -8,6 +8,7 @@ mod arch;
 mod config;
 mod forward;
 pub mod phases;
+mod rope;
 mod weights;
 
 #[cfg(test)]
