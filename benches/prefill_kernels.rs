@@ -32,6 +32,7 @@ const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
         "q5_k 8192x2048 (gate, up in Q5_K_M)",
     ),
     (GgmlType::Q8_0, 8192, 2048, "q8_0 8192x2048 (gate, up)"),
+    (GgmlType::Q8_0, 2048, 8192, "q8_0 2048x8192 (down)"),
 ];
 
 fn main() {
