@@ -773,8 +773,9 @@ impl Model {
             window,
             // Rows widened to f32 once per span for all of a task's queries,
             // where the SIMD level can (the same bits as the f16 row loops);
-            // not for heads wider than WIDE_MAX_HEAD_DIM (measured slower).
-            wide: quant::wide_attention(hd).filter(|_| hd <= WIDE_MAX_HEAD_DIM),
+            // heads wider than WIDE_MAX_HEAD_DIM only when a task takes
+            // several tokens (see there).
+            wide: quant::wide_attention(hd).filter(|_| hd <= WIDE_MAX_HEAD_DIM || tile_len >= 2),
             att: SharedRows(scratch.att.as_mut_ptr()),
             att_len: scratch.att.len(),
         };
@@ -1081,9 +1082,13 @@ impl AttentionLayer<'_> {
 /// span of positions every query of the task then reads from cache.
 const WIDE_SPAN_BYTES: usize = 16 << 10;
 
-/// The widest head attention widens rows for: a 256-wide head (Gemma 3)
-/// leaves only 16 rows per span and ran its decode at depth 4096 about 15%
-/// slower widened (86-88 against 100-108 tokens/s, alternating runs).
+/// The widest head attention widens rows for when each task takes one
+/// token: a 256-wide head (Gemma 3) leaves only 16 rows per span and ran
+/// its decode at depth 4096 about 15% slower widened (86-88 against 100-108
+/// tokens/s, alternating runs; with the rows shared by a token's 4 heads,
+/// 96-97 against 100-110). Tasks of several tokens widen every head width:
+/// Gemma 3 270M pp512 went from 1378-1419 to 1516-1547 tokens/s, and from
+/// 638-666 to 721-827 at depth 4096.
 const WIDE_MAX_HEAD_DIM: usize = 128;
 
 /// Walks `range` in spans of positions aligned to multiples of the span

@@ -398,7 +398,7 @@ fn f16_row_loops_equal_the_one_row_kernels_bit_for_bit() {
 }
 
 /// The widened-row attention kernels give the f16 row loops' bits, for
-/// head widths 64, 128 and 80, runs that start on any lane and end anywhere,
+/// head widths 64, 128, 80 and 256, runs that start on any lane and end anywhere,
 /// for one to four queries over the same rows.
 #[test]
 fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
@@ -408,7 +408,7 @@ fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
         let Some(wide) = k.wide_attention else {
             continue;
         };
-        for (hd, heads) in [(64usize, 3usize), (128, 2), (80, 2)] {
+        for (hd, heads) in [(64usize, 3usize), (128, 2), (80, 2), (256, 2)] {
             let (stride, rows, head) = (hd * heads, 75usize, heads - 1);
             let cache: Vec<half::f16> = (0..rows * stride)
                 .map(|_| half::f16::from_f32(rng.gen_range(-2.0..2.0)))
