@@ -1088,7 +1088,7 @@ const WIDE_SPAN_BYTES: usize = 16 << 10;
 /// tokens/s, alternating runs; with the rows shared by a token's 4 heads,
 /// 96-97 against 100-110). Tasks of several tokens widen every head width:
 /// Gemma 3 270M pp512 went from 1378-1419 to 1516-1547 tokens/s, and from
-/// 638-666 to 721-827 at depth 4096.
+/// 638-723 to 721-852 at depth 4096.
 const WIDE_MAX_HEAD_DIM: usize = 128;
 
 /// Walks `range` in spans of positions aligned to multiples of the span

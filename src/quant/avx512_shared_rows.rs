@@ -18,7 +18,7 @@ use super::avx512;
 
 // Safety of every `unsafe fn` in this file: the CPU must support AVX-512 F,
 // BW, DQ, VL and VNNI plus AVX2, FMA and F16C; `hd` is a multiple of 16;
-// rows `0..n` are readable for `hd` values at `stride` apart; each query
+// rows `0..n` are readable for `hd` values, `hd` apart (widened rows); each query
 // pointer is readable for `hd` values (dots) or each weight pointer for `n`
 // (axpys); each output is writable for `n` values (dots) or `16 * hd`
 // (lanes), and no two outputs overlap.
@@ -32,7 +32,6 @@ use super::avx512;
 pub(crate) unsafe fn dot_f32_rows_shared(
     qs: &[*const f32],
     rows: *const f32,
-    stride: usize,
     hd: usize,
     n: usize,
     outs: &[*mut f32],
@@ -41,14 +40,14 @@ pub(crate) unsafe fn dot_f32_rows_shared(
     // SAFETY: the caller's promise, passed on.
     unsafe {
         match qs.len() {
-            4 => dot_shared::<4>(qs, rows, stride, hd, n, outs),
-            3 => dot_shared::<3>(qs, rows, stride, hd, n, outs),
-            2 => dot_shared::<2>(qs, rows, stride, hd, n, outs),
+            4 => dot_shared::<4>(qs, rows, hd, n, outs),
+            3 => dot_shared::<3>(qs, rows, hd, n, outs),
+            2 => dot_shared::<2>(qs, rows, hd, n, outs),
             _ => {
                 for (&q, &out) in qs.iter().zip(outs) {
                     let q = std::slice::from_raw_parts(q, hd);
                     let out = std::slice::from_raw_parts_mut(out, n);
-                    avx512::dot_f32_rows(q, rows, stride, out);
+                    avx512::dot_f32_rows(q, rows, hd, out);
                 }
             }
         }
@@ -63,7 +62,6 @@ pub(crate) unsafe fn dot_f32_rows_shared(
 unsafe fn dot_shared<const Q: usize>(
     qs: &[*const f32],
     rows: *const f32,
-    stride: usize,
     hd: usize,
     n: usize,
     outs: &[*mut f32],
@@ -78,7 +76,7 @@ unsafe fn dot_shared<const Q: usize>(
             let mut acc = [_mm512_setzero_ps(); 16];
             for c in (0..hd).step_by(16) {
                 let x: [__m512; 4] =
-                    std::array::from_fn(|r| _mm512_loadu_ps(rows.add((i0 + r) * stride + c)));
+                    std::array::from_fn(|r| _mm512_loadu_ps(rows.add((i0 + r) * hd + c)));
                 for (j, &q) in qs.iter().enumerate() {
                     let qv = _mm512_loadu_ps(q.add(c));
                     for (r, &x) in x.iter().enumerate() {
@@ -99,7 +97,7 @@ unsafe fn dot_shared<const Q: usize>(
                 let mut acc = _mm512_setzero_ps();
                 for c in (0..hd).step_by(16) {
                     let qv = _mm512_loadu_ps(q.add(c));
-                    acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows.add(i * stride + c)), acc);
+                    acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows.add(i * hd + c)), acc);
                 }
                 *out.add(i) = avx512::hsum512(acc);
             }
@@ -117,7 +115,6 @@ unsafe fn dot_shared<const Q: usize>(
 pub(crate) unsafe fn axpy_f32_rows_shared(
     ws: &[*const f32],
     rows: *const f32,
-    stride: usize,
     hd: usize,
     n: usize,
     lanes: &[*mut f32],
@@ -127,14 +124,14 @@ pub(crate) unsafe fn axpy_f32_rows_shared(
     // SAFETY: the caller's promise, passed on.
     unsafe {
         match ws.len() {
-            4 => axpy_shared::<4>(ws, rows, stride, hd, n, lanes, first),
-            3 => axpy_shared::<3>(ws, rows, stride, hd, n, lanes, first),
-            2 => axpy_shared::<2>(ws, rows, stride, hd, n, lanes, first),
+            4 => axpy_shared::<4>(ws, rows, hd, n, lanes, first),
+            3 => axpy_shared::<3>(ws, rows, hd, n, lanes, first),
+            2 => axpy_shared::<2>(ws, rows, hd, n, lanes, first),
             _ => {
                 for (&w, &lanes) in ws.iter().zip(lanes) {
                     let w = std::slice::from_raw_parts(w, n);
                     let lanes = std::slice::from_raw_parts_mut(lanes, 16 * hd);
-                    avx512::axpy_f32_rows(w, rows, stride, lanes, first);
+                    avx512::axpy_f32_rows(w, rows, hd, lanes, first);
                 }
             }
         }
@@ -148,7 +145,6 @@ pub(crate) unsafe fn axpy_f32_rows_shared(
 unsafe fn axpy_shared<const Q: usize>(
     ws: &[*const f32],
     rows: *const f32,
-    stride: usize,
     hd: usize,
     n: usize,
     lanes: &[*mut f32],
@@ -165,11 +161,11 @@ unsafe fn axpy_shared<const Q: usize>(
         // SAFETY: the caller's promise; `c + 16 * C <= hd` in each call.
         unsafe {
             while c + 64 <= hd {
-                axpy_lane::<Q, 4>(ws, rows.add(c), stride, n, out.map(|o| o.add(c)), i0);
+                axpy_lane::<Q, 4>(ws, rows.add(c), hd, n, out.map(|o| o.add(c)), i0);
                 c += 64;
             }
             while c < hd {
-                axpy_lane::<Q, 1>(ws, rows.add(c), stride, n, out.map(|o| o.add(c)), i0);
+                axpy_lane::<Q, 1>(ws, rows.add(c), hd, n, out.map(|o| o.add(c)), i0);
                 c += 16;
             }
         }

@@ -149,21 +149,19 @@ impl SimdLevel {
     }
 }
 
-/// `(queries, rows, stride, hd, n, outputs)`: each query's dot with rows
-/// `0..n` into its output.
-/// # Safety: the CPU must support the level; rows `0..n` readable for `hd`
-/// values at `stride` apart, each query for `hd`, each output writable for
-/// `n` and apart from the others.
-pub(crate) type DotRowsShared =
-    unsafe fn(&[*const f32], *const f32, usize, usize, usize, &[*mut f32]);
+/// `(queries, rows, hd, n, outputs)`: each query's dot with widened rows
+/// `0..n` (`hd` values each, `hd` apart) into its output.
+/// # Safety: the CPU must support the level; the rows readable, each query
+/// for `hd` values, each output writable for `n` and apart from the others.
+pub(crate) type DotRowsShared = unsafe fn(&[*const f32], *const f32, usize, usize, &[*mut f32]);
 
-/// `(weights, rows, stride, hd, n, lanes, first)`: each query's weight `i`
-/// times row `i` into lane `(first + i) % 16` of its lanes (`[16][hd]`).
-/// # Safety: the CPU must support the level; rows `0..n` readable for `hd`
-/// values at `stride` apart, each weight run for `n`, each lane block
-/// writable for `16 * hd` and apart from the others.
+/// `(weights, rows, hd, n, lanes, first)`: each query's weight `i` times
+/// widened row `i` into lane `(first + i) % 16` of its lanes (`[16][hd]`).
+/// # Safety: the CPU must support the level; the rows readable, each weight
+/// run for `n`, each lane block writable for `16 * hd` and apart from the
+/// others.
 pub(crate) type AxpyRowsShared =
-    unsafe fn(&[*const f32], *const f32, usize, usize, usize, &[*mut f32], usize);
+    unsafe fn(&[*const f32], *const f32, usize, usize, &[*mut f32], usize);
 
 /// A level's attention kernels over rows widened to f32 (see
 /// `Kernels::wide_attention`).

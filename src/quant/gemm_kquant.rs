@@ -754,7 +754,6 @@ unsafe fn block_tiles<K: KRuns, const SLICED: bool>(
     out_stride: usize,
 ) {
     let n = chunk.tokens.len() / nb;
-    let mut sums = [PairAcc::zero(); BLOCK_GROUPS * PAIRS];
     let mut write = |c: usize, g: usize, pair: usize, sums: &PairAcc| {
         // SAFETY: the caller promises the features.
         let res = unsafe { pair_results::<K>(sums) };
@@ -786,7 +785,7 @@ unsafe fn block_tiles<K: KRuns, const SLICED: bool>(
             }
             continue;
         }
-        sums[..block * PAIRS].fill(PairAcc::zero());
+        let mut sums = [PairAcc::zero(); BLOCK_GROUPS * PAIRS];
         for b0 in (0..nb).step_by(SLICE_BLOCKS) {
             let slice = b0..(b0 + SLICE_BLOCKS).min(nb);
             let y = y.map(|y| &y[slice.clone()]);

@@ -934,7 +934,7 @@ impl WideAttention {
         // SAFETY: the level is supported; rows `0..n` lie inside `rows`,
         // each query inside `queries`, each output run inside `out` and
         // apart from the others (checked above).
-        unsafe { (self.kernels.dot_rows_shared)(&qs[..m], rows.as_ptr(), hd, hd, n, &outs[..m]) }
+        unsafe { (self.kernels.dot_rows_shared)(&qs[..m], rows.as_ptr(), hd, n, &outs[..m]) }
     }
 
     /// [`axpy_f16_rows`] for several queries over the same widened rows,
@@ -975,7 +975,7 @@ impl WideAttention {
         // each weight run inside `weights`, each lane block inside `lanes`
         // and apart from the others (checked above).
         unsafe {
-            (self.kernels.axpy_rows_shared)(&ws[..m], rows.as_ptr(), hd, hd, n, &outs[..m], first)
+            (self.kernels.axpy_rows_shared)(&ws[..m], rows.as_ptr(), hd, n, &outs[..m], first)
         }
     }
 }

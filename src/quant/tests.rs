@@ -457,8 +457,8 @@ fn widened_attention_rows_equal_the_f16_row_loops_bit_for_bit() {
                     // query holds `hd` values, every weight run and output
                     // `n`, every lane block `16 * hd`.
                     unsafe {
-                        (wide.dot_rows_shared)(&qs, f32_rows, hd, hd, n, &outs);
-                        (wide.axpy_rows_shared)(&ws, f32_rows, hd, hd, n, &lanes, first);
+                        (wide.dot_rows_shared)(&qs, f32_rows, hd, n, &outs);
+                        (wide.axpy_rows_shared)(&ws, f32_rows, hd, n, &lanes, first);
                     }
                     for j in 0..m {
                         let mut want = vec![0.0f32; n];
