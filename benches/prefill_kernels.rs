@@ -7,7 +7,8 @@
 //! `INFERD_SIMD=scalar|avx2|avx512` picks a level; `INFERD_BENCH_TOKENS=N`
 //! another token count (1 times the decode kernels on the same matrices);
 //! `INFERD_BENCH_ROWS=N` another row count (256 keeps a matrix in L2, so
-//! the kernel's own cost shows apart from memory's).
+//! the kernel's own cost shows apart from memory's); `INFERD_BENCH_ONLY=TEXT`
+//! only the shapes whose name holds TEXT (for a profile of one of them).
 //!
 //! Run: `cargo bench --bench prefill_kernels`
 
@@ -46,7 +47,8 @@ fn main() {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&r| r > 0);
-    for &(ty, rows, n, name) in SHAPES {
+    let only = std::env::var("INFERD_BENCH_ONLY").unwrap_or_default();
+    for &(ty, rows, n, name) in SHAPES.iter().filter(|s| s.3.contains(only.as_str())) {
         let rows = rows_override.unwrap_or(rows);
         // Short products take too little time for one run to be timed well.
         let repeat = (DEFAULT_TOKENS * 8192 / (tokens * rows)).max(1);

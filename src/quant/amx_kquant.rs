@@ -450,7 +450,10 @@ struct Scratch {
 }
 
 /// One tile pair's sums: the tile products of the current super-block,
-/// and the float accumulators over all of them.
+/// and the float accumulators over all of them. Aligned to cache lines:
+/// a tile store's rows and the vectors read back would otherwise each
+/// straddle two lines.
+#[repr(C, align(64))]
 struct Lanes {
     c_lo: [[i32; ROWS * TOKENS]; 8],
     c_hi: [[i32; ROWS * TOKENS]; 8],
