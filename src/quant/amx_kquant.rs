@@ -610,9 +610,15 @@ unsafe fn products<'c, K: KScaled, T: TileProducts>(
             let r0 = rt * ROWS;
             let real_rows = ROWS.min(rows - r0);
             // One tile of rows at a time, so that its scaled copy stays in
-            // cache while every token tile passes over it.
-            unpacked.clear();
-            unpacked.resize(nb, EMPTY_ROWS);
+            // cache while every token tile passes over it. Not cleared
+            // between tiles: unpacking rewrites every field the format's
+            // steps read, and the rows of a last short tile that keep an
+            // earlier tile's values give sums no output takes (a row of
+            // a tile product depends on that row of A alone).
+            if unpacked.len() != nb {
+                unpacked.clear();
+                unpacked.resize(nb, EMPTY_ROWS);
+            }
             for (m, row) in w[r0 * nb..(r0 + real_rows) * nb]
                 .chunks_exact(nb)
                 .enumerate()
@@ -631,9 +637,11 @@ unsafe fn products<'c, K: KScaled, T: TileProducts>(
                     let token_blocks = &chunk.tiles[tt * nb..][..nb];
                     // SAFETY: `begin` ran; the caller promises AVX-512.
                     unsafe { tile::<K, T>(row_blocks, token_blocks, lanes) };
-                    for m in 0..real_rows {
-                        for n in 0..real_tokens {
-                            out[(t_first + n0 + n) * out_stride + r0 + m] = lanes.sums[m][n];
+                    // Token by token: a token's outputs are side by side in `out`.
+                    for n in 0..real_tokens {
+                        let row = &mut out[(t_first + n0 + n) * out_stride + r0..][..real_rows];
+                        for (m, o) in row.iter_mut().enumerate() {
+                            *o = lanes.sums[m][n];
                         }
                     }
                 }
@@ -668,63 +676,15 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
     // SAFETY: the caller promises the features and `begin`; every access
     // goes through a reference to an array of the loaded width.
     unsafe {
-        *acc = [[[0.0; TOKENS]; 8]; ROWS];
-        *acc_min = [[[0.0; TOKENS]; 4]; ROWS];
-        for (rt, tt) in row_blocks.iter().zip(token_blocks) {
-            for j in 0..8 {
-                T::lane(&rt.lo[j], &rt.hi[j], &tt.b[j], &mut c_lo[j], &mut c_hi[j]);
-            }
-            let dy = _mm512_loadu_ps(tt.d.as_ptr());
-            let neg_dy = _mm512_loadu_ps(tt.neg_d.as_ptr());
-            for m in 0..ROWS {
-                // `y.d() * x.d()`, one product per token.
-                let dd = _mm512_mul_ps(dy, _mm512_set1_ps(rt.d[m]));
-                for j in 0..8 {
-                    let lo = _mm512_loadu_si512(c_lo[j][m * TOKENS..].as_ptr() as *const __m512i);
-                    let hi = _mm512_loadu_si512(c_hi[j][m * TOKENS..].as_ptr() as *const __m512i);
-                    let mut lane = _mm512_add_epi32(_mm512_slli_epi32::<8>(hi), lo);
-                    if K::MIN == MinTerm::Offset {
-                        let sums = _mm512_loadu_si512(tt.group_sums[j].as_ptr() as *const __m512i);
-                        let scaled =
-                            _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.scales[j][m] as i32));
-                        lane = _mm512_sub_epi32(lane, _mm512_slli_epi32::<5>(scaled));
-                    }
-                    let a = acc[m][j].as_mut_ptr();
-                    _mm512_storeu_ps(
-                        a,
-                        _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lane), _mm512_loadu_ps(a)),
-                    );
-                }
-                if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
-                    // `-y.d() * x.dmin()`.
-                    let dm = _mm512_mul_ps(neg_dy, _mm512_set1_ps(rt.dmin[m]));
-                    let mins: [__m512i; 4] = std::array::from_fn(|k| {
-                        let sums = _mm512_loadu_si512(tt.sub_sums[k].as_ptr() as *const __m512i);
-                        _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.mins[k][m] as i32))
-                    });
-                    if K::MIN == MinTerm::Lanes {
-                        for (acc_min, mins) in acc_min[m].iter_mut().zip(mins) {
-                            let a = acc_min.as_mut_ptr();
-                            _mm512_storeu_ps(
-                                a,
-                                _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(mins), _mm512_loadu_ps(a)),
-                            );
-                        }
-                    } else {
-                        // The exact sum of the four, then one step (in
-                        // minimum lane 0).
-                        let sum = _mm512_add_epi32(
-                            _mm512_add_epi32(mins[0], mins[1]),
-                            _mm512_add_epi32(mins[2], mins[3]),
-                        );
-                        let a = acc_min[m][0].as_mut_ptr();
-                        _mm512_storeu_ps(
-                            a,
-                            _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(sum), _mm512_loadu_ps(a)),
-                        );
-                    }
-                }
-            }
+        // The first super-block's steps start from zero rather than from
+        // accumulators cleared in memory (`fma(x, y, 0)`, as `vec_dot`'s
+        // first step from its zeroed accumulator).
+        let mut blocks = row_blocks.iter().zip(token_blocks);
+        if let Some((rt, tt)) = blocks.next() {
+            super_block::<K, T, true>(rt, tt, c_lo, c_hi, acc, acc_min);
+        }
+        for (rt, tt) in blocks {
+            super_block::<K, T, false>(rt, tt, c_lo, c_hi, acc, acc_min);
         }
         for m in 0..ROWS {
             let l: [__m512; 8] = std::array::from_fn(|j| _mm512_loadu_ps(acc[m][j].as_ptr()));
@@ -743,6 +703,80 @@ unsafe fn tile<K: KScaled, T: TileProducts>(
                 MinTerm::Scalar => v = _mm512_add_ps(v, _mm512_loadu_ps(acc_min[m][0].as_ptr())),
             }
             _mm512_storeu_ps(sums[m].as_mut_ptr(), v);
+        }
+    }
+}
+
+/// One super-block of [`tile`]: its tile products, then each lane's and
+/// minimum lane's float step into `acc` and `acc_min` (from zero when
+/// `FIRST`).
+///
+/// # Safety
+/// As [`tile`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
+unsafe fn super_block<K: KScaled, T: TileProducts, const FIRST: bool>(
+    rt: &RowTile,
+    tt: &TokenTile,
+    c_lo: &mut [[i32; ROWS * TOKENS]; 8],
+    c_hi: &mut [[i32; ROWS * TOKENS]; 8],
+    acc: &mut [[[f32; TOKENS]; 8]; ROWS],
+    acc_min: &mut [[[f32; TOKENS]; 4]; ROWS],
+) {
+    let prev = |a: *const f32| {
+        if FIRST {
+            _mm512_setzero_ps()
+        } else {
+            // SAFETY: `a` points at 16 floats of an accumulator.
+            unsafe { _mm512_loadu_ps(a) }
+        }
+    };
+    // SAFETY: the caller promises the features and `begin`; every access
+    // goes through a reference to an array of the loaded width.
+    unsafe {
+        for j in 0..8 {
+            T::lane(&rt.lo[j], &rt.hi[j], &tt.b[j], &mut c_lo[j], &mut c_hi[j]);
+        }
+        let dy = _mm512_loadu_ps(tt.d.as_ptr());
+        let neg_dy = _mm512_loadu_ps(tt.neg_d.as_ptr());
+        for m in 0..ROWS {
+            // `y.d() * x.d()`, one product per token.
+            let dd = _mm512_mul_ps(dy, _mm512_set1_ps(rt.d[m]));
+            for j in 0..8 {
+                let lo = _mm512_loadu_si512(c_lo[j][m * TOKENS..].as_ptr() as *const __m512i);
+                let hi = _mm512_loadu_si512(c_hi[j][m * TOKENS..].as_ptr() as *const __m512i);
+                let mut lane = _mm512_add_epi32(_mm512_slli_epi32::<8>(hi), lo);
+                if K::MIN == MinTerm::Offset {
+                    let sums = _mm512_loadu_si512(tt.group_sums[j].as_ptr() as *const __m512i);
+                    let scaled = _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.scales[j][m] as i32));
+                    lane = _mm512_sub_epi32(lane, _mm512_slli_epi32::<5>(scaled));
+                }
+                let a = acc[m][j].as_mut_ptr();
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lane), prev(a)));
+            }
+            if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
+                // `-y.d() * x.dmin()`.
+                let dm = _mm512_mul_ps(neg_dy, _mm512_set1_ps(rt.dmin[m]));
+                let mins: [__m512i; 4] = std::array::from_fn(|k| {
+                    let sums = _mm512_loadu_si512(tt.sub_sums[k].as_ptr() as *const __m512i);
+                    _mm512_madd_epi16(sums, _mm512_set1_epi32(rt.mins[k][m] as i32))
+                });
+                if K::MIN == MinTerm::Lanes {
+                    for (acc_min, mins) in acc_min[m].iter_mut().zip(mins) {
+                        let a = acc_min.as_mut_ptr();
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(mins), prev(a)));
+                    }
+                } else {
+                    // The exact sum of the four, then one step (in
+                    // minimum lane 0).
+                    let sum = _mm512_add_epi32(
+                        _mm512_add_epi32(mins[0], mins[1]),
+                        _mm512_add_epi32(mins[2], mins[3]),
+                    );
+                    let a = acc_min[m][0].as_mut_ptr();
+                    _mm512_storeu_ps(a, _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(sum), prev(a)));
+                }
+            }
         }
     }
 }
