@@ -1091,6 +1091,17 @@ const WIDE_SPAN_BYTES: usize = 16 << 10;
 /// 638-723 to 721-852 at depth 4096.
 const WIDE_MAX_HEAD_DIM: usize = 128;
 
+/// The fewest positions a span holds for heads wider than
+/// [`WIDE_MAX_HEAD_DIM`] (widened only in prefill): at 16 KiB a 256-wide
+/// head got 16 rows per span, one per accumulator lane, so the V pass
+/// loaded and stored its accumulators for every row it added. With 64
+/// (64 KiB), Gemma 3 270M pp512 went from 799-804 to 907-924 tokens/s, and
+/// from 413-437 to 553-559 at depth 4096 (2 threads, Sapphire
+/// Rapids-class VM, alternating; 128 rows no better). The bits do not
+/// change: a span's length is a multiple of the lanes, and each lane adds
+/// its rows in order whatever the spans.
+const WIDE_SPAN_MIN_ROWS: usize = 64;
+
 /// Walks `range` in spans of positions aligned to multiples of the span
 /// length: widens each span's rows (`head_dim` values from `column` of each
 /// row the blocks `blocks` gives for it) into `buf` and calls `each(start,
@@ -1107,7 +1118,12 @@ fn for_each_wide_span<'k>(
     mut each: impl FnMut(usize, usize, &[f32]),
 ) -> Result<(), KvError> {
     let hd = wide.head_dim();
-    let span = (WIDE_SPAN_BYTES / (hd * 4)).max(LANES) / LANES * LANES;
+    let min_rows = if hd > WIDE_MAX_HEAD_DIM {
+        WIDE_SPAN_MIN_ROWS
+    } else {
+        LANES
+    };
+    let span = (WIDE_SPAN_BYTES / (hd * 4)).max(min_rows) / LANES * LANES;
     buf.resize(span * hd, 0.0);
     let mut a0 = range.start;
     while a0 < range.end {
