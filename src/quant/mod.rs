@@ -675,11 +675,7 @@ fn prefetch_long_rows() -> bool {
         {
             // CPUID leaf 0: the vendor string in EBX, EDX, ECX.
             let id = std::arch::x86_64::__cpuid(0);
-            let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-                .iter()
-                .flat_map(|r| r.to_le_bytes())
-                .collect();
-            vendor == b"GenuineIntel"
+            [id.ebx, id.edx, id.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes)
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
