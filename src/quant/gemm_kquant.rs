@@ -27,6 +27,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::avx2::{k4_runs, q6k_runs, sub_block_sums};
+use super::avx512::dpwssd;
 use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
 use super::scalar::{hsum4, hsum8};
@@ -517,7 +518,7 @@ unsafe fn pair_tile<K: KRuns>(
                     let a = load(&yb.q[c]);
                     let p0 = _mm512_dpbusd_epi32(zero, w0[c], a);
                     let p1 = _mm512_dpbusd_epi32(zero, w1[c], a);
-                    *lanes = _mm512_dpwssd_epi32(*lanes, _mm512_packs_epi32(p0, p1), scale[c]);
+                    *lanes = dpwssd(*lanes, _mm512_packs_epi32(p0, p1), scale[c]);
                 }
             }
             let d = _mm512_load_ps(ps.d.as_ptr());
