@@ -502,8 +502,9 @@ unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
 /// `acc + Σ a·b` over each 32-bit lane's two 16-bit pairs, as one
 /// `vpdpwssd`: LLVM's generic tuning splits the intrinsic into `vpmaddwd`
 /// and `vpaddd`, one more micro-op on the two vector ports Intel cores
-/// run 512-bit integer multiplies on, which bound the K-quant kernels
-/// there (6-9% per prefill product on an Ice Lake Xeon).
+/// run 512-bit integer multiplies on, which the K-quant kernels keep
+/// busy there (one instruction: 6-9% faster prefill products on an Ice
+/// Lake Xeon).
 ///
 /// # Safety
 /// The CPU must support AVX-512 VNNI.
