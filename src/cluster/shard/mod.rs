@@ -35,7 +35,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_executor::block_on;
 use grpcio::{DuplexSink, Environment, RequestStream, RpcContext, ServiceBuilder, UnarySink};
@@ -282,9 +282,11 @@ impl ShardServer {
     }
 
     /// Stops accepting, cancels open streams and stops computations at
-    /// their next step; waits for the calls to end for at most a few
-    /// seconds.
+    /// their next step; waits for the calls and their stream threads to
+    /// end for at most a few seconds. When they have, the state directory
+    /// is unlocked on return, so a shard started next on it opens it.
     pub fn shutdown(mut self) {
+        let deadline = Instant::now() + SHUTDOWN_WAIT;
         self.shared.stopping.store(true, Ordering::Release);
         let done = self.server.shutdown();
         self.server.cancel_all_calls();
@@ -301,5 +303,18 @@ impl ShardServer {
                 "calls still open at shutdown; stopping anyway"
             );
         }
+        // A call ends before its stream thread does: the thread still
+        // answers what it read and holds the shared state. Its end is what
+        // makes the keeper's log final.
+        while self.shared.streams.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if self.shared.streams.load(Ordering::Acquire) > 0 {
+            tracing::warn!("stream threads still running at shutdown; the state directory stays locked until they end");
+            return;
+        }
+        // Readers and finished threads may still hold the shared state for
+        // a moment; the lock goes with the keeper, now.
+        drop(lock(&self.shared.core).keeper.take());
     }
 }
