@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Helpers, Region, ThreadPool, SPIN_BEFORE_PARK};
+use super::{Helpers, Region, SpinWait, ThreadPool, SPIN_BEFORE_PARK};
 
 /// How a member blocked on its own channel is woken to help (for a runtime
 /// worker, a message on its wake channel).
@@ -100,6 +100,7 @@ impl CoreGroup {
         let mut last_task = Instant::now();
         let mut scanned = None;
         let mut spins = 0u32;
+        let mut wait = SpinWait::new();
         loop {
             if ready() {
                 return;
@@ -112,6 +113,7 @@ impl CoreGroup {
                     let epoch = region.epoch.load(Ordering::SeqCst);
                     if j != me && region.has_untaken_tasks() && region.join(epoch, ready) {
                         last_task = Instant::now();
+                        wait = SpinWait::new();
                     }
                 }
             }
@@ -122,7 +124,7 @@ impl CoreGroup {
                     return;
                 }
             }
-            std::hint::spin_loop();
+            wait.pause();
         }
     }
 

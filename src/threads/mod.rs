@@ -3,7 +3,10 @@
 //! A decode step runs a few hundred short parallel regions (one per matrix
 //! multiply or attention block), each lasting tens of microseconds, so the
 //! hand-off must cost far less than that: workers spin on an epoch counter
-//! for a while before parking, and the calling thread takes tasks too.
+//! for a while before parking, and the calling thread takes tasks too. A
+//! wait that lasts past a few tens of microseconds yields its core between
+//! looks ([`SpinWait`]), so that more threads than cores slow a pass down
+//! rather than stall it for whole time slices.
 //!
 //! A pool need not own threads: a runtime worker's pool is a member of a
 //! [`CoreGroup`], whose idle members take its tasks (`lending.rs`).
@@ -27,6 +30,47 @@ pub use lending::{CoreGroup, Wake};
 /// gap between two parallel regions of one forward pass, short enough that an
 /// idle server does not burn a core.
 const SPIN_BEFORE_PARK: Duration = Duration::from_millis(2);
+
+/// How long a wait spins before it lets other threads on its core run
+/// between looks. A wait that lasts longer is most likely waiting for a
+/// thread its core's scheduler has put aside (more threads than cores, or
+/// another process on the core): pure spinning would hold that thread off
+/// for the rest of the time slice.
+const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
+
+/// A spinning wait that yields the core between looks once it has lasted
+/// [`SPIN_BEFORE_YIELD`]. Yielding costs about a system call when nothing
+/// else wants the core, so a wait stays about as quick to notice.
+pub(crate) struct SpinWait {
+    spins: u32,
+    started: Option<Instant>,
+    yielding: bool,
+}
+
+impl SpinWait {
+    pub(crate) fn new() -> SpinWait {
+        SpinWait {
+            spins: 0,
+            started: None,
+            yielding: false,
+        }
+    }
+
+    /// One pause between two looks.
+    pub(crate) fn pause(&mut self) {
+        if self.yielding {
+            std::thread::yield_now();
+            return;
+        }
+        self.spins = self.spins.wrapping_add(1);
+        // Short waits, the common case, never read the clock.
+        if self.spins.is_multiple_of(64) {
+            let started = *self.started.get_or_insert_with(Instant::now);
+            self.yielding = started.elapsed() > SPIN_BEFORE_YIELD;
+        }
+        std::hint::spin_loop();
+    }
+}
 
 type Job = *const (dyn Fn(usize) + Sync);
 
@@ -91,12 +135,13 @@ impl Region {
         self.epoch.fetch_add(1, Ordering::SeqCst);
         announce();
         self.take_tasks(f, &|| false);
+        let mut wait = SpinWait::new();
         while self.done_tasks.load(Ordering::Acquire) != n_tasks {
-            std::hint::spin_loop();
+            wait.pause();
         }
         self.closed.store(true, Ordering::SeqCst);
         while self.active.load(Ordering::SeqCst) != 0 {
-            std::hint::spin_loop();
+            wait.pause();
         }
         // SAFETY: closed, and no thread is joined.
         unsafe { *self.job.get() = None };
@@ -297,6 +342,7 @@ fn worker_loop(s: &PoolState, index: usize) {
     loop {
         let started = Instant::now();
         let mut spins = 0u32;
+        let mut wait = SpinWait::new();
         loop {
             let now = region.epoch.load(Ordering::SeqCst);
             if now != seen {
@@ -311,7 +357,7 @@ fn worker_loop(s: &PoolState, index: usize) {
                 }
                 s.sleeping[index].store(false, Ordering::SeqCst);
             } else {
-                std::hint::spin_loop();
+                wait.pause();
             }
         }
         if s.shutdown.load(Ordering::SeqCst) {
