@@ -40,7 +40,10 @@ const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
 
 /// A spinning wait that yields the core between looks once it has lasted
 /// [`SPIN_BEFORE_YIELD`]. Yielding costs about a system call when nothing
-/// else wants the core, so a wait stays about as quick to notice.
+/// else wants the core, so a wait stays about as quick to notice. Not
+/// `crossbeam_utils::Backoff`: it yields after a count of pauses (a few
+/// microseconds, and a different time on each CPU), inside the tail of an
+/// ordinary region; this threshold is a time, past those tails.
 pub(crate) struct SpinWait {
     spins: u32,
     started: Option<Instant>,
