@@ -1,6 +1,7 @@
 //! Prompt-sized matrix products on one thread: the Llama-3.2-1B shapes
 //! (hidden 2048, FFN 8192) at 512 tokens, the work of a prefill chunk, in
-//! each format a Q4_K_M, Q5_K_M or Q8_0 file stores them. Prints the best
+//! each format a Q4_K_M, Q5_K_M or Q8_0 file stores them, and the reference
+//! model's FFN shape in its Q4_1. Prints the best
 //! of a few runs (the figure least disturbed on a shared machine) as
 //! milliseconds, nanoseconds per output and 256 weights, and multiply-adds
 //! per second.
@@ -34,6 +35,12 @@ const SHAPES: &[(GgmlType, usize, usize, &str)] = &[
     ),
     (GgmlType::Q8_0, 8192, 2048, "q8_0 8192x2048 (gate, up)"),
     (GgmlType::Q8_0, 2048, 8192, "q8_0 2048x8192 (down)"),
+    (
+        GgmlType::Q4_1,
+        1536,
+        576,
+        "q4_1 1536x576 (SmolLM2-135M gate, up)",
+    ),
 ];
 
 fn main() {
