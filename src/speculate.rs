@@ -11,7 +11,8 @@
 //! token is accepted, the length (1, 3, 7 or 15: with the sampled token,
 //! whole tiles of the matrix kernels) whose expected tokens per unit of
 //! verification cost ([`PASS_COST`]) is highest. After a proposal refused
-//! outright it rests a while. A proposal costs nothing when there is none;
+//! outright, where acceptance has fallen below what pays, it rests a
+//! while. A proposal costs nothing when there is none;
 //! verifying changes no token (the caller samples every position as plain
 //! decoding would).
 //!
@@ -297,9 +298,10 @@ impl Lookup {
     /// most recent earlier occurrence of the last [`MAX_NGRAM`] (else
     /// [`MIN_NGRAM`]) tokens within the last [`SEARCH_WINDOW`]; nothing
     /// when they occurred nowhere before. After a proposal refused outright
-    /// it rests (proposes nothing) for a number of steps that doubles with
-    /// each such refusal, up to [`MAX_REST`]: a session with nothing to
-    /// copy soon costs nothing. The runs of `history` are indexed as it
+    /// that leaves acceptance below what pays ([`Sizer::worth`]), it rests
+    /// (proposes nothing) for a number of steps that doubles with each
+    /// such refusal, up to [`MAX_REST`]: a session with nothing to copy
+    /// soon costs nothing. The runs of `history` are indexed as it
     /// grows, so a lookup costs the same at any length.
     pub fn propose_after(&mut self, history: &[u32], next: u32, limit: usize, out: &mut Vec<u32>) {
         out.clear();
@@ -346,11 +348,14 @@ impl Lookup {
             return;
         }
         self.sizer.learn(proposed, accepted);
-        if accepted == 0 {
+        if accepted > 0 {
+            self.rest = 0;
+        } else if self.sizer.worth(0.0).is_none() {
+            // A refusal where proposals still pay on the whole (a copy
+            // that departs from its source for a word, then rejoins it)
+            // is no reason to stop looking.
             self.rest = (self.rest * 2).clamp(FIRST_REST, MAX_REST);
             self.resting = self.rest;
-        } else {
-            self.rest = 0;
         }
     }
 }
@@ -492,5 +497,27 @@ mod tests {
             assert!(propose(&mut lookup, &history, 100).is_empty());
         }
         assert!(!propose(&mut lookup, &history, 100).is_empty());
+    }
+
+    #[test]
+    fn a_refusal_amid_accepted_proposals_does_not_rest() {
+        let mut lookup = Lookup::default();
+        let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
+        for _ in 0..6 {
+            let len = propose(&mut lookup, &history, 100).len();
+            lookup.learn(len, len);
+        }
+        // One word departs from the copy: the next step looks again.
+        let len = propose(&mut lookup, &history, 100).len();
+        lookup.learn(len, 0);
+        assert!(!propose(&mut lookup, &history, 100).is_empty());
+        // Refused again and again, acceptance falls below what pays: rest.
+        let mut refusals = 0;
+        while !propose(&mut lookup, &history, 100).is_empty() {
+            lookup.learn(1, 0);
+            refusals += 1;
+            assert!(refusals < 10, "never rested");
+        }
+        assert!(refusals >= 1);
     }
 }
