@@ -1,10 +1,9 @@
 //! Prompt-sized matrix products on one thread: the Llama-3.2-1B shapes
 //! (hidden 2048, FFN 8192) at 512 tokens, the work of a prefill chunk, in
 //! each format a Q4_K_M, Q5_K_M or Q8_0 file stores them, and the reference
-//! model's FFN shape in its Q4_1. Prints the best
-//! of a few runs (the figure least disturbed on a shared machine) as
-//! milliseconds, nanoseconds per output and 256 weights, and multiply-adds
-//! per second.
+//! model's FFN shape in its Q4_1. Prints the best of a few runs (the figure
+//! least disturbed on a shared machine) as milliseconds, nanoseconds per
+//! output and 256 weights, and multiply-adds per second.
 //! `INFERD_SIMD=scalar|avx2|avx512` picks a level; `INFERD_BENCH_TOKENS=N`
 //! another token count (1 times the decode kernels on the same matrices);
 //! `INFERD_BENCH_ROWS=N` another row count (256 keeps a matrix in L2, so

@@ -30,8 +30,9 @@ pub const MAX_NGRAM: usize = 4;
 /// text they recur by chance, and every refused proposal costs).
 pub const MIN_NGRAM: usize = 3;
 
-/// The steps a lookup rests after a first proposal refused outright, and
-/// the most it rests after several in a row.
+/// The steps a lookup rests after the first proposal refused outright
+/// that leaves acceptance below what pays, and the most it rests after
+/// several such refusals in a row.
 pub const FIRST_REST: usize = 4;
 pub const MAX_REST: usize = 64;
 
@@ -513,8 +514,12 @@ mod tests {
         assert!(!propose(&mut lookup, &history, 100).is_empty());
         // Refused again and again, acceptance falls below what pays: rest.
         let mut refusals = 0;
-        while !propose(&mut lookup, &history, 100).is_empty() {
-            lookup.learn(1, 0);
+        loop {
+            let len = propose(&mut lookup, &history, 100).len();
+            if len == 0 {
+                break;
+            }
+            lookup.learn(len, 0);
             refusals += 1;
             assert!(refusals < 10, "never rested");
         }
