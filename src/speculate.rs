@@ -10,7 +10,8 @@
 //! it is expected to earn: from a decayed estimate of how often a proposed
 //! token is accepted, the length (1, 3, 7 or 15: with the sampled token,
 //! whole tiles of the matrix kernels) whose expected tokens per unit of
-//! verification cost ([`PASS_COST`]) is highest. After a proposal refused
+//! verification cost ([`Costs`]: what passes take on this model and
+//! machine, [`PassTimes`]; [`PASS_COST`] until timed) is highest. After a proposal refused
 //! outright, where acceptance has fallen below what pays, it rests a
 //! while. A proposal costs nothing when there is none;
 //! verifying changes no token (the caller samples every position as plain
@@ -37,23 +38,181 @@ pub const FIRST_REST: usize = 4;
 pub const MAX_REST: usize = 64;
 
 /// The proposal lengths, with what a pass verifying each costs in decode
-/// steps (the sampled token and the proposal, every row's logits): the
-/// 2-, 4-, 8- and 16-token chunks of `benches/forward` on the reference
-/// model (1.25, 1.86, 3.09 and 5.95 steps) plus about a fifth of a step for
-/// each extra row's output projection, which those chunks do not compute
-/// (fitted to the whole-process runs in docs/PERFORMANCE.md).
+/// steps (the sampled token and the proposal, every row's logits) before
+/// any pass was timed: the 2-, 4-, 8- and 16-token chunks of
+/// `benches/forward` on the reference model (1.25, 1.86, 3.09 and 5.95
+/// steps) plus about a fifth of a step for each extra row's output
+/// projection, which those chunks do not compute (fitted to the
+/// whole-process runs in docs/PERFORMANCE.md). [`PassTimes`] replaces
+/// them with what passes take on the model and machine at hand.
 pub const PASS_COST: [(usize, f32); 4] = [(1, 1.45), (3, 2.46), (7, 4.49), (15, 8.95)];
 
-/// What a pass verifying `proposed` tokens costs in decode steps: the
-/// [`PASS_COST`] of the shortest length that holds them (1 for none).
-pub fn pass_cost(proposed: usize) -> f32 {
-    if proposed == 0 {
-        return 1.0;
+/// What verifying a proposal of each of [`PASS_COST`]'s lengths costs now,
+/// in plain decode steps, and how long such a step takes (`None`: not
+/// timed yet).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Costs {
+    lengths: [(usize, f32); 4],
+    step: Option<Duration>,
+}
+
+impl Default for Costs {
+    fn default() -> Self {
+        Costs {
+            lengths: PASS_COST,
+            step: None,
+        }
     }
-    PASS_COST
-        .iter()
-        .find(|(length, _)| *length >= proposed)
-        .map_or(PASS_COST[PASS_COST.len() - 1].1, |(_, cost)| *cost)
+}
+
+impl Costs {
+    /// What a pass verifying `proposed` tokens costs in decode steps: the
+    /// cost of the shortest length that holds them (1 for none).
+    pub fn of(&self, proposed: usize) -> f32 {
+        if proposed == 0 {
+            return 1.0;
+        }
+        let lengths = &self.lengths;
+        lengths
+            .iter()
+            .find(|(length, _)| *length >= proposed)
+            .map_or(lengths[lengths.len() - 1].1, |(_, cost)| *cost)
+    }
+
+    /// How long a plain decode step takes, once timed.
+    pub fn step(&self) -> Option<Duration> {
+        self.step
+    }
+
+    /// The costs of the four lengths, in order.
+    pub fn lengths(&self) -> [(usize, f32); 4] {
+        self.lengths
+    }
+}
+
+/// The most rows a pass of which is timed apart: bucket `b` holds passes
+/// of `2^(b-1) + 1 ..= 2^b` rows, the last one every longer pass.
+const TIME_BUCKETS: usize = 13;
+
+/// How much a new timing counts against what a bucket has seen.
+const TIME_WEIGHT: f32 = 0.25;
+
+/// What forward passes take by how many rows they feed, timed as they run
+/// (decayed means per power-of-two bucket of rows), so that proposals are
+/// sized by what verification costs on this model and machine: on a
+/// large model whose decode streams its weights, a pass of 8 rows can
+/// cost little more than one; on a small one, several times one. Between
+/// timed sizes a pass's time is interpolated; beyond them it follows
+/// [`PASS_COST`]'s shape from the nearest timed size. A size never timed
+/// is only ever estimated that way, so a length the estimate rules out is
+/// not tried.
+#[derive(Clone, Debug)]
+pub struct PassTimes {
+    /// Per bucket: mean rows and mean seconds of its passes.
+    buckets: [Option<(f32, f32)>; TIME_BUCKETS],
+    /// Whether timings are ignored (costs stay [`PASS_COST`]'s).
+    fixed: bool,
+}
+
+impl Default for PassTimes {
+    /// Timed, unless `INFERD_PASS_COSTS=fixed` keeps [`PASS_COST`] (so
+    /// that a replay of the lookup's policy can reproduce a run's counts).
+    fn default() -> Self {
+        let fixed = std::env::var("INFERD_PASS_COSTS").is_ok_and(|v| v == "fixed");
+        PassTimes {
+            buckets: [None; TIME_BUCKETS],
+            fixed,
+        }
+    }
+}
+
+impl PassTimes {
+    /// Learns from a pass that fed `rows` and took `took` (with the
+    /// sampling of its rows). One odd pass (the thread preempted) moves
+    /// its bucket's time at most by half.
+    pub fn learn(&mut self, rows: usize, took: Duration) {
+        if rows == 0 || self.fixed {
+            return;
+        }
+        let bucket = &mut self.buckets[time_bucket(rows)];
+        let (rows, secs) = (rows as f32, took.as_secs_f32());
+        *bucket = Some(match *bucket {
+            None => (rows, secs),
+            Some((old_rows, old_secs)) => {
+                let secs = secs.clamp(old_secs * 0.5, old_secs * 2.0);
+                (
+                    old_rows + TIME_WEIGHT * (rows - old_rows),
+                    old_secs + TIME_WEIGHT * (secs - old_secs),
+                )
+            }
+        });
+    }
+
+    /// The costs of verifying each proposal length in a step that feeds
+    /// `base` rows without it and that `waiting` sequences (the step's
+    /// sessions) wait for: the time the proposal adds to the step, counted
+    /// once for each of them (what the step's whole output loses), over
+    /// the step's time without it. Alone in a step of one sampled token
+    /// that is the pass's time over a plain decode step's.
+    pub fn costs(&self, base: usize, waiting: usize) -> Costs {
+        let base = base.max(1);
+        let waiting = waiting.max(1) as f32;
+        let step = self.time(base).unwrap_or_else(|| prior_time(base));
+        let mut lengths = PASS_COST;
+        for (length, cost) in &mut lengths {
+            let time = self
+                .time(base + *length)
+                .unwrap_or_else(|| prior_time(base + *length));
+            // A pass is never cheaper than one with fewer rows.
+            *cost = 1.0 + waiting * (time / step - 1.0).max(0.0);
+        }
+        let timed = self.buckets.iter().any(Option::is_some);
+        Costs {
+            lengths,
+            step: timed.then(|| Duration::from_secs_f32(step)),
+        }
+    }
+
+    /// A pass of `rows` rows' estimated seconds (`None`: nothing timed).
+    fn time(&self, rows: usize) -> Option<f32> {
+        let timed = || self.buckets.iter().flatten().copied();
+        let r = rows as f32;
+        let below = timed().take_while(|&(at, _)| at <= r).last();
+        let above = timed().find(|&(at, _)| at >= r);
+        let from = |(at, secs): (f32, f32)| secs * prior_time_at(r) / prior_time_at(at);
+        match (below, above) {
+            (Some((r0, t0)), Some((r1, t1))) if r1 > r0 => {
+                Some(t0 + (t1 - t0) * (r - r0) / (r1 - r0))
+            }
+            (Some(point), _) | (None, Some(point)) => Some(from(point)),
+            (None, None) => None,
+        }
+    }
+}
+
+/// Which bucket of [`PassTimes`] a pass of `rows` rows is timed in.
+fn time_bucket(rows: usize) -> usize {
+    (rows.max(1).next_power_of_two().trailing_zeros() as usize).min(TIME_BUCKETS - 1)
+}
+
+/// [`PASS_COST`]'s shape: a pass of `rows` rows in one-row passes, linear
+/// between its sizes and beyond the last at the slope of the last two.
+fn prior_time(rows: usize) -> f32 {
+    prior_time_at(rows as f32)
+}
+
+fn prior_time_at(rows: f32) -> f32 {
+    let mut points = [(1.0f32, 1.0f32); PASS_COST.len() + 1];
+    for (point, (length, cost)) in points[1..].iter_mut().zip(PASS_COST) {
+        *point = ((length + 1) as f32, cost);
+    }
+    let rows = rows.max(1.0);
+    let pair = points
+        .windows(2)
+        .find(|w| rows <= w[1].0)
+        .unwrap_or(&points[points.len() - 2..]);
+    let ((r0, t0), (r1, t1)) = (pair[0], pair[1]);
+    t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 }
 
 /// How often a draft model that does not pay proposes one token anyway,
@@ -103,29 +262,29 @@ impl Default for Sizer {
 impl Sizer {
     /// The proposal length (of [`PASS_COST`]'s) with the most expected
     /// tokens (the sampled one and the accepted run) per unit of cost: its
-    /// pass's, plus `cost_per_proposed` decode steps for making each
-    /// proposed token (a draft model's step; nothing for a lookup).
-    pub fn length(&self, cost_per_proposed: f32) -> usize {
-        self.best(cost_per_proposed).1
+    /// pass's (`costs`), plus `cost_per_proposed` decode steps for making
+    /// each proposed token (a draft model's step; nothing for a lookup).
+    pub fn length(&self, costs: &Costs, cost_per_proposed: f32) -> usize {
+        self.best(costs, cost_per_proposed).1
     }
 
     /// [`Sizer::length`], if proposing it is expected to beat plain
     /// decoding's one token per decode step.
-    pub fn worth(&self, cost_per_proposed: f32) -> Option<usize> {
-        let (per_cost, length) = self.best(cost_per_proposed);
+    pub fn worth(&self, costs: &Costs, cost_per_proposed: f32) -> Option<usize> {
+        let (per_cost, length) = self.best(costs, cost_per_proposed);
         (per_cost > 1.0).then_some(length)
     }
 
     /// Whether any proposal could beat plain decoding were every proposed
     /// token accepted: if not, proposing (or trying to) only costs.
-    pub fn could_pay(cost_per_proposed: f32) -> bool {
-        best_at(1.0, cost_per_proposed).0 > 1.0
+    pub fn could_pay(costs: &Costs, cost_per_proposed: f32) -> bool {
+        best_at(1.0, costs, cost_per_proposed).0 > 1.0
     }
 
     /// The best expected tokens per decode step, and its length.
-    fn best(&self, cost_per_proposed: f32) -> (f32, usize) {
+    fn best(&self, costs: &Costs, cost_per_proposed: f32) -> (f32, usize) {
         let p = self.accepted_weight / (self.accepted_weight + self.refused_weight);
-        best_at(p, cost_per_proposed)
+        best_at(p, costs, cost_per_proposed)
     }
 
     /// Learns from a proposal of `proposed` tokens of which the first
@@ -141,14 +300,12 @@ impl Sizer {
 }
 
 /// What one step of a draft model costs in main decode steps, measured as
-/// it runs: recent times of a draft step and of a main decode step (a
-/// verification pass over its [`pass_cost`]); until both are timed, the
-/// ratio of the two models' weight bytes (decode streams them once per
-/// token).
+/// it runs: recent times of a draft step against a main decode step's
+/// ([`Costs::step`]); until both are timed, the ratio of the two models'
+/// weight bytes (decode streams them once per token).
 #[derive(Clone, Debug)]
 pub struct DraftCost {
     draft_step: Option<Duration>,
-    main_step: Option<Duration>,
     prior: f32,
 }
 
@@ -157,14 +314,13 @@ impl DraftCost {
     pub fn new(draft_bytes: u64, main_bytes: u64) -> Self {
         DraftCost {
             draft_step: None,
-            main_step: None,
             prior: draft_bytes.max(1) as f32 / main_bytes.max(1) as f32,
         }
     }
 
-    /// A draft step's cost in main decode steps.
-    pub fn per_step(&self) -> f32 {
-        match (self.draft_step, self.main_step) {
+    /// A draft step's cost in main decode steps of `main_step` each.
+    pub fn per_step(&self, main_step: Option<Duration>) -> f32 {
+        match (self.draft_step, main_step) {
             (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
             _ => self.prior,
         }
@@ -173,11 +329,6 @@ impl DraftCost {
     /// Learns from a draft step that took `took`.
     pub fn learn_draft_step(&mut self, took: Duration) {
         self.draft_step = decayed(self.draft_step, took);
-    }
-
-    /// Learns from a verification pass of `proposed` tokens that took `pass`.
-    pub fn learn_main_pass(&mut self, pass: Duration, proposed: usize) {
-        self.main_step = decayed(self.main_step, pass.div_f32(pass_cost(proposed)));
     }
 }
 
@@ -198,12 +349,13 @@ pub struct DraftPace {
 }
 
 impl DraftPace {
-    /// Tokens to propose now, a draft step costing `cost` main decode
-    /// steps (`fixed`: a length the caller chose instead).
-    pub fn wanted(&mut self, cost: f32, fixed: Option<usize>) -> usize {
-        let want = match fixed.or_else(|| self.sizer.worth(cost)) {
+    /// Tokens to propose now, verification costing `costs` and a draft
+    /// step `cost` main decode steps (`fixed`: a length the caller chose
+    /// instead).
+    pub fn wanted(&mut self, costs: &Costs, cost: f32, fixed: Option<usize>) -> usize {
+        let want = match fixed.or_else(|| self.sizer.worth(costs, cost)) {
             Some(length) => length,
-            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(cost) => 1,
+            None if self.idle + 1 >= PROBE_EVERY && Sizer::could_pay(costs, cost) => 1,
             None => 0,
         };
         self.idle = if want == 0 { self.idle + 1 } else { 0 };
@@ -217,11 +369,12 @@ impl DraftPace {
     }
 }
 
-/// The best expected tokens per decode step over [`PASS_COST`]'s lengths,
-/// and its length, for a proposed token accepted with chance `p`.
-fn best_at(p: f32, cost_per_proposed: f32) -> (f32, usize) {
+/// The best expected tokens per decode step over [`PASS_COST`]'s lengths
+/// at `costs`, and its length, for a proposed token accepted with chance
+/// `p`.
+fn best_at(p: f32, costs: &Costs, cost_per_proposed: f32) -> (f32, usize) {
     let mut best = (f32::MIN, 1);
-    for (length, cost) in PASS_COST {
+    for (length, cost) in costs.lengths {
         // 1 + p + p^2 + ... + p^length: a run stops at its first refusal.
         let expected: f32 = (0..=length).map(|i| p.powi(i as i32)).sum();
         let per_cost = expected / (cost + cost_per_proposed * length as f32);
@@ -290,12 +443,14 @@ pub struct Lookup {
     /// How long the last rest was (it doubles while proposals keep being
     /// refused outright).
     rest: usize,
+    /// What verification cost when it last proposed.
+    costs: Costs,
 }
 
 impl Lookup {
     /// Writes into `out` the tokens that may follow `history` and then
     /// `next` (the token just sampled), at most `limit` (and at most the
-    /// length worth proposing now, [`Lookup::length`]): what followed the
+    /// length worth proposing now at `costs`, [`Lookup::length`]): what followed the
     /// most recent earlier occurrence of the last [`MAX_NGRAM`] (else
     /// [`MIN_NGRAM`]) tokens within the last [`SEARCH_WINDOW`]; nothing
     /// when they occurred nowhere before. After a proposal refused outright
@@ -304,8 +459,16 @@ impl Lookup {
     /// such refusal, up to [`MAX_REST`]: a session with nothing to copy
     /// soon costs nothing. The runs of `history` are indexed as it
     /// grows, so a lookup costs the same at any length.
-    pub fn propose_after(&mut self, history: &[u32], next: u32, limit: usize, out: &mut Vec<u32>) {
+    pub fn propose_after(
+        &mut self,
+        history: &[u32],
+        next: u32,
+        limit: usize,
+        costs: &Costs,
+        out: &mut Vec<u32>,
+    ) {
         out.clear();
+        self.costs = *costs;
         if self.resting > 0 {
             self.resting -= 1;
             return;
@@ -331,15 +494,21 @@ impl Lookup {
             // `history` alone, ends before the tail does).
             let found = self.index.last_end(&tail[..n]);
             if let Some(end) = found.filter(|&e| e - n >= window_start) {
-                out.extend((end..(end + want).min(len)).map(at));
+                // A match that ends near the history's end is followed
+                // by what it is followed by now: the copy runs on into
+                // itself, so a loop is proposed round and round.
+                for i in end..end + want {
+                    let token = if i < len { at(i) } else { out[i - len] };
+                    out.push(token);
+                }
                 return;
             }
         }
     }
 
-    /// The length worth proposing now.
+    /// The length worth proposing at the costs it last saw.
     pub fn length(&self) -> usize {
-        self.sizer.length(0.0)
+        self.sizer.length(&self.costs, 0.0)
     }
 
     /// Learns from a proposal of `proposed` tokens of which the first
@@ -351,7 +520,7 @@ impl Lookup {
         self.sizer.learn(proposed, accepted);
         if accepted > 0 {
             self.rest = 0;
-        } else if self.sizer.worth(0.0).is_none() {
+        } else if self.sizer.worth(&self.costs, 0.0).is_none() {
             // A refusal where proposals still pay on the whole (a copy
             // that departs from its source for a word, then rejoins it)
             // is no reason to stop looking.
@@ -369,7 +538,7 @@ mod tests {
     fn propose(lookup: &mut Lookup, history: &[u32], limit: usize) -> Vec<u32> {
         let mut out = Vec::new();
         if let Some((&next, before)) = history.split_last() {
-            lookup.propose_after(before, next, limit, &mut out);
+            lookup.propose_after(before, next, limit, &Costs::default(), &mut out);
         }
         out
     }
@@ -387,7 +556,13 @@ mod tests {
                 .rev()
                 .find(|&at| &history[at..at + n] == tail);
             if let Some(at) = found {
-                return history[at + n..(at + n + want).min(history.len())].to_vec();
+                // What followed, running on into the proposal itself.
+                let mut out = history[at + n..].to_vec();
+                while out.len() < want {
+                    out.push(out[out.len() - (history.len() - at - n)]);
+                }
+                out.truncate(want);
+                return out;
             }
         }
         Vec::new()
@@ -434,7 +609,9 @@ mod tests {
         // followed by "7 8 4 2 3" (up to the history's end).
         let history = [1, 4, 2, 3, 9, 5, 4, 2, 3, 7, 8, 4, 2, 3];
         assert_eq!(propose(&mut Lookup::default(), &history, 8), [7]);
-        // One that has seen its proposals accepted proposes more.
+        // One that has seen its proposals accepted proposes more: past the
+        // history's end, what the copy itself proposed ("7 8 4" again: the
+        // history loops "7 8 4 2 3").
         let mut lookup = Lookup {
             sizer: Sizer {
                 accepted_weight: 100.0,
@@ -442,8 +619,13 @@ mod tests {
             },
             ..Lookup::default()
         };
-        assert_eq!(propose(&mut lookup, &history, 8), [7, 8, 4, 2, 3]);
+        assert_eq!(lookup.length(), 15);
+        assert_eq!(propose(&mut lookup, &history, 8), [7, 8, 4, 2, 3, 7, 8, 4]);
         assert_eq!(propose(&mut lookup, &history, 3), [7, 8, 4]);
+        // A loop of two tokens is proposed round and round.
+        let looping = [9, 1, 2, 1, 2, 1, 2];
+        let round: Vec<u32> = (0..15).map(|i| 1 + i % 2).collect();
+        assert_eq!(propose(&mut lookup, &looping, 100), round);
         // A longer tail wins over a more recent shorter one.
         let history = [5, 6, 7, 8, 1, 0, 9, 6, 7, 8, 2, 5, 6, 7, 8];
         assert_eq!(propose(&mut lookup, &history, 2), [1, 0]);
@@ -524,5 +706,119 @@ mod tests {
             assert!(refusals < 10, "never rested");
         }
         assert!(refusals >= 1);
+    }
+
+    /// A [`PassTimes`] that has timed passes of `rows` rows at `ms` each.
+    fn timed(passes: &[(usize, f32)]) -> PassTimes {
+        let mut times = PassTimes {
+            buckets: [None; TIME_BUCKETS],
+            fixed: false,
+        };
+        for &(rows, ms) in passes {
+            times.learn(rows, Duration::from_secs_f32(ms / 1000.0));
+        }
+        times
+    }
+
+    fn rounded(costs: &Costs) -> Vec<(usize, f32)> {
+        let lengths = costs.lengths();
+        lengths
+            .iter()
+            .map(|&(length, cost)| (length, (cost * 100.0).round() / 100.0))
+            .collect()
+    }
+
+    #[test]
+    fn verification_costs_are_the_timed_passes_over_a_decode_step() {
+        let times = timed(&[(1, 10.0), (2, 10.5), (4, 11.0), (8, 20.0), (16, 40.0)]);
+        let costs = times.costs(1, 1);
+        assert_eq!(rounded(&costs), [(1, 1.05), (3, 1.1), (7, 2.0), (15, 4.0)]);
+        assert_eq!(costs.step(), Some(Duration::from_millis(10)));
+        assert_eq!(costs.of(0), 1.0);
+        assert_eq!(costs.of(5), costs.of(7));
+        // Nothing timed: PASS_COST, and no step time.
+        let untimed = timed(&[]).costs(1, 1);
+        assert_eq!((untimed.lengths(), untimed.step()), (PASS_COST, None));
+        // Only decode steps timed: PASS_COST's shape from there.
+        let decode_only = timed(&[(1, 10.0)]).costs(1, 1);
+        assert_eq!(
+            rounded(&decode_only),
+            [(1, 1.45), (3, 2.46), (7, 4.49), (15, 8.95)]
+        );
+    }
+
+    #[test]
+    fn untimed_sizes_are_interpolated_or_follow_the_nearest_timed_one() {
+        // 1 and 4 rows timed: 2 between them; 8 and 16 scaled from 4 by
+        // PASS_COST's shape (4.49 / 2.46, 8.95 / 2.46).
+        let costs = timed(&[(1, 10.0), (4, 12.0)]).costs(1, 1);
+        let expected = [
+            (1, 1.07),
+            (3, 1.2),
+            (7, (1.2f32 * 4.49 / 2.46 * 100.0).round() / 100.0),
+            (15, (1.2f32 * 8.95 / 2.46 * 100.0).round() / 100.0),
+        ];
+        assert_eq!(rounded(&costs), expected);
+        // A pass timed faster than a shorter one costs as much as a step.
+        let noisy = timed(&[(1, 10.0), (2, 9.0), (4, 9.5), (8, 12.0)]).costs(1, 1);
+        assert_eq!(rounded(&noisy)[..2], [(1, 1.0), (3, 1.0)]);
+    }
+
+    #[test]
+    fn a_proposal_in_a_shared_step_costs_what_it_adds_for_every_waiting_session() {
+        // Passes take 10 ms plus 1 ms a row: four sessions' step of 4
+        // rows takes 14 ms; 3 more rows add 3 ms, for each of the four.
+        let times = timed(&[(1, 11.0), (4, 14.0), (8, 18.0), (16, 26.0)]);
+        let costs = times.costs(4, 4);
+        assert_eq!(
+            rounded(&costs)[1],
+            (3, (100.0f32 * (1.0 + 4.0 * 3.0 / 14.0)).round() / 100.0)
+        );
+        assert!(costs.of(1) < costs.of(3) && costs.of(3) < costs.of(15));
+        // Alone, the same 3 rows cost less than four times as much.
+        assert!(times.costs(4, 1).of(3) < costs.of(3));
+    }
+
+    #[test]
+    fn one_odd_pass_moves_its_size_only_so_far() {
+        let times = timed(&[(1, 10.0), (1, 1000.0)]);
+        // Clamped to twice the mean, then weighted by TIME_WEIGHT.
+        let step = times.costs(1, 1).step().unwrap().as_secs_f32() * 1000.0;
+        assert!((step - 12.5).abs() < 0.01, "{step}");
+    }
+
+    #[test]
+    fn cheap_verification_makes_proposals_longer() {
+        let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
+        let expensive = Costs::default();
+        let cheap = timed(&[(1, 10.0), (2, 10.5), (4, 11.0), (8, 12.0), (16, 14.0)]).costs(1, 1);
+        let mut out = Vec::new();
+        // At even odds (nothing learned yet) PASS_COST pays for one token,
+        // the cheap passes for more.
+        let mut lookup = Lookup::default();
+        lookup.propose_after(&history[..39], history[39], 100, &expensive, &mut out);
+        assert_eq!(out.len(), 1);
+        lookup.propose_after(&history[..39], history[39], 100, &cheap, &mut out);
+        assert!(out.len() >= 3, "{}", out.len());
+        // And a refusal that would rest it at PASS_COST does not.
+        let mut resting = Lookup::default();
+        resting.propose_after(&history[..39], history[39], 100, &expensive, &mut out);
+        resting.learn(out.len(), 0);
+        resting.propose_after(&history[..39], history[39], 100, &expensive, &mut out);
+        assert!(out.is_empty());
+        let mut looking = Lookup::default();
+        looking.propose_after(&history[..39], history[39], 100, &cheap, &mut out);
+        looking.learn(out.len(), 0);
+        looking.propose_after(&history[..39], history[39], 100, &cheap, &mut out);
+        assert!(!out.is_empty());
+    }
+
+    #[test]
+    fn fixed_pass_times_learn_nothing() {
+        let mut times = timed(&[]);
+        times.fixed = true;
+        times.learn(1, Duration::from_millis(10));
+        times.learn(8, Duration::from_millis(11));
+        assert_eq!(times.costs(1, 1), Costs::default());
     }
 }

@@ -244,11 +244,13 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
             constraint.as_mut(),
             on_token,
         )?;
+        let costs = engine.verification_costs().lengths();
         tracing::info!(
             proposed = counts.proposed,
             accepted = counts.accepted,
             forward_passes = counts.steps,
             tokens = generation.tokens.len(),
+            pass_costs = ?costs.map(|(_, cost)| (cost * 100.0).round() / 100.0),
             "speculation"
         );
         generation

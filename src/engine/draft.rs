@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::speculative::Proposer;
 use super::{Engine, EngineConfig, EngineError, Session};
 use crate::model::Model;
-use crate::speculate::{greedy, DraftCost, DraftPace, Sizer};
+use crate::speculate::{greedy, Costs, DraftCost, DraftPace, Sizer};
 
 /// A draft model and its session.
 pub struct Draft {
@@ -92,18 +92,21 @@ impl Draft {
 }
 
 impl Proposer for Draft {
-    fn prepare(&mut self, history: &[u32]) -> Result<(), EngineError> {
-        if self.fixed.is_some() || Sizer::could_pay(self.cost.per_step()) {
+    fn prepare(&mut self, history: &[u32], costs: &Costs) -> Result<(), EngineError> {
+        if self.fixed.is_some() || Sizer::could_pay(costs, self.cost.per_step(costs.step())) {
             self.sync(history)?;
         }
         Ok(())
     }
 
-    fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
-        let want = self
-            .pace
-            .wanted(self.cost.per_step(), self.fixed)
-            .min(limit);
+    fn propose(
+        &mut self,
+        history: &[u32],
+        limit: usize,
+        costs: &Costs,
+    ) -> Result<Vec<u32>, EngineError> {
+        let step = self.cost.per_step(costs.step());
+        let want = self.pace.wanted(costs, step, self.fixed).min(limit);
         if want == 0 || history.is_empty() {
             return Ok(Vec::new());
         }
@@ -128,12 +131,11 @@ impl Proposer for Draft {
         Ok(proposal)
     }
 
-    fn learn(&mut self, proposed: usize, accepted: usize, pass: Duration) {
+    fn learn(&mut self, proposed: usize, accepted: usize) {
         self.pace.learn(proposed, accepted);
         let (took, steps) = std::mem::take(&mut self.last);
         if steps > 0 {
             self.cost.learn_draft_step(took / steps as u32);
         }
-        self.cost.learn_main_pass(pass, proposed);
     }
 }

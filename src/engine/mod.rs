@@ -161,6 +161,9 @@ pub struct Engine {
     /// come back only once, at the end of a generation.
     #[cfg(not(loom))]
     samples_kept: bool,
+    /// What its verification passes take, for sizing proposals
+    /// (`speculative.rs`).
+    pass_times: crate::speculate::PassTimes,
 }
 
 impl Engine {
@@ -220,6 +223,7 @@ impl Engine {
             gpu,
             #[cfg(not(loom))]
             samples_kept,
+            pass_times: Default::default(),
         })
     }
 

@@ -11,42 +11,53 @@
 //! constraint's masks come from a copy of it walked along the proposal
 //! (`Constraint::proposal_masks`, as the server's workers use).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::{end_before_sampling, Engine, EngineError, Generation, Session, StopReason};
 use crate::constraint::Constraint;
 use crate::model::LogitsWanted;
 use crate::sampler::{CheckedParams, SampleRequest, SamplerBackend, SamplingParams};
-use crate::speculate::Lookup;
+use crate::speculate::{Costs, Lookup};
 
 /// What proposes the tokens a speculative step verifies.
 pub trait Proposer {
     /// Called once before a generation continues `history`: a proposer
     /// with state of its own (a draft model's KV) catches up here, with
-    /// the prompt, rather than in the middle of decoding.
-    fn prepare(&mut self, _history: &[u32]) -> Result<(), EngineError> {
+    /// the prompt, rather than in the middle of decoding, if proposing
+    /// could pay at verification's `costs`.
+    fn prepare(&mut self, _history: &[u32], _costs: &Costs) -> Result<(), EngineError> {
         Ok(())
     }
 
     /// Tokens that may follow `history` (which ends with the token just
-    /// sampled), at most `limit`; empty when there is nothing to propose.
-    fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError>;
+    /// sampled), at most `limit`, sized by what verifying them `costs`;
+    /// empty when there is nothing to propose.
+    fn propose(
+        &mut self,
+        history: &[u32],
+        limit: usize,
+        costs: &Costs,
+    ) -> Result<Vec<u32>, EngineError>;
 
-    /// The first `accepted` of `proposed` tokens were the ones sampled; the
-    /// verification pass took `pass`.
-    fn learn(&mut self, proposed: usize, accepted: usize, pass: Duration);
+    /// The first `accepted` of `proposed` tokens were the ones sampled.
+    fn learn(&mut self, proposed: usize, accepted: usize);
 }
 
 impl Proposer for Lookup {
-    fn propose(&mut self, history: &[u32], limit: usize) -> Result<Vec<u32>, EngineError> {
+    fn propose(
+        &mut self,
+        history: &[u32],
+        limit: usize,
+        costs: &Costs,
+    ) -> Result<Vec<u32>, EngineError> {
         let mut proposal = Vec::new();
         if let Some((&next, before)) = history.split_last() {
-            self.propose_after(before, next, limit, &mut proposal);
+            self.propose_after(before, next, limit, costs, &mut proposal);
         }
         Ok(proposal)
     }
 
-    fn learn(&mut self, proposed: usize, accepted: usize, _pass: Duration) {
+    fn learn(&mut self, proposed: usize, accepted: usize) {
         Lookup::learn(self, proposed, accepted);
     }
 }
@@ -121,7 +132,7 @@ impl Engine {
         }
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
-        proposer.prepare(&session.history)?;
+        proposer.prepare(&session.history, &self.pass_times.costs(1, 1))?;
         let mut counts = Speculation::default();
         let mut tokens = Vec::new();
         let mut feed = Vec::new();
@@ -155,7 +166,8 @@ impl Engine {
             feed.push(first);
             if !is_stop && room > 0 {
                 session.history.push(first);
-                let proposal = proposer.propose(&session.history, room);
+                let costs = self.pass_times.costs(1, 1);
+                let proposal = proposer.propose(&session.history, room, &costs);
                 session.history.pop();
                 let proposal = proposal?;
                 let take = constraint
@@ -166,7 +178,8 @@ impl Engine {
             let proposed = feed.len() - 1;
             let started = Instant::now();
             let row0 = self.feed_all(session, &feed)?;
-            let pass = started.elapsed();
+            // The pass's time with its rows' sampling, not the caller's.
+            let mut pass = started.elapsed();
             counts.steps += 1;
             tokens.push(first);
             let go_on = on_token(first);
@@ -179,6 +192,7 @@ impl Engine {
                 for i in 0..rows {
                     let at = position + 1 + i;
                     let row = &self.scratch.logits[(row0 + i) * vocab..][..vocab];
+                    let sampling = Instant::now();
                     let sampled = sample(
                         &mut self.sampler,
                         row,
@@ -186,6 +200,7 @@ impl Engine {
                         &session.history[..at],
                         constraint.is_some().then(|| &row_masks[i][..]),
                     )?;
+                    pass += sampling.elapsed();
                     if sampled != feed[1 + i] {
                         break;
                     }
@@ -201,7 +216,8 @@ impl Engine {
                     }
                 }
             }
-            proposer.learn(proposed, accepted, pass);
+            proposer.learn(proposed, accepted);
+            self.pass_times.learn(feed.len(), pass);
             counts.proposed += proposed as u64;
             counts.accepted += accepted as u64;
             // Keep the sampled token and the accepted run; the logits after
@@ -216,6 +232,12 @@ impl Engine {
             }
         };
         Ok((Generation { tokens, stop }, counts))
+    }
+
+    /// What verifying each proposal length costs now, in decode steps, as
+    /// its passes were timed.
+    pub fn verification_costs(&self) -> Costs {
+        self.pass_times.costs(1, 1)
     }
 
     /// Feeds `tokens` in one forward pass wanting every row's logits; the

@@ -392,7 +392,7 @@ impl Worker {
                 // server that speculates not at all, by lookup.
                 let proposer = speculate.then(|| match &self.draft {
                     Some(_) if self.cfg.speculation == Speculation::Draft => Proposer::Draft,
-                    _ => Proposer::Lookup(Lookup::default()),
+                    _ => Proposer::Lookup(Box::default()),
                 });
                 if let Err(e) = start_generate(slot, *gen, proposer, &events, &cancel, deadline) {
                     let _ = events.try_send(GenerateEvent::Error(e));

@@ -132,13 +132,12 @@ impl Worker {
         let mut fed = Vec::new();
         let mut kept = Vec::new();
         let keeps = self.runner.keeps_logits();
-        // A step of decode tokens alone (each maybe with a proposal) times
-        // a main decode step for the draft's costs.
-        let (mut decode_only, mut longest_proposal) = (true, 0);
+        // A step of decode tokens alone (each maybe with a proposal) is
+        // timed for what verification costs (`PassTimes`).
+        let mut decode_only = true;
         for (id, slot) in self.sessions.iter_mut() {
             if !slot.feed.is_empty() {
                 decode_only &= slot.feed.len() == 1 + slot.proposed() && !slot.prefilling();
-                longest_proposal = longest_proposal.max(slot.proposed());
                 ids.push(*id);
                 fed.push((slot.feed.len(), slot.session.history().len()));
                 // A generating session samples its logits where they are.
@@ -166,12 +165,17 @@ impl Worker {
             .forward(&mut feeds, &self.compute, &mut self.scratch);
         drop(feeds);
         self.learn_step_cost(started.elapsed(), &fed);
-        if let Some(draft) = self.draft.as_mut().filter(|_| decode_only) {
-            draft.learn_main_step(started.elapsed(), longest_proposal);
-        }
         self.count_step(ids.len());
         match result {
-            Ok(rows) => self.commit_batch(ids, &kept, &rows),
+            Ok(rows) => {
+                self.commit_batch(ids, &kept, &rows);
+                // With the verifications' sampling, which the proposals
+                // added to the step.
+                if decode_only {
+                    let rows = fed.iter().map(|&(tokens, _)| tokens).sum();
+                    self.pass_times.learn(rows, started.elapsed());
+                }
+            }
             Err(StepError::SessionsLost(err)) => {
                 tracing::error!(worker = self.index, "batched forward failed: {err}");
                 for id in ids {

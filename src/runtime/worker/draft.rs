@@ -18,7 +18,8 @@
 //!
 //! Each session sizes its proposals from the acceptance it has seen and
 //! what a draft step costs next to a main decode step on this worker
-//! (`speculate::DraftPace`, `speculate::DraftCost`, as the engine's draft).
+//! (`speculate::DraftPace`, `speculate::DraftCost`, as the engine's draft;
+//! the main step's time from the worker's `speculate::PassTimes`).
 
 use std::collections::HashMap;
 
@@ -65,13 +66,6 @@ impl DraftRunner {
         let total = self.pool.total_pages() as u64;
         let free = self.pool.free_pages() as u64;
         (total.saturating_sub(free) * page, total * page)
-    }
-
-    /// Learns a main decode step's time from a step that fed only
-    /// generating sessions' tokens, the longest proposal among them
-    /// `proposed` tokens.
-    pub(super) fn learn_main_step(&mut self, took: Duration, proposed: usize) {
-        self.cost.learn_main_pass(took, proposed);
     }
 }
 
@@ -136,7 +130,11 @@ impl Worker {
     /// its history (cut back, then the tokens it lacks to be fed) and
     /// reserves the draft pages that takes.
     fn plan_drafts(&mut self, draft: &mut DraftRunner, asked: &[(SessionId, usize)]) -> Vec<Plan> {
-        let cost = draft.cost.per_step();
+        let main_step = self
+            .pass_times
+            .costs(self.step_rows, self.step_sessions)
+            .step();
+        let cost = draft.cost.per_step(main_step);
         let context = draft.model.config.context;
         // A catch-up step feeds what costs about a main prefill chunk: a
         // draft ten times cheaper takes ten times the tokens (up to 16x).
@@ -152,7 +150,11 @@ impl Worker {
             };
             let state = slot.draft.get_or_insert_with(|| DraftKv::new(&draft.pool));
             state.used = Instant::now();
-            let want = state.pace.wanted(cost, self.cfg.draft_tokens).min(limit);
+            let costs = self.pass_times.costs(self.step_rows, self.step_sessions);
+            let want = state
+                .pace
+                .wanted(&costs, cost, self.cfg.draft_tokens)
+                .min(limit);
             let history = slot.session.history();
             let target = history.len() + 1;
             if want == 0 || target + want > context {
@@ -175,6 +177,7 @@ impl Worker {
             let have = state.history.len();
             let catch_up = (target - have).min(chunk);
             let want = if have + catch_up == target { want } else { 0 };
+            self.step_rows += want;
             plans.push(Plan {
                 id,
                 feed: (have..have + catch_up).map(at).collect(),

@@ -58,6 +58,15 @@ impl Worker {
         drop(requests);
         drop(kept_requests);
         self.to_sample.clear();
+        // Proposals are sized by what they add to the step as planned so
+        // far: the prompt chunks, every sampled token, the proposals
+        // already added.
+        self.step_rows = ids.len();
+        self.step_sessions = ids.len();
+        for slot in self.sessions.values().filter(|s| !s.feed.is_empty()) {
+            self.step_rows += slot.feed.len();
+            self.step_sessions += 1;
+        }
         let mut sampled = std::mem::take(&mut self.sampled);
         sampled.append(&mut kept_sampled);
         for (id, result) in ids.into_iter().zip(sampled.iter_mut()) {

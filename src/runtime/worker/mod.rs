@@ -49,7 +49,7 @@ use crate::durable::{Record, Recovered};
 use crate::kv::{KvError, KvPool, SessionKv};
 use crate::model::{LogitRows, LogitsWanted, Model, Scratch};
 use crate::sampler::{SampleRequest, Sampled, SamplerBackend, SamplerError};
-use crate::speculate::Lookup;
+use crate::speculate::PassTimes;
 use crate::threads::ThreadPool;
 use commands::Reply;
 pub(crate) use commands::{AdmittedGenerate, Command, Op};
@@ -100,6 +100,12 @@ pub(crate) struct Worker {
     draft: Option<DraftRunner>,
     /// Sessions to draft for this step, and the most each may propose.
     to_draft: Vec<(SessionId, usize)>,
+    /// What its steps take by the rows they feed, for sizing proposals.
+    pass_times: PassTimes,
+    /// While the step's proposals are sized: the rows it feeds so far, and
+    /// the sessions in it.
+    step_rows: usize,
+    step_sessions: usize,
     sessions: HashMap<SessionId, SessionSlot>,
     /// What runs the layers: the model here, or the shards.
     runner: Box<dyn StepRunner>,
@@ -180,6 +186,9 @@ impl Worker {
             row_masks: Vec::new(),
             draft: None,
             to_draft: Vec::new(),
+            pass_times: PassTimes::default(),
+            step_rows: 0,
+            step_sessions: 0,
             sessions: HashMap::new(),
             runner,
             waiting_creates: VecDeque::new(),

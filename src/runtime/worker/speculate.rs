@@ -45,7 +45,8 @@ impl Worker {
         proposal.clear();
         match gen.proposer.as_mut() {
             Some(Proposer::Lookup(lookup)) => {
-                lookup.propose_after(session.history(), token, limit, &mut proposal);
+                let costs = self.pass_times.costs(self.step_rows, self.step_sessions);
+                lookup.propose_after(session.history(), token, limit, &costs, &mut proposal);
             }
             // Drafted for with the step's other drafting sessions, after
             // the sampling (`propose_drafts`).
@@ -53,6 +54,7 @@ impl Worker {
             None => {}
         }
         add_proposal(slot, &proposal);
+        self.step_rows += slot.proposed();
         self.lookup_history = proposal;
     }
 

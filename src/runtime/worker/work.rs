@@ -78,7 +78,7 @@ pub(super) struct Generating {
 /// Where a speculating Generate's proposals come from.
 pub(super) enum Proposer {
     /// Its own history (the call's lookup and what it learned).
-    Lookup(Lookup),
+    Lookup(Box<Lookup>),
     /// The worker's draft model, from the session's draft KV
     /// ([`SessionSlot::draft`], kept across calls).
     Draft,
