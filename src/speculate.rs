@@ -149,14 +149,15 @@ impl PassTimes {
     }
 
     /// The costs of verifying each proposal length in a step that feeds
-    /// `base` rows without it and that `waiting` sequences (the step's
-    /// sessions) wait for: the time the proposal adds to the step, counted
-    /// once for each of them (what the step's whole output loses), over
-    /// the step's time without it. Alone in a step of one sampled token
-    /// that is the pass's time over a plain decode step's.
-    pub fn costs(&self, base: usize, waiting: usize) -> Costs {
+    /// `base` rows without it: the step's time with the proposal over its
+    /// time without (for a step of one sampled token, the pass's time over
+    /// a plain decode step's). The other sessions of a shared step wait
+    /// for those rows too, but they propose as well, and every accepted
+    /// run shortens the generations the steps serve: charging each waiting
+    /// session the added time made proposals too timid (measured with 4
+    /// and 8 sessions at once, docs/PERFORMANCE.md).
+    pub fn costs(&self, base: usize) -> Costs {
         let base = base.max(1);
-        let waiting = waiting.max(1) as f32;
         let step = self.time(base).unwrap_or_else(|| prior_time(base));
         let mut lengths = PASS_COST;
         for (length, cost) in &mut lengths {
@@ -164,7 +165,7 @@ impl PassTimes {
                 .time(base + *length)
                 .unwrap_or_else(|| prior_time(base + *length));
             // A pass is never cheaper than one with fewer rows.
-            *cost = 1.0 + waiting * (time / step - 1.0).max(0.0);
+            *cost = (time / step).max(1.0);
         }
         let timed = self.buckets.iter().any(Option::is_some);
         Costs {
@@ -731,16 +732,16 @@ mod tests {
     #[test]
     fn verification_costs_are_the_timed_passes_over_a_decode_step() {
         let times = timed(&[(1, 10.0), (2, 10.5), (4, 11.0), (8, 20.0), (16, 40.0)]);
-        let costs = times.costs(1, 1);
+        let costs = times.costs(1);
         assert_eq!(rounded(&costs), [(1, 1.05), (3, 1.1), (7, 2.0), (15, 4.0)]);
         assert_eq!(costs.step(), Some(Duration::from_millis(10)));
         assert_eq!(costs.of(0), 1.0);
         assert_eq!(costs.of(5), costs.of(7));
         // Nothing timed: PASS_COST, and no step time.
-        let untimed = timed(&[]).costs(1, 1);
+        let untimed = timed(&[]).costs(1);
         assert_eq!((untimed.lengths(), untimed.step()), (PASS_COST, None));
         // Only decode steps timed: PASS_COST's shape from there.
-        let decode_only = timed(&[(1, 10.0)]).costs(1, 1);
+        let decode_only = timed(&[(1, 10.0)]).costs(1);
         assert_eq!(
             rounded(&decode_only),
             [(1, 1.45), (3, 2.46), (7, 4.49), (15, 8.95)]
@@ -751,7 +752,7 @@ mod tests {
     fn untimed_sizes_are_interpolated_or_follow_the_nearest_timed_one() {
         // 1 and 4 rows timed: 2 between them; 8 and 16 scaled from 4 by
         // PASS_COST's shape (4.49 / 2.46, 8.95 / 2.46).
-        let costs = timed(&[(1, 10.0), (4, 12.0)]).costs(1, 1);
+        let costs = timed(&[(1, 10.0), (4, 12.0)]).costs(1);
         let expected = [
             (1, 1.07),
             (3, 1.2),
@@ -760,30 +761,30 @@ mod tests {
         ];
         assert_eq!(rounded(&costs), expected);
         // A pass timed faster than a shorter one costs as much as a step.
-        let noisy = timed(&[(1, 10.0), (2, 9.0), (4, 9.5), (8, 12.0)]).costs(1, 1);
+        let noisy = timed(&[(1, 10.0), (2, 9.0), (4, 9.5), (8, 12.0)]).costs(1);
         assert_eq!(rounded(&noisy)[..2], [(1, 1.0), (3, 1.0)]);
     }
 
     #[test]
-    fn a_proposal_in_a_shared_step_costs_what_it_adds_for_every_waiting_session() {
-        // Passes take 10 ms plus 1 ms a row: four sessions' step of 4
-        // rows takes 14 ms; 3 more rows add 3 ms, for each of the four.
+    fn a_proposal_in_a_shared_step_costs_what_it_adds_to_that_step() {
+        // Passes take 10 ms plus 1 ms a row: a step of 4 rows takes 14 ms,
+        // 3 more rows make it 17.
         let times = timed(&[(1, 11.0), (4, 14.0), (8, 18.0), (16, 26.0)]);
-        let costs = times.costs(4, 4);
+        let costs = times.costs(4);
         assert_eq!(
             rounded(&costs)[1],
-            (3, (100.0f32 * (1.0 + 4.0 * 3.0 / 14.0)).round() / 100.0)
+            (3, (100.0f32 * 17.0 / 14.0).round() / 100.0)
         );
         assert!(costs.of(1) < costs.of(3) && costs.of(3) < costs.of(15));
-        // Alone, the same 3 rows cost less than four times as much.
-        assert!(times.costs(4, 1).of(3) < costs.of(3));
+        // The same rows added to one sampled token cost more.
+        assert!(times.costs(1).of(3) > costs.of(3));
     }
 
     #[test]
     fn one_odd_pass_moves_its_size_only_so_far() {
         let times = timed(&[(1, 10.0), (1, 1000.0)]);
         // Clamped to twice the mean, then weighted by TIME_WEIGHT.
-        let step = times.costs(1, 1).step().unwrap().as_secs_f32() * 1000.0;
+        let step = times.costs(1).step().unwrap().as_secs_f32() * 1000.0;
         assert!((step - 12.5).abs() < 0.01, "{step}");
     }
 
@@ -791,7 +792,7 @@ mod tests {
     fn cheap_verification_makes_proposals_longer() {
         let history: Vec<u32> = (0..40).map(|i| i % 20).collect();
         let expensive = Costs::default();
-        let cheap = timed(&[(1, 10.0), (2, 10.5), (4, 11.0), (8, 12.0), (16, 14.0)]).costs(1, 1);
+        let cheap = timed(&[(1, 10.0), (2, 10.5), (4, 11.0), (8, 12.0), (16, 14.0)]).costs(1);
         let mut out = Vec::new();
         // At even odds (nothing learned yet) PASS_COST pays for one token,
         // the cheap passes for more.
@@ -819,6 +820,6 @@ mod tests {
         times.fixed = true;
         times.learn(1, Duration::from_millis(10));
         times.learn(8, Duration::from_millis(11));
-        assert_eq!(times.costs(1, 1), Costs::default());
+        assert_eq!(times.costs(1), Costs::default());
     }
 }

@@ -132,7 +132,7 @@ impl Engine {
         }
         let vocab = self.model.config.vocab;
         let context = self.model.config.context;
-        proposer.prepare(&session.history, &self.pass_times.costs(1, 1))?;
+        proposer.prepare(&session.history, &self.pass_times.costs(1))?;
         let mut counts = Speculation::default();
         let mut tokens = Vec::new();
         let mut feed = Vec::new();
@@ -166,7 +166,7 @@ impl Engine {
             feed.push(first);
             if !is_stop && room > 0 {
                 session.history.push(first);
-                let costs = self.pass_times.costs(1, 1);
+                let costs = self.pass_times.costs(1);
                 let proposal = proposer.propose(&session.history, room, &costs);
                 session.history.pop();
                 let proposal = proposal?;
@@ -237,7 +237,7 @@ impl Engine {
     /// What verifying each proposal length costs now, in decode steps, as
     /// its passes were timed.
     pub fn verification_costs(&self) -> Costs {
-        self.pass_times.costs(1, 1)
+        self.pass_times.costs(1)
     }
 
     /// Feeds `tokens` in one forward pass wanting every row's logits; the

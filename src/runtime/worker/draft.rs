@@ -130,10 +130,7 @@ impl Worker {
     /// its history (cut back, then the tokens it lacks to be fed) and
     /// reserves the draft pages that takes.
     fn plan_drafts(&mut self, draft: &mut DraftRunner, asked: &[(SessionId, usize)]) -> Vec<Plan> {
-        let main_step = self
-            .pass_times
-            .costs(self.step_rows, self.step_sessions)
-            .step();
+        let main_step = self.pass_times.costs(self.step_rows).step();
         let cost = draft.cost.per_step(main_step);
         let context = draft.model.config.context;
         // A catch-up step feeds what costs about a main prefill chunk: a
@@ -150,7 +147,7 @@ impl Worker {
             };
             let state = slot.draft.get_or_insert_with(|| DraftKv::new(&draft.pool));
             state.used = Instant::now();
-            let costs = self.pass_times.costs(self.step_rows, self.step_sessions);
+            let costs = self.pass_times.costs(self.step_rows);
             let want = state
                 .pace
                 .wanted(&costs, cost, self.cfg.draft_tokens)

@@ -62,10 +62,8 @@ impl Worker {
         // far: the prompt chunks, every sampled token, the proposals
         // already added.
         self.step_rows = ids.len();
-        self.step_sessions = ids.len();
-        for slot in self.sessions.values().filter(|s| !s.feed.is_empty()) {
+        for slot in self.sessions.values() {
             self.step_rows += slot.feed.len();
-            self.step_sessions += 1;
         }
         let mut sampled = std::mem::take(&mut self.sampled);
         sampled.append(&mut kept_sampled);

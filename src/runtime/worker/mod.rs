@@ -102,10 +102,8 @@ pub(crate) struct Worker {
     to_draft: Vec<(SessionId, usize)>,
     /// What its steps take by the rows they feed, for sizing proposals.
     pass_times: PassTimes,
-    /// While the step's proposals are sized: the rows it feeds so far, and
-    /// the sessions in it.
+    /// While the step's proposals are sized: the rows it feeds so far.
     step_rows: usize,
-    step_sessions: usize,
     sessions: HashMap<SessionId, SessionSlot>,
     /// What runs the layers: the model here, or the shards.
     runner: Box<dyn StepRunner>,
@@ -188,7 +186,6 @@ impl Worker {
             to_draft: Vec::new(),
             pass_times: PassTimes::default(),
             step_rows: 0,
-            step_sessions: 0,
             sessions: HashMap::new(),
             runner,
             waiting_creates: VecDeque::new(),

@@ -45,7 +45,7 @@ impl Worker {
         proposal.clear();
         match gen.proposer.as_mut() {
             Some(Proposer::Lookup(lookup)) => {
-                let costs = self.pass_times.costs(self.step_rows, self.step_sessions);
+                let costs = self.pass_times.costs(self.step_rows);
                 lookup.propose_after(session.history(), token, limit, &costs, &mut proposal);
             }
             // Drafted for with the step's other drafting sessions, after
