@@ -139,7 +139,8 @@ impl PassTimes {
         *bucket = Some(match *bucket {
             None => (rows, secs),
             Some((old_rows, old_secs)) => {
-                let secs = secs.clamp(old_secs * 0.5, old_secs * 2.0);
+                // `max`/`min` rather than `clamp`, which panics on odd bounds.
+                let secs = secs.max(old_secs * 0.5).min(old_secs * 2.0);
                 (
                     old_rows + TIME_WEIGHT * (rows - old_rows),
                     old_secs + TIME_WEIGHT * (secs - old_secs),
@@ -170,7 +171,7 @@ impl PassTimes {
         let timed = self.buckets.iter().any(Option::is_some);
         Costs {
             lengths,
-            step: timed.then(|| Duration::from_secs_f32(step)),
+            step: Duration::try_from_secs_f32(step).ok().filter(|_| timed),
         }
     }
 

@@ -126,6 +126,9 @@ fn compare_with(
         steps += counts.steps;
         plain_steps += want.tokens.len() as u64;
     }
+    // Later proposals were sized by what these passes took.
+    let costs = engine.verification_costs();
+    assert!(costs.step().is_some(), "no verification pass was timed");
     (proposed, accepted, steps, plain_steps)
 }
 
