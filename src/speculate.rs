@@ -11,9 +11,9 @@
 //! token is accepted, the length (1, 3, 7 or 15: with the sampled token,
 //! whole tiles of the matrix kernels) whose expected tokens per unit of
 //! verification cost ([`Costs`]: what passes take on this model and
-//! machine, [`PassTimes`]; [`PASS_COST`] until timed) is highest. After a proposal refused
-//! outright, where acceptance has fallen below what pays, it rests a
-//! while. A proposal costs nothing when there is none;
+//! machine, [`PassTimes`]; [`PASS_COST`] until timed) is highest. After a
+//! proposal refused outright, where acceptance has fallen below what pays,
+//! it rests a while. A proposal costs nothing when there is none;
 //! verifying changes no token (the caller samples every position as plain
 //! decoding would).
 //!
@@ -159,12 +159,12 @@ impl PassTimes {
     /// and 8 sessions at once, docs/PERFORMANCE.md).
     pub fn costs(&self, base: usize) -> Costs {
         let base = base.max(1);
-        let step = self.time(base).unwrap_or_else(|| prior_time(base));
+        let step = self.time(base).unwrap_or_else(|| prior_time(base as f32));
         let mut lengths = PASS_COST;
         for (length, cost) in &mut lengths {
             let time = self
                 .time(base + *length)
-                .unwrap_or_else(|| prior_time(base + *length));
+                .unwrap_or_else(|| prior_time((base + *length) as f32));
             // A pass is never cheaper than one with fewer rows.
             *cost = (time / step).max(1.0);
         }
@@ -181,7 +181,7 @@ impl PassTimes {
         let r = rows as f32;
         let below = timed().take_while(|&(at, _)| at <= r).last();
         let above = timed().find(|&(at, _)| at >= r);
-        let from = |(at, secs): (f32, f32)| secs * prior_time_at(r) / prior_time_at(at);
+        let from = |(at, secs): (f32, f32)| secs * prior_time(r) / prior_time(at);
         match (below, above) {
             (Some((r0, t0)), Some((r1, t1))) if r1 > r0 => {
                 Some(t0 + (t1 - t0) * (r - r0) / (r1 - r0))
@@ -199,11 +199,7 @@ fn time_bucket(rows: usize) -> usize {
 
 /// [`PASS_COST`]'s shape: a pass of `rows` rows in one-row passes, linear
 /// between its sizes and beyond the last at the slope of the last two.
-fn prior_time(rows: usize) -> f32 {
-    prior_time_at(rows as f32)
-}
-
-fn prior_time_at(rows: f32) -> f32 {
+fn prior_time(rows: f32) -> f32 {
     let mut points = [(1.0f32, 1.0f32); PASS_COST.len() + 1];
     for (point, (length, cost)) in points[1..].iter_mut().zip(PASS_COST) {
         *point = ((length + 1) as f32, cost);
@@ -452,10 +448,11 @@ pub struct Lookup {
 impl Lookup {
     /// Writes into `out` the tokens that may follow `history` and then
     /// `next` (the token just sampled), at most `limit` (and at most the
-    /// length worth proposing now at `costs`, [`Lookup::length`]): what followed the
-    /// most recent earlier occurrence of the last [`MAX_NGRAM`] (else
-    /// [`MIN_NGRAM`]) tokens within the last [`SEARCH_WINDOW`]; nothing
-    /// when they occurred nowhere before. After a proposal refused outright
+    /// length worth proposing at `costs`, [`Lookup::length`]): what
+    /// followed the most recent earlier occurrence of the last
+    /// [`MAX_NGRAM`] (else [`MIN_NGRAM`]) tokens within the last
+    /// [`SEARCH_WINDOW`], running on into itself past the history's end;
+    /// nothing when they occurred nowhere before. After a proposal refused outright
     /// that leaves acceptance below what pays ([`Sizer::worth`]), it rests
     /// (proposes nothing) for a number of steps that doubles with each
     /// such refusal, up to [`MAX_REST`]: a session with nothing to copy
