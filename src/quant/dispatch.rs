@@ -561,9 +561,35 @@ mod x86_tables {
         })
     }
 
+    /// The AVX-512 VNNI prefill kernels over shared prepared activations:
+    /// the 32-element block formats, Q4_K, Q5_K and Q6_K.
+    fn avx512_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
+        blocks32_prepared(ty).or_else(|| avx512_kquant_prepared(ty))
+    }
+
+    /// `gemm_blocks32`'s entry for `ty` over shared prepared activations.
+    fn blocks32_prepared(ty: GgmlType) -> Option<PreparedGemm> {
+        fn entry<W: gemm_blocks32::Weights32>() -> Option<PreparedGemm> {
+            Some(PreparedGemm {
+                prepare: gemm_blocks32::prepare_chunk::<W>,
+                holds: |c, tokens, nb| c.blocks32.holds(tokens, nb),
+                matmul: gemm_blocks32::matmul_prepared::<W>,
+            })
+        }
+        match ty {
+            GgmlType::Q4_0 => entry::<BlockQ4_0>(),
+            GgmlType::Q4_1 => entry::<BlockQ4_1>(),
+            GgmlType::Q5_0 => entry::<BlockQ5_0>(),
+            GgmlType::Q5_1 => entry::<BlockQ5_1>(),
+            GgmlType::Q8_0 => entry::<BlockQ8_0>(),
+            GgmlType::IQ4_NL => entry::<BlockIQ4NL>(),
+            _ => None,
+        }
+    }
+
     /// The AVX-512 VNNI K-quant prefill kernels over shared prepared
     /// activations.
-    fn avx512_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
+    fn avx512_kquant_prepared(ty: GgmlType) -> Option<PreparedGemm> {
         kquant_prepared(
             ty,
             gemm_kquant::prepare_chunk,
@@ -626,6 +652,13 @@ mod x86_tables {
     /// The AMX tile prefill kernels over shared prepared activations.
     #[cfg(not(loom))]
     fn amx_prepared_gemm(ty: GgmlType) -> Option<PreparedGemm> {
+        amx_kquant_prepared(ty).or_else(|| blocks32_prepared(ty))
+    }
+
+    /// The AMX tile K-quant prefill kernels over shared prepared
+    /// activations.
+    #[cfg(not(loom))]
+    fn amx_kquant_prepared(ty: GgmlType) -> Option<PreparedGemm> {
         kquant_prepared(
             ty,
             amx_kquant::prepare_chunk,

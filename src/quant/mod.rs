@@ -398,7 +398,7 @@ pub fn matmul_prepared(
 const PREPARED_MAX_TOKENS: usize = 1024;
 
 /// Activations rearranged once per matrix product for a row-group kernel
-/// that reads them so (the AVX-512 K-quant kernels), shared by the
+/// that reads them so (the AVX-512 row-group kernels), shared by the
 /// product's row tasks, each of which would otherwise rearrange every
 /// token itself: a share of the work that grows with the number of tasks
 /// (1.6% of a 2-thread 1B Q4_K_M prefill, eight tasks per matrix, and
@@ -420,6 +420,8 @@ pub struct PreparedActs {
 pub struct PreparedChunk {
     #[cfg(target_arch = "x86_64")]
     pub(crate) vnni: gemm_kquant::TokenChunk,
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) blocks32: gemm_blocks32::TokenChunk,
     #[cfg(all(target_arch = "x86_64", not(loom)))]
     pub(crate) amx: amx_kquant::TokenTiles,
 }
@@ -429,6 +431,7 @@ impl PreparedChunk {
     #[cfg(target_arch = "x86_64")]
     fn clear(&mut self) {
         self.vnni.clear();
+        self.blocks32.clear();
         #[cfg(not(loom))]
         self.amx.clear();
     }

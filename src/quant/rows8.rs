@@ -5,7 +5,7 @@
 //! The one-row kernels spend most of a block on work that does not depend
 //! on the token (unpacking the quants, widening the scales) and give each
 //! `vpdpbusd` one row. Here a block's 8 rows are unpacked once, two rows
-//! per 512-bit vector as in `gemm_blocks32` (biased unsigned quants, the
+//! per 512-bit vector (biased unsigned quants as in `gemm_blocks32`, the
 //! lanes started at `-bias` times the activation sums), and serve up to
 //! [`TOKENS`] tokens, so a token costs one `vpdpbusd` per pair of rows.
 //! Nothing is written to memory in between, so even one token gains.
@@ -20,16 +20,20 @@
 use std::arch::x86_64::*;
 use std::ptr::{addr_of, read_unaligned};
 
+use super::avx2::f16_one;
 use super::avx512::{load_x2, unpack_nibbles_x2};
 use super::blocks::{
     BlockIQ4NL, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_IQ4NL,
 };
-use super::gemm_blocks32::{block_step, finish_rows, Weights32};
+use super::gemm_blocks32::{lane_starts, Act32, Weights32};
+use super::scalar::hsum8;
 use super::{prefetch_bytes, CacheLevel};
 
-/// Rows per call: a row group of `gemm_blocks32`, whose last steps it shares.
+/// Rows per call: as many as a row group of `gemm_blocks32`.
 pub(crate) const ROWS: usize = 8;
 const _: () = assert!(ROWS == super::gemm_blocks32::GROUP);
+/// Pairs of rows, one pair per 512-bit vector.
+const PAIRS: usize = ROWS / 2;
 /// Tokens per register tile: 4 pairs of rows times 4 tokens of 16-lane
 /// accumulators, the unpacked quants and scales of the block beside them.
 const TOKENS: usize = 4;
@@ -263,6 +267,69 @@ unsafe fn tile<W: InRegisters, const T: usize>(
     for ((out, acc), min_acc) in out.iter_mut().zip(&acc).zip(&min_acc) {
         // SAFETY: the caller promises the features.
         *out = unsafe { finish_rows::<W>(acc, *min_acc) };
+    }
+    out
+}
+
+/// One block of one token against the 8 rows: the pairs' biased quants,
+/// scales (each row's on its 8 lanes) and the rows' minimums, into the
+/// token's lane and minimum accumulators.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+unsafe fn block_step<W: Weights32>(
+    acc: &mut [__m512; PAIRS],
+    min_acc: &mut __m256,
+    (w, d, m): (&[__m512i; PAIRS], &[__m512; PAIRS], __m256),
+    yb: &W::Act,
+) {
+    // SAFETY: the caller promises the features; every read goes through
+    // a reference.
+    unsafe {
+        let act = _mm256_loadu_si256(yb.qs().as_ptr() as *const __m256i);
+        let start = _mm512_broadcast_i64x4(lane_starts::<W>(act));
+        let act = _mm512_broadcast_i64x4(act);
+        let dy = _mm512_broadcastss_ps(f16_one(yb.d_bits()));
+        for p in 0..PAIRS {
+            let lanes = _mm512_dpbusd_epi32(start, w[p], act);
+            let dd = _mm512_mul_ps(d[p], dy);
+            acc[p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[p]);
+        }
+        if <W::Act as Act32>::HAS_MIN {
+            *min_acc = _mm256_fmadd_ps(m, _mm256_broadcastss_ps(f16_one(yb.s_bits())), *min_acc);
+        }
+    }
+}
+
+/// The 8 rows' outputs of one token from the pairs' lane accumulators and
+/// the rows' minimum sums: `hsum8` of each row's lanes, then its `m * s`
+/// sum for the formats with a minimum (the scalar reference's last steps).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and AVX.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn finish_rows<W: Weights32>(acc: &[__m512; PAIRS], min_acc: __m256) -> [f32; ROWS] {
+    let mut mins = [0.0f32; ROWS];
+    let mut lanes = [0.0f32; ROWS * 8];
+    // SAFETY: both arrays hold what is stored; the caller promises the
+    // features.
+    unsafe {
+        _mm256_storeu_ps(mins.as_mut_ptr(), min_acc);
+        for (p, pair) in acc.iter().enumerate() {
+            _mm512_storeu_ps(lanes[16 * p..].as_mut_ptr(), *pair);
+        }
+    }
+    let mut out = [0.0f32; ROWS];
+    for (row, (o, l)) in out.iter_mut().zip(lanes.chunks_exact(8)).enumerate() {
+        let l: &[f32; 8] = l.try_into().expect("8 lanes");
+        *o = if <W::Act as Act32>::HAS_MIN {
+            hsum8(l) + mins[row]
+        } else {
+            hsum8(l)
+        };
     }
     out
 }

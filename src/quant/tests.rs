@@ -844,7 +844,13 @@ fn prepared_activations_give_matmuls_bits() {
     let mut rng = StdRng::seed_from_u64(29);
     let (n, rows) = (512usize, 19usize);
     let k = dispatch::active();
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+    ] {
         let w: Vec<u8> = (0..rows)
             .flat_map(|_| random_weights(&mut rng, ty, n, 1.0))
             .collect();
@@ -873,7 +879,11 @@ fn prepared_activations_give_matmuls_bits() {
             }
             // Filled, the chunks are the ones the product reads.
             #[cfg(target_arch = "x86_64")]
-            assert_eq!(prepared.holds(tokens, n / QK_K), wanted, "{ty} {tokens}");
+            assert_eq!(
+                prepared.holds(tokens, n / ty.block_len()),
+                wanted,
+                "{ty} {tokens}"
+            );
             assert_eq!(with(&prepared), plain, "{ty} {tokens} tokens, prepared");
             // Made for another token count or row length: not used.
             if tokens > 16 {
