@@ -1292,14 +1292,17 @@ fn matmul_chunk_rows(rows: usize, threads: usize) -> usize {
     per.div_ceil(16).max(1) * 16
 }
 
+/// Rows per RMSNorm task.
+const NORM_ROWS: usize = 8;
+
 /// RMSNorm of each `[hidden]` row of `x` into `out`, then times `weight`.
 fn rms_norm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut Vec<f32>) {
     let h = weight.len();
     resize(out, x.len());
-    pool.for_each_chunk_mut(out, h * 8, &|chunk, dst| {
-        for (i, row) in dst.chunks_exact_mut(h).enumerate() {
-            let src = &x[(chunk * 8 + i) * h..][..h];
-            let sum: f64 = src.iter().map(|&v| (v * v) as f64).sum();
+    pool.for_each_chunk_mut(out, h * NORM_ROWS, &|chunk, dst| {
+        let src = &x[chunk * NORM_ROWS * h..][..dst.len()];
+        let sums = sums_of_squares(src, h);
+        for ((row, src), sum) in dst.chunks_exact_mut(h).zip(src.chunks_exact(h)).zip(sums) {
             let mean = (sum / h as f64) as f32;
             let scale = 1.0 / (mean + eps).sqrt();
             for ((d, &s), &w) in row.iter_mut().zip(src).zip(weight) {
@@ -1307,6 +1310,28 @@ fn rms_norm(pool: &ThreadPool, x: &[f32], weight: &[f32], eps: f32, out: &mut Ve
             }
         }
     });
+}
+
+/// Each `h`-element row's sum of squares (at most [`NORM_ROWS`] rows), in
+/// f64 and element order, as ggml sums it. Each row's additions form one
+/// chain, every addition waiting on the one before; the rows' chains run
+/// side by side (a whole task's rows element by element), so the core
+/// overlaps them rather than running one row's chain after another's.
+fn sums_of_squares(src: &[f32], h: usize) -> [f64; NORM_ROWS] {
+    let mut sums = [0f64; NORM_ROWS];
+    if h > 0 && src.len() == NORM_ROWS * h {
+        let rows: [&[f32]; NORM_ROWS] = std::array::from_fn(|r| &src[r * h..][..h]);
+        for i in 0..h {
+            for (sum, row) in sums.iter_mut().zip(&rows) {
+                *sum += (row[i] * row[i]) as f64;
+            }
+        }
+    } else {
+        for (sum, row) in sums.iter_mut().zip(src.chunks_exact(h.max(1))) {
+            *sum = row.iter().fold(0f64, |s, &v| s + (v * v) as f64);
+        }
+    }
+    sums
 }
 
 /// `gate = act(gate) * up`, element-wise, with ggml's arithmetic for each
@@ -1356,6 +1381,34 @@ fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
     if let Some(b) = bias {
         for row in x.chunks_exact_mut(b.len()) {
             add_in_place(row, b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{sums_of_squares, NORM_ROWS};
+
+    #[test]
+    fn sums_of_squares_side_by_side_are_each_rows_own_sum() {
+        // Rows summed side by side give each row the bits of its own
+        // element-order f64 sum (ggml's), for whole and partial tasks.
+        let h = 37;
+        let x: Vec<f32> = (0..NORM_ROWS * h)
+            .map(|i| ((i * 7919 % 1009) as f32 - 500.0) * 0.0137)
+            .collect();
+        for rows in 1..=NORM_ROWS {
+            let sums = sums_of_squares(&x[..rows * h], h);
+            for (r, sum) in sums.iter().enumerate() {
+                let want: f64 = if r < rows {
+                    x[r * h..][..h]
+                        .iter()
+                        .fold(0f64, |s, &v| s + (v * v) as f64)
+                } else {
+                    0.0
+                };
+                assert_eq!(sum.to_bits(), want.to_bits(), "{rows} rows, row {r}");
+            }
         }
     }
 }
