@@ -391,9 +391,10 @@ pub fn matmul_prepared(
     )
 }
 
-/// Most tokens a [`PreparedActs`] holds: for longer batches (up to 25 MB
-/// of prepared activations for a 14,336-column matrix at this bound)
-/// each call prepares its own, 512 tokens at a time.
+/// Most tokens a [`PreparedActs`] holds: for longer batches (at this
+/// bound a 14,336-column matrix's prepared activations take up to 25 MB
+/// for the K-quants, 33 MB for the 32-element formats) each call prepares
+/// its own, 512 tokens at a time.
 #[cfg(target_arch = "x86_64")]
 const PREPARED_MAX_TOKENS: usize = 1024;
 
@@ -538,7 +539,7 @@ impl ChunkFill {
             let t1 = (t0 + self.chunk_tokens).min(self.gemm_tokens);
             if let Some(rows) = acts.get(t0 * self.act_row_bytes..t1 * self.act_row_bytes) {
                 // SAFETY: `kernel` is the active level's (supported by
-                // this CPU); `rows` are whole rows of `blocks` Q8_K
+                // this CPU); `rows` are whole rows of `blocks` activation
                 // blocks, an even number of them (a multiple of TILE).
                 unsafe { (kernel.prepare)(self.blocks, rows, chunk) };
             }
