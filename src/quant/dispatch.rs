@@ -233,6 +233,8 @@ pub(crate) struct Kernels {
     /// `gate = silu(gate) * up` with ggml's `expf`.
     /// # Safety: the CPU must support the level.
     pub swiglu_ggml: unsafe fn(&mut [f32], &[f32]),
+    /// # Safety: the CPU must support the level.
+    pub geglu_ggml: unsafe fn(&mut [f32], &[f32]),
 }
 
 /// Builds the forms of a generic tile kernel.
@@ -466,6 +468,14 @@ unsafe fn scalar_swiglu_ggml(gate: &mut [f32], up: &[f32]) {
     scalar::swiglu_ggml(gate, up)
 }
 
+/// Scalar GeGLU with the table's signature.
+///
+/// # Safety
+/// None beyond the signature; `unsafe` only to fit the table.
+unsafe fn scalar_geglu_ggml(gate: &mut [f32], up: &[f32]) {
+    super::gelu::geglu_scalar(gate, up)
+}
+
 /// No prefill kernel over groups of rows: the one-row kernels do it all.
 fn no_gemm(_: GgmlType) -> Option<GemmFn> {
     None
@@ -509,6 +519,7 @@ const SCALAR_TABLE: Kernels = Kernels {
     scale_round_f16: scalar_scale_round_f16,
     exp_ggml: scalar_exp_ggml,
     swiglu_ggml: scalar_swiglu_ggml,
+    geglu_ggml: scalar_geglu_ggml,
 };
 
 static SCALAR: Kernels = SCALAR_TABLE;
@@ -632,6 +643,7 @@ mod x86_tables {
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx2::exp_ggml,
         swiglu_ggml: avx2::swiglu_ggml,
+        geglu_ggml: scalar_geglu_ggml,
     };
 
     pub(crate) static AVX512: Kernels = AVX512_TABLE;
@@ -716,6 +728,7 @@ mod x86_tables {
         scale_round_f16: avx2::scale_round_f16,
         exp_ggml: avx512::exp_ggml,
         swiglu_ggml: avx512::swiglu_ggml,
+        geglu_ggml: super::super::gelu::geglu_avx512,
     };
 }
 

@@ -2,7 +2,9 @@
 //! evaluated per element but read from a table indexed by the input
 //! rounded to f16, built once from the f32 formula, with inputs beyond
 //! ±10 short-cut. The table is what makes inferd's GELU bits equal
-//! llama.cpp's; the formula alone would differ in the last places.
+//! llama.cpp's; the formula alone would differ in the last places. The
+//! AVX-512 level rounds 16 inputs at once with `vcvtps2ph` and gathers
+//! their table entries; the scalar form is the reference.
 
 use std::sync::OnceLock;
 
@@ -27,8 +29,9 @@ fn table() -> &'static [f32] {
     })
 }
 
-/// `gate = gelu(gate) * up`, element-wise.
-pub fn geglu_ggml(gate: &mut [f32], up: &[f32]) {
+/// `gate = gelu(gate) * up`, element-wise: the reference, and the kernel
+/// of the levels without a vector one.
+pub(crate) fn geglu_scalar(gate: &mut [f32], up: &[f32]) {
     let t = table();
     for (g, &u) in gate.iter_mut().zip(up) {
         let x = *g;
@@ -42,6 +45,46 @@ pub fn geglu_ggml(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// [`geglu_scalar`] 16 elements at a time: the f16 rounding by `vcvtps2ph`
+/// (round to nearest even, as the scalar conversion), the table read by a
+/// gather, the cut-offs by masks. Same bits for every input but NaN, whose
+/// payload may differ.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) unsafe fn geglu_avx512(gate: &mut [f32], up: &[f32]) {
+    use std::arch::x86_64::*;
+    let t = table();
+    let n = gate.len().min(up.len());
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let mut i = 0;
+    // SAFETY: the caller promises the features; every load and store is
+    // masked to the `n` elements both slices hold, and every gathered
+    // index is an f16 bit pattern, below the table's 65,536 entries.
+    unsafe {
+        while i < n {
+            let mask: __mmask16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let x = _mm512_maskz_loadu_ps(mask, g.add(i));
+            let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
+            let half_bits = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+            let index = _mm512_cvtepu16_epi32(half_bits);
+            let gelu = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, index, t.as_ptr());
+            let high = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(10.0));
+            let low = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(x, _mm512_set1_ps(-10.0));
+            let product = _mm512_mul_ps(_mm512_mask_blend_ps(high, gelu, x), uv);
+            let out = _mm512_mask_blend_ps(low, product, _mm512_setzero_ps());
+            _mm512_mask_storeu_ps(g.add(i), mask, out);
+            i += 16;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,7 +92,7 @@ mod tests {
     #[test]
     fn geglu_follows_the_f16_table_and_its_cut_offs() {
         let mut gate = [-20.0, -10.0, 0.0, 1.0, 2.5, 10.0, 12.0];
-        geglu_ggml(&mut gate, &[2.0; 7]);
+        geglu_scalar(&mut gate, &[2.0; 7]);
         assert_eq!(gate[0], 0.0);
         assert_eq!(gate[1], 0.0);
         assert_eq!(gate[2], 0.0);

@@ -47,7 +47,6 @@ pub use blocks::{
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, KVALUES_IQ4NL,
 };
 pub use dispatch::{supported_levels, SimdLevel};
-pub use gelu::geglu_ggml;
 pub use types::{GgmlType, QK_K};
 
 use dispatch::{DotKernel, Kernels, Rows8Fn, TileFn, TILE};
@@ -1089,6 +1088,13 @@ pub fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len(), "swiglu length mismatch");
     // SAFETY: the level is supported; the kernel bounds itself by both lengths.
     unsafe { (dispatch::active().swiglu_ggml)(gate, up) }
+}
+
+/// `gate = gelu(gate) * up` with ggml's f16 table (see `gelu.rs`).
+pub fn geglu_ggml(gate: &mut [f32], up: &[f32]) {
+    debug_assert_eq!(gate.len(), up.len(), "geglu length mismatch");
+    // SAFETY: the level is supported; the kernel bounds itself by both lengths.
+    unsafe { (dispatch::active().geglu_ggml)(gate, up) }
 }
 
 /// Horizontal sum of 16 lanes in the fixed order of GCC's

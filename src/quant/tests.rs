@@ -555,6 +555,48 @@ fn ggml_exp_and_swiglu_match_scalar_bit_for_bit() {
     }
 }
 
+#[test]
+fn geglu_matches_scalar_bit_for_bit() {
+    // The table's inputs rounded to f16 on every level: ordinary values,
+    // the cut-offs and their neighbours, values that round to f16
+    // subnormals, zeros and infinities.
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut x: Vec<f32> = (0..500).map(|_| rng.gen_range(-12.0f32..12.0)).collect();
+    x.extend((0..100).map(|_| rng.gen_range(-1e-4f32..1e-4)));
+    x.extend([
+        -10.0,
+        10.0,
+        f32::from_bits((-10.0f32).to_bits() - 1),
+        f32::from_bits(10.0f32.to_bits() - 1),
+        0.0,
+        -0.0,
+        3e-8,
+        -6e-8,
+        1e-9,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        65504.0,
+        -70000.0,
+    ]);
+    let up: Vec<f32> = (0..x.len()).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+    let mut want = x.clone();
+    super::gelu::geglu_scalar(&mut want, &up);
+    for level in supported_levels() {
+        let k = table(level);
+        for len in [x.len(), 17, 3] {
+            let mut got = x[..len].to_vec();
+            // SAFETY: the level is supported.
+            unsafe { (k.geglu_ggml)(&mut got, &up[..len]) };
+            assert_eq!(
+                bits(&got),
+                bits(&want[..len]),
+                "{} geglu len {len}",
+                level.name()
+            );
+        }
+    }
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
