@@ -34,7 +34,7 @@ use super::dispatch::TILE;
 use super::scalar::hsum8;
 use super::PreparedChunk;
 
-/// Rows unpacked together (4 pairs).
+/// Rows unpacked together.
 pub(crate) const GROUP: usize = 8;
 /// Tokens per register tile: 8 rows x 2 tokens of 8-lane accumulators.
 const TOKENS: usize = 2;
