@@ -1226,6 +1226,19 @@ unsafe fn exp16(x: __m512) -> __m512 {
     _mm512_mask_blend_ps(big, res, alt)
 }
 
+/// `n` elements 16 at a time: each chunk's first index and the mask of
+/// its elements (the last chunk's covers what is left).
+pub(crate) fn chunks16(n: usize) -> impl Iterator<Item = (usize, __mmask16)> {
+    (0..n).step_by(16).map(move |i| {
+        let mask = if n - i >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << (n - i)) - 1
+        };
+        (i, mask)
+    })
+}
+
 /// ggml's `expf` in place (same bits as the scalar reference).
 ///
 /// # Safety
@@ -1237,16 +1250,9 @@ pub(crate) unsafe fn exp_ggml(x: &mut [f32]) {
     unsafe {
         let n = x.len();
         let p = x.as_mut_ptr();
-        let mut i = 0;
-        while i < n {
-            let mask: __mmask16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
+        for (i, mask) in chunks16(n) {
             let v = _mm512_maskz_loadu_ps(mask, p.add(i));
             _mm512_mask_storeu_ps(p.add(i), mask, exp16(v));
-            i += 16;
         }
     }
 }
@@ -1262,19 +1268,12 @@ pub(crate) unsafe fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
     unsafe {
         let n = gate.len().min(up.len());
         let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
-        let mut i = 0;
-        while i < n {
-            let mask: __mmask16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
+        for (i, mask) in chunks16(n) {
             let gv = _mm512_maskz_loadu_ps(mask, g.add(i));
             let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
             let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             let silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
             _mm512_mask_storeu_ps(g.add(i), mask, _mm512_mul_ps(silu, uv));
-            i += 16;
         }
     }
 }

@@ -59,17 +59,11 @@ pub(crate) unsafe fn geglu_avx512(gate: &mut [f32], up: &[f32]) {
     let t = table();
     let n = gate.len().min(up.len());
     let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
-    let mut i = 0;
     // SAFETY: the caller promises the features; every load and store is
     // masked to the `n` elements both slices hold, and every gathered
     // index is an f16 bit pattern, below the table's 65,536 entries.
     unsafe {
-        while i < n {
-            let mask: __mmask16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
+        for (i, mask) in super::avx512::chunks16(n) {
             let x = _mm512_maskz_loadu_ps(mask, g.add(i));
             let uv = _mm512_maskz_loadu_ps(mask, u.add(i));
             let half_bits = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
@@ -80,7 +74,6 @@ pub(crate) unsafe fn geglu_avx512(gate: &mut [f32], up: &[f32]) {
             let product = _mm512_mul_ps(_mm512_mask_blend_ps(high, gelu, x), uv);
             let out = _mm512_mask_blend_ps(low, product, _mm512_setzero_ps());
             _mm512_mask_storeu_ps(g.add(i), mask, out);
-            i += 16;
         }
     }
 }
