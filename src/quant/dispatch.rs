@@ -233,6 +233,7 @@ pub(crate) struct Kernels {
     /// `gate = silu(gate) * up` with ggml's `expf`.
     /// # Safety: the CPU must support the level.
     pub swiglu_ggml: unsafe fn(&mut [f32], &[f32]),
+    /// `gate = gelu(gate) * up` with ggml's f16 GELU table.
     /// # Safety: the CPU must support the level.
     pub geglu_ggml: unsafe fn(&mut [f32], &[f32]),
 }

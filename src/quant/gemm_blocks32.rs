@@ -40,7 +40,7 @@ pub(crate) const GROUP: usize = 8;
 const TOKENS: usize = 2;
 const _: () = assert!(TILE.is_multiple_of(TOKENS));
 
-/// A 32-element weight block the pair kernel can unpack.
+/// A 32-element weight block the row-group and 8-row kernels can unpack.
 pub(crate) trait Weights32: bytemuck::Pod {
     /// Added to every quant so that it is unsigned (`vpdpbusd` multiplies
     /// unsigned weight bytes by signed activation bytes).
@@ -204,7 +204,7 @@ const EMPTY: GroupBlock = GroupBlock {
 /// once per group of rows.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub(crate) struct TokenBlock {
+struct TokenBlock {
     qs: [u8; 32],
     start: [i32; 8],
 }
