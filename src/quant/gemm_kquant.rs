@@ -99,6 +99,15 @@ struct TokenBlock {
     d: f32,
 }
 
+/// The scales of a tile's [`TOKENS`] tokens, one super-block: token `t`'s
+/// on 128-bit lane `t`, so that one multiply by [`PairScales::d`] forms
+/// the float step's `d_w * d_a` of a pair of rows for the whole tile.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct TokenQuad {
+    d: [f32; 4 * TOKENS],
+}
+
 /// Two neighbouring tokens' data for the minimum term, one super-block.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -131,6 +140,7 @@ const EMPTY_TOKEN: TokenBlock = TokenBlock {
     group_sums: [0; 32],
     d: 0.0,
 };
+const EMPTY_TOKEN_QUAD: TokenQuad = TokenQuad { d: [0.0; 4 * TOKENS] };
 const EMPTY_TOKEN_PAIR: TokenPair = TokenPair {
     sums: [0; 32],
     neg_d: [0.0; 16],
@@ -145,6 +155,8 @@ pub struct TokenChunk {
     tokens: Vec<TokenBlock>,
     /// `[token / 2][super-block]`.
     pairs: Vec<TokenPair>,
+    /// `[token / TOKENS][super-block]`.
+    quads: Vec<TokenQuad>,
 }
 
 impl TokenChunk {
@@ -152,14 +164,16 @@ impl TokenChunk {
     pub(crate) fn clear(&mut self) {
         self.tokens.clear();
         self.pairs.clear();
+        self.quads.clear();
     }
 
-    /// Whether it holds `tokens` tokens (an even number) of `nb`
+    /// Whether it holds `tokens` tokens (a multiple of [`TOKENS`]) of `nb`
     /// super-blocks, as [`prepare_chunk`] leaves it.
     pub(crate) fn holds(&self, tokens: usize, nb: usize) -> bool {
-        tokens.is_multiple_of(2)
+        tokens.is_multiple_of(TOKENS)
             && self.tokens.len() == tokens * nb
             && self.pairs.len() == tokens / 2 * nb
+            && self.quads.len() == tokens / TOKENS * nb
     }
 }
 
@@ -379,17 +393,19 @@ unsafe fn unpack_group<K: KRuns>(
 }
 
 /// Interleaves `acts` (tokens of `nb` super-blocks) into `tokens`, and
-/// writes each neighbouring pair's minimum-term data into `pairs`.
+/// writes each neighbouring pair's minimum-term data into `pairs` and each
+/// tile's scales into `quads`.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2, FMA and F16C. `acts` must hold
-/// an even number of tokens.
+/// a multiple of [`TOKENS`] tokens.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn prepare_tokens(
     nb: usize,
     acts: &[BlockQ8K],
     tokens: &mut [TokenBlock],
     pairs: &mut [TokenPair],
+    quads: &mut [TokenQuad],
 ) {
     let twice = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);
     for (i, (y, tb)) in acts.iter().zip(tokens.iter_mut()).enumerate() {
@@ -417,11 +433,13 @@ unsafe fn prepare_tokens(
         }
         tb.d = y.d();
         pair.neg_d[8 * half..8 * half + 8].fill(-tb.d);
+        let lane = (i / nb) % TOKENS;
+        quads[(i / (TOKENS * nb)) * nb + i % nb].d[4 * lane..4 * lane + 4].fill(tb.d);
     }
 }
 
-/// Interleaves `acts` (whole rows of `nb` Q8_K blocks, an even number
-/// of them) into `chunk`.
+/// Interleaves `acts` (whole rows of `nb` Q8_K blocks, a multiple of
+/// [`TOKENS`] of them) into `chunk`.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2, FMA and F16C.
@@ -429,12 +447,21 @@ pub(crate) unsafe fn prepare_chunk(nb: usize, acts: &[u8], chunk: &mut PreparedC
     let chunk = &mut chunk.vnni;
     let acts: &[BlockQ8K] = bytemuck::cast_slice(acts);
     let n = acts.len() / nb;
-    debug_assert!(n.is_multiple_of(2) && acts.len() == n * nb);
+    debug_assert!(n.is_multiple_of(TOKENS) && acts.len() == n * nb);
     chunk.tokens.resize(n * nb, EMPTY_TOKEN);
     chunk.pairs.resize(n / 2 * nb, EMPTY_TOKEN_PAIR);
+    chunk.quads.resize(n / TOKENS * nb, EMPTY_TOKEN_QUAD);
     // SAFETY: the caller promises the features; the chunk holds `n`
-    // tokens and `n / 2` pairs.
-    unsafe { prepare_tokens(nb, acts, &mut chunk.tokens, &mut chunk.pairs) };
+    // tokens, `n / 2` pairs and `n / TOKENS` tiles.
+    unsafe {
+        prepare_tokens(
+            nb,
+            acts,
+            &mut chunk.tokens,
+            &mut chunk.pairs,
+            &mut chunk.quads,
+        )
+    };
 }
 
 /// Loads 64 aligned bytes.
@@ -471,7 +498,8 @@ impl PairAcc {
 /// A pair of unpacked rows (`rows[2 * b + half]`, `pairs[b]`: super-block
 /// `b` of a slice) times [`TOKENS`] tokens (`y[t]`: each token's
 /// super-blocks of the slice; `y_pairs[i]`: those of tokens `2i` and
-/// `2i + 1`), summed into `sums` super-block by super-block, in order.
+/// `2i + 1`; `y_quad`: the tile's scales), summed into `sums` super-block
+/// by super-block, in order.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL, VNNI, DQ, AVX2, FMA and F16C.
@@ -482,6 +510,7 @@ unsafe fn pair_tile<K: KRuns>(
     pairs: &[PairScales],
     y: [&[TokenBlock]; TOKENS],
     y_pairs: [&[TokenPair]; TOKENS / 2],
+    y_quad: &[TokenQuad],
     sums: &mut PairAcc,
 ) {
     // SAFETY: the caller promises the CPU features; every read goes
@@ -521,9 +550,18 @@ unsafe fn pair_tile<K: KRuns>(
                     *lanes = dpwssd(*lanes, _mm512_packs_epi32(p0, p1), scale[c]);
                 }
             }
-            let d = _mm512_load_ps(ps.d.as_ptr());
-            for ((acc, lanes), yb) in acc.iter_mut().zip(&lanes).zip(&yb) {
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(yb.d));
+            // Every token's d_w * d_a of both rows in one multiply, each
+            // token's four read back as a 128-bit pattern.
+            let mut dd = [0.0f32; 4 * TOKENS];
+            _mm512_storeu_ps(
+                dd.as_mut_ptr(),
+                _mm512_mul_ps(
+                    _mm512_load_ps(ps.d.as_ptr()),
+                    _mm512_load_ps(y_quad[b].d.as_ptr()),
+                ),
+            );
+            for (t, (acc, lanes)) in acc.iter_mut().zip(&lanes).enumerate() {
+                let dd = _mm512_broadcast_f32x4(_mm_loadu_ps(dd.as_ptr().add(4 * t)));
                 *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*lanes), *acc);
             }
             if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
@@ -768,6 +806,7 @@ unsafe fn block_tiles<K: KRuns, const SLICED: bool>(
             std::array::from_fn(|t| &chunk.tokens[(c + t) * nb..][..nb]);
         let y_pairs: [&[TokenPair]; TOKENS / 2] =
             std::array::from_fn(|i| &chunk.pairs[(c / 2 + i) * nb..][..nb]);
+        let y_quad = &chunk.quads[(c / TOKENS) * nb..][..nb];
         let pair_rows = |g: usize, pair: usize, slice: Range<usize>| {
             let rows = &rows[(g * PAIRS + pair) * nb * 2..][..nb * 2];
             let pairs = &pairs[(g * PAIRS + pair) * nb..][..nb];
@@ -780,7 +819,7 @@ unsafe fn block_tiles<K: KRuns, const SLICED: bool>(
                     let (rows, pairs) = pair_rows(g, pair, 0..nb);
                     let mut sums = PairAcc::zero();
                     // SAFETY: the caller promises the features.
-                    unsafe { pair_tile::<K>(rows, pairs, y, y_pairs, &mut sums) };
+                    unsafe { pair_tile::<K>(rows, pairs, y, y_pairs, y_quad, &mut sums) };
                     write(c, g, pair, &sums);
                 }
             }
@@ -791,11 +830,21 @@ unsafe fn block_tiles<K: KRuns, const SLICED: bool>(
             let slice = b0..(b0 + SLICE_BLOCKS).min(nb);
             let y = y.map(|y| &y[slice.clone()]);
             let y_pairs = y_pairs.map(|y| &y[slice.clone()]);
+            let y_quad = &y_quad[slice.clone()];
             for g in 0..block {
                 for pair in 0..PAIRS {
                     let (rows, pairs) = pair_rows(g, pair, slice.clone());
                     // SAFETY: the caller promises the features.
-                    unsafe { pair_tile::<K>(rows, pairs, y, y_pairs, &mut sums[g * PAIRS + pair]) };
+                    unsafe {
+                        pair_tile::<K>(
+                            rows,
+                            pairs,
+                            y,
+                            y_pairs,
+                            y_quad,
+                            &mut sums[g * PAIRS + pair],
+                        )
+                    };
                 }
             }
         }
