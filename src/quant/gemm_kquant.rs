@@ -77,18 +77,21 @@ pub(crate) struct PairScales {
     /// 2k + 1` of each).
     scale: [[i16; 32]; 4],
     d: [f32; 16],
-    /// Q4_K and Q5_K: each row's 8 sub-block minimums.
-    mins: [i16; 16],
-    /// Q4_K and Q5_K: each row's minimum scale on its 4 minimum lanes.
-    dmin: [f32; 8],
+    /// Q4_K and Q5_K: the first row's minimum scale on even lanes, the
+    /// second's on odd ones (so that one multiply by [`TokenQuad::d`]
+    /// forms the minimum term's `dmin * d_a` of both rows and a tile's
+    /// tokens).
+    dmin: [f32; 16],
     /// Q6_K: the negated scales of the 16-quant groups `4k..4k + 4` of the
     /// first row, then of the second, in 128-bit lane `k` (against
     /// [`TokenBlock::group_sums`], for the offset term).
     neg_group_scales: [i16; 32],
+    /// Q4_K and Q5_K: each row's 8 sub-block minimums.
+    mins: [i16; 16],
 }
 
-/// One token's super-block: activations interleaved as [`RowBlock::q`],
-/// the 8 sub-block sums, and the scale.
+/// One token's super-block: activations interleaved as [`RowBlock::q`] and
+/// the 16-quant sums (its scale is in the tile's [`TokenQuad`]).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct TokenBlock {
@@ -96,7 +99,6 @@ struct TokenBlock {
     /// The 16 activation sums of 16 quants, groups `4k..4k + 4` twice in
     /// 128-bit lane `k`.
     group_sums: [i16; 32],
-    d: f32,
 }
 
 /// The scales of a tile's [`TOKENS`] tokens, one super-block: token `t`'s
@@ -115,36 +117,31 @@ struct TokenPair {
     /// The first token's 8 sums of 32 quants (one per sub-block) twice,
     /// then the second's.
     sums: [i16; 32],
-    /// The first token's scale negated on 8 lanes, then the second's.
-    neg_d: [f32; 16],
 }
 
 // The kernel's aligned loads rely on these offsets.
 const _: () = assert!(std::mem::offset_of!(PairScales, d) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, mins) % 32 == 0);
-const _: () = assert!(std::mem::offset_of!(PairScales, dmin) % 32 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, dmin) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, neg_group_scales) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(TokenBlock, group_sums) % 64 == 0);
-const _: () = assert!(std::mem::offset_of!(TokenPair, neg_d) % 64 == 0);
 
 const EMPTY_ROW: RowBlock = RowBlock { q: [[0; 64]; 4] };
 const EMPTY_PAIR: PairScales = PairScales {
     scale: [[0; 32]; 4],
     d: [0.0; 16],
     mins: [0; 16],
-    dmin: [0.0; 8],
+    dmin: [0.0; 16],
     neg_group_scales: [0; 32],
 };
 const EMPTY_TOKEN: TokenBlock = TokenBlock {
     q: [[0; 64]; 4],
     group_sums: [0; 32],
-    d: 0.0,
 };
-const EMPTY_TOKEN_QUAD: TokenQuad = TokenQuad { d: [0.0; 4 * TOKENS] };
-const EMPTY_TOKEN_PAIR: TokenPair = TokenPair {
-    sums: [0; 32],
-    neg_d: [0.0; 16],
+const EMPTY_TOKEN_QUAD: TokenQuad = TokenQuad {
+    d: [0.0; 4 * TOKENS],
 };
+const EMPTY_TOKEN_PAIR: TokenPair = TokenPair { sums: [0; 32] };
 
 /// Some tokens' activations interleaved for the kernel: made once per
 /// matrix product and shared by its row tasks ([`prepare_chunk`],
@@ -334,7 +331,9 @@ unsafe fn unpack_k4(
     for (j, &m) in mn.iter().enumerate() {
         ps.mins[8 * half + j] = m as i16;
     }
-    ps.dmin[4 * half..4 * half + 4].fill(dmin);
+    for lane in ps.dmin.iter_mut().skip(half).step_by(2) {
+        *lane = dmin;
+    }
 }
 
 impl KRuns for BlockQ6K {
@@ -431,10 +430,8 @@ unsafe fn prepare_tokens(
                 _mm256_broadcastsi128_si256(sub_block_sums(y)),
             );
         }
-        tb.d = y.d();
-        pair.neg_d[8 * half..8 * half + 8].fill(-tb.d);
         let lane = (i / nb) % TOKENS;
-        quads[(i / (TOKENS * nb)) * nb + i % nb].d[4 * lane..4 * lane + 4].fill(tb.d);
+        quads[(i / (TOKENS * nb)) * nb + i % nb].d[4 * lane..4 * lane + 4].fill(y.d());
     }
 }
 
@@ -567,8 +564,16 @@ unsafe fn pair_tile<K: KRuns>(
             if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
                 let mins =
                     _mm512_broadcast_i64x4(_mm256_load_si256(ps.mins.as_ptr() as *const __m256i));
-                let dmin = _mm512_broadcast_f32x8(_mm256_load_ps(ps.dmin.as_ptr()));
-                for (acc_min, yp) in acc_min.iter_mut().zip(&y_pairs) {
+                // dmin * d_a of both rows and every token of the tile in
+                // one multiply (token t's on lanes 4t, 4t + 1), each
+                // neighbouring pair's spread over its minimum lanes by a
+                // permute. vec_dot adds (-d_a * dmin) * m, which is
+                // -((d_a * dmin) * m) to the bit.
+                let dm_all = _mm512_mul_ps(
+                    _mm512_load_ps(ps.dmin.as_ptr()),
+                    _mm512_load_ps(y_quad[b].d.as_ptr()),
+                );
+                for (i, (acc_min, yp)) in acc_min.iter_mut().zip(&y_pairs).enumerate() {
                     let yp = &yp[b];
                     let sums = _mm512_load_si512(yp.sums.as_ptr() as *const __m512i);
                     let mut m = _mm512_madd_epi16(mins, sums);
@@ -579,8 +584,27 @@ unsafe fn pair_tile<K: KRuns>(
                         m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0b01_00_11_10>(m));
                     }
                     let m = _mm512_cvtepi32_ps(m);
-                    let dm = _mm512_mul_ps(_mm512_load_ps(yp.neg_d.as_ptr()), dmin);
-                    *acc_min = _mm512_fmadd_ps(dm, m, *acc_min);
+                    let (t0, t1) = (8 * i as i32, 8 * i as i32 + 4);
+                    let spread = _mm512_setr_epi32(
+                        t0,
+                        t0,
+                        t0,
+                        t0,
+                        t0 + 1,
+                        t0 + 1,
+                        t0 + 1,
+                        t0 + 1,
+                        t1,
+                        t1,
+                        t1,
+                        t1,
+                        t1 + 1,
+                        t1 + 1,
+                        t1 + 1,
+                        t1 + 1,
+                    );
+                    let dm = _mm512_permutexvar_ps(spread, dm_all);
+                    *acc_min = _mm512_fnmadd_ps(dm, m, *acc_min);
                 }
             }
         }
@@ -836,14 +860,7 @@ unsafe fn block_tiles<K: KRuns, const SLICED: bool>(
                     let (rows, pairs) = pair_rows(g, pair, slice.clone());
                     // SAFETY: the caller promises the features.
                     unsafe {
-                        pair_tile::<K>(
-                            rows,
-                            pairs,
-                            y,
-                            y_pairs,
-                            y_quad,
-                            &mut sums[g * PAIRS + pair],
-                        )
+                        pair_tile::<K>(rows, pairs, y, y_pairs, y_quad, &mut sums[g * PAIRS + pair])
                     };
                 }
             }
