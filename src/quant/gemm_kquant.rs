@@ -17,8 +17,9 @@
 //! lanes summed exactly first) and Q6_K's `-32` offset (the lanes'
 //! starting value) included, are `scalar::dot_q4_k_q8_k`'s,
 //! `scalar::dot_q5_k_q8_k`'s and `scalar::dot_q6_k_q8_k`'s, two rows per
-//! instruction. Integer sums are exact in any order, so every output has
-//! the bits `vec_dot` returns for its pair.
+//! instruction; their scale products for a pair of rows and a tile of
+//! tokens come from one multiply each. Integer sums are exact in any order,
+//! so every output has the bits `vec_dot` returns for its pair.
 
 #![allow(clippy::missing_safety_doc)] // the `# Safety` of each function is stated below
 
