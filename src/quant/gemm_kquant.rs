@@ -31,7 +31,6 @@ use super::avx2::{k4_runs, q6k_runs, sub_block_sums};
 use super::avx512::dpwssd;
 use super::blocks::{scales_mins_k4, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 use super::dispatch::TILE;
-use super::scalar::{hsum4, hsum8};
 use super::PreparedChunk;
 
 /// Rows unpacked together (4 pairs).
@@ -626,21 +625,37 @@ unsafe fn pair_results<K: KRuns>(sums: &PairAcc) -> [[f32; 2]; TOKENS] {
     // arrays of the right size.
     unsafe {
         let mut out = [[0.0f32; 2]; TOKENS];
-        let mut m = [0.0f32; 8 * TOKENS];
-        for (i, acc_min) in acc_min.iter().enumerate() {
-            _mm512_storeu_ps(m.as_mut_ptr().add(16 * i), *acc_min);
+        // `hsum8` of each row's 8 lanes, the same additions of the same
+        // pairs: lane j + lane j + 4 (the 256-bit halves), then those of
+        // lanes 0 + 2 and 1 + 3 (the 128-bit halves), then the two
+        // neighbours, which leaves the first row on lane 0 and the second
+        // on lane 2.
+        for (out, acc) in out.iter_mut().zip(acc) {
+            let v = _mm256_add_ps(
+                _mm512_castps512_ps256(*acc),
+                _mm512_extractf32x8_ps::<1>(*acc),
+            );
+            let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let v = _mm_add_ps(v, _mm_shuffle_ps::<0b10_11_00_01>(v, v));
+            let mut l = [0.0f32; 4];
+            _mm_storeu_ps(l.as_mut_ptr(), v);
+            *out = [l[0], l[2]];
         }
-        for (t, (out, acc)) in out.iter_mut().zip(acc).enumerate() {
-            let mut l = [0.0f32; 16];
-            _mm512_storeu_ps(l.as_mut_ptr(), *acc);
-            for (half, o) in out.iter_mut().enumerate() {
-                let lanes: [f32; 8] = std::array::from_fn(|j| l[4 * (j / 2) + 2 * half + j % 2]);
-                let mins: &[f32; 4] = m[8 * t + 4 * half..][..4].try_into().expect("4 lanes");
-                *o = match K::MIN {
-                    MinTerm::None | MinTerm::Offset => hsum8(&lanes),
-                    MinTerm::Lanes => hsum8(&lanes) + hsum4(mins),
-                    MinTerm::Scalar => hsum8(&lanes) + mins[0],
-                };
+        if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
+            // Each 128-bit lane holds one row and token's minimum lanes:
+            // `hsum4` of them (Q4_K; the same additions), or their exact
+            // sum, already on every lane (Q5_K), onto its first lane.
+            for (i, acc_min) in acc_min.iter().enumerate() {
+                let mut m = *acc_min;
+                if K::MIN == MinTerm::Lanes {
+                    m = _mm512_add_ps(m, _mm512_permute_ps::<0b01_00_11_10>(m));
+                    m = _mm512_add_ps(m, _mm512_permute_ps::<0b10_11_00_01>(m));
+                }
+                let mut l = [0.0f32; 16];
+                _mm512_storeu_ps(l.as_mut_ptr(), m);
+                for (j, o) in out[2 * i..2 * i + 2].iter_mut().flatten().enumerate() {
+                    *o += l[4 * j];
+                }
             }
         }
         out
