@@ -18,7 +18,7 @@
 //! starting value) included, are `scalar::dot_q4_k_q8_k`'s,
 //! `scalar::dot_q5_k_q8_k`'s and `scalar::dot_q6_k_q8_k`'s, two rows per
 //! instruction; their scale products for a pair of rows and a tile of
-//! tokens come from one multiply each. Integer sums are exact in any order,
+//! tokens come from one multiply. Integer sums are exact in any order,
 //! so every output has the bits `vec_dot` returns for its pair.
 
 #![allow(clippy::missing_safety_doc)] // the `# Safety` of each function is stated below
@@ -76,12 +76,11 @@ pub(crate) struct PairScales {
     /// first row, then the same of the second (lanes `2k, 2k, 2k + 1,
     /// 2k + 1` of each).
     scale: [[i16; 32]; 4],
-    d: [f32; 16],
-    /// Q4_K and Q5_K: the first row's minimum scale on even lanes, the
-    /// second's on odd ones (so that one multiply by [`TokenQuad::d`]
-    /// forms the minimum term's `dmin * d_a` of both rows and a tile's
-    /// tokens).
-    dmin: [f32; 16],
+    /// In every 128-bit lane: the first row's `d`, the second's, then
+    /// (Q4_K and Q5_K) their `dmin`, so that one multiply by
+    /// [`TokenQuad::d`] forms every scale product of the pair and a
+    /// tile's tokens.
+    d_dmin: [f32; 16],
     /// Q6_K: the negated scales of the 16-quant groups `4k..4k + 4` of the
     /// first row, then of the second, in 128-bit lane `k` (against
     /// [`TokenBlock::group_sums`], for the offset term).
@@ -120,18 +119,16 @@ struct TokenPair {
 }
 
 // The kernel's aligned loads rely on these offsets.
-const _: () = assert!(std::mem::offset_of!(PairScales, d) % 64 == 0);
+const _: () = assert!(std::mem::offset_of!(PairScales, d_dmin) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, mins) % 32 == 0);
-const _: () = assert!(std::mem::offset_of!(PairScales, dmin) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, neg_group_scales) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(TokenBlock, group_sums) % 64 == 0);
 
 const EMPTY_ROW: RowBlock = RowBlock { q: [[0; 64]; 4] };
 const EMPTY_PAIR: PairScales = PairScales {
     scale: [[0; 32]; 4],
-    d: [0.0; 16],
+    d_dmin: [0.0; 16],
     mins: [0; 16],
-    dmin: [0.0; 16],
     neg_group_scales: [0; 32],
 };
 const EMPTY_TOKEN: TokenBlock = TokenBlock {
@@ -325,14 +322,12 @@ unsafe fn unpack_k4(
     let (sc, mn) = scales_mins_k4(scales);
     let sc = sc.map(|s| s as i16);
     run_scales(ps, half, &[sc, sc]);
-    for k in 0..4 {
-        ps.d[4 * k + 2 * half..][..2].fill(d);
+    for lane in ps.d_dmin.chunks_exact_mut(4) {
+        lane[half] = d;
+        lane[2 + half] = dmin;
     }
     for (j, &m) in mn.iter().enumerate() {
         ps.mins[8 * half + j] = m as i16;
-    }
-    for lane in ps.dmin.iter_mut().skip(half).step_by(2) {
-        *lane = dmin;
     }
 }
 
@@ -356,7 +351,7 @@ impl KRuns for BlockQ6K {
             ],
         );
         for k in 0..4 {
-            ps.d[4 * k + 2 * half..][..2].fill(self.d());
+            ps.d_dmin[4 * k + half] = self.d();
             for (g, &s) in ps.neg_group_scales[8 * k + 4 * half..][..4]
                 .iter_mut()
                 .zip(&sc[4 * k..4 * k + 4])
@@ -547,32 +542,28 @@ unsafe fn pair_tile<K: KRuns>(
                     *lanes = dpwssd(*lanes, _mm512_packs_epi32(p0, p1), scale[c]);
                 }
             }
-            // Every token's d_w * d_a of both rows in one multiply, each
-            // token's four read back as a 128-bit pattern.
-            let mut dd = [0.0f32; 4 * TOKENS];
-            _mm512_storeu_ps(
-                dd.as_mut_ptr(),
-                _mm512_mul_ps(
-                    _mm512_load_ps(ps.d.as_ptr()),
-                    _mm512_load_ps(y_quad[b].d.as_ptr()),
-                ),
+            // Every scale product of both rows and the tile's tokens in
+            // one multiply: token t's d_w * d_a on lanes 4t, 4t + 1, its
+            // dmin * d_a on 4t + 2, 4t + 3; each step's pattern permuted
+            // out of it.
+            let products = _mm512_mul_ps(
+                _mm512_load_ps(ps.d_dmin.as_ptr()),
+                _mm512_load_ps(y_quad[b].d.as_ptr()),
             );
             for (t, (acc, lanes)) in acc.iter_mut().zip(&lanes).enumerate() {
-                let dd = _mm512_broadcast_f32x4(_mm_loadu_ps(dd.as_ptr().add(4 * t)));
+                let (d0, d1) = (4 * t as i32, 4 * t as i32 + 1);
+                let pattern = _mm512_setr_epi32(
+                    d0, d0, d1, d1, d0, d0, d1, d1, d0, d0, d1, d1, d0, d0, d1, d1,
+                );
+                let dd = _mm512_permutexvar_ps(pattern, products);
                 *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*lanes), *acc);
             }
             if matches!(K::MIN, MinTerm::Lanes | MinTerm::Scalar) {
                 let mins =
                     _mm512_broadcast_i64x4(_mm256_load_si256(ps.mins.as_ptr() as *const __m256i));
-                // dmin * d_a of both rows and every token of the tile in
-                // one multiply (token t's on lanes 4t, 4t + 1), each
-                // neighbouring pair's spread over its minimum lanes by a
-                // permute. vec_dot adds (-d_a * dmin) * m, which is
+                // Each neighbouring pair's dmin * d_a spread over its
+                // minimum lanes. vec_dot adds (-d_a * dmin) * m, which is
                 // -((d_a * dmin) * m) to the bit.
-                let dm_all = _mm512_mul_ps(
-                    _mm512_load_ps(ps.dmin.as_ptr()),
-                    _mm512_load_ps(y_quad[b].d.as_ptr()),
-                );
                 for (i, (acc_min, yp)) in acc_min.iter_mut().zip(&y_pairs).enumerate() {
                     let yp = &yp[b];
                     let sums = _mm512_load_si512(yp.sums.as_ptr() as *const __m512i);
@@ -584,7 +575,7 @@ unsafe fn pair_tile<K: KRuns>(
                         m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0b01_00_11_10>(m));
                     }
                     let m = _mm512_cvtepi32_ps(m);
-                    let (t0, t1) = (8 * i as i32, 8 * i as i32 + 4);
+                    let (t0, t1) = (8 * i as i32 + 2, 8 * i as i32 + 6);
                     let spread = _mm512_setr_epi32(
                         t0,
                         t0,
@@ -603,7 +594,7 @@ unsafe fn pair_tile<K: KRuns>(
                         t1 + 1,
                         t1 + 1,
                     );
-                    let dm = _mm512_permutexvar_ps(spread, dm_all);
+                    let dm = _mm512_permutexvar_ps(spread, products);
                     *acc_min = _mm512_fnmadd_ps(dm, m, *acc_min);
                 }
             }
