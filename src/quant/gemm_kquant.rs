@@ -101,8 +101,9 @@ struct TokenBlock {
 }
 
 /// The scales of a tile's [`TOKENS`] tokens, one super-block: token `t`'s
-/// on 128-bit lane `t`, so that one multiply by [`PairScales::d`] forms
-/// the float step's `d_w * d_a` of a pair of rows for the whole tile.
+/// on 128-bit lane `t`, so that one multiply by [`PairScales::d_dmin`]
+/// forms every scale product of a pair of rows for the whole tile (laid
+/// out as [`SCALE_LANES`] and [`MIN_SCALE_LANES`] read them).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct TokenQuad {
@@ -123,6 +124,43 @@ const _: () = assert!(std::mem::offset_of!(PairScales, d_dmin) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, mins) % 32 == 0);
 const _: () = assert!(std::mem::offset_of!(PairScales, neg_group_scales) % 64 == 0);
 const _: () = assert!(std::mem::offset_of!(TokenBlock, group_sums) % 64 == 0);
+
+/// Where the float step of token `t` finds its scale products in the
+/// product of [`PairScales::d_dmin`] and [`TokenQuad::d`] (token `t`'s
+/// `d_w * d_a` on lanes `4t`, `4t + 1`, its `dmin * d_a` on `4t + 2`,
+/// `4t + 3`): the pattern `[d0, d0, d1, d1]` of its lanes, in every 128-bit
+/// lane.
+const SCALE_LANES: [[i32; 16]; TOKENS] = {
+    let mut idx = [[0; 16]; TOKENS];
+    let mut t = 0;
+    while t < TOKENS {
+        let mut lane = 0;
+        while lane < 16 {
+            idx[t][lane] = (4 * t + lane % 4 / 2) as i32;
+            lane += 1;
+        }
+        t += 1;
+    }
+    idx
+};
+
+/// The same for the minimum term of tokens `2i` and `2i + 1`: each row and
+/// token's `dmin * d_a` on its 4 minimum lanes (the first token's rows,
+/// then the second's).
+const MIN_SCALE_LANES: [[i32; 16]; TOKENS / 2] = {
+    let mut idx = [[0; 16]; TOKENS / 2];
+    let mut i = 0;
+    while i < TOKENS / 2 {
+        let mut lane = 0;
+        while lane < 16 {
+            let (token, row) = (2 * i + lane / 8, lane / 4 % 2);
+            idx[i][lane] = (4 * token + 2 + row) as i32;
+            lane += 1;
+        }
+        i += 1;
+    }
+    idx
+};
 
 const EMPTY_ROW: RowBlock = RowBlock { q: [[0; 64]; 4] };
 const EMPTY_PAIR: PairScales = PairScales {
@@ -550,11 +588,8 @@ unsafe fn pair_tile<K: KRuns>(
                 _mm512_load_ps(ps.d_dmin.as_ptr()),
                 _mm512_load_ps(y_quad[b].d.as_ptr()),
             );
-            for (t, (acc, lanes)) in acc.iter_mut().zip(&lanes).enumerate() {
-                let (d0, d1) = (4 * t as i32, 4 * t as i32 + 1);
-                let pattern = _mm512_setr_epi32(
-                    d0, d0, d1, d1, d0, d0, d1, d1, d0, d0, d1, d1, d0, d0, d1, d1,
-                );
+            for ((acc, lanes), pattern) in acc.iter_mut().zip(&lanes).zip(&SCALE_LANES) {
+                let pattern = _mm512_loadu_si512(pattern.as_ptr() as *const __m512i);
                 let dd = _mm512_permutexvar_ps(pattern, products);
                 *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*lanes), *acc);
             }
@@ -564,7 +599,9 @@ unsafe fn pair_tile<K: KRuns>(
                 // Each neighbouring pair's dmin * d_a spread over its
                 // minimum lanes. vec_dot adds (-d_a * dmin) * m, which is
                 // -((d_a * dmin) * m) to the bit.
-                for (i, (acc_min, yp)) in acc_min.iter_mut().zip(&y_pairs).enumerate() {
+                for ((acc_min, yp), spread) in
+                    acc_min.iter_mut().zip(&y_pairs).zip(&MIN_SCALE_LANES)
+                {
                     let yp = &yp[b];
                     let sums = _mm512_load_si512(yp.sums.as_ptr() as *const __m512i);
                     let mut m = _mm512_madd_epi16(mins, sums);
@@ -575,25 +612,7 @@ unsafe fn pair_tile<K: KRuns>(
                         m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0b01_00_11_10>(m));
                     }
                     let m = _mm512_cvtepi32_ps(m);
-                    let (t0, t1) = (8 * i as i32 + 2, 8 * i as i32 + 6);
-                    let spread = _mm512_setr_epi32(
-                        t0,
-                        t0,
-                        t0,
-                        t0,
-                        t0 + 1,
-                        t0 + 1,
-                        t0 + 1,
-                        t0 + 1,
-                        t1,
-                        t1,
-                        t1,
-                        t1,
-                        t1 + 1,
-                        t1 + 1,
-                        t1 + 1,
-                        t1 + 1,
-                    );
+                    let spread = _mm512_loadu_si512(spread.as_ptr() as *const __m512i);
                     let dm = _mm512_permutexvar_ps(spread, products);
                     *acc_min = _mm512_fnmadd_ps(dm, m, *acc_min);
                 }
